@@ -1,0 +1,50 @@
+"""Codec backends: the same tensor math on the CPU (C, via ctypes) and on CUDA (CuPy RawKernels).
+
+Both backends implement the protocol below and must produce identical bytes for
+identical input (shared/SPEC.md section 1). ``for_device`` picks one by the tensor's
+device; the codecs in ``hvdcompress.codecs`` never branch on the device themselves.
+
+Backend protocol (all tensors contiguous, on the backend's device):
+
+``threelc_encode(g, e, sparsity) -> ThreeLCEncoded``
+    g: float32 gradient, e: float32 residual of the same numel or None (no error
+    feedback). Computes a = g + e, M = max|a|, S = float32(sparsity) * M,
+    q = rint(a / S), e <- a - S * q (only when e is given and the input is finite),
+    quartic-encodes q and zero-run-encodes the quartic bytes. Non-finite a, or an S
+    that overflows, gives ``nonfinite=True``, an empty body and e untouched.
+``threelc_decode(body, numel, scale, out, accumulate) -> None``
+    Zero-run-decodes ``body``, checks it yields exactly ceil(numel / 5) quartic bytes,
+    and writes (or, with accumulate, adds) scale * q into the float32 ``out``.
+    Raises ``hvdcompress.wire.PayloadError`` (field "body") on a corrupt body.
+``checksum(buf, offset) -> int``
+    sum over j of (buf[j] + 1) * mix(offset + j) mod 2**32, see ``wire.checksum``.
+Building blocks (public API of ``hvdcompress.codecs.threelc``):
+``quantize(x, sparsity) -> (q int8, scale float32 0-dim tensor)``,
+``quartic_encode(q) -> uint8``, ``quartic_decode(buf, numel) -> int8``,
+``zero_run_encode(buf) -> uint8``, ``zero_run_decode(buf) -> uint8``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class ThreeLCEncoded(NamedTuple):
+    body: torch.Tensor  # uint8, zero-run-encoded quartic bytes (empty when nonfinite)
+    scale: float  # S, the float32 scale (as a Python float, exactly representable)
+    nonfinite: bool
+
+
+def for_device(device: torch.device):
+    """Return the backend module for ``device`` (``cpu`` or ``cuda``)."""
+    if device.type == "cpu":
+        from hvdcompress.backends import cpu
+
+        return cpu
+    if device.type == "cuda":
+        from hvdcompress.backends import cuda
+
+        return cuda
+    raise TypeError(f"hvdcompress has no backend for device type {device.type!r}")

@@ -1,0 +1,198 @@
+"""The self-describing payload format shared by every rank and backend (SPEC section 8).
+
+A payload is a 1-D uint8 tensor: a fixed little-endian header, codec parameters,
+then the codec's body::
+
+    offset  size  field
+    0       4     magic        b"HVDC"
+    4       1     version      1
+    5       1     codec        codec id (CODEC_IDS)
+    6       1     flags        bit 0: non-finite input (decode gives all NaN)
+    7       1     dtype        0 float32, 1 float16, 2 bfloat16
+    8       1     ndim         0..8
+    9       1     reserved     0
+    10      2     params_len   bytes of codec parameters after the shape
+    12      4     checksum     see ``checksum``; computed with this field zeroed
+    16      8     numel        element count, product of the shape
+    24      8     body_len     bytes of body after the parameters
+    32      8*nd  shape        one uint64 per dimension
+    ..      pl    params       codec-specific (3LC: sparsity f32, scale f32)
+    ..      bl    body
+
+Invariant: ``decode(encode(x))`` either returns a tensor of exactly the header's
+shape and dtype or raises ``PayloadError`` (a ``ValueError``) naming the field;
+no field is trusted before it is checked, and nothing is allocated from an
+unchecked size.
+
+The checksum is a position-weighted byte sum, chosen because a GPU computes it as an
+order-independent reduction (atomic adds modulo 2**32) with the same result as the
+CPU: ``sum_j (b_j + 1) * mix(j) mod 2**32`` with ``mix(j)`` the high 32 bits of
+``j * 0x9E3779B97F4A7C15 mod 2**64``, or-ed with 1. An odd weight per position means
+any single changed byte changes the sum.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAGIC = b"HVDC"
+VERSION = 1
+FIXED_HEADER = struct.Struct("<4sBBBBBBHIQQ")  # 32 bytes, fields as in the table above
+MAX_NDIM = 8
+MAX_PARAMS = 256
+MAX_HEADER = 32 + 8 * MAX_NDIM + MAX_PARAMS  # read this many bytes to parse any header
+CHECKSUM_OFFSET = 12
+
+FLAG_NONFINITE = 1
+KNOWN_FLAGS = FLAG_NONFINITE
+
+CODEC_IDS = {"3lc": 1}
+CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
+
+DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPES = {v: k for k, v in DTYPE_IDS.items()}
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+class PayloadError(ValueError):
+    """A payload that cannot be decoded: corrupt, truncated, or not what the receiver expects.
+
+    ``field`` names the header field (or "body") that failed; ``rank`` and ``tensor``
+    say whose payload it was when the caller knows.
+    """
+
+    def __init__(self, field: str, message: str, *, rank: int | None = None,
+                 tensor: str | None = None):
+        self.field = field
+        self.rank = rank
+        self.tensor = tensor
+        self.detail = message
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        where = []
+        if self.rank is not None:
+            where.append(f"from rank {self.rank}")
+        if self.tensor is not None:
+            where.append(f"for tensor {self.tensor!r}")
+        prefix = "payload " + " ".join(where) + ": " if where else "payload: "
+        return f"{prefix}field {self.field!r}: {self.detail}"
+
+    def locate(self, *, rank: int | None = None, tensor: str | None = None) -> PayloadError:
+        """Fill in who sent the payload (if not known yet) and return self for re-raising."""
+        if self.rank is None:
+            self.rank = rank
+        if self.tensor is None:
+            self.tensor = tensor
+        self.args = (self._text(),)
+        return self
+
+
+def mix(index: np.ndarray) -> np.ndarray:
+    """Odd 32-bit weight of each byte position (uint64 array in, uint64 array out)."""
+    with np.errstate(over="ignore"):
+        return ((index.astype(np.uint64) * _MIX) >> np.uint64(32)) | np.uint64(1)
+
+
+def checksum_numpy(buf: np.ndarray, offset: int = 0) -> int:
+    """Reference checksum of a uint8 array whose first byte sits at payload position ``offset``."""
+    if buf.size == 0:
+        return 0
+    idx = np.arange(offset, offset + buf.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        terms = (buf.astype(np.uint64) + np.uint64(1)) * mix(idx)
+    return int(np.bitwise_and(terms.sum(dtype=np.uint64), np.uint64(0xFFFFFFFF)))
+
+
+@dataclass(frozen=True)
+class Header:
+    codec: str
+    flags: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    params: bytes
+    body_len: int
+    checksum: int = 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nonfinite(self) -> bool:
+        return bool(self.flags & FLAG_NONFINITE)
+
+    @property
+    def size(self) -> int:
+        return FIXED_HEADER.size + 8 * len(self.shape) + len(self.params)
+
+    def pack(self, checksum: int = 0) -> bytes:
+        if len(self.shape) > MAX_NDIM:
+            raise ValueError(f"hvdcompress payloads hold tensors of at most {MAX_NDIM} dims, "
+                             f"got {len(self.shape)}")
+        fixed = FIXED_HEADER.pack(MAGIC, VERSION, CODEC_IDS[self.codec], self.flags,
+                                  DTYPE_IDS[self.dtype], len(self.shape), 0, len(self.params),
+                                  checksum, self.numel, self.body_len)
+        return fixed + struct.pack(f"<{len(self.shape)}Q", *self.shape) + self.params
+
+
+def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
+    """Parse and check a header from the first bytes of a payload of ``total_len`` bytes.
+
+    ``raw`` must hold at least the whole header (callers pass the first
+    ``min(total_len, FIXED_HEADER.size + 8 * MAX_NDIM + 64)`` bytes). Raises PayloadError.
+    """
+    if total_len < FIXED_HEADER.size or len(raw) < FIXED_HEADER.size:
+        raise PayloadError("length", f"{total_len} bytes is shorter than the "
+                                     f"{FIXED_HEADER.size}-byte header (truncated payload)")
+    (magic, version, codec_id, flags, dtype_id, ndim, reserved, params_len, csum, numel,
+     body_len) = FIXED_HEADER.unpack_from(raw, 0)
+    if magic != MAGIC:
+        raise PayloadError("magic", f"expected {MAGIC!r}, got {bytes(magic)!r} "
+                                    "(not an hvdcompress payload)")
+    if version != VERSION:
+        raise PayloadError("version", f"expected format version {VERSION}, got {version}")
+    if codec_id not in CODEC_NAMES:
+        raise PayloadError("codec", f"unknown codec id {codec_id}")
+    if flags & ~KNOWN_FLAGS:
+        raise PayloadError("flags", f"unknown flag bits 0x{flags & ~KNOWN_FLAGS:02x}")
+    if dtype_id not in DTYPES:
+        raise PayloadError("dtype", f"unknown dtype id {dtype_id}")
+    if ndim > MAX_NDIM:
+        raise PayloadError("ndim", f"{ndim} dims, at most {MAX_NDIM} allowed")
+    if params_len > MAX_PARAMS:
+        raise PayloadError("params_len", f"{params_len} bytes, at most {MAX_PARAMS} allowed")
+    if reserved != 0:
+        raise PayloadError("reserved", f"expected 0, got {reserved}")
+    header_len = FIXED_HEADER.size + 8 * ndim + params_len
+    if total_len < header_len or len(raw) < header_len:
+        raise PayloadError("length", f"{total_len} bytes cannot hold the {header_len}-byte "
+                                     "header it announces (truncated payload)")
+    shape = struct.unpack_from(f"<{ndim}Q", raw, FIXED_HEADER.size)
+    prod = 1
+    for d in shape:
+        prod *= d
+    if prod != numel:
+        raise PayloadError("numel", f"header says {numel} elements but its shape {shape} "
+                                    f"holds {prod}")
+    if body_len != total_len - header_len:
+        raise PayloadError("body_len", f"header says {body_len} body bytes, payload has "
+                                       f"{total_len - header_len}")
+    params = bytes(raw[FIXED_HEADER.size + 8 * ndim: header_len])
+    return Header(CODEC_NAMES[codec_id], flags, DTYPES[dtype_id], tuple(shape), params,
+                  body_len, csum)
+
+
+def header_checksum(header_bytes: bytes) -> int:
+    """Checksum contribution of the header, with its checksum field taken as zero."""
+    buf = bytearray(header_bytes)
+    buf[CHECKSUM_OFFSET:CHECKSUM_OFFSET + 4] = b"\0\0\0\0"
+    return checksum_numpy(np.frombuffer(bytes(buf), dtype=np.uint8), 0)
