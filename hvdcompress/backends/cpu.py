@@ -1,0 +1,184 @@
+"""CPU backend: the C library in ``hvdcompress/csrc`` called through ctypes.
+
+The library is built by ``pip install`` (setup.py). When the package runs from a
+source tree without that build (a GPU node that only has the checkout on
+PYTHONPATH), it is compiled once with the system C compiler into
+``$HVDC_CACHE`` (default ``~/.cache/hvdcompress``), keyed by a hash of the sources.
+
+Each call passes raw data pointers of contiguous tensors; the C functions neither
+allocate nor keep pointers, so the GIL is released (ctypes does this) and tensors
+stay owned by torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.machinery
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hvdcompress.backends import ThreeLCEncoded
+from hvdcompress.wire import PayloadError
+
+_PKG = Path(__file__).resolve().parents[1]
+_SOURCES = sorted((_PKG / "csrc").glob("*.c"))
+_C_FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+
+_i64, _u32, _f32, _int, _p = ctypes.c_int64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int, (
+    ctypes.c_void_p
+)
+_SIGNATURES = {
+    "hvdc_tlc_absmax_bits": (_u32, [_p, _p, _i64]),
+    "hvdc_tlc_quantize": (None, [_p, _p, _p, _f32, _i64, _p, _p]),
+    "hvdc_tlc_quartic_encode": (None, [_p, _i64, _p]),
+    "hvdc_tlc_zre_encode": (_i64, [_p, _i64, _p]),
+    "hvdc_tlc_zre_decoded_len": (_i64, [_p, _i64]),
+    "hvdc_tlc_zre_decode": (_i64, [_p, _i64, _p, _i64]),
+    "hvdc_tlc_quartic_decode": (_i64, [_p, _i64, _p]),
+    "hvdc_tlc_dequantize": (_i64, [_p, _i64, _f32, _p, _int]),
+    "hvdc_tlc_decode": (_i64, [_p, _i64, _i64, _f32, _p, _int]),
+    "hvdc_checksum": (_u32, [_p, _i64, _i64]),
+}
+_ERRORS = {
+    -1: "zero-run decoding does not give exactly ceil(numel / 5) quartic bytes",
+    -2: "a quartic byte is above 242",
+    -3: "a padding digit of the last group is not zero",
+}
+NONFINITE_BITS = 0x7F800000  # abs bits at or above this are Inf or NaN
+
+
+def _built_library() -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = _PKG / f"_codec_cpu{suffix}"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _compile_library() -> Path:
+    digest = hashlib.sha256()
+    for src in _SOURCES:
+        digest.update(src.read_bytes())
+    digest.update(" ".join(_C_FLAGS).encode())
+    cache = Path(os.environ.get("HVDC_CACHE", Path.home() / ".cache" / "hvdcompress"))
+    target = cache / f"codec_cpu-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("hvdcompress: the CPU codec library is not built and no C compiler "
+                           "was found; run `pip install .` or set CC")
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        out = Path(tmp) / target.name
+        subprocess.run([cc, *_C_FLAGS, "-shared", "-fPIC", "-o", str(out),
+                        *map(str, _SOURCES)], check=True)
+        os.replace(out, target)  # atomic: concurrent ranks may compile at once
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    path = _built_library()
+    if path is None or os.environ.get("HVDC_REBUILD_CPU") == "1":
+        path = _compile_library()
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+LIB = _load()
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _f32(bits: int) -> float:
+    return ctypes.c_float.from_buffer(ctypes.c_uint32(bits)).value
+
+
+def _check(code: int, field: str = "body") -> None:
+    if code < 0:
+        raise PayloadError(field, _ERRORS.get(code, f"error code {code}"))
+
+
+def scale_for(max_bits: int, sparsity: float) -> tuple[float, bool]:
+    """S = float32(sparsity) * M in float32 arithmetic, and whether the input is non-finite."""
+    if max_bits >= NONFINITE_BITS:
+        return 0.0, True
+    s = torch.tensor(sparsity, dtype=torch.float32) * torch.tensor(_f32(max_bits),
+                                                                   dtype=torch.float32)
+    value = float(s)
+    return value, not torch.isfinite(s).item()
+
+
+# ---- fused codec path -------------------------------------------------------------------
+
+def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> ThreeLCEncoded:
+    n = g.numel()
+    scale, nonfinite = scale_for(LIB.hvdc_tlc_absmax_bits(_ptr(g), _ptr(e), n), sparsity)
+    if nonfinite:
+        return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8), 0.0, True)
+    quartic = torch.empty((n + 4) // 5, dtype=torch.uint8)
+    LIB.hvdc_tlc_quantize(_ptr(g), _ptr(e), _ptr(e), scale, n, None, _ptr(quartic))
+    body = torch.empty_like(quartic)
+    length = LIB.hvdc_tlc_zre_encode(_ptr(quartic), quartic.numel(), _ptr(body))
+    return ThreeLCEncoded(body[:length], scale, False)
+
+
+def threelc_decode(body: torch.Tensor, numel: int, scale: float, out: torch.Tensor,
+                   accumulate: bool) -> None:
+    _check(LIB.hvdc_tlc_decode(_ptr(body), body.numel(), numel, scale, _ptr(out),
+                               int(accumulate)))
+
+
+def checksum(buf: torch.Tensor, offset: int) -> int:
+    return int(LIB.hvdc_checksum(_ptr(buf), buf.numel(), offset))
+
+
+# ---- building blocks --------------------------------------------------------------------
+
+def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.numel()
+    scale, nonfinite = scale_for(LIB.hvdc_tlc_absmax_bits(_ptr(x), None, n), sparsity)
+    if nonfinite:
+        raise ValueError("quantize: input holds NaN or Inf (or max|x| * sparsity overflows)")
+    q = torch.empty(n, dtype=torch.int8)
+    LIB.hvdc_tlc_quantize(_ptr(x), None, None, scale, n, _ptr(q), None)
+    return q, torch.tensor(scale, dtype=torch.float32)
+
+
+def quartic_encode(q: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((q.numel() + 4) // 5, dtype=torch.uint8)
+    LIB.hvdc_tlc_quartic_encode(_ptr(q), q.numel(), _ptr(out))
+    return out
+
+
+def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
+    q = torch.empty(numel, dtype=torch.int8)
+    _check(LIB.hvdc_tlc_quartic_decode(_ptr(buf), numel, _ptr(q)))
+    return q
+
+
+def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(buf)
+    length = LIB.hvdc_tlc_zre_encode(_ptr(buf), buf.numel(), _ptr(out))
+    return out[:length].clone()
+
+
+def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch.Tensor:
+    total = LIB.hvdc_tlc_zre_decoded_len(_ptr(buf), buf.numel())
+    if expected_len is not None and total != expected_len:
+        raise PayloadError("body", f"zero-run decoding gives {total} bytes, expected "
+                                   f"{expected_len}")
+    out = torch.empty(total, dtype=torch.uint8)
+    _check(LIB.hvdc_tlc_zre_decode(_ptr(buf), buf.numel(), _ptr(out), total))
+    return out

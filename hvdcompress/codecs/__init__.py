@@ -1,0 +1,1 @@
+"""Codecs: pure tensor math, no state. One module per algorithm family."""

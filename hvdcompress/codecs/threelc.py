@@ -1,0 +1,105 @@
+"""3LC: three-value quantisation, quartic encoding and zero-run encoding.
+
+Lim, Andersen, Kaminsky, "3LC: Lightweight and Effective Traffic Compression for
+Distributed Machine Learning", SysML 2019 (arXiv 1802.07389); byte layout and
+rounding as fixed by shared/SPEC.md section 2.
+
+Invariants (every backend, every rank):
+  * S = float32(s) * max|a| with a = g + e; q = rint(a / S) in {-1, 0, 1} (IEEE
+    float32 division, round half to even); the decoded value is S * q and the
+    new residual is a - S * q, so g_hat + e_new == a exactly up to one rounding.
+  * Quartic bytes hold five consecutive digits d = q + 1 as 81 d0 + 27 d1 + 9 d2 +
+    3 d3 + d4 <= 242; zero-run encoding maps runs of the zero group (121) to bytes
+    243..255, so decoding is unambiguous.
+  * The CPU and CUDA backends produce identical bytes.
+
+The functions here dispatch on the tensor's device and are the public building
+blocks; ``encode`` / ``decode_into`` are the fused paths the compressor uses.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from hvdcompress.backends import ThreeLCEncoded, for_device
+
+ZERO_GROUP = 121
+MAX_QUARTIC = 242
+MAX_RUN = 14
+MAX_VALUES_PER_BYTE = 5 * MAX_RUN  # 70: one byte of 255 stands for 14 zero groups
+PARAMS = struct.Struct("<ff")  # sparsity, scale S (both float32)
+SPARSITY_RANGE = (1.0, 2.0)
+
+
+def check_sparsity(sparsity: float) -> float:
+    """Return sparsity as float, or raise: 1 <= s < 2 keeps the largest element (SPEC 2)."""
+    lo, hi = SPARSITY_RANGE
+    s = float(sparsity)
+    if not (lo <= s < hi):
+        raise ValueError(f"3LC sparsity must be in [{lo}, {hi}), got {sparsity!r}")
+    return s
+
+
+def quartic_len(numel: int) -> int:
+    """Quartic bytes for numel values: ceil(numel / 5)."""
+    return (numel + 4) // 5
+
+
+def _flat_f32(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def quantize(x: torch.Tensor, sparsity: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ternarise x (no error feedback): returns (q int8 flat, S float32 0-dim tensor)."""
+    return for_device(x.device).quantize(_flat_f32(x), check_sparsity(sparsity))
+
+
+def quartic_encode(q: torch.Tensor) -> torch.Tensor:
+    """Pack int8 digits in {-1, 0, 1} five to a byte; the last group is padded with zeros."""
+    if q.dtype != torch.int8:
+        raise TypeError(f"quartic_encode takes int8 digits, got {q.dtype}")
+    return for_device(q.device).quartic_encode(q.reshape(-1).contiguous())
+
+
+def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
+    """Unpack numel int8 digits; raises PayloadError on bytes > 242, bad padding or length."""
+    from hvdcompress.wire import PayloadError
+
+    buf = _bytes(buf)
+    if buf.numel() != quartic_len(numel):
+        raise PayloadError("body", f"{buf.numel()} quartic bytes cannot hold {numel} values "
+                                   f"(expected {quartic_len(numel)})")
+    return for_device(buf.device).quartic_decode(buf, numel)
+
+
+def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
+    """Replace runs of the zero group 121 by run bytes 243..255 (SPEC 2)."""
+    return for_device(buf.device).zero_run_encode(_bytes(buf))
+
+
+def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch.Tensor:
+    """Expand run bytes back into 121s; with expected_len, a different length raises."""
+    return for_device(buf.device).zero_run_decode(_bytes(buf), expected_len)
+
+
+def _bytes(buf: torch.Tensor) -> torch.Tensor:
+    if buf.dtype != torch.uint8:
+        raise TypeError(f"expected a uint8 tensor, got {buf.dtype}")
+    return buf.reshape(-1).contiguous()
+
+
+def encode(g: torch.Tensor, residual: torch.Tensor | None, sparsity: float) -> ThreeLCEncoded:
+    """Fused quantise + error-feedback update + quartic + zero-run encoding.
+
+    g: contiguous flat float32; residual: float32 of the same numel, updated in place
+    (left untouched when the input is non-finite), or None.
+    """
+    return for_device(g.device).threelc_encode(g, residual, sparsity)
+
+
+def decode_into(body: torch.Tensor, numel: int, scale: float, out: torch.Tensor,
+                accumulate: bool = False) -> None:
+    """Write (or add) S * q of a zero-run-encoded body into flat float32 ``out``."""
+    for_device(body.device).threelc_decode(body, numel, scale, out, accumulate)

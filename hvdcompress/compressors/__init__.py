@@ -1,0 +1,36 @@
+"""Compressors by name: ``get_compressor("3lc", sparsity=1.75)``."""
+
+from __future__ import annotations
+
+import inspect
+
+from hvdcompress.compressors.base import Compressor, Ctx
+from hvdcompress.compressors.threelc import ThreeLC
+
+REGISTRY: dict[str, type[Compressor]] = {cls.name: cls for cls in (ThreeLC,)}
+
+
+def _signature(cls: type[Compressor]) -> str:
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return ", ".join(f"{p.name}={p.default!r}" for p in params)
+
+
+def available() -> str:
+    """One line per compressor: its name and parameters with defaults."""
+    return "\n".join(f"  {name}({_signature(cls)})" for name, cls in sorted(REGISTRY.items()))
+
+
+def get_compressor(name: str, **params) -> Compressor:
+    """A new compressor (with its own state) by name; a wrong name or parameter lists the valid ones."""
+    cls = REGISTRY.get(name.lower())
+    if cls is None:
+        raise ValueError(f"unknown compressor {name!r}; available:\n{available()}")
+    try:
+        inspect.signature(cls.__init__).bind(None, **params)
+    except TypeError:
+        raise TypeError(f"compressor {name!r} takes ({_signature(cls)}), got "
+                        f"{sorted(params)}") from None
+    return cls(**params)
+
+
+__all__ = ["Compressor", "Ctx", "ThreeLC", "REGISTRY", "available", "get_compressor"]

@@ -1,0 +1,165 @@
+"""The compressor interface: a codec plus per-tensor state, speaking the wire format.
+
+``compress(tensor, name) -> (payload, ctx)`` turns a gradient into a self-describing
+uint8 payload (hvdcompress.wire) on the tensor's device; ``decode(payload)`` turns
+any rank's payload back into a tensor, validating every header field first;
+``decompress(payload, ctx)`` is decode plus a check that the payload is the one the
+caller expects (shape, dtype, codec).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hvdcompress import wire
+from hvdcompress.backends import for_device
+from hvdcompress.wire import PayloadError
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What the sender knows about a tensor that the payload must match."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+class Compressor:
+    """Base class. Subclasses set ``name`` and implement ``_encode`` and ``_decode_body``."""
+
+    name: str = ""
+    summable: bool = False  # True: payloads may be summed by an allreduce (fp16, PowerSGD)
+    error_feedback: bool = False
+
+    # ---- public API ---------------------------------------------------------------------
+    def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
+        if tensor.dtype not in wire.DTYPE_IDS:
+            raise TypeError(f"{self.name}: tensor {name!r} has dtype {tensor.dtype}; "
+                            "supported: float32, float16, bfloat16")
+        ctx = Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device)
+        flags, params, body = self._encode(tensor, name)
+        header = wire.Header(self.name, flags, tensor.dtype, ctx.shape, params, body.numel())
+        return self._assemble(header, body), ctx
+
+    def decompress(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        return self.decode(payload, expect=ctx)
+
+    def decode(self, payload: torch.Tensor, *, expect: Ctx | None = None,
+               rank: int | None = None, name: str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode any rank's payload.
+
+        With ``out`` (flat float32 of numel elements) the values are added into it, in
+        float32, and ``out`` is returned: this is how the gather path sums the
+        payloads of all ranks in rank order. Raises PayloadError naming the field,
+        and ``rank`` / ``name`` when given.
+        """
+        tensor_name = name if name is not None else (expect.name if expect else None)
+        try:
+            return self._decode_checked(payload, expect, out)
+        except PayloadError as err:
+            raise err.locate(rank=rank, tensor=tensor_name) from None
+
+    def bits_per_value(self, payload: torch.Tensor) -> float:
+        """Bits on the wire per tensor element, header included."""
+        header, _ = self.read_header(payload)
+        return 8.0 * payload.numel() / max(header.numel, 1)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{self.name} keeps no state, got keys {sorted(state)}")
+
+    # ---- to implement -------------------------------------------------------------------
+    def _encode(self, tensor: torch.Tensor, name: str) -> tuple[int, bytes, torch.Tensor]:
+        """Return (flags, packed codec params, body bytes on the tensor's device)."""
+        raise NotImplementedError
+
+    def _check_params(self, header: wire.Header) -> None:
+        """Validate the codec parameters of a received header (raise PayloadError)."""
+        raise NotImplementedError
+
+    def _decode_body(self, header: wire.Header, body: torch.Tensor, out: torch.Tensor,
+                     accumulate: bool) -> None:
+        """Write (or add) the decoded float32 values into flat ``out``."""
+        raise NotImplementedError
+
+    def _max_numel(self, body_len: int) -> int:
+        """The most elements a body of this many bytes can describe (guards allocation)."""
+        raise NotImplementedError
+
+    # ---- wire format --------------------------------------------------------------------
+    def _assemble(self, header: wire.Header, body: torch.Tensor) -> torch.Tensor:
+        head = header.pack()
+        csum = (wire.header_checksum(head) + for_device(body.device).checksum(body, len(head)))
+        head = header.pack(csum & 0xFFFFFFFF)
+        payload = torch.empty(len(head) + body.numel(), dtype=torch.uint8, device=body.device)
+        payload[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8),
+                                   non_blocking=False)
+        payload[len(head):].copy_(body)
+        return payload
+
+    def read_header(self, payload: torch.Tensor) -> tuple[wire.Header, bytes]:
+        """Parse the header (one small device-to-host copy); returns it and its raw bytes."""
+        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
+            raise PayloadError("payload", "expected a uint8 tensor, got "
+                               f"{getattr(payload, 'dtype', type(payload).__name__)}")
+        if payload.dim() != 1:
+            raise PayloadError("payload", f"expected a 1-D tensor, got shape "
+                                          f"{tuple(payload.shape)}")
+        raw = payload[: wire.MAX_HEADER].cpu().numpy().tobytes()
+        header = wire.parse_header(raw, payload.numel())
+        return header, raw[: header.size]
+
+    def _decode_checked(self, payload: torch.Tensor, expect: Ctx | None,
+                        out: torch.Tensor | None) -> torch.Tensor:
+        header, raw_head = self.read_header(payload)
+        if header.codec != self.name:
+            raise PayloadError("codec", f"expected {self.name!r}, got {header.codec!r}")
+        if expect is not None:
+            if header.shape != tuple(expect.shape):
+                raise PayloadError("shape", f"expected {tuple(expect.shape)}, got "
+                                            f"{header.shape}")
+            if header.dtype != expect.dtype:
+                raise PayloadError("dtype", f"expected {expect.dtype}, got {header.dtype}")
+        self._check_params(header)
+        if header.nonfinite and header.body_len != 0:
+            raise PayloadError("body_len", "a non-finite payload carries no body, got "
+                                           f"{header.body_len} bytes")
+        if not header.nonfinite and header.numel > self._max_numel(header.body_len):
+            raise PayloadError("numel", f"{header.numel} elements cannot come from "
+                                        f"{header.body_len} body bytes")
+        head_len = header.size
+        body = payload[head_len:]
+        backend = for_device(payload.device)
+        csum = (wire.header_checksum(raw_head) + backend.checksum(body, head_len)) & 0xFFFFFFFF
+        if csum != header.checksum:
+            raise PayloadError("checksum", f"expected 0x{header.checksum:08x}, computed "
+                                           f"0x{csum:08x} (corrupt payload)")
+        if out is not None:
+            if out.dtype != torch.float32 or out.numel() != header.numel or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous float32 tensor of {header.numel} "
+                                 f"elements, got {out.dtype} with {out.numel()}")
+            if header.nonfinite:
+                out.fill_(float("nan"))
+            else:
+                self._decode_body(header, body, out.view(-1), True)
+            return out
+        if header.nonfinite:
+            return torch.full(header.shape, float("nan"), dtype=header.dtype,
+                              device=payload.device)
+        flat = torch.empty(header.numel, dtype=torch.float32, device=payload.device)
+        self._decode_body(header, body, flat, False)
+        return flat.view(header.shape).to(header.dtype)
+
+
+def as_float32(value: float) -> float:
+    """Round a Python float to the nearest float32 (as the wire stores it)."""
+    return float(np.float32(value))

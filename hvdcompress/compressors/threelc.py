@@ -1,0 +1,72 @@
+"""3LC compressor: the 3LC codec plus an error-feedback residual per tensor.
+
+Lim et al., SysML 2019. The residual keeps what quantisation dropped and adds it to
+the next gradient of the same tensor (SPEC section 2); a non-finite gradient leaves
+it untouched and travels as a flag, so every rank decodes all-NaN and torch.amp's
+GradScaler skips the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hvdcompress import wire
+from hvdcompress.codecs import threelc
+from hvdcompress.compressors.base import Compressor, as_float32
+from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.wire import PayloadError
+
+
+class ThreeLC(Compressor):
+    """3LC with sparsity multiplication ``sparsity`` in [1, 2) (default 1.0)."""
+
+    name = "3lc"
+    summable = False
+    error_feedback = True
+
+    def __init__(self, sparsity: float = 1.0) -> None:
+        self.sparsity = threelc.check_sparsity(sparsity)
+        self.memory = ErrorFeedback()
+
+    def __repr__(self) -> str:
+        return f"ThreeLC(sparsity={self.sparsity})"
+
+    def _encode(self, tensor, name):
+        # A contiguous float32 gradient is only read, so this is a view, not a copy.
+        g = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+        e = self.memory.residual(name, g)
+        enc = threelc.encode(g, e, self.sparsity)
+        flags = wire.FLAG_NONFINITE if enc.nonfinite else 0
+        return flags, threelc.PARAMS.pack(self.sparsity, enc.scale), enc.body
+
+    def _check_params(self, header):
+        if len(header.params) != threelc.PARAMS.size:
+            raise PayloadError("params_len", f"3LC has {threelc.PARAMS.size} bytes of "
+                                             f"parameters, got {len(header.params)}")
+        sparsity, scale = threelc.PARAMS.unpack(header.params)
+        if sparsity != as_float32(self.sparsity):
+            raise PayloadError("sparsity", f"expected {self.sparsity}, got {sparsity} "
+                                           "(ranks disagree on the compressor)")
+        if header.nonfinite:
+            if scale != 0.0:
+                raise PayloadError("scale", f"a non-finite payload has scale 0, got {scale}")
+        elif not (math.isfinite(scale) and scale >= 0.0):
+            raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
+
+    def _max_numel(self, body_len):
+        return body_len * threelc.MAX_VALUES_PER_BYTE
+
+    def _decode_body(self, header, body, out, accumulate):
+        _, scale = threelc.PARAMS.unpack(header.params)
+        threelc.decode_into(body, header.numel, scale, out, accumulate)
+
+    def state_dict(self) -> dict:
+        return {"sparsity": self.sparsity, "residuals": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("sparsity") != self.sparsity:
+            raise ValueError(f"state was saved with sparsity {state.get('sparsity')}, this "
+                             f"compressor has {self.sparsity}")
+        self.memory.load_state_dict(state["residuals"])
