@@ -66,8 +66,9 @@ class PayloadError(ValueError):
     say whose payload it was when the caller knows.
     """
 
-    def __init__(self, field: str, message: str, *, rank: int | None = None,
-                 tensor: str | None = None):
+    def __init__(
+        self, field: str, message: str, *, rank: int | None = None, tensor: str | None = None
+    ):
         self.field = field
         self.rank = rank
         self.tensor = tensor
@@ -136,11 +137,23 @@ class Header:
 
     def pack(self, checksum: int = 0) -> bytes:
         if len(self.shape) > MAX_NDIM:
-            raise ValueError(f"hvdcompress payloads hold tensors of at most {MAX_NDIM} dims, "
-                             f"got {len(self.shape)}")
-        fixed = FIXED_HEADER.pack(MAGIC, VERSION, CODEC_IDS[self.codec], self.flags,
-                                  DTYPE_IDS[self.dtype], len(self.shape), 0, len(self.params),
-                                  checksum, self.numel, self.body_len)
+            raise ValueError(
+                f"hvdcompress payloads hold tensors of at most {MAX_NDIM} dims, "
+                f"got {len(self.shape)}"
+            )
+        fixed = FIXED_HEADER.pack(
+            MAGIC,
+            VERSION,
+            CODEC_IDS[self.codec],
+            self.flags,
+            DTYPE_IDS[self.dtype],
+            len(self.shape),
+            0,
+            len(self.params),
+            checksum,
+            self.numel,
+            self.body_len,
+        )
         return fixed + struct.pack(f"<{len(self.shape)}Q", *self.shape) + self.params
 
 
@@ -151,13 +164,28 @@ def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
     ``min(total_len, FIXED_HEADER.size + 8 * MAX_NDIM + 64)`` bytes). Raises PayloadError.
     """
     if total_len < FIXED_HEADER.size or len(raw) < FIXED_HEADER.size:
-        raise PayloadError("length", f"{total_len} bytes is shorter than the "
-                                     f"{FIXED_HEADER.size}-byte header (truncated payload)")
-    (magic, version, codec_id, flags, dtype_id, ndim, reserved, params_len, csum, numel,
-     body_len) = FIXED_HEADER.unpack_from(raw, 0)
+        raise PayloadError(
+            "length",
+            f"{total_len} bytes is shorter than the "
+            f"{FIXED_HEADER.size}-byte header (truncated payload)",
+        )
+    (
+        magic,
+        version,
+        codec_id,
+        flags,
+        dtype_id,
+        ndim,
+        reserved,
+        params_len,
+        csum,
+        numel,
+        body_len,
+    ) = FIXED_HEADER.unpack_from(raw, 0)
     if magic != MAGIC:
-        raise PayloadError("magic", f"expected {MAGIC!r}, got {bytes(magic)!r} "
-                                    "(not an hvdcompress payload)")
+        raise PayloadError(
+            "magic", f"expected {MAGIC!r}, got {bytes(magic)!r} (not an hvdcompress payload)"
+        )
     if version != VERSION:
         raise PayloadError("version", f"expected format version {VERSION}, got {version}")
     if codec_id not in CODEC_NAMES:
@@ -174,25 +202,31 @@ def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
         raise PayloadError("reserved", f"expected 0, got {reserved}")
     header_len = FIXED_HEADER.size + 8 * ndim + params_len
     if total_len < header_len or len(raw) < header_len:
-        raise PayloadError("length", f"{total_len} bytes cannot hold the {header_len}-byte "
-                                     "header it announces (truncated payload)")
+        raise PayloadError(
+            "length",
+            f"{total_len} bytes cannot hold the {header_len}-byte "
+            "header it announces (truncated payload)",
+        )
     shape = struct.unpack_from(f"<{ndim}Q", raw, FIXED_HEADER.size)
     prod = 1
     for d in shape:
         prod *= d
     if prod != numel:
-        raise PayloadError("numel", f"header says {numel} elements but its shape {shape} "
-                                    f"holds {prod}")
+        raise PayloadError(
+            "numel", f"header says {numel} elements but its shape {shape} holds {prod}"
+        )
     if body_len != total_len - header_len:
-        raise PayloadError("body_len", f"header says {body_len} body bytes, payload has "
-                                       f"{total_len - header_len}")
-    params = bytes(raw[FIXED_HEADER.size + 8 * ndim: header_len])
-    return Header(CODEC_NAMES[codec_id], flags, DTYPES[dtype_id], tuple(shape), params,
-                  body_len, csum)
+        raise PayloadError(
+            "body_len", f"header says {body_len} body bytes, payload has {total_len - header_len}"
+        )
+    params = bytes(raw[FIXED_HEADER.size + 8 * ndim : header_len])
+    return Header(
+        CODEC_NAMES[codec_id], flags, DTYPES[dtype_id], tuple(shape), params, body_len, csum
+    )
 
 
 def header_checksum(header_bytes: bytes) -> int:
     """Checksum contribution of the header, with its checksum field taken as zero."""
     buf = bytearray(header_bytes)
-    buf[CHECKSUM_OFFSET:CHECKSUM_OFFSET + 4] = b"\0\0\0\0"
+    buf[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4] = b"\0\0\0\0"
     return checksum_numpy(np.frombuffer(bytes(buf), dtype=np.uint8), 0)

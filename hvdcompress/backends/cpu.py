@@ -30,8 +30,12 @@ _PKG = Path(__file__).resolve().parents[1]
 _SOURCES = sorted((_PKG / "csrc").glob("*.c"))
 _C_FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
 
-_i64, _u32, _f32, _int, _p = ctypes.c_int64, ctypes.c_uint32, ctypes.c_float, ctypes.c_int, (
-    ctypes.c_void_p
+_i64, _u32, _f32, _int, _p = (
+    ctypes.c_int64,
+    ctypes.c_uint32,
+    ctypes.c_float,
+    ctypes.c_int,
+    (ctypes.c_void_p),
 )
 _SIGNATURES = {
     "hvdc_tlc_absmax_bits": (_u32, [_p, _p, _i64]),
@@ -72,13 +76,16 @@ def _compile_library() -> Path:
         return target
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise RuntimeError("hvdcompress: the CPU codec library is not built and no C compiler "
-                           "was found; run `pip install .` or set CC")
+        raise RuntimeError(
+            "hvdcompress: the CPU codec library is not built and no C compiler "
+            "was found; run `pip install .` or set CC"
+        )
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([cc, *_C_FLAGS, "-shared", "-fPIC", "-o", str(out),
-                        *map(str, _SOURCES)], check=True)
+        subprocess.run(
+            [cc, *_C_FLAGS, "-shared", "-fPIC", "-o", str(out), *map(str, _SOURCES)], check=True
+        )
         os.replace(out, target)  # atomic: concurrent ranks may compile at once
     return target
 
@@ -114,13 +121,15 @@ def scale_for(max_bits: int, sparsity: float) -> tuple[float, bool]:
     """S = float32(sparsity) * M in float32 arithmetic, and whether the input is non-finite."""
     if max_bits >= NONFINITE_BITS:
         return 0.0, True
-    s = torch.tensor(sparsity, dtype=torch.float32) * torch.tensor(_f32(max_bits),
-                                                                   dtype=torch.float32)
+    s = torch.tensor(sparsity, dtype=torch.float32) * torch.tensor(
+        _f32(max_bits), dtype=torch.float32
+    )
     value = float(s)
     return value, not torch.isfinite(s).item()
 
 
 # ---- fused codec path -------------------------------------------------------------------
+
 
 def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> ThreeLCEncoded:
     n = g.numel()
@@ -134,10 +143,10 @@ def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> 
     return ThreeLCEncoded(body[:length], scale, False)
 
 
-def threelc_decode(body: torch.Tensor, numel: int, scale: float, out: torch.Tensor,
-                   accumulate: bool) -> None:
-    _check(LIB.hvdc_tlc_decode(_ptr(body), body.numel(), numel, scale, _ptr(out),
-                               int(accumulate)))
+def threelc_decode(
+    body: torch.Tensor, numel: int, scale: float, out: torch.Tensor, accumulate: bool
+) -> None:
+    _check(LIB.hvdc_tlc_decode(_ptr(body), body.numel(), numel, scale, _ptr(out), int(accumulate)))
 
 
 def checksum(buf: torch.Tensor, offset: int) -> int:
@@ -145,6 +154,7 @@ def checksum(buf: torch.Tensor, offset: int) -> int:
 
 
 # ---- building blocks --------------------------------------------------------------------
+
 
 def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.numel()
@@ -177,8 +187,9 @@ def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
 def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch.Tensor:
     total = LIB.hvdc_tlc_zre_decoded_len(_ptr(buf), buf.numel())
     if expected_len is not None and total != expected_len:
-        raise PayloadError("body", f"zero-run decoding gives {total} bytes, expected "
-                                   f"{expected_len}")
+        raise PayloadError(
+            "body", f"zero-run decoding gives {total} bytes, expected {expected_len}"
+        )
     out = torch.empty(total, dtype=torch.uint8)
     _check(LIB.hvdc_tlc_zre_decode(_ptr(buf), buf.numel(), _ptr(out), total))
     return out

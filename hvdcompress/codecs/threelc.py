@@ -69,8 +69,11 @@ def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
 
     buf = _bytes(buf)
     if buf.numel() != quartic_len(numel):
-        raise PayloadError("body", f"{buf.numel()} quartic bytes cannot hold {numel} values "
-                                   f"(expected {quartic_len(numel)})")
+        raise PayloadError(
+            "body",
+            f"{buf.numel()} quartic bytes cannot hold {numel} values "
+            f"(expected {quartic_len(numel)})",
+        )
     return for_device(buf.device).quartic_decode(buf, numel)
 
 
@@ -99,7 +102,8 @@ def encode(g: torch.Tensor, residual: torch.Tensor | None, sparsity: float) -> T
     return for_device(g.device).threelc_encode(g, residual, sparsity)
 
 
-def decode_into(body: torch.Tensor, numel: int, scale: float, out: torch.Tensor,
-                accumulate: bool = False) -> None:
+def decode_into(
+    body: torch.Tensor, numel: int, scale: float, out: torch.Tensor, accumulate: bool = False
+) -> None:
     """Write (or add) S * q of a zero-run-encoded body into flat float32 ``out``."""
     for_device(body.device).threelc_decode(body, numel, scale, out, accumulate)

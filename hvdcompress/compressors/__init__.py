@@ -21,15 +21,16 @@ def available() -> str:
 
 
 def get_compressor(name: str, **params) -> Compressor:
-    """A new compressor (with its own state) by name; a wrong name or parameter lists the valid ones."""
+    """A new compressor (own state) by name; a wrong name or parameter lists the valid ones."""
     cls = REGISTRY.get(name.lower())
     if cls is None:
         raise ValueError(f"unknown compressor {name!r}; available:\n{available()}")
     try:
         inspect.signature(cls.__init__).bind(None, **params)
     except TypeError:
-        raise TypeError(f"compressor {name!r} takes ({_signature(cls)}), got "
-                        f"{sorted(params)}") from None
+        raise TypeError(
+            f"compressor {name!r} takes ({_signature(cls)}), got {sorted(params)}"
+        ) from None
     return cls(**params)
 
 

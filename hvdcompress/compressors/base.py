@@ -39,8 +39,10 @@ class Compressor:
     # ---- public API ---------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
         if tensor.dtype not in wire.DTYPE_IDS:
-            raise TypeError(f"{self.name}: tensor {name!r} has dtype {tensor.dtype}; "
-                            "supported: float32, float16, bfloat16")
+            raise TypeError(
+                f"{self.name}: tensor {name!r} has dtype {tensor.dtype}; "
+                "supported: float32, float16, bfloat16"
+            )
         ctx = Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device)
         flags, params, body = self._encode(tensor, name)
         header = wire.Header(self.name, flags, tensor.dtype, ctx.shape, params, body.numel())
@@ -49,9 +51,15 @@ class Compressor:
     def decompress(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         return self.decode(payload, expect=ctx)
 
-    def decode(self, payload: torch.Tensor, *, expect: Ctx | None = None,
-               rank: int | None = None, name: str | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self,
+        payload: torch.Tensor,
+        *,
+        expect: Ctx | None = None,
+        rank: int | None = None,
+        name: str | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Decode any rank's payload.
 
         With ``out`` (flat float32 of numel elements) the values are added into it, in
@@ -86,8 +94,9 @@ class Compressor:
         """Validate the codec parameters of a received header (raise PayloadError)."""
         raise NotImplementedError
 
-    def _decode_body(self, header: wire.Header, body: torch.Tensor, out: torch.Tensor,
-                     accumulate: bool) -> None:
+    def _decode_body(
+        self, header: wire.Header, body: torch.Tensor, out: torch.Tensor, accumulate: bool
+    ) -> None:
         """Write (or add) the decoded float32 values into flat ``out``."""
         raise NotImplementedError
 
@@ -98,63 +107,72 @@ class Compressor:
     # ---- wire format --------------------------------------------------------------------
     def _assemble(self, header: wire.Header, body: torch.Tensor) -> torch.Tensor:
         head = header.pack()
-        csum = (wire.header_checksum(head) + for_device(body.device).checksum(body, len(head)))
+        csum = wire.header_checksum(head) + for_device(body.device).checksum(body, len(head))
         head = header.pack(csum & 0xFFFFFFFF)
         payload = torch.empty(len(head) + body.numel(), dtype=torch.uint8, device=body.device)
-        payload[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8),
-                                   non_blocking=False)
-        payload[len(head):].copy_(body)
+        payload[: len(head)].copy_(
+            torch.frombuffer(bytearray(head), dtype=torch.uint8), non_blocking=False
+        )
+        payload[len(head) :].copy_(body)
         return payload
 
     def read_header(self, payload: torch.Tensor) -> tuple[wire.Header, bytes]:
         """Parse the header (one small device-to-host copy); returns it and its raw bytes."""
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
-            raise PayloadError("payload", "expected a uint8 tensor, got "
-                               f"{getattr(payload, 'dtype', type(payload).__name__)}")
+            raise PayloadError(
+                "payload",
+                f"expected a uint8 tensor, got {getattr(payload, 'dtype', type(payload).__name__)}",
+            )
         if payload.dim() != 1:
-            raise PayloadError("payload", f"expected a 1-D tensor, got shape "
-                                          f"{tuple(payload.shape)}")
+            raise PayloadError(
+                "payload", f"expected a 1-D tensor, got shape {tuple(payload.shape)}"
+            )
         raw = payload[: wire.MAX_HEADER].cpu().numpy().tobytes()
         header = wire.parse_header(raw, payload.numel())
         return header, raw[: header.size]
 
-    def _decode_checked(self, payload: torch.Tensor, expect: Ctx | None,
-                        out: torch.Tensor | None) -> torch.Tensor:
+    def _decode_checked(
+        self, payload: torch.Tensor, expect: Ctx | None, out: torch.Tensor | None
+    ) -> torch.Tensor:
         header, raw_head = self.read_header(payload)
         if header.codec != self.name:
             raise PayloadError("codec", f"expected {self.name!r}, got {header.codec!r}")
         if expect is not None:
             if header.shape != tuple(expect.shape):
-                raise PayloadError("shape", f"expected {tuple(expect.shape)}, got "
-                                            f"{header.shape}")
+                raise PayloadError("shape", f"expected {tuple(expect.shape)}, got {header.shape}")
             if header.dtype != expect.dtype:
                 raise PayloadError("dtype", f"expected {expect.dtype}, got {header.dtype}")
         self._check_params(header)
         if header.nonfinite and header.body_len != 0:
-            raise PayloadError("body_len", "a non-finite payload carries no body, got "
-                                           f"{header.body_len} bytes")
+            raise PayloadError(
+                "body_len", f"a non-finite payload carries no body, got {header.body_len} bytes"
+            )
         if not header.nonfinite and header.numel > self._max_numel(header.body_len):
-            raise PayloadError("numel", f"{header.numel} elements cannot come from "
-                                        f"{header.body_len} body bytes")
+            raise PayloadError(
+                "numel", f"{header.numel} elements cannot come from {header.body_len} body bytes"
+            )
         head_len = header.size
         body = payload[head_len:]
         backend = for_device(payload.device)
         csum = (wire.header_checksum(raw_head) + backend.checksum(body, head_len)) & 0xFFFFFFFF
         if csum != header.checksum:
-            raise PayloadError("checksum", f"expected 0x{header.checksum:08x}, computed "
-                                           f"0x{csum:08x} (corrupt payload)")
+            raise PayloadError(
+                "checksum",
+                f"expected 0x{header.checksum:08x}, computed 0x{csum:08x} (corrupt payload)",
+            )
         if out is not None:
             if out.dtype != torch.float32 or out.numel() != header.numel or not out.is_contiguous():
-                raise ValueError(f"out must be a contiguous float32 tensor of {header.numel} "
-                                 f"elements, got {out.dtype} with {out.numel()}")
+                raise ValueError(
+                    f"out must be a contiguous float32 tensor of {header.numel} "
+                    f"elements, got {out.dtype} with {out.numel()}"
+                )
             if header.nonfinite:
                 out.fill_(float("nan"))
             else:
                 self._decode_body(header, body, out.view(-1), True)
             return out
         if header.nonfinite:
-            return torch.full(header.shape, float("nan"), dtype=header.dtype,
-                              device=payload.device)
+            return torch.full(header.shape, float("nan"), dtype=header.dtype, device=payload.device)
         flat = torch.empty(header.numel, dtype=torch.float32, device=payload.device)
         self._decode_body(header, body, flat, False)
         return flat.view(header.shape).to(header.dtype)

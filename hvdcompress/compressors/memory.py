@@ -27,7 +27,8 @@ class ErrorFeedback:
             raise ValueError(
                 f"tensor {name!r} has {like.numel()} elements on {like.device}, but its "
                 f"error-feedback residual has {e.numel()} on {e.device}: a name was reused "
-                "for a different tensor")
+                "for a different tensor"
+            )
         return e
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -43,12 +43,16 @@ class ThreeLC(Compressor):
 
     def _check_params(self, header):
         if len(header.params) != threelc.PARAMS.size:
-            raise PayloadError("params_len", f"3LC has {threelc.PARAMS.size} bytes of "
-                                             f"parameters, got {len(header.params)}")
+            raise PayloadError(
+                "params_len",
+                f"3LC has {threelc.PARAMS.size} bytes of parameters, got {len(header.params)}",
+            )
         sparsity, scale = threelc.PARAMS.unpack(header.params)
         if sparsity != as_float32(self.sparsity):
-            raise PayloadError("sparsity", f"expected {self.sparsity}, got {sparsity} "
-                                           "(ranks disagree on the compressor)")
+            raise PayloadError(
+                "sparsity",
+                f"expected {self.sparsity}, got {sparsity} (ranks disagree on the compressor)",
+            )
         if header.nonfinite:
             if scale != 0.0:
                 raise PayloadError("scale", f"a non-finite payload has scale 0, got {scale}")
@@ -67,6 +71,8 @@ class ThreeLC(Compressor):
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("sparsity") != self.sparsity:
-            raise ValueError(f"state was saved with sparsity {state.get('sparsity')}, this "
-                             f"compressor has {self.sparsity}")
+            raise ValueError(
+                f"state was saved with sparsity {state.get('sparsity')}, this "
+                f"compressor has {self.sparsity}"
+            )
         self.memory.load_state_dict(state["residuals"])

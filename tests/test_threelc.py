@@ -1,0 +1,190 @@
+"""3LC codec and compressor on the CPU backend: SPEC vectors, oracle agreement, edge cases."""
+
+import numpy as np
+import pytest
+import torch
+
+import hvdcompress
+from hvdcompress import wire
+from hvdcompress.codecs import threelc
+from tests import reference
+
+SPEC_X = [
+    0.80,
+    -0.05,
+    0.02,
+    0,
+    -0.70,
+    0.45,
+    0.04,
+    0,
+    0,
+    0.01,
+    0.30,
+    0.03,
+    -0.02,
+    0,
+    0.05,
+    0.10,
+    -0.01,
+    0,
+    0.02,
+    0,
+]
+SPEC_VECTORS = [  # sparsity, S, quartic, zre (shared/SPEC.md section 2)
+    (1.0, 0.8, [201, 202, 121, 121], [201, 202, 243]),
+    (1.5, 1.2, [201, 121, 121, 121], [201, 244]),
+    (1.9, 1.52, [202, 121, 121, 121], [202, 244]),
+]
+SIZES = [0, 1, 4, 5, 6, 7, 13, 69, 70, 71, 1000, 100003]
+
+
+@pytest.mark.parametrize("sparsity,scale,quartic,zre", SPEC_VECTORS)
+def test_spec_vectors(sparsity, scale, quartic, zre):
+    x = torch.tensor(SPEC_X)
+    q, s = threelc.quantize(x, sparsity)
+    assert s.item() == np.float32(scale)
+    assert threelc.quartic_encode(q).tolist() == quartic
+    assert threelc.zero_run_encode(threelc.quartic_encode(q)).tolist() == zre
+    back = threelc.quartic_decode(threelc.zero_run_decode(torch.tensor(zre, dtype=torch.uint8)), 20)
+    assert back.tolist() == q.tolist()
+
+
+def test_spec_zre_vector():
+    buf = torch.tensor([5] + [121] * 31 + [7] + [121] * 3, dtype=torch.uint8)
+    assert threelc.zero_run_encode(buf).tolist() == [5, 255, 255, 244, 7, 244]
+    assert (
+        threelc.zero_run_decode(
+            torch.tensor([5, 255, 255, 244, 7, 244], dtype=torch.uint8)
+        ).tolist()
+        == buf.tolist()
+    )
+
+
+def _sparse_gradient(n, rng, zero_fraction):
+    x = rng.standard_normal(n).astype(np.float32)
+    x[rng.random(n) < zero_fraction] = 0
+    if n > 200:  # long zero runs that cross the 14-group boundary several times
+        x[50 : 50 + 5 * 14 * 3 + 7] = 0
+    return x
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("sparsity", [1.0, 1.3, 1.75, 1.99])
+def test_encode_matches_oracle(n, sparsity):
+    rng = np.random.default_rng(n * 7 + int(sparsity * 100))
+    g = _sparse_gradient(n, rng, 0.5)
+    e = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    zre, scale, new_e = reference.encode(g, e, sparsity)
+    e_t = torch.from_numpy(e.copy())
+    enc = threelc.encode(torch.from_numpy(g), e_t, sparsity)
+    assert not enc.nonfinite
+    assert np.float32(enc.scale) == scale
+    assert enc.body.numpy().tobytes() == zre.tobytes()
+    assert e_t.numpy().tobytes() == new_e.tobytes()
+    out = torch.full((n,), 7.0)
+    threelc.decode_into(enc.body, n, enc.scale, out)
+    q = reference.quantize(g + e, sparsity)[0]
+    assert out.numpy().tobytes() == (scale * q.astype(np.float32)).tobytes()
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_building_blocks_roundtrip(n):
+    rng = np.random.default_rng(n)
+    q = torch.from_numpy(rng.integers(-1, 2, n).astype(np.int8))
+    q[: n // 2] = 0
+    quartic = threelc.quartic_encode(q)
+    assert quartic.numpy().tobytes() == reference.quartic(q.numpy()).tobytes()
+    zre = threelc.zero_run_encode(quartic)
+    assert zre.numpy().tobytes() == reference.zre(quartic.numpy()).tobytes()
+    assert torch.equal(threelc.zero_run_decode(zre, threelc.quartic_len(n)), quartic)
+    assert torch.equal(threelc.quartic_decode(quartic, n), q)
+
+
+def test_all_zero_tensor_is_all_runs():
+    enc = threelc.encode(torch.zeros(1000), None, 1.0)
+    assert enc.scale == 0.0
+    assert enc.body.tolist() == [255] * 14 + [241 + 4]  # 200 zero groups = 14*14 + 4
+
+
+def test_largest_element_always_survives():
+    x = torch.tensor([1e-3, -5.0, 2.0, 0.1, 4.9])
+    for s in (1.0, 1.5, 1.999):
+        q, _ = threelc.quantize(x, s)
+        assert q[1].item() == -1
+
+
+def test_decode_accumulate_adds_in_float32():
+    g = torch.randn(1003)
+    enc = threelc.encode(g, None, 1.0)
+    acc = torch.randn(1003)
+    expected = acc + torch.from_numpy(reference.quantize(g.numpy(), 1.0)[0]).float() * enc.scale
+    threelc.decode_into(enc.body, 1003, enc.scale, acc, accumulate=True)
+    assert torch.equal(acc, expected)
+
+
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        ([243] * 10, "body"),  # expands past ceil(n/5)
+        ([121, 121], "body"),  # too short
+    ],
+)
+def test_zero_run_decode_length_mismatch(bad, field):
+    with pytest.raises(hvdcompress.PayloadError) as err:
+        threelc.zero_run_decode(torch.tensor(bad, dtype=torch.uint8), expected_len=3)
+    assert err.value.field == field
+
+
+def test_quartic_decode_rejects_bad_bytes_and_padding():
+    with pytest.raises(hvdcompress.PayloadError, match="above 242"):
+        threelc.quartic_decode(torch.tensor([250], dtype=torch.uint8), 5)
+    # n = 3: digits 3 and 4 are padding and must be 1; byte 120 has d4 = 0
+    with pytest.raises(hvdcompress.PayloadError, match="padding"):
+        threelc.quartic_decode(torch.tensor([120], dtype=torch.uint8), 3)
+    with pytest.raises(hvdcompress.PayloadError, match="cannot hold"):
+        threelc.quartic_decode(torch.tensor([121, 121], dtype=torch.uint8), 3)
+
+
+def test_sparsity_range_is_checked():
+    for bad in (0.5, 0.999, 2.0, 3, float("nan")):
+        with pytest.raises(ValueError, match=r"\[1.0, 2.0\)"):
+            hvdcompress.get_compressor("3lc", sparsity=bad)
+
+
+def test_size_math_is_64_bit():
+    """Tensors past 2^31 (and 2^32) elements: the size arithmetic never wraps."""
+    n = 2**33 + 3
+    assert threelc.quartic_len(n) == (2**33 + 3 + 4) // 5
+    header = wire.Header("3lc", 0, torch.float32, (2**31 + 1, 4), b"\0" * 8, 5)
+    packed = header.pack()
+    parsed = wire.parse_header(packed + b"\0" * 5, len(packed) + 5)
+    assert parsed.numel == (2**31 + 1) * 4 and parsed.shape == (2**31 + 1, 4)
+    # The C decoder's guard: a body must be able to expand to numel values.
+    comp = hvdcompress.get_compressor("3lc")
+    assert comp._max_numel(2**31) == 70 * 2**31  # Python ints: no overflow
+    lib = __import__("hvdcompress.backends.cpu", fromlist=["LIB"]).LIB
+    run = torch.tensor([255], dtype=torch.uint8)
+    # 2^34 fake run bytes would decode to 14 * 2^34 > 2^32 groups: the length count is int64.
+    assert lib.hvdc_tlc_zre_decoded_len(run.data_ptr(), 1) == 14
+
+
+def test_decode_indexes_past_2_to_the_31_groups():
+    """A body describing 2^31 + 10 groups (10.7e9 values): only the last group is real.
+
+    Accumulating decode skips zero runs, so ``out`` can point 43 GB before a 5-float
+    buffer: the last group lands in that buffer only if every index is 64-bit.
+    """
+    groups = 2**31 + 10
+    n = 5 * groups
+    head = groups - 1
+    body = torch.full((head // 14 + 2,), 255, dtype=torch.uint8)
+    rem = head % 14
+    assert rem >= 2
+    body[-2] = 241 + rem
+    body[-1] = 201  # digits 2,1,1,1,0 -> q = 1, 0, 0, 0, -1
+    real = torch.zeros(5)
+    fake_out = real.data_ptr() - 4 * 5 * head  # address arithmetic only; never dereferenced
+    lib = __import__("hvdcompress.backends.cpu", fromlist=["LIB"]).LIB
+    assert lib.hvdc_tlc_decode(body.data_ptr(), body.numel(), n, 2.0, fake_out, 1) == 0
+    assert real.tolist() == [2.0, 0.0, 0.0, 0.0, -2.0]
