@@ -33,6 +33,7 @@ any single changed byte changes the sum.
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from dataclasses import dataclass
 
@@ -227,6 +228,9 @@ def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
 
 def header_checksum(header_bytes: bytes) -> int:
     """Checksum contribution of the header, with its checksum field taken as zero."""
+    from hvdcompress.backends.cpu import LIB  # the C checksum: a header is always on the host
+
     buf = bytearray(header_bytes)
     buf[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4] = b"\0\0\0\0"
-    return checksum_numpy(np.frombuffer(bytes(buf), dtype=np.uint8), 0)
+    raw = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
+    return int(LIB.hvdc_checksum(ctypes.addressof(raw), len(buf), 0))

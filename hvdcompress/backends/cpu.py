@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
+import threading
 import importlib.machinery
 import os
 import shutil
@@ -41,6 +43,8 @@ _SIGNATURES = {
     "hvdc_tlc_absmax_bits": (_u32, [_p, _p, _i64]),
     "hvdc_tlc_quantize": (None, [_p, _p, _p, _f32, _i64, _p, _p]),
     "hvdc_tlc_quartic_encode": (None, [_p, _i64, _p]),
+    "hvdc_tlc_scale": (_f32, [_u32, _f32]),
+    "hvdc_tlc_encode": (_i64, [_p, _p, _f32, _i64, _p]),
     "hvdc_tlc_zre_encode": (_i64, [_p, _i64, _p]),
     "hvdc_tlc_zre_decoded_len": (_i64, [_p, _i64]),
     "hvdc_tlc_zre_decode": (_i64, [_p, _i64, _p, _i64]),
@@ -108,8 +112,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _f32(bits: int) -> float:
-    return ctypes.c_float.from_buffer(ctypes.c_uint32(bits)).value
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """A per-thread byte buffer that grows to the largest tensor seen and is then reused:
+    a fresh allocation of that size would pay its page faults on every call."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 4096), dtype=torch.uint8)
+        _local.scratch = buf
+    return buf
 
 
 def _check(code: int, field: str = "body") -> None:
@@ -118,14 +131,13 @@ def _check(code: int, field: str = "body") -> None:
 
 
 def scale_for(max_bits: int, sparsity: float) -> tuple[float, bool]:
-    """S = float32(sparsity) * M in float32 arithmetic, and whether the input is non-finite."""
+    """S = float32(sparsity) * M in float32, and whether the input (or S) is non-finite."""
     if max_bits >= NONFINITE_BITS:
         return 0.0, True
-    s = torch.tensor(sparsity, dtype=torch.float32) * torch.tensor(
-        _f32(max_bits), dtype=torch.float32
-    )
-    value = float(s)
-    return value, not torch.isfinite(s).item()
+    scale = LIB.hvdc_tlc_scale(max_bits, sparsity)
+    if not math.isfinite(scale):  # s * M overflowed float32
+        return 0.0, True
+    return scale, False
 
 
 # ---- fused codec path -------------------------------------------------------------------
@@ -136,11 +148,9 @@ def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> 
     scale, nonfinite = scale_for(LIB.hvdc_tlc_absmax_bits(_ptr(g), _ptr(e), n), sparsity)
     if nonfinite:
         return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8), 0.0, True)
-    quartic = torch.empty((n + 4) // 5, dtype=torch.uint8)
-    LIB.hvdc_tlc_quantize(_ptr(g), _ptr(e), _ptr(e), scale, n, None, _ptr(quartic))
-    body = torch.empty_like(quartic)
-    length = LIB.hvdc_tlc_zre_encode(_ptr(quartic), quartic.numel(), _ptr(body))
-    return ThreeLCEncoded(body[:length], scale, False)
+    scratch = _scratch((n + 4) // 5 + 2)
+    length = LIB.hvdc_tlc_encode(_ptr(g), _ptr(e), scale, n, _ptr(scratch))
+    return ThreeLCEncoded(scratch[:length].clone(), scale, False)
 
 
 def threelc_decode(
@@ -179,7 +189,7 @@ def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(buf)
+    out = torch.empty(buf.numel() + 2, dtype=torch.uint8)  # 2 bytes of encoder slack
     length = LIB.hvdc_tlc_zre_encode(_ptr(buf), buf.numel(), _ptr(out))
     return out[:length].clone()
 

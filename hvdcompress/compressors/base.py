@@ -59,17 +59,19 @@ class Compressor:
         rank: int | None = None,
         name: str | None = None,
         out: torch.Tensor | None = None,
+        accumulate: bool = False,
     ) -> torch.Tensor:
-        """Decode any rank's payload.
+        """Decode any rank's payload into a new tensor of the header's shape and dtype.
 
-        With ``out`` (flat float32 of numel elements) the values are added into it, in
-        float32, and ``out`` is returned: this is how the gather path sums the
-        payloads of all ranks in rank order. Raises PayloadError naming the field,
-        and ``rank`` / ``name`` when given.
+        With ``out`` (contiguous float32 of numel elements) the values are written into
+        it, or with ``accumulate`` added to it in float32, and ``out`` is returned: this
+        is how the gather path sums the payloads of all ranks in rank order. Raises
+        PayloadError naming the field, and ``rank`` / ``name`` when given; ``out`` is
+        untouched when it raises.
         """
         tensor_name = name if name is not None else (expect.name if expect else None)
         try:
-            return self._decode_checked(payload, expect, out)
+            return self._decode_checked(payload, expect, out, accumulate)
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=tensor_name) from None
 
@@ -132,7 +134,11 @@ class Compressor:
         return header, raw[: header.size]
 
     def _decode_checked(
-        self, payload: torch.Tensor, expect: Ctx | None, out: torch.Tensor | None
+        self,
+        payload: torch.Tensor,
+        expect: Ctx | None,
+        out: torch.Tensor | None,
+        accumulate: bool,
     ) -> torch.Tensor:
         header, raw_head = self.read_header(payload)
         if header.codec != self.name:
@@ -169,7 +175,7 @@ class Compressor:
             if header.nonfinite:
                 out.fill_(float("nan"))
             else:
-                self._decode_body(header, body, out.view(-1), True)
+                self._decode_body(header, body, out.view(-1), accumulate)
             return out
         if header.nonfinite:
             return torch.full(header.shape, float("nan"), dtype=header.dtype, device=payload.device)

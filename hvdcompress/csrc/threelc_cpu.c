@@ -29,6 +29,14 @@
 #define TLC_BLOCK_GROUPS 256
 #define TLC_BLOCK (TLC_BLOCK_GROUPS * 5)
 
+/* AVX2 versions of the vectorised loops, picked at load time where the CPU has it
+ * (AVX2 without FMA: contraction stays off, so the bytes do not change). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TLC_VECTOR __attribute__((target_clones("avx2", "default")))
+#else
+#define TLC_VECTOR
+#endif
+
 static inline uint32_t f32_bits(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
@@ -38,7 +46,7 @@ static inline uint32_t f32_bits(float x) {
 /* Max over i of the abs bits of (g[i] + e[i]) (e may be NULL). Non-negative
  * floats order like their bit patterns and NaN patterns sort above Inf, so the
  * result is the bits of max|a|, or >= 0x7f800000 iff a holds a NaN or an Inf. */
-uint32_t hvdc_tlc_absmax_bits(const float *g, const float *e, int64_t n) {
+TLC_VECTOR uint32_t hvdc_tlc_absmax_bits(const float *g, const float *e, int64_t n) {
     uint32_t m = 0;
     if (e) {
         for (int64_t i = 0; i < n; i++) {
@@ -54,6 +62,17 @@ uint32_t hvdc_tlc_absmax_bits(const float *g, const float *e, int64_t n) {
     return m;
 }
 
+/* The quartic byte of five digits d[0..4] in {0, 1, 2}: 81 d0 + 27 d1 + 9 d2 + 3 d3 + d4.
+ * Loaded as one little-endian word x = d0 | d1 << 8 | ..., the product x * K with
+ * K = 81 << 32 | 27 << 24 | 9 << 16 | 3 << 8 | 1 has exactly that sum in byte 4, and
+ * bytes 0..3 stay below 256 (at most 2, 8, 26, 80), so nothing carries into it.
+ * Reads 8 bytes: d needs 3 readable bytes of slack after the group. */
+static inline uint8_t pack5(const int8_t *d) {
+    uint64_t x;
+    memcpy(&x, d, sizeof x);
+    return (uint8_t)((x * 0x511B090301ull) >> 32);
+}
+
 /* rint for |x| <= 2^22 in the default round-to-nearest-even mode, without a libm
  * call so that the loop vectorises. |a / S| <= 1 always holds here because
  * S = fl(s * M) >= M for s >= 1. */
@@ -67,9 +86,9 @@ static inline float rint_small(float x) {
  *   e_out = a - S * q (e_out may be NULL; may alias e_in),
  *   q_out[i] = q (may be NULL), quartic[j] = 81 d0 + 27 d1 + 9 d2 + 3 d3 + d4, d = q + 1,
  *   for j < ceil(n / 5), padded with d = 1 (may be NULL). */
-void hvdc_tlc_quantize(const float *g, const float *e_in, float *e_out, float S, int64_t n,
+TLC_VECTOR void hvdc_tlc_quantize(const float *g, const float *e_in, float *e_out, float S, int64_t n,
                        int8_t *q_out, uint8_t *quartic) {
-    int8_t d[TLC_BLOCK];
+    int8_t d[TLC_BLOCK + 8];
     for (int64_t base = 0; base < n; base += TLC_BLOCK) {
         int64_t len = n - base < TLC_BLOCK ? n - base : TLC_BLOCK;
         const float *gb = g + base;
@@ -90,19 +109,17 @@ void hvdc_tlc_quantize(const float *g, const float *e_in, float *e_out, float S,
         if (q_out)
             for (int64_t i = 0; i < len; i++) q_out[base + i] = (int8_t)(d[i] - 1);
         if (quartic) {
-            int64_t full = len / 5;
-            uint8_t *out = quartic + base / 5;
-            for (int64_t j = 0; j < full; j++) {
-                const int8_t *p = d + 5 * j;
-                out[j] = (uint8_t)(81 * p[0] + 27 * p[1] + 9 * p[2] + 3 * p[3] + p[4]);
-            }
-            if (len % 5) {
-                int8_t p[5] = {1, 1, 1, 1, 1};
-                for (int64_t k = 0; k < len % 5; k++) p[k] = d[5 * full + k];
-                out[full] = (uint8_t)(81 * p[0] + 27 * p[1] + 9 * p[2] + 3 * p[3] + p[4]);
-            }
+            for (int64_t k = len; k < (len + 4) / 5 * 5 + 3; k++) d[k] = 1; /* pad + slack */
+            for (int64_t j = 0; j < (len + 4) / 5; j++) quartic[base / 5 + j] = pack5(d + 5 * j);
         }
     }
+}
+
+/* S = float32(sparsity) * M with M the float of max_bits: one float32 product. */
+float hvdc_tlc_scale(uint32_t max_bits, float sparsity) {
+    float m;
+    memcpy(&m, &max_bits, sizeof m);
+    return sparsity * m;
 }
 
 /* Quartic encoding of int8 digits q in {-1, 0, 1} (the public building block). */
@@ -120,26 +137,107 @@ void hvdc_tlc_quartic_encode(const int8_t *q, int64_t n, uint8_t *quartic) {
     }
 }
 
-/* Zero-run encoding; out must hold m bytes (the output is never longer than the
- * input). Returns the output length. */
-int64_t hvdc_tlc_zre_encode(const uint8_t *in, int64_t m, uint8_t *out) {
-    int64_t o = 0, i = 0;
-    while (i < m) {
-        if (in[i] != TLC_ZERO_GROUP) {
-            out[o++] = in[i++];
-            continue;
+/* Streaming zero-run encoder. Branch-free per byte (short runs of zero groups are
+ * common and a branch on each byte mispredicts often): each step writes
+ * speculatively at out[o] and out[o + 1] and advances o only by what it commits,
+ * so out needs 2 bytes of slack past the input length. The word copy below stays
+ * inside the input length: the output never outgrows the input consumed. */
+typedef struct {
+    uint8_t *out;
+    int64_t o;   /* bytes committed */
+    int64_t run; /* pending zero groups, 0..13 */
+} zre_state;
+
+/* Bit 7 of each byte of the result is set iff that byte of x is the zero group 121. */
+static inline uint64_t zero_group_mask(uint64_t x) {
+    const uint64_t lo7 = 0x7f7f7f7f7f7f7f7full;
+    uint64_t t = x ^ 0x7979797979797979ull; /* 121 -> 0 */
+    return ~(((t & lo7) + lo7) | t) & ~lo7;
+}
+
+static inline void zre_step(uint8_t *out, int64_t *o_io, int64_t *run_io, uint8_t b) {
+    int64_t o = *o_io, run = *run_io;
+    int64_t zero = b == TLC_ZERO_GROUP;
+#if defined(__GNUC__)
+    /* Hide zero's value from the optimiser: otherwise GCC turns the selects below into
+     * branches on it, which mispredict on gradient data. */
+    __asm__("" : "+r"(zero));
+#endif
+    /* a literal ends a pending run: emit its code (121 for a run of one) */
+    out[o] = (uint8_t)(run >= 2 ? TLC_RUN_BASE + run : TLC_ZERO_GROUP);
+    o += (1 - zero) & (run > 0);
+    out[o] = b;
+    o += 1 - zero;
+    run = (run + 1) & -zero;
+    /* a run of 14 is complete: emit 255 */
+    int64_t full = run == TLC_MAX_RUN;
+    out[o] = TLC_RUN_BASE + TLC_MAX_RUN;
+    o += full;
+    run -= TLC_MAX_RUN & -full;
+    *o_io = o;
+    *run_io = run;
+}
+
+/* Eight bytes at a time: a word without zero groups is copied, a word of eight zero
+ * groups extends the run; mixed words go byte by byte. */
+static inline void zre_push(zre_state *st, const uint8_t *in, int64_t m) {
+    uint8_t *out = st->out;
+    int64_t o = st->o, run = st->run, i = 0;
+    for (; i + 8 <= m; i += 8) {
+        uint64_t x;
+        memcpy(&x, in + i, sizeof x);
+        uint64_t z = zero_group_mask(x);
+        if (z == 0) {
+            if (run > 0) {
+                out[o++] = (uint8_t)(run >= 2 ? TLC_RUN_BASE + run : TLC_ZERO_GROUP);
+                run = 0;
+            }
+            memcpy(out + o, &x, sizeof x);
+            o += 8;
+        } else if (z == 0x8080808080808080ull) {
+            run += 8;
+            if (run >= TLC_MAX_RUN) {
+                out[o++] = TLC_RUN_BASE + TLC_MAX_RUN;
+                run -= TLC_MAX_RUN;
+            }
+        } else {
+            for (int k = 0; k < 8; k++) zre_step(out, &o, &run, in[i + k]);
         }
-        int64_t r = 1;
-        while (i + r < m && in[i + r] == TLC_ZERO_GROUP) r++;
-        i += r;
-        for (int64_t k = r / TLC_MAX_RUN; k > 0; k--) out[o++] = TLC_RUN_BASE + TLC_MAX_RUN;
-        int64_t rem = r % TLC_MAX_RUN;
-        if (rem >= 2)
-            out[o++] = (uint8_t)(TLC_RUN_BASE + rem);
-        else if (rem == 1)
-            out[o++] = TLC_ZERO_GROUP;
     }
-    return o;
+    for (; i < m; i++) zre_step(out, &o, &run, in[i]);
+    st->o = o;
+    st->run = run;
+}
+
+static inline int64_t zre_finish(zre_state *st) {
+    if (st->run > 0)
+        st->out[st->o++] = (uint8_t)(st->run >= 2 ? TLC_RUN_BASE + st->run : TLC_ZERO_GROUP);
+    st->run = 0;
+    return st->o;
+}
+
+/* Zero-run encoding; out must hold m + 2 bytes (the output is never longer than the
+ * input; the 2 bytes are the streaming encoder's slack). Returns the output length. */
+int64_t hvdc_tlc_zre_encode(const uint8_t *in, int64_t m, uint8_t *out) {
+    zre_state st = {out, 0, 0};
+    zre_push(&st, in, m);
+    return zre_finish(&st);
+}
+
+/* The compressor's fused path: quantise with error feedback and zero-run encode,
+ * one block of TLC_BLOCK_GROUPS quartic bytes at a time so that the quartic bytes
+ * never leave L1. out must hold ceil(n / 5) + 2 bytes. Returns the body length.
+ * The caller has checked that S is finite (non-finite input never gets here). */
+int64_t hvdc_tlc_encode(const float *g, float *e, float S, int64_t n, uint8_t *out) {
+    uint8_t quartic[TLC_BLOCK_GROUPS];
+    zre_state st = {out, 0, 0};
+    for (int64_t base = 0; base < n; base += TLC_BLOCK) {
+        int64_t len = n - base < TLC_BLOCK ? n - base : TLC_BLOCK;
+        hvdc_tlc_quantize(g + base, e ? e + base : NULL, e ? e + base : NULL, S, len, NULL,
+                          quartic);
+        zre_push(&st, quartic, (len + 4) / 5);
+    }
+    return zre_finish(&st);
 }
 
 /* Length that zero-run decoding of in[0..len) produces (no writes). */

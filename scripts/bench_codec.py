@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""Codec throughput beside memcpy, measured in the same run.
+
+For each size and compressor: encode (compress, with error feedback, header and
+checksum: what a rank does per gradient) and decode (validate + decode a payload
+into a new tensor, and the gather path's decode-and-accumulate), in GB/s of float32
+input, next to ``dst.copy_(x)`` of the same tensor into a preallocated one. Ratios
+to memcpy are what to compare across machines; absolute GB/s are noisy.
+
+    python scripts/bench_codec.py                      # CPU, one thread, 1e4..1e8
+    python scripts/bench_codec.py --device cuda        # GPU (CuPy kernels)
+    python scripts/bench_codec.py --sizes 1e6 1e7 --json results/bench_codec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hvdcompress  # noqa: E402
+
+DEFAULT_CASES = ["3lc:sparsity=1.0", "3lc:sparsity=1.75"]
+
+
+def parse_case(text: str) -> tuple[str, dict]:
+    name, _, rest = text.partition(":")
+    params = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        params[key] = float(value) if "." in value or "e" in value else int(value)
+    return name, params
+
+
+def timer(device: torch.device):
+    if device.type == "cuda":
+
+        def run(fn, reps):
+            times = []
+            for _ in range(reps):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            return statistics.median(times)
+
+    else:
+
+        def run(fn, reps):
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+    return run
+
+
+def gradient(n: int, device: torch.device, seed: int) -> torch.Tensor:
+    """A Gaussian stand-in for a gradient (no heavy tail, so 3LC's bits are not flattered)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=gen).to(device)
+
+
+def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: float) -> list:
+    x = gradient(n, device, seed=n % 9973)
+    dst = torch.empty_like(x)
+    dst.copy_(x)
+    probe = max(run(lambda: dst.copy_(x), 1), 1e-6)
+    reps = int(min(max(min_time / probe, 3), 200))
+    memcpy = run(lambda: dst.copy_(x), reps)
+    rows = []
+    gb = n * 4 / 1e9
+    for case in cases:
+        name, params = parse_case(case)
+        comp = hvdcompress.get_compressor(name, **params)
+        for _ in range(3):  # warm-up: allocates the residual, which then reaches steady state
+            payload, ctx = comp.compress(x, "bench")
+        encode = run(lambda comp=comp: comp.compress(x, "bench"), reps)
+        payload, ctx = comp.compress(x, "bench")
+        new = run(lambda comp=comp, p=payload, c=ctx: comp.decompress(p, c), reps)
+        acc = torch.zeros(n, dtype=torch.float32, device=device)
+        decode = run(lambda comp=comp, p=payload, a=acc: comp.decode(p, out=a), reps)
+        accumulate = run(
+            lambda comp=comp, p=payload, a=acc: comp.decode(p, out=a, accumulate=True), reps
+        )
+        rows.append(
+            {
+                "case": case,
+                "numel": n,
+                "bits_per_value": comp.bits_per_value(payload),
+                "ratio": 32.0 / comp.bits_per_value(payload),
+                "memcpy_gbs": gb / memcpy,
+                "encode_gbs": gb / encode,
+                "decode_gbs": gb / decode,
+                "decode_new_tensor_gbs": gb / new,
+                "accumulate_gbs": gb / accumulate,
+                "encode_vs_memcpy": memcpy / encode,
+                "decode_vs_memcpy": memcpy / decode,
+                "decode_new_tensor_vs_memcpy": memcpy / new,
+                "accumulate_vs_memcpy": memcpy / accumulate,
+                "reps": reps,
+            }
+        )
+    return rows
+
+
+def print_table(rows: list) -> None:
+    head = (
+        f"{'case':<20} {'numel':>9} {'bits/val':>8} {'ratio':>7} {'memcpy':>8} "
+        f"{'encode':>8} {'enc/mc':>7} {'decode':>8} {'dec/mc':>7} {'dec+acc':>8} {'acc/mc':>7} "
+        f"{'new/mc':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['case']:<20} {r['numel']:>9.0e} {r['bits_per_value']:>8.3f} "
+            f"{r['ratio']:>6.0f}x {r['memcpy_gbs']:>7.2f}G {r['encode_gbs']:>7.2f}G "
+            f"{r['encode_vs_memcpy']:>6.0%} {r['decode_gbs']:>7.2f}G "
+            f"{r['decode_vs_memcpy']:>6.0%} {r['accumulate_gbs']:>7.2f}G "
+            f"{r['accumulate_vs_memcpy']:>6.0%} {r['decode_new_tensor_vs_memcpy']:>6.0%}"
+        )
+    print(
+        "GB/s of float32 input; x/mc = throughput relative to memcpy into a preallocated tensor\n"
+        "in this run. encode: compress with error feedback, header and checksum. decode: into a\n"
+        "preallocated tensor; dec+acc: added into one (the gather path); new: into a new tensor."
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--sizes", nargs="+", type=float, default=[1e4, 1e5, 1e6, 1e7, 1e8])
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="name:key=value,...")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--json", type=Path, default=Path("results/bench_codec.json"))
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        from hvdcompress.backends.cuda import gpu_unavailable_reason
+
+        reason = gpu_unavailable_reason()
+        if reason:
+            print(f"bench_codec: no GPU benchmark: {reason}")
+            return 2
+    run = timer(device)
+    rows = []
+    for size in args.sizes:
+        rows += bench_size(int(size), args.cases, device, run, args.min_time)
+    print_table(rows)
+    meta = {
+        "device": torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
