@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import math
-import threading
 import importlib.machinery
+import math
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
