@@ -5,9 +5,12 @@ from __future__ import annotations
 import inspect
 
 from hvdcompress.compressors.base import Compressor, Ctx
+from hvdcompress.compressors.cast import BF16, FP16, NoCompression
 from hvdcompress.compressors.threelc import ThreeLC
 
-REGISTRY: dict[str, type[Compressor]] = {cls.name: cls for cls in (ThreeLC,)}
+REGISTRY: dict[str, type[Compressor]] = {
+    cls.name: cls for cls in (NoCompression, FP16, BF16, ThreeLC)
+}
 
 
 def _signature(cls: type[Compressor]) -> str:

@@ -1,0 +1,66 @@
+"""Summable compressors: send the gradient as is (``none``) or cast to 16 bits.
+
+A cast commutes with summation up to rounding, so these payloads ride an allreduce
+(shared/SPEC.md section 1) instead of the allgather the byte-coded codecs need. The
+payload is a dense tensor, not the byte wire format: an allreduce cannot sum
+headers. Values beyond float16's range become Inf, which GradScaler then sees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hvdcompress.compressors.base import Compressor, Ctx
+
+
+class Cast(Compressor):
+    """Cast to ``wire_dtype`` for the allreduce and back to the gradient's dtype after."""
+
+    summable = True
+    wire_dtype: torch.dtype | None = None  # None: keep the gradient's own dtype
+
+    def __init__(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
+        ctx = Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device)
+        wire = self.wire_dtype or tensor.dtype
+        return tensor.detach().reshape(-1).to(wire), ctx
+
+    def decompress(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        if payload.numel() != _numel(ctx.shape):
+            raise ValueError(
+                f"{self.name}: tensor {ctx.name!r} expects {_numel(ctx.shape)} "
+                f"values, got {payload.numel()}"
+            )
+        return payload.view(ctx.shape).to(ctx.dtype)
+
+    def decode(self, payload, **kwargs):
+        raise TypeError(f"{self.name} payloads are summed by an allreduce, not decoded alone")
+
+    def bits_per_value(self, payload: torch.Tensor) -> float:
+        return float(payload.element_size() * 8)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class NoCompression(Cast):
+    name = "none"
+
+
+class FP16(Cast):
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+class BF16(Cast):
+    name = "bf16"
+    wire_dtype = torch.bfloat16
