@@ -33,7 +33,6 @@ any single changed byte changes the sum.
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from dataclasses import dataclass
 
@@ -226,11 +225,15 @@ def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
     )
 
 
-def header_checksum(header_bytes: bytes) -> int:
-    """Checksum contribution of the header, with its checksum field taken as zero."""
-    from hvdcompress.backends.cpu import LIB  # the C checksum: a header is always on the host
+_FIELD_MIX = [int(w) for w in mix(np.arange(CHECKSUM_OFFSET, CHECKSUM_OFFSET + 4))]
 
-    buf = bytearray(header_bytes)
-    buf[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4] = b"\0\0\0\0"
-    raw = (ctypes.c_uint8 * len(buf)).from_buffer(buf)
-    return int(LIB.hvdc_checksum(ctypes.addressof(raw), len(buf), 0))
+
+def checksum_without_field(full: int, field_bytes: bytes) -> int:
+    """The checksum with its own field zeroed, from the checksum of the whole payload.
+
+    Lets every backend checksum a payload in one pass: zeroing the field removes
+    b * mix(j) for each of its four bytes.
+    """
+    for b, w in zip(field_bytes, _FIELD_MIX, strict=True):
+        full -= b * w
+    return full & 0xFFFFFFFF

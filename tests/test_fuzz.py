@@ -47,9 +47,9 @@ def _fix_checksum(buf: bytearray) -> bytearray:
         header = wire.parse_header(bytes(buf[: wire.MAX_HEADER]), len(buf))
     except wire.PayloadError:
         return buf
-    head = bytes(buf[: header.size])
-    body = np.frombuffer(bytes(buf[header.size :]), dtype=np.uint8)
-    csum = (wire.header_checksum(head) + wire.checksum_numpy(body, header.size)) & 0xFFFFFFFF
+    del header
+    buf[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4] = b"\0\0\0\0"
+    csum = wire.checksum_numpy(np.frombuffer(bytes(buf), dtype=np.uint8), 0)
     buf[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4] = csum.to_bytes(4, "little")
     return buf
 

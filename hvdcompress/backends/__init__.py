@@ -37,14 +37,19 @@ class ThreeLCEncoded(NamedTuple):
     nonfinite: bool
 
 
+_BACKENDS: dict[str, object] = {}
+
+
 def for_device(device: torch.device):
     """Return the backend module for ``device`` (``cpu`` or ``cuda``)."""
+    backend = _BACKENDS.get(device.type)
+    if backend is not None:
+        return backend
     if device.type == "cpu":
-        from hvdcompress.backends import cpu
-
-        return cpu
-    if device.type == "cuda":
-        from hvdcompress.backends import cuda
-
-        return cuda
-    raise TypeError(f"hvdcompress has no backend for device type {device.type!r}")
+        from hvdcompress.backends import cpu as backend
+    elif device.type == "cuda":
+        from hvdcompress.backends import cuda as backend
+    else:
+        raise TypeError(f"hvdcompress has no backend for device type {device.type!r}")
+    _BACKENDS[device.type] = backend
+    return backend

@@ -108,14 +108,25 @@ class Compressor:
 
     # ---- wire format --------------------------------------------------------------------
     def _assemble(self, header: wire.Header, body: torch.Tensor) -> torch.Tensor:
-        head = header.pack()
-        csum = wire.header_checksum(head) + for_device(body.device).checksum(body, len(head))
-        head = header.pack(csum & 0xFFFFFFFF)
-        payload = torch.empty(len(head) + body.numel(), dtype=torch.uint8, device=body.device)
-        payload[: len(head)].copy_(
-            torch.frombuffer(bytearray(head), dtype=torch.uint8), non_blocking=False
-        )
-        payload[len(head) :].copy_(body)
+        """Header + body in one tensor; the checksum is one pass over the whole payload."""
+        head = header.pack()  # checksum field zero
+        size = len(head)
+        payload = torch.empty(size + body.numel(), dtype=torch.uint8, device=body.device)
+        backend = for_device(body.device)
+        if body.device.type == "cpu":
+            view = payload.numpy()
+            view[:size] = np.frombuffer(head, dtype=np.uint8)
+            view[size:] = body.numpy()
+            view[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4] = np.frombuffer(
+                backend.checksum(payload, 0).to_bytes(4, "little"), dtype=np.uint8
+            )
+        else:
+            payload[size:].copy_(body)
+            payload[:size].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+            csum = backend.checksum(payload, 0).to_bytes(4, "little")
+            payload[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4].copy_(
+                torch.frombuffer(bytearray(csum), dtype=torch.uint8)
+            )
         return payload
 
     def read_header(self, payload: torch.Tensor) -> tuple[wire.Header, bytes]:
@@ -129,9 +140,9 @@ class Compressor:
             raise PayloadError(
                 "payload", f"expected a 1-D tensor, got shape {tuple(payload.shape)}"
             )
-        raw = payload[: wire.MAX_HEADER].cpu().numpy().tobytes()
+        raw = payload[: wire.MAX_HEADER].cpu().numpy()  # a view on the CPU, one copy on GPUs
         header = wire.parse_header(raw, payload.numel())
-        return header, raw[: header.size]
+        return header, raw[: header.size].tobytes()
 
     def _decode_checked(
         self,
@@ -160,7 +171,8 @@ class Compressor:
         head_len = header.size
         body = payload[head_len:]
         backend = for_device(payload.device)
-        csum = (wire.header_checksum(raw_head) + backend.checksum(body, head_len)) & 0xFFFFFFFF
+        field = raw_head[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4]
+        csum = wire.checksum_without_field(backend.checksum(payload, 0), field)
         if csum != header.checksum:
             raise PayloadError(
                 "checksum",

@@ -1,0 +1,517 @@
+"""CUDA backend: the kernels of ``kernels/threelc.cu`` compiled by NVRTC through CuPy.
+
+Same protocol and the same bytes as the CPU backend (``hvdcompress.backends``). The
+source is found in ``hvdcompress/kernels/`` when the package was installed with it,
+else in the source tree's ``kernels/`` (a checkout on PYTHONPATH); it is compiled once
+per process and device (CuPy also caches the binary on disk) with FMA contraction, flush
+to zero and approximate division turned off.
+
+Tensors stay torch tensors: kernels get their raw device pointers (zero-copy; the
+tensors are alive for the whole call and every kernel and torch op of a call runs, in
+order, on torch's current stream of the tensor's device, so the caching allocator's
+stream-ordered reuse is safe). The scans of the zero-run coder are ``torch.cummax`` and
+``torch.cumsum`` on that stream. Each call makes one small device-to-host copy (the
+handful of integers a call needs: output length, error bits, scale, non-finite flag or
+checksum); the fused decode makes it before writing anything, so a corrupt body raises
+``PayloadError`` with ``out`` untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hvdcompress.backends import ThreeLCEncoded
+from hvdcompress.wire import PayloadError
+
+KERNEL_FILE = "threelc.cu"
+KERNEL_NAMES = (
+    "threelc_absmax",
+    "threelc_quantize_quartic",
+    "threelc_quartic_encode",
+    "threelc_zre_run_starts",
+    "threelc_zre_flags",
+    "threelc_zre_scatter",
+    "threelc_zre_lengths",
+    "threelc_zre_decode_check",
+    "threelc_zre_expand",
+    "threelc_quartic_decode_scale",
+    "threelc_quartic_decode",
+    "hvd_checksum",
+)
+# IEEE float32 everywhere: no FMA contraction, no flush to zero, IEEE division (the
+# kernels use __fadd_rn & co. anyway; these keep any other expression honest too).
+NVRTC_OPTIONS = (
+    "--std=c++17",
+    "--fmad=false",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
+)
+BLOCK = 256  # threads per block; a multiple of 32 (the kernels' warp reductions need it)
+BLOCKS_PER_SM = 8  # grid-stride loops: at most this many blocks per multiprocessor
+
+# Words of the kernels' state array (HVD_ST_* in kernels/threelc.cu).
+_ST_ABSMAX, _ST_SCALE, _ST_NONFINITE, _ST_ERROR, _ST_COUNT, _ST_LAST, _ST_SUM = 0, 1, 2, 3, 4, 6, 7
+_STATE_WORDS = 8
+# Error bits (HVD_ERR_*).
+ERR_LENGTH, ERR_BYTE, ERR_PADDING, ERR_OVERFLOW, ERR_INPUT = 1, 2, 4, 8, 16
+_ZERO_GROUP, _RUN_GROUP = 121, 243  # quartic byte of five zeros; decode-internal run marker
+_MAX_RUN = 14
+_NULL = np.uint64(0)
+
+
+def kernel_dir() -> Path:
+    """Folder holding the .cu sources: packaged ``hvdcompress/kernels`` or the repo's."""
+    here = Path(__file__).resolve()
+    packaged = here.parents[1] / "kernels"
+    if (packaged / KERNEL_FILE).is_file():
+        return packaged
+    return here.parents[2] / "kernels"
+
+
+# ---- availability -------------------------------------------------------------------------
+
+_reason_lock = threading.Lock()
+_reason: list[str | None] = []  # cached answer of gpu_unavailable_reason
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why the CUDA kernels cannot run here (for tests to skip with), or None if they can.
+
+    Checks, in order: CuPy imports; torch sees a CUDA device; CuPy sees the driver and a
+    device; the kernels compile and load on the current device. Cached per process.
+    """
+    with _reason_lock:
+        if not _reason:
+            _reason.append(_find_reason())
+        return _reason[0]
+
+
+def _find_reason() -> str | None:
+    try:
+        import cupy
+    except Exception as exc:  # ImportError, or a broken install raising anything
+        return f"CuPy is not usable ({type(exc).__name__}: {exc}); pip install cupy-cuda13x"
+    if not torch.cuda.is_available():
+        return (
+            f"torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none, a CPU-only build'})"
+        )
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # cudaErrorInsufficientDriver, cudaErrorNoDevice, ...
+        return f"CuPy {cupy.__version__} cannot use the CUDA driver: {exc}"
+    if count == 0:
+        return f"CuPy {cupy.__version__} sees no CUDA device"
+    source = kernel_dir() / KERNEL_FILE
+    if not source.is_file():
+        return f"kernel source {source} is missing"
+    try:
+        _module(torch.cuda.current_device())
+    except Exception as exc:  # NVRTC not found, compile error, module load error
+        return f"cannot compile or load {source} with CuPy {cupy.__version__}: {exc}"
+    return None
+
+
+# ---- kernels and launches ------------------------------------------------------------------
+
+
+class _Module:
+    """The compiled kernels on one device."""
+
+    def __init__(self, device_index: int):
+        import cupy
+
+        source = (kernel_dir() / KERNEL_FILE).read_text()
+        with cupy.cuda.Device(device_index) as dev:
+            module = cupy.RawModule(code=source, options=NVRTC_OPTIONS)
+            self.functions = {name: module.get_function(name) for name in KERNEL_NAMES}
+            sms = dev.attributes["MultiProcessorCount"]
+        self.max_blocks = max(1, BLOCKS_PER_SM * sms)
+        self.module = module
+
+
+_modules: dict[int, _Module] = {}
+_modules_lock = threading.Lock()
+
+
+def _module(device_index: int) -> _Module:
+    with _modules_lock:
+        mod = _modules.get(device_index)
+        if mod is None:
+            mod = _modules[device_index] = _Module(device_index)
+        return mod
+
+
+def _cupy_stream(cupy, tstream: torch.cuda.Stream, device_index: int):
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(tstream, "__cuda_stream__"):
+        return from_external(tstream)
+    with warnings.catch_warnings():  # deprecated in CuPy 14, the only way before it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(tstream.cuda_stream, device_index)
+
+
+class _Launcher:
+    """Context for one call: the device, torch's current stream (made CuPy's), kernels."""
+
+    def __init__(self, device: torch.device):
+        import cupy
+
+        if device.type != "cuda":
+            raise TypeError(f"the CUDA backend got a tensor on {device}")
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self.index)
+        self.mod = _module(self.index)
+        self._dev = cupy.cuda.Device(self.index)
+        self._stream = _cupy_stream(cupy, torch.cuda.current_stream(self.index), self.index)
+
+    def __enter__(self) -> _Launcher:
+        self._dev.__enter__()
+        self._stream.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stream.__exit__(*exc)
+        self._dev.__exit__(*exc)
+
+    def __call__(self, name: str, work: int, *args) -> None:
+        """Launch ``name`` with enough blocks of BLOCK threads for ``work`` items (capped:
+        the kernels are grid-stride loops)."""
+        if work <= 0:
+            return
+        blocks = min(-(-work // BLOCK), self.mod.max_blocks)
+        self.mod.functions[name]((blocks,), (BLOCK,), args)
+
+    def state(self) -> torch.Tensor:
+        return torch.zeros(_STATE_WORDS, dtype=torch.int32, device=self.device)
+
+    def empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, device=self.device)
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return _NULL if t is None else np.uint64(t.data_ptr())
+
+
+def _read_state(state: torch.Tensor) -> np.ndarray:
+    """The one device-to-host copy of a call (synchronises with the stream)."""
+    return state.cpu().numpy().view(np.uint32)
+
+
+def _count(host: np.ndarray) -> int:
+    return int(host[_ST_COUNT : _ST_COUNT + 2].view(np.int64)[0])
+
+
+def _f32(word) -> float:
+    return float(np.array([word], np.uint32).view(np.float32)[0])
+
+
+def _check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cuda":
+        raise TypeError(f"{name} is on {t.device}; the CUDA backend takes CUDA tensors")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _sparsity(sparsity: float) -> np.float32:
+    s = np.float32(sparsity)
+    if not (1.0 <= s < 2.0):
+        raise ValueError(f"3LC sparsity must be in [1, 2) as a float32, got {sparsity!r}")
+    return s
+
+
+def _body_error(err: int, total: int | None = None, m: int | None = None) -> PayloadError:
+    if err & ERR_LENGTH:
+        got = "" if total is None else f" ({total} bytes, expected {m})"
+        return PayloadError(
+            "body",
+            f"zero-run decoding does not give exactly ceil(numel / 5) quartic bytes{got}",
+        )
+    if err & ERR_BYTE:
+        return PayloadError("body", "a quartic byte is above 242")
+    if err & ERR_PADDING:
+        return PayloadError("body", "a padding digit of the last group is not zero")
+    return PayloadError("body", f"decoding kernels reported error bits 0x{err:x}")
+
+
+# ---- fused codec path ----------------------------------------------------------------------
+
+
+def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> ThreeLCEncoded:
+    _check_tensor(g, "g", torch.float32)
+    if e is not None:
+        _check_tensor(e, "e", torch.float32)
+        if e.numel() != g.numel() or e.device != g.device:
+            raise ValueError(
+                f"residual has {e.numel()} elements on {e.device}, "
+                f"gradient {g.numel()} on {g.device}"
+            )
+    s = _sparsity(sparsity)
+    n = g.numel()
+    if n == 0:
+        return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8, device=g.device), 0.0, False)
+    m = (n + 4) // 5
+    with _Launcher(g.device) as k:
+        state = k.state()
+        k("threelc_absmax", n, _ptr(g), _ptr(e), np.int64(n), _ptr(state))
+        quartic = k.empty(m, torch.uint8)
+        k(
+            "threelc_quantize_quartic",
+            m,
+            _ptr(g),
+            _ptr(e),
+            np.int64(n),
+            s,
+            _ptr(state),
+            _ptr(quartic),
+            _NULL,
+        )
+        out = _zre_encode(k, quartic, state)
+        host = _read_state(state)
+    if host[_ST_NONFINITE]:
+        # Like the CPU backend: no body, scale 0, the residual untouched (the kernel did
+        # not write it).
+        return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8, device=g.device), 0.0, True)
+    return ThreeLCEncoded(out[: _count(host)], _f32(host[_ST_SCALE]), False)
+
+
+def _zre_encode(k: _Launcher, qb: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """Zero-run encode qb (m >= 1 bytes) into a new m-byte tensor; the length goes to
+    state[_ST_COUNT], input bytes > 242 set ERR_INPUT. No host synchronisation."""
+    m = qb.numel()
+    start = k.empty(m, torch.int64)
+    k("threelc_zre_run_starts", m, _ptr(qb), np.int64(m), _ptr(start))
+    run_start = torch.cummax(start, 0).values
+    del start  # stream-ordered: reused only by later work on this stream
+    emit = k.empty(m, torch.uint8)
+    k(
+        "threelc_zre_flags",
+        m,
+        _ptr(qb),
+        _ptr(run_start),
+        np.int64(m),
+        _ptr(emit),
+        _ptr(state),
+    )
+    incl = torch.cumsum(emit, 0, dtype=torch.int64)
+    del emit
+    out = k.empty(m, torch.uint8)
+    k(
+        "threelc_zre_scatter",
+        m,
+        _ptr(qb),
+        _ptr(run_start),
+        _ptr(incl),
+        np.int64(m),
+        _ptr(out),
+        np.int64(m),
+        _ptr(state),
+    )
+    return out
+
+
+def _zre_prepare(k: _Launcher, body: torch.Tensor, numel: int, state: torch.Tensor):
+    """Expansion lengths, their inclusive scan and the check kernel (total length, and
+    with numel >= 0 the length / padding checks) into state. Returns the scan."""
+    length = body.numel()
+    lens = k.empty(length, torch.uint8)
+    k("threelc_zre_lengths", length, _ptr(body), np.int64(length), _ptr(lens))
+    incl = torch.cumsum(lens, 0, dtype=torch.int64)
+    k(
+        "threelc_zre_decode_check",
+        1,
+        _ptr(body),
+        _ptr(incl),
+        np.int64(length),
+        np.int64(numel),
+        _ptr(state),
+    )
+    return incl
+
+
+def _as_body(body: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if not isinstance(body, torch.Tensor) or body.dtype != torch.uint8:
+        raise TypeError(f"body must be a uint8 tensor, got {getattr(body, 'dtype', type(body))}")
+    return body.reshape(-1).to(device).contiguous()
+
+
+def threelc_decode(
+    body: torch.Tensor, numel: int, scale: float, out: torch.Tensor, accumulate: bool
+) -> None:
+    _check_tensor(out, "out", torch.float32)
+    if out.numel() != numel:
+        raise ValueError(f"out has {out.numel()} elements, expected {numel}")
+    body = _as_body(body, out.device)
+    m = (numel + 4) // 5
+    length = body.numel()
+    # Cheap host-side bounds first: each body byte expands to 1..14 quartic bytes.
+    if length > m or length * _MAX_RUN < m:
+        raise _body_error(ERR_LENGTH)
+    if length == 0:
+        return  # numel == 0 (m == 0 >= length)
+    with _Launcher(out.device) as k:
+        state = k.state()
+        incl = _zre_prepare(k, body, numel, state)
+        host = _read_state(state)
+        if host[_ST_ERROR]:
+            raise _body_error(int(host[_ST_ERROR]), _count(host), m)
+        qb = k.empty(m, torch.uint8)
+        k(
+            "threelc_zre_expand",
+            length,
+            _ptr(body),
+            _ptr(incl),
+            np.int64(length),
+            np.uint8(_RUN_GROUP),
+            _ptr(qb),
+            np.int64(m),
+            _ptr(state),
+        )
+        k(
+            "threelc_quartic_decode_scale",
+            m,
+            _ptr(qb),
+            np.int64(numel),
+            np.float32(scale),
+            _ptr(out),
+            np.int32(bool(accumulate)),
+            _ptr(state),
+        )
+
+
+def checksum(buf: torch.Tensor, offset: int) -> int:
+    _check_tensor(buf, "buf", torch.uint8)
+    length = buf.numel()
+    if length == 0:
+        return 0
+    with _Launcher(buf.device) as k:
+        state = k.state()
+        k(
+            "hvd_checksum",
+            length,
+            _ptr(buf),
+            np.int64(length),
+            np.uint64(offset % 2**64),
+            _ptr(state),
+        )
+        return int(_read_state(state)[_ST_SUM])
+
+
+# ---- building blocks -----------------------------------------------------------------------
+
+
+def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_tensor(x, "x", torch.float32)
+    s = _sparsity(sparsity)
+    n = x.numel()
+    q = torch.empty(n, dtype=torch.int8, device=x.device)
+    if n == 0:
+        return q, torch.zeros((), dtype=torch.float32, device=x.device)
+    with _Launcher(x.device) as k:
+        state = k.state()
+        k("threelc_absmax", n, _ptr(x), _NULL, np.int64(n), _ptr(state))
+        quartic = k.empty((n + 4) // 5, torch.uint8)
+        k(
+            "threelc_quantize_quartic",
+            quartic.numel(),
+            _ptr(x),
+            _NULL,
+            np.int64(n),
+            s,
+            _ptr(state),
+            _ptr(quartic),
+            _ptr(q),
+        )
+        host = _read_state(state)
+    if host[_ST_NONFINITE]:
+        raise ValueError("quantize: input holds NaN or Inf (or max|x| * sparsity overflows)")
+    return q, state[_ST_SCALE : _ST_SCALE + 1].view(torch.float32)[0].clone()
+
+
+def quartic_encode(q: torch.Tensor) -> torch.Tensor:
+    _check_tensor(q, "q", torch.int8)
+    n = q.numel()
+    out = torch.empty((n + 4) // 5, dtype=torch.uint8, device=q.device)
+    if n == 0:
+        return out
+    with _Launcher(q.device) as k:
+        state = k.state()
+        k("threelc_quartic_encode", out.numel(), _ptr(q), np.int64(n), _ptr(out), _ptr(state))
+        if _read_state(state)[_ST_ERROR]:
+            raise ValueError("quartic_encode: digits must be -1, 0 or 1")
+    return out
+
+
+def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
+    _check_tensor(buf, "buf", torch.uint8)
+    m = (numel + 4) // 5
+    if buf.numel() != m:
+        raise PayloadError(
+            "body", f"{buf.numel()} quartic bytes cannot hold {numel} values (expected {m})"
+        )
+    q = torch.empty(numel, dtype=torch.int8, device=buf.device)
+    if numel == 0:
+        return q
+    with _Launcher(buf.device) as k:
+        state = k.state()
+        k("threelc_quartic_decode", m, _ptr(buf), np.int64(numel), _ptr(q), _ptr(state))
+        err = int(_read_state(state)[_ST_ERROR])
+    if err:
+        raise _body_error(err)
+    return q
+
+
+def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
+    _check_tensor(buf, "buf", torch.uint8)
+    m = buf.numel()
+    if m == 0:
+        return torch.empty(0, dtype=torch.uint8, device=buf.device)
+    with _Launcher(buf.device) as k:
+        state = k.state()
+        out = _zre_encode(k, buf, state)
+        host = _read_state(state)
+    if host[_ST_ERROR] & ERR_INPUT:
+        raise ValueError("zero_run_encode: input bytes must be quartic bytes (<= 242)")
+    return out[: _count(host)].clone()
+
+
+def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch.Tensor:
+    _check_tensor(buf, "buf", torch.uint8)
+    length = buf.numel()
+    if length == 0:
+        total = 0
+    else:
+        with _Launcher(buf.device) as k:
+            state = k.state()
+            incl = _zre_prepare(k, buf, -1, state)
+            total = _count(_read_state(state))
+    if expected_len is not None and total != expected_len:
+        raise PayloadError(
+            "body", f"zero-run decoding gives {total} bytes, expected {expected_len}"
+        )
+    out = torch.empty(total, dtype=torch.uint8, device=buf.device)
+    if length:
+        with _Launcher(buf.device) as k:
+            state = k.state()
+            k(
+                "threelc_zre_expand",
+                length,
+                _ptr(buf),
+                _ptr(incl),
+                np.int64(length),
+                np.uint8(_ZERO_GROUP),
+                _ptr(out),
+                np.int64(total),
+                _ptr(state),
+            )
+    return out
