@@ -147,7 +147,7 @@ def test_quartic_decode_rejects_bad_bytes_and_padding():
 
 
 def test_sparsity_range_is_checked():
-    for bad in (0.5, 0.999, 2.0, 3, float("nan")):
+    for bad in (0.5, 0.999, 2.0, 1.99999999, 3, float("nan")):
         with pytest.raises(ValueError, match=r"\[1.0, 2.0\)"):
             hvdcompress.get_compressor("3lc", sparsity=bad)
 
@@ -188,3 +188,10 @@ def test_decode_indexes_past_2_to_the_31_groups():
     lib = __import__("hvdcompress.backends.cpu", fromlist=["LIB"]).LIB
     assert lib.hvdc_tlc_decode(body.data_ptr(), body.numel(), n, 2.0, fake_out, 1) == 0
     assert real.tolist() == [2.0, 0.0, 0.0, 0.0, -2.0]
+
+
+def test_building_blocks_reject_values_outside_their_alphabet():
+    with pytest.raises(ValueError, match="digits"):
+        threelc.quartic_encode(torch.tensor([0, 2, -1], dtype=torch.int8))
+    with pytest.raises(ValueError, match="242"):
+        threelc.zero_run_encode(torch.tensor([121, 250], dtype=torch.uint8))

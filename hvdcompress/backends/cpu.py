@@ -62,9 +62,11 @@ NONFINITE_BITS = 0x7F800000  # abs bits at or above this are Inf or NaN
 
 
 def _built_library() -> Path | None:
+    """The library pip built, unless a source file is newer (an edited checkout)."""
+    newest_source = max(src.stat().st_mtime for src in _SOURCES)
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         candidate = _PKG / f"_codec_cpu{suffix}"
-        if candidate.exists():
+        if candidate.exists() and candidate.stat().st_mtime >= newest_source:
             return candidate
     return None
 
@@ -177,6 +179,8 @@ def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tens
 
 
 def quartic_encode(q: torch.Tensor) -> torch.Tensor:
+    if q.numel() and (q.min() < -1 or q.max() > 1):
+        raise ValueError("quartic_encode: digits must be in {-1, 0, 1}")
     out = torch.empty((q.numel() + 4) // 5, dtype=torch.uint8)
     LIB.hvdc_tlc_quartic_encode(_ptr(q), q.numel(), _ptr(out))
     return out
@@ -189,6 +193,8 @@ def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
+    if buf.numel() and buf.max() > 242:
+        raise ValueError("zero_run_encode: quartic bytes are at most 242")
     out = torch.empty(buf.numel() + 2, dtype=torch.uint8)  # 2 bytes of encoder slack
     length = LIB.hvdc_tlc_zre_encode(_ptr(buf), buf.numel(), _ptr(out))
     return out[:length].clone()

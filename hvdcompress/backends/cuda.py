@@ -64,6 +64,25 @@ _ZERO_GROUP, _RUN_GROUP = 121, 243  # quartic byte of five zeros; decode-interna
 _MAX_RUN = 14
 _NULL = np.uint64(0)
 
+# Seams for tests/test_host_kernels.py, which runs this module's code on CPU tensors with
+# the kernels compiled for the host behind a stand-in for CuPy (checking every kernel
+# argument's type against kernels/threelc.cu). Nothing else changes them.
+DEVICE_TYPE = "cuda"
+
+
+def _import_cupy():
+    import cupy
+
+    return cupy
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _torch_stream(device_index: int):
+    return torch.cuda.current_stream(device_index)
+
 
 def kernel_dir() -> Path:
     """Folder holding the .cu sources: packaged ``hvdcompress/kernels`` or the repo's."""
@@ -125,8 +144,7 @@ class _Module:
     """The compiled kernels on one device."""
 
     def __init__(self, device_index: int):
-        import cupy
-
+        cupy = _import_cupy()
         source = (kernel_dir() / KERNEL_FILE).read_text()
         with cupy.cuda.Device(device_index) as dev:
             module = cupy.RawModule(code=source, options=NVRTC_OPTIONS)
@@ -148,7 +166,7 @@ def _module(device_index: int) -> _Module:
         return mod
 
 
-def _cupy_stream(cupy, tstream: torch.cuda.Stream, device_index: int):
+def _cupy_stream(cupy, tstream, device_index: int):
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is not None and hasattr(tstream, "__cuda_stream__"):
         return from_external(tstream)
@@ -161,15 +179,14 @@ class _Launcher:
     """Context for one call: the device, torch's current stream (made CuPy's), kernels."""
 
     def __init__(self, device: torch.device):
-        import cupy
-
-        if device.type != "cuda":
+        cupy = _import_cupy()
+        if device.type != DEVICE_TYPE:
             raise TypeError(f"the CUDA backend got a tensor on {device}")
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self.device = torch.device("cuda", self.index)
+        self.index = _device_index(device)
+        self.device = device
         self.mod = _module(self.index)
         self._dev = cupy.cuda.Device(self.index)
-        self._stream = _cupy_stream(cupy, torch.cuda.current_stream(self.index), self.index)
+        self._stream = _cupy_stream(cupy, _torch_stream(self.index), self.index)
 
     def __enter__(self) -> _Launcher:
         self._dev.__enter__()
@@ -201,7 +218,7 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
 
 def _read_state(state: torch.Tensor) -> np.ndarray:
     """The one device-to-host copy of a call (synchronises with the stream)."""
-    return state.cpu().numpy().view(np.uint32)
+    return state.cpu().numpy().view(np.uint32).copy()
 
 
 def _count(host: np.ndarray) -> int:
@@ -215,7 +232,7 @@ def _f32(word) -> float:
 def _check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cuda":
+    if t.device.type != DEVICE_TYPE:
         raise TypeError(f"{name} is on {t.device}; the CUDA backend takes CUDA tensors")
     if t.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")

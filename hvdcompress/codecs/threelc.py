@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import torch
 
 from hvdcompress.backends import ThreeLCEncoded, for_device
@@ -37,7 +38,8 @@ def check_sparsity(sparsity: float) -> float:
     """Return sparsity as float, or raise: 1 <= s < 2 keeps the largest element (SPEC 2)."""
     lo, hi = SPARSITY_RANGE
     s = float(sparsity)
-    if not (lo <= s < hi):
+    # the float32 value is what multiplies: 1.99999999 would round up to 2.0
+    if not (lo <= s < hi and np.float32(s) < hi):
         raise ValueError(f"3LC sparsity must be in [{lo}, {hi}), got {sparsity!r}")
     return s
 
