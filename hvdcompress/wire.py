@@ -50,7 +50,19 @@ CHECKSUM_OFFSET = 12
 FLAG_NONFINITE = 1
 KNOWN_FLAGS = FLAG_NONFINITE
 
-CODEC_IDS = {"3lc": 1}
+# Fixed forever once released: a payload's codec id outlives the code that wrote it.
+CODEC_IDS = {
+    "3lc": 1,
+    "dqsg": 2,
+    "ndqsg": 3,
+    "topk": 4,
+    "randomk": 5,
+    "dgc": 6,
+    "qsgd": 7,
+    "terngrad": 8,
+    "signsgd": 9,
+    "efsignsgd": 10,
+}
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 
 DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
