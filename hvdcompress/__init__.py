@@ -6,9 +6,23 @@ parameters. The wire format every rank and backend shares is in ``wire``.
 """
 
 from hvdcompress import wire
+from hvdcompress.compat import Compression
 from hvdcompress.compressors import Compressor, Ctx, available, get_compressor
+from hvdcompress.optimizer import Average, DistributedOptimizer, RankAgreementError, Sum
 from hvdcompress.wire import PayloadError
 
 __version__ = "0.1.0"
 
-__all__ = ["Compressor", "Ctx", "PayloadError", "available", "get_compressor", "wire"]
+__all__ = [
+    "Average",
+    "Compression",
+    "Compressor",
+    "Ctx",
+    "DistributedOptimizer",
+    "PayloadError",
+    "RankAgreementError",
+    "Sum",
+    "available",
+    "get_compressor",
+    "wire",
+]

@@ -1,0 +1,296 @@
+"""Transports: move payloads between ranks (SPEC section 1, "transport").
+
+Three operations, each started asynchronously and finished with ``Handle.wait()``:
+
+* ``start_allgatherv(local_uint8)`` -> ``(gathered_uint8, sizes)``: every rank's bytes
+  concatenated in rank order, plus each rank's byte count (the gather path of
+  gather-only codecs such as 3LC);
+* ``start_allreduce_sum(dense)`` -> the elementwise sum over ranks (summable codecs);
+* ``allgather_object(obj)`` -> list of every rank's object (small agreement checks;
+  blocking).
+
+Invariant: on every rank, collectives complete in the order they were started, and
+every rank receives the same bytes. Callers must start collectives in the same order
+on every rank (the optimizer starts buckets in bucket order).
+
+``MPITransport`` uses mpi4py and needs no Horovod: a single background thread runs the
+blocking collectives on a duplicated communicator (so they overlap the caller's work,
+and agreement checks on the original communicator never interleave with them), in FIFO
+order. Sizes are exchanged with ``Allgather`` before ``Allgatherv``. Sums of float16 and
+bfloat16 use a user-defined MPI op that adds in float32 and rounds back, as Horovod does.
+
+``HorovodTransport`` uses ``horovod.torch``'s async allgather/allreduce, whose background
+thread already overlaps and orders collectives; each rank's bytes travel behind an
+8-byte length so that the sizes come with the data in one collective.
+
+Neither module is imported before a transport is built: ``import hvdcompress`` works
+without mpi4py or Horovod.
+"""
+
+from __future__ import annotations
+
+import queue
+import struct
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+_LEN = struct.Struct("<Q")
+
+
+class Handle:
+    """The result of a started collective; ``wait()`` returns it or raises its error."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result = None
+        self._error: BaseException | None = None
+
+    def _finish(self, result=None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+    def wait(self, timeout: float | None = None):
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"collective did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class _DoneHandle(Handle):
+    def __init__(self, fn: Callable[[], object]) -> None:
+        super().__init__()
+        self._fn = fn
+
+    def wait(self, timeout: float | None = None):
+        if not self._done.is_set():
+            try:
+                self._finish(self._fn())
+            except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait
+                self._finish(error=err)
+        return super().wait(timeout)
+
+
+class Transport:
+    """Interface (see the module docstring). ``rank`` and ``size`` are set by subclasses."""
+
+    name = ""
+    rank: int = 0
+    size: int = 1
+
+    def start_allgatherv(self, local: torch.Tensor) -> Handle:
+        raise NotImplementedError
+
+    def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
+        raise NotImplementedError
+
+    def allgather_object(self, obj) -> list:
+        raise NotImplementedError
+
+
+# ---- mpi4py --------------------------------------------------------------------------------
+
+
+def _add_16bit(dtype: torch.dtype):
+    """An MPI user op that sums 2-byte floats in float32 and rounds back (Horovod's rule)."""
+
+    def add(inbuf, outbuf, datatype) -> None:
+        a = torch.frombuffer(inbuf, dtype=dtype)
+        b = torch.frombuffer(outbuf, dtype=dtype)
+        b.copy_(a.float() + b.float())
+
+    return add
+
+
+_OPS_16BIT: dict = {}
+
+
+def _sum_ops_16bit(MPI) -> dict:
+    """The float16/bfloat16 sum ops, created once per process (MPI allows few user ops)."""
+    if not _OPS_16BIT:
+        for dtype in (torch.float16, torch.bfloat16):
+            _OPS_16BIT[dtype] = MPI.Op.Create(_add_16bit(dtype), commute=True)
+    return _OPS_16BIT
+
+
+class MPITransport(Transport):
+    """Collectives over an mpi4py communicator (default ``COMM_WORLD``); see module doc."""
+
+    name = "mpi4py"
+
+    def __init__(self, comm=None) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self._data_comm = self.comm.Dup()  # the worker's collectives never meet ours
+        self._ops = _sum_ops_16bit(MPI)
+        self._mpi_types = {
+            torch.float32: MPI.FLOAT,
+            torch.float64: MPI.DOUBLE,
+            torch.float16: MPI.UINT16_T,
+            torch.bfloat16: MPI.UINT16_T,
+        }
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="hvdcompress-mpi", daemon=True)
+        self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            job, handle = self._queue.get()
+            try:
+                handle._finish(job())
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                handle._finish(error=err)
+
+    def _submit(self, job: Callable[[], object]) -> Handle:
+        handle = Handle()
+        self._queue.put((job, handle))
+        return handle
+
+    def start_allgatherv(self, local: torch.Tensor) -> Handle:
+        buf = np.ascontiguousarray(local.detach().cpu().numpy(), dtype=np.uint8)
+        MPI, comm = self.MPI, self._data_comm
+
+        def job():
+            sizes = np.zeros(self.size, dtype=np.int64)
+            comm.Allgather(np.array([buf.size], dtype=np.int64), sizes)
+            displs = np.zeros(self.size, dtype=np.int64)
+            displs[1:] = np.cumsum(sizes)[:-1]
+            recv = np.empty(int(sizes.sum()), dtype=np.uint8)
+            comm.Allgatherv(
+                [buf, MPI.UNSIGNED_CHAR],
+                [recv, (sizes.tolist(), displs.tolist()), MPI.UNSIGNED_CHAR],
+            )
+            return torch.from_numpy(recv), [int(s) for s in sizes]
+
+        return self._submit(job)
+
+    def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
+        if dense.dtype not in self._mpi_types:
+            raise TypeError(f"mpi4py transport cannot sum {dense.dtype}")
+        src = dense.detach().cpu().contiguous()
+        device = dense.device
+        mpi_type = self._mpi_types[src.dtype]
+        op = self._ops.get(src.dtype, self.MPI.SUM)
+        comm = self._data_comm
+
+        def job():
+            out = torch.empty_like(src)
+            send = src.view(torch.uint16) if src.element_size() == 2 else src
+            recv = out.view(torch.uint16) if out.element_size() == 2 else out
+            comm.Allreduce([send.numpy(), mpi_type], [recv.numpy(), mpi_type], op=op)
+            return out.to(device)
+
+        return self._submit(job)
+
+    def allgather_object(self, obj) -> list:
+        return self.comm.allgather(obj)
+
+
+# ---- Horovod -------------------------------------------------------------------------------
+
+
+class HorovodTransport(Transport):
+    """Collectives through ``horovod.torch`` (initialised here if the caller has not)."""
+
+    name = "horovod"
+
+    def __init__(self) -> None:
+        import horovod.torch as hvd
+
+        if not hvd.is_initialized():
+            hvd.init()
+        self.hvd = hvd
+        self.rank = hvd.rank()
+        self.size = hvd.size()
+        self._count = 0
+
+    def _name(self, kind: str) -> str:
+        # Horovod matches collectives across ranks by name: a per-transport counter is the
+        # same on every rank because every rank starts collectives in the same order.
+        self._count += 1
+        return f"hvdcompress.{kind}.{self._count}"
+
+    def start_allgatherv(self, local: torch.Tensor) -> Handle:
+        hvd = self.hvd
+        local = local.detach().reshape(-1).to(torch.uint8)
+        prefix = torch.frombuffer(bytearray(_LEN.pack(local.numel())), dtype=torch.uint8)
+        framed = torch.cat([prefix.to(local.device), local])
+        if framed.is_cuda and not hvd.gpu_available("torch"):
+            framed = framed.cpu()
+        handle = hvd.allgather_async(framed, name=self._name("allgatherv"))
+        size = self.size
+
+        def finish():
+            gathered = hvd.synchronize(handle).cpu()
+            return _strip_length_prefixes(gathered, size)
+
+        return _DoneHandle(finish)
+
+    def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
+        hvd = self.hvd
+        src = dense.detach().contiguous()
+        if src.dtype == torch.bfloat16 and not src.is_cuda:
+            # Horovod 0.28.1 has no bfloat16 CPU allreduce: gather the bits, sum in rank
+            # order in float32 rounding each add to bfloat16 (same on every rank).
+            handle = hvd.allgather_async(src.view(torch.int16), name=self._name("bf16sum"))
+            n, size = src.numel(), self.size
+
+            def finish():
+                parts = hvd.synchronize(handle).view(torch.bfloat16).view(size, n)
+                total = parts[0].clone()
+                for r in range(1, size):
+                    total = (total.float() + parts[r].float()).to(torch.bfloat16)
+                return total.to(dense.device)
+
+            return _DoneHandle(finish)
+        handle = hvd.allreduce_async(src, name=self._name("allreduce"), op=hvd.Sum)
+        return _DoneHandle(lambda: hvd.synchronize(handle).to(dense.device))
+
+    def allgather_object(self, obj) -> list:
+        return self.hvd.allgather_object(obj, name=self._name("object"))
+
+
+def _strip_length_prefixes(gathered: torch.Tensor, size: int) -> tuple[torch.Tensor, list[int]]:
+    """Undo HorovodTransport's framing: ``size`` x (8-byte length, bytes) -> (bytes, sizes)."""
+    raw = gathered.numpy()
+    parts, sizes, offset = [], [], 0
+    for rank in range(size):
+        if offset + _LEN.size > raw.size:
+            raise RuntimeError(f"allgather: rank {rank}'s length prefix is missing")
+        (n,) = _LEN.unpack_from(raw, offset)
+        offset += _LEN.size
+        if offset + n > raw.size:
+            raise RuntimeError(f"allgather: rank {rank} announced {n} bytes, fewer arrived")
+        parts.append(gathered[offset : offset + n])
+        sizes.append(int(n))
+        offset += n
+    if offset != raw.size:
+        raise RuntimeError(f"allgather: {raw.size - offset} unexpected trailing bytes")
+    return torch.cat(parts) if parts else gathered[:0], sizes
+
+
+_SHARED: dict[str, Transport] = {}
+
+
+def make_transport(backend: str) -> Transport:
+    """The process's shared transport for ``"mpi4py"`` (alias ``"mpi"``) or ``"horovod"``.
+
+    Shared, so that many optimizers in one process use one worker thread and one
+    duplicated communicator.
+    """
+    if backend in ("mpi4py", "mpi"):
+        if "mpi4py" not in _SHARED:
+            _SHARED["mpi4py"] = MPITransport()
+        return _SHARED["mpi4py"]
+    if backend == "horovod":
+        if "horovod" not in _SHARED:
+            _SHARED["horovod"] = HorovodTransport()
+        return _SHARED["horovod"]
+    raise ValueError(f"unknown backend {backend!r}: use 'horovod' or 'mpi4py'")

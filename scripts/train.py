@@ -1,0 +1,403 @@
+#!/usr/bin/env python
+"""Data-parallel Fashion-MNIST training with hvdcompress.DistributedOptimizer.
+
+Launch with any of (one process per rank; each rank trains on its shard):
+
+    horovodrun -np 4 python scripts/train.py --compression 3lc --epochs 1
+    horovodrun --gloo -np 4 python scripts/train.py --backend horovod
+    mpirun -np 4 python scripts/train.py --backend mpi4py
+    srun --mpi=pmix python scripts/train.py          (see slurm/)
+
+Data: the idx files of Debian's ``dataset-fashion-mnist`` in
+/usr/share/datasets/fashion-mnist (``--dataset synthetic`` needs none). Every rank starts
+from rank 0's parameters and sees a disjoint shard of each epoch's seeded permutation,
+with the same number of steps (the remainder is dropped, so no rank waits alone in a
+collective). Rank 0 shows a progress bar and writes ``metrics.csv`` and TensorBoard
+events to ``--log-dir``: loss, test accuracy, bytes sent per step (per rank, ring model
+of SPEC section 7), bits per value, compression time and step time. ``--checkpoint DIR``
+saves one file per rank (error-feedback residuals are per rank); ``--resume`` continues
+from it and gives the same parameters as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import hashlib
+import os
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import hvdcompress  # noqa: E402
+
+DATA_DIR = "/usr/share/datasets/fashion-mnist"
+FILES = {
+    "train_x": "train-images-idx3-ubyte.gz",
+    "train_y": "train-labels-idx1-ubyte.gz",
+    "test_x": "t10k-images-idx3-ubyte.gz",
+    "test_y": "t10k-labels-idx1-ubyte.gz",
+}
+
+
+# ---- data ----------------------------------------------------------------------------------
+def read_idx(path: Path) -> np.ndarray:
+    """An idx file (big-endian magic 0x00000803 images / 0x00000801 labels, then uint8)."""
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    zero, dtype, ndim = struct.unpack_from(">HBB", raw, 0)
+    if zero != 0 or dtype != 0x08 or ndim not in (1, 3):
+        raise ValueError(f"{path}: not a uint8 idx file (magic {raw[:4].hex()})")
+    dims = struct.unpack_from(f">{ndim}I", raw, 4)
+    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+    if data.size != int(np.prod(dims)):
+        raise ValueError(f"{path}: header says {dims}, file holds {data.size} values")
+    return data.reshape(dims)
+
+
+def load_fashion_mnist(data_dir: str):
+    d = Path(data_dir)
+    missing = [name for name in FILES.values() if not (d / name).is_file()]
+    if missing:
+        raise SystemExit(
+            f"Fashion-MNIST not found: {', '.join(missing)} missing in {d}. Install the "
+            "Debian package dataset-fashion-mnist (apt-get install dataset-fashion-mnist), "
+            "pass --data-dir, or use --dataset synthetic."
+        )
+    arrays = {k: read_idx(d / v) for k, v in FILES.items()}
+
+    def images(a):
+        x = torch.from_numpy(a.astype(np.float32) / 255.0).unsqueeze(1)
+        return (x - 0.2860) / 0.3530  # Fashion-MNIST mean / std
+
+    def labels(a):
+        return torch.from_numpy(a.astype(np.int64))
+
+    return (
+        (images(arrays["train_x"]), labels(arrays["train_y"])),
+        (images(arrays["test_x"]), labels(arrays["test_y"])),
+    )
+
+
+def synthetic(n_train: int, n_test: int, seed: int = 1234):
+    """Learnable 28x28 data: one random prototype image per class plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    prototypes = torch.randn(10, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (n_train + n_test,), generator=g)
+    x = prototypes[y] + 2.0 * torch.randn(n_train + n_test, 1, 28, 28, generator=g)
+    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+
+
+# ---- models --------------------------------------------------------------------------------
+class SmallCNN(torch.nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, width, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.fc1 = torch.nn.Linear(2 * width * 7 * 7, 8 * width)
+        self.fc2 = torch.nn.Linear(8 * width, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+class BasicBlock(torch.nn.Module):
+    """ResNet basic block with GroupNorm (no running buffers to drift apart across ranks)."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.norm1 = torch.nn.GroupNorm(4, cout)
+        self.conv2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.norm2 = torch.nn.GroupNorm(4, cout)
+        self.skip = (
+            torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False))
+            if stride != 1 or cin != cout
+            else torch.nn.Identity()
+        )
+
+    def forward(self, x):
+        out = F.relu(self.norm1(self.conv1(x)))
+        return F.relu(self.norm2(self.conv2(out)) + self.skip(x))
+
+
+class SmallResNet(torch.nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(1, width, 3, padding=1, bias=False)
+        self.blocks = torch.nn.Sequential(
+            BasicBlock(width, width, 1),
+            BasicBlock(width, 2 * width, 2),
+            BasicBlock(2 * width, 4 * width, 2),
+        )
+        self.fc = torch.nn.Linear(4 * width, 10)
+
+    def forward(self, x):
+        x = self.blocks(F.relu(self.stem(x)))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+MODELS = {"cnn": SmallCNN, "resnet": SmallResNet}
+
+
+# ---- distributed setup ---------------------------------------------------------------------
+class Dist:
+    """rank, size, local_size, broadcast of parameters and a small sum, per backend."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        if backend == "horovod":
+            import horovod.torch as hvd
+
+            hvd.init()
+            self.hvd = hvd
+            self.rank, self.size, self.local_size = hvd.rank(), hvd.size(), hvd.local_size()
+        else:
+            from mpi4py import MPI
+
+            self.comm = MPI.COMM_WORLD
+            self.rank, self.size = self.comm.rank, self.comm.size
+            self.local_size = self.comm.Split_type(MPI.COMM_TYPE_SHARED).size
+
+    def broadcast_(self, tensors) -> None:
+        for t in tensors:
+            if self.backend == "horovod":
+                self.hvd.broadcast_(t.data, root_rank=0)
+            else:
+                buf = t.detach().cpu().contiguous()
+                self.comm.Bcast(buf.numpy(), root=0)
+                t.data.copy_(buf)
+
+    def sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.backend == "horovod":
+            return self.hvd.allreduce(t, op=self.hvd.Sum).tolist()
+        return self.comm.allreduce(np.array(values, dtype=np.float64)).tolist()
+
+
+def default_threads(local_size: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(local_size, 1))
+
+
+def param_digest(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- training ------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dataset", choices=["fashion-mnist", "synthetic"], default="fashion-mnist")
+    p.add_argument("--data-dir", default=DATA_DIR)
+    p.add_argument("--synthetic-size", type=int, default=4096, help="training examples")
+    p.add_argument("--model", choices=sorted(MODELS), default="cnn")
+    p.add_argument("--width", type=int, default=16, help="channels of the first layer")
+    p.add_argument("--compression", choices=["none", "fp16", "bf16", "3lc"], default="3lc")
+    p.add_argument("--sparsity", type=float, default=1.0, help="3LC sparsity multiplier [1, 2)")
+    p.add_argument("--backend", choices=["horovod", "mpi4py"], default="horovod")
+    p.add_argument("--fusion-threshold", type=int, default=None, help="bytes per collective")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps in all")
+    p.add_argument("--batch-size", type=int, default=64, help="per rank")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    p.add_argument("--log-dir", default=None, help="metrics.csv and TensorBoard events")
+    p.add_argument("--checkpoint", default=None, help="directory: one file per rank")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def evaluate(model, test, dist, batch: int = 1000) -> float:
+    x, y = test
+    shard = range(dist.rank, len(x), dist.size)
+    correct = 0
+    model.eval()
+    with torch.no_grad():
+        idx = torch.tensor(list(shard), dtype=torch.long)
+        for i in range(0, len(idx), batch):
+            b = idx[i : i + batch]
+            correct += int((model(x[b]).argmax(1) == y[b]).sum())
+    model.train()
+    total_correct, total = dist.sum([float(correct), float(len(shard))])
+    return total_correct / max(total, 1.0)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.resume and not args.checkpoint:
+        raise SystemExit("--resume needs --checkpoint DIR")
+    dist = Dist(args.backend)
+    threads = args.threads or default_threads(dist.local_size)
+    torch.set_num_threads(threads)
+    torch.manual_seed(args.seed)
+
+    if args.dataset == "synthetic":
+        train, test = synthetic(args.synthetic_size, max(args.synthetic_size // 4, 256))
+    else:
+        train, test = load_fashion_mnist(args.data_dir)
+
+    model = MODELS[args.model](args.width)
+    dist.broadcast_(model.parameters())
+    compression = (
+        hvdcompress.Compression.threelc(sparsity=args.sparsity)
+        if args.compression == "3lc"
+        else args.compression
+    )
+    opt = hvdcompress.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum),
+        model.named_parameters(),
+        compression=compression,
+        backend=args.backend,
+        fusion_threshold=args.fusion_threshold,
+    )
+
+    steps_per_epoch = len(train[0]) // (dist.size * args.batch_size)
+    if steps_per_epoch == 0:
+        raise SystemExit(
+            f"{len(train[0])} examples cannot give {dist.size} ranks a batch of "
+            f"{args.batch_size}: lower --batch-size"
+        )
+    total_steps = steps_per_epoch * args.epochs
+    if args.steps is not None:
+        total_steps = args.steps
+
+    start_step = 0
+    ckpt_path = Path(args.checkpoint) / f"rank{dist.rank}.pt" if args.checkpoint else None
+    if args.resume:
+        if not ckpt_path.is_file():
+            raise SystemExit(f"--resume: {ckpt_path} does not exist")
+        saved = torch.load(ckpt_path, weights_only=False)
+        if saved["size"] != dist.size:
+            raise SystemExit(f"checkpoint is from {saved['size']} ranks, this run has {dist.size}")
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        start_step = saved["step"]
+
+    def save(step: int) -> None:
+        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt_path.with_suffix(".tmp")
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        torch.save({**state, "step": step, "size": dist.size, "args": vars(args)}, tmp)
+        os.replace(tmp, ckpt_path)
+
+    is_root = dist.rank == 0
+    writer = csv_file = csv_out = None
+    if is_root and args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        csv_file = open(Path(args.log_dir) / "metrics.csv", "a" if args.resume else "w", newline="")
+        csv_out = csv.writer(csv_file)
+        if not args.resume:
+            csv_out.writerow(
+                ["step", "epoch", "loss", "test_acc", "bytes_sent", "payload_bytes",
+                 "raw_bytes", "bits_per_value", "compress_s", "step_s"]
+            )  # fmt: skip
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(args.log_dir)
+        except ImportError as err:
+            print(f"train: no TensorBoard events ({err}); metrics.csv only", file=sys.stderr)
+
+    bar = None
+    if is_root and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    totals = {"wire": 0.0, "raw": 0.0, "steps": 0}
+    size = dist.size
+    step = start_step
+    loss_value = float("nan")
+    first_loss = last_loss = None
+    x_train, y_train = train
+    while step < total_steps:
+        epoch = step // steps_per_epoch
+        perm = torch.randperm(
+            len(x_train), generator=torch.Generator().manual_seed(args.seed + epoch)
+        )
+        in_epoch = step % steps_per_epoch
+        lo = (in_epoch * size + dist.rank) * args.batch_size
+        idx = perm[lo : lo + args.batch_size]
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+        loss.backward()
+        opt.step()
+        step_s = time.perf_counter() - t0
+        step += 1
+        stats = opt.last_stats
+        loss_value = float(loss.detach())
+        first_loss = loss_value if first_loss is None else first_loss
+        last_loss = loss_value
+        totals["wire"] += stats.wire_bytes
+        totals["raw"] += 2.0 * (size - 1) / size * stats.raw_bytes
+        totals["steps"] += 1
+        end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
+        acc = evaluate(model, test, dist) if end_of_epoch else None
+        if ckpt_path and (
+            step == total_steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
+        ):
+            save(step)
+        if is_root:
+            row = [
+                step, epoch, f"{loss_value:.6f}", "" if acc is None else f"{acc:.4f}",
+                f"{stats.wire_bytes:.0f}", stats.payload_bytes, stats.raw_bytes,
+                f"{stats.bits_per_value:.4f}", f"{stats.compress_s:.6f}", f"{step_s:.6f}",
+            ]  # fmt: skip
+            if csv_out:
+                csv_out.writerow(row)
+            if writer:
+                writer.add_scalar("train/loss", loss_value, step)
+                writer.add_scalar("comm/bytes_sent", stats.wire_bytes, step)
+                writer.add_scalar("comm/bits_per_value", stats.bits_per_value, step)
+                writer.add_scalar("time/compress_s", stats.compress_s, step)
+                writer.add_scalar("time/step_s", step_s, step)
+                if acc is not None:
+                    writer.add_scalar("test/accuracy", acc, step)
+            if bar:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.3f}", bpv=f"{stats.bits_per_value:.2f}")
+            if acc is not None and bar is None:
+                print(f"step {step} epoch {epoch} loss {loss_value:.4f} test_acc {acc:.4f}")
+
+    final_acc = evaluate(model, test, dist)
+    digest = param_digest(model)
+    if is_root:
+        if bar:
+            bar.close()
+        saved = 1.0 - totals["wire"] / totals["raw"] if totals["raw"] else 0.0
+        print(
+            f"summary: ranks {size} backend {args.backend} compression {args.compression} "
+            f"steps {step} first_loss {first_loss} last_loss {last_loss} "
+            f"test_accuracy {final_acc:.4f} bytes_sent_per_rank {totals['wire']:.0f} "
+            f"uncompressed_allreduce_bytes {totals['raw']:.0f} traffic_saved {100 * saved:.1f}% "
+            f"threads {threads} param_digest {digest}",
+            flush=True,
+        )
+        if writer:
+            writer.add_scalar("test/final_accuracy", final_acc, step)
+            writer.close()
+        if csv_file:
+            csv_file.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
