@@ -34,7 +34,7 @@ any single changed byte changes the sum.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -122,8 +122,7 @@ def checksum_numpy(buf: np.ndarray, offset: int = 0) -> int:
     return int(np.bitwise_and(terms.sum(dtype=np.uint64), np.uint64(0xFFFFFFFF)))
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):  # a NamedTuple: built once per payload on the hot path
     codec: str
     flags: int
     dtype: torch.dtype

@@ -140,7 +140,12 @@ class Compressor:
             raise PayloadError(
                 "payload", f"expected a 1-D tensor, got shape {tuple(payload.shape)}"
             )
-        raw = payload[: wire.MAX_HEADER].cpu().numpy()  # a view on the CPU, one copy on GPUs
+        # a view on the CPU; one small device-to-host copy on a GPU
+        raw = (
+            payload.numpy()
+            if payload.device.type == "cpu"
+            else payload[: wire.MAX_HEADER].cpu().numpy()
+        )
         header = wire.parse_header(raw, payload.numel())
         return header, raw[: header.size].tobytes()
 

@@ -28,6 +28,7 @@ class ThreeLC(Compressor):
 
     def __init__(self, sparsity: float = 1.0) -> None:
         self.sparsity = threelc.check_sparsity(sparsity)
+        self._sparsity32 = as_float32(self.sparsity)  # as the header stores it
         self.memory = ErrorFeedback()
 
     def __repr__(self) -> str:
@@ -48,7 +49,7 @@ class ThreeLC(Compressor):
                 f"3LC has {threelc.PARAMS.size} bytes of parameters, got {len(header.params)}",
             )
         sparsity, scale = threelc.PARAMS.unpack(header.params)
-        if sparsity != as_float32(self.sparsity):
+        if sparsity != self._sparsity32:
             raise PayloadError(
                 "sparsity",
                 f"expected {self.sparsity}, got {sparsity} (ranks disagree on the compressor)",
