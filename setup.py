@@ -33,7 +33,7 @@ setup(
     ext_modules=[
         Extension(
             "hvdcompress._codec_cpu",
-            sources=["hvdcompress/csrc/threelc_cpu.c"],
+            sources=["hvdcompress/csrc/threelc_cpu.c", "hvdcompress/csrc/baselines_cpu.c"],
             extra_compile_args=C_FLAGS,
         )
     ],

@@ -184,6 +184,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         self._compressor = compressor
         self._transport = transport
+        compressor.bind(transport.rank, transport.size)
         self.backward_passes_per_step = int(backward_passes_per_step)
         if self.backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")

@@ -52,6 +52,11 @@ _SIGNATURES = {
     "hvdc_tlc_dequantize": (_i64, [_p, _i64, _f32, _p, _int]),
     "hvdc_tlc_decode": (_i64, [_p, _i64, _i64, _f32, _p, _int]),
     "hvdc_checksum": (_u32, [_p, _i64, _i64]),
+    # baseline codecs (csrc/baselines_cpu.c)
+    "hvdc_bl_uniform": (None, [ctypes.c_uint64, _i64, _i64, _p]),
+    "hvdc_bl_bitpack": (None, [_p, _i64, _int, _p]),
+    "hvdc_bl_bitunpack": (_i64, [_p, _i64, _i64, _int, _p]),
+    "hvdc_bl_chunk_sums": (None, [_p, _i64, _i64, _int, _p]),
 }
 _ERRORS = {
     -1: "zero-run decoding does not give exactly ceil(numel / 5) quartic bytes",
@@ -208,4 +213,44 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
         )
     out = torch.empty(total, dtype=torch.uint8)
     _check(LIB.hvdc_tlc_zre_decode(_ptr(buf), buf.numel(), _ptr(out), total))
+    return out
+
+
+# ---- baseline codecs' primitives (csrc/baselines_cpu.c; see hvdcompress.codecs.primitives) ----
+
+_BL_ERRORS = {
+    -1: "the packed body does not have ceil(numel * bits / 8) bytes",
+    -4: "a padding bit after the last packed value is set",
+}
+
+
+def bl_uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
+    """n float32 uniforms in [0, 1): counter-based, element i from (key, i)."""
+    out = torch.empty(n, dtype=torch.float32)
+    if n:
+        LIB.hvdc_bl_uniform(key, 0, n, _ptr(out))
+    return out
+
+
+def bl_bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    n = codes.numel()
+    out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
+    if n:
+        LIB.hvdc_bl_bitpack(_ptr(codes), n, bits, _ptr(out))
+    return out
+
+
+def bl_bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    codes = torch.empty(n, dtype=torch.uint8)
+    code = LIB.hvdc_bl_bitunpack(_ptr(buf), buf.numel(), n, bits, _ptr(codes))
+    if code < 0:
+        raise PayloadError("body", _BL_ERRORS.get(code, f"error code {code}"))
+    return codes
+
+
+def bl_chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
+    n = x.numel()
+    out = torch.empty((n + chunk - 1) // chunk, dtype=torch.float64)
+    if n:
+        LIB.hvdc_bl_chunk_sums(_ptr(x), n, chunk, int(square), _ptr(out))
     return out

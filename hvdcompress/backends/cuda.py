@@ -532,3 +532,122 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
                 _ptr(state),
             )
     return out
+
+
+# ---- baseline codecs' primitives (kernels/baselines.cu; see hvdcompress.codecs.primitives) ----
+# A second RawModule per device, compiled on first use like the 3LC one; the launcher is the
+# same (torch's current stream, BLOCK threads, grid-stride kernels).
+
+BL_KERNEL_FILE = "baselines.cu"
+BL_KERNEL_NAMES = ("hvd_bl_uniform", "hvd_bl_bitpack", "hvd_bl_bitunpack", "hvd_bl_chunk_sums")
+_BL_ERR_PADDING = 4
+
+
+class _BlModule:
+    """The compiled baseline kernels on one device."""
+
+    def __init__(self, device_index: int):
+        cupy = _import_cupy()
+        source = (kernel_dir() / BL_KERNEL_FILE).read_text()
+        with cupy.cuda.Device(device_index) as dev:
+            module = cupy.RawModule(code=source, options=NVRTC_OPTIONS)
+            self.functions = {name: module.get_function(name) for name in BL_KERNEL_NAMES}
+            sms = dev.attributes["MultiProcessorCount"]
+        self.max_blocks = max(1, BLOCKS_PER_SM * sms)
+        self.module = module
+
+
+_bl_modules: dict[int, _BlModule] = {}
+
+
+def _bl_module(device_index: int) -> _BlModule:
+    with _modules_lock:
+        mod = _bl_modules.get(device_index)
+        if mod is None:
+            mod = _bl_modules[device_index] = _BlModule(device_index)
+        return mod
+
+
+class _BlLauncher(_Launcher):
+    """_Launcher with the baseline kernels."""
+
+    def __init__(self, device: torch.device):
+        cupy = _import_cupy()
+        if device.type != DEVICE_TYPE:
+            raise TypeError(f"the CUDA backend got a tensor on {device}")
+        self.index = _device_index(device)
+        self.device = device
+        self.mod = _bl_module(self.index)
+        self._dev = cupy.cuda.Device(self.index)
+        self._stream = _cupy_stream(cupy, _torch_stream(self.index), self.index)
+
+
+def bl_uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
+    """n float32 uniforms in [0, 1) on ``device``: counter-based, element i from (key, i)."""
+    out = torch.empty(n, dtype=torch.float32, device=device)
+    if n:
+        with _BlLauncher(out.device) as k:
+            k("hvd_bl_uniform", n, np.uint64(key), np.int64(0), np.int64(n), _ptr(out))
+    return out
+
+
+def bl_bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    _check_tensor(codes, "codes", torch.uint8)
+    n = codes.numel()
+    nbytes = (n * bits + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8, device=codes.device)
+    if n:
+        with _BlLauncher(codes.device) as k:
+            k(
+                "hvd_bl_bitpack",
+                nbytes,
+                _ptr(codes),
+                np.int64(n),
+                np.int32(bits),
+                _ptr(out),
+                np.int64(nbytes),
+            )
+    return out
+
+
+def bl_bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    _check_tensor(buf, "buf", torch.uint8)
+    if buf.numel() != (n * bits + 7) // 8:
+        raise PayloadError("body", "the packed body does not have ceil(numel * bits / 8) bytes")
+    codes = torch.empty(n, dtype=torch.uint8, device=buf.device)
+    if n:
+        with _BlLauncher(buf.device) as k:
+            state = k.state()
+            k(
+                "hvd_bl_bitunpack",
+                n,
+                _ptr(buf),
+                np.int64(buf.numel()),
+                np.int64(n),
+                np.int32(bits),
+                _ptr(codes),
+                _ptr(state),
+            )
+            err = int(_read_state(state)[_ST_ERROR])
+        if err & _BL_ERR_PADDING:
+            raise PayloadError("body", "a padding bit after the last packed value is set")
+    return codes
+
+
+def bl_chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
+    _check_tensor(x, "x", torch.float32)
+    n = x.numel()
+    chunks = (n + chunk - 1) // chunk
+    out = torch.empty(chunks, dtype=torch.float64, device=x.device)
+    if n:
+        with _BlLauncher(x.device) as k:
+            k(
+                "hvd_bl_chunk_sums",
+                chunks,
+                _ptr(x),
+                np.int64(n),
+                np.int64(chunk),
+                np.int32(bool(square)),
+                _ptr(out),
+            )
+    return out

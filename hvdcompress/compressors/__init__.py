@@ -6,11 +6,19 @@ import inspect
 
 from hvdcompress.compressors.base import Compressor, Ctx
 from hvdcompress.compressors.cast import BF16, FP16, NoCompression
+from hvdcompress.compressors.dqsg import DQSG
+from hvdcompress.compressors.quant import QSGD, TernGrad
+from hvdcompress.compressors.sign import EFSignSGD, SignSGD
+from hvdcompress.compressors.sparse import RandomK, TopK
 from hvdcompress.compressors.threelc import ThreeLC
 
 REGISTRY: dict[str, type[Compressor]] = {
     cls.name: cls for cls in (NoCompression, FP16, BF16, ThreeLC)
 }
+# Gather-only baselines (shared/SPEC.md sections 3 and 4).
+REGISTRY.update(
+    {cls.name: cls for cls in (TopK, RandomK, QSGD, TernGrad, SignSGD, EFSignSGD, DQSG)}
+)
 
 
 def _signature(cls: type[Compressor]) -> str:
@@ -37,4 +45,18 @@ def get_compressor(name: str, **params) -> Compressor:
     return cls(**params)
 
 
-__all__ = ["Compressor", "Ctx", "ThreeLC", "REGISTRY", "available", "get_compressor"]
+__all__ = [
+    "Compressor",
+    "Ctx",
+    "ThreeLC",
+    "TopK",
+    "RandomK",
+    "QSGD",
+    "TernGrad",
+    "SignSGD",
+    "EFSignSGD",
+    "DQSG",
+    "REGISTRY",
+    "available",
+    "get_compressor",
+]

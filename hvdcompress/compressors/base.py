@@ -75,6 +75,10 @@ class Compressor:
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=tensor_name) from None
 
+    def bind(self, rank: int, size: int) -> None:
+        """Told by the optimizer which rank this is, out of how many. Compressors that
+        draw random numbers key them by rank; the others ignore it."""
+
     def bits_per_value(self, payload: torch.Tensor) -> float:
         """Bits on the wire per tensor element, header included."""
         header, _ = self.read_header(payload)

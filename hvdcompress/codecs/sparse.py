@@ -1,0 +1,163 @@
+"""Sparsifying codecs: top-k and random-k (shared/SPEC.md section 4).
+
+Top-k (Aji & Heafield 2017; Stich et al. 2018) keeps the ``k = ceil(ratio * n)`` entries
+of largest magnitude. Body: k float32 values, then k indices in ascending order (int32
+when n < 2**31, else int64), all little-endian. Which entries are kept is deterministic
+on every device: the k-th largest |x| is the threshold t, every |x| > t is kept, and the
+entries with |x| == t are kept in index order until there are k (torch.topk alone may
+break ties differently on the CPU and the GPU).
+
+Random-k keeps each element independently with probability p = T / 2**24, T =
+round(ratio * 2**24) (Bernoulli sampling: the kept count is random, mean p n): element i
+is kept iff u_i < p for the counter-based uniform u_i of hvdcompress.codecs.primitives,
+so a receiver regenerates the mask from (seed, step, rank, tensor id) and only the kept
+values travel. With ``unbiased`` the decoder scales them by float32(1 / p), which makes
+E[decode] = x exactly in expectation over the seed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hvdcompress.codecs.primitives import uniform
+from hvdcompress.wire import PayloadError
+
+INDEX32_LIMIT = 2**31
+RANDOMK_ONE = 2**24
+
+
+def check_ratio(ratio: float, name: str) -> float:
+    r = float(ratio)
+    if not (0.0 < r <= 1.0):
+        raise ValueError(f"{name} ratio must be in (0, 1], got {ratio!r}")
+    return r
+
+
+def topk_count(n: int, ratio: float) -> int:
+    """k for n elements: ceil(ratio * n), at least 1 when n > 0, at most n."""
+    if n == 0:
+        return 0
+    return min(n, max(1, math.ceil(n * ratio)))
+
+
+def index_dtype(n: int) -> torch.dtype:
+    return torch.int32 if n < INDEX32_LIMIT else torch.int64
+
+
+SAMPLE = 65536  # elements of the strided sample that bounds the threshold from below
+
+
+def _candidates(mag: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Ascending indices of a superset of the k largest |a| (all |a| >= a lower bound from
+    a strided sample), or None when the sample's bound is not low enough (then the caller
+    scans everything). Deterministic: the sample and the bound are exact."""
+    n = mag.numel()
+    if n < 4 * SAMPLE or 8 * k > n:
+        return None
+    stride = n // SAMPLE
+    sample = mag[::stride]
+    m = sample.numel()
+    j = min(m, math.ceil(m * 2.0 * k / n) + 64)  # aim at about 2k candidates
+    bound = torch.topk(sample, j, sorted=False).values.min()
+    cand = torch.nonzero(mag >= bound).reshape(-1)
+    return cand if cand.numel() >= k else None
+
+
+def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the k largest |a| (ties by lowest index)."""
+    n = a.numel()
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=a.device)
+    if k == n:
+        return torch.arange(n, device=a.device)
+    mag = a.abs()
+    cand = _candidates(mag, k)
+    if cand is not None:  # every one of the k largest is a candidate: select among them
+        mag = mag[cand]
+    thr = torch.topk(mag, k, sorted=False).values.min()  # the k-th largest |a|, exact
+    above = mag > thr
+    need = k - int(above.sum())
+    equal = mag == thr
+    keep = above | (equal & (torch.cumsum(equal, 0, dtype=torch.int64) <= need))
+    idx = torch.nonzero(keep).reshape(-1)
+    return cand[idx] if cand is not None else idx
+
+
+def topk_encode(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(body uint8, kept indices int64) for the flat float32 a."""
+    idx = topk_select(a, k)
+    values = a[idx]
+    body = torch.cat([values.view(torch.uint8), idx.to(index_dtype(a.numel())).view(torch.uint8)])
+    return body, idx
+
+
+def topk_decode_into(
+    body: torch.Tensor, n: int, k: int, out: torch.Tensor, accumulate: bool
+) -> None:
+    isz = 4 if index_dtype(n) == torch.int32 else 8
+    if body.numel() != k * (4 + isz):
+        raise PayloadError(
+            "body", f"top-k of {k} values needs {k * (4 + isz)} bytes, got {body.numel()}"
+        )
+    values = body[: 4 * k].clone().view(torch.float32)
+    idx = body[4 * k :].clone().view(index_dtype(n)).to(torch.int64)
+    if k:
+        if int(idx[0]) < 0 or int(idx[-1]) >= n:
+            raise PayloadError("body", f"a top-k index is outside [0, {n})")
+        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise PayloadError("body", "top-k indices are not strictly increasing")
+        if not bool(torch.isfinite(values).all()):
+            raise PayloadError("body", "a top-k value is not finite")
+    if accumulate:
+        out[idx] += values
+    else:
+        out.zero_()
+        out[idx] = values
+
+
+def randomk_threshold(ratio: float) -> int:
+    """T with keep probability p = T / 2**24 (1 <= T <= 2**24)."""
+    return min(RANDOMK_ONE, max(1, round(ratio * RANDOMK_ONE)))
+
+
+def randomk_scale(ratio: float, unbiased: bool) -> float:
+    """The float32 factor the decoder applies: 1 / p when unbiased, else 1."""
+    if not unbiased:
+        return 1.0
+    return float(torch.tensor(RANDOMK_ONE / randomk_threshold(ratio), dtype=torch.float32))
+
+
+def randomk_mask(key: int, n: int, ratio: float, device: torch.device) -> torch.Tensor:
+    p = randomk_threshold(ratio) / RANDOMK_ONE  # exact in float32
+    return uniform(key, n, device) < p
+
+
+def randomk_decode_into(
+    body: torch.Tensor,
+    key: int,
+    n: int,
+    ratio: float,
+    scale: float,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    mask = randomk_mask(key, n, ratio, out.device)
+    kept = int(mask.sum())
+    if body.numel() != 4 * kept:
+        raise PayloadError(
+            "body",
+            f"the regenerated mask keeps {kept} values ({4 * kept} bytes), body has "
+            f"{body.numel()} bytes (wrong seed, step, rank or tensor, or corrupt)",
+        )
+    values = body.clone().view(torch.float32)
+    if kept and not bool(torch.isfinite(values).all()):
+        raise PayloadError("body", "a random-k value is not finite")
+    if scale != 1.0:
+        values = values * scale
+    if accumulate:
+        out[mask] += values
+    else:
+        out.zero_()
+        out[mask] = values

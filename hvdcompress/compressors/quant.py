@@ -1,0 +1,122 @@
+"""QSGD and TernGrad compressors (shared/SPEC.md section 4), codecs in
+hvdcompress.codecs.quant. Both are unbiased and keep no error feedback; their rounding
+is stochastic with counter-based random numbers (hvdcompress.compressors.stochastic).
+Non-finite input (or a QSGD norm that overflows float32) travels as the flag.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from hvdcompress import wire
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.codecs import quant, threelc
+from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.wire import PayloadError
+
+QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields)
+TERNGRAD_PARAMS = struct.Struct("<f")  # scale M (after the RNG fields)
+
+
+def _empty(device):
+    return torch.empty(0, dtype=torch.uint8, device=device)
+
+
+class QSGD(Stochastic):
+    """QSGD with ``levels`` in [1, 127] (default 16) and a norm per ``bucket_size``."""
+
+    name = "qsgd"
+    summable = False
+    error_feedback = False
+
+    def __init__(
+        self, levels: int = 16, bucket_size: int = 512, seed: int = 0, rank: int = 0
+    ) -> None:
+        self.levels = quant.check_levels(levels, "qsgd")
+        self.bucket_size = quant.check_bucket(bucket_size, "qsgd")
+        self._init_rng(seed, rank)
+
+    def __repr__(self) -> str:
+        return f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"
+
+    def _encode(self, tensor, name):
+        x = prim.flat_f32(tensor)
+        rng, key = self._rng_params(name)
+        params = rng + QSGD_PARAMS.pack(self.levels, self.bucket_size)
+        body = (
+            quant.qsgd_encode(x, self.levels, self.bucket_size, key) if prim.all_finite(x) else None
+        )
+        if body is None:
+            return wire.FLAG_NONFINITE, params, _empty(x.device)
+        return 0, params, body
+
+    def _check_params(self, header):
+        self._check_params_len(header, prim.RNG_PARAMS.size + QSGD_PARAMS.size)
+        self._rng_check(header.params)
+        levels, bucket = QSGD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        if (levels, bucket) != (self.levels, self.bucket_size):
+            raise PayloadError(
+                "levels",
+                f"expected levels {self.levels} bucket_size {self.bucket_size}, got {levels} "
+                f"{bucket} (ranks disagree on the compressor)",
+            )
+
+    def _max_numel(self, body_len):
+        return 8 * body_len // quant.qsgd_bits(self.levels)
+
+    def _decode_body(self, header, body, out, accumulate):
+        quant.qsgd_decode_into(body, header.numel, self.levels, self.bucket_size, out, accumulate)
+
+    def state_dict(self) -> dict:
+        return self._rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._load_rng_state(state)
+
+
+class TernGrad(Stochastic):
+    """TernGrad: stochastic {-1, 0, 1} * max|x| per tensor, quartic + zero-run coded."""
+
+    name = "terngrad"
+    summable = False
+    error_feedback = False
+
+    def __init__(self, seed: int = 0, rank: int = 0) -> None:
+        self._init_rng(seed, rank)
+
+    def __repr__(self) -> str:
+        return f"TernGrad(seed={self.seed})"
+
+    def _encode(self, tensor, name):
+        x = prim.flat_f32(tensor)
+        rng, key = self._rng_params(name)
+        if not prim.all_finite(x):
+            return wire.FLAG_NONFINITE, rng + TERNGRAD_PARAMS.pack(0.0), _empty(x.device)
+        body, scale = quant.terngrad_encode(x, key)
+        return 0, rng + TERNGRAD_PARAMS.pack(scale), body
+
+    def _check_params(self, header):
+        self._check_params_len(header, prim.RNG_PARAMS.size + TERNGRAD_PARAMS.size)
+        self._rng_check(header.params)
+        (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        if header.nonfinite:
+            if scale != 0.0:
+                raise PayloadError("scale", f"a non-finite payload has scale 0, got {scale}")
+        elif not (math.isfinite(scale) and scale >= 0.0):
+            raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
+
+    def _max_numel(self, body_len):
+        return body_len * threelc.MAX_VALUES_PER_BYTE
+
+    def _decode_body(self, header, body, out, accumulate):
+        (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        quant.terngrad_decode_into(body, header.numel, scale, out, accumulate)
+
+    def state_dict(self) -> dict:
+        return self._rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._load_rng_state(state)

@@ -1,0 +1,107 @@
+"""signSGD and EF-signSGD compressors (shared/SPEC.md section 4), codecs in
+hvdcompress.codecs.sign (see there for how the optimizer should treat decoded signs).
+Non-finite input travels as the flag; EF-signSGD then leaves its residual untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from hvdcompress import wire
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.codecs import sign
+from hvdcompress.compressors.base import Compressor
+from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.wire import PayloadError
+
+EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
+
+
+def _empty(device):
+    return torch.empty(0, dtype=torch.uint8, device=device)
+
+
+class SignSGD(Compressor):
+    """One bit per value; decodes to +1 / -1 (scale-free, no state)."""
+
+    name = "signsgd"
+    summable = False
+    error_feedback = False
+
+    def __init__(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return "SignSGD()"
+
+    def _encode(self, tensor, name):
+        x = prim.flat_f32(tensor)
+        if not prim.all_finite(x):
+            return wire.FLAG_NONFINITE, b"", _empty(x.device)
+        return 0, b"", sign.sign_bits(x)
+
+    def _check_params(self, header):
+        if header.params:
+            raise PayloadError(
+                "params_len", f"signsgd has no parameters, got {len(header.params)} bytes"
+            )
+
+    def _max_numel(self, body_len):
+        return 8 * body_len
+
+    def _decode_body(self, header, body, out, accumulate):
+        sign.decode_into(body, header.numel, None, out, accumulate)
+
+
+class EFSignSGD(Compressor):
+    """EF-signSGD: mean|g + e| * sign(g + e), one bit per value plus one float32 scale."""
+
+    name = "efsignsgd"
+    summable = False
+    error_feedback = True
+
+    def __init__(self) -> None:
+        self.memory = ErrorFeedback()
+
+    def __repr__(self) -> str:
+        return "EFSignSGD()"
+
+    def _encode(self, tensor, name):
+        g = prim.flat_f32(tensor)
+        e = self.memory.residual(name, g)
+        a = g + e
+        if not prim.all_finite(a):
+            return wire.FLAG_NONFINITE, EF_PARAMS.pack(0.0), _empty(g.device)
+        scale = sign.ef_scale(a)
+        body = sign.sign_bits(a)
+        decoded = torch.where(a < 0, -scale, scale)
+        e.copy_(a - decoded)
+        return 0, EF_PARAMS.pack(scale), body
+
+    def _check_params(self, header):
+        if len(header.params) != EF_PARAMS.size:
+            raise PayloadError(
+                "params_len", f"efsignsgd has 4 bytes of parameters, got {len(header.params)}"
+            )
+        (scale,) = EF_PARAMS.unpack(header.params)
+        if header.nonfinite:
+            if scale != 0.0:
+                raise PayloadError("scale", f"a non-finite payload has scale 0, got {scale}")
+        elif not (math.isfinite(scale) and scale >= 0.0):
+            raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
+
+    def _max_numel(self, body_len):
+        return 8 * body_len
+
+    def _decode_body(self, header, body, out, accumulate):
+        (scale,) = EF_PARAMS.unpack(header.params)
+        sign.decode_into(body, header.numel, scale, out, accumulate)
+
+    def state_dict(self) -> dict:
+        return {"residuals": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.memory.load_state_dict(state["residuals"])

@@ -1,0 +1,166 @@
+"""Top-k and random-k compressors (shared/SPEC.md section 4), codecs in
+hvdcompress.codecs.sparse.
+
+Top-k always uses error feedback: the residual keeps every entry that was not sent
+(e = a with the kept entries zeroed, a = g + e). Random-k's is optional
+(``error_feedback=True``): e = a - decode(payload), which with ``unbiased`` also holds the
+-(1/p - 1) a of the kept entries; the usual pairing is error feedback without
+``unbiased``. Non-finite input travels as the flag (decode gives all NaN) and leaves the
+residual untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from hvdcompress import wire
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.codecs import sparse
+from hvdcompress.compressors.base import Compressor
+from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.wire import PayloadError
+
+TOPK_PARAMS = struct.Struct("<d")  # ratio
+RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
+
+
+class TopK(Compressor):
+    """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|."""
+
+    name = "topk"
+    summable = False
+    error_feedback = True
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        self.ratio = sparse.check_ratio(ratio, "topk")
+        self.memory = ErrorFeedback()
+
+    def __repr__(self) -> str:
+        return f"TopK(ratio={self.ratio})"
+
+    def _encode(self, tensor, name):
+        g = prim.flat_f32(tensor)
+        e = self.memory.residual(name, g)
+        a = g + e
+        params = TOPK_PARAMS.pack(self.ratio)
+        if not prim.all_finite(a):
+            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
+        body, idx = sparse.topk_encode(a, sparse.topk_count(a.numel(), self.ratio))
+        a[idx] = 0.0
+        e.copy_(a)
+        return 0, params, body
+
+    def _check_params(self, header):
+        if len(header.params) != TOPK_PARAMS.size:
+            raise PayloadError(
+                "params_len", f"topk has 8 bytes of parameters, got {len(header.params)}"
+            )
+        (ratio,) = TOPK_PARAMS.unpack(header.params)
+        if ratio != self.ratio:
+            raise PayloadError(
+                "ratio", f"expected {self.ratio}, got {ratio} (ranks disagree on the compressor)"
+            )
+
+    def _max_numel(self, body_len):
+        k = body_len // 8  # each kept value costs at least 4 + 4 bytes
+        return math.floor((k + 1) / self.ratio) + 1
+
+    def _decode_body(self, header, body, out, accumulate):
+        k = sparse.topk_count(header.numel, self.ratio)
+        sparse.topk_decode_into(body, header.numel, k, out, accumulate)
+
+    def state_dict(self) -> dict:
+        return {"ratio": self.ratio, "residuals": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("ratio") != self.ratio:
+            raise ValueError(
+                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
+            )
+        self.memory.load_state_dict(state["residuals"])
+
+
+class RandomK(Stochastic):
+    """Keep each entry with probability ``ratio`` (indices regenerated from the seed, not
+    sent); ``unbiased`` scales the kept values by 1 / ratio; optional error feedback."""
+
+    name = "randomk"
+    summable = False
+
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        unbiased: bool = True,
+        error_feedback: bool = False,
+        seed: int = 0,
+        rank: int = 0,
+    ) -> None:
+        self.ratio = sparse.check_ratio(ratio, "randomk")
+        self.unbiased = bool(unbiased)
+        self.error_feedback = bool(error_feedback)
+        self.memory = ErrorFeedback()
+        self._scale = sparse.randomk_scale(self.ratio, self.unbiased)
+        self._init_rng(seed, rank)
+
+    def __repr__(self) -> str:
+        return (
+            f"RandomK(ratio={self.ratio}, unbiased={self.unbiased}, "
+            f"error_feedback={self.error_feedback}, seed={self.seed})"
+        )
+
+    def _encode(self, tensor, name):
+        g = prim.flat_f32(tensor)
+        e = self.memory.residual(name, g) if self.error_feedback else None
+        a = g + e if e is not None else g
+        rng, key = self._rng_params(name)
+        params = rng + RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
+        if not prim.all_finite(a):
+            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
+        mask = sparse.randomk_mask(key, a.numel(), self.ratio, a.device)
+        values = a[mask]
+        if e is not None:
+            e.copy_(a)
+            e[mask] = a[mask] - values * self._scale if self._scale != 1.0 else 0.0
+        return 0, params, values.view(torch.uint8)
+
+    def _check_params(self, header):
+        self._check_params_len(header, prim.RNG_PARAMS.size + RANDOMK_PARAMS.size)
+        self._rng_check(header.params)
+        ratio, unbiased = RANDOMK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        if ratio != self.ratio or unbiased != int(self.unbiased):
+            raise PayloadError(
+                "ratio",
+                f"expected ratio {self.ratio} unbiased {int(self.unbiased)}, got {ratio} "
+                f"{unbiased} (ranks disagree on the compressor)",
+            )
+
+    def _max_numel(self, body_len):
+        # A legitimate payload keeps far more than n p / 16 - 64 values (Chernoff): a
+        # header claiming more elements is forged. Bounds the allocation.
+        p = sparse.randomk_threshold(self.ratio) / sparse.RANDOMK_ONE
+        return math.ceil((body_len // 4 + 64) * 16 / p)
+
+    def _decode_body(self, header, body, out, accumulate):
+        key = self._rng_check(header.params)
+        sparse.randomk_decode_into(
+            body, key, header.numel, self.ratio, self._scale, out, accumulate
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "ratio": self.ratio,
+            "residuals": self.memory.state_dict(),
+            **self._rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("ratio") != self.ratio:
+            raise ValueError(
+                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
+            )
+        self._load_rng_state(state)
+        self.memory.load_state_dict(state["residuals"])

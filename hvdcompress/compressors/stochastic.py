@@ -1,0 +1,82 @@
+"""Shared machinery of the compressors that draw random numbers (randomk, qsgd, terngrad,
+dqsg): a seed, this rank's id, a step counter per tensor, and the header fields that let
+any receiver regenerate the sender's random numbers (hvdcompress.codecs.primitives).
+
+The random numbers of a payload are a deterministic function of (seed, step, rank,
+tensor id): every backend gives the same bytes, tests are reproducible, and the
+receiver needs nothing but the header. ``step`` counts this compressor's compress calls
+for that tensor name (saved in ``state_dict``). ``rank`` must differ between ranks that
+compress the same tensor (their random numbers are then independent); the optimizer sets
+it through ``bind(rank, size)``. Decoding checks that the payload's seed is this
+compressor's (ranks agree on it at start-up) and, when the receiver knows the tensor's
+name, that the payload's tensor id is that name's.
+"""
+
+from __future__ import annotations
+
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.compressors.base import Compressor
+from hvdcompress.wire import PayloadError
+
+
+class Stochastic(Compressor):
+    """Base of the seeded compressors; subclasses call ``_rng_params`` / ``_rng_key``."""
+
+    def _init_rng(self, seed: int, rank: int) -> None:
+        self.seed = prim.check_seed(seed)
+        self.rank = prim.check_rank(rank)
+        self.steps: dict[str, int] = {}
+
+    def bind(self, rank: int, size: int) -> None:
+        self.rank = prim.check_rank(rank)
+
+    def _rng_params(self, name: str) -> tuple[bytes, int]:
+        """(the packed RNG header fields, the stream key) for this tensor's next payload."""
+        step = self.steps.get(name, 0)
+        self.steps[name] = step + 1
+        tid = prim.tensor_id(name)
+        rank = prim.check_rank(self.rank)
+        key = prim.rng_key(self.seed, step, rank, tid)
+        return prim.RNG_PARAMS.pack(self.seed, step, tid, rank), key
+
+    def _rng_check(self, params: bytes) -> int:
+        """Validate the RNG fields at the start of ``params``; return the stream key."""
+        seed, step, tid, rank = prim.RNG_PARAMS.unpack_from(params, 0)
+        if seed != self.seed:
+            raise PayloadError(
+                "seed", f"expected {self.seed}, got {seed} (ranks disagree on the seed)"
+            )
+        return prim.rng_key(seed, step, rank, tid)
+
+    def _check_params_len(self, header, size: int) -> None:
+        if len(header.params) != size:
+            raise PayloadError(
+                "params_len",
+                f"{self.name} has {size} bytes of parameters, got {len(header.params)}",
+            )
+
+    def _decode_checked(self, payload, expect, out, accumulate):
+        if expect is not None:
+            header, _ = self.read_header(payload)
+            if header.codec == self.name and len(header.params) >= prim.RNG_PARAMS.size:
+                tid = prim.RNG_PARAMS.unpack_from(header.params, 0)[2]
+                if tid != prim.tensor_id(expect.name):
+                    raise PayloadError(
+                        "tensor_id",
+                        f"payload is for tensor id 0x{tid:016x}, expected {expect.name!r} "
+                        f"(0x{prim.tensor_id(expect.name):016x}): ranks disagree on tensor order",
+                    )
+        return super()._decode_checked(payload, expect, out, accumulate)
+
+    def _rng_state(self) -> dict:
+        return {"seed": self.seed, "steps": dict(self.steps)}
+
+    def _load_rng_state(self, state: dict) -> None:
+        if state.get("seed") != self.seed:
+            raise ValueError(
+                f"state was saved with seed {state.get('seed')}, this compressor has {self.seed}"
+            )
+        steps = state.get("steps", {})
+        if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in steps.items()):
+            raise ValueError("steps must map tensor names to non-negative ints")
+        self.steps = dict(steps)
