@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Every compressor on the Fashion-MNIST CNN's real gradients: bits per value and speed.
+
+One process (a one-rank ``hvdcompress.DistributedOptimizer`` on the mpi4py backend, so
+every compressor, summable or not, takes its real path: compress, transport, decode).
+For each case it trains the CNN of ``scripts/train.py`` for ``--steps`` steps with that
+compressor and reports, averaged after ``--warmup`` steps:
+
+* bits per value on the wire (headers included) and the compression ratio vs fp32,
+* encode and decode throughput in GB/s of float32 gradient (compress_s / decode_s of
+  ``optimizer.last_stats``; the CNN's tensors are small, so fixed costs show),
+* the training loss at the end (a sanity check, not an accuracy benchmark).
+
+    python scripts/bench_compressors.py                  # all registered compressors
+    python scripts/bench_compressors.py --cases 3lc 3lc:sparsity=1.75 topk:ratio=0.01
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from bench_codec import parse_case  # noqa: E402
+from train import DATA_DIR, SmallCNN, load_fashion_mnist  # noqa: E402
+
+import hvdcompress  # noqa: E402
+from hvdcompress.compressors import REGISTRY  # noqa: E402
+
+
+def run_case(case: str, data, args) -> dict:
+    name, params = parse_case(case)
+    torch.manual_seed(args.seed)
+    model = SmallCNN()
+    momentum = 0.9
+    if name == "dgc":  # DGC applies the momentum itself (momentum correction)
+        params.setdefault("momentum", momentum)
+        momentum = 0.0
+    compressor = hvdcompress.get_compressor(name, **params)
+    opt = hvdcompress.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum),
+        model.named_parameters(),
+        compression=compressor,
+        backend="mpi4py",
+    )
+    (x, y), _ = data
+    gen = torch.Generator().manual_seed(args.seed)
+    bits, enc, dec, losses = [], [], [], []
+    for step in range(args.steps):
+        idx = torch.randint(0, len(x), (args.batch_size,), generator=gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        s = opt.last_stats
+        if step >= args.warmup:
+            bits.append(s.bits_per_value)
+            enc.append(s.raw_bytes / max(s.compress_s, 1e-9) / 1e9)
+            dec.append(s.raw_bytes / max(s.decode_s, 1e-9) / 1e9)
+    cls = REGISTRY[name]
+    return {
+        "case": case,
+        "summable": cls.summable,
+        "error_feedback": bool(getattr(compressor, "error_feedback", False)),
+        "numel": sum(p.numel() for p in model.parameters()),
+        "bits_per_value": statistics.mean(bits),
+        "ratio": 32.0 / statistics.mean(bits),
+        "encode_gbs": statistics.median(enc),
+        "decode_gbs": statistics.median(dec),
+        "final_loss": statistics.mean(losses[-10:]),
+        "first_loss": statistics.mean(losses[:10]),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=None, help="name:key=value,... (all)")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-dir", default=DATA_DIR)
+    parser.add_argument("--json", type=Path, default=Path("results/bench_compressors.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cases = args.cases or sorted(REGISTRY)
+    data = load_fashion_mnist(args.data_dir)
+    rows = [run_case(case, data, args) for case in cases]
+    print(
+        f"| {'compressor':<22} | summable | EF  | bits/value |  ratio | encode GB/s "
+        f"| decode GB/s | loss {args.warmup}->{args.steps} |"
+    )
+    print(
+        f"|{'-' * 24}|----------|-----|------------|--------|-------------|-------------|"
+        f"{'-' * 16}|"
+    )
+    for r in rows:
+        print(
+            f"| {r['case']:<22} | {'yes' if r['summable'] else 'no':<8} | "
+            f"{'yes' if r['error_feedback'] else 'no':<3} | {r['bits_per_value']:>10.3f} | "
+            f"{r['ratio']:>5.0f}x | {r['encode_gbs']:>11.3f} | {r['decode_gbs']:>11.3f} | "
+            f"{r['first_loss']:.2f} -> {r['final_loss']:.2f} |"
+        )
+    print(
+        f"SmallCNN ({rows[0]['numel']} parameters), Fashion-MNIST, 1 rank, "
+        f"batch {args.batch_size}, {args.steps} steps; GB/s of float32 gradient."
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
