@@ -16,11 +16,15 @@ started, so communication overlaps the rest of backward. ``synchronize()`` (call
   dtype/device changes. Buckets are started strictly in bucket order on every rank, so
   collectives match across ranks without a coordinator.
 * Summable compressors (none, fp16, bf16): the bucket's dense payloads are concatenated and
-  summed by one allreduce.
+  summed by one allreduce. A compressor with ``phases`` > 1 (PowerSGD: P, then Q) makes the
+  next phase's payloads from the summed ones (``next_phase``), one more allreduce each.
 * Gather-only compressors (3LC): each rank sends one frame per bucket, ``n`` (uint64),
   ``n`` payload lengths (uint64) then the ``n`` self-describing payloads; one allgatherv
   moves every rank's frame. Every rank decodes all frames in rank order, adding into a
-  float32 accumulator, then divides by the world size (``op=Average``).
+  float32 accumulator, then divides by the world size (``op=Average``). A compressor with
+  ``uses_side_info`` (NDQSG) also gets ``side_info``: the mean of the lower ranks' decoded
+  tensors. A compressor's ``check_optimizer(optimizer)`` runs at construction (DGC refuses
+  an inner momentum) and its ``pop_metrics()`` after each step (``last_stats.metrics``).
 
 Invariants: after ``synchronize()`` every rank holds bit-identical gradients on the gather
 path (same bytes decoded in the same order); ranks that disagree on the set, order,
@@ -75,6 +79,7 @@ class _InFlight:
     handle: Handle
     ctxs: list[Ctx]
     payload_bytes: int
+    sizes: list[int] = field(default_factory=list)  # summable: elements of each payload
 
 
 @dataclass
@@ -89,6 +94,7 @@ class StepStats:
     compress_s: float = 0.0
     decode_s: float = 0.0
     wait_s: float = 0.0
+    metrics: dict = field(default_factory=dict)  # the compressor's pop_metrics() (NDQSG)
 
     @property
     def bits_per_value(self) -> float:
@@ -202,6 +208,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self.last_stats = StepStats()
         self._stats = StepStats()
+        check = getattr(compressor, "check_optimizer", None)
+        if check is not None:  # e.g. DGC refuses an inner optimizer with momentum
+            check(self)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         self._check_agreement(named, fusion_threshold)
 
@@ -275,24 +284,54 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             payload, ctx = comp.compress(g, name)
             payloads.append(payload.reshape(-1))
             ctxs.append(ctx)
+        sizes = [p.numel() for p in payloads]
         if comp.summable:
-            dense = torch.cat(payloads)
-            payload_bytes = dense.numel() * dense.element_size()
-            handle = self._transport.start_allreduce_sum(dense)
-            wire = 2.0 * (self._transport.size - 1) / self._transport.size * payload_bytes
+            handle, payload_bytes, wire = self._start_allreduce(torch.cat(payloads))
         else:
             frame = _frame([p.cpu() for p in payloads])
             payload_bytes = frame.numel()
             handle = self._transport.start_allgatherv(frame)
             wire = float((self._transport.size - 1) * payload_bytes)
+            self._count(payload_bytes, wire)
         s = self._stats
         s.numel += sum(g.numel() for g in grads)
         s.raw_bytes += sum(g.numel() * g.element_size() for g in grads)
-        s.payload_bytes += payload_bytes
-        s.wire_bytes += wire
-        s.collectives += 1
         s.compress_s += time.perf_counter() - t0
-        self._in_flight[bucket.index] = _InFlight(handle, ctxs, payload_bytes)
+        self._in_flight[bucket.index] = _InFlight(handle, ctxs, payload_bytes, sizes)
+
+    def _start_allreduce(self, dense: torch.Tensor) -> tuple[Handle, int, float]:
+        payload_bytes = dense.numel() * dense.element_size()
+        handle = self._transport.start_allreduce_sum(dense)
+        wire = 2.0 * (self._transport.size - 1) / self._transport.size * payload_bytes
+        self._count(payload_bytes, wire)
+        return handle, payload_bytes, wire
+
+    def _count(self, payload_bytes: int, wire: float) -> None:
+        self._stats.payload_bytes += payload_bytes
+        self._stats.wire_bytes += wire
+        self._stats.collectives += 1
+
+    def _next_phases(self, flight: _InFlight, summed: torch.Tensor) -> torch.Tensor:
+        """Multi-phase summable compressors (PowerSGD: P, then Q): from the allreduced
+        payloads of one phase, the compressor makes the next phase's payloads, which one
+        more allreduce sums. Every rank runs the same phases of the buckets in bucket order,
+        so the collectives match. A phase whose payloads are all empty is not sent."""
+        comp = self._compressor
+        for phase in range(1, getattr(comp, "phases", 1)):
+            parts = summed.split(flight.sizes)
+            nxt = [
+                comp.next_phase(part, ctx, phase).reshape(-1)
+                for part, ctx in zip(parts, flight.ctxs, strict=True)
+            ]
+            flight.sizes = [t.numel() for t in nxt]
+            dense = torch.cat(nxt)
+            if dense.numel():
+                t0 = time.perf_counter()
+                summed = self._start_allreduce(dense)[0].wait()
+                self._stats.wait_s += time.perf_counter() - t0
+            else:
+                summed = dense
+        return summed
 
     # ---- synchronize / step ----------------------------------------------------------------
     def synchronize(self) -> None:
@@ -315,12 +354,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 continue  # drain the remaining collectives so no rank leaves one pending
             try:
                 if self._compressor.summable:
-                    self._write_summed(b, flight.ctxs, result)
+                    result = self._next_phases(flight, result)
+                    self._write_summed(b, flight.ctxs, result, flight.sizes)
                 else:
                     self._write_gathered(b, flight.ctxs, *result)
             except BaseException as err:  # noqa: BLE001
                 error = err
             self._stats.decode_s += time.perf_counter() - t1
+        pop_metrics = getattr(self._compressor, "pop_metrics", None)
+        if pop_metrics is not None:
+            self._stats.metrics = pop_metrics()
         self._reset_round()
         self._synchronized = True
         self.last_stats, self._stats = self._stats, StepStats()
@@ -337,11 +380,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _scale(self) -> float:
         return 1.0 / self._transport.size if self._op == Average else 1.0
 
-    def _write_summed(self, bucket: Bucket, ctxs: list[Ctx], summed: torch.Tensor) -> None:
+    def _write_summed(
+        self, bucket: Bucket, ctxs: list[Ctx], summed: torch.Tensor, sizes: list[int]
+    ) -> None:
         offset = 0
         scale = self._scale()
-        for p, ctx in zip(bucket.params, ctxs, strict=True):
-            n = p.numel()
+        for p, ctx, n in zip(bucket.params, ctxs, sizes, strict=True):
             value = self._compressor.decompress(summed[offset : offset + n], ctx)
             offset += n
             if scale != 1.0:
@@ -353,14 +397,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         device = bucket.params[0].device
         accs = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in bucket.params]
+        # NDQSG: a payload is decoded with side information, the mean of the tensors already
+        # decoded (lower ranks); the same on every rank, which decodes the same bytes in order.
+        side = getattr(self._compressor, "uses_side_info", False)
         offset = 0
         for rank, size in enumerate(sizes):
             frame = gathered[offset : offset + size]
             offset += size
             payloads = _unframe(frame, len(bucket.params), rank, bucket.names)
             for payload, acc, name, ctx in zip(payloads, accs, bucket.names, ctxs, strict=True):
+                kw = {"side_info": acc / rank if rank else None} if side else {}
                 self._compressor.decode(
-                    payload.to(device), expect=ctx, rank=rank, name=name, out=acc, accumulate=True
+                    payload.to(device),
+                    expect=ctx,
+                    rank=rank,
+                    name=name,
+                    out=acc,
+                    accumulate=True,
+                    **kw,
                 )
         scale = self._scale()
         for p, acc in zip(bucket.params, accs, strict=True):

@@ -4,6 +4,12 @@
 Launch with any of (one process per rank; each rank trains on its shard):
 
     horovodrun -np 4 python scripts/train.py --compression 3lc --epochs 1
+    mpirun -np 4 python scripts/train.py --backend mpi4py --compression powersgd \
+        --compression-param matrix_rank=2
+
+``--compression`` takes any name of ``hvdcompress.available()``; ``--compression-param
+KEY=VALUE`` (repeatable) passes its parameters. DGC applies ``--momentum`` itself (momentum
+correction), so with ``--compression dgc`` the wrapped SGD runs without momentum.
     horovodrun --gloo -np 4 python scripts/train.py --backend horovod
     mpirun -np 4 python scripts/train.py --backend mpi4py
     srun --mpi=pmix python scripts/train.py          (see slurm/)
@@ -205,7 +211,19 @@ def parse_args(argv=None):
     p.add_argument("--synthetic-size", type=int, default=4096, help="training examples")
     p.add_argument("--model", choices=sorted(MODELS), default="cnn")
     p.add_argument("--width", type=int, default=16, help="channels of the first layer")
-    p.add_argument("--compression", choices=["none", "fp16", "bf16", "3lc"], default="3lc")
+    p.add_argument(
+        "--compression",
+        choices=sorted(hvdcompress.compressors.REGISTRY),
+        default="3lc",
+        help="compressor (hvdcompress.available() lists their parameters)",
+    )
+    p.add_argument(
+        "--compression-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="compressor parameter, repeatable: --compression-param ratio=0.01",
+    )
     p.add_argument("--sparsity", type=float, default=1.0, help="3LC sparsity multiplier [1, 2)")
     p.add_argument("--backend", choices=["horovod", "mpi4py"], default="horovod")
     p.add_argument("--fusion-threshold", type=int, default=None, help="bytes per collective")
@@ -222,6 +240,39 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def _param_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def make_compression(args) -> tuple[hvdcompress.Compressor, float]:
+    """(the compressor, the inner SGD's momentum): DGC applies ``--momentum`` itself
+    (momentum correction), so the wrapped SGD then runs without momentum."""
+    params = {}
+    for item in args.compression_param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--compression-param takes KEY=VALUE, got {item!r}")
+        params[key.strip()] = _param_value(value.strip())
+    momentum = args.momentum
+    if args.compression == "3lc":
+        params.setdefault("sparsity", args.sparsity)
+    if args.compression == "dgc":
+        params.setdefault("momentum", args.momentum)
+        momentum = 0.0
+    try:
+        return hvdcompress.get_compressor(args.compression, **params), momentum
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"--compression {args.compression}: {err}") from None
 
 
 def evaluate(model, test, dist, batch: int = 1000) -> float:
@@ -255,13 +306,9 @@ def main(argv=None) -> int:
 
     model = MODELS[args.model](args.width)
     dist.broadcast_(model.parameters())
-    compression = (
-        hvdcompress.Compression.threelc(sparsity=args.sparsity)
-        if args.compression == "3lc"
-        else args.compression
-    )
+    compression, momentum = make_compression(args)
     opt = hvdcompress.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum),
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum),
         model.named_parameters(),
         compression=compression,
         backend=args.backend,

@@ -6,7 +6,10 @@ import inspect
 
 from hvdcompress.compressors.base import Compressor, Ctx
 from hvdcompress.compressors.cast import BF16, FP16, NoCompression
+from hvdcompress.compressors.dgc import DGC
 from hvdcompress.compressors.dqsg import DQSG
+from hvdcompress.compressors.ndqsg import NDQSG
+from hvdcompress.compressors.powersgd import PowerSGD
 from hvdcompress.compressors.quant import QSGD, TernGrad
 from hvdcompress.compressors.sign import EFSignSGD, SignSGD
 from hvdcompress.compressors.sparse import RandomK, TopK
@@ -19,6 +22,8 @@ REGISTRY: dict[str, type[Compressor]] = {
 REGISTRY.update(
     {cls.name: cls for cls in (TopK, RandomK, QSGD, TernGrad, SignSGD, EFSignSGD, DQSG)}
 )
+# NDQSG (section 3), DGC (gather-only) and PowerSGD (summable, two allreduces) (section 4).
+REGISTRY.update({cls.name: cls for cls in (NDQSG, DGC, PowerSGD)})
 
 
 def _signature(cls: type[Compressor]) -> str:
@@ -56,6 +61,9 @@ __all__ = [
     "SignSGD",
     "EFSignSGD",
     "DQSG",
+    "NDQSG",
+    "DGC",
+    "PowerSGD",
     "REGISTRY",
     "available",
     "get_compressor",

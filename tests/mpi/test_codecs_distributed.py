@@ -4,7 +4,9 @@
 
 For each codec: the averaged gradient equals the mean of the individually decoded
 payloads (each rank's payload decoded alone, summed in rank order) and is bit-identical
-on every rank; codecs that draw random numbers draw them per rank.
+on every rank; codecs that draw random numbers draw them per rank. Codecs that decode
+with side information (NDQSG) get, for rank r's payload, the mean of ranks 0 .. r-1's
+decoded tensors.
 """
 
 from __future__ import annotations
@@ -81,11 +83,14 @@ def test_gather_only_codec_is_bit_identical_on_every_rank(name):
         }
         everyone = comm.allgather(mine)
         decoder = hvdcompress.get_compressor(name)
+        decoder.bind(rank, size)
+        side = getattr(decoder, "uses_side_info", False)
         for n, p in model_ref.named_parameters():
             acc = torch.zeros(p.numel(), dtype=torch.float32)
             for r in range(size):
                 payload = torch.frombuffer(bytearray(everyone[r][n]), dtype=torch.uint8)
-                decoder.decode(payload, rank=r, name=n, out=acc, accumulate=True)
+                kw = {"side_info": acc / r if r else None} if side else {}
+                decoder.decode(payload, rank=r, name=n, out=acc, accumulate=True, **kw)
             p.grad.copy_((acc * (1.0 / size)).view_as(p.grad))
             assert torch.equal(p.grad, results[step][n]), f"{name} step {step} tensor {n}"
         opt_ref.step()

@@ -1,0 +1,135 @@
+"""NDQSG: nested dithered quantisation (Abdi & Fekri, arXiv 1904.01197; shared/SPEC.md
+section 3).
+
+Fine lattice: DQSG's with s1 = ``levels`` (hvdcompress.codecs.dqsg): per bucket
+delta1 = max|w| / s1, k = clamp(rint(w / delta1 + u), -s1, s1) with the shared dither u.
+The nested code keeps only the coset of k in the coarse lattice rho Z, rho = s1 / s2:
+
+    m = k - rho * rint(k / rho)            # {-1, 0, 1} for rho = 3 (rint: half to even)
+
+Decoding with side information y (an estimate of w, the same on every receiver):
+
+    r     = delta1 * (m - u) - y
+    j     = rint(r / delta2)               # delta2 = rho * delta1
+    k_hat = m - rho * j                    # the index of the coset closest to y
+    w_hat = delta1 * (k_hat - u)
+
+``w_hat`` is SPEC's ``y + (r - delta2 rint(r / delta2))`` computed on the integer lattice
+index, so that when k_hat == k (|w - y| below about (rho - 1) delta1 / 2) it is bit for bit
+DQSG's reconstruction ``delta1 * (k - u)`` (same float32 operations as dqsg.decode_into);
+farther away it aliases to another point of k's coset. A bucket with delta1 == 0 decodes
+to zeros.
+
+Body: the deltas (float32 per bucket), then m: rho <= 3 as quartic + zero-run encoding
+(3LC's coder, digits m + 1), larger rho as codes m + rho // 2 in
+ceil(log2(2 (rho // 2) + 1)) bits, bit-packed LSB first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hvdcompress.codecs import dqsg, threelc
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.codecs.quant import num_buckets, padded
+from hvdcompress.wire import PayloadError
+
+
+def check_levels(fine: int, coarse: int) -> int:
+    """Return rho = fine / coarse, or raise naming the valid ranges."""
+    for what, v in (("fine_levels", fine), ("coarse_levels", coarse)):
+        if isinstance(v, bool) or int(v) != v or not 1 <= v <= 127:
+            raise ValueError(f"ndqsg {what} must be an int in [1, 127], got {v!r}")
+    if fine % coarse or fine // coarse < 2:
+        raise ValueError(
+            f"ndqsg fine_levels / coarse_levels must be an integer rho >= 2, got {fine} / {coarse}"
+        )
+    return int(fine) // int(coarse)
+
+
+def m_half(rho: int) -> int:
+    """The largest |m|: rho // 2 (m in [-(rho // 2), rho // 2])."""
+    return max(1, rho // 2)
+
+
+def m_bits(rho: int) -> int:
+    return prim.bits_for(2 * m_half(rho) + 1)
+
+
+def coset(k: torch.Tensor, rho: int) -> torch.Tensor:
+    """m = k - rho * rint(k / rho) as int8 (k: integer-valued tensor)."""
+    kf = k.to(torch.float32)
+    return (kf - rho * torch.round(kf / rho)).to(torch.int8)
+
+
+def encode_nested(w: torch.Tensor, levels: int, rho: int, bucket: int, key: int):
+    """(body, k) of the finite flat float32 w: k is the fine index (int8), kept by the
+    caller to measure its own aliasing."""
+    k, deltas = dqsg.quantize(w, levels, bucket, key)
+    m = coset(k, rho)
+    if rho <= 3:
+        packed = threelc.zero_run_encode(threelc.quartic_encode(m))
+    else:
+        packed = prim.bitpack((m.to(torch.int16) + m_half(rho)).to(torch.uint8), m_bits(rho))
+    return torch.cat([prim.float_bytes(deltas), packed]), k
+
+
+def max_numel(body_len: int, rho: int) -> int:
+    if rho <= 3:
+        return body_len * threelc.MAX_VALUES_PER_BYTE
+    return 8 * body_len // m_bits(rho)
+
+
+def decode_m(body: torch.Tensor, n: int, rho: int, bucket: int):
+    """(m int8, deltas float32) from a nested body; raises PayloadError when corrupt."""
+    nb = num_buckets(n, bucket)
+    if body.numel() < 4 * nb:
+        raise PayloadError("body", f"{body.numel()} bytes cannot hold {nb} bucket deltas")
+    deltas = prim.floats_from(body, nb)
+    if nb and not bool((torch.isfinite(deltas) & (deltas >= 0)).all()):
+        raise PayloadError("body", "an NDQSG delta is negative or not finite")
+    rest = body[4 * nb :]
+    if rho <= 3:
+        qb = threelc.zero_run_decode(rest, threelc.quartic_len(n))
+        m = threelc.quartic_decode(qb, n)  # {-1, 0, 1}: every value is a valid coset
+    else:
+        h = m_half(rho)
+        codes = prim.bitunpack(rest, n, m_bits(rho))
+        if n and int(codes.max()) > 2 * h:
+            raise PayloadError("body", f"an NDQSG code is above {2 * h}")
+        m = (codes.to(torch.int16) - h).to(torch.int8)
+    return m, deltas
+
+
+def side_decode(
+    m: torch.Tensor,
+    deltas: torch.Tensor,
+    y: torch.Tensor,
+    rho: int,
+    bucket: int,
+    key: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_hat float32 flat, k_hat float32 flat) from the coset m and side information y."""
+    n = m.numel()
+    u = dither_padded(key, n, bucket, y.device)
+    mf = padded(m, bucket).to(torch.float32)
+    y2 = padded(y.reshape(-1).to(torch.float32), bucket)
+    d = deltas[:, None]
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    r = safe * (mf - u) - y2
+    j = torch.round(r / (safe * float(rho)))
+    k_hat = mf - float(rho) * j
+    k_hat = torch.where(d > 0, k_hat, torch.zeros_like(k_hat))
+    q2 = k_hat - u  # the float32 operations of dqsg.decode_into: delta * (k - u)
+    w_hat = (deltas[:, None] * q2).view(-1)[:n]
+    return w_hat, k_hat.view(-1)[:n]
+
+
+def dither_padded(key: int, n: int, bucket: int, device: torch.device) -> torch.Tensor:
+    nb = num_buckets(n, bucket)
+    return dqsg.dither(key, nb * bucket, device).view(nb, bucket)
+
+
+def aliased(k_true: torch.Tensor, k_hat: torch.Tensor) -> int:
+    """How many fine indices the side-information decoder got wrong."""
+    return int((k_true.to(torch.float32) != k_hat).sum())

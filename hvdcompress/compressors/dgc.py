@@ -1,0 +1,192 @@
+"""Deep Gradient Compression (Lin et al., ICLR 2018, arXiv 1712.01887; shared/SPEC.md
+section 4), payload and codec of top-k (hvdcompress.codecs.sparse).
+
+Per tensor (flat float32), with momentum m = ``momentum``:
+
+    g = clip(g, clip_norm / sqrt(N))   # local gradient clipping (optional, per tensor)
+    u = m u + g                        # momentum correction: velocity, accumulated locally
+    v = v + u
+    send the top-k of |v|, k = ceil(density(step) * n)
+    u[sent] = 0 ; v[sent] = 0          # momentum factor masking
+
+So DGC applies the momentum itself: the wrapped optimizer must then use momentum 0
+(``check_optimizer`` raises otherwise; DistributedOptimizer calls it), e.g.
+``DistributedOptimizer(SGD(params, lr, momentum=0), ..., compression=get_compressor("dgc",
+momentum=0.9))``. Invariant: everything sent plus v equals the sum of the velocities u.
+
+Warm-up of sparsity: with ``warmup_steps`` T > 0 the density (kept fraction) goes
+exponentially from 0.25 (75 % sparsity) to ``ratio`` (default 0.001, 99.9 %):
+
+    density(t) = 0.25 * (ratio / 0.25) ** (stage(t) / S)   for t < T, else ratio
+    stage(t)   = t (S = T) when warmup_stages == 0, else floor(t * S / T), S = warmup_stages
+
+``warmup_stages`` = number of warm-up epochs and T = epochs * steps per epoch gives the
+paper's schedule (75 %, 93.75 %, 98.4 %, 99.6 %, then 99.9 %). ``t`` counts this
+compressor's compress calls for the tensor (saved in ``state_dict``). The header carries
+(ratio, step, density); a receiver recomputes density(step) and rejects a mismatch.
+Non-finite input travels as the flag and leaves u and v untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from hvdcompress import wire
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.codecs import sparse
+from hvdcompress.compressors.base import Compressor
+from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.wire import PayloadError
+
+PARAMS = struct.Struct("<dQd")  # ratio, step, density of this step
+WARMUP_START = 0.25  # density at step 0 of the warm-up (75 % sparsity)
+
+
+class DGC(Compressor):
+    """Top-k (``ratio``, default 0.001) with momentum correction (``momentum`` in [0, 1),
+    default 0.9), momentum factor masking, optional local clipping (``clip_norm`` > 0 per
+    tensor, scaled by N^-1/2; 0 disables) and sparsity warm-up (``warmup_steps``,
+    ``warmup_stages``)."""
+
+    name = "dgc"
+    summable = False
+    error_feedback = True
+
+    def __init__(
+        self,
+        ratio: float = 0.001,
+        momentum: float = 0.9,
+        clip_norm: float = 0.0,
+        warmup_steps: int = 0,
+        warmup_stages: int = 0,
+    ) -> None:
+        self.ratio = sparse.check_ratio(ratio, "dgc")
+        m = float(momentum)
+        if not 0.0 <= m < 1.0:
+            raise ValueError(f"dgc momentum must be in [0, 1), got {momentum!r}")
+        self.momentum = m
+        c = float(clip_norm)
+        if not (c >= 0.0 and math.isfinite(c)):
+            raise ValueError(
+                f"dgc clip_norm must be a finite float >= 0 (0: off), got {clip_norm!r}"
+            )
+        self.clip_norm = c
+        for what, v in (("warmup_steps", warmup_steps), ("warmup_stages", warmup_stages)):
+            if isinstance(v, bool) or int(v) != v or not 0 <= v < 2**63:
+                raise ValueError(f"dgc {what} must be an int in [0, 2**63), got {v!r}")
+        self.warmup_steps = int(warmup_steps)
+        self.warmup_stages = int(warmup_stages)
+        if self.warmup_steps and self.warmup_stages > self.warmup_steps:
+            raise ValueError(
+                f"dgc warmup_stages must be in [0, warmup_steps={self.warmup_steps}], "
+                f"got {warmup_stages!r}"
+            )
+        self.size = 1
+        self.velocity = ErrorFeedback()  # u
+        self.memory = ErrorFeedback()  # v (the error-feedback residual)
+        self.steps: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"DGC(ratio={self.ratio}, momentum={self.momentum}, clip_norm={self.clip_norm}, "
+            f"warmup_steps={self.warmup_steps}, warmup_stages={self.warmup_stages})"
+        )
+
+    def bind(self, rank: int, size: int) -> None:
+        self.size = max(1, int(size))
+
+    def check_optimizer(self, optimizer) -> None:
+        """Raise when the wrapped optimizer applies momentum too (DGC applies it locally)."""
+        if self.momentum == 0.0:
+            return
+        for group in optimizer.param_groups:
+            if float(group.get("momentum", 0.0) or 0.0) > 0.0:
+                raise ValueError(
+                    f"dgc applies momentum {self.momentum} itself (momentum correction): the "
+                    f"wrapped optimizer must use momentum=0, it has {group['momentum']}; or "
+                    "use get_compressor('dgc', momentum=0) to keep the optimizer's momentum"
+                )
+
+    def density(self, step: int) -> float:
+        """The kept fraction at ``step`` (see module doc)."""
+        T = self.warmup_steps
+        if step >= T or self.ratio >= WARMUP_START:
+            return self.ratio
+        if self.warmup_stages:
+            stage, stages = step * self.warmup_stages // T, self.warmup_stages
+        else:
+            stage, stages = step, T
+        return WARMUP_START * (self.ratio / WARMUP_START) ** (stage / stages)
+
+    def _encode(self, tensor, name):
+        g = prim.flat_f32(tensor)
+        u = self.velocity.residual(name, g)
+        v = self.memory.residual(name, g)
+        step = self.steps.get(name, 0)
+        self.steps[name] = step + 1
+        density = self.density(step)
+        params = PARAMS.pack(self.ratio, step, density)
+        if self.clip_norm > 0.0 and prim.all_finite(g):
+            limit = self.clip_norm / math.sqrt(self.size)
+            norm = math.sqrt(math.fsum(prim.chunk_sums(g, 1024, True).cpu().tolist()))
+            if norm > limit:
+                g = g * float(limit / (norm + 1e-6))
+        u_new = u * self.momentum + g if self.momentum else g.clone()
+        v_new = v + u_new
+        if not prim.all_finite(v_new):
+            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
+        body, idx = sparse.topk_encode(v_new, sparse.topk_count(v_new.numel(), density))
+        v_new[idx] = 0.0
+        u_new[idx] = 0.0
+        u.copy_(u_new)
+        v.copy_(v_new)
+        return 0, params, body
+
+    def _check_params(self, header):
+        if len(header.params) != PARAMS.size:
+            raise PayloadError(
+                "params_len", f"dgc has {PARAMS.size} bytes of parameters, got {len(header.params)}"
+            )
+        ratio, step, density = PARAMS.unpack(header.params)
+        if ratio != self.ratio:
+            raise PayloadError(
+                "ratio", f"expected {self.ratio}, got {ratio} (ranks disagree on the compressor)"
+            )
+        if density != self.density(step):
+            raise PayloadError(
+                "density",
+                f"step {step} has density {self.density(step)}, got {density} (ranks disagree "
+                "on the warm-up)",
+            )
+
+    def _max_numel(self, body_len):
+        k = body_len // 8  # each kept value costs at least 4 + 4 bytes; density >= ratio
+        return math.floor((k + 1) / self.ratio) + 1
+
+    def _decode_body(self, header, body, out, accumulate):
+        _, _, density = PARAMS.unpack(header.params)
+        k = sparse.topk_count(header.numel, density)
+        sparse.topk_decode_into(body, header.numel, k, out, accumulate)
+
+    def state_dict(self) -> dict:
+        return {
+            "ratio": self.ratio,
+            "steps": dict(self.steps),
+            "velocity": self.velocity.state_dict(),
+            "residuals": self.memory.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("ratio") != self.ratio:
+            raise ValueError(
+                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
+            )
+        steps = state.get("steps", {})
+        if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in steps.items()):
+            raise ValueError("steps must map tensor names to non-negative ints")
+        self.velocity.load_state_dict(state["velocity"])
+        self.memory.load_state_dict(state["residuals"])
+        self.steps = dict(steps)

@@ -1,0 +1,224 @@
+"""NDQSG compressor (shared/SPEC.md section 3), codec in hvdcompress.codecs.ndqsg.
+
+Of N ranks, the first ``ceil(N * dqsg_fraction)`` (default half, at least one) send plain
+DQSG payloads with the fine levels s1; the others send the nested code m (about
+log2(rho) bits per value instead of log2(2 s1 + 1)). A nested payload is decoded with side
+information y: the mean of the gradients already decoded in this step, senders taken in
+rank order. The optimizer's gather path passes it (``decode(..., side_info=acc / r)``,
+``uses_side_info``); every rank decodes the same bytes in the same order, so every rank
+gets the same y and bit-identical results.
+
+Aliasing (a nested value decoded to the wrong point of its coset, |w - y| too large) is
+measured two ways, both reset by ``pop_metrics()`` (the optimizer puts them in
+``last_stats.metrics`` after each step):
+
+* ``aliasing_rate_estimate``: the DQSG-coded payloads of ranks 1 .. D-1 carry their fine
+  index k; each is re-decoded from its coset m = k mod rho with that rank's side
+  information and compared with k (cheap, the same on every rank). None when D < 2.
+* ``aliasing_rate_own``: this rank's own nested payload, whose k it remembers, decoded
+  with the side information every rank used (exact). None on a DQSG rank.
+
+``last_aliasing_rate`` keeps the estimate (or, when there is none, the own rate) of the
+last ``pop_metrics()``. No error feedback (the dithered quantiser is unbiased).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from hvdcompress import wire
+from hvdcompress.codecs import dqsg, ndqsg, quant, threelc
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.codecs.quant import padded
+from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.wire import PayloadError
+
+# fine levels, coarse levels, bucket size, dqsg_fraction, mode (0 DQSG, 1 nested)
+PARAMS = struct.Struct("<IIIdB")
+MODE_DQSG, MODE_NESTED = 0, 1
+
+
+class NDQSG(Stochastic):
+    """Nested dithered quantisation: fine levels s1 = ``fine_levels`` (default 3), coarse
+    s2 = ``coarse_levels`` (default 1; rho = s1 / s2 an integer >= 2), a delta per
+    ``bucket_size`` (default 512) elements, the first ``ceil(N * dqsg_fraction)`` ranks
+    (``dqsg_fraction`` in (0, 1], default 0.5) sending plain DQSG."""
+
+    name = "ndqsg"
+    summable = False
+    error_feedback = False
+    uses_side_info = True  # the gather path passes side_info= (see module doc)
+
+    def __init__(
+        self,
+        fine_levels: int = 3,
+        coarse_levels: int = 1,
+        bucket_size: int = 512,
+        dqsg_fraction: float = 0.5,
+        seed: int = 0,
+        rank: int = 0,
+    ) -> None:
+        self.rho = ndqsg.check_levels(fine_levels, coarse_levels)
+        self.fine_levels = int(fine_levels)
+        self.coarse_levels = int(coarse_levels)
+        self.bucket_size = quant.check_bucket(bucket_size, "ndqsg")
+        f = float(dqsg_fraction)
+        if not 0.0 < f <= 1.0:
+            raise ValueError(f"ndqsg dqsg_fraction must be in (0, 1], got {dqsg_fraction!r}")
+        self.dqsg_fraction = f
+        self.size = 1
+        self._init_rng(seed, rank)
+        self._sent: dict[int, tuple[int, torch.Tensor]] = {}  # tensor id -> (step, k)
+        self._side: torch.Tensor | None = None
+        self._counts = {"estimate": [0, 0], "own": [0, 0]}
+        self.last_aliasing_rate: float | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"NDQSG(fine_levels={self.fine_levels}, coarse_levels={self.coarse_levels}, "
+            f"bucket_size={self.bucket_size}, dqsg_fraction={self.dqsg_fraction}, "
+            f"seed={self.seed})"
+        )
+
+    def bind(self, rank: int, size: int) -> None:
+        super().bind(rank, size)
+        if isinstance(size, bool) or int(size) != size or size < 1:
+            raise ValueError(f"size must be an int >= 1, got {size!r}")
+        self.size = int(size)
+
+    @property
+    def dqsg_ranks(self) -> int:
+        """D: ranks 0 .. D-1 send plain DQSG."""
+        return max(1, math.ceil(self.size * self.dqsg_fraction))
+
+    def mode_of(self, rank: int) -> int:
+        return MODE_NESTED if rank >= self.dqsg_ranks else MODE_DQSG
+
+    # ---- encode ---------------------------------------------------------------------------
+    def _encode(self, tensor, name):
+        w = prim.flat_f32(tensor)
+        rng, key = self._rng_params(name)
+        mode = self.mode_of(self.rank)
+        params = rng + PARAMS.pack(
+            self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction, mode
+        )
+        if not prim.all_finite(w):
+            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=w.device)
+        if mode == MODE_DQSG:
+            return 0, params, dqsg.encode(w, self.fine_levels, self.bucket_size, key)
+        body, k = ndqsg.encode_nested(w, self.fine_levels, self.rho, self.bucket_size, key)
+        _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
+        self._sent[tid] = (step, k)
+        return 0, params, body
+
+    # ---- decode ---------------------------------------------------------------------------
+    def decode(self, payload, *, side_info: torch.Tensor | None = None, **kwargs):
+        """As ``Compressor.decode``; a nested payload needs ``side_info``, the receiver's
+        estimate of the sender's tensor (float32, the tensor's numel), else PayloadError."""
+        self._side = side_info
+        try:
+            return super().decode(payload, **kwargs)
+        finally:
+            self._side = None
+
+    def _fields(self, header):
+        return PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+
+    def _check_params(self, header):
+        self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)
+        self._rng_check(header.params)
+        fine, coarse, bucket, fraction, mode = self._fields(header)
+        mine = (self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction)
+        if (fine, coarse, bucket, fraction) != mine:
+            raise PayloadError(
+                "levels",
+                f"expected fine/coarse levels, bucket_size, dqsg_fraction {mine}, got "
+                f"{(fine, coarse, bucket, fraction)} (ranks disagree on the compressor)",
+            )
+        sender = prim.RNG_PARAMS.unpack_from(header.params, 0)[3]
+        if mode != self.mode_of(sender):
+            raise PayloadError(
+                "mode",
+                f"rank {sender} of {self.size} sends mode {self.mode_of(sender)}, payload has "
+                f"{mode} (ranks disagree on the world size or dqsg_fraction)",
+            )
+
+    def _max_numel(self, body_len):
+        # the larger of the two codes' bounds (the mode is not known here)
+        if self.fine_levels == 1:
+            dq = body_len * threelc.MAX_VALUES_PER_BYTE
+        else:
+            dq = 8 * body_len // dqsg.dqsg_bits(self.fine_levels)
+        return max(dq, ndqsg.max_numel(body_len, self.rho))
+
+    def _side_info(self, n: int, device) -> torch.Tensor | None:
+        y = self._side
+        if y is None:
+            return None
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"side_info must be a tensor, got {type(y).__name__}")
+        if y.numel() != n:
+            raise PayloadError("numel", f"the payload has {n} elements, its side_info {y.numel()}")
+        return y.reshape(-1).to(device=device, dtype=torch.float32)
+
+    def _decode_body(self, header, body, out, accumulate):
+        key = self._rng_check(header.params)
+        _, step, tid, sender = prim.RNG_PARAMS.unpack_from(header.params, 0)
+        mode = self._fields(header)[4]
+        n, s1, bucket = header.numel, self.fine_levels, self.bucket_size
+        y = self._side_info(n, out.device)
+        if mode == MODE_DQSG:
+            q, deltas = dqsg.decode_q(body, n, s1, bucket)
+            if n == 0:
+                return
+            q2 = padded(q, bucket).to(torch.float32)
+            q2 -= dqsg.dither(key, q2.numel(), out.device).view(q2.shape)
+            val = (deltas[:, None] * q2).view(-1)[:n]
+            if y is not None and sender > 0:  # estimate: would the nested code alias here?
+                m = ndqsg.coset(q, self.rho)
+                _, k_hat = ndqsg.side_decode(m, deltas, y, self.rho, bucket, key)
+                self._count("estimate", ndqsg.aliased(q, k_hat), n)
+        else:
+            m, deltas = ndqsg.decode_m(body, n, self.rho, bucket)
+            if y is None:
+                raise PayloadError(
+                    "side_info",
+                    f"a nested payload (rank {sender}) decodes only with side information: "
+                    "the mean of the lower ranks' decoded tensors (the optimizer passes it)",
+                )
+            if n == 0:
+                return
+            val, k_hat = ndqsg.side_decode(m, deltas, y, self.rho, bucket, key)
+            sent = self._sent.get(tid) if sender == self.rank else None
+            if sent is not None and sent[0] == step and sent[1].numel() == n:
+                self._count("own", ndqsg.aliased(sent[1], k_hat), n)
+        if accumulate:
+            out += val
+        else:
+            out.copy_(val)
+
+    # ---- metrics and state ------------------------------------------------------------------
+    def _count(self, which: str, bad: int, total: int) -> None:
+        c = self._counts[which]
+        c[0] += bad
+        c[1] += total
+
+    def pop_metrics(self) -> dict:
+        """Aliasing rates since the last call (see module doc), then reset the counts."""
+        rates = {
+            f"aliasing_rate_{k}": (c[0] / c[1] if c[1] else None) for k, c in self._counts.items()
+        }
+        self._counts = {"estimate": [0, 0], "own": [0, 0]}
+        est, own = rates["aliasing_rate_estimate"], rates["aliasing_rate_own"]
+        self.last_aliasing_rate = est if est is not None else own
+        self._sent.clear()
+        return rates
+
+    def state_dict(self) -> dict:
+        return self._rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._load_rng_state(state)
