@@ -67,7 +67,8 @@ class BF16Compression(_CastCompression):
 
 
 class GatherOnlyCompression:
-    """A gather-only codec (3LC): usable only with ``hvdcompress.DistributedOptimizer``."""
+    """A codec that only ``hvdcompress.DistributedOptimizer`` can run: the gather-only ones
+    (3LC, top-k, ...) and PowerSGD, whose two allreduces (P, then Q) need its hooks."""
 
     def __init__(self, name: str, attribute: str, **params) -> None:
         self.name = name
@@ -84,8 +85,8 @@ class GatherOnlyCompression:
 
     def compress(self, tensor):
         raise TypeError(
-            f"{self!r} is gather-only: its payloads cannot be summed by Horovod's allreduce, "
-            "so hvd.DistributedOptimizer cannot use it. Use "
+            f"{self!r} cannot run in hvd.DistributedOptimizer: its payloads are not summed by "
+            "one allreduce (gather-only, or PowerSGD's two phases). Use "
             f"hvdcompress.DistributedOptimizer(optimizer, model.named_parameters(), "
             f"compression={self!r}, backend='horovod' or 'mpi4py') instead."
         )
@@ -94,13 +95,32 @@ class GatherOnlyCompression:
         self.compress(tensor)
 
 
+def _entry(name: str, attribute: str):
+    def make(**params) -> GatherOnlyCompression:
+        return GatherOnlyCompression(name, attribute, **params)
+
+    make.__name__ = attribute
+    make.__doc__ = f"``{name}``, with the parameters of ``get_compressor({name!r}, ...)``."
+    return staticmethod(make)
+
+
 class Compression:
-    """Namespace like ``hvd.Compression``: ``none``, ``fp16``, ``bf16``, ``threelc(...)``."""
+    """Namespace like ``hvd.Compression``: ``none``, ``fp16``, ``bf16`` (summable, also for
+    ``hvd.DistributedOptimizer``), and ``threelc(sparsity=...)``, ``topk(ratio=...)`` and
+    the other codecs for ``hvdcompress.DistributedOptimizer``."""
 
     none = NoneCompression
     fp16 = FP16Compression
     bf16 = BF16Compression
 
-    @staticmethod
-    def threelc(sparsity: float = 1.0) -> GatherOnlyCompression:
-        return GatherOnlyCompression("3lc", "threelc", sparsity=sparsity)
+    threelc = _entry("3lc", "threelc")
+    dqsg = _entry("dqsg", "dqsg")
+    ndqsg = _entry("ndqsg", "ndqsg")
+    topk = _entry("topk", "topk")
+    randomk = _entry("randomk", "randomk")
+    dgc = _entry("dgc", "dgc")
+    qsgd = _entry("qsgd", "qsgd")
+    terngrad = _entry("terngrad", "terngrad")
+    signsgd = _entry("signsgd", "signsgd")
+    efsignsgd = _entry("efsignsgd", "efsignsgd")
+    powersgd = _entry("powersgd", "powersgd")

@@ -118,3 +118,17 @@ def test_compat_classes():
             torch.optim.SGD(_model().parameters(), lr=0.1), compression=3,
             backend=LocalTransport(),
         )  # fmt: skip
+
+
+def test_compression_has_an_entry_for_every_compressor():
+    from hvdcompress.compressors import REGISTRY
+
+    for name, cls in REGISTRY.items():
+        entry = getattr(hvdcompress.Compression, "threelc" if name == "3lc" else name)
+        if name in ("none", "fp16", "bf16"):
+            assert entry.make_compressor().name == name
+            continue
+        made = entry()
+        assert type(made.make_compressor()) is cls
+        with pytest.raises(TypeError, match=r"hvdcompress\.DistributedOptimizer"):
+            made.compress(torch.randn(3))
