@@ -9,11 +9,17 @@ from hvdcompress import wire
 from hvdcompress.compat import Compression
 from hvdcompress.compressors import Compressor, Ctx, available, get_compressor
 from hvdcompress.optimizer import Average, DistributedOptimizer, RankAgreementError, Sum
+from hvdcompress.policies import CAT, Accordion, AffineCost, PacketCost, calibrate
 from hvdcompress.wire import PayloadError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CAT",
+    "Accordion",
+    "AffineCost",
+    "PacketCost",
+    "calibrate",
     "Average",
     "Compression",
     "Compressor",

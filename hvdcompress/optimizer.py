@@ -186,6 +186,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int,
         op: str,
         fusion_threshold: int,
+        policy=None,
     ):
         super(self.__class__, self).__init__(params)
         self._compressor = compressor
@@ -213,6 +214,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             check(self)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         self._check_agreement(named, fusion_threshold)
+        # ---- policy (Accordion, CAT: hvdcompress.policies) ----
+        self._policy = policy
+        if policy is not None:
+            policy.bind(self, compressor, transport, [n for n, _ in named])
 
     # ---- agreement -------------------------------------------------------------------------
     def _describe(self, named, fusion_threshold) -> list[str]:
@@ -280,7 +285,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grads.append(p.grad)
         comp = self._compressor
         payloads, ctxs = [], []
+        policy = self._policy
         for name, g in zip(bucket.names, grads, strict=True):
+            if policy is not None:
+                policy.observe(name, g)  # the uncompressed local gradient, before encoding
             payload, ctx = comp.compress(g, name)
             payloads.append(payload.reshape(-1))
             ctxs.append(ctx)
@@ -364,6 +372,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         pop_metrics = getattr(self._compressor, "pop_metrics", None)
         if pop_metrics is not None:
             self._stats.metrics = pop_metrics()
+        if self._policy is not None and error is None:
+            self._policy.after_step()  # every collective of the step is done
+            self._stats.metrics = {**self._stats.metrics, **self._policy.pop_metrics()}
         self._reset_round()
         self._synchronized = True
         self.last_stats, self._stats = self._stats, StepStats()
@@ -462,6 +473,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "compressor": repr(self._compressor),
             "compressor_state": self._compressor.state_dict(),
         }
+        if self._policy is not None and hasattr(self._policy, "state_dict"):
+            state[STATE_KEY]["policy"] = self._policy.state_dict()  # Accordion's norms, levels
         return state
 
     def load_state_dict(self, state_dict):
@@ -481,6 +494,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"this optimizer has {self._compressor!r}"
                 )
             self._compressor.load_state_dict(ours["compressor_state"])
+            if "policy" in ours and hasattr(self._policy, "load_state_dict"):
+                self._policy.load_state_dict(ours["policy"])
         return super(self.__class__, self).load_state_dict(state_dict)
 
     @property
@@ -490,6 +505,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def transport(self) -> Transport:
         return self._transport
+
+    @property
+    def policy(self):
+        return self._policy
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -537,6 +556,7 @@ def DistributedOptimizer(
     op=Average,
     backend: str | Transport = "horovod",
     fusion_threshold: int | None = None,
+    policy=None,
 ):
     """Wrap ``optimizer`` so gradients are compressed, exchanged and averaged across ranks.
 
@@ -544,7 +564,8 @@ def DistributedOptimizer(
     ``hvdcompress.Compression.<name>``. ``backend``: ``"horovod"`` (needs ``hvd.init()``),
     ``"mpi4py"`` (no Horovod needed) or a Transport. ``fusion_threshold``: bytes of
     uncompressed gradient per collective (default ``HOROVOD_FUSION_THRESHOLD`` or 64 MiB;
-    0 sends every tensor on its own).
+    0 sends every tensor on its own). ``policy``: ``hvdcompress.Accordion(...)`` or
+    ``hvdcompress.CAT(...)``, which sets the compressor's level per tensor during training.
     """
     compressor = resolve_compressor(compression)
     op = _normalize_op(op)
@@ -564,4 +585,5 @@ def DistributedOptimizer(
         backward_passes_per_step,
         op,
         fusion_threshold,
+        policy,
     )

@@ -23,6 +23,14 @@ events to ``--log-dir``: loss, test accuracy, bytes sent per step (per rank, rin
 of SPEC section 7), bits per value, compression time and step time. ``--checkpoint DIR``
 saves one file per rank (error-feedback residuals are per rank); ``--resume`` continues
 from it and gives the same parameters as an uninterrupted run.
+
+Policies: ``--accordion LOW HIGH`` switches each tensor between two levels of
+``--compression`` (3lc sparsity, topk ratio, powersgd matrix_rank; interval = one epoch or
+``--accordion-interval`` steps); ``--cat topk`` picks each tensor's top-k budget by CAT
+(``--cat-cost C0,C1[,PACKET_BITS]`` or calibration, ``--cat-every S``). With a policy,
+``--log-dir`` also gets ``policy.csv`` (step, key, value: ``level/<tensor>``,
+``T/<tensor>``, ``cat/modelled_s``, ``cat/measured_s``); ``scripts/plot_policy.py`` draws
+it next to the loss.
 """
 
 from __future__ import annotations
@@ -225,6 +233,32 @@ def parse_args(argv=None):
         help="compressor parameter, repeatable: --compression-param ratio=0.01",
     )
     p.add_argument("--sparsity", type=float, default=1.0, help="3LC sparsity multiplier [1, 2)")
+    p.add_argument(
+        "--accordion",
+        nargs=2,
+        type=float,
+        default=None,
+        metavar=("LOW", "HIGH"),
+        help="Accordion policy: the --compression level of low / high compression\n"
+        "(3lc sparsity 1.0 1.9; topk ratio 0.99 0.1; powersgd matrix_rank 2 1)",
+    )
+    p.add_argument("--accordion-eta", type=float, default=0.5)
+    p.add_argument(
+        "--accordion-interval", type=int, default=None, help="steps (default: one epoch)"
+    )
+    p.add_argument(
+        "--cat",
+        choices=["topk"],
+        default=None,
+        help="CAT policy: per-tensor top-k budget (needs --compression topk)",
+    )
+    p.add_argument("--cat-every", type=int, default=200, help="recompute T* every S steps")
+    p.add_argument(
+        "--cat-cost",
+        default=None,
+        metavar="C0,C1[,PACKET_BITS]",
+        help="cost model in seconds and seconds per bit (or per packet); default: calibrate",
+    )
     p.add_argument("--backend", choices=["horovod", "mpi4py"], default="horovod")
     p.add_argument("--fusion-threshold", type=int, default=None, help="bytes per collective")
     p.add_argument("--epochs", type=int, default=1)
@@ -275,6 +309,33 @@ def make_compression(args) -> tuple[hvdcompress.Compressor, float]:
         raise SystemExit(f"--compression {args.compression}: {err}") from None
 
 
+def make_policy(args):
+    """hvdcompress.Accordion / hvdcompress.CAT from the flags, or None."""
+    if args.accordion and args.cat:
+        raise SystemExit("--accordion and --cat are exclusive")
+    if args.accordion:
+        low, high = args.accordion
+        if args.compression == "powersgd":
+            low, high = int(low), int(high)
+        return hvdcompress.Accordion(
+            low=low, high=high, eta=args.accordion_eta, interval_steps=args.accordion_interval
+        )
+    if args.cat:
+        if args.compression != "topk":
+            raise SystemExit("--cat topk needs --compression topk")
+        cost = None
+        if args.cat_cost:
+            parts = [float(v) for v in args.cat_cost.split(",")]
+            if len(parts) == 2:
+                cost = hvdcompress.AffineCost(*parts)
+            elif len(parts) == 3:
+                cost = hvdcompress.PacketCost(parts[0], parts[1], int(parts[2]))
+            else:
+                raise SystemExit(f"--cat-cost takes C0,C1[,PACKET_BITS], got {args.cat_cost!r}")
+        return hvdcompress.CAT(args.cat, cost_model=cost, recompute_every=args.cat_every)
+    return None
+
+
 def evaluate(model, test, dist, batch: int = 1000) -> float:
     x, y = test
     shard = range(dist.rank, len(x), dist.size)
@@ -307,12 +368,14 @@ def main(argv=None) -> int:
     model = MODELS[args.model](args.width)
     dist.broadcast_(model.parameters())
     compression, momentum = make_compression(args)
+    policy = make_policy(args)
     opt = hvdcompress.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum),
         model.named_parameters(),
         compression=compression,
         backend=args.backend,
         fusion_threshold=args.fusion_threshold,
+        policy=policy,
     )
 
     steps_per_epoch = len(train[0]) // (dist.size * args.batch_size)
@@ -346,6 +409,7 @@ def main(argv=None) -> int:
 
     is_root = dist.rank == 0
     writer = csv_file = csv_out = None
+    policy_file = policy_out = None
     if is_root and args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         csv_file = open(Path(args.log_dir) / "metrics.csv", "a" if args.resume else "w", newline="")
@@ -355,6 +419,13 @@ def main(argv=None) -> int:
                 ["step", "epoch", "loss", "test_acc", "bytes_sent", "payload_bytes",
                  "raw_bytes", "bits_per_value", "compress_s", "step_s"]
             )  # fmt: skip
+        if policy is not None:  # long format: level / T per tensor, modelled vs measured
+            policy_file = open(
+                Path(args.log_dir) / "policy.csv", "a" if args.resume else "w", newline=""
+            )
+            policy_out = csv.writer(policy_file)
+            if not args.resume:
+                policy_out.writerow(["step", "key", "value"])
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -397,6 +468,9 @@ def main(argv=None) -> int:
         totals["raw"] += 2.0 * (size - 1) / size * stats.raw_bytes
         totals["steps"] += 1
         end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
+        if policy is not None and step % steps_per_epoch == 0:
+            if hasattr(policy, "end_epoch"):  # every rank: an Accordion interval end
+                policy.end_epoch()
         acc = evaluate(model, test, dist) if end_of_epoch else None
         if ckpt_path and (
             step == total_steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
@@ -410,6 +484,10 @@ def main(argv=None) -> int:
             ]  # fmt: skip
             if csv_out:
                 csv_out.writerow(row)
+            if policy_out:
+                for key, value in sorted(stats.metrics.items()):
+                    if key.startswith(("level/", "T/", "cat/")):
+                        policy_out.writerow([step, key, value])
             if writer:
                 writer.add_scalar("train/loss", loss_value, step)
                 writer.add_scalar("comm/bytes_sent", stats.wire_bytes, step)
@@ -443,6 +521,8 @@ def main(argv=None) -> int:
             writer.close()
         if csv_file:
             csv_file.close()
+        if policy_file:
+            policy_file.close()
     return 0
 
 

@@ -29,6 +29,7 @@ import torch
 
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import Compressor, Ctx
+from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 
 MAX_RANK = 64
@@ -63,14 +64,17 @@ def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
     return (n, m) if n and m else None
 
 
-class PowerSGD(Compressor):
+class PowerSGD(PerTensorLevels, Compressor):
     """Rank-``matrix_rank`` PowerSGD (an int in [1, 64], default 1; the paper uses 1, 2, 4)
-    with one warm-started power iteration and error feedback; ``seed`` picks the initial Q."""
+    with one warm-started power iteration and error feedback; ``seed`` picks the initial Q.
+    A policy may set the rank per tensor (``set_level(name, r)``, the same on every rank):
+    the warm-started Q keeps its first columns and gains seeded ones, the residual stays."""
 
     name = "powersgd"
     summable = True
     error_feedback = True
     phases = 2
+    level_param = "matrix_rank"
 
     def __init__(self, matrix_rank: int = 1, seed: int = 0) -> None:
         if (
@@ -90,9 +94,25 @@ class PowerSGD(Compressor):
     def __repr__(self) -> str:
         return f"PowerSGD(matrix_rank={self.matrix_rank}, seed={self.seed})"
 
+    def _check_level(self, value):
+        if isinstance(value, bool) or int(value) != value or not (1 <= value <= MAX_RANK):
+            raise ValueError(
+                f"powersgd matrix_rank must be an int in [1, {MAX_RANK}], got {value!r}"
+            )
+        return int(value)
+
     # ---- the two phases ---------------------------------------------------------------------
     def _q(self, name: str, cols: int, r: int, device) -> torch.Tensor:
         q = self.qs.get(name)
+        if q is not None and name in self.levels and q.dim() == 2 and q.shape[0] == cols:
+            if q.shape[1] != r:  # the policy switched this tensor's rank: same on every rank
+                gen = torch.Generator().manual_seed(
+                    (self.seed ^ prim.tensor_id(name)) & (2**63 - 1)
+                )
+                fresh = torch.randn(cols, r, generator=gen, dtype=torch.float32).to(q.device)
+                keep = min(r, q.shape[1])
+                fresh[:, :keep] = q[:, :keep]
+                q = self.qs[name] = fresh
         if q is None or q.shape != (cols, r) or q.device != device:
             if q is not None and q.shape != (cols, r):
                 raise ValueError(
@@ -116,7 +136,7 @@ class PowerSGD(Compressor):
             self._pending[name] = None
             return g.clone(), ctx
         n, cols = shape
-        r = min(self.matrix_rank, n, cols)
+        r = min(self.level(name), n, cols)
         e = self.memory.residual(name, g)
         m = (g + e).view(n, cols)
         p = m @ self._q(name, cols, r, m.device)

@@ -20,6 +20,7 @@ from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
 from hvdcompress.compressors.base import Compressor
+from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.wire import PayloadError
@@ -28,12 +29,14 @@ TOPK_PARAMS = struct.Struct("<d")  # ratio
 RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
 
 
-class TopK(Compressor):
-    """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|."""
+class TopK(PerTensorLevels, Compressor):
+    """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|; a policy
+    may set it per tensor (``set_level(name, ratio)``), the header carries it."""
 
     name = "topk"
     summable = False
     error_feedback = True
+    level_param = "ratio"
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = sparse.check_ratio(ratio, "topk")
@@ -42,14 +45,18 @@ class TopK(Compressor):
     def __repr__(self) -> str:
         return f"TopK(ratio={self.ratio})"
 
+    def _check_level(self, value):
+        return sparse.check_ratio(value, "topk")
+
     def _encode(self, tensor, name):
         g = prim.flat_f32(tensor)
         e = self.memory.residual(name, g)
         a = g + e
-        params = TOPK_PARAMS.pack(self.ratio)
+        ratio = self.level(name)
+        params = TOPK_PARAMS.pack(ratio)
         if not prim.all_finite(a):
             return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
-        body, idx = sparse.topk_encode(a, sparse.topk_count(a.numel(), self.ratio))
+        body, idx = sparse.topk_encode(a, sparse.topk_count(a.numel(), ratio))
         a[idx] = 0.0
         e.copy_(a)
         return 0, params, body
@@ -60,17 +67,19 @@ class TopK(Compressor):
                 "params_len", f"topk has 8 bytes of parameters, got {len(header.params)}"
             )
         (ratio,) = TOPK_PARAMS.unpack(header.params)
-        if ratio != self.ratio:
+        expected = self.level(self._decoding)
+        if ratio != expected:
             raise PayloadError(
-                "ratio", f"expected {self.ratio}, got {ratio} (ranks disagree on the compressor)"
+                "ratio", f"expected {expected}, got {ratio} (ranks disagree on the compressor)"
             )
 
     def _max_numel(self, body_len):
         k = body_len // 8  # each kept value costs at least 4 + 4 bytes
-        return math.floor((k + 1) / self.ratio) + 1
+        return math.floor((k + 1) / self.level(self._decoding)) + 1
 
     def _decode_body(self, header, body, out, accumulate):
-        k = sparse.topk_count(header.numel, self.ratio)
+        (ratio,) = TOPK_PARAMS.unpack(header.params)  # checked against level(name)
+        k = sparse.topk_count(header.numel, ratio)
         sparse.topk_decode_into(body, header.numel, k, out, accumulate)
 
     def state_dict(self) -> dict:

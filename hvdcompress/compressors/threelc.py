@@ -15,32 +15,38 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import threelc
 from hvdcompress.compressors.base import Compressor, as_float32
+from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.wire import PayloadError
 
 
-class ThreeLC(Compressor):
-    """3LC with sparsity multiplication ``sparsity`` in [1, 2) (default 1.0)."""
+class ThreeLC(PerTensorLevels, Compressor):
+    """3LC with sparsity multiplication ``sparsity`` in [1, 2) (default 1.0); a policy may
+    set it per tensor (``set_level(name, s)``), the header carries it."""
 
     name = "3lc"
     summable = False
     error_feedback = True
+    level_param = "sparsity"
 
     def __init__(self, sparsity: float = 1.0) -> None:
         self.sparsity = threelc.check_sparsity(sparsity)
-        self._sparsity32 = as_float32(self.sparsity)  # as the header stores it
         self.memory = ErrorFeedback()
 
     def __repr__(self) -> str:
         return f"ThreeLC(sparsity={self.sparsity})"
 
+    def _check_level(self, value):
+        return threelc.check_sparsity(value)
+
     def _encode(self, tensor, name):
         # A contiguous float32 gradient is only read, so this is a view, not a copy.
         g = tensor.detach().reshape(-1).to(torch.float32).contiguous()
         e = self.memory.residual(name, g)
-        enc = threelc.encode(g, e, self.sparsity)
+        s = self.level(name)
+        enc = threelc.encode(g, e, s)
         flags = wire.FLAG_NONFINITE if enc.nonfinite else 0
-        return flags, threelc.PARAMS.pack(self.sparsity, enc.scale), enc.body
+        return flags, threelc.PARAMS.pack(s, enc.scale), enc.body
 
     def _check_params(self, header):
         if len(header.params) != threelc.PARAMS.size:
@@ -49,10 +55,11 @@ class ThreeLC(Compressor):
                 f"3LC has {threelc.PARAMS.size} bytes of parameters, got {len(header.params)}",
             )
         sparsity, scale = threelc.PARAMS.unpack(header.params)
-        if sparsity != self._sparsity32:
+        expected = self.level(self._decoding)
+        if sparsity != as_float32(expected):
             raise PayloadError(
                 "sparsity",
-                f"expected {self.sparsity}, got {sparsity} (ranks disagree on the compressor)",
+                f"expected {expected}, got {sparsity} (ranks disagree on the compressor)",
             )
         if header.nonfinite:
             if scale != 0.0:

@@ -1,0 +1,157 @@
+"""Accordion (Agarwal et al., MLSys 2021, arXiv 2010.16248; shared/SPEC.md section 5).
+
+Per tensor, the norm of the uncompressed local gradient is summed over an interval (one
+epoch by default: the training loop calls ``end_epoch()``; or every ``interval_steps``
+steps). At an interval end the sums of all ranks are averaged with one small collective
+(every rank receives the same list and averages it in rank order, so every rank decides
+the same), and compared with the previous interval's:
+
+    ratio = |n_prev - n_cur| / n_prev       (n_prev == 0 counts as critical)
+    ratio >= eta  -> critical -> ``low`` (the level of low compression)
+    otherwise     -> ``high``
+
+The first interval uses ``low``, and so does the interval after one with no previous
+norms. When the learning rate (any param group's ``lr``) has dropped since the last
+decision, every tensor uses ``low`` for the next interval: checked at the interval end
+and again at the first gradient of the next interval (so the scheduler may step before
+or after ``end_epoch()``); ``lr`` is the same on every rank, so the override is too.
+
+Levels are the compressor's own parameter: 3LC ``sparsity`` (1.0 low / 1.9 high), top-k
+``ratio`` (0.99 / 0.1), PowerSGD ``matrix_rank`` (2 or 4 / 1). They are applied with
+``compressor.set_level(name, value)``; residuals are keyed by name and survive switches.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def accordion_critical(prev, cur, eta: float = 0.5) -> list[bool]:
+    """Per tensor, True when the regime is critical (use low compression)."""
+    out = []
+    for p, c in zip(prev, cur, strict=True):
+        p, c = float(p), float(c)
+        out.append(p == 0.0 or not math.isfinite(p) or abs(p - c) / p >= eta)
+    return out
+
+
+class Accordion:
+    """Switch every tensor between the levels ``low`` and ``high`` (see module doc)."""
+
+    def __init__(self, low, high, eta: float = 0.5, interval_steps: int | None = None) -> None:
+        if not eta > 0:
+            raise ValueError(f"eta must be > 0, got {eta!r}")
+        if interval_steps is not None and int(interval_steps) < 1:
+            raise ValueError(f"interval_steps must be >= 1, got {interval_steps!r}")
+        self.low, self.high, self.eta = low, high, float(eta)
+        self.interval_steps = None if interval_steps is None else int(interval_steps)
+        self.names: list[str] = []
+        self.current: dict[str, object] = {}  # level in force per tensor
+        self.history: list[dict] = []  # one record per decision
+        self._sums: dict[str, float] = {}
+        self._prev: list[float] | None = None
+        self._steps = 0
+        self._lr_at_decision: list[float] | None = None
+        self._fresh_interval = True
+        self._metrics: dict = {}
+        self._compressor = self._transport = self._optimizer = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Accordion(low={self.low}, high={self.high}, eta={self.eta}, "
+            f"interval_steps={self.interval_steps})"
+        )
+
+    # ---- called by the optimizer ------------------------------------------------------------
+    def bind(self, optimizer, compressor, transport, names: list[str]) -> None:
+        if not hasattr(compressor, "set_level"):
+            raise TypeError(
+                f"Accordion needs a compressor with per-tensor levels (3lc, topk, powersgd), "
+                f"got {compressor!r}"
+            )
+        for value in (self.low, self.high):
+            compressor._check_level(value)  # refuse a wrong level now, not mid-training
+        self._optimizer, self._compressor, self._transport = optimizer, compressor, transport
+        self.names = list(names)
+        self._sums = dict.fromkeys(self.names, 0.0)
+        self._lr_at_decision = self._lrs()
+        self._apply(dict.fromkeys(self.names, True), reason="first")
+
+    def observe(self, name: str, grad) -> None:
+        if self._fresh_interval:
+            self._fresh_interval = False
+            if self._lr_dropped():  # the scheduler stepped after the decision
+                self._apply(dict.fromkeys(self.names, True), reason="lr_drop")
+        # one norm, computed in float32 where the gradient is read for compression
+        self._sums[name] += float(grad.detach().float().norm())
+
+    def after_step(self) -> None:
+        self._steps += 1
+        self._metrics = {f"level/{n}": v for n, v in self.current.items()}
+        if self.interval_steps is not None and self._steps % self.interval_steps == 0:
+            self.end_interval()
+
+    def pop_metrics(self) -> dict:
+        out, self._metrics = self._metrics, {}
+        return out
+
+    # ---- called by the training loop -------------------------------------------------------
+    def end_epoch(self) -> None:
+        """Interval end when ``interval_steps`` is None (every rank must call it)."""
+        if self.interval_steps is None:
+            self.end_interval()
+
+    def end_interval(self) -> None:
+        local = [self._sums[n] for n in self.names]
+        gathered = self._transport.allgather_object(local)  # one small collective
+        size = len(gathered)
+        cur = [sum(g[i] for g in gathered) / size for i in range(len(self.names))]
+        if self._lr_dropped():
+            critical, reason = [True] * len(cur), "lr_drop"
+        elif self._prev is None:
+            critical, reason = [True] * len(cur), "first"
+        else:
+            critical, reason = accordion_critical(self._prev, cur, self.eta), "norms"
+        self._prev = cur
+        self._sums = dict.fromkeys(self.names, 0.0)
+        self._lr_at_decision = self._lrs()
+        self._fresh_interval = True
+        self._apply(dict(zip(self.names, critical, strict=True)), reason=reason, norms=cur)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _lrs(self) -> list[float]:
+        return [float(g["lr"]) for g in self._optimizer.param_groups]
+
+    def _lr_dropped(self) -> bool:
+        now = self._lrs()
+        return self._lr_at_decision is not None and any(
+            a < b for a, b in zip(now, self._lr_at_decision, strict=False)
+        )
+
+    def _apply(self, critical: dict[str, bool], reason: str, norms=None) -> None:
+        self._lr_at_decision = self._lrs()
+        for name, crit in critical.items():
+            level = self.low if crit else self.high
+            self.current[name] = level
+            self._compressor.set_level(name, level)
+        self.history.append(
+            {"step": self._steps, "reason": reason, "levels": dict(self.current), "norms": norms}
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "prev": self._prev,
+            "sums": dict(self._sums),
+            "steps": self._steps,
+            "current": dict(self.current),
+            "lr": self._lr_at_decision,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._prev = state["prev"]
+        self._sums = dict(state["sums"])
+        self._steps = state["steps"]
+        self._lr_at_decision = state["lr"]
+        for name, level in state["current"].items():
+            self.current[name] = level
+            self._compressor.set_level(name, level)

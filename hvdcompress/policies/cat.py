@@ -1,0 +1,305 @@
+"""CAT: communication-aware adaptive tuning (Khirirat et al., arXiv 2003.06377; SPEC 6).
+
+Derivation. For an L-smooth loss f and a step x+ = x - gamma Q(g) with a compressed
+gradient Q(g), the descent lemma gives f(x+) <= f(x) - gamma <g, Q(g)> + (L gamma^2 / 2)
+||Q(g)||^2. For deterministic top-T sparsification Q(g) keeps the T entries of largest
+magnitude, so <g, Q(g)> = ||Q(g)||^2 = A(T) := sum of the T largest g_i^2, and with
+gamma = 1/L the guaranteed decrease is D(T) = A(T) / (2L): proportional to A(T). Sending
+Q(g) costs C(T) seconds by the platform's cost model, so the decrease per second is
+D(T) / C(T), and CAT picks
+
+    T* = argmax_{1 <= T <= n}  A(T) / C(bits(T))
+
+* affine cost  C = c0 + c1 * bits
+* packet cost  C = c0 + c1 * ceil(bits / packet_bits)
+
+bits(T) (index_bits = 32 below 2^31 elements, else 64, as the top-k codec sends them):
+
+* "topk":    T * (32 + index_bits) + header_bits   (fp32 value + index per entry)
+* "topk+q":  T * (1 + index_bits) + 32             (sign + index, one shared magnitude;
+             the decrease is then (sum of the T largest |g_i|)^2 / T instead of A(T): the
+             magnitude m = mean of the kept |g_i| gives <g, Q> = ||Q||^2 = T m^2)
+* "randomk": p_i = min(1, c |g_i|) with c chosen so that T = sum p_i (the expected
+             budget); unbiased Q has E<g, Q> = ||g||^2 and E||Q||^2 = sum g_i^2 / p_i, so
+             the best step gives D = ||g||^4 / sum(g_i^2 / p_i); bits = T (32 + index_bits)
+             + header_bits in expectation.
+
+A(T) is concave (increments g_(T)^2 fall) and C affine, so A/C is unimodal; this module
+nevertheless evaluates the ratio at every T from one descending sort and a prefix sum
+(O(n log n), exact, no unimodality needed), which also covers the packet model whose
+staircase C makes the ratio non-unimodal. With c0 = 0 and the affine model the optimum
+degenerates to T = 1 (A(1)/c1 b(1) is the largest per-bit value): the fixed cost matters,
+so calibrate it. The policy recomputes T* only every ``recompute_every`` = S steps (the
+hybrid variant) and keeps the chosen ratio in between.
+
+Calibration: ``calibrate(transport, sizes)`` times the real allgatherv for payloads from
+bytes to megabytes (median of ``repeats``), averages the times across ranks (one small
+collective, so every rank fits the same model) and fits c0, c1 by least squares on
+bits. ``CostModel.observe(bits, seconds)`` + ``refit()`` refresh it from measured
+collective times.
+
+Agreement: rank 0 computes T* per tensor from its own gradient at recompute steps, and
+one ``allgather_object`` at the end of that step gives every rank rank 0's choices, so
+every rank uses the same T from the next step on (the first steps use the compressor's
+default level).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+HEADER_BITS = 8 * 48  # wire header of a 1-D top-k payload
+KINDS = ("topk", "topk+q", "randomk")
+
+
+# ---- cost models -------------------------------------------------------------------------------
+class CostModel:
+    """Seconds to send a payload of ``bits``; ``observe`` / ``refit`` refresh c0, c1."""
+
+    def __init__(self, c0: float, c1: float) -> None:
+        self.c0, self.c1 = float(c0), float(c1)
+        self.observations: list[tuple[float, float]] = []
+
+    def units(self, bits):
+        return np.asarray(bits, dtype=np.float64)
+
+    def __call__(self, bits):
+        return self.c0 + self.c1 * self.units(bits)
+
+    def observe(self, bits: float, seconds: float, keep: int = 1000) -> None:
+        self.observations.append((float(bits), float(seconds)))
+        del self.observations[:-keep]
+
+    def refit(self) -> bool:
+        """Least squares on the observations; False (unchanged) with too few distinct sizes."""
+        if len({b for b, _ in self.observations}) < 2:
+            return False
+        bits, secs = zip(*self.observations, strict=True)
+        self.c0, self.c1 = fit_affine(self.units(bits), secs)
+        return True
+
+
+class AffineCost(CostModel):
+    """C = c0 + c1 * bits."""
+
+    def __repr__(self) -> str:
+        return f"AffineCost(c0={self.c0:.3g}, c1={self.c1:.3g})"
+
+
+class PacketCost(CostModel):
+    """C = c0 + c1 * ceil(bits / packet_bits)."""
+
+    def __init__(self, c0: float, c1: float, packet_bits: int) -> None:
+        super().__init__(c0, c1)
+        if packet_bits < 1:
+            raise ValueError(f"packet_bits must be >= 1, got {packet_bits!r}")
+        self.packet_bits = int(packet_bits)
+
+    def units(self, bits):
+        return np.ceil(np.asarray(bits, dtype=np.float64) / self.packet_bits)
+
+    def __repr__(self) -> str:
+        return f"PacketCost(c0={self.c0:.3g}, c1={self.c1:.3g}, packet_bits={self.packet_bits})"
+
+
+def fit_affine(x, y) -> tuple[float, float]:
+    """(c0, c1) minimising sum (c0 + c1 x - y)^2, kept physical: noisy timings can fit a
+    negative c0 (which would make CAT pick T = 1), so then c0 = the smallest measured time
+    (the fixed cost of the smallest payload) and c1 is refitted without intercept; c1 >= 0.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    design = np.stack([np.ones_like(x), x], axis=1)
+    (c0, c1), *_ = np.linalg.lstsq(design, y, rcond=None)
+    if c0 < 0:
+        c0 = float(y.min())
+        denom = float((x * x).sum())
+        c1 = float((x * (y - c0)).sum()) / denom if denom > 0 else 0.0
+    return float(c0), max(float(c1), 0.0)
+
+
+def calibrate(
+    transport,
+    sizes=(1, 1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22),
+    repeats: int = 5,
+    clock=time.perf_counter,
+    packet_bits: int | None = None,
+) -> CostModel:
+    """Time the transport's allgatherv over payload ``sizes`` (bytes; every rank must call
+    it with the same arguments) and fit an affine (or, with ``packet_bits``, a packet) model.
+    """
+    medians = []
+    for size in sizes:
+        local = torch.zeros(int(size), dtype=torch.uint8)
+        times = []
+        for _ in range(repeats):
+            t0 = clock()
+            transport.start_allgatherv(local).wait()
+            times.append(clock() - t0)
+        medians.append(statistics.median(times))
+    everyone = transport.allgather_object(medians)  # every rank fits the same numbers
+    mean = [sum(r[i] for r in everyone) / len(everyone) for i in range(len(sizes))]
+    bits = [8.0 * s for s in sizes]
+    model = AffineCost(0.0, 0.0) if packet_bits is None else PacketCost(0.0, 0.0, packet_bits)
+    for b, t in zip(bits, mean, strict=True):
+        model.observe(b, t)
+    model.refit()
+    return model
+
+
+# ---- the budget ----------------------------------------------------------------------------------
+def index_bits(n: int) -> int:
+    return 32 if n < 2**31 else 64
+
+
+def budget_bits(T, n: int, kind: str = "topk", header_bits: int = HEADER_BITS):
+    """bits(T) of SPEC 6 for ``kind`` (vectorised over T)."""
+    T = np.asarray(T, dtype=np.float64)
+    ib = index_bits(n)
+    if kind in ("topk", "randomk"):
+        return T * (32 + ib) + header_bits
+    if kind == "topk+q":
+        return T * (1 + ib) + 32
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def descent(grad, kind: str = "topk") -> np.ndarray:
+    """D(T) for T = 1..n (up to the constant 1/2L) for ``kind``; float64."""
+    g = np.abs(np.asarray(torch.as_tensor(grad).detach().reshape(-1).double().cpu()))
+    a = -np.sort(-g)  # descending magnitudes
+    if kind == "topk":
+        return np.cumsum(a * a)
+    if kind == "topk+q":
+        t = np.arange(1, a.size + 1, dtype=np.float64)
+        return np.cumsum(a) ** 2 / t
+    if kind == "randomk":
+        return _randomk_descent(a)
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def _randomk_descent(a: np.ndarray) -> np.ndarray:
+    """D(T) = ||g||^4 / sum(g_i^2 / p_i), p_i = min(1, c a_i), sum p_i = T, T = 1..n."""
+    n = a.size
+    out = np.zeros(n, dtype=np.float64)
+    nz = int(np.count_nonzero(a))
+    if nz == 0:
+        return out
+    a = a[:nz]
+    sq = a * a
+    norm2 = sq.sum()
+    pre_sq = np.concatenate([[0.0], np.cumsum(sq)])  # sum of the j largest a^2
+    suffix = np.concatenate([np.cumsum(a[::-1])[::-1], [0.0]])  # sum of a[j:]
+    for T in range(1, n + 1):
+        if T >= nz:
+            out[T - 1] = norm2  # every non-zero entry kept with p = 1: D = ||g||^2
+            continue
+        # the fewest saturated entries j with c = (T - j) / sum(a[j:]) and c a[j] <= 1
+        for j in range(T):
+            c = (T - j) / suffix[j]
+            if c * a[j] <= 1.0:
+                break
+        out[T - 1] = norm2 * norm2 / (pre_sq[j] + suffix[j] / c)
+    return out
+
+
+def cat_best_budget(
+    grad, cost: CostModel, kind: str = "topk", header_bits: int = HEADER_BITS
+) -> tuple[int, float, float]:
+    """(T*, D(T*)/C(T*), C(T*)): the budget maximising descent per unit of cost."""
+    d = descent(grad, kind)
+    n = d.size
+    if n == 0:
+        return 0, 0.0, float(cost(budget_bits(0, 0, kind, header_bits)))
+    T = np.arange(1, n + 1)
+    c = cost(budget_bits(T, n, kind, header_bits))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(c > 0, d / c, np.where(d > 0, np.inf, 0.0))
+    best = int(np.argmax(ratio))  # first maximum: the smallest such T
+    return best + 1, float(ratio[best]), float(c[best])
+
+
+# ---- the policy ----------------------------------------------------------------------------------
+class CAT:
+    """Per tensor top-T budget maximising D(T)/C(T), recomputed every ``recompute_every``
+    steps by rank 0 and shared with every rank (see module doc). ``cost_model``: a
+    CostModel, or None to ``calibrate`` the transport at bind time."""
+
+    def __init__(
+        self,
+        compressor: str = "topk",
+        cost_model: CostModel | None = None,
+        recompute_every: int = 200,
+        header_bits: int = HEADER_BITS,
+        refresh: bool = False,
+    ) -> None:
+        if compressor not in KINDS:
+            raise ValueError(f"compressor must be one of {KINDS}, got {compressor!r}")
+        if int(recompute_every) < 1:
+            raise ValueError(f"recompute_every must be >= 1, got {recompute_every!r}")
+        self.kind = compressor
+        self.cost = cost_model
+        self.recompute_every = int(recompute_every)
+        self.header_bits = int(header_bits)
+        self.refresh = bool(refresh)
+        self.budgets: dict[str, int] = {}  # T in force per tensor
+        self.modelled: dict[str, float] = {}  # C(T) in force per tensor
+        self._pending: dict[str, tuple[int, float]] = {}
+        self._numel: dict[str, int] = {}
+        self._steps = 0
+        self._metrics: dict = {}
+        self._compressor = self._transport = self._optimizer = None
+
+    def __repr__(self) -> str:
+        return f"CAT(compressor={self.kind!r}, cost_model={self.cost!r}, S={self.recompute_every})"
+
+    def bind(self, optimizer, compressor, transport, names: list[str]) -> None:
+        if self.kind != "topk" or getattr(compressor, "name", None) != "topk":
+            raise TypeError(
+                f"CAT drives a topk compressor with compressor='topk'; got {compressor!r} "
+                f"with {self.kind!r} (topk+q and randomk: use cat_best_budget)"
+            )
+        self._optimizer, self._compressor, self._transport = optimizer, compressor, transport
+        if self.cost is None:
+            self.cost = calibrate(transport)
+
+    def _deciding(self) -> bool:
+        return self._steps % self.recompute_every == 0
+
+    def observe(self, name: str, grad) -> None:
+        self._numel[name] = grad.numel()
+        if self._deciding() and self._transport.rank == 0:
+            T, _, c = cat_best_budget(grad, self.cost, self.kind, self.header_bits)
+            self._pending[name] = (T, c)
+
+    def after_step(self) -> None:
+        stats = getattr(self._optimizer, "_stats", None)
+        measured = getattr(stats, "wait_s", 0.0) + getattr(stats, "compress_s", 0.0)
+        if stats is not None and self.refresh:
+            self.cost.observe(8.0 * stats.payload_bytes, measured)
+        if self._deciding():
+            chosen = self._transport.allgather_object(self._pending)[0]  # rank 0's choice
+            if self.refresh:
+                self._refit_everywhere()
+            for name, (T, c) in chosen.items():
+                n = self._numel.get(name, 0)
+                if n and T:
+                    self.budgets[name], self.modelled[name] = T, c
+                    self._compressor.set_level(name, (T - 0.5) / n)  # ceil(n r) == T
+            self._pending = {}
+        self._steps += 1
+        self._metrics = {f"T/{n}": t for n, t in self.budgets.items()}
+        self._metrics["cat/modelled_s"] = sum(self.modelled.values())
+        self._metrics["cat/measured_s"] = measured
+
+    def _refit_everywhere(self) -> None:
+        everyone = self._transport.allgather_object(self.cost.observations[-200:])
+        self.cost.observations = [o for r in everyone for o in r]
+        self.cost.refit()
+
+    def pop_metrics(self) -> dict:
+        out, self._metrics = self._metrics, {}
+        return out

@@ -1,0 +1,308 @@
+"""Policies (shared/SPEC.md sections 5 and 6) in one process: Accordion's rule, its test
+vector, LR-drop and first-interval rules, per-tensor levels of 3LC / top-k / PowerSGD,
+and CAT's budget against brute force, calibration, affine vs packet models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hvdcompress
+from hvdcompress.policies import (
+    CAT,
+    Accordion,
+    AffineCost,
+    PacketCost,
+    accordion_critical,
+    calibrate,
+    cat_best_budget,
+)
+from hvdcompress.policies.cat import budget_bits, descent
+from hvdcompress.transports import Handle, Transport
+from hvdcompress.wire import PayloadError
+
+
+class LocalTransport(Transport):
+    """World size 1."""
+
+    name = "local"
+
+    def _done(self, value) -> Handle:
+        h = Handle()
+        h._finish(value)
+        return h
+
+    def start_allgatherv(self, local):
+        return self._done((local.clone(), [local.numel()]))
+
+    def start_allreduce_sum(self, dense):
+        return self._done(dense.clone())
+
+    def allgather_object(self, obj):
+        return [obj]
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 3))
+
+
+def _opt(model, compression, policy, lr=0.1):
+    return hvdcompress.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr),
+        model.named_parameters(),
+        compression=compression,
+        backend=LocalTransport(),
+        policy=policy,
+    )
+
+
+def _step(model, opt, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 10, generator=g) * scale
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+# ---- Accordion -----------------------------------------------------------------------------------
+def test_spec_accordion_test_vector():
+    assert accordion_critical([1.0, 2.0, 0.0], [1.6, 1.1, 0.3], eta=0.5) == [True, False, True]
+
+
+def test_first_interval_uses_low_then_switches_on_the_rule():
+    model = _model()
+    pol = Accordion(low=1.0, high=1.9, interval_steps=2)
+    opt = _opt(model, "3lc", pol)
+    comp = opt.compressor
+    names = [n for n, _ in model.named_parameters()]
+    assert all(comp.level(n) == 1.0 for n in names)  # first interval: low
+    for s in range(2):
+        _step(model, opt, seed=s)
+    assert pol.history[-1]["reason"] == "first"  # no previous norms yet: still low
+    assert all(comp.level(n) == 1.0 for n in names)
+    for s in range(2):  # same-size gradients: small change -> high compression
+        _step(model, opt, seed=s)
+    assert pol.history[-1]["reason"] == "norms"
+    assert all(comp.level(n) == 1.9 for n in names)
+    assert opt.last_stats.metrics[f"level/{names[0]}"] == 1.0  # in force during that step
+    _step(model, opt, seed=0)
+    assert opt.last_stats.metrics[f"level/{names[0]}"] == 1.9
+    _step(model, opt, scale=10.0, seed=1)  # gradients 10x larger: critical -> low
+    assert all(comp.level(n) == 1.0 for n in names)
+
+
+def test_lr_drop_forces_low_for_the_next_interval():
+    model = _model()
+    pol = Accordion(low=1.0, high=1.9)  # interval = epoch: end_epoch()
+    opt = _opt(model, "3lc", pol)
+    names = [n for n, _ in model.named_parameters()]
+    for epoch in range(2):
+        _step(model, opt, seed=epoch)
+        pol.end_epoch()
+    assert all(opt.compressor.level(n) == 1.9 for n in names)
+    # the scheduler steps after end_epoch(): the next interval's first gradient sees it
+    for g in opt.param_groups:
+        g["lr"] *= 0.1
+    _step(model, opt, seed=2)
+    assert pol.history[-1]["reason"] == "lr_drop"
+    assert all(opt.compressor.level(n) == 1.0 for n in names)
+    pol.end_epoch()  # same-size norms, no new drop: back to high
+    assert all(opt.compressor.level(n) == 1.9 for n in names)
+    # the scheduler steps before end_epoch(): the decision itself sees it
+    _step(model, opt, seed=3)
+    for g in opt.param_groups:
+        g["lr"] *= 0.1
+    pol.end_epoch()
+    assert pol.history[-1]["reason"] == "lr_drop"
+    assert all(opt.compressor.level(n) == 1.0 for n in names)
+
+
+@pytest.mark.parametrize(
+    "compression, low, high", [("topk", 0.5, 0.1), ("powersgd", 2, 1), ("3lc", 1.0, 1.9)]
+)
+def test_levels_switch_and_residual_survives(compression, low, high):
+    model = _model()
+    pol = Accordion(low=low, high=high, interval_steps=1)
+    opt = _opt(model, compression, pol)
+    comp = opt.compressor
+    for s in range(4):
+        _step(model, opt, seed=s % 2)
+        residuals = dict(comp.memory.state_dict())
+        assert residuals  # error feedback is kept through the switches
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert {pol.current[n] for n in pol.names} <= {low, high}
+    assert any(h["levels"][pol.names[0]] == high for h in pol.history)
+
+
+def test_threelc_per_tensor_level_checked_per_name():
+    comp = hvdcompress.get_compressor("3lc")
+    comp.set_level("a", 1.5)
+    payload, ctx = comp.compress(torch.randn(50), "a")
+    comp.decompress(payload, ctx)  # expected level of "a" is 1.5
+    comp.set_level("a", 1.0)  # receiver decided differently: refused
+    with pytest.raises(PayloadError, match="sparsity"):
+        comp.decompress(payload, ctx)
+    with pytest.raises(ValueError):
+        comp.set_level("a", 2.0)
+
+
+def test_accordion_refuses_a_compressor_without_levels():
+    with pytest.raises(TypeError, match="per-tensor levels"):
+        _opt(_model(), "fp16", Accordion(low=1.0, high=1.9))
+
+
+# ---- CAT -----------------------------------------------------------------------------------------
+def _brute(grad, cost, kind):
+    g = np.abs(grad.double().numpy())
+    n = g.size
+    best, best_t = -1.0, None
+    for T in range(1, n + 1):
+        top = np.sort(g)[::-1][:T]
+        d = (top**2).sum() if kind == "topk" else top.sum() ** 2 / T
+        r = d / float(cost(budget_bits(T, n, kind)))
+        if r > best:
+            best, best_t = r, T
+    return best_t
+
+
+@pytest.mark.parametrize("kind", ["topk", "topk+q"])
+@pytest.mark.parametrize(
+    "cost", [AffineCost(1e-4, 1e-9), AffineCost(1e-6, 1e-8), PacketCost(1e-5, 1e-6, 1024)]
+)
+def test_cat_budget_is_the_brute_force_argmax(kind, cost):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grad = torch.randn(300, generator=g) * torch.rand(300, generator=g) ** 3
+        T, ratio, c = cat_best_budget(grad, cost, kind)
+        assert T == _brute(grad, cost, kind)
+        assert c == pytest.approx(float(cost(budget_bits(T, 300, kind))))
+
+
+def test_cat_zero_fixed_cost_degenerates_to_one():
+    grad = torch.randn(100)  # no fixed cost at all (no header either): T* = 1 (SPEC 6)
+    assert cat_best_budget(grad, AffineCost(0.0, 1e-9), header_bits=0)[0] == 1
+    assert cat_best_budget(grad, AffineCost(0.0, 1e-9))[0] > 1  # the header is a fixed cost
+
+
+def test_randomk_descent_matches_formula():
+    grad = torch.tensor([3.0, -2.0, 1.0, 0.5, 0.0])
+    d = descent(grad, "randomk")
+    a = np.abs(grad.numpy().astype(np.float64))
+    for T in range(1, 4):
+        lo, hi = 0.0, 100.0  # bisection for c with sum min(1, c a) = T
+        for _ in range(200):
+            c = (lo + hi) / 2
+            lo, hi = (c, hi) if np.minimum(1, c * a).sum() < T else (lo, c)
+        p = np.minimum(1, c * a)
+        nz = a > 0
+        expect = (a**2).sum() ** 2 / (a[nz] ** 2 / p[nz]).sum()
+        assert d[T - 1] == pytest.approx(expect, rel=1e-6)
+    assert d[-1] == pytest.approx((a**2).sum())
+
+
+def test_affine_and_packet_models_pick_different_budgets():
+    # 1000 entries, a few large: affine with a small fixed cost stops after the large ones;
+    # packets of 64 values (64 x 64 bits) make every entry of the first packet free.
+    grad = torch.cat([torch.full((4,), 10.0), torch.full((996,), 0.5)])
+    affine = AffineCost(1e-6, 1e-8)
+    packet = PacketCost(1e-6, 64 * 64 * 1e-8, 64 * 64)
+    t_aff = cat_best_budget(grad, affine)[0]
+    t_pkt = cat_best_budget(grad, packet)[0]
+    assert t_aff == 4
+    assert t_pkt != t_aff and (t_pkt + 6) % 64 == 0  # fills a whole packet (header: 6 slots)
+
+
+class _FakeTimedTransport(LocalTransport):
+    """Each allgatherv of b bytes takes c0 + c1 * 8b seconds of a fake clock (+ noise)."""
+
+    def __init__(self, c0, c1, noise=0.0):
+        self.c0, self.c1, self.now, self.noise = c0, c1, 0.0, noise
+        self.rng = np.random.default_rng(0)
+
+    def clock(self):
+        return self.now
+
+    def start_allgatherv(self, local):
+        self.now += self.c0 + self.c1 * 8 * local.numel() + self.noise * self.rng.standard_normal()
+        return super().start_allgatherv(local)
+
+
+def test_calibration_recovers_c0_c1():
+    t = _FakeTimedTransport(2e-5, 3e-10, noise=1e-8)
+    model = calibrate(t, sizes=(1, 1024, 65536, 1 << 20), repeats=3, clock=t.clock)
+    assert model.c0 == pytest.approx(2e-5, rel=0.05)
+    assert model.c1 == pytest.approx(3e-10, rel=0.01)
+    model.observe(8e6, 2e-5 + 3e-10 * 8e6 * 2)  # a slower network measured later
+    assert model.refit() and model.c1 > 3e-10
+
+
+def test_fit_keeps_a_positive_fixed_cost_on_noisy_timings():
+    from hvdcompress.policies.cat import fit_affine
+
+    c0, c1 = fit_affine([8, 8e3, 8e6, 8e7], [3e-4, 2e-4, 1e-3, 2.0e-2])  # lstsq c0 < 0
+    assert c0 == pytest.approx(2e-4) and c1 > 0
+
+
+def test_cat_policy_sets_topk_budget_every_s_steps():
+    model = _model()
+    pol = CAT("topk", cost_model=AffineCost(1e-5, 1e-9), recompute_every=2)
+    opt = _opt(model, "topk", pol)
+    _step(model, opt, seed=0)
+    budgets = dict(pol.budgets)
+    assert set(budgets) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        r = opt.compressor.level(name)
+        assert hvdcompress.codecs.sparse.topk_count(p.numel(), r) == budgets[name]
+    assert "cat/modelled_s" in opt.last_stats.metrics
+    _step(model, opt, seed=1)
+    assert pol.budgets == budgets  # not a recompute step
+
+
+# ---- scripts ------------------------------------------------------------------------------------
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_policy_flags():
+    train = _script("train")
+    args = train.parse_args(["--compression", "powersgd", "--accordion", "2", "1"])
+    pol = train.make_policy(args)
+    assert isinstance(pol, Accordion) and (pol.low, pol.high) == (2, 1)
+    args = train.parse_args(
+        ["--compression", "topk", "--cat", "topk", "--cat-cost", "1e-5,1e-9,64"]
+    )
+    pol = train.make_policy(args)
+    assert isinstance(pol, CAT) and isinstance(pol.cost, PacketCost)
+    with pytest.raises(SystemExit):
+        train.make_policy(train.parse_args(["--compression", "3lc", "--cat", "topk"]))
+
+
+def test_plot_policy_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "metrics.csv").write_text("step,epoch,loss\n1,0,2.3\n2,0,2.1\n3,0,2.0\n")
+    rows = ["step,key,value"] + [f"{s},level/fc.weight,{1.0 if s < 3 else 1.9}" for s in (1, 2, 3)]
+    (tmp_path / "policy.csv").write_text("\n".join(rows) + "\n")
+    assert _script("plot_policy").main([str(tmp_path)]) == 0
+    assert (tmp_path / "policy.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_accordion_state_travels_in_the_optimizer_state_dict():
+    model = _model()
+    opt = _opt(model, "3lc", Accordion(low=1.0, high=1.9, interval_steps=1))
+    for s in range(3):
+        _step(model, opt, seed=s % 2)
+    state = opt.state_dict()
+    model2 = _model()
+    opt2 = _opt(model2, "3lc", Accordion(low=1.0, high=1.9, interval_steps=1))
+    opt2.load_state_dict(state)
+    assert opt2.policy.current == opt.policy.current
+    assert all(opt2.compressor.level(n) == opt.compressor.level(n) for n in opt.policy.names)
