@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Run the whole test suite with the venv made by scripts/setup.sh (make test runs this):
+#   1. scripts/check_kernels.sh      nvcc compile of the CUDA kernels (when present)
+#   2. pytest tests -x -q            unit, host-kernel, fuzz and GPU(-skip) tests, one process
+#   3. mpirun -np 2 ... pytest --with-mpi tests/mpi    the MPI tests under real Open MPI
+# Every stage runs even after a failure; any failure fails the script. The last line is
+# "run_tests: N passed, N failed, N skipped" (MPI tests counted once, from rank 0).
+#
+# Environment: HVDC_VENV (default .venv), HVDC_MPI_NP (default 2), HVDC_PYTEST_TIMEOUT
+# (s, default 2400), HVDC_MPI_TIMEOUT (s, default 900; a rank that fails before a
+# collective leaves the others waiting forever), PYTEST_ADDOPTS (extra pytest options).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+VENV=${HVDC_VENV:-$ROOT/.venv}
+case "$VENV" in /*) ;; *) VENV=$ROOT/$VENV ;; esac
+PY=$VENV/bin/python
+[[ -x $PY ]] || {
+    echo "run_tests: no venv at $VENV: run scripts/setup.sh (or make setup) first" >&2
+    exit 1
+}
+export PATH="$VENV/bin:$PATH" VIRTUAL_ENV=$VENV
+export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-$([[ -n ${CI:-} ]] && echo ci || echo dev)}
+if [[ $(id -u) -eq 0 ]]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+NP=${HVDC_MPI_NP:-2}
+
+REPORTS=$(mktemp -d)
+trap 'rm -rf "$REPORTS"' EXIT
+FAILED_STAGES=()
+STAGE_LINES=()
+START=$SECONDS
+
+banner() { printf '\n=== run_tests: %s ===\n' "$*"; }
+record() { # record NAME RC SECONDS
+    local status=ok
+    [[ $2 -eq 0 ]] || {
+        status="FAILED (exit $2)"
+        FAILED_STAGES+=("$1")
+    }
+    STAGE_LINES+=("$(printf '%-34s %-16s %5ss' "$1" "$status" "$3")")
+}
+
+# --- 1. kernels -------------------------------------------------------------------------
+banner "kernels (scripts/check_kernels.sh)"
+if [[ -f scripts/check_kernels.sh ]]; then
+    t=$SECONDS
+    rc=0
+    bash scripts/check_kernels.sh || rc=$?
+    record "kernels (nvcc)" "$rc" $((SECONDS - t))
+else
+    echo "scripts/check_kernels.sh not present: skipped"
+    STAGE_LINES+=("$(printf '%-34s %-16s' "kernels (nvcc)" "not present")")
+fi
+
+# --- 2. pytest, one process -------------------------------------------------------------
+banner "pytest tests (HYPOTHESIS_PROFILE=$HYPOTHESIS_PROFILE)"
+t=$SECONDS
+rc=0
+# tests/mpi runs in stage 3 under mpirun; here its tests would only be skipped.
+timeout -k 30 "${HVDC_PYTEST_TIMEOUT:-2400}" \
+    "$PY" -m pytest tests -x -q -rs --ignore=tests/mpi --junitxml="$REPORTS/serial.xml" || rc=$?
+if [[ $rc -eq 5 ]]; then
+    echo "run_tests: pytest collected no tests: that is a failure here (we always have tests)" >&2
+elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
+    echo "run_tests: pytest timed out after ${HVDC_PYTEST_TIMEOUT:-2400}s" >&2
+fi
+record "pytest tests" "$rc" $((SECONDS - t))
+
+# --- 3. MPI tests under mpirun ----------------------------------------------------------
+banner "mpirun -np $NP pytest --with-mpi tests/mpi"
+MPIRUN=(mpirun -np "$NP")
+if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
+    # Shared memory + self only (no network probing, no openib/UCX warnings), no CPU
+    # binding (2 cores, maybe more ranks), no single-copy CMA (refused in containers).
+    # shellcheck disable=SC2054 # "self,vader" is one argument
+    MPIRUN+=(--oversubscribe --bind-to none
+        --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none
+        --mca mpi_yield_when_idle 1)
+fi
+t=$SECONDS
+rc=0
+if [[ ! -d tests/mpi ]]; then
+    echo "run_tests: tests/mpi is missing" >&2
+    rc=5
+else
+    # Each rank writes its own JUnit report. Rank 0 prints to the console, the others to
+    # a log shown below if anything fails. -p no:cacheprovider keeps the ranks from
+    # racing on .pytest_cache.
+    # shellcheck disable=SC2016
+    timeout -k 30 "${HVDC_MPI_TIMEOUT:-900}" "${MPIRUN[@]}" bash -c '
+        r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
+        [[ $r == 0 ]] || exec >"$1/mpi-rank$r.log" 2>&1
+        exec "$0" -m pytest --with-mpi tests/mpi -q -rs --color=no -p no:cacheprovider \
+            --junitxml="$1/mpi-rank$r.xml"' "$PY" "$REPORTS" || rc=$?
+    if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+        echo "run_tests: MPI tests timed out after ${HVDC_MPI_TIMEOUT:-900}s (a rank stuck in a collective?)" >&2
+    fi
+    if [[ $rc -ne 0 ]]; then
+        for f in "$REPORTS"/mpi-rank*.log; do
+            [[ -f $f ]] || continue
+            echo "--- output of ${f##*/} (last 80 lines) ---"
+            tail -n 80 "$f"
+        done
+    fi
+fi
+record "mpi tests (mpirun -np $NP)" "$rc" $((SECONDS - t))
+
+# --- summary ----------------------------------------------------------------------------
+counts=$("$PY" - "$REPORTS" <<'EOF'
+import sys, pathlib, xml.etree.ElementTree as ET
+
+def count(path):
+    t = f = s = 0
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+    for su in suites:
+        t += int(su.get("tests", 0))
+        f += int(su.get("failures", 0)) + int(su.get("errors", 0))
+        s += int(su.get("skipped", 0))
+    return t, f, s
+
+d = pathlib.Path(sys.argv[1])
+total = [0, 0, 0]
+empty = []
+for name in ("serial.xml", "mpi-rank0.xml"):
+    p = d / name
+    if not p.exists():
+        continue
+    t, f, s = count(p)
+    if t == 0:
+        empty.append(name)
+    total = [total[0] + t - f - s, total[1] + f, total[2] + s]
+# Other ranks' failures count too (a rank can fail where rank 0 passes).
+for p in sorted(d.glob("mpi-rank*.xml")):
+    if p.name != "mpi-rank0.xml":
+        total[1] += count(p)[1]
+print(*total, ",".join(empty) or "-")
+EOF
+) || counts="0 0 0 -"
+read -r n_pass n_fail n_skip empty <<<"$counts"
+if [[ $empty != "-" ]]; then
+    echo "run_tests: no tests ran in: $empty" >&2
+    FAILED_STAGES+=("no tests in $empty")
+fi
+
+printf '\n=== run_tests: stages (%ss in all) ===\n' $((SECONDS - START))
+printf '  %s\n' "${STAGE_LINES[@]}"
+if ((${#FAILED_STAGES[@]})); then
+    # A stage can fail without a failed test case (crash, timeout, no tests): count it.
+    ((n_fail == 0)) && n_fail=${#FAILED_STAGES[@]}
+    echo "run_tests: FAILED stages: ${FAILED_STAGES[*]}"
+    echo "run_tests: $n_pass passed, $n_fail failed, $n_skip skipped"
+    exit 1
+fi
+echo "run_tests: $n_pass passed, $n_fail failed, $n_skip skipped"
