@@ -2,11 +2,11 @@
 # Run the whole test suite with the venv made by scripts/setup.sh (make test runs this):
 #   1. scripts/check_kernels.sh      nvcc compile of the CUDA kernels (when present)
 #   2. pytest tests -x -q            unit, host-kernel, fuzz and GPU(-skip) tests, one process
-#   3. mpirun -np 2 ... pytest --with-mpi tests/mpi    the MPI tests under real Open MPI
+#   3. mpirun -np 2 / -np 4 ... pytest --with-mpi tests/mpi    the MPI tests under real Open MPI
 # Every stage runs even after a failure; any failure fails the script. The last line is
 # "run_tests: N passed, N failed, N skipped" (MPI tests counted once, from rank 0).
 #
-# Environment: HVDC_VENV (default .venv), HVDC_MPI_NP (default 2), HVDC_PYTEST_TIMEOUT
+# Environment: HVDC_VENV (default .venv), HVDC_MPI_NPS (world sizes, default "2 4"), HVDC_PYTEST_TIMEOUT
 # (s, default 2400), HVDC_MPI_TIMEOUT (s, default 900; a rank that fails before a
 # collective leaves the others waiting forever), PYTEST_ADDOPTS (extra pytest options).
 set -euo pipefail
@@ -25,7 +25,7 @@ export HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-$([[ -n ${CI:-} ]] && echo ci ||
 if [[ $(id -u) -eq 0 ]]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
-NP=${HVDC_MPI_NP:-2}
+NPS=${HVDC_MPI_NPS:-2 4}
 
 REPORTS=$(mktemp -d)
 trap 'rm -rf "$REPORTS"' EXIT
@@ -69,44 +69,46 @@ elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
 fi
 record "pytest tests" "$rc" $((SECONDS - t))
 
-# --- 3. MPI tests under mpirun ----------------------------------------------------------
-banner "mpirun -np $NP pytest --with-mpi tests/mpi"
-MPIRUN=(mpirun -np "$NP")
+# --- 3. MPI tests under mpirun, at each world size of HVDC_MPI_NPS ---------------------
+MPI_OPTS=()
 if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
     # Shared memory + self only (no network probing, no openib/UCX warnings), no CPU
     # binding (2 cores, maybe more ranks), no single-copy CMA (refused in containers).
     # shellcheck disable=SC2054 # "self,vader" is one argument
-    MPIRUN+=(--oversubscribe --bind-to none
+    MPI_OPTS+=(--oversubscribe --bind-to none
         --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none
         --mca mpi_yield_when_idle 1)
 fi
-t=$SECONDS
-rc=0
-if [[ ! -d tests/mpi ]]; then
-    echo "run_tests: tests/mpi is missing" >&2
-    rc=5
-else
-    # Each rank writes its own JUnit report. Rank 0 prints to the console, the others to
-    # a log shown below if anything fails. -p no:cacheprovider keeps the ranks from
-    # racing on .pytest_cache.
-    # shellcheck disable=SC2016
-    timeout -k 30 "${HVDC_MPI_TIMEOUT:-900}" "${MPIRUN[@]}" bash -c '
-        r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
-        [[ $r == 0 ]] || exec >"$1/mpi-rank$r.log" 2>&1
-        exec "$0" -m pytest --with-mpi tests/mpi -q -rs --color=no -p no:cacheprovider \
-            --junitxml="$1/mpi-rank$r.xml"' "$PY" "$REPORTS" || rc=$?
-    if [[ $rc -eq 124 || $rc -eq 137 ]]; then
-        echo "run_tests: MPI tests timed out after ${HVDC_MPI_TIMEOUT:-900}s (a rank stuck in a collective?)" >&2
+for NP in $NPS; do
+    banner "mpirun -np $NP pytest --with-mpi tests/mpi"
+    t=$SECONDS
+    rc=0
+    if [[ ! -d tests/mpi ]]; then
+        echo "run_tests: tests/mpi is missing" >&2
+        rc=5
+    else
+        # Each rank writes its own JUnit report. Rank 0 prints to the console, the others
+        # to a log shown below if anything fails. -p no:cacheprovider keeps the ranks from
+        # racing on .pytest_cache.
+        # shellcheck disable=SC2016
+        timeout -k 30 "${HVDC_MPI_TIMEOUT:-900}" mpirun -np "$NP" "${MPI_OPTS[@]}" bash -c '
+            r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
+            [[ $r == 0 ]] || exec >"$1/mpi$2-rank$r.log" 2>&1
+            exec "$0" -m pytest --with-mpi tests/mpi -q -rs --color=no -p no:cacheprovider \
+                --junitxml="$1/mpi$2-rank$r.xml"' "$PY" "$REPORTS" "$NP" || rc=$?
+        if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+            echo "run_tests: MPI tests timed out after ${HVDC_MPI_TIMEOUT:-900}s (a rank stuck in a collective?)" >&2
+        fi
+        if [[ $rc -ne 0 ]]; then
+            for f in "$REPORTS"/mpi"$NP"-rank*.log; do
+                [[ -f $f ]] || continue
+                echo "--- output of ${f##*/} (last 80 lines) ---"
+                tail -n 80 "$f"
+            done
+        fi
     fi
-    if [[ $rc -ne 0 ]]; then
-        for f in "$REPORTS"/mpi-rank*.log; do
-            [[ -f $f ]] || continue
-            echo "--- output of ${f##*/} (last 80 lines) ---"
-            tail -n 80 "$f"
-        done
-    fi
-fi
-record "mpi tests (mpirun -np $NP)" "$rc" $((SECONDS - t))
+    record "mpi tests (mpirun -np $NP)" "$rc" $((SECONDS - t))
+done
 
 # --- summary ----------------------------------------------------------------------------
 counts=$("$PY" - "$REPORTS" <<'EOF'
@@ -125,7 +127,7 @@ def count(path):
 d = pathlib.Path(sys.argv[1])
 total = [0, 0, 0]
 empty = []
-for name in ("serial.xml", "mpi-rank0.xml"):
+for name in ["serial.xml"] + sorted(p.name for p in d.glob("mpi*-rank0.xml")):
     p = d / name
     if not p.exists():
         continue
@@ -134,8 +136,8 @@ for name in ("serial.xml", "mpi-rank0.xml"):
         empty.append(name)
     total = [total[0] + t - f - s, total[1] + f, total[2] + s]
 # Other ranks' failures count too (a rank can fail where rank 0 passes).
-for p in sorted(d.glob("mpi-rank*.xml")):
-    if p.name != "mpi-rank0.xml":
+for p in sorted(d.glob("mpi*-rank*.xml")):
+    if not p.name.endswith("-rank0.xml"):
         total[1] += count(p)[1]
 print(*total, ",".join(empty) or "-")
 EOF

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import hvdcompress  # noqa: E402
 
-DATA_DIR = "/usr/share/datasets/fashion-mnist"
+DATA_DIR = os.environ.get("HVDC_DATA_DIR", "/usr/share/datasets/fashion-mnist")
 FILES = {
     "train_x": "train-images-idx3-ubyte.gz",
     "train_y": "train-labels-idx1-ubyte.gz",
