@@ -27,7 +27,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hvdcompress  # noqa: E402
 
-DEFAULT_CASES = ["3lc:sparsity=1.0", "3lc:sparsity=1.75"]
+DEFAULT_CASES = [
+    "none",
+    "fp16",
+    "bf16",
+    "3lc:sparsity=1.0",
+    "3lc:sparsity=1.75",
+    "topk:ratio=0.01",
+    "randomk:ratio=0.01",
+    "dgc",
+    "qsgd:levels=16",
+    "terngrad",
+    "signsgd",
+    "efsignsgd",
+    "dqsg",
+    "ndqsg",
+    "powersgd:matrix_rank=2",
+]
+SHAPE_2D = {"powersgd"}  # low-rank: benchmarked on a square-ish matrix of the same numel
 
 
 def parse_case(text: str) -> tuple[str, dict]:
@@ -73,6 +90,37 @@ def gradient(n: int, device: torch.device, seed: int) -> torch.Tensor:
     return torch.randn(n, generator=gen).to(device)
 
 
+def _matrix_shape(n: int) -> tuple[int, int]:
+    rows = int(n**0.5)
+    while n % rows:
+        rows -= 1
+    return rows, n // rows
+
+
+def _phases(comp, t: torch.Tensor):
+    """(encode, decode into a new tensor, bits per value). A summable multi-phase
+    compressor (PowerSGD: P, then Q from the summed P) is timed as on one rank: encode is
+    its first phase, decode the later phases plus decompress."""
+    phases = getattr(comp, "phases", 1)
+
+    def encode():
+        return comp.compress(t, "bench")
+
+    def decode(payload, ctx):
+        sent = payload.numel() * payload.element_size()
+        for phase in range(1, phases):
+            payload = comp.next_phase(payload, ctx, phase)
+            sent += payload.numel() * payload.element_size()
+        return comp.decompress(payload, ctx), sent
+
+    payload, ctx = encode()
+    if phases == 1:
+        bits = comp.bits_per_value(payload)
+    else:
+        bits = 8.0 * decode(payload, ctx)[1] / t.numel()
+    return encode, decode, bits
+
+
 def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: float) -> list:
     x = gradient(n, device, seed=n % 9973)
     dst = torch.empty_like(x)
@@ -85,40 +133,58 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
     for case in cases:
         name, params = parse_case(case)
         comp = hvdcompress.get_compressor(name, **params)
+        comp.bind(0, 1)
+        t = x.view(_matrix_shape(n)) if name in SHAPE_2D else x
+        encode_fn, decode_fn, bits = _phases(comp, t)
         for _ in range(3):  # warm-up: allocates the residual, which then reaches steady state
-            payload, ctx = comp.compress(x, "bench")
-        encode = run(lambda comp=comp: comp.compress(x, "bench"), reps)
-        payload, ctx = comp.compress(x, "bench")
-        new = run(lambda comp=comp, p=payload, c=ctx: comp.decompress(p, c), reps)
-        acc = torch.zeros(n, dtype=torch.float32, device=device)
-        decode = run(lambda comp=comp, p=payload, a=acc: comp.decode(p, out=a), reps)
-        accumulate = run(
-            lambda comp=comp, p=payload, a=acc: comp.decode(p, out=a, accumulate=True), reps
-        )
+            decode_fn(*encode_fn())
+        encode = run(encode_fn, reps)
+        if getattr(comp, "phases", 1) > 1:
+            new = run(lambda e=encode_fn, d=decode_fn: d(*e()), reps) - encode
+        else:
+            payload, ctx = encode_fn()
+            new = run(lambda d=decode_fn, p=payload, c=ctx: d(p, c), reps)
+        if comp.summable:  # decoded after the allreduce: no gather-path decode to measure
+            decode = accumulate = None
+        else:
+            acc = torch.zeros(n, dtype=torch.float32, device=device)
+            decode = run(lambda comp=comp, p=payload, a=acc: comp.decode(p, out=a), reps)
+            accumulate = run(
+                lambda comp=comp, p=payload, a=acc: comp.decode(p, out=a, accumulate=True),
+                reps,
+            )
         rows.append(
             {
                 "case": case,
                 "numel": n,
-                "bits_per_value": comp.bits_per_value(payload),
-                "ratio": 32.0 / comp.bits_per_value(payload),
+                "bits_per_value": bits,
+                "ratio": 32.0 / bits,
                 "memcpy_gbs": gb / memcpy,
                 "encode_gbs": gb / encode,
-                "decode_gbs": gb / decode,
+                "decode_gbs": None if decode is None else gb / decode,
                 "decode_new_tensor_gbs": gb / new,
-                "accumulate_gbs": gb / accumulate,
+                "accumulate_gbs": None if accumulate is None else gb / accumulate,
                 "encode_vs_memcpy": memcpy / encode,
-                "decode_vs_memcpy": memcpy / decode,
+                "decode_vs_memcpy": None if decode is None else memcpy / decode,
                 "decode_new_tensor_vs_memcpy": memcpy / new,
-                "accumulate_vs_memcpy": memcpy / accumulate,
+                "accumulate_vs_memcpy": None if accumulate is None else memcpy / accumulate,
                 "reps": reps,
             }
         )
     return rows
 
 
+def _gbs(value: float | None) -> str:
+    return f"{'-':>8}" if value is None else f"{value:>7.2f}G"
+
+
+def _pct(value: float | None) -> str:
+    return f"{'-':>7}" if value is None else f"{value:>6.0%}"
+
+
 def print_table(rows: list) -> None:
     head = (
-        f"{'case':<20} {'numel':>9} {'bits/val':>8} {'ratio':>7} {'memcpy':>8} "
+        f"{'case':<24} {'numel':>9} {'bits/val':>8} {'ratio':>7} {'memcpy':>8} "
         f"{'encode':>8} {'enc/mc':>7} {'decode':>8} {'dec/mc':>7} {'dec+acc':>8} {'acc/mc':>7} "
         f"{'new/mc':>7}"
     )
@@ -126,16 +192,18 @@ def print_table(rows: list) -> None:
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['case']:<20} {r['numel']:>9.0e} {r['bits_per_value']:>8.3f} "
+            f"{r['case']:<24} {r['numel']:>9.0e} {r['bits_per_value']:>8.3f} "
             f"{r['ratio']:>6.0f}x {r['memcpy_gbs']:>7.2f}G {r['encode_gbs']:>7.2f}G "
-            f"{r['encode_vs_memcpy']:>6.0%} {r['decode_gbs']:>7.2f}G "
-            f"{r['decode_vs_memcpy']:>6.0%} {r['accumulate_gbs']:>7.2f}G "
-            f"{r['accumulate_vs_memcpy']:>6.0%} {r['decode_new_tensor_vs_memcpy']:>6.0%}"
+            f"{r['encode_vs_memcpy']:>6.0%} {_gbs(r['decode_gbs'])} "
+            f"{_pct(r['decode_vs_memcpy'])} {_gbs(r['accumulate_gbs'])} "
+            f"{_pct(r['accumulate_vs_memcpy'])} {r['decode_new_tensor_vs_memcpy']:>6.0%}"
         )
     print(
         "GB/s of float32 input; x/mc = throughput relative to memcpy into a preallocated tensor\n"
         "in this run. encode: compress with error feedback, header and checksum. decode: into a\n"
-        "preallocated tensor; dec+acc: added into one (the gather path); new: into a new tensor."
+        "preallocated tensor; dec+acc: added into one (the gather path); new: into a new tensor.\n"
+        "Summable compressors are decoded after the allreduce: only 'new' applies (PowerSGD:\n"
+        "encode = P, new = Q from P + decompress, on one rank)."
     )
 
 
