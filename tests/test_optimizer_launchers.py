@@ -79,6 +79,17 @@ def test_train_under_horovodrun_np4_loss_goes_down(tmp_path):
     assert list(tmp_path.glob("events.out.tfevents.*")), "no TensorBoard events written"
 
 
+@needs_horovod
+def test_horovodrun_np10_oversubscribed_tiny_model_finishes():
+    """The command users type, with 10 ranks on this 2-core machine."""
+    cmd = [HOROVODRUN, "-np", "10", "-H", "localhost:10", PY, TRAIN, *TINY, "--steps", "4",
+           "--compression", "3lc", "--threads", "1"]  # fmt: skip
+    proc, _ = _run(cmd, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = _summary(proc.stdout)
+    assert s["ranks"] == "10" and s["backend"] == "horovod" and s["steps"] == "4", s
+
+
 @needs_mpirun
 def test_train_np10_oversubscribed_tiny_model_finishes():
     cmd = [*MPIRUN, "-np", "10", PY, TRAIN, *TINY, "--backend", "mpi4py", "--steps", "4",
