@@ -282,6 +282,19 @@ static int64_t check_quartic(const uint8_t *quartic, int64_t n) {
     return 0;
 }
 
+/* The five decoded values S * q of each of the 243 quartic bytes: decoding a byte is
+ * then one 20-byte copy (or five adds). */
+static void scaled_groups(float S, float table[243][5]) {
+    const float level[3] = {S * -1.0f, S * 0.0f, S * 1.0f};
+    for (int b = 0; b < 243; b++) {
+        table[b][0] = level[b / 81];
+        table[b][1] = level[b / 27 % 3];
+        table[b][2] = level[b / 9 % 3];
+        table[b][3] = level[b / 3 % 3];
+        table[b][4] = level[b % 3];
+    }
+}
+
 /* int8 digits of n elements from quartic bytes (public building block). */
 int64_t hvdc_tlc_quartic_decode(const uint8_t *quartic, int64_t n, int8_t *q) {
     int64_t err = check_quartic(quartic, n);
@@ -312,14 +325,7 @@ int64_t hvdc_tlc_dequantize(const uint8_t *quartic, int64_t n, float S, float *o
     int64_t err = check_quartic(quartic, n);
     if (err) return err;
     float table[243][5];
-    const float level[3] = {S * -1.0f, S * 0.0f, S * 1.0f};
-    for (int b = 0; b < 243; b++) {
-        table[b][0] = level[b / 81];
-        table[b][1] = level[b / 27 % 3];
-        table[b][2] = level[b / 9 % 3];
-        table[b][3] = level[b / 3 % 3];
-        table[b][4] = level[b % 3];
-    }
+    scaled_groups(S, table);
     int64_t full = n / 5;
     if (accumulate) {
         for (int64_t j = 0; j < full; j++) {
@@ -355,14 +361,7 @@ int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, fl
             if ((b / pow3[k]) % 3 != 1) return TLC_ERR_PADDING;
     }
     float table[243][5];
-    const float level[3] = {S * -1.0f, S * 0.0f, S * 1.0f};
-    for (int b = 0; b < 243; b++) {
-        table[b][0] = level[b / 81];
-        table[b][1] = level[b / 27 % 3];
-        table[b][2] = level[b / 9 % 3];
-        table[b][3] = level[b / 3 % 3];
-        table[b][4] = level[b % 3];
-    }
+    scaled_groups(S, table);
     int64_t j = 0; /* quartic group index */
     for (int64_t i = 0; i < len; i++) {
         uint8_t b = body[i];
