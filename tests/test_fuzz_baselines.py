@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hvdcompress
-from tests.test_fuzz import _fix_checksum, _mutate, mutation
+from tests.fuzzing import forged_mutation_case, mutations, random_body_case, raw_mutation_case
 
 CONFIGS = [
     ("topk", {"ratio": 0.05}),
@@ -50,50 +50,16 @@ def _payloads():
 PAYLOADS = _payloads()
 
 
-def _check_decode(c, payload_bytes, ctx):
-    payload = (
-        torch.frombuffer(bytearray(payload_bytes), dtype=torch.uint8)
-        if payload_bytes
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    for call in (lambda: c.decompress(payload, ctx), lambda: c.decode(payload)):
-        try:
-            out = call()
-        except hvdcompress.PayloadError as err:
-            assert isinstance(err, ValueError) and err.field
-            continue
-        assert out.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        assert out.numel() <= max(c._max_numel(len(payload_bytes)), 1)
-    try:
-        out = c.decompress(payload, ctx)
-    except hvdcompress.PayloadError:
-        return None
-    assert out.shape == torch.Size(ctx.shape) and out.dtype == ctx.dtype
-    return out
-
-
-@given(st.integers(0, len(PAYLOADS) - 1), st.lists(mutation, min_size=1, max_size=4))
+@given(st.integers(0, len(PAYLOADS) - 1), mutations)
 def test_raw_mutations_never_crash_or_misshape(which, ops):
-    c, payload, ctx = PAYLOADS[which]
-    original = payload.numpy().tobytes()
-    mutated = bytes(_mutate(bytearray(original), ops))
-    out = _check_decode(c, mutated, ctx)
-    if mutated != original:
-        assert out is None
+    raw_mutation_case(PAYLOADS[which], ops)
 
 
-@given(st.integers(0, len(PAYLOADS) - 1), st.lists(mutation, min_size=1, max_size=4))
+@given(st.integers(0, len(PAYLOADS) - 1), mutations)
 def test_forged_mutations_never_crash_or_misshape(which, ops):
-    c, payload, ctx = PAYLOADS[which]
-    mutated = bytes(_fix_checksum(_mutate(bytearray(payload.numpy().tobytes()), ops)))
-    _check_decode(c, mutated, ctx)
+    forged_mutation_case(PAYLOADS[which], ops)
 
 
 @given(st.integers(0, len(PAYLOADS) - 1), st.binary(max_size=200))
 def test_random_bodies_never_crash(which, body):
-    """A valid header with an arbitrary body (checksum fixed) reaches the body decoder."""
-    c, payload, ctx = PAYLOADS[which]
-    header, _ = c.read_header(payload)
-    raw = bytearray(payload.numpy().tobytes()[: header.size]) + body
-    raw[24:32] = len(body).to_bytes(8, "little")  # body_len
-    _check_decode(c, bytes(_fix_checksum(raw)), ctx)
+    random_body_case(PAYLOADS[which], body)

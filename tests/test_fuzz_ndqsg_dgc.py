@@ -10,7 +10,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hvdcompress
-from tests.test_fuzz import _fix_checksum, _mutate, mutation
+from tests.fuzzing import (
+    check_decode,
+    forged_mutation_case,
+    mutations,
+    random_body_case,
+    raw_mutation_case,
+)
 
 # (name, params, sender rank of 2)
 CONFIGS = [
@@ -62,63 +68,29 @@ def _numel(shape) -> int:
     return n
 
 
-def _check_decode(c, payload_bytes, ctx):
-    payload = (
-        torch.frombuffer(bytearray(payload_bytes), dtype=torch.uint8)
-        if payload_bytes
-        else torch.empty(0, dtype=torch.uint8)
-    )
-    extra = {}
-    if c.name == "ndqsg":
-        extra = {"side_info": torch.linspace(-1, 1, _numel(ctx.shape))}
-    calls = [
-        lambda: c.decode(payload, expect=ctx, **extra),
-        lambda: c.decode(payload, **extra),
-        lambda: c.decode(payload),
-    ]
-    for call in calls:
-        try:
-            out = call()
-        except hvdcompress.PayloadError as err:
-            assert isinstance(err, ValueError) and err.field
-            continue
-        assert out.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        assert out.numel() <= max(c._max_numel(len(payload_bytes)), 1)
-    try:
-        out = c.decode(payload, expect=ctx, **extra)
-    except hvdcompress.PayloadError:
-        return None
-    assert out.shape == torch.Size(ctx.shape) and out.dtype == ctx.dtype
-    return out
+def _side_info(case) -> dict:
+    """NDQSG decodes with side information of the receiver's tensor size, as the gather
+    path does; the checks also decode without it."""
+    c, _, ctx = case
+    return {"side_info": torch.linspace(-1, 1, _numel(ctx.shape))} if c.name == "ndqsg" else {}
 
 
 def test_unmutated_payloads_decode():
-    for c, payload, ctx in PAYLOADS:
-        assert _check_decode(c, payload.numpy().tobytes(), ctx) is not None
+    for case in PAYLOADS:
+        c, payload, ctx = case
+        assert check_decode(c, payload.numpy().tobytes(), ctx, **_side_info(case)) is not None
 
 
-@given(st.integers(0, len(PAYLOADS) - 1), st.lists(mutation, min_size=1, max_size=4))
+@given(st.integers(0, len(PAYLOADS) - 1), mutations)
 def test_raw_mutations_never_crash_or_misshape(which, ops):
-    c, payload, ctx = PAYLOADS[which]
-    original = payload.numpy().tobytes()
-    mutated = bytes(_mutate(bytearray(original), ops))
-    out = _check_decode(c, mutated, ctx)
-    if mutated != original:
-        assert out is None
+    raw_mutation_case(PAYLOADS[which], ops, **_side_info(PAYLOADS[which]))
 
 
-@given(st.integers(0, len(PAYLOADS) - 1), st.lists(mutation, min_size=1, max_size=4))
+@given(st.integers(0, len(PAYLOADS) - 1), mutations)
 def test_forged_mutations_never_crash_or_misshape(which, ops):
-    c, payload, ctx = PAYLOADS[which]
-    mutated = bytes(_fix_checksum(_mutate(bytearray(payload.numpy().tobytes()), ops)))
-    _check_decode(c, mutated, ctx)
+    forged_mutation_case(PAYLOADS[which], ops, **_side_info(PAYLOADS[which]))
 
 
 @given(st.integers(0, len(PAYLOADS) - 1), st.binary(max_size=200))
 def test_random_bodies_never_crash(which, body):
-    """A valid header with an arbitrary body (checksum fixed) reaches the body decoder."""
-    c, payload, ctx = PAYLOADS[which]
-    header, _ = c.read_header(payload)
-    raw = bytearray(payload.numpy().tobytes()[: header.size]) + body
-    raw[24:32] = len(body).to_bytes(8, "little")  # body_len
-    _check_decode(c, bytes(_fix_checksum(raw)), ctx)
+    random_body_case(PAYLOADS[which], body, **_side_info(PAYLOADS[which]))

@@ -16,7 +16,7 @@ from hvdcompress.codecs import ndqsg as ndqsg_codec
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.powersgd import orthogonalize
 from hvdcompress.wire import PayloadError
-from tests.test_fuzz import _fix_checksum
+from tests.fuzzing import fix_checksum
 from tests.test_optimizer_single import LocalTransport
 
 
@@ -298,7 +298,7 @@ def test_dgc_receiver_checks_the_schedule():
     header, _ = sender.read_header(payload)
     off = header.size - 8  # the density double
     raw[off : off + 8] = np.float64(0.5).tobytes()
-    forged = torch.frombuffer(bytearray(_fix_checksum(raw)), dtype=torch.uint8)
+    forged = torch.frombuffer(bytearray(fix_checksum(raw)), dtype=torch.uint8)
     with pytest.raises(PayloadError, match="density"):
         comp("dgc", ratio=0.01, warmup_steps=10).decompress(forged, ctx)
 
