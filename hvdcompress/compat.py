@@ -118,6 +118,8 @@ class Compression:
     ndqsg = _entry("ndqsg", "ndqsg")
     topk = _entry("topk", "topk")
     randomk = _entry("randomk", "randomk")
+    topkq = _entry("topkq", "topkq")
+    gspar = _entry("gspar", "gspar")
     dgc = _entry("dgc", "dgc")
     qsgd = _entry("qsgd", "qsgd")
     terngrad = _entry("terngrad", "terngrad")

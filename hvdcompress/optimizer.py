@@ -95,6 +95,9 @@ class StepStats:
     decode_s: float = 0.0
     wait_s: float = 0.0
     metrics: dict = field(default_factory=dict)  # the compressor's pop_metrics() (NDQSG)
+    # (payload bytes, seconds) of each collective (transports.Handle.seconds): what CAT's
+    # cost model predicts, one collective at a time
+    timings: list = field(default_factory=list)
 
     @property
     def bits_per_value(self) -> float:
@@ -335,8 +338,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             dense = torch.cat(nxt)
             if dense.numel():
                 t0 = time.perf_counter()
-                summed = self._start_allreduce(dense)[0].wait()
+                handle, payload_bytes, _ = self._start_allreduce(dense)
+                summed = handle.wait()
                 self._stats.wait_s += time.perf_counter() - t0
+                self._stats.timings.append((payload_bytes, handle.seconds))
             else:
                 summed = dense
         return summed
@@ -358,6 +363,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 continue
             t1 = time.perf_counter()
             self._stats.wait_s += t1 - t0
+            self._stats.timings.append((flight.payload_bytes, flight.handle.seconds))
             if error is not None:
                 continue  # drain the remaining collectives so no rank leaves one pending
             try:

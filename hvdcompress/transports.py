@@ -32,6 +32,7 @@ from __future__ import annotations
 import queue
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -41,15 +42,28 @@ _LEN = struct.Struct("<Q")
 
 
 class Handle:
-    """The result of a started collective; ``wait()`` returns it or raises its error."""
+    """The result of a started collective; ``wait()`` returns it or raises its error.
+
+    ``seconds`` (after ``wait``) is how long the collective took: on the mpi4py worker
+    thread exactly the MPI calls; for Horovod, whose background thread reports no
+    timing, from the enqueue to the end of ``wait`` (an upper bound: it includes time
+    queued behind other collectives and, if ``wait`` comes late, idle time).
+    """
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._result = None
         self._error: BaseException | None = None
+        self.began = time.perf_counter()
+        self.ended: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.ended is None else self.ended - self.began
 
     def _finish(self, result=None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
+        self.ended = time.perf_counter()
         self._done.set()
 
     def wait(self, timeout: float | None = None):
@@ -143,6 +157,7 @@ class MPITransport(Transport):
     def _run(self) -> None:
         while True:
             job, handle = self._queue.get()
+            handle.began = time.perf_counter()  # queued until now behind earlier jobs
             try:
                 handle._finish(job())
             except BaseException as err:  # noqa: BLE001 - handed to the waiting caller

@@ -62,6 +62,8 @@ CODEC_IDS = {
     "terngrad": 8,
     "signsgd": 9,
     "efsignsgd": 10,
+    "topkq": 11,
+    "gspar": 12,
 }
 CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
 

@@ -248,9 +248,9 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--cat",
-        choices=["topk"],
+        choices=["topk", "topk+q", "randomk"],
         default=None,
-        help="CAT policy: per-tensor top-k budget (needs --compression topk)",
+        help="CAT policy: per-tensor budget; needs --compression topk, topkq or gspar",
     )
     p.add_argument("--cat-every", type=int, default=200, help="recompute T* every S steps")
     p.add_argument(
@@ -321,8 +321,9 @@ def make_policy(args):
             low=low, high=high, eta=args.accordion_eta, interval_steps=args.accordion_interval
         )
     if args.cat:
-        if args.compression != "topk":
-            raise SystemExit("--cat topk needs --compression topk")
+        need = hvdcompress.policies.cat.COMPRESSOR_FOR[args.cat]
+        if args.compression != need:
+            raise SystemExit(f"--cat {args.cat} needs --compression {need}")
         cost = None
         if args.cat_cost:
             parts = [float(v) for v in args.cat_cost.split(",")]

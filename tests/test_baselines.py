@@ -24,6 +24,9 @@ CONFIGS = [
     ("topk", {"ratio": 0.3}),
     ("randomk", {"ratio": 0.2}),
     ("randomk", {"ratio": 0.2, "unbiased": False, "error_feedback": True}),
+    ("topkq", {"ratio": 0.1}),
+    ("gspar", {"ratio": 0.1}),
+    ("gspar", {"ratio": 0.3, "error_feedback": True}),
     ("qsgd", {}),
     ("qsgd", {"levels": 1, "bucket_size": 7}),
     ("terngrad", {}),
@@ -493,3 +496,74 @@ def test_input_unchanged_and_out_untouched_on_corrupt_bodies(name, kw):
             rejected += 1
             assert torch.equal(out, torch.ones(3001))
     assert rejected > 0
+
+
+# ---- top-k + sign and magnitude-proportional sparsification (CAT's other compressors) --------
+
+
+def test_topkq_sends_the_mean_magnitude_with_signs_and_keeps_the_rest():
+    x = torch.tensor([0.5, -4.0, 1.0, 3.0, -0.25, 2.0])
+    c = comp("topkq", ratio=0.5)  # k = 3: indices 1, 3, 5, magnitude (4 + 3 + 2) / 3
+    payload, ctx = c.compress(x, "w")
+    dec = c.decompress(payload, ctx)
+    assert dec.tolist() == [0.0, -3.0, 0.0, 3.0, 0.0, 3.0]
+    np.testing.assert_array_equal(c.memory.residual("w", x).numpy(), (x - dec).numpy())
+    # 4-byte magnitude + 3 int32 indices + 1 byte of sign bits
+    assert c.read_header(payload)[0].body_len == 4 + 12 + 1
+
+
+def test_topkq_error_feedback_keeps_a_equal_decode_plus_residual():
+    torch.manual_seed(2)
+    c = comp("topkq", ratio=0.05)
+    e_prev = torch.zeros(4000)
+    for _ in range(4):
+        g = torch.randn(4000)
+        payload, ctx = c.compress(g, "w")
+        dec = c.decompress(payload, ctx)
+        e = c.memory.residual("w", g)
+        torch.testing.assert_close(dec + e, g + e_prev, rtol=0, atol=1e-6)
+        e_prev = e.clone()
+
+
+def test_gspar_scale_solves_the_budget_with_saturation():
+    mag = torch.tensor([100.0, 50.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    c, rounds = sparse.gspar_scale(mag, 3.0)  # the two large ones saturate: c = 1 / 5
+    assert c == pytest.approx(0.2) and rounds >= 2
+    p = torch.clamp(mag * c, max=1.0)
+    assert float(p.sum()) == pytest.approx(3.0)
+    assert sparse.gspar_scale(mag, 7.0)[0] == math.inf  # every non-zero entry kept
+
+
+@pytest.mark.parametrize("n", [1, 17, 5000])
+def test_gspar_sends_a_over_p_and_keeps_everything_at_full_budget(n):
+    torch.manual_seed(n)
+    x = torch.randn(n)
+    c = comp("gspar", ratio=1.0)
+    payload, ctx = c.compress(x, "w")
+    np.testing.assert_array_equal(c.decompress(payload, ctx).numpy(), x.numpy())
+    c = comp("gspar", ratio=0.1, seed=4)
+    payload, ctx = c.compress(x, "w")
+    dec = c.decompress(payload, ctx)
+    kept = dec != 0
+    scale, _ = sparse.gspar_scale(x.abs(), 0.1 * n)
+    p = torch.clamp(x.abs() * torch.tensor(scale, dtype=torch.float32), max=1.0)
+    np.testing.assert_array_equal(dec[kept].numpy(), (x[kept] / p[kept]).numpy())
+
+
+def test_gspar_is_unbiased_and_spends_its_budget_on_average():
+    torch.manual_seed(0)
+    n, ratio, draws = 2000, 0.05, 400
+    x = torch.randn(n) * torch.linspace(0.01, 3.0, n)
+    c = comp("gspar", ratio=ratio, seed=9)
+    total, kept = torch.zeros(n, dtype=torch.float64), 0
+    for _ in range(draws):
+        payload, ctx = c.compress(x, "w")
+        dec = c.decompress(payload, ctx)
+        total += dec.double()
+        kept += int((dec != 0).sum())
+    assert abs(kept / draws - ratio * n) < 5 * math.sqrt(ratio * n / draws)
+    scale, _ = sparse.gspar_scale(x.abs(), ratio * n)
+    p = torch.clamp(x.abs().double() * scale, max=1.0)
+    sd = (x.double().abs() * torch.sqrt((1 - p) / p) / math.sqrt(draws)).clamp(min=1e-12)
+    z = ((total / draws - x.double()) / sd).abs()
+    assert float(z.max()) < 6.0  # 2000 coordinates, none beyond 6 sigma

@@ -15,6 +15,8 @@ CONFIGS = [
     ("topk", {"ratio": 0.05}),
     ("randomk", {"ratio": 0.1}),
     ("randomk", {"ratio": 0.5, "unbiased": False, "error_feedback": True}),
+    ("topkq", {"ratio": 0.05}),
+    ("gspar", {"ratio": 0.1}),
     ("qsgd", {"levels": 16, "bucket_size": 64}),
     ("qsgd", {"levels": 1}),
     ("terngrad", {}),

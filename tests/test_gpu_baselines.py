@@ -23,6 +23,8 @@ CONFIGS = [
     ("topk", {"ratio": 0.3}),
     ("randomk", {"ratio": 0.1}),
     ("randomk", {"ratio": 0.3, "unbiased": False, "error_feedback": True}),
+    ("topkq", {"ratio": 0.05}),
+    ("gspar", {"ratio": 0.05}),
     ("qsgd", {}),
     ("qsgd", {"levels": 3, "bucket_size": 100}),
     ("terngrad", {}),

@@ -154,20 +154,40 @@ def test_accordion_refuses_a_compressor_without_levels():
 
 
 # ---- CAT -----------------------------------------------------------------------------------------
+def _randomk_descent_by_bisection(a: np.ndarray, T: int) -> float:
+    """||g||^4 / sum(g_i^2 / p_i) with c found by bisection on sum min(1, c a) = T."""
+    nz = a > 0
+    if T >= nz.sum():
+        return float((a**2).sum())
+    lo, hi = 0.0, 1.0
+    while np.minimum(1, hi * a).sum() < T:
+        hi *= 2
+    for _ in range(200):
+        c = (lo + hi) / 2
+        lo, hi = (c, hi) if np.minimum(1, c * a).sum() < T else (lo, c)
+    p = np.minimum(1, hi * a)
+    return float((a**2).sum() ** 2 / (a[nz] ** 2 / p[nz]).sum())
+
+
 def _brute(grad, cost, kind):
     g = np.abs(grad.double().numpy())
     n = g.size
     best, best_t = -1.0, None
     for T in range(1, n + 1):
         top = np.sort(g)[::-1][:T]
-        d = (top**2).sum() if kind == "topk" else top.sum() ** 2 / T
+        if kind == "topk":
+            d = (top**2).sum()
+        elif kind == "topk+q":
+            d = top.sum() ** 2 / T
+        else:
+            d = _randomk_descent_by_bisection(g, T)
         r = d / float(cost(budget_bits(T, n, kind)))
-        if r > best:
+        if r > best * (1 + 1e-9):  # bisection's last digits must not move a tie
             best, best_t = r, T
     return best_t
 
 
-@pytest.mark.parametrize("kind", ["topk", "topk+q"])
+@pytest.mark.parametrize("kind", ["topk", "topk+q", "randomk"])
 @pytest.mark.parametrize(
     "cost", [AffineCost(1e-4, 1e-9), AffineCost(1e-6, 1e-8), PacketCost(1e-5, 1e-6, 1024)]
 )
@@ -200,6 +220,13 @@ def test_randomk_descent_matches_formula():
         expect = (a**2).sum() ** 2 / (a[nz] ** 2 / p[nz]).sum()
         assert d[T - 1] == pytest.approx(expect, rel=1e-6)
     assert d[-1] == pytest.approx((a**2).sum())
+    g = torch.Generator().manual_seed(3)
+    grad = torch.randn(60, generator=g) ** 3
+    grad[::7] = 0.0
+    d = descent(grad, "randomk")
+    a = np.abs(grad.double().numpy())
+    for T in range(1, 61):
+        assert d[T - 1] == pytest.approx(_randomk_descent_by_bisection(a, T), rel=1e-7)
 
 
 def test_affine_and_packet_models_pick_different_budgets():
@@ -260,6 +287,87 @@ def test_cat_policy_sets_topk_budget_every_s_steps():
     assert pol.budgets == budgets  # not a recompute step
 
 
+@pytest.mark.parametrize(("kind", "compression"), [("topk+q", "topkq"), ("randomk", "gspar")])
+def test_cat_drives_topkq_and_gspar(kind, compression):
+    model = _model()
+    pol = CAT(kind, cost_model=AffineCost(1e-5, 1e-9), recompute_every=3)
+    opt = _opt(model, compression, pol)
+    _step(model, opt, seed=0)
+    assert set(pol.budgets) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        r = opt.compressor.level(name)
+        n, T = p.numel(), pol.budgets[name]
+        if compression == "topkq":
+            assert hvdcompress.codecs.sparse.topk_count(n, r) == T
+        else:
+            assert r == T / n
+    for s in range(1, 4):
+        _step(model, opt, seed=s)  # the budgets in force are used and decoded on every step
+    with pytest.raises(TypeError, match=compression):
+        _opt(_model(), "topk", CAT(kind, cost_model=AffineCost(1e-5, 1e-9)))
+
+
+class _AffineTimedTransport(LocalTransport):
+    """Every collective of b bytes reports c0 + c1 * 8b seconds (Handle.seconds)."""
+
+    def __init__(self, c0, c1):
+        self.c0, self.c1 = c0, c1
+
+    def _timed(self, value, nbytes):
+        h = self._done(value)
+        h.began, h.ended = 0.0, self.c0 + self.c1 * 8 * nbytes
+        return h
+
+    def start_allgatherv(self, local):
+        return self._timed((local.clone(), [local.numel()]), local.numel())
+
+
+def test_cat_modelled_and_measured_cost_are_per_collective_and_refresh_refits():
+    model = _model()
+    true_c0, true_c1 = 3e-4, 2e-8
+    pol = CAT("topk", cost_model=AffineCost(1e-6, 1e-10), recompute_every=2, refresh=True)
+    opt = hvdcompress.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
+        compression="topk",
+        backend=_AffineTimedTransport(true_c0, true_c1),
+        fusion_threshold=0,  # one collective per tensor: several payload sizes per step
+        policy=pol,
+    )
+    _step(model, opt, seed=0)
+    stats = opt.last_stats
+    assert len(stats.timings) == stats.collectives == 4
+    m = stats.metrics
+    # before the refit at the end of step 0 the old model priced the step's collectives
+    expect_modelled = sum(1e-6 + 1e-10 * 8 * b for b, _ in stats.timings)
+    assert m["cat/modelled_s"] == pytest.approx(expect_modelled)
+    assert m["cat/measured_s"] == pytest.approx(
+        sum(true_c0 + true_c1 * 8 * b for b, _ in stats.timings)
+    )
+    assert pol.cost.c0 == pytest.approx(true_c0, rel=1e-6)  # refitted from step 0's timings
+    assert pol.cost.c1 == pytest.approx(true_c1, rel=1e-6)
+    _step(model, opt, seed=1)
+    m = opt.last_stats.metrics
+    assert m["cat/modelled_s"] == pytest.approx(m["cat/measured_s"], rel=1e-6)
+
+
+def test_cat_state_travels_in_the_optimizer_state_dict():
+    model = _model()
+    opt = _opt(model, "topk", CAT("topk", cost_model=AffineCost(1e-5, 1e-9), recompute_every=2))
+    for s in range(3):
+        _step(model, opt, seed=s)
+    state = opt.state_dict()
+    model2 = _model()
+    pol2 = CAT("topk", cost_model=AffineCost(1.0, 1.0), recompute_every=2)
+    opt2 = _opt(model2, "topk", pol2)
+    opt2.load_state_dict(state)
+    assert pol2.budgets == opt.policy.budgets and (pol2.cost.c0, pol2.cost.c1) == (1e-5, 1e-9)
+    assert all(opt2.compressor.level(n) == opt.compressor.level(n) for n in pol2.budgets)
+    assert pol2.state_dict()["steps"] == 3
+    with pytest.raises(ValueError, match="CAT"):
+        CAT("topk+q", cost_model=AffineCost(1e-5, 1e-9)).load_state_dict(pol2.state_dict())
+
+
 # ---- scripts ------------------------------------------------------------------------------------
 def _script(name):
     import importlib.util
@@ -282,8 +390,11 @@ def test_train_policy_flags():
     )
     pol = train.make_policy(args)
     assert isinstance(pol, CAT) and isinstance(pol.cost, PacketCost)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="--compression topk"):
         train.make_policy(train.parse_args(["--compression", "3lc", "--cat", "topk"]))
+    for kind, compression in (("topk+q", "topkq"), ("randomk", "gspar")):
+        args = train.parse_args(["--compression", compression, "--cat", kind])
+        assert train.make_policy(args).kind == kind
 
 
 def test_plot_policy_writes_a_png(tmp_path):

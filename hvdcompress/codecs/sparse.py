@@ -13,6 +13,23 @@ is kept iff u_i < p for the counter-based uniform u_i of hvdcompress.codecs.prim
 so a receiver regenerates the mask from (seed, step, rank, tensor id) and only the kept
 values travel. With ``unbiased`` the decoder scales them by float32(1 / p), which makes
 E[decode] = x exactly in expectation over the seed.
+
+Top-k + sign ("topk+q"; Basu et al., Qsparse-local-SGD, NeurIPS 2019) selects as top-k
+and sends one float32 magnitude m = (sum of the kept |x|) / k, the k indices, then k sign
+bits (1 = negative, LSB first): decode gives -m or +m at the kept indices. m is an
+ordered chunk sum (hvdcompress.codecs.primitives.abs_sum), so every device sends the same
+bytes.
+
+Magnitude-proportional sparsification ("gspar"; Wangni et al., Gradient Sparsification
+for Communication-Efficient Distributed Optimization, NeurIPS 2018) keeps element i with
+probability p_i = min(1, c |x_i|), c chosen so that sum p_i = T, the expected budget;
+kept values are sent as x_i / p_i (unbiased) in top-k's layout (values, then ascending
+indices), so the decoder is top-k's with k = body bytes / (4 + index bytes). c is the
+fixed point of c = (T - |S|) / sum_{i not in S} |x_i|, S = {i : c |x_i| >= 1}: starting
+from c = T / sum |x|, c only grows and S only gains elements, so the iteration stops
+exactly (at most T + 1 rounds, a handful in practice); the sums are ordered chunk sums,
+the uniforms the counter-based generator keyed like random-k's, so bytes are
+device-independent.
 """
 
 from __future__ import annotations
@@ -21,7 +38,7 @@ import math
 
 import torch
 
-from hvdcompress.codecs.primitives import uniform
+from hvdcompress.codecs.primitives import abs_sum, bitpack, bitunpack, packed_len, uniform
 from hvdcompress.wire import PayloadError
 
 INDEX32_LIMIT = 2**31
@@ -103,18 +120,10 @@ def topk_decode_into(
         )
     values = body[: 4 * k].clone().view(torch.float32)
     idx = body[4 * k :].clone().view(index_dtype(n)).to(torch.int64)
-    if k:
-        if int(idx[0]) < 0 or int(idx[-1]) >= n:
-            raise PayloadError("body", f"a top-k index is outside [0, {n})")
-        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
-            raise PayloadError("body", "top-k indices are not strictly increasing")
-        if not bool(torch.isfinite(values).all()):
-            raise PayloadError("body", "a top-k value is not finite")
-    if accumulate:
-        out[idx] += values
-    else:
-        out.zero_()
-        out[idx] = values
+    _check_indices(idx, n)
+    if k and not bool(torch.isfinite(values).all()):
+        raise PayloadError("body", "a top-k value is not finite")
+    _scatter(out, idx, values, accumulate)
 
 
 def randomk_threshold(ratio: float) -> int:
@@ -161,3 +170,101 @@ def randomk_decode_into(
     else:
         out.zero_()
         out[mask] = values
+
+
+# ---- top-k + sign (one shared magnitude) ---------------------------------------------------
+def topk_sign_encode(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(body uint8, kept indices int64, magnitude m) for the flat float32 a."""
+    idx = topk_select(a, k)
+    kept = a[idx]
+    m = float(torch.tensor(abs_sum(kept) / k if k else 0.0, dtype=torch.float32))
+    signs = bitpack((kept < 0).to(torch.uint8), 1)
+    head = torch.tensor([m], dtype=torch.float32, device=a.device).view(torch.uint8)
+    index = idx.to(index_dtype(a.numel())).view(torch.uint8)
+    return torch.cat([head, index, signs]), idx, m
+
+
+def topk_sign_values(m: float, negative: torch.Tensor) -> torch.Tensor:
+    """The decoded values: -m where ``negative`` else +m (float32)."""
+    plus = torch.full(negative.shape, m, dtype=torch.float32, device=negative.device)
+    return torch.where(negative.bool(), -plus, plus)
+
+
+def topk_sign_decode_into(
+    body: torch.Tensor, n: int, k: int, out: torch.Tensor, accumulate: bool
+) -> None:
+    isz = 4 if index_dtype(n) == torch.int32 else 8
+    need = 4 + k * isz + packed_len(k, 1)
+    if body.numel() != need:
+        raise PayloadError(
+            "body", f"top-k + sign of {k} values needs {need} bytes, got {body.numel()}"
+        )
+    m = float(body[:4].clone().view(torch.float32))
+    if not (math.isfinite(m) and m >= 0.0):
+        raise PayloadError("body", f"top-k + sign magnitude {m} is not finite and >= 0")
+    idx = body[4 : 4 + k * isz].clone().view(index_dtype(n)).to(torch.int64)
+    _check_indices(idx, n)
+    values = topk_sign_values(m, bitunpack(body[4 + k * isz :], k, 1))
+    _scatter(out, idx, values, accumulate)
+
+
+def _check_indices(idx: torch.Tensor, n: int) -> None:
+    k = idx.numel()
+    if k:
+        if int(idx[0]) < 0 or int(idx[-1]) >= n:
+            raise PayloadError("body", f"an index is outside [0, {n})")
+        if k > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise PayloadError("body", "indices are not strictly increasing")
+
+
+def _scatter(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, accumulate: bool):
+    if accumulate:
+        out[idx] += values
+    else:
+        out.zero_()
+        out[idx] = values
+
+
+# ---- magnitude-proportional random sparsification --------------------------------------------
+def gspar_scale(mag: torch.Tensor, budget: float) -> tuple[float, int]:
+    """(c, rounds): p_i = min(1, c mag_i) has sum p_i == budget (see module doc); c = inf
+    when budget >= the number of non-zero entries (every one of them is kept)."""
+    nonzero = int(torch.count_nonzero(mag))
+    if budget >= nonzero:
+        return math.inf, 0
+    saturated = torch.zeros_like(mag, dtype=torch.bool)
+    count = 0
+    for rounds in range(1, nonzero + 2):
+        rest = abs_sum(torch.where(saturated, torch.zeros_like(mag), mag))
+        c = (budget - count) / rest
+        saturated = mag * c >= 1.0
+        new = int(saturated.sum())
+        if new == count:
+            return c, rounds
+        count = new
+    raise AssertionError("gspar_scale did not converge")  # c grows monotonically: unreachable
+
+
+def gspar_encode(a: torch.Tensor, budget: float, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(body uint8 in top-k's layout, kept indices int64): element i kept iff u_i < p_i."""
+    mag = a.abs()
+    c, _ = gspar_scale(mag, budget)
+    if math.isinf(c):
+        p = (mag > 0).to(torch.float32)
+    else:
+        p = torch.clamp(mag * torch.tensor(c, dtype=torch.float32), max=1.0)
+    keep = uniform(key, a.numel(), a.device) < p
+    idx = torch.nonzero(keep).reshape(-1)
+    values = a[idx] / p[idx]
+    body = torch.cat([values.view(torch.uint8), idx.to(index_dtype(a.numel())).view(torch.uint8)])
+    return body, idx
+
+
+def gspar_decode_into(body: torch.Tensor, n: int, out: torch.Tensor, accumulate: bool) -> None:
+    isz = 4 if index_dtype(n) == torch.int32 else 8
+    if body.numel() % (4 + isz):
+        raise PayloadError("body", f"{body.numel()} bytes are not whole (value, index) pairs")
+    k = body.numel() // (4 + isz)
+    if k > n:
+        raise PayloadError("body", f"{k} kept values for {n} elements")
+    topk_decode_into(body, n, k, out, accumulate)

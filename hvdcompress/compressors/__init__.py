@@ -12,7 +12,7 @@ from hvdcompress.compressors.ndqsg import NDQSG
 from hvdcompress.compressors.powersgd import PowerSGD
 from hvdcompress.compressors.quant import QSGD, TernGrad
 from hvdcompress.compressors.sign import EFSignSGD, SignSGD
-from hvdcompress.compressors.sparse import RandomK, TopK
+from hvdcompress.compressors.sparse import GSpar, RandomK, TopK, TopKSign
 from hvdcompress.compressors.threelc import ThreeLC
 
 REGISTRY: dict[str, type[Compressor]] = {
@@ -24,6 +24,8 @@ REGISTRY.update(
 )
 # NDQSG (section 3), DGC (gather-only) and PowerSGD (summable, two allreduces) (section 4).
 REGISTRY.update({cls.name: cls for cls in (NDQSG, DGC, PowerSGD)})
+# The compressors CAT tunes besides top-k (section 6).
+REGISTRY.update({cls.name: cls for cls in (TopKSign, GSpar)})
 
 
 def _signature(cls: type[Compressor]) -> str:
@@ -56,6 +58,8 @@ __all__ = [
     "ThreeLC",
     "TopK",
     "RandomK",
+    "TopKSign",
+    "GSpar",
     "QSGD",
     "TernGrad",
     "SignSGD",

@@ -1,5 +1,8 @@
-"""Top-k and random-k compressors (shared/SPEC.md section 4), codecs in
-hvdcompress.codecs.sparse.
+"""Top-k, random-k, top-k + sign and magnitude-proportional sparsification compressors
+(shared/SPEC.md sections 4 and 6), codecs in hvdcompress.codecs.sparse.
+
+TopKSign ("topkq") and GSpar ("gspar") are the compressors CAT tunes besides top-k
+(SPEC 6: "topk+q" and random sparsification with p_i proportional to |g_i|).
 
 Top-k always uses error feedback: the residual keeps every entry that was not sent
 (e = a with the kept entries zeroed, a = g + e). Random-k's is optional
@@ -93,6 +96,38 @@ class TopK(PerTensorLevels, Compressor):
         self.memory.load_state_dict(state["residuals"])
 
 
+class TopKSign(TopK):
+    """Top-k selection sent as one shared magnitude, indices and sign bits (Basu et al.,
+    NeurIPS 2019): ``ratio`` as top-k's. Error feedback: e = a - decode(payload)."""
+
+    name = "topkq"
+
+    def __repr__(self) -> str:
+        return f"TopKSign(ratio={self.ratio})"
+
+    def _encode(self, tensor, name):
+        g = prim.flat_f32(tensor)
+        e = self.memory.residual(name, g)
+        a = g + e
+        ratio = self.level(name)
+        params = TOPK_PARAMS.pack(ratio)
+        if not prim.all_finite(a):
+            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
+        body, idx, m = sparse.topk_sign_encode(a, sparse.topk_count(a.numel(), ratio))
+        a[idx] -= sparse.topk_sign_values(m, a[idx] < 0)
+        e.copy_(a)
+        return 0, params, body
+
+    def _max_numel(self, body_len):
+        k = max(body_len - 4, 0) * 8 // 33  # each kept value costs at least 32 + 1 bits
+        return math.floor((k + 1) / self.level(self._decoding)) + 1
+
+    def _decode_body(self, header, body, out, accumulate):
+        (ratio,) = TOPK_PARAMS.unpack(header.params)  # checked against level(name)
+        k = sparse.topk_count(header.numel, ratio)
+        sparse.topk_sign_decode_into(body, header.numel, k, out, accumulate)
+
+
 class RandomK(Stochastic):
     """Keep each entry with probability ``ratio`` (indices regenerated from the seed, not
     sent); ``unbiased`` scales the kept values by 1 / ratio; optional error feedback."""
@@ -165,6 +200,76 @@ class RandomK(Stochastic):
             "residuals": self.memory.state_dict(),
             **self._rng_state(),
         }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("ratio") != self.ratio:
+            raise ValueError(
+                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
+            )
+        self._load_rng_state(state)
+        self.memory.load_state_dict(state["residuals"])
+
+
+class GSpar(PerTensorLevels, Stochastic):
+    """Keep entry i with probability p_i = min(1, c |a_i|), sum p_i = ``ratio`` * n in
+    expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
+    E[decode] = a. Optional error feedback (e = a - decode). A policy may set ``ratio``
+    per tensor (``set_level``); the header carries it."""
+
+    name = "gspar"
+    level_param = "ratio"
+
+    def __init__(
+        self, ratio: float = 0.01, error_feedback: bool = False, seed: int = 0, rank: int = 0
+    ) -> None:
+        self.ratio = sparse.check_ratio(ratio, "gspar")
+        self.error_feedback = bool(error_feedback)
+        self.memory = ErrorFeedback()
+        self._init_rng(seed, rank)
+
+    def __repr__(self) -> str:
+        return f"GSpar(ratio={self.ratio}, error_feedback={self.error_feedback}, seed={self.seed})"
+
+    def _check_level(self, value):
+        return sparse.check_ratio(value, "gspar")
+
+    def _encode(self, tensor, name):
+        g = prim.flat_f32(tensor)
+        e = self.memory.residual(name, g) if self.error_feedback else None
+        a = g + e if e is not None else g
+        rng, key = self._rng_params(name)
+        ratio = self.level(name)
+        params = rng + TOPK_PARAMS.pack(ratio)
+        if not prim.all_finite(a):
+            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
+        body, idx = sparse.gspar_encode(a, ratio * a.numel(), key)
+        if e is not None:
+            sent = body[: 4 * idx.numel()].view(torch.float32)
+            e.copy_(a)
+            e[idx] -= sent
+        return 0, params, body
+
+    def _check_params(self, header):
+        self._check_params_len(header, prim.RNG_PARAMS.size + TOPK_PARAMS.size)
+        self._rng_check(header.params)
+        (ratio,) = TOPK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        expected = self.level(self._decoding)
+        if ratio != expected:
+            raise PayloadError(
+                "ratio", f"expected {expected}, got {ratio} (ranks disagree on the compressor)"
+            )
+
+    def _max_numel(self, body_len):
+        # Kept count ~ ratio * n (a sum of Bernoullis with mean ratio * n): a header
+        # claiming far more elements than 16 / ratio times the kept count is forged.
+        k = body_len // 8
+        return math.ceil((k + 64) * 16 / self.level(self._decoding))
+
+    def _decode_body(self, header, body, out, accumulate):
+        sparse.gspar_decode_into(body, header.numel, out, accumulate)
+
+    def state_dict(self) -> dict:
+        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **self._rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("ratio") != self.ratio:

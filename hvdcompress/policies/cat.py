@@ -32,16 +32,32 @@ degenerates to T = 1 (A(1)/c1 b(1) is the largest per-bit value): the fixed cost
 so calibrate it. The policy recomputes T* only every ``recompute_every`` = S steps (the
 hybrid variant) and keeps the chosen ratio in between.
 
+Which compressor each kind drives (``COMPRESSOR_FOR``): "topk" -> ``topk``, "topk+q" ->
+``topkq`` (top-k with one shared magnitude and sign bits), "randomk" -> ``gspar`` (keep i
+with p_i = min(1, c |g_i|), hvdcompress.codecs.sparse). T becomes the compressor's
+per-tensor ``ratio``: (T - 1/2) / n for the top-k kinds (ceil(n ratio) = T exactly),
+T / n for gspar (its expected budget). Uniform random-k is not offered: with p = T / n
+its descent p ||g||^2 is linear in T, so under an affine cost the ratio always peaks at
+T = n and there is nothing to tune.
+
 Calibration: ``calibrate(transport, sizes)`` times the real allgatherv for payloads from
 bytes to megabytes (median of ``repeats``), averages the times across ranks (one small
 collective, so every rank fits the same model) and fits c0, c1 by least squares on
-bits. ``CostModel.observe(bits, seconds)`` + ``refit()`` refresh it from measured
-collective times.
+bits. The model predicts the time of one collective of ``bits``; the optimizer reports
+each collective of a step as (payload bytes, seconds) (``StepStats.timings``, from
+``transports.Handle.seconds``), so like is compared with like: per step the metrics
+give ``cat/modelled_s`` = sum over the step's collectives of C(bits) and
+``cat/measured_s`` = sum of their measured seconds. With ``refresh=True`` every
+measured (bits, seconds) pair is an observation; at each recompute point the ranks pool
+their new observations (in the same collective that shares the budgets) and refit, so
+every rank holds the same model. Under Horovod the measured time is an upper bound (see
+``Handle``): refresh is most trustworthy with the mpi4py transport.
 
 Agreement: rank 0 computes T* per tensor from its own gradient at recompute steps, and
 one ``allgather_object`` at the end of that step gives every rank rank 0's choices, so
 every rank uses the same T from the next step on (the first steps use the compressor's
-default level).
+default level). ``state_dict`` keeps budgets, levels, the step count and the cost model,
+so a resumed run continues with the same choices.
 """
 
 from __future__ import annotations
@@ -53,7 +69,8 @@ import numpy as np
 import torch
 
 HEADER_BITS = 8 * 48  # wire header of a 1-D top-k payload
-KINDS = ("topk", "topk+q", "randomk")
+COMPRESSOR_FOR = {"topk": "topk", "topk+q": "topkq", "randomk": "gspar"}
+KINDS = tuple(COMPRESSOR_FOR)
 
 
 # ---- cost models -------------------------------------------------------------------------------
@@ -182,7 +199,12 @@ def descent(grad, kind: str = "topk") -> np.ndarray:
 
 
 def _randomk_descent(a: np.ndarray) -> np.ndarray:
-    """D(T) = ||g||^4 / sum(g_i^2 / p_i), p_i = min(1, c a_i), sum p_i = T, T = 1..n."""
+    """D(T) = ||g||^4 / sum(g_i^2 / p_i), p_i = min(1, c a_i), sum p_i = T, T = 1..n, for
+    descending magnitudes a. With j entries saturated (p = 1), c = (T - j) / S_j where
+    S_j = sum a[j:], consistent iff c a_j <= 1, i.e. T <= B_j = j + S_j / a_j; the fewest
+    saturated entries j(T) is the first j with B_j >= T (a search in the prefix maximum
+    of B, which exists for T < nz since B_{T-1} >= T), and then
+    sum g_i^2 / p_i = sum_{i < j} a_i^2 + S_j / c."""
     n = a.size
     out = np.zeros(n, dtype=np.float64)
     nz = int(np.count_nonzero(a))
@@ -192,17 +214,13 @@ def _randomk_descent(a: np.ndarray) -> np.ndarray:
     sq = a * a
     norm2 = sq.sum()
     pre_sq = np.concatenate([[0.0], np.cumsum(sq)])  # sum of the j largest a^2
-    suffix = np.concatenate([np.cumsum(a[::-1])[::-1], [0.0]])  # sum of a[j:]
-    for T in range(1, n + 1):
-        if T >= nz:
-            out[T - 1] = norm2  # every non-zero entry kept with p = 1: D = ||g||^2
-            continue
-        # the fewest saturated entries j with c = (T - j) / sum(a[j:]) and c a[j] <= 1
-        for j in range(T):
-            c = (T - j) / suffix[j]
-            if c * a[j] <= 1.0:
-                break
-        out[T - 1] = norm2 * norm2 / (pre_sq[j] + suffix[j] / c)
+    suffix = np.cumsum(a[::-1])[::-1]  # S_j = sum a[j:], j < nz
+    reach = np.maximum.accumulate(np.arange(nz) + suffix / a)  # prefix max of B_j
+    T = np.arange(1, nz, dtype=np.float64)  # T < nz; T >= nz keeps everything: D = ||g||^2
+    j = np.searchsorted(reach, T, side="left")
+    c = (T - j) / suffix[j]
+    out[: nz - 1] = norm2 * norm2 / (pre_sq[j] + suffix[j] / c)
+    out[nz - 1 :] = norm2
     return out
 
 
@@ -224,9 +242,11 @@ def cat_best_budget(
 
 # ---- the policy ----------------------------------------------------------------------------------
 class CAT:
-    """Per tensor top-T budget maximising D(T)/C(T), recomputed every ``recompute_every``
-    steps by rank 0 and shared with every rank (see module doc). ``cost_model``: a
-    CostModel, or None to ``calibrate`` the transport at bind time."""
+    """Per tensor budget T maximising D(T)/C(T), recomputed every ``recompute_every`` steps
+    by rank 0 and shared with every rank (see module doc). ``compressor``: the kind
+    ("topk", "topk+q", "randomk"; the optimizer's compressor must be
+    ``COMPRESSOR_FOR[kind]``); ``cost_model``: a CostModel, or None to ``calibrate`` the
+    transport at bind time; ``refresh``: refit the model from measured collectives."""
 
     def __init__(
         self,
@@ -246,8 +266,8 @@ class CAT:
         self.header_bits = int(header_bits)
         self.refresh = bool(refresh)
         self.budgets: dict[str, int] = {}  # T in force per tensor
-        self.modelled: dict[str, float] = {}  # C(T) in force per tensor
-        self._pending: dict[str, tuple[int, float]] = {}
+        self._pending: dict[str, int] = {}
+        self._fresh: list[tuple[float, float]] = []  # this rank's new (bits, seconds)
         self._numel: dict[str, int] = {}
         self._steps = 0
         self._metrics: dict = {}
@@ -257,10 +277,11 @@ class CAT:
         return f"CAT(compressor={self.kind!r}, cost_model={self.cost!r}, S={self.recompute_every})"
 
     def bind(self, optimizer, compressor, transport, names: list[str]) -> None:
-        if self.kind != "topk" or getattr(compressor, "name", None) != "topk":
+        need = COMPRESSOR_FOR[self.kind]
+        if getattr(compressor, "name", None) != need:
             raise TypeError(
-                f"CAT drives a topk compressor with compressor='topk'; got {compressor!r} "
-                f"with {self.kind!r} (topk+q and randomk: use cat_best_budget)"
+                f"CAT(compressor={self.kind!r}) drives the {need!r} compressor, the optimizer "
+                f"has {compressor!r}: use compression={need!r}"
             )
         self._optimizer, self._compressor, self._transport = optimizer, compressor, transport
         if self.cost is None:
@@ -269,37 +290,69 @@ class CAT:
     def _deciding(self) -> bool:
         return self._steps % self.recompute_every == 0
 
+    def _ratio(self, T: int, n: int) -> float:
+        return T / n if self.kind == "randomk" else (T - 0.5) / n  # topk: ceil(n r) == T
+
     def observe(self, name: str, grad) -> None:
         self._numel[name] = grad.numel()
         if self._deciding() and self._transport.rank == 0:
-            T, _, c = cat_best_budget(grad, self.cost, self.kind, self.header_bits)
-            self._pending[name] = (T, c)
+            self._pending[name] = cat_best_budget(grad, self.cost, self.kind, self.header_bits)[0]
 
     def after_step(self) -> None:
-        stats = getattr(self._optimizer, "_stats", None)
-        measured = getattr(stats, "wait_s", 0.0) + getattr(stats, "compress_s", 0.0)
-        if stats is not None and self.refresh:
-            self.cost.observe(8.0 * stats.payload_bytes, measured)
+        timings = [(8.0 * b, t) for b, t in self._optimizer._stats.timings if t is not None]
+        modelled = sum(float(self.cost(bits)) for bits, _ in timings)
+        measured = sum(t for _, t in timings)
+        if self.refresh:
+            self._fresh.extend(timings)
         if self._deciding():
-            chosen = self._transport.allgather_object(self._pending)[0]  # rank 0's choice
+            # one small collective: rank 0's budgets and every rank's new timings
+            shared = self._transport.allgather_object((self._pending, self._fresh))
             if self.refresh:
-                self._refit_everywhere()
-            for name, (T, c) in chosen.items():
+                for _, fresh in shared:  # rank order: every rank refits the same numbers
+                    for bits, t in fresh:
+                        self.cost.observe(bits, t)
+                self.cost.refit()
+                self._fresh = []
+            for name, T in shared[0][0].items():
                 n = self._numel.get(name, 0)
                 if n and T:
-                    self.budgets[name], self.modelled[name] = T, c
-                    self._compressor.set_level(name, (T - 0.5) / n)  # ceil(n r) == T
+                    self.budgets[name] = T
+                    self._compressor.set_level(name, self._ratio(T, n))
             self._pending = {}
         self._steps += 1
         self._metrics = {f"T/{n}": t for n, t in self.budgets.items()}
-        self._metrics["cat/modelled_s"] = sum(self.modelled.values())
-        self._metrics["cat/measured_s"] = measured
-
-    def _refit_everywhere(self) -> None:
-        everyone = self._transport.allgather_object(self.cost.observations[-200:])
-        self.cost.observations = [o for r in everyone for o in r]
-        self.cost.refit()
+        self._metrics.update(
+            {"cat/modelled_s": modelled, "cat/measured_s": measured, "cat/c0": self.cost.c0,
+             "cat/c1": self.cost.c1}
+        )  # fmt: skip
 
     def pop_metrics(self) -> dict:
         out, self._metrics = self._metrics, {}
         return out
+
+    def state_dict(self) -> dict:
+        cost = {"c0": self.cost.c0, "c1": self.cost.c1, "observations": self.cost.observations}
+        if isinstance(self.cost, PacketCost):
+            cost["packet_bits"] = self.cost.packet_bits
+        return {
+            "kind": self.kind,
+            "steps": self._steps,
+            "budgets": dict(self.budgets),
+            "levels": {n: self._compressor.level(n) for n in self.budgets},
+            "numel": dict(self._numel),
+            "cost": cost,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("kind") != self.kind:
+            raise ValueError(f"state is of CAT({state.get('kind')!r}), this is CAT({self.kind!r})")
+        cost = state["cost"]
+        if ("packet_bits" in cost) != isinstance(self.cost, PacketCost):
+            raise ValueError("state and this CAT have different kinds of cost model")
+        self.cost.c0, self.cost.c1 = cost["c0"], cost["c1"]
+        self.cost.observations = [tuple(o) for o in cost["observations"]]
+        self._steps = int(state["steps"])
+        self._numel = dict(state["numel"])
+        self.budgets = dict(state["budgets"])
+        for name, level in state["levels"].items():
+            self._compressor.set_level(name, level)

@@ -80,16 +80,21 @@ def test_accordion_decisions_identical_on_every_rank(compression, low, high):
     assert seen == {low, high}, seen  # the run exercised both levels
 
 
-def test_cat_budgets_identical_on_every_rank():
+@pytest.mark.parametrize(
+    ("kind", "compression", "refresh"),
+    [("topk", "topk", False), ("topk+q", "topkq", True), ("randomk", "gspar", True)],
+)
+def test_cat_budgets_identical_on_every_rank(kind, compression, refresh):
     comm = _comm()
     rank = comm.rank
     model = _model()
-    pol = CAT("topk", cost_model=AffineCost(1e-5, 1e-9), recompute_every=2)
+    pol = CAT(kind, cost_model=AffineCost(1e-5, 1e-9), recompute_every=2, refresh=refresh)
     opt = hvdcompress.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05),
         model.named_parameters(),
-        compression="topk",
+        compression=compression,
         backend="mpi4py",
+        fusion_threshold=0,  # a collective per tensor: several sizes to refit from
         policy=pol,
     )
     budgets, failures = [], []
@@ -99,8 +104,11 @@ def test_cat_budgets_identical_on_every_rank():
         except Exception as err:  # noqa: BLE001
             failures.append(f"step {step}: {err!r}")
             break
-        budgets.append((dict(pol.budgets), _digest(model)))
+        # with refresh every rank refits the same pooled timings: the same model
+        budgets.append((dict(pol.budgets), _digest(model), (pol.cost.c0, pol.cost.c1)))
     everyone = comm.allgather((failures, budgets))
     assert all(not f for f, _ in everyone), [f for f, _ in everyone]
     assert all(b == everyone[0][1] for _, b in everyone)
     assert everyone[0][1][0][0], "no budget was chosen"
+    if refresh:
+        assert everyone[0][1][-1][2] != (1e-5, 1e-9), "the cost model was not refitted"

@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""Step-time overhead of the adaptive policies (Accordion, CAT) against the same
+compressor at a fixed level, measured in one run.
+
+    mpirun -np 2 --oversubscribe python scripts/bench_policy.py [--steps 60]
+    python scripts/bench_policy.py            # one rank (mpi4py singleton)
+
+Model: the Fashion-MNIST CNN of scripts/train.py (``--width``) on a fixed synthetic batch.
+For each pair (fixed compressor, compressor + policy) the two optimizers train copies of
+the model step by step in alternation (ABAB..., so machine noise hits both alike) and
+the median step time (forward, backward, compress, communicate, decode, policy, update;
+the slowest rank's median) is reported with the policy's overhead in percent, plus the
+mean step time, which includes the policies' decision steps (Accordion: one small
+allgather per interval; CAT: a sort per tensor and one small allgather every S steps).
+Rank 0 prints a markdown table and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from train import MODELS  # noqa: E402
+
+import hvdcompress  # noqa: E402
+
+# (label, compressor name, compressor params, policy factory or None)
+PAIRS = [
+    (
+        "3lc s=1.0 vs Accordion(1.0, 1.75, every 10 steps)",
+        "3lc",
+        {"sparsity": 1.0},
+        lambda: hvdcompress.Accordion(low=1.0, high=1.75, interval_steps=10),
+    ),
+    (
+        "topk 1% vs CAT(topk, S=200)",
+        "topk",
+        {"ratio": 0.01},
+        lambda: hvdcompress.CAT("topk", cost_model=hvdcompress.AffineCost(1e-4, 1e-9)),
+    ),
+    (
+        "topk 1% vs CAT(topk, S=10)",
+        "topk",
+        {"ratio": 0.01},
+        lambda: hvdcompress.CAT(
+            "topk", cost_model=hvdcompress.AffineCost(1e-4, 1e-9), recompute_every=10
+        ),
+    ),
+    (
+        "topkq 1% vs CAT(topk+q, S=10)",
+        "topkq",
+        {"ratio": 0.01},
+        lambda: hvdcompress.CAT(
+            "topk+q", cost_model=hvdcompress.AffineCost(1e-4, 1e-9), recompute_every=10
+        ),
+    ),
+    (
+        "gspar 1% vs CAT(randomk, S=10)",
+        "gspar",
+        {"ratio": 0.01},
+        lambda: hvdcompress.CAT(
+            "randomk", cost_model=hvdcompress.AffineCost(1e-4, 1e-9), recompute_every=10
+        ),
+    ),
+]
+
+
+def make(args, name, params, policy):
+    torch.manual_seed(0)
+    model = MODELS["cnn"](args.width)
+    opt = hvdcompress.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        model.named_parameters(),
+        compression=hvdcompress.get_compressor(name, **params),
+        backend="mpi4py",
+        policy=policy,
+    )
+    return model, opt
+
+
+def step(model, opt, x, y) -> float:
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60, help="timed steps per optimizer")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_policy.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    g = torch.Generator().manual_seed(comm.Get_rank())
+    x = torch.randn(args.batch_size, 1, 28, 28, generator=g)
+    y = torch.randint(0, 10, (args.batch_size,), generator=g)
+    rows = []
+    for label, name, params, policy in PAIRS:
+        fixed = make(args, name, params, None)
+        adaptive = make(args, name, params, policy())
+        times = {"fixed": [], "policy": []}
+        for i in range(args.warmup + args.steps):
+            for key, (model, opt) in (("fixed", fixed), ("policy", adaptive)):
+                comm.Barrier()
+                elapsed = step(model, opt, x, y)
+                if i >= args.warmup:
+                    times[key].append(elapsed)
+        med = {k: max(comm.allgather(statistics.median(v))) for k, v in times.items()}
+        mean = {k: max(comm.allgather(statistics.fmean(v))) for k, v in times.items()}
+        rows.append(
+            {
+                "pair": label,
+                "fixed_median_ms": 1e3 * med["fixed"],
+                "policy_median_ms": 1e3 * med["policy"],
+                "median_overhead_pct": 100 * (med["policy"] / med["fixed"] - 1),
+                "fixed_mean_ms": 1e3 * mean["fixed"],
+                "policy_mean_ms": 1e3 * mean["policy"],
+                "mean_overhead_pct": 100 * (mean["policy"] / mean["fixed"] - 1),
+            }
+        )
+    if comm.Get_rank() == 0:
+        print(
+            f"{comm.Get_size()} rank(s), CNN width {args.width}, batch {args.batch_size}, "
+            f"{args.steps} timed steps each (alternating)\n"
+        )
+        print(
+            "| fixed vs adaptive | fixed median ms | adaptive median ms | overhead (median) "
+            "| fixed mean ms | adaptive mean ms | overhead (mean) |\n|---|---|---|---|---|---|---|"
+        )
+        for r in rows:
+            print(
+                f"| {r['pair']} | {r['fixed_median_ms']:.1f} | {r['policy_median_ms']:.1f} | "
+                f"{r['median_overhead_pct']:+.1f}% | {r['fixed_mean_ms']:.1f} | "
+                f"{r['policy_mean_ms']:.1f} | {r['mean_overhead_pct']:+.1f}% |"
+            )
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"ranks": comm.Get_size(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
