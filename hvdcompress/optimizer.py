@@ -72,6 +72,7 @@ class Bucket:
     names: list[str]
     nbytes: int = 0
     ready: set[int] = field(default_factory=set)  # positions in params whose grads are ready
+    compressed: bool = True  # False: below compress_min_numel, sent as is (allreduce)
 
 
 @dataclass
@@ -159,16 +160,18 @@ def _named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Param
     return [(n, p) for n, p in named if id(p) in in_optimizer and p.requires_grad]
 
 
-def make_buckets(named, threshold: int) -> list[Bucket]:
-    """Buckets from reversed parameter order, split at ``threshold`` bytes or a dtype change."""
+def make_buckets(named, threshold: int, min_numel: int = 0) -> list[Bucket]:
+    """Buckets from reversed parameter order, split at ``threshold`` bytes or a dtype change;
+    tensors of fewer than ``min_numel`` elements go in buckets of their own, uncompressed."""
     buckets: list[Bucket] = []
     open_by_kind: dict[tuple, Bucket] = {}
     for name, p in reversed(named):
-        kind = (p.dtype, p.device)
+        compressed = p.numel() >= min_numel
+        kind = (p.dtype, p.device, compressed)
         nbytes = p.numel() * p.element_size()
         b = open_by_kind.get(kind)
         if b is None or (b.params and b.nbytes + nbytes > threshold):
-            b = Bucket(len(buckets), [], [])
+            b = Bucket(len(buckets), [], [], compressed=compressed)
             buckets.append(b)
             open_by_kind[kind] = b
         b.params.append(p)
@@ -190,9 +193,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         op: str,
         fusion_threshold: int,
         policy=None,
+        compress_min_numel: int = 0,
     ):
         super(self.__class__, self).__init__(params)
         self._compressor = compressor
+        self._uncompressed = get_compressor("none")  # buckets below compress_min_numel
+        self._min_numel = int(compress_min_numel)
+        if self._min_numel < 0:
+            raise ValueError(f"compress_min_numel must be >= 0, got {compress_min_numel!r}")
         self._transport = transport
         compressor.bind(transport.rank, transport.size)
         self.backward_passes_per_step = int(backward_passes_per_step)
@@ -200,7 +208,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("backward_passes_per_step must be >= 1")
         self._op = op
         named = _named_params(self, named_parameters)
-        self._buckets = make_buckets(named, fusion_threshold)
+        self._buckets = make_buckets(named, fusion_threshold, self._min_numel)
         self._where: dict[int, tuple[Bucket, int]] = {}
         for b in self._buckets:
             for i, p in enumerate(b.params):
@@ -220,7 +228,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # ---- policy (Accordion, CAT: hvdcompress.policies) ----
         self._policy = policy
         if policy is not None:
-            policy.bind(self, compressor, transport, [n for n, _ in named])
+            compressed = [n for b in self._buckets if b.compressed for n in b.names]
+            policy.bind(self, compressor, transport, [n for n, _ in named if n in compressed])
 
     # ---- agreement -------------------------------------------------------------------------
     def _describe(self, named, fusion_threshold) -> list[str]:
@@ -228,6 +237,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             f"compressor {self._compressor!r} summable={self._compressor.summable}",
             f"op {self._op}; backward_passes_per_step {self.backward_passes_per_step}",
             f"fusion_threshold {fusion_threshold}; transport {self._transport.name}",
+            f"compress_min_numel {self._min_numel}",
         ]
         lines += [f"tensor {n} {tuple(p.shape)} {p.dtype}" for n, p in named]
         lines += [f"bucket {b.index}: {b.names}" for b in self._buckets]
@@ -286,9 +296,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is None:  # unused in this step: contributes zeros, as in Horovod
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        comp = self._compressor
+        comp = self._comp(bucket)
         payloads, ctxs = [], []
-        policy = self._policy
+        policy = self._policy if bucket.compressed else None
         for name, g in zip(bucket.names, grads, strict=True):
             if policy is not None:
                 policy.observe(name, g)  # the uncompressed local gradient, before encoding
@@ -322,12 +332,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._stats.wire_bytes += wire
         self._stats.collectives += 1
 
-    def _next_phases(self, flight: _InFlight, summed: torch.Tensor) -> torch.Tensor:
+    def _comp(self, bucket: Bucket) -> Compressor:
+        return self._compressor if bucket.compressed else self._uncompressed
+
+    def _next_phases(self, comp, flight: _InFlight, summed: torch.Tensor) -> torch.Tensor:
         """Multi-phase summable compressors (PowerSGD: P, then Q): from the allreduced
         payloads of one phase, the compressor makes the next phase's payloads, which one
         more allreduce sums. Every rank runs the same phases of the buckets in bucket order,
         so the collectives match. A phase whose payloads are all empty is not sent."""
-        comp = self._compressor
         for phase in range(1, getattr(comp, "phases", 1)):
             parts = summed.split(flight.sizes)
             nxt = [
@@ -367,8 +379,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if error is not None:
                 continue  # drain the remaining collectives so no rank leaves one pending
             try:
-                if self._compressor.summable:
-                    result = self._next_phases(flight, result)
+                comp = self._comp(b)
+                if comp.summable:
+                    result = self._next_phases(comp, flight, result)
                     self._write_summed(b, flight.ctxs, result, flight.sizes)
                 else:
                     self._write_gathered(b, flight.ctxs, *result)
@@ -402,8 +415,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         offset = 0
         scale = self._scale()
+        comp = self._comp(bucket)
         for p, ctx, n in zip(bucket.params, ctxs, sizes, strict=True):
-            value = self._compressor.decompress(summed[offset : offset + n], ctx)
+            value = comp.decompress(summed[offset : offset + n], ctx)
             offset += n
             if scale != 1.0:
                 value = value.to(torch.float32).mul_(scale)
@@ -416,7 +430,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         accs = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in bucket.params]
         # NDQSG: a payload is decoded with side information, the mean of the tensors already
         # decoded (lower ranks); the same on every rank, which decodes the same bytes in order.
-        side = getattr(self._compressor, "uses_side_info", False)
+        comp = self._comp(bucket)
+        side = getattr(comp, "uses_side_info", False)
         offset = 0
         for rank, size in enumerate(sizes):
             frame = gathered[offset : offset + size]
@@ -424,7 +439,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             payloads = _unframe(frame, len(bucket.params), rank, bucket.names)
             for payload, acc, name, ctx in zip(payloads, accs, bucket.names, ctxs, strict=True):
                 kw = {"side_info": acc / rank if rank else None} if side else {}
-                self._compressor.decode(
+                comp.decode(
                     payload.to(device),
                     expect=ctx,
                     rank=rank,
@@ -563,6 +578,7 @@ def DistributedOptimizer(
     backend: str | Transport = "horovod",
     fusion_threshold: int | None = None,
     policy=None,
+    compress_min_numel: int = 0,
 ):
     """Wrap ``optimizer`` so gradients are compressed, exchanged and averaged across ranks.
 
@@ -572,6 +588,9 @@ def DistributedOptimizer(
     uncompressed gradient per collective (default ``HOROVOD_FUSION_THRESHOLD`` or 64 MiB;
     0 sends every tensor on its own). ``policy``: ``hvdcompress.Accordion(...)`` or
     ``hvdcompress.CAT(...)``, which sets the compressor's level per tensor during training.
+    ``compress_min_numel``: tensors with fewer elements are sent uncompressed (one float32
+    allreduce per bucket of them), the switch for links fast enough that compressing a
+    small tensor costs more time than it saves (see README, "Results").
     """
     compressor = resolve_compressor(compression)
     op = _normalize_op(op)
@@ -592,4 +611,5 @@ def DistributedOptimizer(
         op,
         fusion_threshold,
         policy,
+        compress_min_numel,
     )

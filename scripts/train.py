@@ -261,6 +261,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--backend", choices=["horovod", "mpi4py"], default="horovod")
     p.add_argument("--fusion-threshold", type=int, default=None, help="bytes per collective")
+    p.add_argument(
+        "--compress-min-numel",
+        type=int,
+        default=0,
+        help="send tensors with fewer elements uncompressed (fast links)",
+    )
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps in all")
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
@@ -377,6 +383,7 @@ def main(argv=None) -> int:
         backend=args.backend,
         fusion_threshold=args.fusion_threshold,
         policy=policy,
+        compress_min_numel=args.compress_min_numel,
     )
 
     steps_per_epoch = len(train[0]) // (dist.size * args.batch_size)

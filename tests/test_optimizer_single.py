@@ -89,6 +89,35 @@ def test_hooks_launch_during_backward_and_step_applies_decoded_average(compressi
     assert isinstance(opt, torch.optim.SGD)
 
 
+def test_tensors_below_compress_min_numel_travel_uncompressed():
+    model = _model()  # 0.weight 200, 0.bias 20, 2.weight 60, 2.bias 3 elements
+    transport = LocalTransport()
+    policy = hvdcompress.Accordion(low=1.0, high=1.75, interval_steps=1)
+    opt = hvdcompress.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        compression="3lc", backend=transport, compress_min_numel=61, policy=policy,
+    )  # fmt: skip
+    kinds = {n: b.compressed for b in opt.buckets for n in b.names}
+    assert kinds == {"0.weight": True, "0.bias": False, "2.weight": False, "2.bias": False}
+    assert policy.names == ["0.weight"]  # the policy only sees what is compressed
+    model(torch.randn(5, 10)).sum().backward()
+    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.synchronize()
+    comp = hvdcompress.get_compressor("3lc")
+    for n, p in model.named_parameters():
+        if kinds[n]:
+            payload, ctx = comp.compress(raw[n], n)
+            assert torch.equal(p.grad, comp.decompress(payload, ctx)), n
+            assert not torch.equal(p.grad, raw[n])
+        else:
+            assert torch.equal(p.grad, raw[n]), n  # sent as is
+    with pytest.raises(ValueError, match="compress_min_numel"):
+        hvdcompress.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+            compression="3lc", backend=LocalTransport(), compress_min_numel=-1,
+        )  # fmt: skip
+
+
 def test_zero_grad_between_backward_and_step_is_refused():
     model = _model()
     opt = hvdcompress.DistributedOptimizer(
