@@ -2,7 +2,7 @@
 # Set up everything hvdcompress needs, from nothing, idempotently.
 #
 #   scripts/setup.sh            # what `make setup` / `make train` run
-#   HVDC_TEST=1 scripts/setup.sh  # what `make test` / CI run (adds CuPy, see below)
+#   HVDC_TEST=1 scripts/setup.sh  # what `make test` / CI run (adds CuPy and Slurm, see below)
 #
 # Phases (each is skipped when its result is already there):
 #   1. system packages (root + apt only): Open MPI, compilers, CMake, Fashion-MNIST;
@@ -21,7 +21,7 @@
 #                    build). On a GPU cluster set e.g. HVDC_TORCH_SPEC='torch==2.13.0'
 #                    with your site's index in PIP_INDEX_URL / PIP_EXTRA_INDEX_URL.
 #   HVDC_WITH_GPU    1: install cupy-cuda13x; 0: never; unset: only when HVDC_TEST=1
-#   HVDC_TEST        1: set up for the test suite (make test, CI)
+#   HVDC_TEST        1: set up for the test suite (make test, CI): also Slurm + munge (apt)
 #   HVDC_NO_APT      1: never use apt-get, even as root
 #   HVDC_CACHE_DIR   wheel cache (default: ${XDG_CACHE_HOME:-~/.cache}/hvdcompress)
 #   HVDC_NO_CACHE    1: neither read nor write the Horovod wheel cache
@@ -45,6 +45,11 @@ BUILD_DIR=$ROOT/.build # git-ignored: build logs, the compiler wrapper
 # change verdict when ruff releases a new style; the rest float.
 PY_PACKAGES=(numpy tqdm mpi4py pytest pytest-mpi hypothesis "ruff==0.17.6" tensorboard matplotlib)
 APT_PACKAGES=(openmpi-bin libopenmpi-dev dataset-fashion-mnist g++ make cmake)
+if [[ ${HVDC_TEST:-0} == 1 ]]; then
+    # tests/test_slurm.py submits slurm/*.sbatch to a private single-node Slurm that
+    # scripts/slurm_local.sh starts (about 15 MB; apt does not start the daemons).
+    APT_PACKAGES+=(slurmctld slurmd slurm-client slurm-wlm-basic-plugins munge)
+fi
 FMNIST_DIR=/usr/share/datasets/fashion-mnist
 
 export DEBIAN_FRONTEND=noninteractive
