@@ -35,6 +35,8 @@ DEFAULT_CASES = [
     "3lc:sparsity=1.75",
     "topk:ratio=0.01",
     "randomk:ratio=0.01",
+    "topkq:ratio=0.01",
+    "gspar:ratio=0.01",
     "dgc",
     "qsgd:levels=16",
     "terngrad",
