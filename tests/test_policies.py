@@ -18,7 +18,7 @@ from hvdcompress.policies import (
     calibrate,
     cat_best_budget,
 )
-from hvdcompress.policies.cat import budget_bits, descent
+from hvdcompress.policies.cat import HEADER_BITS, budget_bits, descent
 from hvdcompress.transports import Handle, Transport
 from hvdcompress.wire import PayloadError
 
@@ -174,6 +174,8 @@ def _brute(grad, cost, kind):
     n = g.size
     best, best_t = -1.0, None
     for T in range(1, n + 1):
+        if T > 1 and budget_bits(T, n, kind) > 32 * n + HEADER_BITS:
+            break  # never a payload larger than the dense tensor
         top = np.sort(g)[::-1][:T]
         if kind == "topk":
             d = (top**2).sum()
@@ -198,6 +200,14 @@ def test_cat_budget_is_the_brute_force_argmax(kind, cost):
         T, ratio, c = cat_best_budget(grad, cost, kind)
         assert T == _brute(grad, cost, kind)
         assert c == pytest.approx(float(cost(budget_bits(T, 300, kind))))
+
+
+def test_cat_never_sends_more_than_the_dense_tensor():
+    grad = torch.randn(1000)
+    T, _, c = cat_best_budget(grad, AffineCost(1.0, 1e-12))  # huge fixed cost: as many as allowed
+    assert T == 500  # 500 x (32 + 32) bits = the dense 32000 bits
+    flat = torch.ones(1000)  # D(T) = T for top-k + sign: the cap decides
+    assert cat_best_budget(flat, AffineCost(1.0, 1e-12), "topk+q")[0] == (32000 + 384 - 32) // 33
 
 
 def test_cat_zero_fixed_cost_degenerates_to_one():

@@ -227,13 +227,18 @@ def _randomk_descent(a: np.ndarray) -> np.ndarray:
 def cat_best_budget(
     grad, cost: CostModel, kind: str = "topk", header_bits: int = HEADER_BITS
 ) -> tuple[int, float, float]:
-    """(T*, D(T*)/C(T*), C(T*)): the budget maximising descent per unit of cost."""
+    """(T*, D(T*)/C(T*), C(T*)): the budget maximising descent per unit of cost, among the
+    budgets whose payload is no larger than the dense float32 tensor (bits(T) <= 32 n +
+    header; T = 1 always allowed): beyond that, sparse coding costs more than sending
+    everything, which a large fixed cost c0 would otherwise make CAT do."""
     d = descent(grad, kind)
     n = d.size
     if n == 0:
         return 0, 0.0, float(cost(budget_bits(0, 0, kind, header_bits)))
-    T = np.arange(1, n + 1)
-    c = cost(budget_bits(T, n, kind, header_bits))
+    bits = budget_bits(np.arange(1, n + 1), n, kind, header_bits)
+    allowed = max(1, int(np.count_nonzero(bits <= 32.0 * n + header_bits)))
+    d = d[:allowed]  # bits grow with T: the allowed budgets are a prefix
+    c = cost(bits[:allowed])
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(c > 0, d / c, np.where(d > 0, np.inf, 0.0))
     best = int(np.argmax(ratio))  # first maximum: the smallest such T
