@@ -12,7 +12,8 @@ ring model of SPEC 7: what an allreduce / allgather moves per rank), the reducti
 against ``none``, and the training wall-clock. Outputs under ``--out`` (default
 results/accuracy): ``bench_accuracy.md`` (table), ``bench_accuracy.json`` (every run),
 ``accuracy_vs_bytes.png`` and ``accuracy_vs_wallclock.png`` (test accuracy after each
-epoch against the cumulative bytes / training seconds, mean over seeds).
+epoch against the cumulative bytes / training seconds = steps x median step time, mean
+over seeds).
 
 Runs already finished under ``--out`` (a ``summary:`` line in their log) are reused, so
 an interrupted benchmark resumes where it stopped; ``--fresh`` reruns everything.
@@ -75,17 +76,21 @@ def parse_summary(text: str) -> dict | None:
 
 
 def read_curve(log_dir: Path) -> list[dict]:
-    """Test accuracy after each epoch with the cumulative bytes per rank and step seconds."""
-    curve, wire, secs = [], 0.0, 0.0
+    """Test accuracy after each epoch with the cumulative bytes per rank and training
+    seconds, counted as steps x the run's median step time: robust to the odd step slowed
+    by another job (or a paused run) on a shared machine."""
     with open(log_dir / "metrics.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            wire += float(row["bytes_sent"])
-            secs += float(row["step_s"])
-            if row["test_acc"]:
-                curve.append(
-                    {"step": int(row["step"]), "acc": float(row["test_acc"]), "bytes": wire,
-                     "seconds": secs}
-                )  # fmt: skip
+        rows = list(csv.DictReader(f))
+    median_step = statistics.median(float(r["step_s"]) for r in rows) if rows else 0.0
+    curve, wire = [], 0.0
+    for row in rows:
+        wire += float(row["bytes_sent"])
+        if row["test_acc"]:
+            step = int(row["step"])
+            curve.append(
+                {"step": step, "acc": float(row["test_acc"]), "bytes": wire,
+                 "seconds": step * median_step, "median_step_s": median_step}
+            )  # fmt: skip
     return curve
 
 
@@ -184,7 +189,12 @@ def plot(runs: list[dict], methods: list[str], out: Path) -> list[Path]:
     paths = []
     for key, xlabel, fname, logx in (
         ("bytes", "bytes sent per rank (cumulative)", "accuracy_vs_bytes.png", True),
-        ("seconds", "training time, s (cumulative step time)", "accuracy_vs_wallclock.png", False),
+        (
+            "seconds",
+            "training time, s (steps x median step time)",
+            "accuracy_vs_wallclock.png",
+            False,
+        ),
     ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for m in methods:

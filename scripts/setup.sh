@@ -49,6 +49,8 @@ if [[ ${HVDC_TEST:-0} == 1 ]]; then
     # tests/test_slurm.py submits slurm/*.sbatch to a private single-node Slurm that
     # scripts/slurm_local.sh starts (about 15 MB; apt does not start the daemons).
     APT_PACKAGES+=(slurmctld slurmd slurm-client slurm-wlm-basic-plugins munge)
+    # tests/test_bench_network.py: network namespaces and tc rate limits
+    APT_PACKAGES+=(iproute2)
 fi
 FMNIST_DIR=/usr/share/datasets/fashion-mnist
 
