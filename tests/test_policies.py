@@ -206,6 +206,8 @@ def test_cat_never_sends_more_than_the_dense_tensor():
     grad = torch.randn(1000)
     T, _, c = cat_best_budget(grad, AffineCost(1.0, 1e-12))  # huge fixed cost: as many as allowed
     assert T == 500  # 500 x (32 + 32) bits = the dense 32000 bits
+    # 4 ranks: an allgather moves 3 payloads, a ring allreduce 1.5 dense tensors
+    assert cat_best_budget(grad, AffineCost(1.0, 1e-12), dense_fraction=0.5)[0] == 250
     flat = torch.ones(1000)  # D(T) = T for top-k + sign: the cap decides
     assert cat_best_budget(flat, AffineCost(1.0, 1e-12), "topk+q")[0] == (32000 + 384 - 32) // 33
 

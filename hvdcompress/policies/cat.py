@@ -225,18 +225,25 @@ def _randomk_descent(a: np.ndarray) -> np.ndarray:
 
 
 def cat_best_budget(
-    grad, cost: CostModel, kind: str = "topk", header_bits: int = HEADER_BITS
+    grad,
+    cost: CostModel,
+    kind: str = "topk",
+    header_bits: int = HEADER_BITS,
+    dense_fraction: float = 1.0,
 ) -> tuple[int, float, float]:
     """(T*, D(T*)/C(T*), C(T*)): the budget maximising descent per unit of cost, among the
-    budgets whose payload is no larger than the dense float32 tensor (bits(T) <= 32 n +
-    header; T = 1 always allowed): beyond that, sparse coding costs more than sending
-    everything, which a large fixed cost c0 would otherwise make CAT do."""
+    budgets whose payload is at most ``dense_fraction`` of the dense float32 tensor
+    (bits(T) <= dense_fraction * 32 n + header; T = 1 always allowed): beyond that,
+    sparse coding costs more than sending everything, which a large fixed cost c0 would
+    otherwise make CAT do. The policy uses dense_fraction = min(1, 2 / ranks): an
+    allgather of the payload then moves no more than an allreduce of the dense tensor."""
     d = descent(grad, kind)
     n = d.size
     if n == 0:
         return 0, 0.0, float(cost(budget_bits(0, 0, kind, header_bits)))
     bits = budget_bits(np.arange(1, n + 1), n, kind, header_bits)
-    allowed = max(1, int(np.count_nonzero(bits <= 32.0 * n + header_bits)))
+    cap = dense_fraction * 32.0 * n + header_bits
+    allowed = max(1, int(np.count_nonzero(bits <= cap)))
     d = d[:allowed]  # bits grow with T: the allowed budgets are a prefix
     c = cost(bits[:allowed])
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -301,7 +308,10 @@ class CAT:
     def observe(self, name: str, grad) -> None:
         self._numel[name] = grad.numel()
         if self._deciding() and self._transport.rank == 0:
-            self._pending[name] = cat_best_budget(grad, self.cost, self.kind, self.header_bits)[0]
+            dense = min(1.0, 2.0 / max(self._transport.size, 1))  # gather <= dense allreduce
+            self._pending[name] = cat_best_budget(
+                grad, self.cost, self.kind, self.header_bits, dense
+            )[0]
 
     def after_step(self) -> None:
         timings = [(8.0 * b, t) for b, t in self._optimizer._stats.timings if t is not None]
