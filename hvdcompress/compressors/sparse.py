@@ -59,10 +59,15 @@ class TopK(PerTensorLevels, Compressor):
         params = TOPK_PARAMS.pack(ratio)
         if not prim.all_finite(a):
             return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
-        body, idx = sparse.topk_encode(a, sparse.topk_count(a.numel(), ratio))
-        a[idx] = 0.0
-        e.copy_(a)
+        body = self._select(a, sparse.topk_count(a.numel(), ratio))
+        e.copy_(a)  # a - decode(body): _select subtracted what it sent
         return 0, params, body
+
+    def _select(self, a, k):
+        """The body for the k largest |a|; subtracts what the body decodes to from a."""
+        body, idx = sparse.topk_encode(a, k)
+        a[idx] = 0.0
+        return body
 
     def _check_params(self, header):
         if len(header.params) != TOPK_PARAMS.size:
@@ -105,18 +110,10 @@ class TopKSign(TopK):
     def __repr__(self) -> str:
         return f"TopKSign(ratio={self.ratio})"
 
-    def _encode(self, tensor, name):
-        g = prim.flat_f32(tensor)
-        e = self.memory.residual(name, g)
-        a = g + e
-        ratio = self.level(name)
-        params = TOPK_PARAMS.pack(ratio)
-        if not prim.all_finite(a):
-            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
-        body, idx, m = sparse.topk_sign_encode(a, sparse.topk_count(a.numel(), ratio))
+    def _select(self, a, k):
+        body, idx, m = sparse.topk_sign_encode(a, k)
         a[idx] -= sparse.topk_sign_values(m, a[idx] < 0)
-        e.copy_(a)
-        return 0, params, body
+        return body
 
     def _max_numel(self, body_len):
         k = max(body_len - 4, 0) * 8 // 33  # each kept value costs at least 32 + 1 bits
