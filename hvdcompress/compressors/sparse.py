@@ -32,14 +32,29 @@ TOPK_PARAMS = struct.Struct("<d")  # ratio
 RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
 
 
-class TopK(PerTensorLevels, Compressor):
+class RatioLevels(PerTensorLevels):
+    """Per-tensor ``ratio`` (set by a policy), carried in the header and checked on decode."""
+
+    level_param = "ratio"
+
+    def _check_level(self, value):
+        return sparse.check_ratio(value, self.name)
+
+    def _check_ratio(self, ratio: float) -> None:
+        expected = self.level(self._decoding)
+        if ratio != expected:
+            raise PayloadError(
+                "ratio", f"expected {expected}, got {ratio} (ranks disagree on the compressor)"
+            )
+
+
+class TopK(RatioLevels, Compressor):
     """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|; a policy
     may set it per tensor (``set_level(name, ratio)``), the header carries it."""
 
     name = "topk"
     summable = False
     error_feedback = True
-    level_param = "ratio"
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = sparse.check_ratio(ratio, "topk")
@@ -47,9 +62,6 @@ class TopK(PerTensorLevels, Compressor):
 
     def __repr__(self) -> str:
         return f"TopK(ratio={self.ratio})"
-
-    def _check_level(self, value):
-        return sparse.check_ratio(value, "topk")
 
     def _encode(self, tensor, name):
         g = prim.flat_f32(tensor)
@@ -74,12 +86,7 @@ class TopK(PerTensorLevels, Compressor):
             raise PayloadError(
                 "params_len", f"topk has 8 bytes of parameters, got {len(header.params)}"
             )
-        (ratio,) = TOPK_PARAMS.unpack(header.params)
-        expected = self.level(self._decoding)
-        if ratio != expected:
-            raise PayloadError(
-                "ratio", f"expected {expected}, got {ratio} (ranks disagree on the compressor)"
-            )
+        self._check_ratio(TOPK_PARAMS.unpack(header.params)[0])
 
     def _max_numel(self, body_len):
         k = body_len // 8  # each kept value costs at least 4 + 4 bytes
@@ -125,7 +132,22 @@ class TopKSign(TopK):
         sparse.topk_sign_decode_into(body, header.numel, k, out, accumulate)
 
 
-class RandomK(Stochastic):
+class SeededSparseState:
+    """state_dict of the seeded sparsifiers: ratio, residuals, RNG step counters."""
+
+    def state_dict(self) -> dict:
+        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **self._rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("ratio") != self.ratio:
+            raise ValueError(
+                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
+            )
+        self._load_rng_state(state)
+        self.memory.load_state_dict(state["residuals"])
+
+
+class RandomK(SeededSparseState, Stochastic):
     """Keep each entry with probability ``ratio`` (indices regenerated from the seed, not
     sent); ``unbiased`` scales the kept values by 1 / ratio; optional error feedback."""
 
@@ -191,30 +213,14 @@ class RandomK(Stochastic):
             body, key, header.numel, self.ratio, self._scale, out, accumulate
         )
 
-    def state_dict(self) -> dict:
-        return {
-            "ratio": self.ratio,
-            "residuals": self.memory.state_dict(),
-            **self._rng_state(),
-        }
 
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("ratio") != self.ratio:
-            raise ValueError(
-                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
-            )
-        self._load_rng_state(state)
-        self.memory.load_state_dict(state["residuals"])
-
-
-class GSpar(PerTensorLevels, Stochastic):
+class GSpar(RatioLevels, SeededSparseState, Stochastic):
     """Keep entry i with probability p_i = min(1, c |a_i|), sum p_i = ``ratio`` * n in
     expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
     E[decode] = a. Optional error feedback (e = a - decode). A policy may set ``ratio``
     per tensor (``set_level``); the header carries it."""
 
     name = "gspar"
-    level_param = "ratio"
 
     def __init__(
         self, ratio: float = 0.01, error_feedback: bool = False, seed: int = 0, rank: int = 0
@@ -226,9 +232,6 @@ class GSpar(PerTensorLevels, Stochastic):
 
     def __repr__(self) -> str:
         return f"GSpar(ratio={self.ratio}, error_feedback={self.error_feedback}, seed={self.seed})"
-
-    def _check_level(self, value):
-        return sparse.check_ratio(value, "gspar")
 
     def _encode(self, tensor, name):
         g = prim.flat_f32(tensor)
@@ -249,12 +252,7 @@ class GSpar(PerTensorLevels, Stochastic):
     def _check_params(self, header):
         self._check_params_len(header, prim.RNG_PARAMS.size + TOPK_PARAMS.size)
         self._rng_check(header.params)
-        (ratio,) = TOPK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        expected = self.level(self._decoding)
-        if ratio != expected:
-            raise PayloadError(
-                "ratio", f"expected {expected}, got {ratio} (ranks disagree on the compressor)"
-            )
+        self._check_ratio(TOPK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0])
 
     def _max_numel(self, body_len):
         # Kept count ~ ratio * n (a sum of Bernoullis with mean ratio * n): a header
@@ -264,14 +262,3 @@ class GSpar(PerTensorLevels, Stochastic):
 
     def _decode_body(self, header, body, out, accumulate):
         sparse.gspar_decode_into(body, header.numel, out, accumulate)
-
-    def state_dict(self) -> dict:
-        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **self._rng_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("ratio") != self.ratio:
-            raise ValueError(
-                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
-            )
-        self._load_rng_state(state)
-        self.memory.load_state_dict(state["residuals"])
