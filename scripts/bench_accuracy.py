@@ -48,6 +48,10 @@ METHODS: dict[str, list[str]] = {
     "accordion-3lc": [
         "--compression", "3lc", "--accordion", "1.0", "1.75", "--accordion-interval", "40",
     ],
+    "accordion-3lc-eta0.2": [
+        "--compression", "3lc", "--accordion", "1.0", "1.75", "--accordion-interval", "40",
+        "--accordion-eta", "0.2",
+    ],
     "topk": ["--compression", "topk", "--compression-param", "ratio=0.01"],
     "cat-topk": ["--compression", "topk", "--cat", "topk", "--cat-every", "50"],
     "powersgd": ["--compression", "powersgd"],
