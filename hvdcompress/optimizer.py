@@ -228,7 +228,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # ---- policy (Accordion, CAT: hvdcompress.policies) ----
         self._policy = policy
         if policy is not None:
-            compressed = [n for b in self._buckets if b.compressed for n in b.names]
+            compressed = {n for b in self._buckets if b.compressed for n in b.names}
             policy.bind(self, compressor, transport, [n for n, _ in named if n in compressed])
 
     # ---- agreement -------------------------------------------------------------------------

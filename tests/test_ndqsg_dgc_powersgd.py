@@ -17,7 +17,7 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.powersgd import orthogonalize
 from hvdcompress.wire import PayloadError
 from tests.fuzzing import fix_checksum
-from tests.test_optimizer_single import LocalTransport
+from tests.local_transport import LocalTransport
 
 
 def comp(name, **kw):

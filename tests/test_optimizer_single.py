@@ -10,32 +10,8 @@ import torch
 
 import hvdcompress
 from hvdcompress.optimizer import _frame, _unframe, make_buckets
-from hvdcompress.transports import Handle, Transport
 from hvdcompress.wire import PayloadError
-
-
-class LocalTransport(Transport):
-    """World size 1: a gather returns the local bytes, a sum the tensor itself."""
-
-    name = "local"
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def _done(self, value) -> Handle:
-        self.calls += 1
-        h = Handle()
-        h._finish(value)
-        return h
-
-    def start_allgatherv(self, local):
-        return self._done((local.clone(), [local.numel()]))
-
-    def start_allreduce_sum(self, dense):
-        return self._done(dense.clone())
-
-    def allgather_object(self, obj):
-        return [obj]
+from tests.local_transport import LocalTransport
 
 
 def _model():

@@ -19,28 +19,8 @@ from hvdcompress.policies import (
     cat_best_budget,
 )
 from hvdcompress.policies.cat import HEADER_BITS, budget_bits, descent
-from hvdcompress.transports import Handle, Transport
 from hvdcompress.wire import PayloadError
-
-
-class LocalTransport(Transport):
-    """World size 1."""
-
-    name = "local"
-
-    def _done(self, value) -> Handle:
-        h = Handle()
-        h._finish(value)
-        return h
-
-    def start_allgatherv(self, local):
-        return self._done((local.clone(), [local.numel()]))
-
-    def start_allreduce_sum(self, dense):
-        return self._done(dense.clone())
-
-    def allgather_object(self, obj):
-        return [obj]
+from tests.local_transport import LocalTransport
 
 
 def _model():
@@ -257,6 +237,7 @@ class _FakeTimedTransport(LocalTransport):
     """Each allgatherv of b bytes takes c0 + c1 * 8b seconds of a fake clock (+ noise)."""
 
     def __init__(self, c0, c1, noise=0.0):
+        super().__init__()
         self.c0, self.c1, self.now, self.noise = c0, c1, 0.0, noise
         self.rng = np.random.default_rng(0)
 
@@ -323,6 +304,7 @@ class _AffineTimedTransport(LocalTransport):
     """Every collective of b bytes reports c0 + c1 * 8b seconds (Handle.seconds)."""
 
     def __init__(self, c0, c1):
+        super().__init__()
         self.c0, self.c1 = c0, c1
 
     def _timed(self, value, nbytes):

@@ -9,6 +9,7 @@ caller expects (shape, dtype, codec).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,20 @@ import torch
 from hvdcompress import wire
 from hvdcompress.backends import for_device
 from hvdcompress.wire import PayloadError
+
+
+def empty_body(device) -> torch.Tensor:
+    """The body of a non-finite payload (the flag says it all)."""
+    return torch.empty(0, dtype=torch.uint8, device=device)
+
+
+def check_scale(header, scale: float) -> None:
+    """A payload's scale parameter: 0 when the input was non-finite, else finite >= 0."""
+    if header.nonfinite:
+        if scale != 0.0:
+            raise PayloadError("scale", f"a non-finite payload has scale 0, got {scale}")
+    elif not (math.isfinite(scale) and scale >= 0.0):
+        raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,10 @@ from __future__ import annotations
 import math
 import struct
 
-import torch
-
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Compressor
+from hvdcompress.compressors.base import Compressor, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.wire import PayloadError
 
@@ -137,7 +135,7 @@ class DGC(Compressor):
         u_new = u * self.momentum + g if self.momentum else g.clone()
         v_new = v + u_new
         if not prim.all_finite(v_new):
-            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
+            return wire.FLAG_NONFINITE, params, empty_body(g.device)
         body, idx = sparse.topk_encode(v_new, sparse.topk_count(v_new.numel(), density))
         v_new[idx] = 0.0
         u_new[idx] = 0.0

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import struct
 
-import torch
-
 from hvdcompress import wire
 from hvdcompress.codecs import dqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
+from hvdcompress.compressors.base import empty_body
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.wire import PayloadError
 
@@ -44,7 +43,7 @@ class DQSG(Stochastic):
         rng, key = self._rng_params(name)
         params = rng + PARAMS.pack(self.levels, self.bucket_size)
         if not prim.all_finite(w):
-            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=w.device)
+            return wire.FLAG_NONFINITE, params, empty_body(w.device)
         return 0, params, dqsg.encode(w, self.levels, self.bucket_size, key)
 
     def _check_params(self, header):

@@ -33,6 +33,7 @@ from hvdcompress import wire
 from hvdcompress.codecs import dqsg, ndqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs.quant import padded
+from hvdcompress.compressors.base import empty_body
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.wire import PayloadError
 
@@ -106,7 +107,7 @@ class NDQSG(Stochastic):
             self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction, mode
         )
         if not prim.all_finite(w):
-            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=w.device)
+            return wire.FLAG_NONFINITE, params, empty_body(w.device)
         if mode == MODE_DQSG:
             return 0, params, dqsg.encode(w, self.fine_levels, self.bucket_size, key)
         body, k = ndqsg.encode_nested(w, self.fine_levels, self.rho, self.bucket_size, key)

@@ -6,23 +6,17 @@ Non-finite input (or a QSGD norm that overflows float32) travels as the flag.
 
 from __future__ import annotations
 
-import math
 import struct
-
-import torch
 
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant, threelc
+from hvdcompress.compressors.base import check_scale, empty_body
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.wire import PayloadError
 
 QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields)
 TERNGRAD_PARAMS = struct.Struct("<f")  # scale M (after the RNG fields)
-
-
-def _empty(device):
-    return torch.empty(0, dtype=torch.uint8, device=device)
 
 
 class QSGD(Stochastic):
@@ -50,7 +44,7 @@ class QSGD(Stochastic):
             quant.qsgd_encode(x, self.levels, self.bucket_size, key) if prim.all_finite(x) else None
         )
         if body is None:
-            return wire.FLAG_NONFINITE, params, _empty(x.device)
+            return wire.FLAG_NONFINITE, params, empty_body(x.device)
         return 0, params, body
 
     def _check_params(self, header):
@@ -94,7 +88,7 @@ class TernGrad(Stochastic):
         x = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
         if not prim.all_finite(x):
-            return wire.FLAG_NONFINITE, rng + TERNGRAD_PARAMS.pack(0.0), _empty(x.device)
+            return wire.FLAG_NONFINITE, rng + TERNGRAD_PARAMS.pack(0.0), empty_body(x.device)
         body, scale = quant.terngrad_encode(x, key)
         return 0, rng + TERNGRAD_PARAMS.pack(scale), body
 
@@ -102,11 +96,7 @@ class TernGrad(Stochastic):
         self._check_params_len(header, prim.RNG_PARAMS.size + TERNGRAD_PARAMS.size)
         self._rng_check(header.params)
         (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        if header.nonfinite:
-            if scale != 0.0:
-                raise PayloadError("scale", f"a non-finite payload has scale 0, got {scale}")
-        elif not (math.isfinite(scale) and scale >= 0.0):
-            raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
+        check_scale(header, scale)
 
     def _max_numel(self, body_len):
         return body_len * threelc.MAX_VALUES_PER_BYTE

@@ -5,7 +5,6 @@ Non-finite input travels as the flag; EF-signSGD then leaves its residual untouc
 
 from __future__ import annotations
 
-import math
 import struct
 
 import torch
@@ -13,15 +12,11 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
-from hvdcompress.compressors.base import Compressor
+from hvdcompress.compressors.base import Compressor, check_scale, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.wire import PayloadError
 
 EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
-
-
-def _empty(device):
-    return torch.empty(0, dtype=torch.uint8, device=device)
 
 
 class SignSGD(Compressor):
@@ -40,7 +35,7 @@ class SignSGD(Compressor):
     def _encode(self, tensor, name):
         x = prim.flat_f32(tensor)
         if not prim.all_finite(x):
-            return wire.FLAG_NONFINITE, b"", _empty(x.device)
+            return wire.FLAG_NONFINITE, b"", empty_body(x.device)
         return 0, b"", sign.sign_bits(x)
 
     def _check_params(self, header):
@@ -74,7 +69,7 @@ class EFSignSGD(Compressor):
         e = self.memory.residual(name, g)
         a = g + e
         if not prim.all_finite(a):
-            return wire.FLAG_NONFINITE, EF_PARAMS.pack(0.0), _empty(g.device)
+            return wire.FLAG_NONFINITE, EF_PARAMS.pack(0.0), empty_body(g.device)
         scale = sign.ef_scale(a)
         body = sign.sign_bits(a)
         decoded = torch.where(a < 0, -scale, scale)
@@ -87,11 +82,7 @@ class EFSignSGD(Compressor):
                 "params_len", f"efsignsgd has 4 bytes of parameters, got {len(header.params)}"
             )
         (scale,) = EF_PARAMS.unpack(header.params)
-        if header.nonfinite:
-            if scale != 0.0:
-                raise PayloadError("scale", f"a non-finite payload has scale 0, got {scale}")
-        elif not (math.isfinite(scale) and scale >= 0.0):
-            raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
+        check_scale(header, scale)
 
     def _max_numel(self, body_len):
         return 8 * body_len

@@ -22,7 +22,7 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Compressor
+from hvdcompress.compressors.base import Compressor, empty_body
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.stochastic import Stochastic
@@ -70,7 +70,7 @@ class TopK(RatioLevels, Compressor):
         ratio = self.level(name)
         params = TOPK_PARAMS.pack(ratio)
         if not prim.all_finite(a):
-            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
+            return wire.FLAG_NONFINITE, params, empty_body(g.device)
         body = self._select(a, sparse.topk_count(a.numel(), ratio))
         e.copy_(a)  # a - decode(body): _select subtracted what it sent
         return 0, params, body
@@ -182,7 +182,7 @@ class RandomK(SeededSparseState, Stochastic):
         rng, key = self._rng_params(name)
         params = rng + RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
         if not prim.all_finite(a):
-            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
+            return wire.FLAG_NONFINITE, params, empty_body(g.device)
         mask = sparse.randomk_mask(key, a.numel(), self.ratio, a.device)
         values = a[mask]
         if e is not None:
@@ -241,7 +241,7 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
         ratio = self.level(name)
         params = rng + TOPK_PARAMS.pack(ratio)
         if not prim.all_finite(a):
-            return wire.FLAG_NONFINITE, params, torch.empty(0, dtype=torch.uint8, device=g.device)
+            return wire.FLAG_NONFINITE, params, empty_body(g.device)
         body, idx = sparse.gspar_encode(a, ratio * a.numel(), key)
         if e is not None:
             sent = body[: 4 * idx.numel()].view(torch.float32)

@@ -8,13 +8,11 @@ GradScaler skips the step.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from hvdcompress import wire
 from hvdcompress.codecs import threelc
-from hvdcompress.compressors.base import Compressor, as_float32
+from hvdcompress.compressors.base import Compressor, as_float32, check_scale
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.wire import PayloadError
@@ -61,11 +59,7 @@ class ThreeLC(PerTensorLevels, Compressor):
                 "sparsity",
                 f"expected {expected}, got {sparsity} (ranks disagree on the compressor)",
             )
-        if header.nonfinite:
-            if scale != 0.0:
-                raise PayloadError("scale", f"a non-finite payload has scale 0, got {scale}")
-        elif not (math.isfinite(scale) and scale >= 0.0):
-            raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
+        check_scale(header, scale)
 
     def _max_numel(self, body_len):
         return body_len * threelc.MAX_VALUES_PER_BYTE
