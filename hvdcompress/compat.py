@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from hvdcompress import registry
 from hvdcompress.compressors import Compressor, get_compressor
 
 
@@ -95,34 +96,61 @@ class GatherOnlyCompression:
         self.compress(tensor)
 
 
-def _entry(name: str, attribute: str):
-    def make(**params) -> GatherOnlyCompression:
-        return GatherOnlyCompression(name, attribute, **params)
+class _CompressionNamespace(type):
+    """Looks ``Compression.<attribute>`` up in the compressor registry, so that every
+    registered compressor has an entry without being listed here."""
 
-    make.__name__ = attribute
-    make.__doc__ = f"``{name}``, with the parameters of ``get_compressor({name!r}, ...)``."
-    return staticmethod(make)
+    def __getattr__(cls, attribute: str):
+        if attribute.startswith("_"):
+            raise AttributeError(attribute)
+        found = registry.by_attribute(attribute)
+        if found is None:
+            raise AttributeError(
+                f"Compression has no {attribute!r}; available: {', '.join(dir(cls))}"
+            )
+
+        def make(**params) -> GatherOnlyCompression:
+            return GatherOnlyCompression(found.name, attribute, **params)
+
+        make.__name__ = attribute
+        make.__doc__ = (
+            f"``{found.name}``, with the parameters of ``get_compressor({found.name!r}, ...)``."
+        )
+        return make
+
+    def __dir__(cls):
+        own = [n for n in vars(cls) if not n.startswith("_")]
+        return sorted(set(own) | {c.compression_attribute() for c in registry.REGISTRY.values()})
 
 
-class Compression:
+class Compression(metaclass=_CompressionNamespace):
     """Namespace like ``hvd.Compression``: ``none``, ``fp16``, ``bf16`` (summable, also for
     ``hvd.DistributedOptimizer``), and ``threelc(sparsity=...)``, ``topk(ratio=...)`` and
-    the other codecs for ``hvdcompress.DistributedOptimizer``."""
+    every other registered compressor for ``hvdcompress.DistributedOptimizer``."""
 
     none = NoneCompression
     fp16 = FP16Compression
     bf16 = BF16Compression
 
-    threelc = _entry("3lc", "threelc")
-    dqsg = _entry("dqsg", "dqsg")
-    ndqsg = _entry("ndqsg", "ndqsg")
-    topk = _entry("topk", "topk")
-    randomk = _entry("randomk", "randomk")
-    topkq = _entry("topkq", "topkq")
-    gspar = _entry("gspar", "gspar")
-    dgc = _entry("dgc", "dgc")
-    qsgd = _entry("qsgd", "qsgd")
-    terngrad = _entry("terngrad", "terngrad")
-    signsgd = _entry("signsgd", "signsgd")
-    efsignsgd = _entry("efsignsgd", "efsignsgd")
-    powersgd = _entry("powersgd", "powersgd")
+
+def resolve_compressor(compression) -> Compressor:
+    """A Compressor from a name, a Compressor, an ``hvdcompress.Compression`` entry, or
+    Horovod's own ``hvd.Compression.none`` / ``fp16``."""
+    if compression is None:
+        return get_compressor("none")
+    if isinstance(compression, str):
+        return get_compressor(compression)
+    if isinstance(compression, Compressor):
+        return compression
+    if isinstance(compression, GatherOnlyCompression) or (
+        isinstance(compression, type) and issubclass(compression, _CastCompression)
+    ):
+        return compression.make_compressor()
+    horovod_names = {"NoneCompressor": "none", "FP16Compressor": "fp16"}
+    cls_name = (compression if isinstance(compression, type) else type(compression)).__name__
+    if cls_name in horovod_names:
+        return get_compressor(horovod_names[cls_name])
+    raise TypeError(
+        f"compression={compression!r} is not a compressor: pass a name ('3lc'), "
+        "hvdcompress.get_compressor(...) or hvdcompress.Compression.<name>"
+    )

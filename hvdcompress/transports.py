@@ -9,6 +9,13 @@ Three operations, each started asynchronously and finished with ``Handle.wait()`
 * ``allgather_object(obj)`` -> list of every rank's object (small agreement checks;
   blocking).
 
+Blocking helpers for setting up and evaluating a training run (every rank calls them, in
+the same order): ``broadcast_(tensors, root=0)`` overwrites each tensor in place with
+root's values (identical starting parameters), ``sum_floats(values)`` sums a few floats
+over ranks (float64), ``barrier()``; ``local_size`` is the number of ranks on this node.
+The base class implements them with ``allgather_object`` (any transport has them); both
+real transports override them with native collectives.
+
 Invariant: on every rank, collectives complete in the order they were started, and
 every rank receives the same bytes. Callers must start collectives in the same order
 on every rank (the optimizer starts buckets in bucket order).
@@ -89,11 +96,13 @@ class _DoneHandle(Handle):
 
 
 class Transport:
-    """Interface (see the module docstring). ``rank`` and ``size`` are set by subclasses."""
+    """Interface (see the module docstring). ``rank``, ``size`` and ``local_size`` (ranks on
+    this node) are set by subclasses."""
 
     name = ""
     rank: int = 0
     size: int = 1
+    local_size: int = 1
 
     def start_allgatherv(self, local: torch.Tensor) -> Handle:
         raise NotImplementedError
@@ -103,6 +112,23 @@ class Transport:
 
     def allgather_object(self, obj) -> list:
         raise NotImplementedError
+
+    # ---- blocking helpers; generic versions over allgather_object ------------------------
+
+    def broadcast_(self, tensors, root: int = 0) -> None:
+        """Overwrite every tensor of ``tensors`` (in place) with rank ``root``'s values."""
+        for t in tensors:
+            mine = t.detach().cpu().clone() if self.rank == root else None
+            t.data.copy_(self.allgather_object(mine)[root])
+
+    def sum_floats(self, values) -> list[float]:
+        """The elementwise sum over ranks of a few floats (float64, the same on every rank)."""
+        parts = self.allgather_object([float(v) for v in values])
+        return np.sum(np.array(parts, dtype=np.float64).reshape(len(parts), -1), axis=0).tolist()
+
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        self.allgather_object(None)
 
 
 # ---- mpi4py --------------------------------------------------------------------------------
@@ -142,6 +168,9 @@ class MPITransport(Transport):
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective, like Dup below
+        self.local_size = node.Get_size()
+        node.Free()
         self._data_comm = self.comm.Dup()  # the worker's collectives never meet ours
         self._ops = _sum_ops_16bit(MPI)
         self._mpi_types = {
@@ -207,6 +236,21 @@ class MPITransport(Transport):
     def allgather_object(self, obj) -> list:
         return self.comm.allgather(obj)
 
+    def broadcast_(self, tensors, root: int = 0) -> None:
+        for t in tensors:  # the raw bytes: any dtype, bit-exact
+            buf = t.detach().cpu().contiguous()
+            self.comm.Bcast([buf.reshape(-1).view(torch.uint8).numpy(), self.MPI.BYTE], root=root)
+            t.data.copy_(buf)
+
+    def sum_floats(self, values) -> list[float]:
+        send = np.array(values, dtype=np.float64)
+        recv = np.empty_like(send)
+        self.comm.Allreduce(send, recv, op=self.MPI.SUM)
+        return recv.tolist()
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
 
 # ---- Horovod -------------------------------------------------------------------------------
 
@@ -224,6 +268,7 @@ class HorovodTransport(Transport):
         self.hvd = hvd
         self.rank = hvd.rank()
         self.size = hvd.size()
+        self.local_size = hvd.local_size()
         self._count = 0
 
     def _name(self, kind: str) -> str:
@@ -270,6 +315,22 @@ class HorovodTransport(Transport):
 
     def allgather_object(self, obj) -> list:
         return self.hvd.allgather_object(obj, name=self._name("object"))
+
+    def broadcast_(self, tensors, root: int = 0) -> None:
+        for t in tensors:
+            buf = t.data if t.data.is_contiguous() else t.detach().contiguous()
+            # Horovod 0.28.1 has no bfloat16 on CPU: its bits travel as int16
+            bits = buf.view(torch.int16) if buf.dtype == torch.bfloat16 else buf
+            self.hvd.broadcast_(bits, root_rank=root, name=self._name("broadcast"))
+            if buf is not t.data:
+                t.data.copy_(buf)
+
+    def sum_floats(self, values) -> list[float]:
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        return self.hvd.allreduce(t, op=self.hvd.Sum, name=self._name("sum")).tolist()
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
 
 
 def _strip_length_prefixes(gathered: torch.Tensor, size: int) -> tuple[torch.Tensor, list[int]]:

@@ -29,6 +29,10 @@ order-independent reduction (atomic adds modulo 2**32) with the same result as t
 CPU: ``sum_j (b_j + 1) * mix(j) mod 2**32`` with ``mix(j)`` the high 32 bits of
 ``j * 0x9E3779B97F4A7C15 mod 2**64``, or-ed with 1. An odd weight per position means
 any single changed byte changes the sum.
+
+Also here: ``parse`` (the header of a payload tensor, parsed once per payload on the
+receive path), ``assemble`` (header + body + checksum), ``verify_checksum``, and the
+per-bucket framing of one rank's payloads (``frame`` / ``unframe``).
 """
 
 from __future__ import annotations
@@ -50,27 +54,29 @@ CHECKSUM_OFFSET = 12
 FLAG_NONFINITE = 1
 KNOWN_FLAGS = FLAG_NONFINITE
 
-# Fixed forever once released: a payload's codec id outlives the code that wrote it.
-CODEC_IDS = {
-    "3lc": 1,
-    "dqsg": 2,
-    "ndqsg": 3,
-    "topk": 4,
-    "randomk": 5,
-    "dgc": 6,
-    "qsgd": 7,
-    "terngrad": 8,
-    "signsgd": 9,
-    "efsignsgd": 10,
-    "topkq": 11,
-    "gspar": 12,
-}
-CODEC_NAMES = {v: k for k, v in CODEC_IDS.items()}
+# Filled by the compressor registry (hvdcompress.registry.register, from each compressor's
+# ``wire_id``). Fixed forever once released: a payload's codec id outlives the code that
+# wrote it.
+CODEC_IDS: dict[str, int] = {}
+CODEC_NAMES: dict[int, str] = {}
 
 DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 DTYPES = {v: k for k, v in DTYPE_IDS.items()}
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def register_codec(name: str, codec_id: int) -> None:
+    """Give codec ``name`` the header id ``codec_id`` (1..255, unique, never reused)."""
+    if isinstance(codec_id, bool) or not isinstance(codec_id, int) or not 1 <= codec_id <= 255:
+        raise ValueError(f"codec {name!r}: wire id must be an int in [1, 255], got {codec_id!r}")
+    if CODEC_NAMES.get(codec_id, name) != name or CODEC_IDS.get(name, codec_id) != codec_id:
+        raise ValueError(
+            f"codec {name!r} wants wire id {codec_id}, taken by "
+            f"{CODEC_NAMES.get(codec_id)!r} (ids are unique and fixed forever)"
+        )
+    CODEC_IDS[name] = codec_id
+    CODEC_NAMES[codec_id] = name
 
 
 class PayloadError(ValueError):
@@ -132,6 +138,7 @@ class Header(NamedTuple):  # a NamedTuple: built once per payload on the hot pat
     params: bytes
     body_len: int
     checksum: int = 0
+    raw: bytes = b""  # the header's bytes as received (parse), empty when built to send
 
     @property
     def numel(self) -> int:
@@ -234,7 +241,14 @@ def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
         )
     params = bytes(raw[FIXED_HEADER.size + 8 * ndim : header_len])
     return Header(
-        CODEC_NAMES[codec_id], flags, DTYPES[dtype_id], tuple(shape), params, body_len, csum
+        CODEC_NAMES[codec_id],
+        flags,
+        DTYPES[dtype_id],
+        tuple(shape),
+        params,
+        body_len,
+        csum,
+        bytes(raw[:header_len]),
     )
 
 
@@ -250,3 +264,90 @@ def checksum_without_field(full: int, field_bytes: bytes) -> int:
     for b, w in zip(field_bytes, _FIELD_MIX, strict=True):
         full -= b * w
     return full & 0xFFFFFFFF
+
+
+# ---- payloads on a device ---------------------------------------------------------------------
+def parse(payload: torch.Tensor) -> Header:
+    """The checked header of a payload tensor (1-D uint8, any device): one small
+    device-to-host copy on a GPU, a view on the CPU. Raises PayloadError."""
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
+        got = getattr(payload, "dtype", type(payload).__name__)
+        raise PayloadError("payload", f"expected a uint8 tensor, got {got}")
+    if payload.dim() != 1:
+        raise PayloadError("payload", f"expected a 1-D tensor, got shape {tuple(payload.shape)}")
+    raw = payload.numpy() if payload.device.type == "cpu" else payload[:MAX_HEADER].cpu().numpy()
+    return parse_header(raw, payload.numel())
+
+
+def assemble(header: Header, body: torch.Tensor) -> torch.Tensor:
+    """Header + body in one tensor on the body's device; the checksum is one pass over the
+    whole payload by the device's backend."""
+    from hvdcompress.backends import for_device
+
+    head = header.pack()  # checksum field zero
+    size = len(head)
+    payload = torch.empty(size + body.numel(), dtype=torch.uint8, device=body.device)
+    backend = for_device(body.device)
+    if body.device.type == "cpu":
+        view = payload.numpy()
+        view[:size] = np.frombuffer(head, dtype=np.uint8)
+        view[size:] = body.numpy()
+        csum = backend.checksum(payload, 0).to_bytes(4, "little")
+        view[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4] = np.frombuffer(csum, dtype=np.uint8)
+    else:
+        payload[size:].copy_(body)
+        payload[:size].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+        csum = backend.checksum(payload, 0).to_bytes(4, "little")
+        payload[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4].copy_(
+            torch.frombuffer(bytearray(csum), dtype=torch.uint8)
+        )
+    return payload
+
+
+def verify_checksum(header: Header, payload: torch.Tensor) -> None:
+    """Raise PayloadError unless the payload's bytes give the header's checksum."""
+    from hvdcompress.backends import for_device
+
+    field = header.raw[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4]
+    csum = checksum_without_field(for_device(payload.device).checksum(payload, 0), field)
+    if csum != header.checksum:
+        raise PayloadError(
+            "checksum",
+            f"expected 0x{header.checksum:08x}, computed 0x{csum:08x} (corrupt payload)",
+        )
+
+
+# ---- frames: one rank's payloads of one bucket ---------------------------------------------
+def frame(payloads: list[torch.Tensor]) -> torch.Tensor:
+    """``n``, ``n`` payload lengths (uint64 little-endian), then the ``n`` payloads: the
+    bytes one rank contributes to a bucket's allgather."""
+    head = struct.pack(f"<Q{len(payloads)}Q", len(payloads), *(p.numel() for p in payloads))
+    return torch.cat([torch.frombuffer(bytearray(head), dtype=torch.uint8), *payloads])
+
+
+def unframe(frame: torch.Tensor, count: int, rank: int, names: list[str]) -> list[torch.Tensor]:
+    """Split one rank's frame into its ``count`` payloads (views); a malformed frame raises
+    PayloadError naming the rank."""
+    head_len = 8 * (count + 1)
+    if frame.numel() < head_len:
+        raise PayloadError(
+            "frame", f"{frame.numel()} bytes cannot hold a table of {count} lengths", rank=rank
+        )
+    table = np.frombuffer(frame[:head_len].numpy().tobytes(), dtype="<u8")
+    if int(table[0]) != count:
+        raise PayloadError(
+            "frame", f"{int(table[0])} payloads in the bucket, expected {count}", rank=rank
+        )
+    lengths = [int(x) for x in table[1:]]
+    if head_len + sum(lengths) != frame.numel():
+        raise PayloadError(
+            "frame",
+            f"lengths add up to {head_len + sum(lengths)} bytes, frame has {frame.numel()}",
+            rank=rank,
+            tensor=names[0] if count == 1 else None,
+        )
+    out, offset = [], head_len
+    for n in lengths:
+        out.append(frame[offset : offset + n])
+        offset += n
+    return out

@@ -1,9 +1,9 @@
 // Host shim: lets g++ compile the kernels/*.cu sources unchanged, for tests that check the
-// kernels' logic on a machine without a GPU (tests/host_kernels, tests/test_host_kernels.py).
+// kernels' logic on a machine without a GPU (tests/host_kernels/).
 //
-// Build with: g++ -std=c++17 -O2 -ffp-contract=off (no -ffast-math), so that float
-// arithmetic is IEEE round-to-nearest-even without FMA contraction, like the CUDA
-// intrinsics __fadd_rn & co. and the CPU backend.
+// Build with HOST_CXX_FLAGS of hvdcompress/_native.py (g++ -std=c++17 -O2 -ffp-contract=off
+// -fno-fast-math), so that float arithmetic is IEEE round-to-nearest-even without FMA
+// contraction, like the CUDA intrinsics __fadd_rn & co. and the CPU backend.
 //
 // A launch runs every thread of every block one after another on the calling thread, so a
 // kernel is correct here only if it is correct under any interleaving of its threads and

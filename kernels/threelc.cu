@@ -1,11 +1,12 @@
 // 3LC kernels: max|g + e|, fused quantize + quartic encode, zero-run encoding (ZRE) as
 // flag / scan / scatter, ZRE decode as lengths / scan / expand, quartic decode (scaled,
 // optionally accumulated), and the payload checksum. Byte layout and rounding follow
-// shared/SPEC.md section 2 exactly; every backend must produce the same bytes.
+// shared/SPEC.md section 2 exactly; every backend must produce the same bytes (the C twin
+// of this file, for the CPU backend, is kernels/threelc.c).
 //
 // Compiled three ways from this one file, unchanged:
 //   * at run time by NVRTC through cupy.RawModule (hvdcompress/backends/cuda.py), with
-//     --fmad=false --ftz=false --prec-div=true;
+//     NVRTC_OPTIONS of hvdcompress/_native.py (--fmad=false --ftz=false --prec-div=true);
 //   * by nvcc for sm_80 / sm_90 in scripts/check_kernels.sh (compile and resource check);
 //   * by g++ for the host through kernels/cuda_host.h (tests/host_kernels), which runs
 //     the threads of a launch one after another.
@@ -19,7 +20,7 @@
 // may hold more than 2^31 elements (tests/host_kernels/index64.cpp checks this).
 // Every kernel is a grid-stride loop, so any grid size is correct; the backend launches
 // 256 threads per block (a multiple of 32 is required by the warp helpers) and at most
-// a few blocks per SM.
+// 8 blocks per SM.
 //
 // Floating point: only __fadd_rn / __fsub_rn / __fmul_rn / __fdiv_rn / rintf, which are
 // never contracted into FMAs and are IEEE round-to-nearest-even, matching the C and

@@ -36,27 +36,13 @@ import sys
 import time
 from pathlib import Path
 
+from hvdcompress.training.methods import METHODS
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# name -> train.py flags. Accordion and its two fixed levels use the same pair (1.0, 1.75),
-# so "3lc" is Accordion's always-low and "3lc-1.75" its always-high.
-METHODS: dict[str, list[str]] = {
-    "none": ["--compression", "none"],
-    "fp16": ["--compression", "fp16"],
-    "3lc": ["--compression", "3lc", "--sparsity", "1.0"],
-    "3lc-1.75": ["--compression", "3lc", "--sparsity", "1.75"],
-    "accordion-3lc": [
-        "--compression", "3lc", "--accordion", "1.0", "1.75", "--accordion-interval", "40",
-    ],
-    "accordion-3lc-eta0.2": [
-        "--compression", "3lc", "--accordion", "1.0", "1.75", "--accordion-interval", "40",
-        "--accordion-eta", "0.2",
-    ],
-    "topk": ["--compression", "topk", "--compression-param", "ratio=0.01"],
-    "cat-topk": ["--compression", "topk", "--cat", "topk", "--cat-every", "50"],
-    "powersgd": ["--compression", "powersgd"],
-    "dqsg": ["--compression", "dqsg"],
-}  # fmt: skip
+# Methods of the one table; each run is train.py with ``METHODS[name].train_flags()``.
+# Accordion and its two fixed levels use the same pair (1.0, 1.75), so "3lc" is
+# Accordion's always-low and "3lc-1.75" its always-high.
 DEFAULT_METHODS = ["none", "fp16", "3lc", "3lc-1.75", "accordion-3lc", "topk", "cat-topk"]
 SUMMARY = re.compile(r"summary: .*")
 
@@ -111,7 +97,7 @@ def run_one(method: str, seed: int, args, out: Path) -> dict:
     py = sys.executable
     cmd = [
         str(Path(py).parent / "horovodrun"), "-np", str(args.np), "-H", f"localhost:{args.np}",
-        py, str(ROOT / "scripts" / "train.py"), *METHODS[method],
+        py, str(ROOT / "scripts" / "train.py"), *METHODS[method].train_flags(),
         "--epochs", str(args.epochs), "--seed", str(seed), "--log-dir", str(log_dir),
         "--no-progress", *args.train_args,
     ]  # fmt: skip

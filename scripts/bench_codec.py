@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hvdcompress  # noqa: E402
+import hvdcompress
+from hvdcompress.training.methods import parse_case  # "name:key=value,..." or a method
 
 DEFAULT_CASES = [
     "none",
@@ -47,15 +47,6 @@ DEFAULT_CASES = [
     "powersgd:matrix_rank=2",
 ]
 SHAPE_2D = {"powersgd"}  # low-rank: benchmarked on a square-ish matrix of the same numel
-
-
-def parse_case(text: str) -> tuple[str, dict]:
-    name, _, rest = text.partition(":")
-    params = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        params[key] = float(value) if "." in value or "e" in value else int(value)
-    return name, params
 
 
 def timer(device: torch.device):
@@ -213,7 +204,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--sizes", nargs="+", type=float, default=[1e4, 1e5, 1e6, 1e7, 1e8])
-    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="name:key=value,...")
+    parser.add_argument(
+        "--cases", nargs="+", default=DEFAULT_CASES, help="name:key=value,... or a method name"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     parser.add_argument("--json", type=Path, default=Path("results/bench_codec.json"))

@@ -3,8 +3,9 @@
 
 One process (a one-rank ``hvdcompress.DistributedOptimizer`` on the mpi4py backend, so
 every compressor, summable or not, takes its real path: compress, transport, decode).
-For each case it trains the CNN of ``scripts/train.py`` for ``--steps`` steps with that
-compressor and reports, averaged after ``--warmup`` steps:
+For each case it trains the SmallCNN of ``hvdcompress.training.models`` (scripts/train.py's
+default model) for ``--steps`` steps with that compressor and reports, averaged after
+``--warmup`` steps:
 
 * bits per value on the wire (headers included) and the compression ratio vs fp32,
 * encode and decode throughput in GB/s of float32 gradient (compress_s / decode_s of
@@ -25,14 +26,11 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from bench_codec import parse_case  # noqa: E402
-from train import DATA_DIR, SmallCNN, load_fashion_mnist  # noqa: E402
-
-import hvdcompress  # noqa: E402
-from hvdcompress.compressors import REGISTRY  # noqa: E402
+import hvdcompress
+from hvdcompress.compressors import REGISTRY
+from hvdcompress.training.data import DATA_DIR, DatasetNotFound, load_fashion_mnist
+from hvdcompress.training.methods import parse_case
+from hvdcompress.training.models import SmallCNN
 
 
 def run_case(case: str, data, args) -> dict:
@@ -82,7 +80,9 @@ def run_case(case: str, data, args) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", nargs="+", default=None, help="name:key=value,... (all)")
+    parser.add_argument(
+        "--cases", nargs="+", default=None, help="name:key=value,... or a method (all)"
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -93,7 +93,10 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     cases = args.cases or sorted(REGISTRY)
-    data = load_fashion_mnist(args.data_dir)
+    try:
+        data = load_fashion_mnist(args.data_dir)
+    except DatasetNotFound as err:
+        raise SystemExit(str(err)) from None
     rows = [run_case(case, data, args) for case in cases]
     print(
         f"| {'compressor':<22} | summable | EF  | bits/value |  ratio | encode GB/s "

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hvdcompress  # noqa: E402
-from hvdcompress.optimizer import DEFAULT_FUSION_THRESHOLD  # noqa: E402
+import hvdcompress
+from hvdcompress.optimizer import DEFAULT_FUSION_THRESHOLD
 
 
 def measure(args, compression: str, threshold: int, comm) -> tuple[float, int]:

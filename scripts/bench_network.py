@@ -29,14 +29,16 @@ at once (a shared bus, not one NIC per node): compare methods side by side on th
 link rather than against a per-node formula. With 2 cores, 4 ranks oversubscribe the CPU,
 so the fast-link cases are CPU-bound and noisy.
 
-Cases: none, fp16, 3lc (sparsity 1.0), 3lc-1.75, topk (ratio 0.01), powersgd (rank 1),
-dqsg (3 levels), accordion-3lc (hvdcompress.Accordion between 3LC sparsity 1.0 and 1.75)
-cat-topk (hvdcompress.CAT over top-k with a cost model calibrated on the transport at
-the link rate in force, with payloads of 1 B to 1 MiB; on a slow link it picks small
-budgets) and 3lc-min64k (3LC with ``compress_min_numel=65536``: smaller tensors are sent
-uncompressed). Models: ``light`` (an MLP 1024-1024-1024-10, 2.1 M parameters, little compute)
-and ``cnn`` (scripts/train.py's Fashion-MNIST SmallCNN, 0.2 M parameters). Data are
-random tensors (no data loading), one torch thread per rank.
+Cases: methods of the table ``hvdcompress.training.methods.METHODS``: none, fp16, 3lc
+(sparsity 1.0), 3lc-1.75, topk (ratio 0.01), powersgd (rank 1), dqsg (3 levels),
+accordion-3lc (hvdcompress.Accordion between 3LC sparsity 1.0 and 1.75, every
+``--accordion-interval`` steps), cat-topk (hvdcompress.CAT over top-k, every
+``--cat-every`` steps, with a cost model calibrated on the transport at the link rate in
+force, with payloads of 1 B to 1 MiB; on a slow link it picks small budgets) and
+3lc-min64k (3LC with ``compress_min_numel=65536``: smaller tensors are sent uncompressed).
+Models (hvdcompress.training.models): ``light`` (LightMLP 1024-1024-1024-10, 2.1 M
+parameters, little compute) and ``cnn`` (the Fashion-MNIST SmallCNN of scripts/train.py,
+0.2 M parameters). Data are random tensors (no data loading), one torch thread per rank.
 
 Per case: ``--warmup`` steps, a barrier, rank 0 reads the namespace's loopback tx bytes
 (/proc/net/dev), ``--steps`` timed steps, a barrier, tx bytes again. Reported: the
@@ -71,6 +73,8 @@ import time
 from collections import deque
 from pathlib import Path
 
+from hvdcompress.training.methods import METHODS
+
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
 PREFIX = "hvdc-bench-"
@@ -79,23 +83,14 @@ LATENCY_NOTE = (
     "no latency emulated: this kernel has no netem, links have a rate (tc tbf) but no delay"
 )
 
-# case -> (compressor, parameters, policy)
-CASES: dict[str, tuple[str, dict, str | None]] = {
-    "none": ("none", {}, None),
-    "fp16": ("fp16", {}, None),
-    "3lc": ("3lc", {"sparsity": 1.0}, None),
-    "3lc-1.75": ("3lc", {"sparsity": 1.75}, None),
-    "topk": ("topk", {"ratio": 0.01}, None),
-    "powersgd": ("powersgd", {"matrix_rank": 1}, None),
-    "dqsg": ("dqsg", {"levels": 3}, None),
-    "accordion-3lc": ("3lc", {"sparsity": 1.0}, "accordion"),
-    "cat-topk": ("topk", {"ratio": 0.01}, "cat"),
-    "3lc-min64k": ("3lc", {"sparsity": 1.0}, None),
-}
-# cases with hvdcompress.DistributedOptimizer(compress_min_numel=...): the per-tensor off
-# switch (tensors under 65,536 elements sent uncompressed)
-MIN_NUMEL = {"3lc-min64k": 65536}
-MODELS = ("light", "cnn")
+# the cases, in report order: methods of the one table (compressor, parameters, policy,
+# compress_min_numel); policies take --accordion-interval / --cat-every and the calibration
+CASES = {
+    name: METHODS[name]
+    for name in ("none", "fp16", "3lc", "3lc-1.75", "topk", "powersgd", "dqsg",
+                 "accordion-3lc", "cat-topk", "3lc-min64k")
+}  # fmt: skip
+MODELS = ("light", "cnn")  # of hvdcompress.training.models
 LAUNCHERS = ("gloo", "mpi")
 DEFAULT_RATES = ("100mbit", "1gbit", "10gbit", "unlimited")
 CAT_CALIBRATION_SIZES = (1, 1 << 10, 1 << 14, 1 << 17, 1 << 20)
@@ -139,26 +134,14 @@ def emit(event: dict) -> None:
 def build_model(name: str, batch: int, rank: int):
     import torch
 
-    torch.manual_seed(0)  # the same parameters on every rank
-    if name == "light":
-        model = torch.nn.Sequential(
-            torch.nn.Linear(1024, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 10),
-        )
-        shape = (batch, 1024)
-    elif name == "cnn":
-        sys.path.insert(0, str(SCRIPT.parent))
-        from train import MODELS as TRAIN_MODELS  # scripts/train.py's Fashion-MNIST CNN
+    from hvdcompress.training import models
 
-        model = TRAIN_MODELS["cnn"](16)
-        shape = (batch, 1, 28, 28)
-    else:
+    if name not in MODELS:
         raise ValueError(f"unknown model {name!r}")
+    torch.manual_seed(0)  # the same parameters on every rank
+    model = models.build_model(name)  # default widths: light 1024, cnn 16
     g = torch.Generator().manual_seed(1000 + rank)  # each rank its own random batch
-    x = torch.randn(*shape, generator=g)
+    x = torch.randn(batch, *models.INPUT_SHAPES[name], generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
     return model, x, y
 
@@ -173,14 +156,14 @@ def run_case(args, transport, model_name: str, case: str, cat_cost: dict) -> dic
     t_begin = time.perf_counter()
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}")
-    comp_name, params, policy_name = CASES[case]
+    method = CASES[case]
     model, x, y = build_model(model_name, args.batch_size, rank)
     numel = sum(p.numel() for p in model.parameters())
     extra = {}
     policy = None
-    if policy_name == "accordion":
-        policy = hvdcompress.Accordion(low=1.0, high=1.75, interval_steps=args.accordion_interval)
-    elif policy_name == "cat":
+    if method.policy == "accordion":
+        policy = method.make_policy(interval_steps=args.accordion_interval)
+    elif method.policy == "cat":
         if "model" not in cat_cost:  # once per link rate (the caller empties it on a change)
             t0 = time.perf_counter()
             cat_cost["model"] = hvdcompress.calibrate(
@@ -189,14 +172,14 @@ def run_case(args, transport, model_name: str, case: str, cat_cost: dict) -> dic
             cat_cost["seconds"] = time.perf_counter() - t0
         cost = cat_cost["model"]
         extra["cat_cost"] = {"c0": cost.c0, "c1": cost.c1, "calibration_s": cat_cost["seconds"]}
-        policy = hvdcompress.CAT("topk", cost_model=cost, recompute_every=args.cat_every)
+        policy = method.make_policy(cost_model=cost, recompute_every=args.cat_every)
     opt = hvdcompress.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         model.named_parameters(),
-        compression=hvdcompress.get_compressor(comp_name, **params),
+        compression=method.compressor(),
         backend=transport,
         policy=policy,
-        compress_min_numel=MIN_NUMEL.get(case, 0),
+        compress_min_numel=method.compress_min_numel,
     )
 
     t_built = time.perf_counter()
@@ -247,9 +230,9 @@ def run_case(args, transport, model_name: str, case: str, cat_cost: dict) -> dic
     n = args.steps
     return {
         "params": numel,
-        "compressor": comp_name,
-        "compressor_params": params,
-        "policy": policy_name,
+        "compressor": method.compression,
+        "compressor_params": dict(method.params),
+        "policy": method.policy,
         "step_s": max(r["median"] for r in everyone),  # the slowest rank decides
         "step_s_mean": elapsed / n,
         "step_s_per_rank": [r["median"] for r in everyone],
@@ -276,8 +259,7 @@ def worker_main(args) -> int:
     # slow first-time imports (torch.optim pulls in torch._dynamo: seconds) and every rank
     # up before the first case, so that startup is not charged to a case or its timeout
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    sys.path.insert(0, str(SCRIPT.parent))
-    import train  # noqa: F401  (the cnn model)
+    import hvdcompress.training.models  # noqa: F401  (the models)
 
     transport.allgather_object(None)
     cat_cost: dict = {}
@@ -464,7 +446,6 @@ def run_launch(args, ns, launcher, ranks, items) -> tuple[dict, bool, float]:
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
         PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
     )
     cmd = launch_command(args, ns, launcher, ranks, items)
     if args.verbose:
@@ -831,8 +812,8 @@ def main(argv=None) -> int:
         "models": args.models,
         "launchers": args.launchers,
         "timeout_s": args.timeout,
-        "cases_defined": {k: {"compressor": c, "params": p, "policy": pol}
-                          for k, (c, p, pol) in CASES.items()},
+        "cases_defined": {k: {"compressor": m.compression, "params": dict(m.params),
+                              "policy": m.policy} for k, m in CASES.items()},
     }  # fmt: skip
     t_all = time.monotonic()
 

@@ -5,7 +5,10 @@ compressor at a fixed level, measured in one run.
     mpirun -np 2 --oversubscribe python scripts/bench_policy.py [--steps 60]
     python scripts/bench_policy.py            # one rank (mpi4py singleton)
 
-Model: the Fashion-MNIST CNN of scripts/train.py (``--width``) on a fixed synthetic batch.
+Model: the Fashion-MNIST SmallCNN of hvdcompress.training.models (scripts/train.py's
+default, ``--width``) on a fixed synthetic batch. Each pair is a method of the table
+hvdcompress.training.methods.METHODS with a policy, at this benchmark's policy settings
+(CAT with a fixed cost model, no calibration), against the same compressor without it.
 For each pair (fixed compressor, compressor + policy) the two optimizers train copies of
 the model step by step in alternation (ABAB..., so machine noise hits both alike) and
 the median step time (forward, backward, compress, communicate, decode, policy, update;
@@ -26,63 +29,39 @@ from pathlib import Path
 
 import torch
 
+import hvdcompress
+from hvdcompress.training.methods import METHODS, Method
+from hvdcompress.training.models import MODELS
+from hvdcompress.transports import make_transport
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from train import MODELS  # noqa: E402
 
-import hvdcompress  # noqa: E402
-
-# (label, compressor name, compressor params, policy factory or None)
+# (label, method with a policy, the policy's settings here)
 PAIRS = [
-    (
-        "3lc s=1.0 vs Accordion(1.0, 1.75, every 10 steps)",
-        "3lc",
-        {"sparsity": 1.0},
-        lambda: hvdcompress.Accordion(low=1.0, high=1.75, interval_steps=10),
-    ),
-    (
-        "topk 1% vs CAT(topk, S=200)",
-        "topk",
-        {"ratio": 0.01},
-        lambda: hvdcompress.CAT("topk", cost_model=hvdcompress.AffineCost(1e-4, 1e-9)),
-    ),
-    (
-        "topk 1% vs CAT(topk, S=10)",
-        "topk",
-        {"ratio": 0.01},
-        lambda: hvdcompress.CAT(
-            "topk", cost_model=hvdcompress.AffineCost(1e-4, 1e-9), recompute_every=10
-        ),
-    ),
-    (
-        "topkq 1% vs CAT(topk+q, S=10)",
-        "topkq",
-        {"ratio": 0.01},
-        lambda: hvdcompress.CAT(
-            "topk+q", cost_model=hvdcompress.AffineCost(1e-4, 1e-9), recompute_every=10
-        ),
-    ),
-    (
-        "gspar 1% vs CAT(randomk, S=10)",
-        "gspar",
-        {"ratio": 0.01},
-        lambda: hvdcompress.CAT(
-            "randomk", cost_model=hvdcompress.AffineCost(1e-4, 1e-9), recompute_every=10
-        ),
-    ),
+    ("3lc s=1.0 vs Accordion(1.0, 1.75, every 10 steps)", "accordion-3lc", {"interval_steps": 10}),
+    ("topk 1% vs CAT(topk, S=200)", "cat-topk", {"recompute_every": 200}),
+    ("topk 1% vs CAT(topk, S=10)", "cat-topk", {"recompute_every": 10}),
+    ("topkq 1% vs CAT(topk+q, S=10)", "cat-topkq", {"recompute_every": 10}),
+    ("gspar 1% vs CAT(randomk, S=10)", "cat-randomk", {"recompute_every": 10}),
 ]
 
 
-def make(args, name, params, policy):
+def make_policy(method: Method, settings: dict):
+    if method.policy == "cat":  # a fixed cost model: no calibration, the same on every rank
+        settings = {"cost_model": hvdcompress.AffineCost(1e-4, 1e-9), **settings}
+    return method.make_policy(**settings)
+
+
+def make(args, method: Method, policy, transport):
     torch.manual_seed(0)
     model = MODELS["cnn"](args.width)
     opt = hvdcompress.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         model.named_parameters(),
-        compression=hvdcompress.get_compressor(name, **params),
-        backend="mpi4py",
+        compression=method.compressor(),
+        backend=transport,
         policy=policy,
+        compress_min_numel=method.compress_min_numel,
     )
     return model, opt
 
@@ -104,25 +83,24 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "bench_policy.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    g = torch.Generator().manual_seed(comm.Get_rank())
+    transport = make_transport("mpi4py")
+    g = torch.Generator().manual_seed(transport.rank)
     x = torch.randn(args.batch_size, 1, 28, 28, generator=g)
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
     rows = []
-    for label, name, params, policy in PAIRS:
-        fixed = make(args, name, params, None)
-        adaptive = make(args, name, params, policy())
+    for label, name, settings in PAIRS:
+        method = METHODS[name]
+        fixed = make(args, method.fixed, None, transport)
+        adaptive = make(args, method, make_policy(method, settings), transport)
         times = {"fixed": [], "policy": []}
         for i in range(args.warmup + args.steps):
             for key, (model, opt) in (("fixed", fixed), ("policy", adaptive)):
-                comm.Barrier()
+                transport.barrier()
                 elapsed = step(model, opt, x, y)
                 if i >= args.warmup:
                     times[key].append(elapsed)
-        med = {k: max(comm.allgather(statistics.median(v))) for k, v in times.items()}
-        mean = {k: max(comm.allgather(statistics.fmean(v))) for k, v in times.items()}
+        med = {k: max(transport.allgather_object(statistics.median(v))) for k, v in times.items()}
+        mean = {k: max(transport.allgather_object(statistics.fmean(v))) for k, v in times.items()}
         rows.append(
             {
                 "pair": label,
@@ -134,9 +112,9 @@ def main(argv=None) -> int:
                 "mean_overhead_pct": 100 * (mean["policy"] / mean["fixed"] - 1),
             }
         )
-    if comm.Get_rank() == 0:
+    if transport.rank == 0:
         print(
-            f"{comm.Get_size()} rank(s), CNN width {args.width}, batch {args.batch_size}, "
+            f"{transport.size} rank(s), CNN width {args.width}, batch {args.batch_size}, "
             f"{args.steps} timed steps each (alternating)\n"
         )
         print(
@@ -150,7 +128,7 @@ def main(argv=None) -> int:
                 f"{r['policy_mean_ms']:.1f} | {r['mean_overhead_pct']:+.1f}% |"
             )
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"ranks": comm.Get_size(), "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"ranks": transport.size, "rows": rows}, indent=1))
     return 0
 
 

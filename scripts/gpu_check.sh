@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a machine with a GPU (no Horovod, no network, nothing pip-installed):
 #   1. the environment (GPU, torch, CuPy, NVRTC) and a kernel compile/load probe;
-#   2. python -m pytest -m gpu tests/test_gpu.py -v   (CUDA backend vs CPU backend);
+#   2. python -m pytest -m gpu tests/gpu -v   (CUDA backend vs CPU backend: 3LC and the
+#      shared primitives, whole payloads of every compressor that uses them);
 #   3. python scripts/bench_codec.py --device cuda     (codec throughput vs memcpy).
 # The package is used from this checkout (PYTHONPATH=<repo>, kernels from kernels/), the
 # CPU backend's C library compiled on first use into $HVDC_CACHE. Logs, the pytest JUnit
@@ -61,9 +62,9 @@ EOF
 } | tee "$DEST/gpu_env.txt"
 record environment "${PIPESTATUS[0]}"
 
-stage "pytest -m gpu tests/test_gpu.py"
+stage "pytest -m gpu tests/gpu"
 timeout -k 10 "${HVDC_GPU_TEST_TIMEOUT:-300}" \
-    "$PY" -m pytest -m gpu tests/test_gpu.py -v -rs -p no:cacheprovider \
+    "$PY" -m pytest -m gpu tests/gpu -v -rs -p no:cacheprovider \
     --junitxml="$DEST/pytest_gpu.xml" 2>&1 | tee "$DEST/pytest_gpu.log"
 rc=${PIPESTATUS[0]}
 # -m gpu where every test skipped (no usable GPU) is a failure of this check.

@@ -31,174 +31,33 @@ Policies: ``--accordion LOW HIGH`` switches each tensor between two levels of
 ``--log-dir`` also gets ``policy.csv`` (step, key, value: ``level/<tensor>``,
 ``T/<tensor>``, ``cat/modelled_s``, ``cat/measured_s``); ``scripts/plot_policy.py`` draws
 it next to the loss.
+
+Data, models and policies come from ``hvdcompress.training``; ranks, the broadcast of the
+initial parameters and the sums of the evaluation from the optimizer's transport
+(``hvdcompress.transports``).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import gzip
 import hashlib
 import os
-import struct
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-import hvdcompress  # noqa: E402
-
-DATA_DIR = os.environ.get("HVDC_DATA_DIR", "/usr/share/datasets/fashion-mnist")
-FILES = {
-    "train_x": "train-images-idx3-ubyte.gz",
-    "train_y": "train-labels-idx1-ubyte.gz",
-    "test_x": "t10k-images-idx3-ubyte.gz",
-    "test_y": "t10k-labels-idx1-ubyte.gz",
-}
+import hvdcompress
+from hvdcompress.training.data import DATA_DIR, DatasetNotFound, load_fashion_mnist, synthetic
+from hvdcompress.training.methods import build_policy, parse_cost, parse_params
+from hvdcompress.training.models import IMAGE_MODELS, MODELS
+from hvdcompress.transports import make_transport
 
 
-# ---- data ----------------------------------------------------------------------------------
-def read_idx(path: Path) -> np.ndarray:
-    """An idx file (big-endian magic 0x00000803 images / 0x00000801 labels, then uint8)."""
-    with gzip.open(path, "rb") as f:
-        raw = f.read()
-    zero, dtype, ndim = struct.unpack_from(">HBB", raw, 0)
-    if zero != 0 or dtype != 0x08 or ndim not in (1, 3):
-        raise ValueError(f"{path}: not a uint8 idx file (magic {raw[:4].hex()})")
-    dims = struct.unpack_from(f">{ndim}I", raw, 4)
-    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if data.size != int(np.prod(dims)):
-        raise ValueError(f"{path}: header says {dims}, file holds {data.size} values")
-    return data.reshape(dims)
-
-
-def load_fashion_mnist(data_dir: str):
-    d = Path(data_dir)
-    missing = [name for name in FILES.values() if not (d / name).is_file()]
-    if missing:
-        raise SystemExit(
-            f"Fashion-MNIST not found: {', '.join(missing)} missing in {d}. Install the "
-            "Debian package dataset-fashion-mnist (apt-get install dataset-fashion-mnist), "
-            "pass --data-dir, or use --dataset synthetic."
-        )
-    arrays = {k: read_idx(d / v) for k, v in FILES.items()}
-
-    def images(a):
-        x = torch.from_numpy(a.astype(np.float32) / 255.0).unsqueeze(1)
-        return (x - 0.2860) / 0.3530  # Fashion-MNIST mean / std
-
-    def labels(a):
-        return torch.from_numpy(a.astype(np.int64))
-
-    return (
-        (images(arrays["train_x"]), labels(arrays["train_y"])),
-        (images(arrays["test_x"]), labels(arrays["test_y"])),
-    )
-
-
-def synthetic(n_train: int, n_test: int, seed: int = 1234):
-    """Learnable 28x28 data: one random prototype image per class plus noise."""
-    g = torch.Generator().manual_seed(seed)
-    prototypes = torch.randn(10, 1, 28, 28, generator=g)
-    y = torch.randint(0, 10, (n_train + n_test,), generator=g)
-    x = prototypes[y] + 2.0 * torch.randn(n_train + n_test, 1, 28, 28, generator=g)
-    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
-
-
-# ---- models --------------------------------------------------------------------------------
-class SmallCNN(torch.nn.Module):
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, width, 3, padding=1)
-        self.conv2 = torch.nn.Conv2d(width, 2 * width, 3, padding=1)
-        self.fc1 = torch.nn.Linear(2 * width * 7 * 7, 8 * width)
-        self.fc2 = torch.nn.Linear(8 * width, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-class BasicBlock(torch.nn.Module):
-    """ResNet basic block with GroupNorm (no running buffers to drift apart across ranks)."""
-
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.norm1 = torch.nn.GroupNorm(4, cout)
-        self.conv2 = torch.nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.norm2 = torch.nn.GroupNorm(4, cout)
-        self.skip = (
-            torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 1, stride, bias=False))
-            if stride != 1 or cin != cout
-            else torch.nn.Identity()
-        )
-
-    def forward(self, x):
-        out = F.relu(self.norm1(self.conv1(x)))
-        return F.relu(self.norm2(self.conv2(out)) + self.skip(x))
-
-
-class SmallResNet(torch.nn.Module):
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.stem = torch.nn.Conv2d(1, width, 3, padding=1, bias=False)
-        self.blocks = torch.nn.Sequential(
-            BasicBlock(width, width, 1),
-            BasicBlock(width, 2 * width, 2),
-            BasicBlock(2 * width, 4 * width, 2),
-        )
-        self.fc = torch.nn.Linear(4 * width, 10)
-
-    def forward(self, x):
-        x = self.blocks(F.relu(self.stem(x)))
-        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
-
-
-MODELS = {"cnn": SmallCNN, "resnet": SmallResNet}
-
-
-# ---- distributed setup ---------------------------------------------------------------------
-class Dist:
-    """rank, size, local_size, broadcast of parameters and a small sum, per backend."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend = backend
-        if backend == "horovod":
-            import horovod.torch as hvd
-
-            hvd.init()
-            self.hvd = hvd
-            self.rank, self.size, self.local_size = hvd.rank(), hvd.size(), hvd.local_size()
-        else:
-            from mpi4py import MPI
-
-            self.comm = MPI.COMM_WORLD
-            self.rank, self.size = self.comm.rank, self.comm.size
-            self.local_size = self.comm.Split_type(MPI.COMM_TYPE_SHARED).size
-
-    def broadcast_(self, tensors) -> None:
-        for t in tensors:
-            if self.backend == "horovod":
-                self.hvd.broadcast_(t.data, root_rank=0)
-            else:
-                buf = t.detach().cpu().contiguous()
-                self.comm.Bcast(buf.numpy(), root=0)
-                t.data.copy_(buf)
-
-    def sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        if self.backend == "horovod":
-            return self.hvd.allreduce(t, op=self.hvd.Sum).tolist()
-        return self.comm.allreduce(np.array(values, dtype=np.float64)).tolist()
-
-
+# ---- helpers -------------------------------------------------------------------------------
 def default_threads(local_size: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(local_size, 1))
@@ -217,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--dataset", choices=["fashion-mnist", "synthetic"], default="fashion-mnist")
     p.add_argument("--data-dir", default=DATA_DIR)
     p.add_argument("--synthetic-size", type=int, default=4096, help="training examples")
-    p.add_argument("--model", choices=sorted(MODELS), default="cnn")
+    p.add_argument("--model", choices=sorted(IMAGE_MODELS), default="cnn")
     p.add_argument("--width", type=int, default=16, help="channels of the first layer")
     p.add_argument(
         "--compression",
@@ -282,27 +141,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _param_value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def make_compression(args) -> tuple[hvdcompress.Compressor, float]:
     """(the compressor, the inner SGD's momentum): DGC applies ``--momentum`` itself
     (momentum correction), so the wrapped SGD then runs without momentum."""
-    params = {}
-    for item in args.compression_param:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--compression-param takes KEY=VALUE, got {item!r}")
-        params[key.strip()] = _param_value(value.strip())
+    try:
+        params = parse_params(args.compression_param)
+    except ValueError as err:
+        raise SystemExit(f"--compression-param {err}") from None
     momentum = args.momentum
     if args.compression == "3lc":
         params.setdefault("sparsity", args.sparsity)
@@ -321,25 +166,29 @@ def make_policy(args):
         raise SystemExit("--accordion and --cat are exclusive")
     if args.accordion:
         low, high = args.accordion
-        if args.compression == "powersgd":
-            low, high = int(low), int(high)
-        return hvdcompress.Accordion(
-            low=low, high=high, eta=args.accordion_eta, interval_steps=args.accordion_interval
+        return build_policy(
+            "accordion",
+            args.compression,
+            low=low,
+            high=high,
+            eta=args.accordion_eta,
+            interval_steps=args.accordion_interval,
         )
     if args.cat:
-        need = hvdcompress.policies.cat.COMPRESSOR_FOR[args.cat]
+        need = hvdcompress.policies.cat.compressor_for(args.cat)
         if args.compression != need:
             raise SystemExit(f"--cat {args.cat} needs --compression {need}")
         cost = None
         if args.cat_cost:
-            parts = [float(v) for v in args.cat_cost.split(",")]
-            if len(parts) == 2:
-                cost = hvdcompress.AffineCost(*parts)
-            elif len(parts) == 3:
-                cost = hvdcompress.PacketCost(parts[0], parts[1], int(parts[2]))
-            else:
-                raise SystemExit(f"--cat-cost takes C0,C1[,PACKET_BITS], got {args.cat_cost!r}")
-        return hvdcompress.CAT(args.cat, cost_model=cost, recompute_every=args.cat_every)
+            try:
+                cost = parse_cost(args.cat_cost)
+            except ValueError:
+                raise SystemExit(
+                    f"--cat-cost takes C0,C1[,PACKET_BITS], got {args.cat_cost!r}"
+                ) from None
+        return build_policy(
+            "cat", args.compression, kind=args.cat, cost_model=cost, recompute_every=args.cat_every
+        )
     return None
 
 
@@ -354,7 +203,7 @@ def evaluate(model, test, dist, batch: int = 1000) -> float:
             b = idx[i : i + batch]
             correct += int((model(x[b]).argmax(1) == y[b]).sum())
     model.train()
-    total_correct, total = dist.sum([float(correct), float(len(shard))])
+    total_correct, total = dist.sum_floats([float(correct), float(len(shard))])
     return total_correct / max(total, 1.0)
 
 
@@ -362,7 +211,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.resume and not args.checkpoint:
         raise SystemExit("--resume needs --checkpoint DIR")
-    dist = Dist(args.backend)
+    dist = make_transport(args.backend)  # the optimizer's transport too
     threads = args.threads or default_threads(dist.local_size)
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
@@ -370,7 +219,10 @@ def main(argv=None) -> int:
     if args.dataset == "synthetic":
         train, test = synthetic(args.synthetic_size, max(args.synthetic_size // 4, 256))
     else:
-        train, test = load_fashion_mnist(args.data_dir)
+        try:
+            train, test = load_fashion_mnist(args.data_dir)
+        except DatasetNotFound as err:
+            raise SystemExit(str(err)) from None
 
     model = MODELS[args.model](args.width)
     dist.broadcast_(model.parameters())
@@ -380,7 +232,7 @@ def main(argv=None) -> int:
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum),
         model.named_parameters(),
         compression=compression,
-        backend=args.backend,
+        backend=dist,
         fusion_threshold=args.fusion_threshold,
         policy=policy,
         compress_min_numel=args.compress_min_numel,

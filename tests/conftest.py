@@ -1,5 +1,10 @@
+"""Hypothesis profiles and the fixtures shared by the test modules (their helpers are in
+tests/helpers.py; imported in the fixtures, so that collecting tests that do not need
+hvdcompress does not import it)."""
+
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # CI runs thousands of mutation cases; local runs stay quick. HYPOTHESIS_PROFILE picks.
@@ -12,3 +17,19 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture
+def model():
+    """The small seeded model of the optimizer and policy tests (helpers.small_model)."""
+    from tests.helpers import small_model
+
+    return small_model()
+
+
+@pytest.fixture
+def transport():
+    """A fresh Transport of world size 1 that counts its collectives (helpers.LocalTransport)."""
+    from tests.helpers import LocalTransport
+
+    return LocalTransport()

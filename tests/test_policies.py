@@ -20,12 +20,7 @@ from hvdcompress.policies import (
 )
 from hvdcompress.policies.cat import HEADER_BITS, budget_bits, descent
 from hvdcompress.wire import PayloadError
-from tests.local_transport import LocalTransport
-
-
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 3))
+from tests.helpers import LocalTransport, small_model
 
 
 def _opt(model, compression, policy, lr=0.1):
@@ -46,13 +41,11 @@ def _step(model, opt, scale=1.0, seed=0):
     opt.step()
 
 
-# ---- Accordion -----------------------------------------------------------------------------------
 def test_spec_accordion_test_vector():
     assert accordion_critical([1.0, 2.0, 0.0], [1.6, 1.1, 0.3], eta=0.5) == [True, False, True]
 
 
-def test_first_interval_uses_low_then_switches_on_the_rule():
-    model = _model()
+def test_first_interval_uses_low_then_switches_on_the_rule(model):
     pol = Accordion(low=1.0, high=1.9, interval_steps=2)
     opt = _opt(model, "3lc", pol)
     comp = opt.compressor
@@ -73,8 +66,7 @@ def test_first_interval_uses_low_then_switches_on_the_rule():
     assert all(comp.level(n) == 1.0 for n in names)
 
 
-def test_lr_drop_forces_low_for_the_next_interval():
-    model = _model()
+def test_lr_drop_forces_low_for_the_next_interval(model):
     pol = Accordion(low=1.0, high=1.9)  # interval = epoch: end_epoch()
     opt = _opt(model, "3lc", pol)
     names = [n for n, _ in model.named_parameters()]
@@ -102,8 +94,7 @@ def test_lr_drop_forces_low_for_the_next_interval():
 @pytest.mark.parametrize(
     "compression, low, high", [("topk", 0.5, 0.1), ("powersgd", 2, 1), ("3lc", 1.0, 1.9)]
 )
-def test_levels_switch_and_residual_survives(compression, low, high):
-    model = _model()
+def test_levels_switch_and_residual_survives(compression, low, high, model):
     pol = Accordion(low=low, high=high, interval_steps=1)
     opt = _opt(model, compression, pol)
     comp = opt.compressor
@@ -130,10 +121,9 @@ def test_threelc_per_tensor_level_checked_per_name():
 
 def test_accordion_refuses_a_compressor_without_levels():
     with pytest.raises(TypeError, match="per-tensor levels"):
-        _opt(_model(), "fp16", Accordion(low=1.0, high=1.9))
+        _opt(small_model(), "fp16", Accordion(low=1.0, high=1.9))
 
 
-# ---- CAT -----------------------------------------------------------------------------------------
 def _randomk_descent_by_bisection(a: np.ndarray, T: int) -> float:
     """||g||^4 / sum(g_i^2 / p_i) with c found by bisection on sum min(1, c a) = T."""
     nz = a > 0
@@ -265,8 +255,7 @@ def test_fit_keeps_a_positive_fixed_cost_on_noisy_timings():
     assert c0 == pytest.approx(2e-4) and c1 > 0
 
 
-def test_cat_policy_sets_topk_budget_every_s_steps():
-    model = _model()
+def test_cat_policy_sets_topk_budget_every_s_steps(model):
     pol = CAT("topk", cost_model=AffineCost(1e-5, 1e-9), recompute_every=2)
     opt = _opt(model, "topk", pol)
     _step(model, opt, seed=0)
@@ -281,8 +270,7 @@ def test_cat_policy_sets_topk_budget_every_s_steps():
 
 
 @pytest.mark.parametrize(("kind", "compression"), [("topk+q", "topkq"), ("randomk", "gspar")])
-def test_cat_drives_topkq_and_gspar(kind, compression):
-    model = _model()
+def test_cat_drives_topkq_and_gspar(kind, compression, model):
     pol = CAT(kind, cost_model=AffineCost(1e-5, 1e-9), recompute_every=3)
     opt = _opt(model, compression, pol)
     _step(model, opt, seed=0)
@@ -297,7 +285,7 @@ def test_cat_drives_topkq_and_gspar(kind, compression):
     for s in range(1, 4):
         _step(model, opt, seed=s)  # the budgets in force are used and decoded on every step
     with pytest.raises(TypeError, match=compression):
-        _opt(_model(), "topk", CAT(kind, cost_model=AffineCost(1e-5, 1e-9)))
+        _opt(small_model(), "topk", CAT(kind, cost_model=AffineCost(1e-5, 1e-9)))
 
 
 class _AffineTimedTransport(LocalTransport):
@@ -316,8 +304,7 @@ class _AffineTimedTransport(LocalTransport):
         return self._timed((local.clone(), [local.numel()]), local.numel())
 
 
-def test_cat_modelled_and_measured_cost_are_per_collective_and_refresh_refits():
-    model = _model()
+def test_cat_modelled_and_measured_cost_are_per_collective_and_refresh_refits(model):
     true_c0, true_c1 = 3e-4, 2e-8
     pol = CAT("topk", cost_model=AffineCost(1e-6, 1e-10), recompute_every=2, refresh=True)
     opt = hvdcompress.DistributedOptimizer(
@@ -345,13 +332,12 @@ def test_cat_modelled_and_measured_cost_are_per_collective_and_refresh_refits():
     assert m["cat/modelled_s"] == pytest.approx(m["cat/measured_s"], rel=1e-6)
 
 
-def test_cat_state_travels_in_the_optimizer_state_dict():
-    model = _model()
+def test_cat_state_travels_in_the_optimizer_state_dict(model):
     opt = _opt(model, "topk", CAT("topk", cost_model=AffineCost(1e-5, 1e-9), recompute_every=2))
     for s in range(3):
         _step(model, opt, seed=s)
     state = opt.state_dict()
-    model2 = _model()
+    model2 = small_model()
     pol2 = CAT("topk", cost_model=AffineCost(1.0, 1.0), recompute_every=2)
     opt2 = _opt(model2, "topk", pol2)
     opt2.load_state_dict(state)
@@ -362,7 +348,6 @@ def test_cat_state_travels_in_the_optimizer_state_dict():
         CAT("topk+q", cost_model=AffineCost(1e-5, 1e-9)).load_state_dict(pol2.state_dict())
 
 
-# ---- scripts ------------------------------------------------------------------------------------
 def _script(name):
     import importlib.util
     from pathlib import Path
@@ -400,13 +385,12 @@ def test_plot_policy_writes_a_png(tmp_path):
     assert (tmp_path / "policy.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_accordion_state_travels_in_the_optimizer_state_dict():
-    model = _model()
+def test_accordion_state_travels_in_the_optimizer_state_dict(model):
     opt = _opt(model, "3lc", Accordion(low=1.0, high=1.9, interval_steps=1))
     for s in range(3):
         _step(model, opt, seed=s % 2)
     state = opt.state_dict()
-    model2 = _model()
+    model2 = small_model()
     opt2 = _opt(model2, "3lc", Accordion(low=1.0, high=1.9, interval_steps=1))
     opt2.load_state_dict(state)
     assert opt2.policy.current == opt.policy.current

@@ -1,4 +1,8 @@
-"""3LC codec and compressor on the CPU backend: SPEC vectors, oracle agreement, edge cases."""
+"""3LC: the codec on the CPU backend (SPEC vectors, oracle agreement, building blocks,
+64-bit sizes) and the compressor (wire bytes, dtypes and shapes, error feedback,
+non-finite input, GradScaler, state)."""
+
+import io
 
 import numpy as np
 import pytest
@@ -8,6 +12,14 @@ import hvdcompress
 from hvdcompress import wire
 from hvdcompress.codecs import threelc
 from tests import reference
+from tests.helpers import comp
+
+
+def tlc(sparsity=1.0):
+    return comp("3lc", sparsity=sparsity)
+
+
+# ---- codec (hvdcompress.codecs.threelc) ----------------------------------------------------
 
 SPEC_X = [
     0.80,
@@ -162,7 +174,7 @@ def test_size_math_is_64_bit():
     assert parsed.numel == (2**31 + 1) * 4 and parsed.shape == (2**31 + 1, 4)
     # The C decoder's guard: a body must be able to expand to numel values.
     comp = hvdcompress.get_compressor("3lc")
-    assert comp._max_numel(2**31) == 70 * 2**31  # Python ints: no overflow
+    assert comp.max_numel(2**31, None) == 70 * 2**31  # Python ints: no overflow
     lib = __import__("hvdcompress.backends.cpu", fromlist=["LIB"]).LIB
     run = torch.tensor([255], dtype=torch.uint8)
     # 2^34 fake run bytes would decode to 14 * 2^34 > 2^32 groups: the length count is int64.
@@ -195,3 +207,133 @@ def test_building_blocks_reject_values_outside_their_alphabet():
         threelc.quartic_encode(torch.tensor([0, 2, -1], dtype=torch.int8))
     with pytest.raises(ValueError, match="242"):
         threelc.zero_run_encode(torch.tensor([121, 250], dtype=torch.uint8))
+
+
+# ---- compressor ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (7, 0, 3), (3, 5), (4, 3, 2, 9), (100003,)])
+def test_roundtrip_shape_dtype(shape, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(shape).to(dtype)
+    c = tlc()
+    payload, ctx = c.compress(x, "t")
+    assert payload.dtype == torch.uint8 and payload.dim() == 1
+    for out in (c.decompress(payload, ctx), tlc().decode(payload)):
+        assert out.shape == x.shape and out.dtype == dtype
+    # math in float32: the decoded value plus the new residual is the float32 input
+    if x.numel():
+        e = c.memory.residuals["t"].view(shape)
+        back = c.decompress(payload, ctx).float()
+        assert torch.equal(back + e, x.float()) or torch.allclose(
+            back + e, x.float(), rtol=0, atol=1e-6
+        )
+
+
+def test_payload_bytes_match_oracle_and_header():
+    rng = np.random.default_rng(1)
+    g = rng.standard_normal((20, 51)).astype(np.float32)
+    c = tlc(1.75)
+    payload, _ = c.compress(torch.from_numpy(g), "w")
+    zre, scale, _ = reference.encode(g.reshape(-1), np.zeros(g.size, np.float32), 1.75)
+    header, raw = c.read_header(payload)
+    assert header.codec == "3lc" and header.shape == (20, 51) and header.dtype == torch.float32
+    assert payload[header.size :].numpy().tobytes() == zre.tobytes()
+    assert len(raw) == header.size == 32 + 16 + 8
+    assert c.bits_per_value(payload) == 8 * payload.numel() / g.size
+
+
+def test_non_contiguous_input():
+    base = torch.randn(64, 48)
+    x = base.t()[::2]
+    assert not x.is_contiguous()
+    a, ctx = tlc().compress(x, "nc")
+    b, _ = tlc().compress(x.contiguous(), "nc")
+    assert torch.equal(a, b)
+    assert tlc().decompress(a, ctx).shape == x.shape
+
+
+def test_error_feedback_accumulates_what_was_dropped():
+    torch.manual_seed(3)
+    c = tlc(1.5)
+    total_true, total_sent = torch.zeros(5000), torch.zeros(5000)
+    for _ in range(30):
+        g = torch.randn(5000)
+        payload, ctx = c.compress(g, "layer")
+        total_true += g
+        total_sent += c.decompress(payload, ctx)
+    e = c.memory.residuals["layer"]
+    assert torch.allclose(total_sent + e, total_true, atol=1e-4)
+    # error feedback keeps the residual bounded, it does not grow with the step count
+    assert e.abs().max() < 10 * total_true.abs().max() / 30**0.5
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_gives_all_nan_and_keeps_residual(bad):
+    c = tlc()
+    c.compress(torch.randn(100), "g")
+    before = c.memory.residuals["g"].clone()
+    x = torch.randn(100)
+    x[17] = bad
+    payload, ctx = c.compress(x, "g")
+    header, _ = c.read_header(payload)
+    assert header.nonfinite and header.body_len == 0
+    out = c.decompress(payload, ctx)
+    assert out.shape == x.shape and torch.isnan(out).all()
+    assert torch.equal(c.memory.residuals["g"], before)
+    acc = torch.zeros(100)
+    assert torch.isnan(tlc().decode(payload, out=acc, accumulate=True)).all()
+
+
+def test_scale_overflow_is_treated_as_nonfinite():
+    x = torch.tensor([3.0e38, 1.0])  # finite, but 1.9 * 3e38 overflows float32
+    payload, ctx = tlc(1.9).compress(x, "big")
+    assert tlc(1.9).read_header(payload)[0].nonfinite
+    assert torch.isnan(tlc(1.9).decompress(payload, ctx)).all()
+
+
+def test_gradscaler_skips_the_step_on_nonfinite_gradient():
+    """A NaN in one gradient travels as the non-finite flag: GradScaler skips the step."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    c = tlc()
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.randn(3, 4)).sum()
+    scaler.scale(loss).backward()
+    model.weight.grad[0, 0] = float("inf")
+    for name, p in model.named_parameters():
+        payload, ctx = c.compress(p.grad, name)
+        p.grad.copy_(c.decompress(payload, ctx))
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == 2.0**3  # backed off: the step was skipped
+    # and a finite step then goes through
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    for name, p in model.named_parameters():
+        payload, ctx = c.compress(p.grad, name)
+        p.grad.copy_(c.decompress(payload, ctx))
+    scaler.step(opt)
+    assert not torch.equal(before[0], model.weight.detach())
+
+
+def test_state_dict_roundtrip_is_exact():
+    torch.manual_seed(5)
+    a = tlc(1.25)
+    grads = [torch.randn(300) for _ in range(6)]
+    for g in grads[:3]:
+        a.compress(g, "p")
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    b = tlc(1.25)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf))
+    for g in grads[3:]:
+        pa, _ = a.compress(g, "p")
+        pb, _ = b.compress(g, "p")
+        assert torch.equal(pa, pb)
+    with pytest.raises(ValueError, match="sparsity"):
+        tlc(1.5).load_state_dict(a.state_dict())

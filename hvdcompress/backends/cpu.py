@@ -1,9 +1,12 @@
-"""CPU backend: the C library in ``hvdcompress/csrc`` called through ctypes.
+"""CPU backend: the C library of ``kernels/*.c`` (``threelc.c``, ``primitives.c``) called
+through ctypes.
 
-The library is built by ``pip install`` (setup.py). When the package runs from a
-source tree without that build (a GPU node that only has the checkout on
-PYTHONPATH), it is compiled once with the system C compiler into
-``$HVDC_CACHE`` (default ``~/.cache/hvdcompress``), keyed by a hash of the sources.
+The library is built by ``pip install`` (setup.py) as ``hvdcompress._codec_cpu``. When
+the package runs without that build (a GPU node that only has the checkout on
+PYTHONPATH), or a source is newer than it (an edited checkout), it is compiled once with
+the system C compiler into ``$HVDC_CACHE`` (default ``~/.cache/hvdcompress``), keyed by a
+hash of the sources and flags. Sources, flags and where to find them (the repo's
+``kernels/`` or the installed package's copy) come from ``hvdcompress._native``.
 
 Each call passes raw data pointers of contiguous tensors; the C functions neither
 allocate nor keep pointers, so the GIL is released (ctypes does this) and tensors
@@ -25,12 +28,11 @@ from pathlib import Path
 
 import torch
 
+from hvdcompress import _native
 from hvdcompress.backends import ThreeLCEncoded
 from hvdcompress.wire import PayloadError
 
-_PKG = Path(__file__).resolve().parents[1]
-_SOURCES = sorted((_PKG / "csrc").glob("*.c"))
-_C_FLAGS = ["-O3", "-std=c11", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+_SOURCES = [_native.kernel_dir() / name for name in _native.C_SOURCES]
 
 _i64, _u32, _f32, _int, _p = (
     ctypes.c_int64,
@@ -52,35 +54,50 @@ _SIGNATURES = {
     "hvdc_tlc_dequantize": (_i64, [_p, _i64, _f32, _p, _int]),
     "hvdc_tlc_decode": (_i64, [_p, _i64, _i64, _f32, _p, _int]),
     "hvdc_checksum": (_u32, [_p, _i64, _i64]),
-    # baseline codecs (csrc/baselines_cpu.c)
-    "hvdc_bl_uniform": (None, [ctypes.c_uint64, _i64, _i64, _p]),
-    "hvdc_bl_bitpack": (None, [_p, _i64, _int, _p]),
-    "hvdc_bl_bitunpack": (_i64, [_p, _i64, _i64, _int, _p]),
-    "hvdc_bl_chunk_sums": (None, [_p, _i64, _i64, _int, _p]),
+    # shared primitives (kernels/primitives.c)
+    "hvdc_prim_uniform": (None, [ctypes.c_uint64, _i64, _i64, _p]),
+    "hvdc_prim_bitpack": (None, [_p, _i64, _int, _p]),
+    "hvdc_prim_bitunpack": (_i64, [_p, _i64, _i64, _int, _p]),
+    "hvdc_prim_chunk_sums": (None, [_p, _i64, _i64, _int, _p]),
 }
-_ERRORS = {
+# Negative return codes of the decoders, per source file.
+_ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
     -1: "zero-run decoding does not give exactly ceil(numel / 5) quartic bytes",
     -2: "a quartic byte is above 242",
     -3: "a padding digit of the last group is not zero",
+}
+_PRIM_ERRORS = {  # kernels/primitives.c (PRIM_ERR_*)
+    -1: "the packed body does not have ceil(numel * bits / 8) bytes",
+    -4: "a padding bit after the last packed value is set",
 }
 NONFINITE_BITS = 0x7F800000  # abs bits at or above this are Inf or NaN
 
 
 def _built_library() -> Path | None:
-    """The library pip built, unless a source file is newer (an edited checkout)."""
-    newest_source = max(src.stat().st_mtime for src in _SOURCES)
+    """The library pip built, unless a source file is newer (an edited checkout). The
+    sources an installed package ships (hvdcompress/kernels) come from the library's own
+    build, whatever their file times after unpacking: they never make it stale."""
+    newest_source = 0.0
+    if _native.kernel_dir() != _native.PACKAGE_DIR / _native.SOURCE_DIR:
+        newest_source = max((src.stat().st_mtime for src in _SOURCES if src.is_file()), default=0)
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        candidate = _PKG / f"_codec_cpu{suffix}"
+        candidate = _native.PACKAGE_DIR / f"{_native.CPU_LIBRARY}{suffix}"
         if candidate.exists() and candidate.stat().st_mtime >= newest_source:
             return candidate
     return None
 
 
 def _compile_library() -> Path:
+    missing = [str(src) for src in _SOURCES if not src.is_file()]
+    if missing:
+        raise RuntimeError(
+            f"hvdcompress: the CPU codec library needs compiling but its sources are "
+            f"missing ({', '.join(missing)}); run `pip install .`"
+        )
     digest = hashlib.sha256()
     for src in _SOURCES:
         digest.update(src.read_bytes())
-    digest.update(" ".join(_C_FLAGS).encode())
+    digest.update(" ".join(_native.C_FLAGS).encode())
     cache = Path(os.environ.get("HVDC_CACHE", Path.home() / ".cache" / "hvdcompress"))
     target = cache / f"codec_cpu-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -95,7 +112,8 @@ def _compile_library() -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
         subprocess.run(
-            [cc, *_C_FLAGS, "-shared", "-fPIC", "-o", str(out), *map(str, _SOURCES)], check=True
+            [cc, *_native.C_FLAGS, "-shared", "-fPIC", "-o", str(out), *map(str, _SOURCES)],
+            check=True,
         )
         os.replace(out, target)  # atomic: concurrent ranks may compile at once
     return target
@@ -132,9 +150,10 @@ def _scratch(nbytes: int) -> torch.Tensor:
     return buf
 
 
-def _check(code: int, field: str = "body") -> None:
+def _check(code: int, errors: dict[int, str] = _ERRORS) -> None:
+    """Raise PayloadError (field "body") for a negative return code of the C library."""
     if code < 0:
-        raise PayloadError(field, _ERRORS.get(code, f"error code {code}"))
+        raise PayloadError("body", errors.get(code, f"error code {code}"))
 
 
 def scale_for(max_bits: int, sparsity: float) -> tuple[float, bool]:
@@ -216,41 +235,34 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
     return out
 
 
-# ---- baseline codecs' primitives (csrc/baselines_cpu.c; see hvdcompress.codecs.primitives) ----
-
-_BL_ERRORS = {
-    -1: "the packed body does not have ceil(numel * bits / 8) bytes",
-    -4: "a padding bit after the last packed value is set",
-}
+# ---- shared primitives (kernels/primitives.c; see hvdcompress.codecs.primitives) ----------
 
 
-def bl_uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
+def uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
     """n float32 uniforms in [0, 1): counter-based, element i from (key, i)."""
     out = torch.empty(n, dtype=torch.float32)
     if n:
-        LIB.hvdc_bl_uniform(key, 0, n, _ptr(out))
+        LIB.hvdc_prim_uniform(key, 0, n, _ptr(out))
     return out
 
 
-def bl_bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n = codes.numel()
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
     if n:
-        LIB.hvdc_bl_bitpack(_ptr(codes), n, bits, _ptr(out))
+        LIB.hvdc_prim_bitpack(_ptr(codes), n, bits, _ptr(out))
     return out
 
 
-def bl_bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+def bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     codes = torch.empty(n, dtype=torch.uint8)
-    code = LIB.hvdc_bl_bitunpack(_ptr(buf), buf.numel(), n, bits, _ptr(codes))
-    if code < 0:
-        raise PayloadError("body", _BL_ERRORS.get(code, f"error code {code}"))
+    _check(LIB.hvdc_prim_bitunpack(_ptr(buf), buf.numel(), n, bits, _ptr(codes)), _PRIM_ERRORS)
     return codes
 
 
-def bl_chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
+def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
     n = x.numel()
     out = torch.empty((n + chunk - 1) // chunk, dtype=torch.float64)
     if n:
-        LIB.hvdc_bl_chunk_sums(_ptr(x), n, chunk, int(square), _ptr(out))
+        LIB.hvdc_prim_chunk_sums(_ptr(x), n, chunk, int(square), _ptr(out))
     return out

@@ -1,10 +1,12 @@
-"""CUDA backend: the kernels of ``kernels/threelc.cu`` compiled by NVRTC through CuPy.
+"""CUDA backend: the kernels of ``kernels/*.cu`` compiled by NVRTC through CuPy.
 
-Same protocol and the same bytes as the CPU backend (``hvdcompress.backends``). The
-source is found in ``hvdcompress/kernels/`` when the package was installed with it,
-else in the source tree's ``kernels/`` (a checkout on PYTHONPATH); it is compiled once
-per process and device (CuPy also caches the binary on disk) with FMA contraction, flush
-to zero and approximate division turned off.
+Same protocol and the same bytes as the CPU backend (``hvdcompress.backends``). Each .cu
+file is one kernel family (``KernelFamily``: ``THREELC``, ``PRIMITIVES``), compiled into its
+own module once per process and device, on the first launch of one of its kernels (CuPy
+also caches the binary on disk), with ``NVRTC_OPTIONS`` (``hvdcompress._native``: FMA
+contraction, flush to zero and approximate division turned off). The sources are found by
+``kernel_dir()``: in ``hvdcompress/kernels/`` when the package was installed with them,
+else in the source tree's ``kernels/`` (a checkout on PYTHONPATH).
 
 Tensors stay torch tensors: kernels get their raw device pointers (zero-copy; the
 tensors are alive for the whole call and every kernel and torch op of a call runs, in
@@ -20,53 +22,65 @@ from __future__ import annotations
 
 import threading
 import warnings
-from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from hvdcompress._native import NVRTC_OPTIONS, kernel_dir
 from hvdcompress.backends import ThreeLCEncoded
 from hvdcompress.wire import PayloadError
 
-KERNEL_FILE = "threelc.cu"
-KERNEL_NAMES = (
-    "threelc_absmax",
-    "threelc_quantize_quartic",
-    "threelc_quartic_encode",
-    "threelc_zre_run_starts",
-    "threelc_zre_flags",
-    "threelc_zre_scatter",
-    "threelc_zre_lengths",
-    "threelc_zre_decode_check",
-    "threelc_zre_expand",
-    "threelc_quartic_decode_scale",
-    "threelc_quartic_decode",
-    "hvd_checksum",
+
+class KernelFamily(NamedTuple):
+    """One .cu file of ``kernel_dir()`` and the ``extern "C"`` kernels launched from it."""
+
+    file: str
+    names: tuple[str, ...]
+
+
+THREELC = KernelFamily(
+    "threelc.cu",
+    (
+        "threelc_absmax",
+        "threelc_quantize_quartic",
+        "threelc_quartic_encode",
+        "threelc_zre_run_starts",
+        "threelc_zre_flags",
+        "threelc_zre_scatter",
+        "threelc_zre_lengths",
+        "threelc_zre_decode_check",
+        "threelc_zre_expand",
+        "threelc_quartic_decode_scale",
+        "threelc_quartic_decode",
+        "hvd_checksum",
+    ),
 )
-# IEEE float32 everywhere: no FMA contraction, no flush to zero, IEEE division (the
-# kernels use __fadd_rn & co. anyway; these keep any other expression honest too).
-NVRTC_OPTIONS = (
-    "--std=c++17",
-    "--fmad=false",
-    "--ftz=false",
-    "--prec-div=true",
-    "--prec-sqrt=true",
+# The shared primitives of hvdcompress.codecs.primitives (C twin: kernels/primitives.c).
+PRIMITIVES = KernelFamily(
+    "primitives.cu",
+    ("primitives_uniform", "primitives_bitpack", "primitives_bitunpack", "primitives_chunk_sums"),
 )
+FAMILIES = (THREELC, PRIMITIVES)
+_FAMILY_OF = {name: family for family in FAMILIES for name in family.names}
+
 BLOCK = 256  # threads per block; a multiple of 32 (the kernels' warp reductions need it)
 BLOCKS_PER_SM = 8  # grid-stride loops: at most this many blocks per multiprocessor
 
-# Words of the kernels' state array (HVD_ST_* in kernels/threelc.cu).
+# Words of the kernels' state array (HVD_ST_* in kernels/threelc.cu; primitives.cu uses
+# only the error word).
 _ST_ABSMAX, _ST_SCALE, _ST_NONFINITE, _ST_ERROR, _ST_COUNT, _ST_LAST, _ST_SUM = 0, 1, 2, 3, 4, 6, 7
 _STATE_WORDS = 8
-# Error bits (HVD_ERR_*).
+# Error bits (HVD_ERR_*; HVD_PRIM_ERR_PADDING of primitives.cu).
 ERR_LENGTH, ERR_BYTE, ERR_PADDING, ERR_OVERFLOW, ERR_INPUT = 1, 2, 4, 8, 16
+_PRIM_ERR_PADDING = 4
 _ZERO_GROUP, _RUN_GROUP = 121, 243  # quartic byte of five zeros; decode-internal run marker
 _MAX_RUN = 14
 _NULL = np.uint64(0)
 
-# Seams for tests/test_host_kernels.py, which runs this module's code on CPU tensors with
-# the kernels compiled for the host behind a stand-in for CuPy (checking every kernel
-# argument's type against kernels/threelc.cu). Nothing else changes them.
+# Seams for tests/host_kernels/, which run this module's code on CPU tensors with the
+# kernels compiled for the host behind a stand-in for CuPy (checking every kernel
+# argument's type against the .cu sources). Nothing else changes them.
 DEVICE_TYPE = "cuda"
 
 
@@ -84,15 +98,6 @@ def _torch_stream(device_index: int):
     return torch.cuda.current_stream(device_index)
 
 
-def kernel_dir() -> Path:
-    """Folder holding the .cu sources: packaged ``hvdcompress/kernels`` or the repo's."""
-    here = Path(__file__).resolve()
-    packaged = here.parents[1] / "kernels"
-    if (packaged / KERNEL_FILE).is_file():
-        return packaged
-    return here.parents[2] / "kernels"
-
-
 # ---- availability -------------------------------------------------------------------------
 
 _reason_lock = threading.Lock()
@@ -103,7 +108,8 @@ def gpu_unavailable_reason() -> str | None:
     """Why the CUDA kernels cannot run here (for tests to skip with), or None if they can.
 
     Checks, in order: CuPy imports; torch sees a CUDA device; CuPy sees the driver and a
-    device; the kernels compile and load on the current device. Cached per process.
+    device; every kernel family compiles and loads on the current device. Cached per
+    process.
     """
     with _reason_lock:
         if not _reason:
@@ -127,13 +133,14 @@ def _find_reason() -> str | None:
         return f"CuPy {cupy.__version__} cannot use the CUDA driver: {exc}"
     if count == 0:
         return f"CuPy {cupy.__version__} sees no CUDA device"
-    source = kernel_dir() / KERNEL_FILE
-    if not source.is_file():
-        return f"kernel source {source} is missing"
-    try:
-        _module(torch.cuda.current_device())
-    except Exception as exc:  # NVRTC not found, compile error, module load error
-        return f"cannot compile or load {source} with CuPy {cupy.__version__}: {exc}"
+    for family in FAMILIES:
+        source = kernel_dir() / family.file
+        if not source.is_file():
+            return f"kernel source {source} is missing"
+        try:
+            _module(torch.cuda.current_device(), family)
+        except Exception as exc:  # NVRTC not found, compile error, module load error
+            return f"cannot compile or load {source} with CuPy {cupy.__version__}: {exc}"
     return None
 
 
@@ -141,28 +148,29 @@ def _find_reason() -> str | None:
 
 
 class _Module:
-    """The compiled kernels on one device."""
+    """The kernels of one family, compiled and loaded on one device."""
 
-    def __init__(self, device_index: int):
+    def __init__(self, device_index: int, family: KernelFamily):
         cupy = _import_cupy()
-        source = (kernel_dir() / KERNEL_FILE).read_text()
+        source = (kernel_dir() / family.file).read_text()
         with cupy.cuda.Device(device_index) as dev:
             module = cupy.RawModule(code=source, options=NVRTC_OPTIONS)
-            self.functions = {name: module.get_function(name) for name in KERNEL_NAMES}
+            self.functions = {name: module.get_function(name) for name in family.names}
             sms = dev.attributes["MultiProcessorCount"]
         self.max_blocks = max(1, BLOCKS_PER_SM * sms)
         self.module = module
 
 
-_modules: dict[int, _Module] = {}
+_modules: dict[tuple[str, int], _Module] = {}  # by (family file, device index)
 _modules_lock = threading.Lock()
 
 
-def _module(device_index: int) -> _Module:
+def _module(device_index: int, family: KernelFamily) -> _Module:
+    key = (family.file, device_index)
     with _modules_lock:
-        mod = _modules.get(device_index)
+        mod = _modules.get(key)
         if mod is None:
-            mod = _modules[device_index] = _Module(device_index)
+            mod = _modules[key] = _Module(device_index, family)
         return mod
 
 
@@ -176,7 +184,8 @@ def _cupy_stream(cupy, tstream, device_index: int):
 
 
 class _Launcher:
-    """Context for one call: the device, torch's current stream (made CuPy's), kernels."""
+    """Context for one call: the device, torch's current stream (made CuPy's), and any
+    kernel of any family (its module loaded on the first launch)."""
 
     def __init__(self, device: torch.device):
         cupy = _import_cupy()
@@ -184,7 +193,7 @@ class _Launcher:
             raise TypeError(f"the CUDA backend got a tensor on {device}")
         self.index = _device_index(device)
         self.device = device
-        self.mod = _module(self.index)
+        self._mods: dict[KernelFamily, _Module] = {}
         self._dev = cupy.cuda.Device(self.index)
         self._stream = _cupy_stream(cupy, _torch_stream(self.index), self.index)
 
@@ -202,8 +211,12 @@ class _Launcher:
         the kernels are grid-stride loops)."""
         if work <= 0:
             return
-        blocks = min(-(-work // BLOCK), self.mod.max_blocks)
-        self.mod.functions[name]((blocks,), (BLOCK,), args)
+        family = _FAMILY_OF[name]
+        mod = self._mods.get(family)
+        if mod is None:
+            mod = self._mods[family] = _module(self.index, family)
+        blocks = min(-(-work // BLOCK), mod.max_blocks)
+        mod.functions[name]((blocks,), (BLOCK,), args)
 
     def state(self) -> torch.Tensor:
         return torch.zeros(_STATE_WORDS, dtype=torch.int32, device=self.device)
@@ -277,22 +290,9 @@ def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> 
     n = g.numel()
     if n == 0:
         return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8, device=g.device), 0.0, False)
-    m = (n + 4) // 5
     with _Launcher(g.device) as k:
         state = k.state()
-        k("threelc_absmax", n, _ptr(g), _ptr(e), np.int64(n), _ptr(state))
-        quartic = k.empty(m, torch.uint8)
-        k(
-            "threelc_quantize_quartic",
-            m,
-            _ptr(g),
-            _ptr(e),
-            np.int64(n),
-            s,
-            _ptr(state),
-            _ptr(quartic),
-            _NULL,
-        )
+        quartic = _quantize_quartic(k, g, e, s, state, None)
         out = _zre_encode(k, quartic, state)
         host = _read_state(state)
     if host[_ST_NONFINITE]:
@@ -300,6 +300,34 @@ def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> 
         # not write it).
         return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8, device=g.device), 0.0, True)
     return ThreeLCEncoded(out[: _count(host)], _f32(host[_ST_SCALE]), False)
+
+
+def _quantize_quartic(
+    k: _Launcher,
+    x: torch.Tensor,
+    e: torch.Tensor | None,
+    s: np.float32,
+    state: torch.Tensor,
+    q_out: torch.Tensor | None,
+) -> torch.Tensor:
+    """max|x + e| into state, then the fused quantize + quartic encode: returns the
+    ceil(n / 5) quartic bytes; S and the non-finite flag go to state, e (when given) is
+    updated and q_out (int8, when given) written. x must have n >= 1 elements."""
+    n = x.numel()
+    k("threelc_absmax", n, _ptr(x), _ptr(e), np.int64(n), _ptr(state))
+    quartic = k.empty((n + 4) // 5, torch.uint8)
+    k(
+        "threelc_quantize_quartic",
+        quartic.numel(),
+        _ptr(x),
+        _ptr(e),
+        np.int64(n),
+        s,
+        _ptr(state),
+        _ptr(quartic),
+        _ptr(q_out),
+    )
+    return quartic
 
 
 def _zre_encode(k: _Launcher, qb: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -436,19 +464,7 @@ def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tens
         return q, torch.zeros((), dtype=torch.float32, device=x.device)
     with _Launcher(x.device) as k:
         state = k.state()
-        k("threelc_absmax", n, _ptr(x), _NULL, np.int64(n), _ptr(state))
-        quartic = k.empty((n + 4) // 5, torch.uint8)
-        k(
-            "threelc_quantize_quartic",
-            quartic.numel(),
-            _ptr(x),
-            _NULL,
-            np.int64(n),
-            s,
-            _ptr(state),
-            _ptr(quartic),
-            _ptr(q),
-        )
+        _quantize_quartic(k, x, None, s, state, q)
         host = _read_state(state)
     if host[_ST_NONFINITE]:
         raise ValueError("quantize: input holds NaN or Inf (or max|x| * sparsity overflows)")
@@ -534,72 +550,27 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
     return out
 
 
-# ---- baseline codecs' primitives (kernels/baselines.cu; see hvdcompress.codecs.primitives) ----
-# A second RawModule per device, compiled on first use like the 3LC one; the launcher is the
-# same (torch's current stream, BLOCK threads, grid-stride kernels).
-
-BL_KERNEL_FILE = "baselines.cu"
-BL_KERNEL_NAMES = ("hvd_bl_uniform", "hvd_bl_bitpack", "hvd_bl_bitunpack", "hvd_bl_chunk_sums")
-_BL_ERR_PADDING = 4
+# ---- shared primitives (kernels/primitives.cu; see hvdcompress.codecs.primitives) ---------
 
 
-class _BlModule:
-    """The compiled baseline kernels on one device."""
-
-    def __init__(self, device_index: int):
-        cupy = _import_cupy()
-        source = (kernel_dir() / BL_KERNEL_FILE).read_text()
-        with cupy.cuda.Device(device_index) as dev:
-            module = cupy.RawModule(code=source, options=NVRTC_OPTIONS)
-            self.functions = {name: module.get_function(name) for name in BL_KERNEL_NAMES}
-            sms = dev.attributes["MultiProcessorCount"]
-        self.max_blocks = max(1, BLOCKS_PER_SM * sms)
-        self.module = module
-
-
-_bl_modules: dict[int, _BlModule] = {}
-
-
-def _bl_module(device_index: int) -> _BlModule:
-    with _modules_lock:
-        mod = _bl_modules.get(device_index)
-        if mod is None:
-            mod = _bl_modules[device_index] = _BlModule(device_index)
-        return mod
-
-
-class _BlLauncher(_Launcher):
-    """_Launcher with the baseline kernels."""
-
-    def __init__(self, device: torch.device):
-        cupy = _import_cupy()
-        if device.type != DEVICE_TYPE:
-            raise TypeError(f"the CUDA backend got a tensor on {device}")
-        self.index = _device_index(device)
-        self.device = device
-        self.mod = _bl_module(self.index)
-        self._dev = cupy.cuda.Device(self.index)
-        self._stream = _cupy_stream(cupy, _torch_stream(self.index), self.index)
-
-
-def bl_uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
+def uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
     """n float32 uniforms in [0, 1) on ``device``: counter-based, element i from (key, i)."""
     out = torch.empty(n, dtype=torch.float32, device=device)
     if n:
-        with _BlLauncher(out.device) as k:
-            k("hvd_bl_uniform", n, np.uint64(key), np.int64(0), np.int64(n), _ptr(out))
+        with _Launcher(out.device) as k:
+            k("primitives_uniform", n, np.uint64(key), np.int64(0), np.int64(n), _ptr(out))
     return out
 
 
-def bl_bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     _check_tensor(codes, "codes", torch.uint8)
     n = codes.numel()
     nbytes = (n * bits + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=codes.device)
     if n:
-        with _BlLauncher(codes.device) as k:
+        with _Launcher(codes.device) as k:
             k(
-                "hvd_bl_bitpack",
+                "primitives_bitpack",
                 nbytes,
                 _ptr(codes),
                 np.int64(n),
@@ -610,16 +581,16 @@ def bl_bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def bl_bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+def bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     _check_tensor(buf, "buf", torch.uint8)
     if buf.numel() != (n * bits + 7) // 8:
         raise PayloadError("body", "the packed body does not have ceil(numel * bits / 8) bytes")
     codes = torch.empty(n, dtype=torch.uint8, device=buf.device)
     if n:
-        with _BlLauncher(buf.device) as k:
+        with _Launcher(buf.device) as k:
             state = k.state()
             k(
-                "hvd_bl_bitunpack",
+                "primitives_bitunpack",
                 n,
                 _ptr(buf),
                 np.int64(buf.numel()),
@@ -629,20 +600,20 @@ def bl_bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
                 _ptr(state),
             )
             err = int(_read_state(state)[_ST_ERROR])
-        if err & _BL_ERR_PADDING:
+        if err & _PRIM_ERR_PADDING:
             raise PayloadError("body", "a padding bit after the last packed value is set")
     return codes
 
 
-def bl_chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
+def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
     _check_tensor(x, "x", torch.float32)
     n = x.numel()
     chunks = (n + chunk - 1) // chunk
     out = torch.empty(chunks, dtype=torch.float64, device=x.device)
     if n:
-        with _BlLauncher(x.device) as k:
+        with _Launcher(x.device) as k:
             k(
-                "hvd_bl_chunk_sums",
+                "primitives_chunk_sums",
                 chunks,
                 _ptr(x),
                 np.int64(n),

@@ -10,9 +10,9 @@ numbers from the header alone:
 
 ``mix64`` is SplitMix64's output function, so u_i is output number i + 1 of the SplitMix64
 stream seeded with ``key``, reduced to its top 24 bits: an exact float32 in [0, 1) (C in
-hvdcompress/csrc/baselines_cpu.c, CUDA in kernels/baselines.cu, NumPy in
-``uniform_numpy``; all bit-identical). ``tensor_id`` is a 64-bit hash of the tensor's
-name, so the same names give the same ids on every rank.
+kernels/primitives.c, CUDA in kernels/primitives.cu, NumPy in ``uniform_numpy``; all
+bit-identical). ``tensor_id`` is a 64-bit hash of the tensor's name, so the same names
+give the same ids on every rank.
 
 Bit packing is LSB first: value i occupies bits [i b, i b + b) of the little-endian bit
 stream, 1 <= b <= 8; padding bits are zero and decoding rejects anything else.
@@ -78,7 +78,7 @@ def check_rank(rank: int) -> int:
 
 def uniform(key: int, n: int, device: torch.device) -> torch.Tensor:
     """n float32 uniforms in [0, 1) on ``device``; element i depends only on (key, i)."""
-    return for_device(device).bl_uniform(key, n, device)
+    return for_device(device).uniform(key, n, device)
 
 
 def uniform_numpy(key: int, n: int, offset: int = 0) -> np.ndarray:
@@ -107,7 +107,7 @@ def bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise TypeError(f"bitpack takes uint8 codes, got {codes.dtype}")
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in [1, 8], got {bits}")
-    return for_device(codes.device).bl_bitpack(codes.reshape(-1).contiguous(), bits)
+    return for_device(codes.device).bitpack(codes.reshape(-1).contiguous(), bits)
 
 
 def bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
@@ -118,12 +118,12 @@ def bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
             f"{buf.numel()} packed bytes cannot hold {n} values of {bits} bits "
             f"(expected {packed_len(n, bits)})",
         )
-    return for_device(buf.device).bl_bitunpack(buf.reshape(-1).contiguous(), n, bits)
+    return for_device(buf.device).bitunpack(buf.reshape(-1).contiguous(), n, bits)
 
 
 def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
     """float64 sums of |x| (or x^2) over consecutive chunks, order fixed (see module doc)."""
-    return for_device(x.device).bl_chunk_sums(x, chunk, square)
+    return for_device(x.device).chunk_sums(x, chunk, square)
 
 
 def abs_sum(x: torch.Tensor, chunk: int = 1024) -> float:

@@ -1,22 +1,37 @@
-"""The compressor interface: a codec plus per-tensor state, speaking the wire format.
+"""The two compressor interfaces: gather-only (byte payloads) and summable (dense payloads).
 
-``compress(tensor, name) -> (payload, ctx)`` turns a gradient into a self-describing
-uint8 payload (hvdcompress.wire) on the tensor's device; ``decode(payload)`` turns
-any rank's payload back into a tensor, validating every header field first;
-``decompress(payload, ctx)`` is decode plus a check that the payload is the one the
-caller expects (shape, dtype, codec).
+A compressor is a codec (pure tensor math, ``hvdcompress.codecs``) plus per-tensor state
+(error-feedback residuals, RNG step counters, PowerSGD's Q). Every compressor declares
+its registry entry (``name``, ``wire_id``, ``params``, ``examples``: see
+``hvdcompress.registry``) and has the same life cycle in the optimizer: ``bind(rank,
+size)`` once, ``check_optimizer(optimizer)`` once, ``compress`` per tensor and step,
+``pop_metrics()`` per step, ``state_dict()`` in checkpoints. Defaults are declared here:
+a compressor overrides only what it needs.
+
+* ``GatherCompressor``: ``compress`` encodes a tensor into a self-describing uint8
+  payload (``hvdcompress.wire``); the payloads of all ranks are gathered and every rank
+  decodes every payload in rank order (``decode_parsed``, accumulating into float32). A
+  subclass implements ``encode`` (to flags, codec parameters and body),
+  ``check_params`` and ``max_numel`` (validation of a received header) and
+  ``decode_into`` (the body into a float32 output). Invariant: a payload either decodes
+  to a tensor of exactly the header's (and, when given, the receiver's expected) shape
+  and dtype, or raises ``PayloadError`` naming the field; the output is untouched then.
+* ``SummableCompressor``: ``compress`` gives a dense tensor that an allreduce may sum;
+  ``phases`` > 1 (PowerSGD: P, then Q) makes the next phase's dense tensor from the
+  summed one (``next_phase``); ``decompress`` turns the last sum into the gradient sum.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
 
 from hvdcompress import wire
-from hvdcompress.backends import for_device
+from hvdcompress.registry import Param
 from hvdcompress.wire import PayloadError
 
 
@@ -34,6 +49,11 @@ def check_scale(header, scale: float) -> None:
         raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
 
 
+def as_float32(value: float) -> float:
+    """Round a Python float to the nearest float32 (as the wire stores it)."""
+    return float(np.float32(value))
+
+
 @dataclass(frozen=True)
 class Ctx:
     """What the sender knows about a tensor that the payload must match."""
@@ -44,14 +64,117 @@ class Ctx:
     device: torch.device
 
 
+class Encoded(NamedTuple):
+    """What ``GatherCompressor.encode`` returns: header flags, packed codec parameters and
+    the body bytes on the tensor's device."""
+
+    flags: int
+    params: bytes
+    body: torch.Tensor
+
+
 class Compressor:
-    """Base class. Subclasses set ``name`` and implement ``_encode`` and ``_decode_body``."""
+    """What both kinds share: the registry declaration, binding, metrics and state."""
 
-    name: str = ""
-    summable: bool = False  # True: payloads may be summed by an allreduce (fp16, PowerSGD)
-    error_feedback: bool = False
+    # ---- registry declaration (hvdcompress.registry) -------------------------------------
+    name: ClassVar[str] = ""
+    wire_id: ClassVar[int | None] = None  # codec id in the payload header (gather-only)
+    params: ClassVar[dict[str, Param]] = {}  # one Param per constructor parameter
+    examples: ClassVar[tuple[dict, ...]] = ({},)  # configurations the tests exercise
+    benchmarks: ClassVar[tuple[dict, ...] | None] = None  # bench_codec's; None: examples[:1]
+    attribute: ClassVar[str | None] = None  # Compression.<attribute>; None: the name
+    cat_kind: ClassVar[str | None] = None  # the CAT budget kind this compressor implements
 
-    # ---- public API ---------------------------------------------------------------------
+    summable: ClassVar[bool] = False
+    error_feedback: bool = False  # an instance attribute where it is a parameter
+
+    @classmethod
+    def bench_configs(cls) -> tuple[dict, ...]:
+        return cls.benchmarks if cls.benchmarks is not None else cls.examples[:1]
+
+    @classmethod
+    def compression_attribute(cls) -> str:
+        return cls.attribute or cls.name
+
+    # ---- life cycle in the optimizer (defaults: nothing to do) ---------------------------
+    def bind(self, rank: int, size: int) -> None:
+        """Told by the optimizer which rank this is, out of how many. Compressors that
+        draw random numbers key them by rank; the others ignore it."""
+
+    def check_optimizer(self, optimizer) -> None:
+        """Refuse a wrapped optimizer this compressor cannot work with (DGC: momentum)."""
+
+    def pop_metrics(self) -> dict:
+        """Per-step measurements (NDQSG's aliasing rates), reset by the call."""
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{self.name} keeps no state, got keys {sorted(state)}")
+
+    # ---- both kinds ----------------------------------------------------------------------
+    def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
+        raise NotImplementedError
+
+    def decompress(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        raise NotImplementedError
+
+    def bits_per_value(self, payload: torch.Tensor) -> float:
+        raise NotImplementedError
+
+
+class SummableCompressor(Compressor):
+    """Dense payloads summed by allreduces, ``phases`` of them per step (see module doc)."""
+
+    summable: ClassVar[bool] = True
+    phases: ClassVar[int] = 1
+
+    def next_phase(self, summed: torch.Tensor, ctx: Ctx, phase: int) -> torch.Tensor:
+        """Phase ``phase``'s dense payload from the sum of the previous phase's."""
+        raise NotImplementedError(f"{self.name} has {self.phases} phase(s)")
+
+    def decode(self, payload, **kwargs):
+        raise TypeError(f"{self.name} payloads are summed by an allreduce, not decoded alone")
+
+    def bits_per_value(self, payload: torch.Tensor) -> float:
+        return float(payload.element_size() * 8)
+
+
+class GatherCompressor(Compressor):
+    """Self-describing byte payloads, gathered and decoded by every rank (module doc)."""
+
+    summable: ClassVar[bool] = False
+    uses_side_info: ClassVar[bool] = False  # decode_into gets side_info (NDQSG)
+
+    # ---- to implement ----------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, name: str) -> Encoded:
+        """(flags, packed codec parameters, body bytes on the tensor's device)."""
+        raise NotImplementedError
+
+    def check_params(self, header: wire.Header, name: str | None) -> None:
+        """Validate a received header's codec parameters against what this rank expects
+        for tensor ``name`` (None: not known); raise PayloadError."""
+        raise NotImplementedError
+
+    def max_numel(self, body_len: int, name: str | None) -> int:
+        """The most elements a body of this many bytes can describe (guards allocation)."""
+        raise NotImplementedError
+
+    def decode_into(
+        self,
+        header: wire.Header,
+        body: torch.Tensor,
+        out: torch.Tensor,
+        accumulate: bool,
+        side_info: torch.Tensor | None,
+    ) -> None:
+        """Write (or add) the decoded float32 values into flat ``out``."""
+        raise NotImplementedError
+
+    # ---- send ------------------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
         if tensor.dtype not in wire.DTYPE_IDS:
             raise TypeError(
@@ -59,10 +182,21 @@ class Compressor:
                 "supported: float32, float16, bfloat16"
             )
         ctx = Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device)
-        flags, params, body = self._encode(tensor, name)
+        flags, params, body = self.encode(tensor, name)
         header = wire.Header(self.name, flags, tensor.dtype, ctx.shape, params, body.numel())
-        return self._assemble(header, body), ctx
+        return wire.assemble(header, body), ctx
 
+    def bits_per_value(self, payload: torch.Tensor) -> float:
+        """Bits on the wire per tensor element, header included."""
+        header = wire.parse(payload)
+        return 8.0 * payload.numel() / max(header.numel, 1)
+
+    def read_header(self, payload: torch.Tensor) -> tuple[wire.Header, bytes]:
+        """The parsed header and its raw bytes (see ``wire.parse``)."""
+        header = wire.parse(payload)
+        return header, header.raw
+
+    # ---- receive ---------------------------------------------------------------------------
     def decompress(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         return self.decode(payload, expect=ctx)
 
@@ -75,107 +209,72 @@ class Compressor:
         name: str | None = None,
         out: torch.Tensor | None = None,
         accumulate: bool = False,
+        side_info: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode any rank's payload into a new tensor of the header's shape and dtype.
 
         With ``out`` (contiguous float32 of numel elements) the values are written into
         it, or with ``accumulate`` added to it in float32, and ``out`` is returned: this
-        is how the gather path sums the payloads of all ranks in rank order. Raises
-        PayloadError naming the field, and ``rank`` / ``name`` when given; ``out`` is
-        untouched when it raises.
+        is how the gather path sums the payloads of all ranks in rank order. ``side_info``
+        only for compressors that decode with it (NDQSG). Raises PayloadError naming the
+        field, and ``rank`` / ``name`` when given; ``out`` is untouched when it raises.
         """
         tensor_name = name if name is not None else (expect.name if expect else None)
         try:
-            return self._decode_checked(payload, expect, out, accumulate)
+            header = wire.parse(payload)
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=tensor_name) from None
-
-    def bind(self, rank: int, size: int) -> None:
-        """Told by the optimizer which rank this is, out of how many. Compressors that
-        draw random numbers key them by rank; the others ignore it."""
-
-    def bits_per_value(self, payload: torch.Tensor) -> float:
-        """Bits on the wire per tensor element, header included."""
-        header, _ = self.read_header(payload)
-        return 8.0 * payload.numel() / max(header.numel, 1)
-
-    def state_dict(self) -> dict:
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError(f"{self.name} keeps no state, got keys {sorted(state)}")
-
-    # ---- to implement -------------------------------------------------------------------
-    def _encode(self, tensor: torch.Tensor, name: str) -> tuple[int, bytes, torch.Tensor]:
-        """Return (flags, packed codec params, body bytes on the tensor's device)."""
-        raise NotImplementedError
-
-    def _check_params(self, header: wire.Header) -> None:
-        """Validate the codec parameters of a received header (raise PayloadError)."""
-        raise NotImplementedError
-
-    def _decode_body(
-        self, header: wire.Header, body: torch.Tensor, out: torch.Tensor, accumulate: bool
-    ) -> None:
-        """Write (or add) the decoded float32 values into flat ``out``."""
-        raise NotImplementedError
-
-    def _max_numel(self, body_len: int) -> int:
-        """The most elements a body of this many bytes can describe (guards allocation)."""
-        raise NotImplementedError
-
-    # ---- wire format --------------------------------------------------------------------
-    def _assemble(self, header: wire.Header, body: torch.Tensor) -> torch.Tensor:
-        """Header + body in one tensor; the checksum is one pass over the whole payload."""
-        head = header.pack()  # checksum field zero
-        size = len(head)
-        payload = torch.empty(size + body.numel(), dtype=torch.uint8, device=body.device)
-        backend = for_device(body.device)
-        if body.device.type == "cpu":
-            view = payload.numpy()
-            view[:size] = np.frombuffer(head, dtype=np.uint8)
-            view[size:] = body.numpy()
-            view[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4] = np.frombuffer(
-                backend.checksum(payload, 0).to_bytes(4, "little"), dtype=np.uint8
-            )
-        else:
-            payload[size:].copy_(body)
-            payload[:size].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-            csum = backend.checksum(payload, 0).to_bytes(4, "little")
-            payload[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4].copy_(
-                torch.frombuffer(bytearray(csum), dtype=torch.uint8)
-            )
-        return payload
-
-    def read_header(self, payload: torch.Tensor) -> tuple[wire.Header, bytes]:
-        """Parse the header (one small device-to-host copy); returns it and its raw bytes."""
-        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
-            raise PayloadError(
-                "payload",
-                f"expected a uint8 tensor, got {getattr(payload, 'dtype', type(payload).__name__)}",
-            )
-        if payload.dim() != 1:
-            raise PayloadError(
-                "payload", f"expected a 1-D tensor, got shape {tuple(payload.shape)}"
-            )
-        # a view on the CPU; one small device-to-host copy on a GPU
-        raw = (
-            payload.numpy()
-            if payload.device.type == "cpu"
-            else payload[: wire.MAX_HEADER].cpu().numpy()
+        return self.decode_parsed(
+            header,
+            payload,
+            expect=expect,
+            name=tensor_name,
+            rank=rank,
+            out=out,
+            accumulate=accumulate,
+            side_info=side_info,
         )
-        header = wire.parse_header(raw, payload.numel())
-        return header, raw[: header.size].tobytes()
 
-    def _decode_checked(
+    def decode_parsed(
         self,
+        header: wire.Header,
         payload: torch.Tensor,
-        expect: Ctx | None,
-        out: torch.Tensor | None,
-        accumulate: bool,
+        *,
+        expect: Ctx | None = None,
+        name: str | None = None,
+        rank: int | None = None,
+        out: torch.Tensor | None = None,
+        accumulate: bool = False,
+        side_info: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        header, raw_head = self.read_header(payload)
+        """``decode`` of a payload whose header was parsed already (the gather path parses
+        each payload once, ``wire.parse``)."""
+        if side_info is not None and not self.uses_side_info:
+            raise TypeError(f"{self.name} decodes without side information")
+        try:
+            self._validate(header, payload, expect, name)
+            body = payload[header.size :]
+            if out is not None:
+                _check_out(out, header.numel)
+                if header.nonfinite:
+                    out.fill_(float("nan"))
+                else:
+                    self.decode_into(header, body, out.view(-1), accumulate, side_info)
+                return out
+            if header.nonfinite:
+                return torch.full(
+                    header.shape, float("nan"), dtype=header.dtype, device=payload.device
+                )
+            flat = torch.empty(header.numel, dtype=torch.float32, device=payload.device)
+            self.decode_into(header, body, flat, False, side_info)
+            return flat.view(header.shape).to(header.dtype)
+        except PayloadError as err:
+            raise err.locate(rank=rank, tensor=name) from None
+
+    def _validate(
+        self, header: wire.Header, payload: torch.Tensor, expect: Ctx | None, name: str | None
+    ) -> None:
+        """Every header check before any allocation or body access."""
         if header.codec != self.name:
             raise PayloadError("codec", f"expected {self.name!r}, got {header.codec!r}")
         if expect is not None:
@@ -183,43 +282,21 @@ class Compressor:
                 raise PayloadError("shape", f"expected {tuple(expect.shape)}, got {header.shape}")
             if header.dtype != expect.dtype:
                 raise PayloadError("dtype", f"expected {expect.dtype}, got {header.dtype}")
-        self._check_params(header)
+        self.check_params(header, name)
         if header.nonfinite and header.body_len != 0:
             raise PayloadError(
                 "body_len", f"a non-finite payload carries no body, got {header.body_len} bytes"
             )
-        if not header.nonfinite and header.numel > self._max_numel(header.body_len):
+        if not header.nonfinite and header.numel > self.max_numel(header.body_len, name):
             raise PayloadError(
                 "numel", f"{header.numel} elements cannot come from {header.body_len} body bytes"
             )
-        head_len = header.size
-        body = payload[head_len:]
-        backend = for_device(payload.device)
-        field = raw_head[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4]
-        csum = wire.checksum_without_field(backend.checksum(payload, 0), field)
-        if csum != header.checksum:
-            raise PayloadError(
-                "checksum",
-                f"expected 0x{header.checksum:08x}, computed 0x{csum:08x} (corrupt payload)",
-            )
-        if out is not None:
-            if out.dtype != torch.float32 or out.numel() != header.numel or not out.is_contiguous():
-                raise ValueError(
-                    f"out must be a contiguous float32 tensor of {header.numel} "
-                    f"elements, got {out.dtype} with {out.numel()}"
-                )
-            if header.nonfinite:
-                out.fill_(float("nan"))
-            else:
-                self._decode_body(header, body, out.view(-1), accumulate)
-            return out
-        if header.nonfinite:
-            return torch.full(header.shape, float("nan"), dtype=header.dtype, device=payload.device)
-        flat = torch.empty(header.numel, dtype=torch.float32, device=payload.device)
-        self._decode_body(header, body, flat, False)
-        return flat.view(header.shape).to(header.dtype)
+        wire.verify_checksum(header, payload)
 
 
-def as_float32(value: float) -> float:
-    """Round a Python float to the nearest float32 (as the wire stores it)."""
-    return float(np.float32(value))
+def _check_out(out: torch.Tensor, numel: int) -> None:
+    if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float32 tensor of {numel} "
+            f"elements, got {out.dtype} with {out.numel()}"
+        )

@@ -1,7 +1,7 @@
 """Summable compressors: send the gradient as is (``none``) or cast to 16 bits.
 
 A cast commutes with summation up to rounding, so these payloads ride an allreduce
-(shared/SPEC.md section 1) instead of the allgather the byte-coded codecs need. The
+(SPEC section 1) instead of the allgather the byte-coded codecs need. The
 payload is a dense tensor, not the byte wire format: an allreduce cannot sum
 headers. Values beyond float16's range become Inf, which GradScaler then sees.
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from hvdcompress.compressors.base import Compressor, Ctx
+from hvdcompress.compressors.base import Ctx, SummableCompressor
+from hvdcompress.registry import register
 
 
-class Cast(Compressor):
+class Cast(SummableCompressor):
     """Cast to ``wire_dtype`` for the allreduce and back to the gradient's dtype after."""
 
-    summable = True
     wire_dtype: torch.dtype | None = None  # None: keep the gradient's own dtype
 
     def __init__(self) -> None:
@@ -38,12 +38,6 @@ class Cast(Compressor):
             )
         return payload.view(ctx.shape).to(ctx.dtype)
 
-    def decode(self, payload, **kwargs):
-        raise TypeError(f"{self.name} payloads are summed by an allreduce, not decoded alone")
-
-    def bits_per_value(self, payload: torch.Tensor) -> float:
-        return float(payload.element_size() * 8)
-
 
 def _numel(shape) -> int:
     n = 1
@@ -52,15 +46,18 @@ def _numel(shape) -> int:
     return n
 
 
+@register
 class NoCompression(Cast):
     name = "none"
 
 
+@register
 class FP16(Cast):
     name = "fp16"
     wire_dtype = torch.float16
 
 
+@register
 class BF16(Cast):
     name = "bf16"
     wire_dtype = torch.bfloat16

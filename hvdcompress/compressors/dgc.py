@@ -35,22 +35,33 @@ import struct
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Compressor, empty_body
+from hvdcompress.compressors.base import GatherCompressor, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.registry import Param, register
 from hvdcompress.wire import PayloadError
 
 PARAMS = struct.Struct("<dQd")  # ratio, step, density of this step
 WARMUP_START = 0.25  # density at step 0 of the warm-up (75 % sparsity)
 
 
-class DGC(Compressor):
+@register
+class DGC(GatherCompressor):
     """Top-k (``ratio``, default 0.001) with momentum correction (``momentum`` in [0, 1),
     default 0.9), momentum factor masking, optional local clipping (``clip_norm`` > 0 per
     tensor, scaled by N^-1/2; 0 disables) and sparsity warm-up (``warmup_steps``,
     ``warmup_stages``)."""
 
     name = "dgc"
-    summable = False
+    wire_id = 6
+    params = {
+        "ratio": Param(0.0, 1.0, low_open=True),
+        "momentum": Param(0.0, 1.0, high_open=True),
+        "clip_norm": Param(0.0, None, doc="0: off"),
+        "warmup_steps": Param(0, 2**63, kind="int", high_open=True),
+        "warmup_stages": Param(0, 2**63, kind="int", high_open=True, doc="<= warmup_steps"),
+    }
+    examples = ({"ratio": 0.05}, {"ratio": 0.01, "warmup_steps": 5, "warmup_stages": 2})
+    benchmarks = ({},)
     error_feedback = True
 
     def __init__(
@@ -119,7 +130,7 @@ class DGC(Compressor):
             stage, stages = step, T
         return WARMUP_START * (self.ratio / WARMUP_START) ** (stage / stages)
 
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         g = prim.flat_f32(tensor)
         u = self.velocity.residual(name, g)
         v = self.memory.residual(name, g)
@@ -143,7 +154,7 @@ class DGC(Compressor):
         v.copy_(v_new)
         return 0, params, body
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         if len(header.params) != PARAMS.size:
             raise PayloadError(
                 "params_len", f"dgc has {PARAMS.size} bytes of parameters, got {len(header.params)}"
@@ -160,11 +171,11 @@ class DGC(Compressor):
                 "on the warm-up)",
             )
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         k = body_len // 8  # each kept value costs at least 4 + 4 bytes; density >= ratio
         return math.floor((k + 1) / self.ratio) + 1
 
-    def _decode_body(self, header, body, out, accumulate):
+    def decode_into(self, header, body, out, accumulate, side_info):
         _, _, density = PARAMS.unpack(header.params)
         k = sparse.topk_count(header.numel, density)
         sparse.topk_decode_into(body, header.numel, k, out, accumulate)

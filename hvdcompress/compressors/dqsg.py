@@ -14,18 +14,28 @@ from hvdcompress import wire
 from hvdcompress.codecs import dqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import empty_body
+from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.registry import RANK, SEED, register
 from hvdcompress.wire import PayloadError
 
 PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields)
 
 
+@register
 class DQSG(Stochastic):
     """Dithered quantisation with ``levels`` s in [1, 127] (q in -s..s, default 3, the
     fine lattice of NDQSG) and a delta per ``bucket_size`` (default 512) elements."""
 
     name = "dqsg"
-    summable = False
+    wire_id = 2
+    params = {"levels": LEVELS, "bucket_size": BUCKET, "seed": SEED, "rank": RANK}
+    examples = (
+        {"levels": 3, "bucket_size": 64},
+        {"levels": 1, "bucket_size": 64},
+        {"levels": 127},
+    )
+    benchmarks = ({},)
     error_feedback = False
 
     def __init__(
@@ -38,7 +48,7 @@ class DQSG(Stochastic):
     def __repr__(self) -> str:
         return f"DQSG(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"
 
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         w = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
         params = rng + PARAMS.pack(self.levels, self.bucket_size)
@@ -46,9 +56,9 @@ class DQSG(Stochastic):
             return wire.FLAG_NONFINITE, params, empty_body(w.device)
         return 0, params, dqsg.encode(w, self.levels, self.bucket_size, key)
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)
-        self._rng_check(header.params)
+        self._rng_check(header.params, name)
         levels, bucket = PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
         if (levels, bucket) != (self.levels, self.bucket_size):
             raise PayloadError(
@@ -57,13 +67,13 @@ class DQSG(Stochastic):
                 f"{bucket} (ranks disagree on the compressor)",
             )
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         if self.levels == 1:
             return body_len * threelc.MAX_VALUES_PER_BYTE
         return 8 * body_len // dqsg.dqsg_bits(self.levels)
 
-    def _decode_body(self, header, body, out, accumulate):
-        key = self._rng_check(header.params)
+    def decode_into(self, header, body, out, accumulate, side_info):
+        key = self._stream_key(header.params)
         dqsg.decode_into(body, header.numel, self.levels, self.bucket_size, key, out, accumulate)
 
     def state_dict(self) -> dict:

@@ -4,8 +4,9 @@ A compressor with ``PerTensorLevels`` has one level parameter (3LC ``sparsity``,
 ``ratio``, PowerSGD ``matrix_rank``); ``set_level(name, value)`` overrides it for one
 tensor, ``level(name)`` reads what is in force. Every rank applies the same policy
 decision at the same step, so a receiver expects the level its own decision gives the
-sending tensor: the decoder checks the header's level against ``level(name)``. The
-error-feedback residual is keyed by name only, so it survives a switch.
+sending tensor: ``check_params(header, name)`` checks the header's level against
+``level(name)``. The error-feedback residual is keyed by name only, so it survives a
+switch.
 """
 
 from __future__ import annotations
@@ -34,13 +35,3 @@ class PerTensorLevels:
 
     def clear_levels(self) -> None:
         self.levels.clear()
-
-    # Set during decode so that _check_params can find the tensor's expected level.
-    _decoding: str | None = None
-
-    def decode(self, payload, *, expect=None, rank=None, name=None, **kwargs):
-        self._decoding = name if name is not None else (expect.name if expect else None)
-        try:
-            return super().decode(payload, expect=expect, rank=rank, name=name, **kwargs)
-        finally:
-            self._decoding = None

@@ -34,7 +34,9 @@ from hvdcompress.codecs import dqsg, ndqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs.quant import padded
 from hvdcompress.compressors.base import empty_body
+from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.registry import RANK, SEED, Param, register
 from hvdcompress.wire import PayloadError
 
 # fine levels, coarse levels, bucket size, dqsg_fraction, mode (0 DQSG, 1 nested)
@@ -42,6 +44,7 @@ PARAMS = struct.Struct("<IIIdB")
 MODE_DQSG, MODE_NESTED = 0, 1
 
 
+@register
 class NDQSG(Stochastic):
     """Nested dithered quantisation: fine levels s1 = ``fine_levels`` (default 3), coarse
     s2 = ``coarse_levels`` (default 1; rho = s1 / s2 an integer >= 2), a delta per
@@ -49,9 +52,23 @@ class NDQSG(Stochastic):
     (``dqsg_fraction`` in (0, 1], default 0.5) sending plain DQSG."""
 
     name = "ndqsg"
-    summable = False
+    wire_id = 3
+    params = {
+        "fine_levels": LEVELS,
+        "coarse_levels": LEVELS,
+        "bucket_size": BUCKET,
+        "dqsg_fraction": Param(0.0, 1.0, low_open=True),
+        "seed": SEED,
+        "rank": RANK,
+    }
+    examples = (
+        {"bucket_size": 64},
+        {"fine_levels": 8, "coarse_levels": 2},
+        {"fine_levels": 6, "coarse_levels": 1},
+    )
+    benchmarks = ({},)
     error_feedback = False
-    uses_side_info = True  # the gather path passes side_info= (see module doc)
+    uses_side_info = True  # the gather path passes side_info (see module doc)
 
     def __init__(
         self,
@@ -73,7 +90,6 @@ class NDQSG(Stochastic):
         self.size = 1
         self._init_rng(seed, rank)
         self._sent: dict[int, tuple[int, torch.Tensor]] = {}  # tensor id -> (step, k)
-        self._side: torch.Tensor | None = None
         self._counts = {"estimate": [0, 0], "own": [0, 0]}
         self.last_aliasing_rate: float | None = None
 
@@ -99,7 +115,7 @@ class NDQSG(Stochastic):
         return MODE_NESTED if rank >= self.dqsg_ranks else MODE_DQSG
 
     # ---- encode ---------------------------------------------------------------------------
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         w = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
         mode = self.mode_of(self.rank)
@@ -116,21 +132,12 @@ class NDQSG(Stochastic):
         return 0, params, body
 
     # ---- decode ---------------------------------------------------------------------------
-    def decode(self, payload, *, side_info: torch.Tensor | None = None, **kwargs):
-        """As ``Compressor.decode``; a nested payload needs ``side_info``, the receiver's
-        estimate of the sender's tensor (float32, the tensor's numel), else PayloadError."""
-        self._side = side_info
-        try:
-            return super().decode(payload, **kwargs)
-        finally:
-            self._side = None
-
     def _fields(self, header):
         return PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)
-        self._rng_check(header.params)
+        self._rng_check(header.params, name)
         fine, coarse, bucket, fraction, mode = self._fields(header)
         mine = (self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction)
         if (fine, coarse, bucket, fraction) != mine:
@@ -147,7 +154,7 @@ class NDQSG(Stochastic):
                 f"{mode} (ranks disagree on the world size or dqsg_fraction)",
             )
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         # the larger of the two codes' bounds (the mode is not known here)
         if self.fine_levels == 1:
             dq = body_len * threelc.MAX_VALUES_PER_BYTE
@@ -155,8 +162,8 @@ class NDQSG(Stochastic):
             dq = 8 * body_len // dqsg.dqsg_bits(self.fine_levels)
         return max(dq, ndqsg.max_numel(body_len, self.rho))
 
-    def _side_info(self, n: int, device) -> torch.Tensor | None:
-        y = self._side
+    @staticmethod
+    def _side_info(y, n: int, device) -> torch.Tensor | None:
         if y is None:
             return None
         if not isinstance(y, torch.Tensor):
@@ -165,12 +172,12 @@ class NDQSG(Stochastic):
             raise PayloadError("numel", f"the payload has {n} elements, its side_info {y.numel()}")
         return y.reshape(-1).to(device=device, dtype=torch.float32)
 
-    def _decode_body(self, header, body, out, accumulate):
-        key = self._rng_check(header.params)
+    def decode_into(self, header, body, out, accumulate, side_info):
+        key = self._stream_key(header.params)
         _, step, tid, sender = prim.RNG_PARAMS.unpack_from(header.params, 0)
         mode = self._fields(header)[4]
         n, s1, bucket = header.numel, self.fine_levels, self.bucket_size
-        y = self._side_info(n, out.device)
+        y = self._side_info(side_info, n, out.device)
         if mode == MODE_DQSG:
             q, deltas = dqsg.decode_q(body, n, s1, bucket)
             if n == 0:

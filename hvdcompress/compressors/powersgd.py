@@ -28,9 +28,10 @@ from __future__ import annotations
 import torch
 
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import Compressor, Ctx
+from hvdcompress.compressors.base import Ctx, SummableCompressor
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.registry import SEED, Param, register
 
 MAX_RANK = 64
 RELATIVE_FLOOR = 1e-4
@@ -64,14 +65,17 @@ def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
     return (n, m) if n and m else None
 
 
-class PowerSGD(PerTensorLevels, Compressor):
+@register
+class PowerSGD(PerTensorLevels, SummableCompressor):
     """Rank-``matrix_rank`` PowerSGD (an int in [1, 64], default 1; the paper uses 1, 2, 4)
     with one warm-started power iteration and error feedback; ``seed`` picks the initial Q.
     A policy may set the rank per tensor (``set_level(name, r)``, the same on every rank):
     the warm-started Q keeps its first columns and gains seeded ones, the residual stays."""
 
     name = "powersgd"
-    summable = True
+    params = {"matrix_rank": Param(1, MAX_RANK, kind="int"), "seed": SEED}
+    examples = ({"matrix_rank": 1}, {"matrix_rank": 2})
+    benchmarks = ({"matrix_rank": 2},)
     error_feedback = True
     phases = 2
     level_param = "matrix_rank"
@@ -176,12 +180,6 @@ class PowerSGD(PerTensorLevels, Compressor):
         if prim.all_finite(q_sum):
             self.qs[ctx.name] = q_sum.clone()
         return approx.view(ctx.shape).to(ctx.dtype)
-
-    def decode(self, payload, **kwargs):
-        raise TypeError("powersgd payloads are summed by allreduces, not decoded alone")
-
-    def bits_per_value(self, payload: torch.Tensor) -> float:
-        return float(payload.element_size() * 8)
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:

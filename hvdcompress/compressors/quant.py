@@ -13,17 +13,24 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant, threelc
 from hvdcompress.compressors.base import check_scale, empty_body
 from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.registry import RANK, SEED, Param, register
 from hvdcompress.wire import PayloadError
 
 QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields)
 TERNGRAD_PARAMS = struct.Struct("<f")  # scale M (after the RNG fields)
+LEVELS = Param(1, quant.MAX_LEVELS, kind="int")
+BUCKET = Param(1, 2**31 - 1, kind="int", doc="elements per norm")
 
 
+@register
 class QSGD(Stochastic):
     """QSGD with ``levels`` in [1, 127] (default 16) and a norm per ``bucket_size``."""
 
     name = "qsgd"
-    summable = False
+    wire_id = 7
+    params = {"levels": LEVELS, "bucket_size": BUCKET, "seed": SEED, "rank": RANK}
+    examples = ({"levels": 16, "bucket_size": 64}, {"levels": 1})
+    benchmarks = ({"levels": 16},)
     error_feedback = False
 
     def __init__(
@@ -36,7 +43,7 @@ class QSGD(Stochastic):
     def __repr__(self) -> str:
         return f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"
 
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         x = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
         params = rng + QSGD_PARAMS.pack(self.levels, self.bucket_size)
@@ -47,9 +54,9 @@ class QSGD(Stochastic):
             return wire.FLAG_NONFINITE, params, empty_body(x.device)
         return 0, params, body
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + QSGD_PARAMS.size)
-        self._rng_check(header.params)
+        self._rng_check(header.params, name)
         levels, bucket = QSGD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
         if (levels, bucket) != (self.levels, self.bucket_size):
             raise PayloadError(
@@ -58,10 +65,10 @@ class QSGD(Stochastic):
                 f"{bucket} (ranks disagree on the compressor)",
             )
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         return 8 * body_len // quant.qsgd_bits(self.levels)
 
-    def _decode_body(self, header, body, out, accumulate):
+    def decode_into(self, header, body, out, accumulate, side_info):
         quant.qsgd_decode_into(body, header.numel, self.levels, self.bucket_size, out, accumulate)
 
     def state_dict(self) -> dict:
@@ -71,11 +78,13 @@ class QSGD(Stochastic):
         self._load_rng_state(state)
 
 
+@register
 class TernGrad(Stochastic):
     """TernGrad: stochastic {-1, 0, 1} * max|x| per tensor, quartic + zero-run coded."""
 
     name = "terngrad"
-    summable = False
+    wire_id = 8
+    params = {"seed": SEED, "rank": RANK}
     error_feedback = False
 
     def __init__(self, seed: int = 0, rank: int = 0) -> None:
@@ -84,7 +93,7 @@ class TernGrad(Stochastic):
     def __repr__(self) -> str:
         return f"TernGrad(seed={self.seed})"
 
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         x = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
         if not prim.all_finite(x):
@@ -92,16 +101,16 @@ class TernGrad(Stochastic):
         body, scale = quant.terngrad_encode(x, key)
         return 0, rng + TERNGRAD_PARAMS.pack(scale), body
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + TERNGRAD_PARAMS.size)
-        self._rng_check(header.params)
+        self._rng_check(header.params, name)
         (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
         check_scale(header, scale)
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         return body_len * threelc.MAX_VALUES_PER_BYTE
 
-    def _decode_body(self, header, body, out, accumulate):
+    def decode_into(self, header, body, out, accumulate, side_info):
         (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
         quant.terngrad_decode_into(body, header.numel, scale, out, accumulate)
 

@@ -12,18 +12,20 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
-from hvdcompress.compressors.base import Compressor, check_scale, empty_body
+from hvdcompress.compressors.base import GatherCompressor, check_scale, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.registry import register
 from hvdcompress.wire import PayloadError
 
 EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
 
 
-class SignSGD(Compressor):
+@register
+class SignSGD(GatherCompressor):
     """One bit per value; decodes to +1 / -1 (scale-free, no state)."""
 
     name = "signsgd"
-    summable = False
+    wire_id = 9
     error_feedback = False
 
     def __init__(self) -> None:
@@ -32,30 +34,31 @@ class SignSGD(Compressor):
     def __repr__(self) -> str:
         return "SignSGD()"
 
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         x = prim.flat_f32(tensor)
         if not prim.all_finite(x):
             return wire.FLAG_NONFINITE, b"", empty_body(x.device)
         return 0, b"", sign.sign_bits(x)
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         if header.params:
             raise PayloadError(
                 "params_len", f"signsgd has no parameters, got {len(header.params)} bytes"
             )
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         return 8 * body_len
 
-    def _decode_body(self, header, body, out, accumulate):
+    def decode_into(self, header, body, out, accumulate, side_info):
         sign.decode_into(body, header.numel, None, out, accumulate)
 
 
-class EFSignSGD(Compressor):
+@register
+class EFSignSGD(GatherCompressor):
     """EF-signSGD: mean|g + e| * sign(g + e), one bit per value plus one float32 scale."""
 
     name = "efsignsgd"
-    summable = False
+    wire_id = 10
     error_feedback = True
 
     def __init__(self) -> None:
@@ -64,7 +67,7 @@ class EFSignSGD(Compressor):
     def __repr__(self) -> str:
         return "EFSignSGD()"
 
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         g = prim.flat_f32(tensor)
         e = self.memory.residual(name, g)
         a = g + e
@@ -76,7 +79,7 @@ class EFSignSGD(Compressor):
         e.copy_(a - decoded)
         return 0, EF_PARAMS.pack(scale), body
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         if len(header.params) != EF_PARAMS.size:
             raise PayloadError(
                 "params_len", f"efsignsgd has 4 bytes of parameters, got {len(header.params)}"
@@ -84,10 +87,10 @@ class EFSignSGD(Compressor):
         (scale,) = EF_PARAMS.unpack(header.params)
         check_scale(header, scale)
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         return 8 * body_len
 
-    def _decode_body(self, header, body, out, accumulate):
+    def decode_into(self, header, body, out, accumulate, side_info):
         (scale,) = EF_PARAMS.unpack(header.params)
         sign.decode_into(body, header.numel, scale, out, accumulate)
 

@@ -22,14 +22,16 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Compressor, empty_body
+from hvdcompress.compressors.base import GatherCompressor, empty_body
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.registry import FLAG, RANK, SEED, Param, register
 from hvdcompress.wire import PayloadError
 
 TOPK_PARAMS = struct.Struct("<d")  # ratio
 RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
+RATIO = Param(0.0, 1.0, low_open=True)
 
 
 class RatioLevels(PerTensorLevels):
@@ -40,20 +42,25 @@ class RatioLevels(PerTensorLevels):
     def _check_level(self, value):
         return sparse.check_ratio(value, self.name)
 
-    def _check_ratio(self, ratio: float) -> None:
-        expected = self.level(self._decoding)
+    def _check_ratio(self, ratio: float, name: str | None) -> None:
+        expected = self.level(name)
         if ratio != expected:
             raise PayloadError(
                 "ratio", f"expected {expected}, got {ratio} (ranks disagree on the compressor)"
             )
 
 
-class TopK(RatioLevels, Compressor):
+@register
+class TopK(RatioLevels, GatherCompressor):
     """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|; a policy
     may set it per tensor (``set_level(name, ratio)``), the header carries it."""
 
     name = "topk"
-    summable = False
+    wire_id = 4
+    cat_kind = "topk"
+    params = {"ratio": RATIO}
+    examples = ({"ratio": 0.05},)
+    benchmarks = ({"ratio": 0.01},)
     error_feedback = True
 
     def __init__(self, ratio: float = 0.01) -> None:
@@ -63,7 +70,7 @@ class TopK(RatioLevels, Compressor):
     def __repr__(self) -> str:
         return f"TopK(ratio={self.ratio})"
 
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         g = prim.flat_f32(tensor)
         e = self.memory.residual(name, g)
         a = g + e
@@ -81,18 +88,18 @@ class TopK(RatioLevels, Compressor):
         a[idx] = 0.0
         return body
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         if len(header.params) != TOPK_PARAMS.size:
             raise PayloadError(
                 "params_len", f"topk has 8 bytes of parameters, got {len(header.params)}"
             )
-        self._check_ratio(TOPK_PARAMS.unpack(header.params)[0])
+        self._check_ratio(TOPK_PARAMS.unpack(header.params)[0], name)
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         k = body_len // 8  # each kept value costs at least 4 + 4 bytes
-        return math.floor((k + 1) / self.level(self._decoding)) + 1
+        return math.floor((k + 1) / self.level(name)) + 1
 
-    def _decode_body(self, header, body, out, accumulate):
+    def decode_into(self, header, body, out, accumulate, side_info):
         (ratio,) = TOPK_PARAMS.unpack(header.params)  # checked against level(name)
         k = sparse.topk_count(header.numel, ratio)
         sparse.topk_decode_into(body, header.numel, k, out, accumulate)
@@ -108,11 +115,14 @@ class TopK(RatioLevels, Compressor):
         self.memory.load_state_dict(state["residuals"])
 
 
+@register
 class TopKSign(TopK):
     """Top-k selection sent as one shared magnitude, indices and sign bits (Basu et al.,
     NeurIPS 2019): ``ratio`` as top-k's. Error feedback: e = a - decode(payload)."""
 
     name = "topkq"
+    wire_id = 11
+    cat_kind = "topk+q"
 
     def __repr__(self) -> str:
         return f"TopKSign(ratio={self.ratio})"
@@ -122,11 +132,11 @@ class TopKSign(TopK):
         a[idx] -= sparse.topk_sign_values(m, a[idx] < 0)
         return body
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         k = max(body_len - 4, 0) * 8 // 33  # each kept value costs at least 32 + 1 bits
-        return math.floor((k + 1) / self.level(self._decoding)) + 1
+        return math.floor((k + 1) / self.level(name)) + 1
 
-    def _decode_body(self, header, body, out, accumulate):
+    def decode_into(self, header, body, out, accumulate, side_info):
         (ratio,) = TOPK_PARAMS.unpack(header.params)  # checked against level(name)
         k = sparse.topk_count(header.numel, ratio)
         sparse.topk_sign_decode_into(body, header.numel, k, out, accumulate)
@@ -147,12 +157,16 @@ class SeededSparseState:
         self.memory.load_state_dict(state["residuals"])
 
 
+@register
 class RandomK(SeededSparseState, Stochastic):
     """Keep each entry with probability ``ratio`` (indices regenerated from the seed, not
     sent); ``unbiased`` scales the kept values by 1 / ratio; optional error feedback."""
 
     name = "randomk"
-    summable = False
+    wire_id = 5
+    params = {"ratio": RATIO, "unbiased": FLAG, "error_feedback": FLAG, "seed": SEED, "rank": RANK}
+    examples = ({"ratio": 0.1}, {"ratio": 0.5, "unbiased": False, "error_feedback": True})
+    benchmarks = ({"ratio": 0.01},)
 
     def __init__(
         self,
@@ -175,7 +189,7 @@ class RandomK(SeededSparseState, Stochastic):
             f"error_feedback={self.error_feedback}, seed={self.seed})"
         )
 
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         g = prim.flat_f32(tensor)
         e = self.memory.residual(name, g) if self.error_feedback else None
         a = g + e if e is not None else g
@@ -190,9 +204,9 @@ class RandomK(SeededSparseState, Stochastic):
             e[mask] = a[mask] - values * self._scale if self._scale != 1.0 else 0.0
         return 0, params, values.view(torch.uint8)
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + RANDOMK_PARAMS.size)
-        self._rng_check(header.params)
+        self._rng_check(header.params, name)
         ratio, unbiased = RANDOMK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
         if ratio != self.ratio or unbiased != int(self.unbiased):
             raise PayloadError(
@@ -201,19 +215,20 @@ class RandomK(SeededSparseState, Stochastic):
                 f"{unbiased} (ranks disagree on the compressor)",
             )
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         # A legitimate payload keeps far more than n p / 16 - 64 values (Chernoff): a
         # header claiming more elements is forged. Bounds the allocation.
         p = sparse.randomk_threshold(self.ratio) / sparse.RANDOMK_ONE
         return math.ceil((body_len // 4 + 64) * 16 / p)
 
-    def _decode_body(self, header, body, out, accumulate):
-        key = self._rng_check(header.params)
+    def decode_into(self, header, body, out, accumulate, side_info):
+        key = self._stream_key(header.params)
         sparse.randomk_decode_into(
             body, key, header.numel, self.ratio, self._scale, out, accumulate
         )
 
 
+@register
 class GSpar(RatioLevels, SeededSparseState, Stochastic):
     """Keep entry i with probability p_i = min(1, c |a_i|), sum p_i = ``ratio`` * n in
     expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
@@ -221,6 +236,11 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
     per tensor (``set_level``); the header carries it."""
 
     name = "gspar"
+    wire_id = 12
+    cat_kind = "randomk"
+    params = {"ratio": RATIO, "error_feedback": FLAG, "seed": SEED, "rank": RANK}
+    examples = ({"ratio": 0.1},)
+    benchmarks = ({"ratio": 0.01},)
 
     def __init__(
         self, ratio: float = 0.01, error_feedback: bool = False, seed: int = 0, rank: int = 0
@@ -233,7 +253,7 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
     def __repr__(self) -> str:
         return f"GSpar(ratio={self.ratio}, error_feedback={self.error_feedback}, seed={self.seed})"
 
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         g = prim.flat_f32(tensor)
         e = self.memory.residual(name, g) if self.error_feedback else None
         a = g + e if e is not None else g
@@ -249,16 +269,16 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
             e[idx] -= sent
         return 0, params, body
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + TOPK_PARAMS.size)
-        self._rng_check(header.params)
-        self._check_ratio(TOPK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0])
+        self._rng_check(header.params, name)
+        self._check_ratio(TOPK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0], name)
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         # Kept count ~ ratio * n (a sum of Bernoullis with mean ratio * n): a header
         # claiming far more elements than 16 / ratio times the kept count is forged.
         k = body_len // 8
-        return math.ceil((k + 64) * 16 / self.level(self._decoding))
+        return math.ceil((k + 64) * 16 / self.level(name))
 
-    def _decode_body(self, header, body, out, accumulate):
+    def decode_into(self, header, body, out, accumulate, side_info):
         sparse.gspar_decode_into(body, header.numel, out, accumulate)

@@ -8,18 +8,19 @@ receiver needs nothing but the header. ``step`` counts this compressor's compres
 for that tensor name (saved in ``state_dict``). ``rank`` must differ between ranks that
 compress the same tensor (their random numbers are then independent); the optimizer sets
 it through ``bind(rank, size)``. Decoding checks that the payload's seed is this
-compressor's (ranks agree on it at start-up) and, when the receiver knows the tensor's
-name, that the payload's tensor id is that name's.
+compressor's (ranks agree on it at start-up) and, when the receiver names the tensor,
+that the payload's tensor id is that name's. ``seed`` and ``rank`` are declared once in
+``hvdcompress.registry`` (SEED, RANK).
 """
 
 from __future__ import annotations
 
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import Compressor
+from hvdcompress.compressors.base import GatherCompressor
 from hvdcompress.wire import PayloadError
 
 
-class Stochastic(Compressor):
+class Stochastic(GatherCompressor):
     """Base of the seeded compressors; subclasses call ``_rng_params`` / ``_rng_key``."""
 
     def _init_rng(self, seed: int, rank: int) -> None:
@@ -39,13 +40,25 @@ class Stochastic(Compressor):
         key = prim.rng_key(self.seed, step, rank, tid)
         return prim.RNG_PARAMS.pack(self.seed, step, tid, rank), key
 
-    def _rng_check(self, params: bytes) -> int:
-        """Validate the RNG fields at the start of ``params``; return the stream key."""
-        seed, step, tid, rank = prim.RNG_PARAMS.unpack_from(params, 0)
+    def _rng_check(self, params: bytes, name: str | None) -> None:
+        """Validate the RNG fields at the start of ``params``: this compressor's seed and,
+        when the receiver names the tensor, that tensor's id."""
+        seed, _, tid, _ = prim.RNG_PARAMS.unpack_from(params, 0)
         if seed != self.seed:
             raise PayloadError(
                 "seed", f"expected {self.seed}, got {seed} (ranks disagree on the seed)"
             )
+        if name is not None and tid != prim.tensor_id(name):
+            raise PayloadError(
+                "tensor_id",
+                f"payload is for tensor id 0x{tid:016x}, expected {name!r} "
+                f"(0x{prim.tensor_id(name):016x}): ranks disagree on tensor order",
+            )
+
+    @staticmethod
+    def _stream_key(params: bytes) -> int:
+        """The random stream key of a (validated) payload's RNG fields."""
+        seed, step, tid, rank = prim.RNG_PARAMS.unpack_from(params, 0)
         return prim.rng_key(seed, step, rank, tid)
 
     def _check_params_len(self, header, size: int) -> None:
@@ -54,19 +67,6 @@ class Stochastic(Compressor):
                 "params_len",
                 f"{self.name} has {size} bytes of parameters, got {len(header.params)}",
             )
-
-    def _decode_checked(self, payload, expect, out, accumulate):
-        if expect is not None:
-            header, _ = self.read_header(payload)
-            if header.codec == self.name and len(header.params) >= prim.RNG_PARAMS.size:
-                tid = prim.RNG_PARAMS.unpack_from(header.params, 0)[2]
-                if tid != prim.tensor_id(expect.name):
-                    raise PayloadError(
-                        "tensor_id",
-                        f"payload is for tensor id 0x{tid:016x}, expected {expect.name!r} "
-                        f"(0x{prim.tensor_id(expect.name):016x}): ranks disagree on tensor order",
-                    )
-        return super()._decode_checked(payload, expect, out, accumulate)
 
     def _rng_state(self) -> dict:
         return {"seed": self.seed, "steps": dict(self.steps)}

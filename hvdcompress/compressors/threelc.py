@@ -12,18 +12,24 @@ import torch
 
 from hvdcompress import wire
 from hvdcompress.codecs import threelc
-from hvdcompress.compressors.base import Compressor, as_float32, check_scale
+from hvdcompress.compressors.base import GatherCompressor, as_float32, check_scale
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.registry import Param, register
 from hvdcompress.wire import PayloadError
 
 
-class ThreeLC(PerTensorLevels, Compressor):
+@register
+class ThreeLC(PerTensorLevels, GatherCompressor):
     """3LC with sparsity multiplication ``sparsity`` in [1, 2) (default 1.0); a policy may
     set it per tensor (``set_level(name, s)``), the header carries it."""
 
     name = "3lc"
-    summable = False
+    wire_id = 1
+    attribute = "threelc"  # Compression.threelc
+    params = {"sparsity": Param(1.0, 2.0, high_open=True)}
+    examples = ({"sparsity": 1.0}, {"sparsity": 1.2}, {"sparsity": 1.75}, {"sparsity": 1.9})
+    benchmarks = ({"sparsity": 1.0}, {"sparsity": 1.75})
     error_feedback = True
     level_param = "sparsity"
 
@@ -37,7 +43,7 @@ class ThreeLC(PerTensorLevels, Compressor):
     def _check_level(self, value):
         return threelc.check_sparsity(value)
 
-    def _encode(self, tensor, name):
+    def encode(self, tensor, name):
         # A contiguous float32 gradient is only read, so this is a view, not a copy.
         g = tensor.detach().reshape(-1).to(torch.float32).contiguous()
         e = self.memory.residual(name, g)
@@ -46,14 +52,14 @@ class ThreeLC(PerTensorLevels, Compressor):
         flags = wire.FLAG_NONFINITE if enc.nonfinite else 0
         return flags, threelc.PARAMS.pack(s, enc.scale), enc.body
 
-    def _check_params(self, header):
+    def check_params(self, header, name):
         if len(header.params) != threelc.PARAMS.size:
             raise PayloadError(
                 "params_len",
                 f"3LC has {threelc.PARAMS.size} bytes of parameters, got {len(header.params)}",
             )
         sparsity, scale = threelc.PARAMS.unpack(header.params)
-        expected = self.level(self._decoding)
+        expected = self.level(name)
         if sparsity != as_float32(expected):
             raise PayloadError(
                 "sparsity",
@@ -61,10 +67,10 @@ class ThreeLC(PerTensorLevels, Compressor):
             )
         check_scale(header, scale)
 
-    def _max_numel(self, body_len):
+    def max_numel(self, body_len, name):
         return body_len * threelc.MAX_VALUES_PER_BYTE
 
-    def _decode_body(self, header, body, out, accumulate):
+    def decode_into(self, header, body, out, accumulate, side_info):
         _, scale = threelc.PARAMS.unpack(header.params)
         threelc.decode_into(body, header.numel, scale, out, accumulate)
 

@@ -1,14 +1,10 @@
 """Policies: pick a compression level per tensor during training (SPEC sections 5 and 6).
 
-A policy is given to ``hvdcompress.DistributedOptimizer(..., policy=...)``, which calls
-``bind(optimizer, compressor, transport, names)`` once, ``observe(name, grad)`` for every
-uncompressed local gradient just before it is compressed, and ``after_step()`` once every
-rank has the step's averaged gradients (all collectives of the step are done, so a
-policy's own small agreement collective cannot interleave with them). Its
-``pop_metrics()`` goes into ``optimizer.last_stats.metrics``.
+The interface is ``Policy`` (hvdcompress.policies.base); Accordion and CAT implement it.
 """
 
 from hvdcompress.policies.accordion import Accordion, accordion_critical
+from hvdcompress.policies.base import Policy
 from hvdcompress.policies.cat import (
     CAT,
     AffineCost,
@@ -24,6 +20,7 @@ __all__ = [
     "AffineCost",
     "CostModel",
     "PacketCost",
+    "Policy",
     "accordion_critical",
     "calibrate",
     "cat_best_budget",

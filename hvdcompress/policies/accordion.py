@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import math
 
+from hvdcompress.compressors.levels import PerTensorLevels
+from hvdcompress.policies.base import Policy
+
 
 def accordion_critical(prev, cur, eta: float = 0.5) -> list[bool]:
     """Per tensor, True when the regime is critical (use low compression)."""
@@ -35,7 +38,7 @@ def accordion_critical(prev, cur, eta: float = 0.5) -> list[bool]:
     return out
 
 
-class Accordion:
+class Accordion(Policy):
     """Switch every tensor between the levels ``low`` and ``high`` (see module doc)."""
 
     def __init__(self, low, high, eta: float = 0.5, interval_steps: int | None = None) -> None:
@@ -64,7 +67,7 @@ class Accordion:
 
     # ---- called by the optimizer ------------------------------------------------------------
     def bind(self, optimizer, compressor, transport, names: list[str]) -> None:
-        if not hasattr(compressor, "set_level"):
+        if not isinstance(compressor, PerTensorLevels):
             raise TypeError(
                 f"Accordion needs a compressor with per-tensor levels (3lc, topk, powersgd), "
                 f"got {compressor!r}"
@@ -85,7 +88,7 @@ class Accordion:
         # one norm, computed in float32 where the gradient is read for compression
         self._sums[name] += float(grad.detach().float().norm())
 
-    def after_step(self) -> None:
+    def after_step(self, stats) -> None:
         self._steps += 1
         self._metrics = {f"level/{n}": v for n, v in self.current.items()}
         if self.interval_steps is not None and self._steps % self.interval_steps == 0:

@@ -32,8 +32,8 @@ degenerates to T = 1 (A(1)/c1 b(1) is the largest per-bit value): the fixed cost
 so calibrate it. The policy recomputes T* only every ``recompute_every`` = S steps (the
 hybrid variant) and keeps the chosen ratio in between.
 
-Which compressor each kind drives (``COMPRESSOR_FOR``): "topk" -> ``topk``, "topk+q" ->
-``topkq`` (top-k with one shared magnitude and sign bits), "randomk" -> ``gspar`` (keep i
+Which compressor each kind drives (the registered one whose ``cat_kind`` it is, see
+``compressor_for``): "topk" -> ``topk``, "topk+q" -> ``topkq`` (top-k with one shared magnitude and sign bits), "randomk" -> ``gspar`` (keep i
 with p_i = min(1, c |g_i|), hvdcompress.codecs.sparse). T becomes the compressor's
 per-tensor ``ratio``: (T - 1/2) / n for the top-k kinds (ceil(n ratio) = T exactly),
 T / n for gspar (its expected budget). Uniform random-k is not offered: with p = T / n
@@ -68,9 +68,19 @@ import time
 import numpy as np
 import torch
 
+from hvdcompress import registry
+from hvdcompress.policies.base import Policy
+
 HEADER_BITS = 8 * 48  # wire header of a 1-D top-k payload
-COMPRESSOR_FOR = {"topk": "topk", "topk+q": "topkq", "randomk": "gspar"}
-KINDS = tuple(COMPRESSOR_FOR)
+KINDS = ("topk", "topk+q", "randomk")  # the budget kinds of the table above
+
+
+def compressor_for(kind: str) -> str:
+    """The registered compressor that implements budget ``kind`` (its ``cat_kind``)."""
+    cls = registry.for_cat_kind(kind)
+    if cls is None:
+        raise ValueError(f"no registered compressor implements CAT kind {kind!r}")
+    return cls.name
 
 
 # ---- cost models -------------------------------------------------------------------------------
@@ -253,11 +263,11 @@ def cat_best_budget(
 
 
 # ---- the policy ----------------------------------------------------------------------------------
-class CAT:
+class CAT(Policy):
     """Per tensor budget T maximising D(T)/C(T), recomputed every ``recompute_every`` steps
     by rank 0 and shared with every rank (see module doc). ``compressor``: the kind
     ("topk", "topk+q", "randomk"; the optimizer's compressor must be
-    ``COMPRESSOR_FOR[kind]``); ``cost_model``: a CostModel, or None to ``calibrate`` the
+    ``compressor_for(kind)``); ``cost_model``: a CostModel, or None to ``calibrate`` the
     transport at bind time; ``refresh``: refit the model from measured collectives."""
 
     def __init__(
@@ -289,8 +299,8 @@ class CAT:
         return f"CAT(compressor={self.kind!r}, cost_model={self.cost!r}, S={self.recompute_every})"
 
     def bind(self, optimizer, compressor, transport, names: list[str]) -> None:
-        need = COMPRESSOR_FOR[self.kind]
-        if getattr(compressor, "name", None) != need:
+        need = compressor_for(self.kind)
+        if compressor.name != need:
             raise TypeError(
                 f"CAT(compressor={self.kind!r}) drives the {need!r} compressor, the optimizer "
                 f"has {compressor!r}: use compression={need!r}"
@@ -313,8 +323,10 @@ class CAT:
                 grad, self.cost, self.kind, self.header_bits, dense
             )[0]
 
-    def after_step(self) -> None:
-        timings = [(8.0 * b, t) for b, t in self._optimizer._stats.timings if t is not None]
+    def after_step(self, stats) -> None:
+        timings = [
+            (8.0 * t.payload_bytes, t.seconds) for t in stats.timings if t.seconds is not None
+        ]
         modelled = sum(float(self.cost(bits)) for bits, _ in timings)
         measured = sum(t for _, t in timings)
         if self.refresh:

@@ -1,30 +1,20 @@
 // Host build of kernels/threelc.cu (through kernels/cuda_host.h) behind a small C ABI for
-// ctypes, used by tests/test_host_kernels.py. Each host_* function runs the same kernel
-// sequence as hvdcompress/backends/cuda.py, with the scans (torch.cummax / torch.cumsum
-// there) done sequentially here.
+// ctypes, used by tests/host_kernels/test_threelc_kernels.py. Each host_* function runs the
+// same kernel sequence as hvdcompress/backends/cuda.py, with the scans (torch.cummax /
+// torch.cumsum there) done sequentially here; host_launch (host_launch.h) runs one kernel
+// for the stand-in for CuPy.
 //
-// Build: g++ -std=c++17 -O2 -ffp-contract=off -shared -fPIC -I kernels
-//            tests/host_kernels/host_threelc.cpp -o libhost_threelc.so
+// Build (tests/host_kernels/conftest.py): g++ with HOST_CXX_FLAGS of hvdcompress/_native.py
+//     -shared -fPIC -I kernels tests/host_kernels/host_threelc.cpp -o libhost_threelc.so
 #include "threelc.cu"
+
+#include "host_launch.h"
 
 #include <stdint.h>
 
-#include <type_traits>
-#include <utility>
 #include <vector>
 
 namespace {
-
-unsigned int g_block = 256;      // threads per block (a multiple of 32, like on the GPU)
-unsigned int g_max_grid = 1024;  // most blocks per launch; fewer makes threads loop
-
-unsigned int grid_for(long long work)
-{
-    long long blocks = (work + g_block - 1) / g_block;
-    if (blocks < 1) blocks = 1;
-    if (blocks > g_max_grid) blocks = g_max_grid;
-    return (unsigned int)blocks;
-}
 
 long long state_count(const unsigned int* state)
 {
@@ -65,21 +55,6 @@ unsigned int zre_decode_prepare(const unsigned char* body, long long len, long l
     return state[HVD_ST_ERROR];
 }
 
-// cuLaunchKernel-style launch: params[i] points at the value of argument i, which must
-// have exactly the parameter's type (the CUDA driver copies sizeof(parameter) bytes).
-template <typename... P, size_t... I>
-void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void** params,
-                   std::index_sequence<I...>)
-{
-    launch(k, grid, block, *static_cast<std::remove_reference_t<P>*>(params[I])...);
-}
-
-template <typename... P>
-void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void** params)
-{
-    launch_params(k, grid, block, params, std::index_sequence_for<P...>{});
-}
-
 }  // namespace
 
 extern "C" {
@@ -88,31 +63,8 @@ extern "C" {
 // hvdcompress/backends/cuda.py on the host). Returns -1 for an unknown name.
 int host_launch(const char* name, unsigned int grid, unsigned int block, void** params)
 {
-#define HOST_KERNEL(k)                         \
-    if (strcmp(name, #k) == 0) {               \
-        launch_params(k, grid, block, params); \
-        return 0;                              \
-    }
-    HOST_KERNEL(threelc_absmax)
-    HOST_KERNEL(threelc_quantize_quartic)
-    HOST_KERNEL(threelc_quartic_encode)
-    HOST_KERNEL(threelc_zre_run_starts)
-    HOST_KERNEL(threelc_zre_flags)
-    HOST_KERNEL(threelc_zre_scatter)
-    HOST_KERNEL(threelc_zre_lengths)
-    HOST_KERNEL(threelc_zre_decode_check)
-    HOST_KERNEL(threelc_zre_expand)
-    HOST_KERNEL(threelc_quartic_decode_scale)
-    HOST_KERNEL(threelc_quartic_decode)
-    HOST_KERNEL(hvd_checksum)
-#undef HOST_KERNEL
+    HOST_THREELC_KERNELS
     return -1;
-}
-
-void host_set_launch(unsigned int max_grid, unsigned int block)
-{
-    g_max_grid = max_grid;
-    g_block = block;
 }
 
 // Fused encode. state (8 words, zeroed here) comes back as the GPU leaves it. Returns the

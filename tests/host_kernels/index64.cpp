@@ -1,4 +1,5 @@
-// 64-bit index check of kernels/threelc.cu, run on the host (tests/test_host_kernels.py).
+// 64-bit index check of kernels/threelc.cu and kernels/primitives.cu, run on the host
+// (tests/host_kernels/test_threelc_kernels.py).
 //
 // Tensors of more than 2^32 elements are mapped with mmap(MAP_NORESERVE): pages that are
 // never touched cost nothing (reads of them see zeros), so a 86 GB virtual gradient costs a
@@ -12,6 +13,7 @@
 //
 // Exit status: 0 all passed, 1 a check failed, 77 the mappings were refused (skip).
 #include "threelc.cu"
+#include "primitives.cu"
 
 #include <sys/mman.h>
 
@@ -396,6 +398,117 @@ void test_checksum(unsigned char* buf, long long len)
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// kernels/primitives.cu
+
+unsigned long long ref_mix64(unsigned long long z)
+{
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Uniform number i of the stream `key` (SplitMix64 output i + 1, top 24 bits, times 2^-24).
+float ref_uniform(unsigned long long key, long long i)
+{
+    const unsigned long long c = (unsigned long long)i + 1ull;
+    return (float)(unsigned int)(ref_mix64(key + c * 0x9E3779B97F4A7C15ull) >> 40) * 0x1p-24f;
+}
+
+// Bit b of the LSB-first packing of `codes` (n codes of `bits` bits).
+unsigned int ref_packed_bit(const unsigned char* codes, long long n, int bits, long long b)
+{
+    const long long i = b / bits;
+    if (i >= n) return 0u;
+    return ((unsigned int)codes[i] >> (b % bits)) & 1u;
+}
+
+// x (n floats) gets the uniforms; the chunk sums (chunk 1) of x are then checked too.
+void test_uniform_and_chunk_sums(float* x, double* sums, long long n)
+{
+    const unsigned long long key = 0x0123456789ABCDEFull;
+    fill_low(x, -1.0f);
+    run_range(primitives_uniform, n, K32, n, key, 0ll, n, x);
+    for (long long i = first_of_block(K32); i < n; ++i)
+        CHECK(bits(x[i]) == bits(ref_uniform(key, i)), "uniform x[%lld]", i);
+    CHECK(low_changed(x, -1.0f, 0) == 0, "uniform wrote low elements");
+    run_stride(primitives_uniform, key, 0ll, n, x);
+    for (long long i : stride_items(n))
+        CHECK(bits(x[i]) == bits(ref_uniform(key, i)), "uniform (stride) x[%lld]", i);
+    CHECK(low_changed(x, -1.0f, BLOCK) == 0, "uniform stride wrote low elements");
+
+    for (int square = 0; square < 2; ++square) {
+        fill_low(sums, -2.0);
+        run_range(primitives_chunk_sums, n, K32, n, (const float*)x, n, 1ll, square, sums);
+        for (long long c = first_of_block(K32); c < n; ++c) {
+            const double v = (double)x[c];
+            CHECK(sums[c] == (square ? v * v : fabs(v)), "chunk_sums[%lld] square %d", c, square);
+        }
+        CHECK(low_changed(sums, -2.0, 0) == 0, "chunk_sums wrote low sums");
+        run_stride(primitives_chunk_sums, (const float*)x, n, 1ll, square, sums);
+        for (long long c : stride_items(n)) {
+            const double v = (double)x[c];
+            CHECK(sums[c] == (square ? v * v : fabs(v)), "chunk_sums (stride) %lld", c);
+        }
+    }
+}
+
+// Packs n codes of 3 bits into nbytes > 2^32 bytes (output bytes and code indices above
+// 2^32).
+void test_bitpack(unsigned char* codes, unsigned char* packed, long long n, long long nbytes)
+{
+    const int b = 3;
+    for (long long i = K32 * 8 / b - 64; i < n; ++i) codes[i] = (unsigned char)(i * 37 % 251);
+    for (long long i = 0; i < LOW; ++i) codes[i] = (unsigned char)(i * 11 % 256);
+    fill_low(packed, (unsigned char)0xEE);
+    run_range(primitives_bitpack, nbytes, K32, nbytes, (const unsigned char*)codes, n, b,
+              packed, nbytes);
+    std::vector<long long> bytes;
+    for (long long j = first_of_block(K32); j < nbytes; ++j) bytes.push_back(j);
+    for (long long j : bytes) {
+        unsigned int want = 0u;
+        for (int t = 0; t < 8; ++t) want |= ref_packed_bit(codes, n, b, 8 * j + t) << t;
+        CHECK(packed[j] == want, "bitpack packed[%lld] = %d, want %u", j, packed[j], want);
+    }
+    CHECK(low_changed(packed, (unsigned char)0xEE, 0) == 0, "bitpack wrote low bytes");
+    run_stride(primitives_bitpack, (const unsigned char*)codes, n, b, packed, nbytes);
+    for (long long j : stride_items(nbytes)) {
+        unsigned int want = 0u;
+        for (int t = 0; t < 8; ++t) want |= ref_packed_bit(codes, n, b, 8 * j + t) << t;
+        CHECK(packed[j] == want, "bitpack (stride) packed[%lld]", j);
+    }
+    CHECK(low_changed(packed, (unsigned char)0xEE, BLOCK) == 0, "bitpack stride wrote bytes");
+}
+
+// Unpacks n > 2^32 codes of 5 bits (code indices and bit offsets above 2^32).
+void test_bitunpack(unsigned char* in, unsigned char* codes, long long n)
+{
+    const int b = 5;
+    const long long nbytes = (n * b + 7) / 8;
+    for (long long j = K32 * b / 8 - 64; j < nbytes; ++j) in[j] = (unsigned char)(j * 29 % 256);
+    for (long long j = 0; j < LOW; ++j) in[j] = (unsigned char)(j * 13 % 256);
+    if ((n * b) % 8) in[nbytes - 1] &= (unsigned char)((1u << ((n * b) % 8)) - 1u);
+    fill_low(codes, (unsigned char)0xEE);
+    unsigned int state[HVD_STATE_WORDS] = {0};
+    run_range(primitives_bitunpack, n, K32, n, (const unsigned char*)in, nbytes, n, b, codes,
+              state);
+    auto want_code = [&](long long i) {
+        unsigned int v = 0u;
+        for (int t = 0; t < b; ++t) {
+            const long long bit = i * b + t;
+            v |= (((unsigned int)in[bit >> 3] >> (bit & 7)) & 1u) << t;
+        }
+        return v;
+    };
+    for (long long i = first_of_block(K32); i < n; ++i)
+        CHECK(codes[i] == want_code(i), "bitunpack codes[%lld] = %d", i, codes[i]);
+    CHECK(low_changed(codes, (unsigned char)0xEE, 0) == 0, "bitunpack wrote low codes");
+    run_stride(primitives_bitunpack, (const unsigned char*)in, nbytes, n, b, codes, state);
+    for (long long i : stride_items(n))
+        CHECK(codes[i] == want_code(i), "bitunpack (stride) codes[%lld]", i);
+    CHECK(state[HVD_PRIM_ST_ERROR] == 0, "bitunpack error bits %u", state[HVD_PRIM_ST_ERROR]);
+}
+
 }  // namespace
 
 int main()
@@ -418,6 +531,20 @@ int main()
     test_zre_encode(qb, start, emit, incl, out, m);
     test_zre_decode(out, emit, incl, expanded, dec, m);
     test_checksum(out, m);
+
+    const long long nu = K32 + 600;  // uniforms and chunk sums
+    float* x = vmap<float>(nu);
+    double* sums = vmap<double>(nu);
+    test_uniform_and_chunk_sums(x, sums, nu);
+    const long long np = (K32 + 600) * 8 / 3;  // 3-bit codes: 2^32 + 600 bytes, last partial
+    const long long npb = (np * 3 + 7) / 8;
+    unsigned char* pcodes = vmap<unsigned char>(np);
+    unsigned char* packed = vmap<unsigned char>(npb);
+    test_bitpack(pcodes, packed, np, npb);
+    const long long nun = K32 + 2051;  // 5-bit codes, a partial last byte
+    unsigned char* pin = vmap<unsigned char>((nun * 5 + 7) / 8);
+    unsigned char* ucodes = vmap<unsigned char>(nun);
+    test_bitunpack(pin, ucodes, nun);
 
     if (failures) {
         fprintf(stderr, "index64: %d checks failed\n", failures);

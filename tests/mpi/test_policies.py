@@ -6,21 +6,14 @@ tensor (Accordion) and the same budget (CAT) although the local gradients differ
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
 import hvdcompress
 from hvdcompress.policies import CAT, Accordion, AffineCost
+from tests.mpi.helpers import digest
 
 pytestmark = pytest.mark.mpi(min_size=2)
-
-
-def _comm():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
 
 
 def _model():
@@ -41,18 +34,10 @@ def _step(model, opt, rank: int, step: int) -> None:
     opt.step()
 
 
-def _digest(model) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.grad.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 @pytest.mark.parametrize(
     "compression, low, high", [("3lc", 1.0, 1.9), ("topk", 0.5, 0.05), ("powersgd", 2, 1)]
 )
-def test_accordion_decisions_identical_on_every_rank(compression, low, high):
-    comm = _comm()
+def test_accordion_decisions_identical_on_every_rank(compression, low, high, comm):
     rank = comm.rank
     model = _model()
     pol = Accordion(low=low, high=high, eta=0.3, interval_steps=1)
@@ -71,7 +56,7 @@ def test_accordion_decisions_identical_on_every_rank(compression, low, high):
             failures.append(f"step {step}: {err!r}")
             break
         local_sums_were_used = dict(pol.current)
-        records.append((local_sums_were_used, _digest(model)))
+        records.append((local_sums_were_used, digest(p.grad for p in model.parameters())))
     everyone = comm.allgather((failures, records, [h["levels"] for h in pol.history]))
     assert all(not f for f, _, _ in everyone), [f for f, _, _ in everyone]
     assert all(e[1] == everyone[0][1] for e in everyone), "levels or gradients differ"
@@ -84,8 +69,7 @@ def test_accordion_decisions_identical_on_every_rank(compression, low, high):
     ("kind", "compression", "refresh"),
     [("topk", "topk", False), ("topk+q", "topkq", True), ("randomk", "gspar", True)],
 )
-def test_cat_budgets_identical_on_every_rank(kind, compression, refresh):
-    comm = _comm()
+def test_cat_budgets_identical_on_every_rank(kind, compression, refresh, comm):
     rank = comm.rank
     model = _model()
     pol = CAT(kind, cost_model=AffineCost(1e-5, 1e-9), recompute_every=2, refresh=refresh)
@@ -105,7 +89,13 @@ def test_cat_budgets_identical_on_every_rank(kind, compression, refresh):
             failures.append(f"step {step}: {err!r}")
             break
         # with refresh every rank refits the same pooled timings: the same model
-        budgets.append((dict(pol.budgets), _digest(model), (pol.cost.c0, pol.cost.c1)))
+        budgets.append(
+            (
+                dict(pol.budgets),
+                digest(p.grad for p in model.parameters()),
+                (pol.cost.c0, pol.cost.c1),
+            )
+        )
     everyone = comm.allgather((failures, budgets))
     assert all(not f for f, _ in everyone), [f for f, _ in everyone]
     assert all(b == everyone[0][1] for _, b in everyone)

@@ -1,0 +1,108 @@
+"""Buckets (which gradients travel together) and the start-up agreement check.
+
+Buckets are fixed at construction from parameter order, reversed (gradients become ready
+back to front), split when the uncompressed bytes reach ``fusion_threshold`` (Horovod's
+fusion buffer) or the dtype, device or compression changes. Invariant: every rank builds
+the same buckets in the same order, so collectives started in bucket order match across
+ranks without a coordinator; ``check_agreement`` proves it once, at construction, with
+two small collectives, and raises ``RankAgreementError`` on every rank otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+class RankAgreementError(RuntimeError):
+    """Ranks disagree on what they will communicate (tensors, shapes, compressor...)."""
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients travel in one collective."""
+
+    index: int
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    nbytes: int = 0
+    ready: set[int] = field(default_factory=set)  # positions in params whose grads are ready
+    compressed: bool = True  # False: below compress_min_numel, sent as is (allreduce)
+
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+
+def named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
+    """The (name, parameter) pairs of ``optimizer``'s trainable parameters, checked
+    against ``named_parameters`` (unique names, every optimizer parameter named)."""
+    all_params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return [(f"param.{i}", p) for i, p in enumerate(all_params) if p.requires_grad]
+    named = list(named_parameters)
+    if any(not isinstance(n, tuple) or len(n) != 2 for n in named):
+        raise ValueError(
+            "named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()"
+        )
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"parameter names must be unique, repeated: {dups[:5]}")
+    known = {id(p) for _, p in named}
+    missing = [i for i, p in enumerate(all_params) if id(p) not in known]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} optimizer parameter(s) are not in named_parameters "
+            "(pass model.named_parameters() of the model the optimizer trains)"
+        )
+    in_optimizer = {id(p) for p in all_params}
+    return [(n, p) for n, p in named if id(p) in in_optimizer and p.requires_grad]
+
+
+def make_buckets(named, threshold: int, min_numel: int = 0) -> list[Bucket]:
+    """Buckets from reversed parameter order, split at ``threshold`` bytes or a dtype change;
+    tensors of fewer than ``min_numel`` elements go in buckets of their own, uncompressed."""
+    buckets: list[Bucket] = []
+    open_by_kind: dict[tuple, Bucket] = {}
+    for name, p in reversed(named):
+        compressed = p.numel() >= min_numel
+        kind = (p.dtype, p.device, compressed)
+        nbytes = p.numel() * p.element_size()
+        b = open_by_kind.get(kind)
+        if b is None or (b.params and b.nbytes + nbytes > threshold):
+            b = Bucket(len(buckets), [], [], compressed=compressed)
+            buckets.append(b)
+            open_by_kind[kind] = b
+        b.params.append(p)
+        b.names.append(name)
+        b.nbytes += nbytes
+    return buckets
+
+
+def check_agreement(transport, lines: list[str]) -> None:
+    """Raise RankAgreementError on every rank unless every rank describes the same
+    communication (``lines``): one digest allgather, and a second one of the
+    descriptions only when the digests differ, to name the first difference."""
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    digests = transport.allgather_object(digest)
+    if len(set(digests)) == 1:
+        return
+    described = transport.allgather_object(lines)  # every rank takes this branch
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    r = odd[0]
+    ref, other = described[0], described[r]
+    diff = next(
+        (i for i, (a, b) in enumerate(zip(ref, other, strict=False)) if a != b),
+        min(len(ref), len(other)),
+    )
+    line0 = ref[diff] if diff < len(ref) else "<nothing>"
+    liner = other[diff] if diff < len(other) else "<nothing>"
+    raise RankAgreementError(
+        f"ranks disagree on the gradients they will communicate: ranks {odd} differ "
+        f"from rank 0; first difference (item {diff}): rank 0 has {line0!r}, rank {r} "
+        f"has {liner!r}. Every rank must build the same model, parameter order, "
+        "dtypes and compressor."
+    )

@@ -1,0 +1,195 @@
+"""The compressor registry: a compressor registers itself, everything else derives from it.
+
+A compressor class declares what the rest of the project needs to know about it and is
+decorated with ``@register``::
+
+    @register
+    class TopK(GatherCompressor):
+        name = "topk"                 # get_compressor("topk"), train.py --compression topk
+        wire_id = 4                   # codec id in the payload header (fixed forever)
+        params = {"ratio": Param(0.0, 1.0, low_open=True)}   # every __init__ parameter
+        examples = ({"ratio": 0.05},) # configurations the tests exercise
+        benchmarks = ({"ratio": 0.01},)  # what bench_codec times by default
+
+From the registry derive: ``get_compressor`` / ``available`` (names and parameter
+ranges), ``hvdcompress.Compression.<attribute>`` entries, the wire codec-id table
+(``wire.CODEC_IDS``), CAT's compressor for each budget kind (``cat_kind``), the
+configurations the fuzz tests, the per-codec MPI bit-identity test and the API tests run,
+and bench_codec's default cases. Modules in ``hvdcompress/compressors/`` are imported
+when the package is, so a new compressor is one new module there (docs/design.md,
+"Adding a compressor").
+
+Registration checks the declaration: a unique name, a unique wire id (gather-only
+compressors carry one, summable ones do not), a ``Param`` for every constructor
+parameter, and examples that construct.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hvdcompress.compressors.base import Compressor
+
+REGISTRY: dict[str, type[Compressor]] = {}
+
+
+@dataclass(frozen=True)
+class Param:
+    """The valid values of one constructor parameter: a numeric interval (``low`` /
+    ``high``, either end open or unbounded) of ``kind`` "float" or "int", or "bool".
+
+    The constructor stays the authority (it raises ValueError naming the range); the
+    declaration is what ``available()`` prints and what the registry tests check the
+    constructor against (values outside the interval must raise)."""
+
+    low: float | None = None
+    high: float | None = None
+    kind: str = "float"  # "float", "int" or "bool"
+    low_open: bool = False
+    high_open: bool = False
+    doc: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "bool":
+            return "bool"
+        lo = "-inf" if self.low is None else _num(self.low)
+        hi = "inf" if self.high is None else _num(self.high)
+        left = "(" if self.low_open or self.low is None else "["
+        right = ")" if self.high_open or self.high is None else "]"
+        text = f"{self.kind} in {left}{lo}, {hi}{right}"
+        return f"{text}, {self.doc}" if self.doc else text
+
+    def outside(self) -> list:
+        """Values just outside the interval (what a constructor must refuse)."""
+        if self.kind == "bool":
+            return []
+        out = []
+        step = 1 if self.kind == "int" else None
+        for end, is_low, is_open in (
+            (self.low, True, self.low_open),
+            (self.high, False, self.high_open),
+        ):
+            if end is None:
+                continue
+            if is_open:
+                out.append(int(end) if self.kind == "int" else float(end))
+            elif step is not None:
+                out.append(int(end) - 1 if is_low else int(end) + 1)
+            else:
+                out.append(math.nextafter(float(end), -math.inf if is_low else math.inf))
+        return out
+
+
+def _num(value: float) -> str:
+    if isinstance(value, int) and abs(value) >= 2**20 and (value + 1) & value == 0:
+        return f"2**{value.bit_length()} - 1"
+    if isinstance(value, int) and abs(value) >= 2**20 and value & (value - 1) == 0:
+        return f"2**{value.bit_length() - 1}"
+    return repr(value)
+
+
+# Parameters shared by the seeded compressors (counter-based random numbers, see
+# hvdcompress.compressors.stochastic): declared once here.
+SEED = Param(0, 2**64 - 1, kind="int", doc="the shared random stream")
+RANK = Param(0, 2**32 - 1, kind="int", doc="set by the optimizer (bind)")
+FLAG = Param(kind="bool")
+
+
+def register(cls: type[Compressor]) -> type[Compressor]:
+    """Class decorator: check the declaration and add ``cls`` to the registry."""
+    from hvdcompress import wire
+
+    name = cls.name
+    if not name or name != name.lower():
+        raise ValueError(f"{cls.__qualname__}: a compressor needs a lower-case name, got {name!r}")
+    if name in REGISTRY and REGISTRY[name] is not cls:
+        raise ValueError(f"compressor name {name!r} is taken by {REGISTRY[name].__qualname__}")
+    if cls.summable:
+        if cls.wire_id is not None:
+            raise ValueError(f"{name}: summable payloads are dense tensors and carry no wire id")
+    else:
+        if cls.wire_id is None:
+            raise ValueError(f"{name}: a gather-only compressor needs a wire id (codec id)")
+        wire.register_codec(name, cls.wire_id)
+    declared = set(cls.params)
+    accepted = set(constructor_params(cls))
+    if declared != accepted:
+        raise ValueError(
+            f"{name}: params declares {sorted(declared)}, the constructor takes {sorted(accepted)}"
+        )
+    for example in (*cls.examples, *cls.bench_configs()):
+        unknown = set(example) - accepted
+        if unknown:
+            raise ValueError(f"{name}: example {example} has unknown parameters {sorted(unknown)}")
+    REGISTRY[name] = cls
+    return cls
+
+
+def constructor_params(cls) -> dict[str, object]:
+    """The constructor's parameters and their defaults, in order."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return {p.name: p.default for p in params}
+
+
+def _signature(cls) -> str:
+    return ", ".join(f"{n}={d!r}" for n, d in constructor_params(cls).items())
+
+
+def available() -> str:
+    """One line per compressor: its name and parameters with defaults, then its kind and
+    the parameters' valid ranges."""
+    lines = []
+    for name, cls in sorted(REGISTRY.items()):
+        about = ["summable" if cls.summable else "gather-only"]
+        about += [f"{p}: {spec.describe()}" for p, spec in cls.params.items()]
+        lines.append(f"  {name}({_signature(cls)})  [{'; '.join(about)}]")
+    return "\n".join(lines)
+
+
+def get_compressor(name: str, **params) -> Compressor:
+    """A new compressor (own state) by name; a wrong name or parameter lists the valid ones."""
+    cls = REGISTRY.get(name.lower())
+    if cls is None:
+        raise ValueError(f"unknown compressor {name!r}; available:\n{available()}")
+    try:
+        inspect.signature(cls.__init__).bind(None, **params)
+    except TypeError:
+        raise TypeError(
+            f"compressor {name!r} takes ({_signature(cls)}), got {sorted(params)}"
+        ) from None
+    return cls(**params)
+
+
+def names(*, summable: bool | None = None) -> list[str]:
+    """Registered names, sorted; ``summable`` True / False keeps one kind."""
+    return sorted(n for n, c in REGISTRY.items() if summable is None or c.summable == summable)
+
+
+def examples() -> list[tuple[str, dict]]:
+    """(name, params) of every example configuration of every compressor (for tests)."""
+    return [(n, dict(p)) for n in names() for p in REGISTRY[n].examples]
+
+
+def bench_cases() -> list[tuple[str, dict]]:
+    """(name, params) of every compressor's benchmark configurations (bench_codec)."""
+    return [(n, dict(p)) for n in names() for p in REGISTRY[n].bench_configs()]
+
+
+def by_attribute(attribute: str) -> type[Compressor] | None:
+    """The compressor whose ``Compression.<attribute>`` entry this is."""
+    for cls in REGISTRY.values():
+        if cls.compression_attribute() == attribute:
+            return cls
+    return None
+
+
+def for_cat_kind(kind: str) -> type[Compressor] | None:
+    """The compressor CAT drives for a budget kind ("topk", "topk+q", "randomk")."""
+    for cls in REGISTRY.values():
+        if cls.cat_kind == kind:
+            return cls
+    return None

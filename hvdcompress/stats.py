@@ -1,0 +1,45 @@
+"""What one step moved: the record ``synchronize()`` fills and policies read.
+
+``DistributedOptimizer.last_stats`` is the ``StepStats`` of the last step; a policy's
+``after_step(stats)`` gets the current step's (CAT fits its cost model to
+``stats.timings``, one ``CollectiveTiming`` per collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class CollectiveTiming(NamedTuple):
+    """One collective of a step: the bytes this rank handed to the transport and how long
+    the collective took (``transports.Handle.seconds``; None when it is not known)."""
+
+    payload_bytes: int
+    seconds: float | None
+
+
+@dataclass
+class StepStats:
+    """Bytes, bits per value and time of one ``synchronize()``."""
+
+    numel: int = 0  # gradient elements
+    raw_bytes: int = 0  # uncompressed gradient bytes
+    payload_bytes: int = 0  # bytes this rank handed to the transport
+    wire_bytes: float = 0.0  # bytes this rank sends (ring model, docs/design.md section 7)
+    collectives: int = 0
+    compress_s: float = 0.0
+    decode_s: float = 0.0
+    wait_s: float = 0.0
+    metrics: dict = field(default_factory=dict)  # compressor's and policy's pop_metrics()
+    timings: list[CollectiveTiming] = field(default_factory=list)
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8.0 * self.payload_bytes / max(self.numel, 1)
+
+    def count(self, payload_bytes: int, wire_bytes: float) -> None:
+        """One collective started with ``payload_bytes`` of this rank's data."""
+        self.payload_bytes += payload_bytes
+        self.wire_bytes += wire_bytes
+        self.collectives += 1

@@ -1,0 +1,223 @@
+"""The named compression methods the benchmarks compare: one table, ``METHODS``.
+
+A method is a compressor with parameters, optionally a policy that changes the
+compressor's level per tensor during training (Accordion, CAT), and optionally the
+per-tensor off switch ``compress_min_numel``. Every consumer reads this table:
+
+* ``Method.train_flags()``: the scripts/train.py flags that train with the method
+  (scripts/bench_accuracy.py launches them);
+* ``Method.compressor()``, ``Method.make_policy(**overrides)``,
+  ``Method.compress_min_numel``: the arguments of ``hvdcompress.DistributedOptimizer``
+  (scripts/bench_network.py, scripts/bench_policy.py; a benchmark overrides the policy's
+  interval or cost model with its own settings);
+* ``parse_case("name:key=value,...")``: a compressor spelled on a command line
+  (scripts/bench_codec.py, scripts/bench_compressors.py), where a method name without a
+  policy stands for its compressor and parameters.
+
+``build_policy`` and ``parse_cost`` build the policies for train.py's flags too, so a
+method and its flags give the same policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+import hvdcompress
+from hvdcompress.policies.cat import KINDS, compressor_for
+
+POLICIES = ("accordion", "cat")
+
+
+# ---- policies ------------------------------------------------------------------------------
+def build_policy(policy: str, compression: str, **params):
+    """A policy driving the ``compression`` compressor.
+
+    ``"accordion"``: ``low``, ``high`` (the compressor's two levels: 3lc sparsity, topk
+    ratio, powersgd matrix_rank, which is made an int), ``eta`` (0.5), ``interval_steps``
+    (None: one per epoch, ``end_epoch()``). ``"cat"``: ``kind`` (topk, topk+q, randomk;
+    it must drive ``compression``, see ``compressor_for``), ``cost_model`` (None: calibrate
+    on the transport), ``recompute_every`` (200 steps).
+    """
+    if policy == "accordion":
+        low, high = params.pop("low"), params.pop("high")
+        if compression == "powersgd":
+            low, high = int(low), int(high)
+        return hvdcompress.Accordion(low=low, high=high, **params)
+    if policy == "cat":
+        cat_kind = params.pop("kind")
+        if cat_kind not in KINDS:
+            raise ValueError(f"CAT kind {cat_kind!r}: one of {', '.join(KINDS)}")
+        need = compressor_for(cat_kind)
+        if compression != need:
+            raise ValueError(
+                f"CAT {cat_kind!r} drives the {need!r} compressor, not {compression!r}"
+            )
+        return hvdcompress.CAT(cat_kind, **params)
+    raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
+
+
+def parse_cost(text: str):
+    """A CAT cost model from ``C0,C1`` (AffineCost: seconds, seconds per bit) or
+    ``C0,C1,PACKET_BITS`` (PacketCost: seconds per packet of PACKET_BITS bits)."""
+    parts = [float(v) for v in text.split(",")]
+    if len(parts) == 2:
+        return hvdcompress.AffineCost(*parts)
+    if len(parts) == 3:
+        return hvdcompress.PacketCost(parts[0], parts[1], int(parts[2]))
+    raise ValueError(f"a cost model is C0,C1[,PACKET_BITS], got {text!r}")
+
+
+# ---- the table -----------------------------------------------------------------------------
+def _frozen(mapping: Mapping | None) -> Mapping:
+    return MappingProxyType(dict(mapping or {}))
+
+
+@dataclass(frozen=True, eq=False)
+class Method:
+    """A named compression method (see the module docstring)."""
+
+    name: str
+    compression: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    policy: str | None = None  # "accordion" | "cat"
+    policy_params: Mapping[str, Any] = field(default_factory=dict)
+    compress_min_numel: int = 0
+    about: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", _frozen(self.params))
+        object.__setattr__(self, "policy_params", _frozen(self.policy_params))
+        if self.policy not in (None, *POLICIES):
+            raise ValueError(f"{self.name}: unknown policy {self.policy!r}")
+
+    def compressor(self) -> hvdcompress.Compressor:
+        """A new compressor (its own error-feedback state)."""
+        return hvdcompress.get_compressor(self.compression, **self.params)
+
+    def make_policy(self, **overrides):
+        """A new policy, or None; ``overrides`` replace policy parameters (Accordion:
+        ``interval_steps``, ``eta``; CAT: ``cost_model``, ``recompute_every``)."""
+        if self.policy is None:
+            if overrides:
+                raise ValueError(f"{self.name} has no policy to take {sorted(overrides)}")
+            return None
+        return build_policy(self.policy, self.compression, **{**self.policy_params, **overrides})
+
+    @property
+    def fixed(self) -> Method:
+        """The same compressor and parameters without the policy."""
+        return replace(self, name=f"{self.name} (fixed)", policy=None, policy_params={})
+
+    def train_flags(self) -> list[str]:
+        """The scripts/train.py flags that train with this method."""
+        flags = ["--compression", self.compression]
+        for key, value in self.params.items():
+            if self.compression == "3lc" and key == "sparsity":
+                flags += ["--sparsity", str(value)]
+            else:
+                flags += ["--compression-param", f"{key}={value}"]
+        pp = self.policy_params
+        if self.policy == "accordion":
+            flags += ["--accordion", str(pp["low"]), str(pp["high"])]
+            if pp.get("interval_steps") is not None:
+                flags += ["--accordion-interval", str(pp["interval_steps"])]
+            if "eta" in pp:
+                flags += ["--accordion-eta", str(pp["eta"])]
+        elif self.policy == "cat":
+            flags += ["--cat", pp["kind"]]
+            if "recompute_every" in pp:
+                flags += ["--cat-every", str(pp["recompute_every"])]
+            if pp.get("cost_model") is not None:
+                raise ValueError(f"{self.name}: a fixed cost model has no train.py flag here")
+        if self.compress_min_numel:
+            flags += ["--compress-min-numel", str(self.compress_min_numel)]
+        return flags
+
+
+_ACCORDION_3LC = {"low": 1.0, "high": 1.75, "interval_steps": 40}
+_TABLE = [
+    Method("none", "none", about="float32 allreduce (the baseline)"),
+    Method("fp16", "fp16", about="float16 allreduce"),
+    Method("3lc", "3lc", {"sparsity": 1.0}, about="3LC at sparsity 1.0 (Accordion's low)"),
+    Method("3lc-1.75", "3lc", {"sparsity": 1.75}, about="3LC at 1.75 (Accordion's high)"),
+    Method(
+        "3lc-min64k", "3lc", {"sparsity": 1.0}, compress_min_numel=65536,
+        about="3LC; tensors under 65,536 elements sent uncompressed",
+    ),
+    Method(
+        "accordion-3lc", "3lc", {"sparsity": 1.0}, "accordion", _ACCORDION_3LC,
+        about="Accordion between 3LC sparsity 1.0 and 1.75, every 40 steps",
+    ),
+    Method(
+        "accordion-3lc-eta0.2", "3lc", {"sparsity": 1.0}, "accordion",
+        {**_ACCORDION_3LC, "eta": 0.2}, about="accordion-3lc with eta 0.2",
+    ),
+    Method("topk", "topk", {"ratio": 0.01}, about="top-k, 1% of each tensor"),
+    Method("topkq", "topkq", {"ratio": 0.01}, about="top-k 1%, one magnitude and signs"),
+    Method("gspar", "gspar", {"ratio": 0.01}, about="gradient sparsification, 1%"),
+    Method(
+        "cat-topk", "topk", {"ratio": 0.01}, "cat", {"kind": "topk", "recompute_every": 50},
+        about="CAT picks each tensor's top-k budget, every 50 steps",
+    ),
+    Method(
+        "cat-topkq", "topkq", {"ratio": 0.01}, "cat",
+        {"kind": "topk+q", "recompute_every": 50}, about="CAT over topkq, every 50 steps",
+    ),
+    Method(
+        "cat-randomk", "gspar", {"ratio": 0.01}, "cat",
+        {"kind": "randomk", "recompute_every": 50}, about="CAT over gspar, every 50 steps",
+    ),
+    Method("powersgd", "powersgd", {"matrix_rank": 1}, about="PowerSGD, rank 1"),
+    Method("dqsg", "dqsg", {"levels": 3}, about="dithered quantisation, 3 levels"),
+]  # fmt: skip
+METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
+
+
+def get_method(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}: one of {', '.join(METHODS)}") from None
+
+
+# ---- command-line spellings ----------------------------------------------------------------
+def param_value(text: str):
+    """A parameter value from text: true/false, an int, a float, else the text."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_params(items: Iterable[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` -> ``{key: param_value(value)}``; ValueError on a bad item."""
+    params = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"takes KEY=VALUE, got {item!r}")
+        params[key.strip()] = param_value(value.strip())
+    return params
+
+
+def parse_case(text: str) -> tuple[str, dict[str, Any]]:
+    """``"name:key=value,..."`` -> (compressor name, parameters). A name that is not a
+    registered compressor but a method without policy or ``compress_min_numel`` stands for
+    the method's compressor and parameters (``"3lc-1.75"`` -> ``("3lc", {"sparsity":
+    1.75})``); parameters after the colon override the method's."""
+    name, _, rest = text.partition(":")
+    params = parse_params(filter(None, rest.split(",")))
+    if name not in hvdcompress.compressors.REGISTRY and name in METHODS:
+        m = METHODS[name]
+        if m.policy is not None or m.compress_min_numel:
+            raise ValueError(f"{name} is a method with a policy or compress_min_numel, not a case")
+        return m.compression, {**m.params, **params}
+    return name, params

@@ -1,0 +1,119 @@
+/* Shared primitives of the codecs (shared/SPEC.md sections 3 and 4) on the CPU, loaded
+ * through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is primitives.cu next to
+ * this file, byte for byte the same. The codecs' element-wise math runs as vectorised
+ * torch ops (identical on the CPU and on CUDA: each op is one IEEE-rounded operation);
+ * what torch cannot do identically on both devices lives here:
+ *
+ *   hvdc_prim_uniform     counter-based uniforms: SplitMix64 output number offset + i + 1
+ *                         of the stream seeded with `key`, top 24 bits, times 2^-24
+ *                         (exact in float32, in [0, 1));
+ *   hvdc_prim_bitpack     fixed-width bit packing, LSB first: value i occupies bits
+ *                         [i b, i b + b) of the little-endian bit stream, padding zero;
+ *   hvdc_prim_bitunpack   the inverse, rejecting a wrong length or non-zero padding;
+ *   hvdc_prim_chunk_sums  per-chunk sums of |x| or x^2 in double, accumulated strictly
+ *                         left to right (an order-fixed, hence device-independent, sum).
+ *
+ * Pure functions over caller-owned buffers; no allocation, no global state. Built with
+ * -ffp-contract=off and without fast-math (C_FLAGS in hvdcompress/_native.py): s += v * v
+ * is a product, then a sum.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PRIM_GOLDEN 0x9E3779B97F4A7C15ull
+#define PRIM_ERR_LENGTH -1  /* the packed body does not have ceil(n b / 8) bytes */
+#define PRIM_ERR_PADDING -4 /* a padding bit after the last value is set */
+
+/* SplitMix64's output function (Steele, Lea, Flood 2014). */
+static inline uint64_t prim_mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* out[i] = (mix64(key + (offset + i + 1) * golden) >> 40) * 2^-24, i < n. */
+void hvdc_prim_uniform(uint64_t key, int64_t offset, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t c = (uint64_t)(offset + i) + 1u;
+        uint32_t r = (uint32_t)(prim_mix64(key + c * PRIM_GOLDEN) >> 40);
+        out[i] = (float)r * 0x1p-24f;
+    }
+}
+
+/* Pack n codes of `bits` (1..8) bits each into ceil(n bits / 8) bytes, LSB first. Bits
+ * of a code above `bits` are ignored. */
+void hvdc_prim_bitpack(const uint8_t *codes, int64_t n, int bits, uint8_t *out) {
+    const uint32_t mask = (1u << bits) - 1u;
+    uint64_t acc = 0;
+    int have = 0;
+    int64_t o = 0;
+    if (bits == 8) {
+        memcpy(out, codes, (size_t)n);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        acc |= (uint64_t)(codes[i] & mask) << have;
+        have += bits;
+        if (have >= 32) {
+            out[o] = (uint8_t)acc;
+            out[o + 1] = (uint8_t)(acc >> 8);
+            out[o + 2] = (uint8_t)(acc >> 16);
+            out[o + 3] = (uint8_t)(acc >> 24);
+            o += 4;
+            acc >>= 32;
+            have -= 32;
+        }
+    }
+    while (have > 0) {
+        out[o++] = (uint8_t)acc;
+        acc >>= 8;
+        have -= 8;
+    }
+}
+
+/* Unpack n codes of `bits` bits from in[0..nbytes). Returns 0, PRIM_ERR_LENGTH or
+ * PRIM_ERR_PADDING (codes untouched on error). */
+int64_t hvdc_prim_bitunpack(const uint8_t *in, int64_t nbytes, int64_t n, int bits,
+                            uint8_t *codes) {
+    const int64_t used = n * bits;
+    if (nbytes != (used + 7) / 8) return PRIM_ERR_LENGTH;
+    if ((used & 7) && (in[nbytes - 1] >> (used & 7))) return PRIM_ERR_PADDING;
+    if (bits == 8) {
+        memcpy(codes, in, (size_t)n);
+        return 0;
+    }
+    const uint32_t mask = (1u << bits) - 1u;
+    uint64_t acc = 0;
+    int have = 0;
+    int64_t j = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (have < bits) {
+            acc |= (uint64_t)in[j++] << have;
+            have += 8;
+        }
+        codes[i] = (uint8_t)(acc & mask);
+        acc >>= bits;
+        have -= bits;
+    }
+    return 0;
+}
+
+/* out[c] = sum over i in chunk c (chunk elements, the last one may be short) of |x_i|
+ * (square == 0) or x_i^2 (square != 0), in double, left to right. */
+void hvdc_prim_chunk_sums(const float *x, int64_t n, int64_t chunk, int square, double *out) {
+    int64_t chunks = (n + chunk - 1) / chunk;
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t lo = c * chunk, hi = lo + chunk < n ? lo + chunk : n;
+        double s = 0.0;
+        if (square) {
+            for (int64_t i = lo; i < hi; i++) {
+                double v = (double)x[i];
+                s += v * v;
+            }
+        } else {
+            for (int64_t i = lo; i < hi; i++) s += fabs((double)x[i]);
+        }
+        out[c] = s;
+    }
+}

@@ -1,0 +1,404 @@
+/* CPU backend of the 3LC codec (shared/SPEC.md section 2) and of the payload checksum,
+ * loaded through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is threelc.cu next
+ * to this file.
+ *
+ * Pure functions over caller-owned buffers; no allocation, no global state.
+ * Built with -O3 -ffp-contract=off and without fast-math (C_FLAGS in
+ * hvdcompress/_native.py), so that every float operation is the single IEEE-rounded
+ * operation the SPEC names: the CUDA kernels in kernels/threelc.cu (using __fadd_rn /
+ * __fdiv_rn / rintf) produce the same bytes.
+ *
+ * Memory traffic per element of float32 input (n elements):
+ *   encode: absmax pass reads g, e (8 B); fused pass reads g, e, writes e and
+ *           1/5 B of quartic (12.2 B); zero-run pass reads n/5 B.
+ *   decode: zero-run pass n/5 B, then 4 B written per element (8 B with accumulate).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TLC_ZERO_GROUP 121 /* quartic byte of five zeros: digits (1,1,1,1,1) */
+#define TLC_MAX_QUARTIC 242
+#define TLC_RUN_BASE 241 /* a byte b >= 243 is a run of b - 241 zero groups */
+#define TLC_MAX_RUN 14
+
+/* Errors returned (negative) by the decoders. */
+#define TLC_ERR_LENGTH -1  /* zero-run decoding does not give exactly the expected bytes */
+#define TLC_ERR_BYTE -2    /* a quartic byte above 242 */
+#define TLC_ERR_PADDING -3 /* a padding digit of the last group is not zero (d != 1) */
+
+/* Blocks of whole groups keep the per-element loop vectorisable and the digit
+ * scratch in L1. */
+#define TLC_BLOCK_GROUPS 256
+#define TLC_BLOCK (TLC_BLOCK_GROUPS * 5)
+
+/* AVX2 versions of the vectorised loops, picked at load time where the CPU has it
+ * (AVX2 without FMA: contraction stays off, so the bytes do not change). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TLC_VECTOR __attribute__((target_clones("avx2", "default")))
+#else
+#define TLC_VECTOR
+#endif
+
+static inline uint32_t f32_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+/* Max over i of the abs bits of (g[i] + e[i]) (e may be NULL). Non-negative
+ * floats order like their bit patterns and NaN patterns sort above Inf, so the
+ * result is the bits of max|a|, or >= 0x7f800000 iff a holds a NaN or an Inf. */
+TLC_VECTOR uint32_t hvdc_tlc_absmax_bits(const float *g, const float *e, int64_t n) {
+    uint32_t m = 0;
+    if (e) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t b = f32_bits(g[i] + e[i]) & 0x7fffffffu;
+            m = b > m ? b : m;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t b = f32_bits(g[i]) & 0x7fffffffu;
+            m = b > m ? b : m;
+        }
+    }
+    return m;
+}
+
+/* The quartic byte of five digits d[0..4] in {0, 1, 2}: 81 d0 + 27 d1 + 9 d2 + 3 d3 + d4.
+ * Loaded as one little-endian word x = d0 | d1 << 8 | ..., the product x * K with
+ * K = 81 << 32 | 27 << 24 | 9 << 16 | 3 << 8 | 1 has exactly that sum in byte 4, and
+ * bytes 0..3 stay below 256 (at most 2, 8, 26, 80), so nothing carries into it.
+ * Reads 8 bytes: d needs 3 readable bytes of slack after the group. */
+static inline uint8_t pack5(const int8_t *d) {
+    uint64_t x;
+    memcpy(&x, d, sizeof x);
+    return (uint8_t)((x * 0x511B090301ull) >> 32);
+}
+
+/* rint for |x| <= 2^22 in the default round-to-nearest-even mode, without a libm
+ * call so that the loop vectorises. |a / S| <= 1 always holds here because
+ * S = fl(s * M) >= M for s >= 1. */
+static inline float rint_small(float x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    return (x + magic) - magic;
+}
+
+/* Quantise, update the residual, and emit quartic bytes / int8 digits.
+ *   a = g + e_in (e_in may be NULL), q = rint(a / S) (0 when S == 0),
+ *   e_out = a - S * q (e_out may be NULL; may alias e_in),
+ *   q_out[i] = q (may be NULL), quartic[j] = 81 d0 + 27 d1 + 9 d2 + 3 d3 + d4, d = q + 1,
+ *   for j < ceil(n / 5), padded with d = 1 (may be NULL). */
+TLC_VECTOR void hvdc_tlc_quantize(const float *g, const float *e_in, float *e_out, float S, int64_t n,
+                       int8_t *q_out, uint8_t *quartic) {
+    int8_t d[TLC_BLOCK + 8];
+    for (int64_t base = 0; base < n; base += TLC_BLOCK) {
+        int64_t len = n - base < TLC_BLOCK ? n - base : TLC_BLOCK;
+        const float *gb = g + base;
+        if (S == 0.0f) {
+            for (int64_t i = 0; i < len; i++) {
+                float a = e_in ? gb[i] + e_in[base + i] : gb[i];
+                if (e_out) e_out[base + i] = a;
+                d[i] = 1;
+            }
+        } else {
+            for (int64_t i = 0; i < len; i++) {
+                float a = e_in ? gb[i] + e_in[base + i] : gb[i];
+                float q = rint_small(a / S);
+                if (e_out) e_out[base + i] = a - S * q;
+                d[i] = (int8_t)((int)q + 1);
+            }
+        }
+        if (q_out)
+            for (int64_t i = 0; i < len; i++) q_out[base + i] = (int8_t)(d[i] - 1);
+        if (quartic) {
+            for (int64_t k = len; k < (len + 4) / 5 * 5 + 3; k++) d[k] = 1; /* pad + slack */
+            for (int64_t j = 0; j < (len + 4) / 5; j++) quartic[base / 5 + j] = pack5(d + 5 * j);
+        }
+    }
+}
+
+/* S = float32(sparsity) * M with M the float of max_bits: one float32 product. */
+float hvdc_tlc_scale(uint32_t max_bits, float sparsity) {
+    float m;
+    memcpy(&m, &max_bits, sizeof m);
+    return sparsity * m;
+}
+
+/* Quartic encoding of int8 digits q in {-1, 0, 1} (the public building block). */
+void hvdc_tlc_quartic_encode(const int8_t *q, int64_t n, uint8_t *quartic) {
+    int64_t full = n / 5;
+    for (int64_t j = 0; j < full; j++) {
+        const int8_t *p = q + 5 * j;
+        quartic[j] = (uint8_t)(81 * (p[0] + 1) + 27 * (p[1] + 1) + 9 * (p[2] + 1) +
+                               3 * (p[3] + 1) + (p[4] + 1));
+    }
+    if (n % 5) {
+        int d[5] = {1, 1, 1, 1, 1};
+        for (int64_t k = 0; k < n % 5; k++) d[k] = q[5 * full + k] + 1;
+        quartic[full] = (uint8_t)(81 * d[0] + 27 * d[1] + 9 * d[2] + 3 * d[3] + d[4]);
+    }
+}
+
+/* Streaming zero-run encoder. Branch-free per byte (short runs of zero groups are
+ * common and a branch on each byte mispredicts often): each step writes
+ * speculatively at out[o] and out[o + 1] and advances o only by what it commits,
+ * so out needs 2 bytes of slack past the input length. The word copy below stays
+ * inside the input length: the output never outgrows the input consumed. */
+typedef struct {
+    uint8_t *out;
+    int64_t o;   /* bytes committed */
+    int64_t run; /* pending zero groups, 0..13 */
+} zre_state;
+
+/* Bit 7 of each byte of the result is set iff that byte of x is the zero group 121. */
+static inline uint64_t zero_group_mask(uint64_t x) {
+    const uint64_t lo7 = 0x7f7f7f7f7f7f7f7full;
+    uint64_t t = x ^ 0x7979797979797979ull; /* 121 -> 0 */
+    return ~(((t & lo7) + lo7) | t) & ~lo7;
+}
+
+static inline void zre_step(uint8_t *out, int64_t *o_io, int64_t *run_io, uint8_t b) {
+    int64_t o = *o_io, run = *run_io;
+    int64_t zero = b == TLC_ZERO_GROUP;
+#if defined(__GNUC__)
+    /* Hide zero's value from the optimiser: otherwise GCC turns the selects below into
+     * branches on it, which mispredict on gradient data. */
+    __asm__("" : "+r"(zero));
+#endif
+    /* a literal ends a pending run: emit its code (121 for a run of one) */
+    out[o] = (uint8_t)(run >= 2 ? TLC_RUN_BASE + run : TLC_ZERO_GROUP);
+    o += (1 - zero) & (run > 0);
+    out[o] = b;
+    o += 1 - zero;
+    run = (run + 1) & -zero;
+    /* a run of 14 is complete: emit 255 */
+    int64_t full = run == TLC_MAX_RUN;
+    out[o] = TLC_RUN_BASE + TLC_MAX_RUN;
+    o += full;
+    run -= TLC_MAX_RUN & -full;
+    *o_io = o;
+    *run_io = run;
+}
+
+/* Eight bytes at a time: a word without zero groups is copied, a word of eight zero
+ * groups extends the run; mixed words go byte by byte. */
+static inline void zre_push(zre_state *st, const uint8_t *in, int64_t m) {
+    uint8_t *out = st->out;
+    int64_t o = st->o, run = st->run, i = 0;
+    for (; i + 8 <= m; i += 8) {
+        uint64_t x;
+        memcpy(&x, in + i, sizeof x);
+        uint64_t z = zero_group_mask(x);
+        if (z == 0) {
+            if (run > 0) {
+                out[o++] = (uint8_t)(run >= 2 ? TLC_RUN_BASE + run : TLC_ZERO_GROUP);
+                run = 0;
+            }
+            memcpy(out + o, &x, sizeof x);
+            o += 8;
+        } else if (z == 0x8080808080808080ull) {
+            run += 8;
+            if (run >= TLC_MAX_RUN) {
+                out[o++] = TLC_RUN_BASE + TLC_MAX_RUN;
+                run -= TLC_MAX_RUN;
+            }
+        } else {
+            for (int k = 0; k < 8; k++) zre_step(out, &o, &run, in[i + k]);
+        }
+    }
+    for (; i < m; i++) zre_step(out, &o, &run, in[i]);
+    st->o = o;
+    st->run = run;
+}
+
+static inline int64_t zre_finish(zre_state *st) {
+    if (st->run > 0)
+        st->out[st->o++] = (uint8_t)(st->run >= 2 ? TLC_RUN_BASE + st->run : TLC_ZERO_GROUP);
+    st->run = 0;
+    return st->o;
+}
+
+/* Zero-run encoding; out must hold m + 2 bytes (the output is never longer than the
+ * input; the 2 bytes are the streaming encoder's slack). Returns the output length. */
+int64_t hvdc_tlc_zre_encode(const uint8_t *in, int64_t m, uint8_t *out) {
+    zre_state st = {out, 0, 0};
+    zre_push(&st, in, m);
+    return zre_finish(&st);
+}
+
+/* The compressor's fused path: quantise with error feedback and zero-run encode,
+ * one block of TLC_BLOCK_GROUPS quartic bytes at a time so that the quartic bytes
+ * never leave L1. out must hold ceil(n / 5) + 2 bytes. Returns the body length.
+ * The caller has checked that S is finite (non-finite input never gets here). */
+int64_t hvdc_tlc_encode(const float *g, float *e, float S, int64_t n, uint8_t *out) {
+    uint8_t quartic[TLC_BLOCK_GROUPS];
+    zre_state st = {out, 0, 0};
+    for (int64_t base = 0; base < n; base += TLC_BLOCK) {
+        int64_t len = n - base < TLC_BLOCK ? n - base : TLC_BLOCK;
+        hvdc_tlc_quantize(g + base, e ? e + base : NULL, e ? e + base : NULL, S, len, NULL,
+                          quartic);
+        zre_push(&st, quartic, (len + 4) / 5);
+    }
+    return zre_finish(&st);
+}
+
+/* Length that zero-run decoding of in[0..len) produces (no writes). */
+int64_t hvdc_tlc_zre_decoded_len(const uint8_t *in, int64_t len) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < len; i++) total += in[i] > TLC_MAX_QUARTIC ? in[i] - TLC_RUN_BASE : 1;
+    return total;
+}
+
+/* Zero-run decoding into exactly m bytes. Returns m, or TLC_ERR_LENGTH (and
+ * writes nothing past out[m - 1]) when the input does not expand to m bytes. */
+int64_t hvdc_tlc_zre_decode(const uint8_t *in, int64_t len, uint8_t *out, int64_t m) {
+    int64_t o = 0;
+    for (int64_t i = 0; i < len; i++) {
+        uint8_t b = in[i];
+        if (b > TLC_MAX_QUARTIC) {
+            int64_t r = b - TLC_RUN_BASE;
+            if (o + r > m) return TLC_ERR_LENGTH;
+            memset(out + o, TLC_ZERO_GROUP, (size_t)r);
+            o += r;
+        } else {
+            if (o >= m) return TLC_ERR_LENGTH;
+            out[o++] = b;
+        }
+    }
+    return o == m ? m : TLC_ERR_LENGTH;
+}
+
+/* Checks that quartic[0..ceil(n/5)) are valid: every byte <= 242 and the padding
+ * digits of the last group equal 1. Returns 0 or a negative error. */
+static int64_t check_quartic(const uint8_t *quartic, int64_t n) {
+    int64_t m = (n + 4) / 5;
+    uint8_t worst = 0;
+    for (int64_t j = 0; j < m; j++) worst = quartic[j] > worst ? quartic[j] : worst;
+    if (worst > TLC_MAX_QUARTIC) return TLC_ERR_BYTE;
+    if (n % 5) {
+        int b = quartic[m - 1];
+        static const int pow3[5] = {81, 27, 9, 3, 1};
+        for (int k = 4; k >= (int)(n % 5); k--)
+            if ((b / pow3[k]) % 3 != 1) return TLC_ERR_PADDING;
+    }
+    return 0;
+}
+
+/* The five decoded values S * q of each of the 243 quartic bytes: decoding a byte is
+ * then one 20-byte copy (or five adds). */
+static void scaled_groups(float S, float table[243][5]) {
+    const float level[3] = {S * -1.0f, S * 0.0f, S * 1.0f};
+    for (int b = 0; b < 243; b++) {
+        table[b][0] = level[b / 81];
+        table[b][1] = level[b / 27 % 3];
+        table[b][2] = level[b / 9 % 3];
+        table[b][3] = level[b / 3 % 3];
+        table[b][4] = level[b % 3];
+    }
+}
+
+/* int8 digits of n elements from quartic bytes (public building block). */
+int64_t hvdc_tlc_quartic_decode(const uint8_t *quartic, int64_t n, int8_t *q) {
+    int64_t err = check_quartic(quartic, n);
+    if (err) return err;
+    int64_t full = n / 5;
+    for (int64_t j = 0; j < full; j++) {
+        int b = quartic[j];
+        int8_t *p = q + 5 * j;
+        p[0] = (int8_t)(b / 81 - 1);
+        p[1] = (int8_t)(b / 27 % 3 - 1);
+        p[2] = (int8_t)(b / 9 % 3 - 1);
+        p[3] = (int8_t)(b / 3 % 3 - 1);
+        p[4] = (int8_t)(b % 3 - 1);
+    }
+    for (int64_t k = 0; k < n % 5; k++) {
+        static const int pow3[5] = {81, 27, 9, 3, 1};
+        q[5 * full + k] = (int8_t)(quartic[full] / pow3[k] % 3 - 1);
+    }
+    return 0;
+}
+
+/* out[i] = S * q[i] (or out[i] += S * q[i] with accumulate) from quartic bytes.
+ * A table of the 243 possible groups, already scaled, turns each byte into one
+ * 20-byte copy (or five adds). Returns 0 or a negative error, with out untouched
+ * on error. */
+int64_t hvdc_tlc_dequantize(const uint8_t *quartic, int64_t n, float S, float *out,
+                            int accumulate) {
+    int64_t err = check_quartic(quartic, n);
+    if (err) return err;
+    float table[243][5];
+    scaled_groups(S, table);
+    int64_t full = n / 5;
+    if (accumulate) {
+        for (int64_t j = 0; j < full; j++) {
+            const float *t = table[quartic[j]];
+            float *o = out + 5 * j;
+            o[0] += t[0];
+            o[1] += t[1];
+            o[2] += t[2];
+            o[3] += t[3];
+            o[4] += t[4];
+        }
+        for (int64_t k = 0; k < n % 5; k++) out[5 * full + k] += table[quartic[full]][k];
+    } else {
+        for (int64_t j = 0; j < full; j++) memcpy(out + 5 * j, table[quartic[j]], 5 * sizeof(float));
+        for (int64_t k = 0; k < n % 5; k++) out[5 * full + k] = table[quartic[full]][k];
+    }
+    return 0;
+}
+
+/* Fused zero-run decode + dequantize without materialising the quartic bytes:
+ * a run byte writes (or, accumulating, skips) 5 * r zeros directly. Validates as
+ * hvdc_tlc_zre_decode + hvdc_tlc_dequantize do, before writing anything. */
+int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, float *out,
+                        int accumulate) {
+    int64_t m = (n + 4) / 5;
+    if (hvdc_tlc_zre_decoded_len(body, len) != m) return TLC_ERR_LENGTH;
+    /* The last quartic byte is either the last literal body byte or a zero group
+     * (valid padding): check the padding before any write. */
+    if (n % 5 && len > 0 && body[len - 1] <= TLC_MAX_QUARTIC) {
+        int b = body[len - 1];
+        static const int pow3[5] = {81, 27, 9, 3, 1};
+        for (int k = 4; k >= (int)(n % 5); k--)
+            if ((b / pow3[k]) % 3 != 1) return TLC_ERR_PADDING;
+    }
+    float table[243][5];
+    scaled_groups(S, table);
+    int64_t j = 0; /* quartic group index */
+    for (int64_t i = 0; i < len; i++) {
+        uint8_t b = body[i];
+        if (b > TLC_MAX_QUARTIC) { /* a run of r zero groups: +0.0f is S * 0 */
+            int64_t r = b - TLC_RUN_BASE;
+            if (!accumulate) {
+                int64_t hi = 5 * (j + r) < n ? 5 * (j + r) : n;
+                memset(out + 5 * j, 0, (size_t)(hi - 5 * j) * sizeof(float));
+            }
+            j += r;
+            continue;
+        }
+        const float *t = table[b];
+        float *o = out + 5 * j;
+        int64_t cnt = 5 * j + 5 <= n ? 5 : n - 5 * j;
+        if (accumulate)
+            for (int64_t k = 0; k < cnt; k++) o[k] += t[k];
+        else if (cnt == 5)
+            memcpy(o, t, 5 * sizeof(float));
+        else
+            for (int64_t k = 0; k < cnt; k++) o[k] = t[k];
+        j++;
+    }
+    return 0;
+}
+
+/* Payload checksum of buf[0..len) placed at payload position offset (see wire.py):
+ * sum of (b + 1) * mix(offset + j) modulo 2^32. */
+uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offset) {
+    uint32_t sum = 0;
+    for (int64_t j = 0; j < len; j++) {
+        uint64_t idx = (uint64_t)(offset + j);
+        uint32_t w = (uint32_t)((idx * 0x9E3779B97F4A7C15ull) >> 32) | 1u;
+        sum += (uint32_t)(buf[j] + 1) * w;
+    }
+    return sum;
+}

@@ -1,0 +1,391 @@
+"""The CUDA backend (CuPy kernels of kernels/threelc.cu) on a real GPU, byte for byte
+against the CPU backend. Every test marked ``gpu`` takes the ``gpu`` fixture of
+conftest.py, which skips it, with the reason from
+``hvdcompress.backends.cuda.gpu_unavailable_reason()``, where the kernels cannot run
+(no CuPy, no CUDA device, no driver, NVRTC missing).
+
+The ``check_*`` functions take a ``Setup`` (backend under test, CPU backend, device) so
+that tests/host_kernels/test_threelc_kernels.py runs the same checks on the CUDA backend's
+Python code with the kernels compiled for the host. scripts/gpu_check.sh runs this folder
+on a GPU machine: ``python -m pytest -m gpu tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hvdcompress.backends import cuda as cuda_backend
+from hvdcompress.wire import PayloadError
+from tests.gpu.conftest import Setup, bits, check_kernel_source_found, check_nvrtc_compiles
+
+SIZES = [0, 1, 4, 5, 6, 7, 13, 69, 70, 71, 1000, 100003, 1 << 22 | 3]
+KINDS = ["dense", "sparse90", "sparse999", "zeros", "runs", "ties", "subnormal"]
+SPARSITIES = [1.0, 1.5, 1.9]
+SPEC_X = [0.80, -0.05, 0.02, 0, -0.70, 0.45, 0.04, 0, 0, 0.01]
+SPEC_X += [0.30, 0.03, -0.02, 0, 0.05, 0.10, -0.01, 0, 0.02, 0]
+SPEC_VECTORS = [  # sparsity, S, quartic, zre (shared/SPEC.md section 2)
+    (1.0, 0.8, [201, 202, 121, 121], [201, 202, 243]),
+    (1.5, 1.2, [201, 121, 121, 121], [201, 244]),
+    (1.9, 1.52, [202, 121, 121, 121], [202, 244]),
+]
+
+
+def make_input(n: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """CPU float32 test input of one of KINDS."""
+    x = torch.randn(n, generator=gen)
+    if kind == "sparse90":
+        x[torch.rand(n, generator=gen) < 0.9] = 0
+    elif kind == "sparse999":
+        x[torch.rand(n, generator=gen) < 0.999] = 0
+    elif kind == "zeros":
+        x.zero_()
+    elif kind == "runs":
+        # Spikes between zero runs of 5 * (14 k + r) elements: runs of 13, 14, 15, 27,
+        # 28, 29, ... zero groups.
+        x.zero_()
+        pos, k = 0, 0
+        while pos < n:
+            x[pos] = 1.0 if k % 2 else -1.0
+            pos += 5 * (14 * (k % 4 + 1) + (k % 4) - 1) + (k % 3)
+            k += 1
+    elif kind == "ties":  # a / S = +-0.5 rounds to even (0); -0.0
+        vals = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, -0.0, 0.49999997, 0.50000006])
+        x = vals[torch.randint(0, len(vals), (n,), generator=gen)]
+    elif kind == "subnormal":  # subnormal max and scale: no flush to zero anywhere
+        x = x * 1e-39
+    return x.contiguous()
+
+
+def assert_same_bytes(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    np.testing.assert_array_equal(a.cpu().numpy(), b.cpu().numpy(), err_msg=what)
+
+
+def _u8(values, dev) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.uint8, device=dev)
+
+
+# ---- checks shared with the host emulation -------------------------------------------------
+
+
+def check_spec_vectors(s: Setup) -> None:
+    x = torch.tensor(SPEC_X, device=s.dev)
+    for sparsity, scale, quartic, zre in SPEC_VECTORS:
+        q, sc = s.backend.quantize(x, sparsity)
+        assert sc.device == x.device and sc.dim() == 0 and sc.item() == np.float32(scale)
+        qb = s.backend.quartic_encode(q)
+        assert qb.tolist() == quartic
+        assert s.backend.zero_run_encode(qb).tolist() == zre
+        enc = s.backend.threelc_encode(x, None, sparsity)
+        assert enc.body.tolist() == zre and enc.scale == np.float32(scale)
+        assert not enc.nonfinite
+        back = s.backend.zero_run_decode(_u8(zre, s.dev), 4)
+        assert back.tolist() == quartic
+        assert s.backend.quartic_decode(back, 20).tolist() == q.tolist()
+    buf = _u8([5] + [121] * 31 + [7] + [121] * 3, s.dev)
+    body = s.backend.zero_run_encode(buf)
+    assert body.tolist() == [5, 255, 255, 244, 7, 244]
+    assert s.backend.zero_run_decode(body).tolist() == buf.tolist()
+
+
+def check_building_blocks(s: Setup, sizes=SIZES) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for n in sizes:
+        for kind in ("dense", "sparse999", "ties"):
+            x = make_input(n, kind, gen)
+            q, sc = s.backend.quantize(x.to(s.dev, copy=True), 1.5)
+            cq, cs = s.cpu.quantize(x, 1.5)
+            assert_same_bytes(q, cq, f"quantize {n} {kind}")
+            assert float(sc) == float(cs)
+            qb = s.backend.quartic_encode(q)
+            assert_same_bytes(qb, s.cpu.quartic_encode(cq))
+            body = s.backend.zero_run_encode(qb)
+            assert_same_bytes(body, s.cpu.zero_run_encode(qb.cpu()))
+            assert_same_bytes(s.backend.zero_run_decode(body, qb.numel()), qb)
+            assert_same_bytes(s.backend.quartic_decode(qb, n), q)
+    with pytest.raises(ValueError):
+        s.backend.quartic_encode(torch.tensor([0, 2, 0], dtype=torch.int8, device=s.dev))
+    with pytest.raises(ValueError):
+        s.backend.zero_run_encode(_u8([121, 250], s.dev))
+    with pytest.raises(PayloadError):
+        s.backend.quartic_decode(_u8([121, 250], s.dev), 10)
+    with pytest.raises(PayloadError):
+        s.backend.quartic_decode(_u8([121, 122], s.dev), 7)
+    with pytest.raises(PayloadError):
+        s.backend.zero_run_decode(_u8([255], s.dev), 13)
+    with pytest.raises(ValueError):
+        s.backend.quantize(torch.tensor([1.0, float("nan")], device=s.dev), 1.0)
+
+
+def check_encode(s: Setup, n: int, kinds=KINDS, sparsities=SPARSITIES) -> None:
+    gen = torch.Generator().manual_seed(n)
+    for kind in kinds:
+        g = make_input(n, kind, gen)
+        for sparsity in sparsities:
+            e0 = make_input(n, "dense", gen) * 0.01
+            for with_e in (False, True):
+                where = f"n={n} {kind} s={sparsity} e={with_e}"
+                e_dev = e0.to(s.dev, copy=True) if with_e else None
+                e_cpu = e0.clone() if with_e else None
+                enc = s.backend.threelc_encode(g.to(s.dev, copy=True), e_dev, sparsity)
+                ref = s.cpu.threelc_encode(g, e_cpu, sparsity)
+                assert (enc.scale, enc.nonfinite) == (ref.scale, ref.nonfinite), where
+                assert enc.body.device == s.dev and enc.body.dtype == torch.uint8
+                assert_same_bytes(enc.body, ref.body, where)
+                if with_e:
+                    np.testing.assert_array_equal(bits(e_dev), bits(e_cpu), err_msg=where)
+
+
+def check_residual_over_steps(s: Setup, n: int = 1 << 20 | 7) -> None:
+    gen = torch.Generator().manual_seed(5)
+    e_dev = torch.zeros(n, device=s.dev)
+    e_cpu = torch.zeros(n)
+    for step, kind in enumerate(["dense", "sparse90", "runs", "dense", "ties", "dense"]):
+        g = make_input(n, kind, gen)
+        enc = s.backend.threelc_encode(g.to(s.dev, copy=True), e_dev, 1.9)
+        ref = s.cpu.threelc_encode(g, e_cpu, 1.9)
+        assert enc.scale == ref.scale, step
+        assert_same_bytes(enc.body, ref.body, f"step {step}")
+        np.testing.assert_array_equal(bits(e_dev), bits(e_cpu), err_msg=f"step {step}")
+
+
+def check_nonfinite(s: Setup, bad: float, n: int = 100003) -> None:
+    gen = torch.Generator().manual_seed(2)
+    g = make_input(n, "dense", gen)
+    g[n * 7 // 9] = bad  # 3e38: finite, but 1.9 * max overflows float32
+    e0 = make_input(n, "dense", gen) * 0.01
+    e_dev = e0.to(s.dev, copy=True)
+    enc = s.backend.threelc_encode(g.to(s.dev, copy=True), e_dev, 1.9)
+    ref = s.cpu.threelc_encode(g, e0.clone(), 1.9)
+    assert enc.nonfinite and ref.nonfinite
+    assert enc.body.numel() == 0 and enc.scale == ref.scale == 0.0
+    np.testing.assert_array_equal(bits(e_dev), bits(e0))  # residual untouched
+
+
+def check_decode(s: Setup, n: int) -> None:
+    gen = torch.Generator().manual_seed(100 + n)
+    for kind in ("dense", "sparse999", "runs", "zeros"):
+        g = make_input(n, kind, gen)
+        ref = s.cpu.threelc_encode(g, None, 1.5)
+        body = ref.body.to(s.dev, copy=True)
+        out = torch.full((n,), float("nan"), device=s.dev)
+        s.backend.threelc_decode(body, n, ref.scale, out, False)
+        cout = torch.full((n,), float("nan"))
+        s.cpu.threelc_decode(ref.body, n, ref.scale, cout, False)
+        np.testing.assert_array_equal(bits(out), bits(cout), err_msg=kind)
+        # Accumulate onto values that include -0.0: zero groups from run codes leave out
+        # as it is, every other digit adds S * q (+0.0 for q = 0), as on the CPU.
+        base = make_input(n, "dense", gen)
+        base[torch.rand(n, generator=gen) < 0.3] = -0.0
+        acc = base.to(s.dev, copy=True)
+        s.backend.threelc_decode(body, n, ref.scale, acc, True)
+        cacc = base.clone()
+        s.cpu.threelc_decode(ref.body, n, ref.scale, cacc, True)
+        np.testing.assert_array_equal(bits(acc), bits(cacc), err_msg=f"{kind} accumulate")
+
+
+def check_corrupt_bodies(s: Setup, trials: int = 300) -> None:
+    """Mutated and random bodies: both backends reject them (PayloadError on "body", out
+    untouched) or both decode them to the same values."""
+    gen = torch.Generator().manual_seed(9)
+    rng = np.random.default_rng(9)
+    agree = rejected = 0
+    for trial in range(trials):
+        n = int(rng.integers(0, 500))
+        g = make_input(n, ["sparse90", "runs", "dense"][trial % 3], gen)
+        ref = s.cpu.threelc_encode(g, None, 1.0)
+        body = ref.body.numpy().copy()
+        if trial % 4 == 0 or body.size == 0:
+            body = rng.integers(0, 256, int(rng.integers(0, 30)), dtype=np.uint8)
+        else:
+            body[rng.integers(body.size)] = rng.integers(0, 256)
+        body_t = torch.from_numpy(body)
+        out = torch.full((n,), 9.0, device=s.dev)
+        dev_err = cpu_err = None
+        try:
+            s.backend.threelc_decode(body_t.to(s.dev, copy=True), n, ref.scale, out, False)
+        except PayloadError as exc:
+            dev_err = exc
+            rejected += 1
+            assert exc.field == "body"
+            assert bool((out == 9.0).all()), f"trial {trial}: out written before raising"
+        cout = torch.full((n,), 9.0)
+        try:
+            s.cpu.threelc_decode(body_t, n, ref.scale, cout, False)
+        except PayloadError as exc:
+            cpu_err = exc
+        assert (dev_err is None) == (cpu_err is None), f"trial {trial}: {dev_err} / {cpu_err}"
+        if dev_err is None:
+            np.testing.assert_array_equal(bits(out), bits(cout))
+            agree += 1
+    assert agree > trials // 10 and rejected > trials // 10
+
+
+def check_checksum(s: Setup, size: int) -> None:
+    buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator())
+    for offset in (0, 12, 2**32 - 5, 2**40 + 3):
+        assert s.backend.checksum(buf.to(s.dev, copy=True), offset) == s.cpu.checksum(buf, offset)
+
+
+# ---- on the GPU ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_spec_vectors(gpu):
+    check_spec_vectors(gpu)
+
+
+@pytest.mark.gpu
+def test_building_blocks_match_cpu(gpu):
+    check_building_blocks(gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", SIZES)
+def test_encode_matches_cpu(gpu, n):
+    check_encode(gpu, n)
+
+
+@pytest.mark.gpu
+def test_residual_over_steps_matches_cpu(gpu):
+    check_residual_over_steps(gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), 3e38])
+def test_nonfinite_matches_cpu(gpu, bad):
+    check_nonfinite(gpu, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", SIZES)
+def test_decode_matches_cpu(gpu, n):
+    check_decode(gpu, n)
+
+
+@pytest.mark.gpu
+def test_corrupt_bodies_raise_and_leave_out_untouched(gpu):
+    check_corrupt_bodies(gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [0, 1, 31, 33, 1000, 65537, 1 << 24 | 5])
+def test_checksum_matches_cpu(gpu, size):
+    check_checksum(gpu, size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_compressor_payloads_match_cpu(gpu, dtype):
+    """Whole payloads (header, checksum, body) from a CUDA tensor equal the CPU's, for
+    every gradient dtype; decoding and the gather path's rank-order sum agree too."""
+    from hvdcompress.compressors.threelc import ThreeLC
+
+    gen = torch.Generator().manual_seed(3)
+    shape = (37, 101)
+    on_gpu, on_cpu = ThreeLC(sparsity=1.5), ThreeLC(sparsity=1.5)
+    grads = [make_input(37 * 101, k, gen).view(shape).to(dtype) for k in KINDS[:4]]
+    for step, grad in enumerate(grads):  # error feedback carried over steps
+        p_gpu, _ = on_gpu.compress(grad.to(gpu.dev), "w")
+        p_cpu, _ = on_cpu.compress(grad, "w")
+        assert_same_bytes(p_gpu, p_cpu, f"{dtype} step {step}")
+        dec = on_gpu.decode(p_cpu.to(gpu.dev))
+        assert dec.dtype == dtype and dec.shape == shape and dec.device == gpu.dev
+        np.testing.assert_array_equal(bits(dec.float()), bits(on_cpu.decode(p_cpu).float()))
+    payloads = [on_cpu.compress(g, f"r{i}")[0] for i, g in enumerate(grads)]
+    total_gpu = torch.zeros(37 * 101, device=gpu.dev)
+    total_cpu = torch.zeros(37 * 101)
+    for p in payloads:
+        on_gpu.decode(p.to(gpu.dev), out=total_gpu, accumulate=True)
+        on_cpu.decode(p, out=total_cpu, accumulate=True)
+    np.testing.assert_array_equal(bits(total_gpu), bits(total_cpu))
+
+
+@pytest.mark.gpu
+def test_side_stream(gpu):
+    """Kernels run on torch's current stream: work queued before them on a side stream is
+    seen, and their results are ready for work queued after them."""
+    gen = torch.Generator().manual_seed(4)
+    g = make_input(1 << 22, "sparse90", gen)
+    ref = gpu.cpu.threelc_encode(g, None, 1.0)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        g_dev = torch.empty(g.shape, device=gpu.dev)
+        g_dev.copy_(g.pin_memory(), non_blocking=True)
+        torch.cuda._sleep(50_000_000)  # a busy stream: kernels on another one would race
+        x = g_dev * 1.0
+        enc = gpu.backend.threelc_encode(x, None, 1.0)
+        out = torch.empty_like(x)
+        gpu.backend.threelc_decode(enc.body, x.numel(), enc.scale, out, False)
+        out_host = out.to("cpu")
+    side.synchronize()
+    assert_same_bytes(enc.body, ref.body)
+    cout = torch.empty_like(g)
+    gpu.cpu.threelc_decode(ref.body, g.numel(), ref.scale, cout, False)
+    np.testing.assert_array_equal(bits(out_host), bits(cout))
+
+
+@pytest.mark.gpu
+def test_beyond_2_pow_32_elements(gpu):
+    """n > 2^32 on the device (64-bit indices end to end): spikes past 2^31 and 2^32."""
+    n = (1 << 32) + 13
+    free, _ = torch.cuda.mem_get_info()
+    if free < 80 * 2**30 and not os.environ.get("HVDC_GPU_FORCE_BIG"):
+        pytest.skip(f"needs about 80 GiB of free GPU memory, {free / 2**30:.0f} GiB free")
+    spikes = {7: 1.0, (1 << 31) + 3: -1.0, (1 << 32) - 1: 1.0, (1 << 32) + 2: -1.0, n - 1: 1.0}
+    g = torch.zeros(n, device=gpu.dev)
+    for i, v in spikes.items():
+        g[i] = v
+    e = torch.zeros(n, device=gpu.dev)
+    enc = gpu.backend.threelc_encode(g, e, 1.0)
+    assert not enc.nonfinite and enc.scale == 1.0
+    assert int(torch.count_nonzero(e)) == 0  # 1 - 1 * 1 and 0 - 0 everywhere
+    del e
+    # Expected body: quartic bytes 121 except at the spikes' groups, then zero runs.
+    m = (n + 4) // 5
+    groups: dict[int, list[int]] = {}
+    for i, v in spikes.items():
+        groups.setdefault(i // 5, [1] * 5)[i % 5] = int(v) + 1
+    parts, prev = [], -1
+    for j in sorted(groups):
+        d = groups[j]
+        parts += [_zero_run(j - prev - 1), [81 * d[0] + 27 * d[1] + 9 * d[2] + 3 * d[3] + d[4]]]
+        prev = j
+    parts.append(_zero_run(m - prev - 1))
+    want = np.concatenate([np.asarray(p, np.uint8) for p in parts])
+    np.testing.assert_array_equal(enc.body.cpu().numpy(), want)
+    out = g  # decode over the input: every element must be rewritten
+    out.fill_(float("nan"))
+    gpu.backend.threelc_decode(enc.body, n, enc.scale, out, False)
+    assert int(torch.isnan(out).sum()) == 0
+    assert int(torch.count_nonzero(out)) == len(spikes)
+    for i, v in spikes.items():
+        assert float(out[i]) == v
+    assert gpu.backend.checksum(enc.body, 2**33) == gpu.cpu.checksum(enc.body.cpu(), 2**33)
+
+
+def _zero_run(r: int) -> np.ndarray:
+    tail = [241 + r % 14] if r % 14 >= 2 else [121] if r % 14 == 1 else []
+    return np.concatenate([np.full(r // 14, 255, np.uint8), np.array(tail, np.uint8)])
+
+
+# ---- without a GPU -------------------------------------------------------------------------
+
+
+def test_unavailable_reason_explains():
+    reason = cuda_backend.gpu_unavailable_reason()
+    if torch.cuda.is_available() and reason is None:
+        return
+    assert isinstance(reason, str) and len(reason) > 10
+
+
+def test_nvrtc_compiles_kernels():
+    """NVRTC accepts kernels/threelc.cu with the backend's options (see conftest.py)."""
+    check_nvrtc_compiles(cuda_backend.THREELC)
+
+
+def test_kernel_source_found():
+    check_kernel_source_found(cuda_backend.THREELC)

@@ -1,0 +1,60 @@
+"""Helpers shared by the test modules: compressor factories, a Transport of world size 1,
+the small seeded model of the optimizer and policy tests, and PowerSGD's step on one
+rank. tests/conftest.py wraps the model and the transport in fixtures."""
+
+from __future__ import annotations
+
+import torch
+
+import hvdcompress
+from hvdcompress.transports import Handle, Transport
+
+
+def comp(name: str, **params):
+    """A compressor by registry name (``hvdcompress.get_compressor``)."""
+    return hvdcompress.get_compressor(name, **params)
+
+
+def bound(name: str, rank: int, size: int, **params):
+    """A compressor bound to ``rank`` of ``size`` ranks, as the optimizer binds it."""
+    c = comp(name, **params)
+    c.bind(rank, size)
+    return c
+
+
+def powersgd_one_rank(c, g: torch.Tensor, name: str = "m") -> torch.Tensor:
+    """One PowerSGD step in a world of one rank: the summed P is the local P."""
+    p, ctx = c.compress(g, name)
+    q = c.next_phase(p, ctx, 1)
+    return c.decompress(q, ctx)
+
+
+def small_model(seed: int = 0) -> torch.nn.Module:
+    """Linear(10, 20), ReLU, Linear(20, 3), initialised from ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 3))
+
+
+class LocalTransport(Transport):
+    """World size 1: a gather returns the local bytes, a sum the tensor itself; ``calls``
+    counts the collectives started. For optimizer and policy tests in one process."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _done(self, value) -> Handle:
+        self.calls += 1
+        h = Handle()
+        h._finish(value)
+        return h
+
+    def start_allgatherv(self, local):
+        return self._done((local.clone(), [local.numel()]))
+
+    def start_allreduce_sum(self, dense):
+        return self._done(dense.clone())
+
+    def allgather_object(self, obj):
+        return [obj]

@@ -1,0 +1,76 @@
+"""The CPU codec primitives (hvdcompress.codecs.primitives) against independent Python /
+NumPy references: counter-based uniforms and their keys, bit packing, chunk sums."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.wire import PayloadError
+
+
+def _uniform_python(key: int, i: int) -> float:
+    z = (key + (i + 1) * prim.GOLDEN) & prim.MASK64
+    return (prim.mix64(z) >> 40) * 2.0**-24
+
+
+@pytest.mark.parametrize("key", [0, 1, 2**64 - 1, prim.rng_key(7, 3, 1, prim.tensor_id("w"))])
+def test_uniform_matches_python_and_numpy(key):
+    n = 1000
+    got = prim.uniform(key, n, torch.device("cpu")).numpy()
+    np.testing.assert_array_equal(got, prim.uniform_numpy(key, n))
+    assert [float(v) for v in got[:50]] == [_uniform_python(key, i) for i in range(50)]
+    assert got.min() >= 0.0 and got.max() < 1.0
+    assert abs(got.mean() - 0.5) < 5 * math.sqrt(1 / 12 / n)
+
+
+def test_rng_key_pins_the_format():
+    # Changing these changes every stochastic payload: they are part of the wire format.
+    assert prim.mix64(1) == 0x5692161D100B05E5
+    assert prim.tensor_id("w") == int.from_bytes(
+        __import__("hashlib").blake2b(b"w", digest_size=8).digest(), "little"
+    )
+    keys = {prim.rng_key(s, t, r, 5) for s in range(3) for t in range(3) for r in range(3)}
+    assert len(keys) == 27
+
+
+def _pack_numpy(codes: np.ndarray, bits: int) -> np.ndarray:
+    stream = ((codes[:, None].astype(np.int64) >> np.arange(bits)) & 1).reshape(-1)
+    stream = np.concatenate([stream, np.zeros(-len(stream) % 8, np.int64)])
+    return (stream.reshape(-1, 8) << np.arange(8)).sum(1).astype(np.uint8)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [0, 1, 3, 8, 13, 1001])
+def test_bitpack_matches_numpy_and_roundtrips(bits, n):
+    rng = np.random.default_rng(bits * 1000 + n)
+    codes = rng.integers(0, 2**bits, n).astype(np.uint8)
+    packed = prim.bitpack(torch.from_numpy(codes), bits)
+    np.testing.assert_array_equal(packed.numpy(), _pack_numpy(codes, bits))
+    np.testing.assert_array_equal(prim.bitunpack(packed, n, bits).numpy(), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 5, 7])
+def test_bitunpack_rejects_padding_and_length(bits):
+    n = 9  # 9 * bits is not a multiple of 8 for odd bits
+    packed = prim.bitpack(torch.zeros(n, dtype=torch.uint8), bits).clone()
+    packed[-1] |= 0x80
+    with pytest.raises(PayloadError, match="padding"):
+        prim.bitunpack(packed, n, bits)
+    with pytest.raises(PayloadError):
+        prim.bitunpack(packed[:-1], n, bits)
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_chunk_sums_are_left_to_right_doubles(square):
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(10007) * 10.0 ** rng.integers(-6, 6, 10007)).astype(np.float32)
+    got = prim.chunk_sums(torch.from_numpy(x), 512, square).numpy()
+    v = x.astype(np.float64)
+    v = v * v if square else np.abs(v)
+    want = [np.add.accumulate(v[i : i + 512])[-1] for i in range(0, len(v), 512)]
+    np.testing.assert_array_equal(got, want)

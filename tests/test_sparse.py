@@ -1,0 +1,327 @@
+"""The sparsifying compressors: top-k, random-k, top-k + sign (topkq), GSpar
+(magnitude-proportional) and DGC (momentum correction, factor masking, warm-up, local
+clipping). Statistical tests use fixed seeds, so they are deterministic; their bounds are
+5-sigma ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.codecs import sparse
+from hvdcompress.wire import PayloadError
+from tests.fuzz.harness import fix_checksum
+from tests.helpers import bound, comp
+
+# ---- top-k ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,ratio", [(1, 0.01), (100, 0.01), (1000, 0.05), (10007, 0.01)])
+def test_topk_keeps_exactly_the_k_largest_and_residual_holds_the_rest(n, ratio):
+    rng = np.random.default_rng(n)
+    g = rng.standard_normal(n).astype(np.float32)
+    c = comp("topk", ratio=ratio)
+    payload, ctx = c.compress(torch.from_numpy(g), "w")
+    dec = c.decompress(payload, ctx).numpy()
+    k = max(1, math.ceil(n * ratio))
+    kept = np.flatnonzero(dec)
+    assert len(kept) == k
+    order = np.argsort(-np.abs(g), kind="stable")
+    assert set(kept) == set(order[:k])
+    np.testing.assert_array_equal(dec[kept], g[kept])
+    e = c.memory.residuals["w"].numpy()
+    assert (e[kept] == 0).all()
+    np.testing.assert_array_equal(dec + e, g)
+    header, _ = c.read_header(payload)
+    assert header.body_len == 8 * k
+
+
+def test_topk_ties_are_broken_by_lowest_index_and_ef_over_steps():
+    g = torch.tensor([1.0, -3.0, 3.0, 2.0, -3.0, 0.5])
+    c = comp("topk", ratio=0.34)  # k = 3 of 6... ceil(2.04) = 3
+    dec = c.decompress(*c.compress(g, "w"))
+    assert torch.equal(dec, torch.tensor([0.0, -3.0, 3.0, 0.0, -3.0, 0.0]))
+    c = comp("topk", ratio=0.3)  # k = 2: ties at 3.0 keep indices 1, 2
+    dec = c.decompress(*c.compress(g, "w"))
+    assert torch.equal(dec, torch.tensor([0.0, -3.0, 3.0, 0.0, 0.0, 0.0]))
+    # over steps, everything sent plus the residual is everything computed
+    c = comp("topk", ratio=0.1)
+    total_g, total_dec = torch.zeros(300), torch.zeros(300)
+    torch.manual_seed(1)
+    for _ in range(20):
+        x = torch.randn(300)
+        total_g += x
+        total_dec += c.decompress(*c.compress(x, "w"))
+    torch.testing.assert_close(total_dec + c.memory.residuals["w"], total_g)
+
+
+def test_topk_int64_indices_above_2_pow_31():
+    assert sparse.index_dtype(2**31 - 1) == torch.int32
+    assert sparse.index_dtype(2**31) == torch.int64
+
+
+@pytest.mark.parametrize("kind", ["gauss", "ties", "sample_heavy", "zeros_on_sample"])
+def test_topk_selection_on_large_tensors(kind):
+    """The sampled-candidate path (n >= 4 * SAMPLE) and its fallback select exactly what a
+    stable sort selects: the k largest |x|, ties by lowest index."""
+    n = 300_007
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(n).astype(np.float32)
+    stride = n // sparse.SAMPLE
+    if kind == "ties":
+        x = np.rint(x * 3).astype(np.float32)
+    elif kind == "sample_heavy":  # every sampled element is large: fewer than k candidates
+        x *= 1e-3
+        x[::stride] = 100.0 + np.arange(len(x[::stride]), dtype=np.float32)
+    elif kind == "zeros_on_sample":
+        x[::stride] = 0.0
+    for k in (1, 3000, 30000):
+        idx = sparse.topk_select(torch.from_numpy(x), k).numpy()
+        want = np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
+        np.testing.assert_array_equal(idx, want)
+
+
+# ---- random-k ------------------------------------------------------------------------------
+
+
+def test_randomk_receiver_regenerates_the_indices():
+    x = torch.randn(5000)
+    c = comp("randomk", ratio=0.1, seed=3, rank=2)
+    payload, ctx = c.compress(x, "layer.weight")
+    header, _ = c.read_header(payload)
+    seed, step, tid, rank = prim.RNG_PARAMS.unpack_from(header.params, 0)
+    assert (seed, step, rank, tid) == (3, 0, 2, prim.tensor_id("layer.weight"))
+    key = prim.rng_key(seed, step, rank, tid)
+    mask = prim.uniform_numpy(key, 5000) < sparse.randomk_threshold(0.1) / 2**24
+    dec = comp("randomk", ratio=0.1, seed=3).decode(payload).numpy()
+    np.testing.assert_array_equal(dec != 0, mask)
+    scale = np.float32(sparse.randomk_scale(0.1, True))
+    assert abs(scale - 10.0) < 1e-5  # 1 / p for the p = round(0.1 * 2**24) / 2**24 used
+    np.testing.assert_array_equal(dec[mask], x.numpy()[mask] * scale)
+    assert header.body_len == 4 * mask.sum()
+    assert abs(mask.mean() - 0.1) < 5 * math.sqrt(0.09 / 5000)
+
+
+def test_randomk_unbiased_mean_over_seeds_approaches_x():
+    n, steps, p = 200, 2000, 0.25
+    x = torch.randn(n)
+    c = comp("randomk", ratio=p, seed=5)
+    total = torch.zeros(n)
+    for _ in range(steps):
+        c.decode(c.compress(x, "w")[0], out=total, accumulate=True)
+    mean = total / steps
+    bound = 5 * x.abs() * math.sqrt((1 - p) / p / steps) + 1e-6
+    assert ((mean - x).abs() <= bound).all()
+
+
+def test_randomk_error_feedback_invariant():
+    c = comp("randomk", ratio=0.3, unbiased=False, error_feedback=True, seed=1)
+    total_g, total_dec = torch.zeros(400), torch.zeros(400)
+    torch.manual_seed(2)
+    for _ in range(30):
+        x = torch.randn(400)
+        total_g += x
+        total_dec += c.decompress(*c.compress(x, "w"))
+    torch.testing.assert_close(total_dec + c.memory.residuals["w"], total_g)
+
+
+# ---- top-k + sign (topkq) and GSpar, CAT's other compressors -------------------------------
+
+
+def test_topkq_sends_the_mean_magnitude_with_signs_and_keeps_the_rest():
+    x = torch.tensor([0.5, -4.0, 1.0, 3.0, -0.25, 2.0])
+    c = comp("topkq", ratio=0.5)  # k = 3: indices 1, 3, 5, magnitude (4 + 3 + 2) / 3
+    payload, ctx = c.compress(x, "w")
+    dec = c.decompress(payload, ctx)
+    assert dec.tolist() == [0.0, -3.0, 0.0, 3.0, 0.0, 3.0]
+    np.testing.assert_array_equal(c.memory.residual("w", x).numpy(), (x - dec).numpy())
+    # 4-byte magnitude + 3 int32 indices + 1 byte of sign bits
+    assert c.read_header(payload)[0].body_len == 4 + 12 + 1
+
+
+def test_topkq_error_feedback_keeps_a_equal_decode_plus_residual():
+    torch.manual_seed(2)
+    c = comp("topkq", ratio=0.05)
+    e_prev = torch.zeros(4000)
+    for _ in range(4):
+        g = torch.randn(4000)
+        payload, ctx = c.compress(g, "w")
+        dec = c.decompress(payload, ctx)
+        e = c.memory.residual("w", g)
+        torch.testing.assert_close(dec + e, g + e_prev, rtol=0, atol=1e-6)
+        e_prev = e.clone()
+
+
+def test_gspar_scale_solves_the_budget_with_saturation():
+    mag = torch.tensor([100.0, 50.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0])
+    c, rounds = sparse.gspar_scale(mag, 3.0)  # the two large ones saturate: c = 1 / 5
+    assert c == pytest.approx(0.2) and rounds >= 2
+    p = torch.clamp(mag * c, max=1.0)
+    assert float(p.sum()) == pytest.approx(3.0)
+    assert sparse.gspar_scale(mag, 7.0)[0] == math.inf  # every non-zero entry kept
+
+
+@pytest.mark.parametrize("n", [1, 17, 5000])
+def test_gspar_sends_a_over_p_and_keeps_everything_at_full_budget(n):
+    torch.manual_seed(n)
+    x = torch.randn(n)
+    c = comp("gspar", ratio=1.0)
+    payload, ctx = c.compress(x, "w")
+    np.testing.assert_array_equal(c.decompress(payload, ctx).numpy(), x.numpy())
+    c = comp("gspar", ratio=0.1, seed=4)
+    payload, ctx = c.compress(x, "w")
+    dec = c.decompress(payload, ctx)
+    kept = dec != 0
+    scale, _ = sparse.gspar_scale(x.abs(), 0.1 * n)
+    p = torch.clamp(x.abs() * torch.tensor(scale, dtype=torch.float32), max=1.0)
+    np.testing.assert_array_equal(dec[kept].numpy(), (x[kept] / p[kept]).numpy())
+
+
+def test_gspar_is_unbiased_and_spends_its_budget_on_average():
+    torch.manual_seed(0)
+    n, ratio, draws = 2000, 0.05, 400
+    x = torch.randn(n) * torch.linspace(0.01, 3.0, n)
+    c = comp("gspar", ratio=ratio, seed=9)
+    total, kept = torch.zeros(n, dtype=torch.float64), 0
+    for _ in range(draws):
+        payload, ctx = c.compress(x, "w")
+        dec = c.decompress(payload, ctx)
+        total += dec.double()
+        kept += int((dec != 0).sum())
+    assert abs(kept / draws - ratio * n) < 5 * math.sqrt(ratio * n / draws)
+    scale, _ = sparse.gspar_scale(x.abs(), ratio * n)
+    p = torch.clamp(x.abs().double() * scale, max=1.0)
+    sd = (x.double().abs() * torch.sqrt((1 - p) / p) / math.sqrt(draws)).clamp(min=1e-12)
+    z = ((total / draws - x.double()) / sd).abs()
+    assert float(z.max()) < 6.0  # 2000 coordinates, none beyond 6 sigma
+
+
+# ---- DGC (SPEC 4) --------------------------------------------------------------------------
+
+
+def _dgc_reference(gs, ratio, momentum):
+    """NumPy DGC: momentum correction and factor masking, top-k by |v| (ties low index)."""
+    n = gs[0].size
+    u, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    sent = []
+    for g in gs:
+        u = (u * np.float32(momentum) + g).astype(np.float32)
+        v = (v + u).astype(np.float32)
+        k = max(1, math.ceil(n * ratio))
+        idx = np.sort(np.argsort(-np.abs(v), kind="stable")[:k])
+        s = np.zeros(n, np.float32)
+        s[idx] = v[idx]
+        sent.append(s)
+        u[idx] = 0
+        v[idx] = 0
+    return sent, u, v
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_dgc_momentum_correction_and_factor_masking(momentum):
+    rng = np.random.default_rng(3)
+    gs = [rng.standard_normal(500).astype(np.float32) for _ in range(6)]
+    c = comp("dgc", ratio=0.05, momentum=momentum)
+    got = [c.decompress(*c.compress(torch.from_numpy(g), "w")).numpy() for g in gs]
+    sent, u, v = _dgc_reference(gs, 0.05, momentum)
+    for a, b in zip(got, sent, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(c.velocity.residuals["w"].numpy(), u)
+    np.testing.assert_array_equal(c.memory.residuals["w"].numpy(), v)
+    kept = got[-1] != 0
+    assert (c.velocity.residuals["w"].numpy()[kept] == 0).all()  # masking
+    assert (c.memory.residuals["w"].numpy()[kept] == 0).all()
+
+
+def test_dgc_without_momentum_is_error_feedback_top_k():
+    torch.manual_seed(4)
+    c = comp("dgc", ratio=0.02, momentum=0.0)
+    total_g, total_dec = torch.zeros(400), torch.zeros(400)
+    for _ in range(15):
+        g = torch.randn(400)
+        total_g += g
+        total_dec += c.decompress(*c.compress(g, "w"))
+    torch.testing.assert_close(total_dec + c.memory.residuals["w"], total_g)
+
+
+def test_dgc_warmup_schedule():
+    # the paper's: 4 warm-up epochs (stages), sparsity 75 %, 93.75 %, 98.4 %, 99.6 %, 99.9 %
+    c = comp("dgc", ratio=0.001, warmup_steps=40, warmup_stages=4)
+    dens = [c.density(t) for t in (0, 9, 10, 19, 20, 30, 39, 40, 1000)]
+    want = [0.25, 0.25, 0.0628, 0.0628, 0.0158, 0.00397, 0.00397, 0.001, 0.001]
+    for d, w in zip(dens, want, strict=True):
+        assert d == pytest.approx(w, rel=0.01)
+    # continuous: exponential, strictly decreasing to ratio
+    c = comp("dgc", ratio=0.01, warmup_steps=10)
+    dens = [c.density(t) for t in range(12)]
+    assert dens[0] == 0.25 and dens[10] == dens[11] == 0.01
+    assert all(a > b for a, b in zip(dens[:10], dens[1:11], strict=True))
+    ratios = [b / a for a, b in zip(dens[:10], dens[1:11], strict=True)]
+    assert max(ratios) == pytest.approx(min(ratios))
+    # the payloads follow it: k = ceil(density * n)
+    for t in range(12):
+        dec = c.decompress(*c.compress(torch.randn(1000) + 5.0, "w"))
+        assert int(dec.count_nonzero()) == math.ceil(1000 * dens[t])
+    assert comp("dgc", ratio=0.5, warmup_steps=10).density(0) == 0.5  # no warm-up above 0.25
+
+
+def test_dgc_receiver_checks_the_schedule():
+    sender = comp("dgc", ratio=0.01, warmup_steps=10)
+    payload, ctx = sender.compress(torch.randn(300), "w")
+    with pytest.raises(PayloadError, match="density"):
+        comp("dgc", ratio=0.01).decompress(payload, ctx)
+    with pytest.raises(PayloadError, match="ratio"):
+        comp("dgc", ratio=0.02, warmup_steps=10).decompress(payload, ctx)
+    raw = bytearray(payload.numpy().tobytes())
+    header, _ = sender.read_header(payload)
+    off = header.size - 8  # the density double
+    raw[off : off + 8] = np.float64(0.5).tobytes()
+    forged = torch.frombuffer(bytearray(fix_checksum(raw)), dtype=torch.uint8)
+    with pytest.raises(PayloadError, match="density"):
+        comp("dgc", ratio=0.01, warmup_steps=10).decompress(forged, ctx)
+
+
+def test_dgc_local_clipping_scales_by_world_size():
+    g = torch.randn(100) * 10
+    c = bound("dgc", 0, 4, ratio=1.0, momentum=0.0, clip_norm=2.0)
+    dec = c.decompress(*c.compress(g, "w"))
+    assert float(dec.norm()) == pytest.approx(1.0, rel=1e-4)  # 2 / sqrt(4)
+    torch.testing.assert_close(dec / dec.norm(), g / g.norm())
+    small = torch.full((100,), 1e-3)
+    assert torch.equal(c.decompress(*c.compress(small, "s")), small)  # under the limit
+
+
+def test_dgc_nonfinite_keeps_state_and_state_dict_roundtrip():
+    c = comp("dgc", ratio=0.1)
+    x = torch.randn(200)
+    c.compress(x, "w")
+    u, v = c.velocity.residuals["w"].clone(), c.memory.residuals["w"].clone()
+    bad = x.clone()
+    bad[0] = float("nan")
+    payload, ctx = c.compress(bad, "w")
+    assert c.read_header(payload)[0].nonfinite and c.decompress(payload, ctx).isnan().all()
+    assert torch.equal(c.velocity.residuals["w"], u) and torch.equal(c.memory.residuals["w"], v)
+    d = comp("dgc", ratio=0.1)
+    d.load_state_dict(c.state_dict())
+    assert torch.equal(c.compress(x, "w")[0], d.compress(x, "w")[0])
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"ratio": 0.0}, r"\(0, 1\]"),
+        ({"momentum": 1.0}, r"\[0, 1\)"),
+        ({"momentum": -0.1}, r"\[0, 1\)"),
+        ({"clip_norm": -1.0}, ">= 0"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 4, "warmup_stages": 5}, "warmup_stages"),
+    ],
+)
+def test_dgc_parameters_out_of_range_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        comp("dgc", **kw)
