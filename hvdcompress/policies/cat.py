@@ -33,8 +33,9 @@ so calibrate it. The policy recomputes T* only every ``recompute_every`` = S ste
 hybrid variant) and keeps the chosen ratio in between.
 
 Which compressor each kind drives (the registered one whose ``cat_kind`` it is, see
-``compressor_for``): "topk" -> ``topk``, "topk+q" -> ``topkq`` (top-k with one shared magnitude and sign bits), "randomk" -> ``gspar`` (keep i
-with p_i = min(1, c |g_i|), hvdcompress.codecs.sparse). T becomes the compressor's
+``compressor_for``): "topk" -> ``topk``, "topk+q" -> ``topkq`` (top-k with one shared
+magnitude and sign bits), "randomk" -> ``gspar`` (keep i with p_i = min(1, c |g_i|),
+hvdcompress.codecs.sparse). T becomes the compressor's
 per-tensor ``ratio``: (T - 1/2) / n for the top-k kinds (ceil(n ratio) = T exactly),
 T / n for gspar (its expected budget). Uniform random-k is not offered: with p = T / n
 its descent p ||g||^2 is linear in T, so under an affine cost the ratio always peaks at
