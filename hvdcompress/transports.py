@@ -1,4 +1,4 @@
-"""Transports: move payloads between ranks (SPEC section 1, "transport").
+"""Transports: move payloads between ranks (docs/design.md section 1, "transport").
 
 Three operations, each started asynchronously and finished with ``Handle.wait()``:
 

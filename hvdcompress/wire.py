@@ -1,4 +1,4 @@
-"""The self-describing payload format shared by every rank and backend (SPEC section 8).
+"""The self-describing payload format shared by every rank and backend (docs/design.md section 8).
 
 A payload is a 1-D uint8 tensor: a fixed little-endian header, codec parameters,
 then the codec's body::

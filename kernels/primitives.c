@@ -1,4 +1,4 @@
-/* Shared primitives of the codecs (shared/SPEC.md sections 3 and 4) on the CPU, loaded
+/* Shared primitives of the codecs (docs/design.md sections 3 and 4) on the CPU, loaded
  * through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is primitives.cu next to
  * this file, byte for byte the same. The codecs' element-wise math runs as vectorised
  * torch ops (identical on the CPU and on CUDA: each op is one IEEE-rounded operation);

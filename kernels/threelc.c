@@ -1,11 +1,11 @@
-/* CPU backend of the 3LC codec (shared/SPEC.md section 2) and of the payload checksum,
+/* CPU backend of the 3LC codec (docs/design.md section 2) and of the payload checksum,
  * loaded through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is threelc.cu next
  * to this file.
  *
  * Pure functions over caller-owned buffers; no allocation, no global state.
  * Built with -O3 -ffp-contract=off and without fast-math (C_FLAGS in
  * hvdcompress/_native.py), so that every float operation is the single IEEE-rounded
- * operation the SPEC names: the CUDA kernels in kernels/threelc.cu (using __fadd_rn /
+ * operation docs/design.md names: the CUDA kernels in kernels/threelc.cu (using __fadd_rn /
  * __fdiv_rn / rintf) produce the same bytes.
  *
  * Memory traffic per element of float32 input (n elements):

@@ -1,7 +1,7 @@
 // 3LC kernels: max|g + e|, fused quantize + quartic encode, zero-run encoding (ZRE) as
 // flag / scan / scatter, ZRE decode as lengths / scan / expand, quartic decode (scaled,
 // optionally accumulated), and the payload checksum. Byte layout and rounding follow
-// shared/SPEC.md section 2 exactly; every backend must produce the same bytes (the C twin
+// docs/design.md section 2 exactly; every backend must produce the same bytes (the C twin
 // of this file, for the CPU backend, is kernels/threelc.c).
 //
 // Compiled three ways from this one file, unchanged:

@@ -8,7 +8,7 @@ For each method and seed it runs ``horovodrun -np N -H localhost:N python script
 every method; only the compression differs), then reports per method the final test
 accuracy (mean, standard deviation and range over the seeds), the bytes each rank sent
 over the whole run (from the payload sizes the optimizer actually produced, through the
-ring model of SPEC 7: what an allreduce / allgather moves per rank), the reduction
+ring model of docs/design.md section 7: what an allreduce / allgather moves per rank), the reduction
 against ``none``, and the training wall-clock. Outputs under ``--out`` (default
 results/accuracy): ``bench_accuracy.md`` (table), ``bench_accuracy.json`` (every run),
 ``accuracy_vs_bytes.png`` and ``accuracy_vs_wallclock.png`` (test accuracy after each

@@ -25,28 +25,22 @@ from pathlib import Path
 import torch
 
 import hvdcompress
+from hvdcompress import registry
 from hvdcompress.training.methods import parse_case  # "name:key=value,..." or a method
 
-DEFAULT_CASES = [
-    "none",
-    "fp16",
-    "bf16",
-    "3lc:sparsity=1.0",
-    "3lc:sparsity=1.75",
-    "topk:ratio=0.01",
-    "randomk:ratio=0.01",
-    "topkq:ratio=0.01",
-    "gspar:ratio=0.01",
-    "dgc",
-    "qsgd:levels=16",
-    "terngrad",
-    "signsgd",
-    "efsignsgd",
-    "dqsg",
-    "ndqsg",
-    "powersgd:matrix_rank=2",
-]
-SHAPE_2D = {"powersgd"}  # low-rank: benchmarked on a square-ish matrix of the same numel
+
+def case_text(name: str, params: dict) -> str:
+    return name + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else "")
+
+
+# Every registered compressor's benchmark configurations (``benchmarks``, registry).
+DEFAULT_CASES = [case_text(name, params) for name, params in registry.bench_cases()]
+
+
+def needs_matrix(name: str) -> bool:
+    """Multi-phase low-rank compressors (PowerSGD) are timed on a square-ish matrix."""
+    cls = registry.REGISTRY.get(name)
+    return cls is not None and cls.summable and cls.phases > 1
 
 
 def timer(device: torch.device):
@@ -127,7 +121,7 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
         name, params = parse_case(case)
         comp = hvdcompress.get_compressor(name, **params)
         comp.bind(0, 1)
-        t = x.view(_matrix_shape(n)) if name in SHAPE_2D else x
+        t = x.view(_matrix_shape(n)) if needs_matrix(name) else x
         encode_fn, decode_fn, bits = _phases(comp, t)
         for _ in range(3):  # warm-up: allocates the residual, which then reaches steady state
             decode_fn(*encode_fn())

@@ -20,7 +20,7 @@ from rank 0's parameters and sees a disjoint shard of each epoch's seeded permut
 with the same number of steps (the remainder is dropped, so no rank waits alone in a
 collective). Rank 0 shows a progress bar and writes ``metrics.csv`` and TensorBoard
 events to ``--log-dir``: loss, test accuracy, bytes sent per step (per rank, ring model
-of SPEC section 7), bits per value, compression time and step time. ``--checkpoint DIR``
+of docs/design.md section 7), bits per value, compression time and step time. ``--checkpoint DIR``
 saves one file per rank (error-feedback residuals are per rank); ``--resume`` continues
 from it and gives the same parameters as an uninterrupted run.
 

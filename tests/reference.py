@@ -1,4 +1,4 @@
-"""A slow, obviously-correct numpy model of SPEC section 2, used as the tests' oracle."""
+"""A slow, obviously-correct numpy model of docs/design.md section 2, used as the tests' oracle."""
 
 import numpy as np
 

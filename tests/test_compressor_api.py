@@ -13,11 +13,14 @@ import pytest
 import torch
 
 import hvdcompress
+from hvdcompress import registry
 from hvdcompress.wire import PayloadError
 from tests.fuzz.harness import fix_checksum
 from tests.helpers import LocalTransport, comp, small_model
 
-CONFIGS = [
+# Every example configuration of every gather-only compressor (hvdcompress.registry), and
+# edge cases of the baselines' parameters on top.
+EDGE_CASES = [
     ("topk", {}),
     ("topk", {"ratio": 0.3}),
     ("randomk", {"ratio": 0.2}),
@@ -33,6 +36,11 @@ CONFIGS = [
     ("dqsg", {}),
     ("dqsg", {"levels": 1}),
     ("dqsg", {"levels": 127, "bucket_size": 100}),
+]
+CONFIGS = EDGE_CASES + [
+    (name, params)
+    for name, params in registry.examples()
+    if not registry.REGISTRY[name].summable and (name, params) not in EDGE_CASES
 ]
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items())}" for n, kw in CONFIGS]
 

@@ -1,4 +1,4 @@
-"""3LC: the codec on the CPU backend (SPEC vectors, oracle agreement, building blocks,
+"""3LC: the codec on the CPU backend (design-doc vectors, oracle agreement, building blocks,
 64-bit sizes) and the compressor (wire bytes, dtypes and shapes, error feedback,
 non-finite input, GradScaler, state)."""
 
@@ -21,7 +21,7 @@ def tlc(sparsity=1.0):
 
 # ---- codec (hvdcompress.codecs.threelc) ----------------------------------------------------
 
-SPEC_X = [
+DESIGN_X = [
     0.80,
     -0.05,
     0.02,
@@ -43,7 +43,7 @@ SPEC_X = [
     0.02,
     0,
 ]
-SPEC_VECTORS = [  # sparsity, S, quartic, zre (shared/SPEC.md section 2)
+DESIGN_VECTORS = [  # sparsity, S, quartic, zre (docs/design.md section 2)
     (1.0, 0.8, [201, 202, 121, 121], [201, 202, 243]),
     (1.5, 1.2, [201, 121, 121, 121], [201, 244]),
     (1.9, 1.52, [202, 121, 121, 121], [202, 244]),
@@ -51,9 +51,9 @@ SPEC_VECTORS = [  # sparsity, S, quartic, zre (shared/SPEC.md section 2)
 SIZES = [0, 1, 4, 5, 6, 7, 13, 69, 70, 71, 1000, 100003]
 
 
-@pytest.mark.parametrize("sparsity,scale,quartic,zre", SPEC_VECTORS)
+@pytest.mark.parametrize("sparsity,scale,quartic,zre", DESIGN_VECTORS)
 def test_spec_vectors(sparsity, scale, quartic, zre):
-    x = torch.tensor(SPEC_X)
+    x = torch.tensor(DESIGN_X)
     q, s = threelc.quantize(x, sparsity)
     assert s.item() == np.float32(scale)
     assert threelc.quartic_encode(q).tolist() == quartic

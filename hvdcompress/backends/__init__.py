@@ -1,7 +1,7 @@
 """Codec backends: the same tensor math on the CPU (C, via ctypes) and on CUDA (CuPy RawKernels).
 
 Both backends implement the protocol below and must produce identical bytes for
-identical input (shared/SPEC.md section 1). ``for_device`` picks one by the tensor's
+identical input (docs/design.md section 1). ``for_device`` picks one by the tensor's
 device; the codecs in ``hvdcompress.codecs`` never branch on the device themselves.
 
 Backend protocol (all tensors contiguous, on the backend's device):

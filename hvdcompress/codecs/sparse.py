@@ -1,4 +1,4 @@
-"""Sparsifying codecs: top-k and random-k (shared/SPEC.md section 4).
+"""Sparsifying codecs: top-k and random-k (docs/design.md section 4).
 
 Top-k (Aji & Heafield 2017; Stich et al. 2018) keeps the ``k = ceil(ratio * n)`` entries
 of largest magnitude. Body: k float32 values, then k indices in ascending order (int32

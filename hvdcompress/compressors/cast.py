@@ -1,7 +1,7 @@
 """Summable compressors: send the gradient as is (``none``) or cast to 16 bits.
 
 A cast commutes with summation up to rounding, so these payloads ride an allreduce
-(SPEC section 1) instead of the allgather the byte-coded codecs need. The
+(docs/design.md section 1) instead of the allgather the byte-coded codecs need. The
 payload is a dense tensor, not the byte wire format: an allreduce cannot sum
 headers. Values beyond float16's range become Inf, which GradScaler then sees.
 """

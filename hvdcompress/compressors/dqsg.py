@@ -1,4 +1,4 @@
-"""DQSG compressor (shared/SPEC.md section 3), codec in hvdcompress.codecs.dqsg.
+"""DQSG compressor (docs/design.md section 3), codec in hvdcompress.codecs.dqsg.
 
 No error feedback (the dithered quantiser is unbiased and its error independent of the
 input). The dither comes from the counter-based generator keyed by (seed, step, rank,

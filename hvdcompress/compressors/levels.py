@@ -1,4 +1,4 @@
-"""Per-tensor compression levels, set by a policy (Accordion, CAT; SPEC sections 5, 6).
+"""Per-tensor compression levels, set by a policy (Accordion, CAT; docs/design.md sections 5, 6).
 
 A compressor with ``PerTensorLevels`` has one level parameter (3LC ``sparsity``, top-k
 ``ratio``, PowerSGD ``matrix_rank``); ``set_level(name, value)`` overrides it for one

@@ -1,4 +1,4 @@
-"""PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019, arXiv 1905.13727; shared/SPEC.md
+"""PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019, arXiv 1905.13727; docs/design.md
 section 4): rank-r approximation by one power iteration, warm-started, with error feedback.
 
 A summable compressor in two phases (``phases = 2``; hvdcompress.optimizer runs one

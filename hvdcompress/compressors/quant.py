@@ -1,4 +1,4 @@
-"""QSGD and TernGrad compressors (shared/SPEC.md section 4), codecs in
+"""QSGD and TernGrad compressors (docs/design.md section 4), codecs in
 hvdcompress.codecs.quant. Both are unbiased and keep no error feedback; their rounding
 is stochastic with counter-based random numbers (hvdcompress.compressors.stochastic).
 Non-finite input (or a QSGD norm that overflows float32) travels as the flag.

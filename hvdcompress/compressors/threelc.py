@@ -1,7 +1,7 @@
 """3LC compressor: the 3LC codec plus an error-feedback residual per tensor.
 
 Lim et al., SysML 2019. The residual keeps what quantisation dropped and adds it to
-the next gradient of the same tensor (SPEC section 2); a non-finite gradient leaves
+the next gradient of the same tensor (docs/design.md section 2); a non-finite gradient leaves
 it untouched and travels as a flag, so every rank decodes all-NaN and torch.amp's
 GradScaler skips the step.
 """

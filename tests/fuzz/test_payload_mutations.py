@@ -5,8 +5,10 @@ shape and dtype (the checks are in tests/fuzz/harness.py).
 Four families of inputs: raw mutations (all caught by the header checks and the
 checksum), mutations whose checksum is recomputed afterwards (they reach the body
 decoders, as a forged payload would), a valid header with a random body, and random
-bytes. Each test runs once per compressor, over that compressor's payloads: every
-configuration of CONFIGS at every shape and dtype of SHAPES, plus a tensor with a NaN.
+bytes. Each test runs once per registered gather-only compressor, over its payloads:
+every example configuration it declares (``examples``, hvdcompress.registry) at every
+shape and dtype of SHAPES, plus a tensor with a NaN. A newly registered compressor is
+fuzzed without an edit here.
 Payloads of compressors that decode with side information (NDQSG) are decoded with side
 information of the receiver's tensor size, as the optimizer's gather path does, and
 without.
@@ -16,10 +18,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, note
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from hvdcompress import wire
+from hvdcompress import registry, wire
 from tests.fuzz.harness import (
     check_decode,
     forged_mutation_case,
@@ -27,38 +29,21 @@ from tests.fuzz.harness import (
     random_body_case,
     raw_mutation_case,
 )
-from tests.helpers import bound, comp
+from tests.helpers import bound
 
 
-def fuzz_configs() -> list[tuple[str, dict, int | None]]:
-    """Every fuzzed configuration: (compressor name, params, sender rank). A sender rank
-    binds the sender to that rank of 2 and the receiver to rank 0 (NDQSG's mode and DGC's
-    clipping depend on it); None leaves the compressor unbound, sender and receiver one."""
-    return [
-        ("3lc", {"sparsity": 1.0}, None),
-        ("3lc", {"sparsity": 1.2}, None),
-        ("3lc", {"sparsity": 1.75}, None),
-        ("3lc", {"sparsity": 1.9}, None),
-        ("topk", {"ratio": 0.05}, None),
-        ("randomk", {"ratio": 0.1}, None),
-        ("randomk", {"ratio": 0.5, "unbiased": False, "error_feedback": True}, None),
-        ("topkq", {"ratio": 0.05}, None),
-        ("gspar", {"ratio": 0.1}, None),
-        ("qsgd", {"levels": 16, "bucket_size": 64}, None),
-        ("qsgd", {"levels": 1}, None),
-        ("terngrad", {}, None),
-        ("signsgd", {}, None),
-        ("efsignsgd", {}, None),
-        ("dqsg", {"levels": 3, "bucket_size": 64}, None),
-        ("dqsg", {"levels": 1, "bucket_size": 64}, None),
-        ("dqsg", {"levels": 127}, None),
-        ("ndqsg", {"bucket_size": 64}, 0),
-        ("ndqsg", {"bucket_size": 64}, 1),
-        ("ndqsg", {"fine_levels": 8, "coarse_levels": 2}, 1),
-        ("ndqsg", {"fine_levels": 6, "coarse_levels": 1}, 1),
-        ("dgc", {"ratio": 0.05}, 0),
-        ("dgc", {"ratio": 0.01, "warmup_steps": 5, "warmup_stages": 2}, 0),
-    ]
+def fuzz_configs() -> list[tuple[str, dict, int]]:
+    """Every fuzzed configuration, from the registry: (compressor name, params, sender
+    rank) for every example of every gather-only compressor. The sender is bound to that
+    rank of 2 and a fresh receiver to rank 0, as the optimizer binds them; compressors
+    that decode with side information (NDQSG) send from both ranks (rank 0 sends DQSG,
+    rank 1 the nested code)."""
+    configs = []
+    for name, params in registry.examples():
+        cls = registry.REGISTRY[name]
+        if not cls.summable:
+            configs += [(name, params, r) for r in ((0, 1) if cls.uses_side_info else (0,))]
+    return configs
 
 
 CONFIGS = fuzz_configs()
@@ -75,8 +60,8 @@ SHAPES = [
 NAMES = list(dict.fromkeys(name for name, _, _ in CONFIGS))
 
 
-def _make(name: str, params: dict, rank: int | None):
-    return comp(name, **params) if rank is None else bound(name, rank, 2, **params)
+def _make(name: str, params: dict, rank: int):
+    return bound(name, rank, 2, **params)
 
 
 def _input(shape, dtype) -> torch.Tensor:
@@ -97,7 +82,7 @@ def _payloads() -> tuple[dict[str, list], dict[str, list[str]]]:
         for x, tensor_name in inputs:
             sender = _make(name, params, rank)
             payload, ctx = sender.compress(x, tensor_name)
-            receiver = sender if rank is None else _make(name, params, 0)
+            receiver = _make(name, params, 0)
             cases[name].append((receiver, payload, ctx))
             described[name].append(
                 f"{name} {params} rank {rank}: {tuple(x.shape)} {x.dtype} {tensor_name}"
@@ -112,9 +97,14 @@ def _side_info(case) -> dict:
     """Side information of the receiver's tensor size for decoders that take it (NDQSG),
     as the gather path passes it; the checks also decode without it."""
     c, _, ctx = case
-    if not getattr(c, "uses_side_info", False):
+    if not c.uses_side_info:
         return {}
     return {"side_info": torch.linspace(-1, 1, math.prod(ctx.shape))}
+
+
+# Each test runs once per compressor: a quarter of the profile's examples each keeps the
+# whole fuzz run near the CI budget (3000 examples per test in the ci profile).
+PER_CODEC = settings(max_examples=max(settings.default.max_examples // 4, 10))
 
 
 def _draw(data, name: str):
@@ -131,6 +121,7 @@ def test_unmutated_payloads_decode(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@PER_CODEC
 @given(data=st.data(), ops=mutations)
 def test_raw_mutations_never_crash_or_misshape(name, data, ops):
     case = _draw(data, name)
@@ -138,6 +129,7 @@ def test_raw_mutations_never_crash_or_misshape(name, data, ops):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@PER_CODEC
 @given(data=st.data(), ops=mutations)
 def test_forged_mutations_never_crash_or_misshape(name, data, ops):
     case = _draw(data, name)
@@ -145,6 +137,7 @@ def test_forged_mutations_never_crash_or_misshape(name, data, ops):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@PER_CODEC
 @given(data=st.data(), body=st.binary(max_size=200))
 def test_random_bodies_never_crash(name, data, body):
     case = _draw(data, name)
@@ -152,6 +145,7 @@ def test_random_bodies_never_crash(name, data, body):
 
 
 @pytest.mark.parametrize("name", NAMES)
+@PER_CODEC
 @given(data=st.binary(max_size=200))
 def test_random_bytes_are_rejected(name, data):
     case = PAYLOADS[name][0]

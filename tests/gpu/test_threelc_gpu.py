@@ -25,9 +25,9 @@ from tests.gpu.conftest import Setup, bits, check_kernel_source_found, check_nvr
 SIZES = [0, 1, 4, 5, 6, 7, 13, 69, 70, 71, 1000, 100003, 1 << 22 | 3]
 KINDS = ["dense", "sparse90", "sparse999", "zeros", "runs", "ties", "subnormal"]
 SPARSITIES = [1.0, 1.5, 1.9]
-SPEC_X = [0.80, -0.05, 0.02, 0, -0.70, 0.45, 0.04, 0, 0, 0.01]
-SPEC_X += [0.30, 0.03, -0.02, 0, 0.05, 0.10, -0.01, 0, 0.02, 0]
-SPEC_VECTORS = [  # sparsity, S, quartic, zre (shared/SPEC.md section 2)
+DESIGN_X = [0.80, -0.05, 0.02, 0, -0.70, 0.45, 0.04, 0, 0, 0.01]
+DESIGN_X += [0.30, 0.03, -0.02, 0, 0.05, 0.10, -0.01, 0, 0.02, 0]
+DESIGN_VECTORS = [  # sparsity, S, quartic, zre (docs/design.md section 2)
     (1.0, 0.8, [201, 202, 121, 121], [201, 202, 243]),
     (1.5, 1.2, [201, 121, 121, 121], [201, 244]),
     (1.9, 1.52, [202, 121, 121, 121], [202, 244]),
@@ -72,8 +72,8 @@ def _u8(values, dev) -> torch.Tensor:
 
 
 def check_spec_vectors(s: Setup) -> None:
-    x = torch.tensor(SPEC_X, device=s.dev)
-    for sparsity, scale, quartic, zre in SPEC_VECTORS:
+    x = torch.tensor(DESIGN_X, device=s.dev)
+    for sparsity, scale, quartic, zre in DESIGN_VECTORS:
         q, sc = s.backend.quantize(x, sparsity)
         assert sc.device == x.device and sc.dim() == 0 and sc.item() == np.float32(scale)
         qb = s.backend.quartic_encode(q)

@@ -52,9 +52,9 @@ SIZES = [0, 1, 4, 5, 6, 7, 13, 69, 70, 71, 1000, 100003]
 KINDS = ["dense", "sparse90", "sparse999", "zeros", "runs", "ties", "subnormal"]
 SPARSITIES = [1.0, 1.5, 1.9]
 
-SPEC_X = [0.80, -0.05, 0.02, 0, -0.70, 0.45, 0.04, 0, 0, 0.01]
-SPEC_X += [0.30, 0.03, -0.02, 0, 0.05, 0.10, -0.01, 0, 0.02, 0]
-SPEC_VECTORS = [  # sparsity, S, quartic, zre (shared/SPEC.md section 2)
+DESIGN_X = [0.80, -0.05, 0.02, 0, -0.70, 0.45, 0.04, 0, 0, 0.01]
+DESIGN_X += [0.30, 0.03, -0.02, 0, 0.05, 0.10, -0.01, 0, 0.02, 0]
+DESIGN_VECTORS = [  # sparsity, S, quartic, zre (docs/design.md section 2)
     (1.0, 0.8, [201, 202, 121, 121], [201, 202, 243]),
     (1.5, 1.2, [201, 121, 121, 121], [201, 244]),
     (1.9, 1.52, [202, 121, 121, 121], [202, 244]),
@@ -189,12 +189,12 @@ def cpu_encode(g: np.ndarray, e: np.ndarray | None, sparsity: float):
     return enc.body.numpy().copy(), enc.scale, enc.nonfinite
 
 
-# ---- SPEC vectors ------------------------------------------------------------------------
+# ---- design-doc vectors ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sparsity,scale,quartic,zre", SPEC_VECTORS)
+@pytest.mark.parametrize("sparsity,scale,quartic,zre", DESIGN_VECTORS)
 def test_spec_vectors(shaped, sparsity, scale, quartic, zre):
-    x = np.array(SPEC_X, np.float32)
+    x = np.array(DESIGN_X, np.float32)
     q, s, nonfinite = shaped.quantize(x, sparsity)
     assert not nonfinite and s == np.float32(scale)
     qb, err = shaped.quartic_encode(q)

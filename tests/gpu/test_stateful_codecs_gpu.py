@@ -1,6 +1,6 @@
 """NDQSG, DGC and PowerSGD on the CUDA backend against the CPU backend: payloads and
 decodes byte for byte (PowerSGD to rounding). Skips without CUDA kernels; run with
-``-m gpu`` on a GPU machine. (Belongs with the other GPU tests in tests/gpu/.)"""
+``-m gpu`` on a GPU machine."""
 
 from __future__ import annotations
 
@@ -11,13 +11,9 @@ from tests.helpers import bound, comp, powersgd_one_rank
 
 
 @pytest.fixture(scope="module")
-def cuda_device():
-    from hvdcompress.backends import cuda as cuda_backend
-
-    reason = cuda_backend.gpu_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"CUDA kernels cannot run here: {reason}")
-    return torch.device("cuda", torch.cuda.current_device())
+def cuda_device(gpu):
+    """The device of tests/gpu/conftest.py's ``gpu`` fixture (which skips with the reason)."""
+    return gpu.dev
 
 
 @pytest.mark.gpu
