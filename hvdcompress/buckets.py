@@ -31,10 +31,6 @@ class Bucket:
     ready: set[int] = field(default_factory=set)  # positions in params whose grads are ready
     compressed: bool = True  # False: below compress_min_numel, sent as is (allreduce)
 
-    @property
-    def device(self) -> torch.device:
-        return self.params[0].device
-
 
 def named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
     """The (name, parameter) pairs of ``optimizer``'s trainable parameters, checked

@@ -30,28 +30,55 @@ import torch
 from hvdcompress import wire
 from hvdcompress.buckets import Bucket
 from hvdcompress.compressors import Compressor, Ctx, GatherCompressor, SummableCompressor
-from hvdcompress.stats import CollectiveTiming, StepStats
 from hvdcompress.transports import Handle, Transport
 
 
 @dataclass
-class InFlight:
-    """A bucket whose collective has started."""
+class Collective:
+    """One started collective: this rank's bytes and the ring-model bytes it sends."""
 
     handle: Handle
-    ctxs: list[Ctx]
     payload_bytes: int
+    wire_bytes: float
+
+
+@dataclass
+class InFlight:
+    """A bucket whose collective has started; ``finish`` fills in the times."""
+
+    ctxs: list[Ctx]
+    collectives: list[Collective]
     sizes: list[int] = field(default_factory=list)  # summed: elements of each payload
+    wait_s: float = 0.0
+    decode_s: float = 0.0
 
 
-class SummedExchange:
-    """Allreduce of dense payloads, one per phase (see module doc)."""
+class _Exchange:
+    """What both exchanges share: ``start`` a bucket, ``finish`` it (see module doc)."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
 
+    def finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
+        """Wait for the bucket's collective, then (unless ``decode`` is False: draining
+        after an error) decode and write the gradients; times go into ``flight``."""
+        t0 = time.perf_counter()
+        result = flight.collectives[0].handle.wait()
+        t1 = time.perf_counter()
+        flight.wait_s += t1 - t0
+        if decode:
+            self._complete(bucket, comp, flight, result, scale)
+            flight.decode_s += time.perf_counter() - t1
+
+    def _complete(self, bucket, comp, flight, result, scale) -> None:
+        raise NotImplementedError
+
+
+class SummedExchange(_Exchange):
+    """Allreduce of dense payloads, one per phase (see module doc)."""
+
     def start(
-        self, bucket: Bucket, comp: SummableCompressor, grads: list[torch.Tensor], stats
+        self, bucket: Bucket, comp: SummableCompressor, grads: list[torch.Tensor]
     ) -> InFlight:
         payloads, ctxs = [], []
         for name, g in zip(bucket.names, grads, strict=True):
@@ -59,26 +86,23 @@ class SummedExchange:
             payloads.append(payload.reshape(-1))
             ctxs.append(ctx)
         sizes = [p.numel() for p in payloads]
-        handle, payload_bytes = self._allreduce(torch.cat(payloads), stats)
-        return InFlight(handle, ctxs, payload_bytes, sizes)
+        return InFlight(ctxs, [self._allreduce(torch.cat(payloads))], sizes)
 
-    def _allreduce(self, dense: torch.Tensor, stats: StepStats) -> tuple[Handle, int]:
+    def _allreduce(self, dense: torch.Tensor) -> Collective:
         payload_bytes = dense.numel() * dense.element_size()
-        handle = self.transport.start_allreduce_sum(dense)
         size = self.transport.size
-        stats.count(payload_bytes, 2.0 * (size - 1) / size * payload_bytes)
-        return handle, payload_bytes
+        handle = self.transport.start_allreduce_sum(dense)
+        return Collective(handle, payload_bytes, 2.0 * (size - 1) / size * payload_bytes)
 
-    def complete(
+    def _complete(
         self,
         bucket: Bucket,
         comp: SummableCompressor,
         flight: InFlight,
         summed: torch.Tensor,
         scale: float,
-        stats: StepStats,
     ) -> None:
-        summed = self._next_phases(comp, flight, summed, stats)
+        summed = self._next_phases(comp, flight, summed)
         offset = 0
         for p, ctx, n in zip(bucket.params, flight.ctxs, flight.sizes, strict=True):
             value = comp.decompress(summed[offset : offset + n], ctx)
@@ -87,7 +111,7 @@ class SummedExchange:
                 value = value.to(torch.float32).mul_(scale)
             p.grad.copy_(value.view_as(p.grad))
 
-    def _next_phases(self, comp, flight: InFlight, summed: torch.Tensor, stats) -> torch.Tensor:
+    def _next_phases(self, comp, flight: InFlight, summed: torch.Tensor) -> torch.Tensor:
         """Phases 2.. of a multi-phase compressor (PowerSGD: P, then Q): every rank runs
         the same phases of the buckets in bucket order, so the collectives match. A phase
         whose payloads are all empty is not sent."""
@@ -101,24 +125,19 @@ class SummedExchange:
             dense = torch.cat(nxt)
             if dense.numel():
                 t0 = time.perf_counter()
-                handle, payload_bytes = self._allreduce(dense, stats)
-                summed = handle.wait()
-                stats.wait_s += time.perf_counter() - t0
-                stats.timings.append(CollectiveTiming(payload_bytes, handle.seconds))
+                collective = self._allreduce(dense)
+                flight.collectives.append(collective)
+                summed = collective.handle.wait()
+                flight.wait_s += time.perf_counter() - t0
             else:
                 summed = dense
         return summed
 
 
-class GatheredExchange:
+class GatheredExchange(_Exchange):
     """Allgather of self-describing byte payloads, decoded by every rank (module doc)."""
 
-    def __init__(self, transport: Transport) -> None:
-        self.transport = transport
-
-    def start(
-        self, bucket: Bucket, comp: GatherCompressor, grads: list[torch.Tensor], stats
-    ) -> InFlight:
+    def start(self, bucket: Bucket, comp: GatherCompressor, grads: list[torch.Tensor]) -> InFlight:
         payloads, ctxs = [], []
         for name, g in zip(bucket.names, grads, strict=True):
             payload, ctx = comp.compress(g, name)
@@ -126,32 +145,26 @@ class GatheredExchange:
             ctxs.append(ctx)
         frame = wire.frame(payloads)
         handle = self.transport.start_allgatherv(frame)
-        stats.count(frame.numel(), float((self.transport.size - 1) * frame.numel()))
-        return InFlight(handle, ctxs, frame.numel())
+        wire_bytes = float((self.transport.size - 1) * frame.numel())
+        return InFlight(ctxs, [Collective(handle, frame.numel(), wire_bytes)])
 
-    def complete(
+    def _complete(
         self,
         bucket: Bucket,
         comp: GatherCompressor,
         flight: InFlight,
         result: tuple[torch.Tensor, list[int]],
         scale: float,
-        stats: StepStats,
     ) -> None:
         gathered, sizes = result
-        device = bucket.device
+        device = bucket.params[0].device
         accs = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in bucket.params]
         offset = 0
         for rank, size in enumerate(sizes):
             frame = gathered[offset : offset + size]
             offset += size
-            payloads = wire.unframe(frame, len(bucket.params), rank, bucket.names)
-            for payload, acc, ctx in zip(payloads, accs, flight.ctxs, strict=True):
-                payload = payload.to(device)
-                try:
-                    header = wire.parse(payload)
-                except wire.PayloadError as err:
-                    raise err.locate(rank=rank, tensor=ctx.name) from None
+            parsed = wire.unframe_parsed(frame, rank, bucket.names, device)
+            for (header, payload), acc, ctx in zip(parsed, accs, flight.ctxs, strict=True):
                 # NDQSG: the mean of the tensors already decoded (lower ranks), the same on
                 # every rank, which decodes the same bytes in the same order.
                 side = acc / rank if comp.uses_side_info and rank else None
@@ -171,7 +184,7 @@ class GatheredExchange:
             p.grad.copy_(acc.view_as(p.grad))
 
 
-def exchange_for(compressor: Compressor, transport: Transport):
+def exchange_for(compressor: Compressor, transport: Transport) -> _Exchange:
     """The exchange a compressor's payloads need."""
     if isinstance(compressor, SummableCompressor):
         return SummedExchange(transport)

@@ -47,7 +47,7 @@ from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.exchange import exchange_for
 from hvdcompress.policies import Policy
-from hvdcompress.stats import CollectiveTiming, StepStats
+from hvdcompress.stats import StepStats
 from hvdcompress.transports import Transport, make_transport
 
 Average = "average"
@@ -172,9 +172,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._policy is not None and bucket.compressed:
             for name, g in zip(bucket.names, grads, strict=True):
                 self._policy.observe(name, g)  # the uncompressed local gradient
-        s = self._stats
-        flight = self._exchanges[bucket.compressed].start(bucket, self._comp(bucket), grads, s)
+        flight = self._exchanges[bucket.compressed].start(bucket, self._comp(bucket), grads)
         self._in_flight[bucket.index] = flight
+        s = self._stats
         s.numel += sum(g.numel() for g in grads)
         s.raw_bytes += sum(g.numel() * g.element_size() for g in grads)
         s.compress_s += time.perf_counter() - t0
@@ -191,25 +191,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         error: BaseException | None = None
         for b in self._buckets:
             flight = self._in_flight.pop(b.index)
-            t0 = time.perf_counter()
-            try:
-                result = flight.handle.wait()
+            try:  # after an error: only wait, so no rank leaves a collective pending
+                exchange = self._exchanges[b.compressed]
+                exchange.finish(b, self._comp(b), flight, self._scale, decode=error is None)
             except BaseException as err:  # noqa: BLE001 - keep draining, then raise
                 error = error or err
-                continue
-            t1 = time.perf_counter()
-            self._stats.wait_s += t1 - t0
-            self._stats.timings.append(
-                CollectiveTiming(flight.payload_bytes, flight.handle.seconds)
-            )
-            if error is not None:
-                continue  # drain the remaining collectives so no rank leaves one pending
-            try:
-                exchange = self._exchanges[b.compressed]
-                exchange.complete(b, self._comp(b), flight, result, self._scale, self._stats)
-            except BaseException as err:  # noqa: BLE001
-                error = err
-            self._stats.decode_s += time.perf_counter() - t1
+            self._stats.add(flight)
         self._stats.metrics = self._compressor.pop_metrics()
         if self._policy is not None and error is None:
             self._policy.after_step(self._stats)  # every collective of the step is done

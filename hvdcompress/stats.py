@@ -38,8 +38,13 @@ class StepStats:
     def bits_per_value(self) -> float:
         return 8.0 * self.payload_bytes / max(self.numel, 1)
 
-    def count(self, payload_bytes: int, wire_bytes: float) -> None:
-        """One collective started with ``payload_bytes`` of this rank's data."""
-        self.payload_bytes += payload_bytes
-        self.wire_bytes += wire_bytes
-        self.collectives += 1
+    def add(self, flight) -> None:
+        """A finished bucket (``exchange.InFlight``): its collectives and times."""
+        for c in flight.collectives:
+            self.payload_bytes += c.payload_bytes
+            self.wire_bytes += c.wire_bytes
+            self.collectives += 1
+            if c.handle.ended is not None:  # waited for
+                self.timings.append(CollectiveTiming(c.payload_bytes, c.handle.seconds))
+        self.wait_s += flight.wait_s
+        self.decode_s += flight.decode_s

@@ -351,3 +351,19 @@ def unframe(frame: torch.Tensor, count: int, rank: int, names: list[str]) -> lis
         out.append(frame[offset : offset + n])
         offset += n
     return out
+
+
+def unframe_parsed(
+    frame: torch.Tensor, rank: int, names: list[str], device: torch.device
+) -> list[tuple[Header, torch.Tensor]]:
+    """``unframe`` one rank's frame of the tensors ``names`` and ``parse`` each payload
+    (moved to ``device`` first): the receive path parses every header exactly once, here.
+    A PayloadError names the rank and, for a payload, its tensor."""
+    out = []
+    for payload, name in zip(unframe(frame, len(names), rank, names), names, strict=True):
+        payload = payload.to(device)
+        try:
+            out.append((parse(payload), payload))
+        except PayloadError as err:
+            raise err.locate(rank=rank, tensor=name) from None
+    return out
