@@ -38,7 +38,7 @@ LAYERS = [
     ("codecs/", 3),
     ("wire.py", 3),
     ("compressors/", 2),
-    ("transports.py", 2),
+    ("transports", 2),  # transports.py before the redesign, transports/ after
     ("exchange.py", 1),
     ("policies/", 1),
     ("", 0),  # optimizer.py, buckets.py, stats.py, registry.py, compat.py
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     walk = trace_step(step)
     if args.coarse:
         walk = [
-            (m, COARSE_TRANSPORT if m == "transports.py" else COARSE[layer]) for m, layer in walk
+            (m, COARSE_TRANSPORT if m.startswith("transports") else COARSE[layer]) for m, layer in walk
         ]
     files = sorted({m for m, _ in walk})
     modules = [m for m, _ in walk]
