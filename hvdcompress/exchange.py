@@ -138,12 +138,12 @@ class GatheredExchange(_Exchange):
     """Allgather of self-describing byte payloads, decoded by every rank (module doc)."""
 
     def start(self, bucket: Bucket, comp: GatherCompressor, grads: list[torch.Tensor]) -> InFlight:
-        parts, ctxs = [], []
+        payloads, ctxs = [], []
         for name, g in zip(bucket.names, grads, strict=True):
-            header, body, ctx = comp.compress_parts(g, name)
-            parts.append((header, body.cpu()))
+            payload, ctx = comp.compress(g, name)
+            payloads.append(payload.cpu())
             ctxs.append(ctx)
-        frame = wire.frame_parts(parts)
+        frame = wire.frame(payloads)
         handle = self.transport.start_allgatherv(frame)
         wire_bytes = float((self.transport.size - 1) * frame.numel())
         return InFlight(ctxs, [Collective(handle, frame.numel(), wire_bytes)])

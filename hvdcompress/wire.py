@@ -32,8 +32,7 @@ any single changed byte changes the sum.
 
 Also here: ``parse`` (the header of a payload tensor, parsed once per payload on the
 receive path), ``assemble`` (header + body + checksum), ``verify_checksum``, and the
-per-bucket framing of one rank's payloads (``frame`` / ``frame_parts`` / ``unframe`` /
-``unframe_parsed``).
+per-bucket framing of one rank's payloads (``frame`` / ``unframe`` / ``unframe_parsed``).
 """
 
 from __future__ import annotations
@@ -324,29 +323,6 @@ def frame(payloads: list[torch.Tensor]) -> torch.Tensor:
     bytes one rank contributes to a bucket's allgather."""
     head = struct.pack(f"<Q{len(payloads)}Q", len(payloads), *(p.numel() for p in payloads))
     return torch.cat([torch.frombuffer(bytearray(head), dtype=torch.uint8), *payloads])
-
-
-def frame_parts(parts: list[tuple[Header, torch.Tensor]]) -> torch.Tensor:
-    """``frame`` of the payloads ``assemble`` would make from (header, CPU body) pairs,
-    written straight into the frame (one copy of each body, checksums in place)."""
-    from hvdcompress.backends import for_device
-
-    heads = [h.pack() for h, _ in parts]
-    lengths = [len(head) + body.numel() for head, (_, body) in zip(heads, parts, strict=True)]
-    table = struct.pack(f"<Q{len(parts)}Q", len(parts), *lengths)
-    out = torch.empty(len(table) + sum(lengths), dtype=torch.uint8)
-    view = out.numpy()
-    view[: len(table)] = np.frombuffer(table, dtype=np.uint8)
-    backend = for_device(out.device)
-    offset = len(table)
-    for head, (_, body), n in zip(heads, parts, lengths, strict=True):
-        view[offset : offset + len(head)] = np.frombuffer(head, dtype=np.uint8)
-        view[offset + len(head) : offset + n] = body.numpy()
-        csum = backend.checksum(out[offset : offset + n], 0).to_bytes(4, "little")
-        start = offset + CHECKSUM_OFFSET
-        view[start : start + 4] = np.frombuffer(csum, dtype=np.uint8)
-        offset += n
-    return out
 
 
 def unframe(frame: torch.Tensor, count: int, rank: int, names: list[str]) -> list[torch.Tensor]:

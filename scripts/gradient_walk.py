@@ -144,7 +144,8 @@ def main(argv=None) -> int:
     walk = trace_step(step)
     if args.coarse:
         walk = [
-            (m, COARSE_TRANSPORT if m.startswith("transports") else COARSE[layer]) for m, layer in walk
+            (m, COARSE_TRANSPORT if m.startswith("transports") else COARSE[layer])
+            for m, layer in walk
         ]
     files = sorted({m for m, _ in walk})
     modules = [m for m, _ in walk]

@@ -176,14 +176,6 @@ class GatherCompressor(Compressor):
 
     # ---- send ------------------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
-        header, body, ctx = self.compress_parts(tensor, name)
-        return wire.assemble(header, body), ctx
-
-    def compress_parts(
-        self, tensor: torch.Tensor, name: str
-    ) -> tuple[wire.Header, torch.Tensor, Ctx]:
-        """``compress`` before assembly: the header and the body (the gather path frames
-        a bucket's payloads in one pass, ``wire.frame_parts``)."""
         if tensor.dtype not in wire.DTYPE_IDS:
             raise TypeError(
                 f"{self.name}: tensor {name!r} has dtype {tensor.dtype}; "
@@ -192,7 +184,7 @@ class GatherCompressor(Compressor):
         ctx = Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device)
         flags, params, body = self.encode(tensor, name)
         header = wire.Header(self.name, flags, tensor.dtype, ctx.shape, params, body.numel())
-        return header, body, ctx
+        return wire.assemble(header, body), ctx
 
     def bits_per_value(self, payload: torch.Tensor) -> float:
         """Bits on the wire per tensor element, header included."""
