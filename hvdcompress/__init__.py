@@ -8,9 +8,9 @@ parameters. The wire format every rank and backend shares is in ``wire``.
 from hvdcompress import wire
 from hvdcompress.compat import Compression
 from hvdcompress.compressors import Compressor, Ctx, available, get_compressor
+from hvdcompress.errors import PayloadError
 from hvdcompress.optimizer import Average, DistributedOptimizer, RankAgreementError, Sum
 from hvdcompress.policies import CAT, Accordion, AffineCost, PacketCost, calibrate
-from hvdcompress.wire import PayloadError
 
 __version__ = "0.1.0"
 

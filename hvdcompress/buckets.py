@@ -11,13 +11,12 @@ two small collectives, and raises ``RankAgreementError`` on every rank otherwise
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-
-class RankAgreementError(RuntimeError):
-    """Ranks disagree on what they will communicate (tensors, shapes, compressor...)."""
+from hvdcompress.errors import RankAgreementError
 
 
 @dataclass
@@ -58,6 +57,16 @@ def named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parame
     return [(n, p) for n, p in named if id(p) in in_optimizer and p.requires_grad]
 
 
+DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024  # Horovod's default fusion buffer
+
+
+def resolve_fusion_threshold(value: int | None) -> int:
+    """``value``, or Horovod's ``HOROVOD_FUSION_THRESHOLD``, or 64 MiB."""
+    if value is None:
+        return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD))
+    return value
+
+
 def make_buckets(named, threshold: int, min_numel: int = 0) -> list[Bucket]:
     """Buckets from reversed parameter order, split at ``threshold`` bytes or a dtype change;
     tensors of fewer than ``min_numel`` elements go in buckets of their own, uncompressed."""
@@ -76,6 +85,14 @@ def make_buckets(named, threshold: int, min_numel: int = 0) -> list[Bucket]:
         b.names.append(name)
         b.nbytes += nbytes
     return buckets
+
+
+def describe(settings: list[str], named, buckets: list[Bucket]) -> list[str]:
+    """What every rank must agree on: the settings, every tensor, every bucket."""
+    lines = list(settings)
+    lines += [f"tensor {n} {tuple(p.shape)} {p.dtype}" for n, p in named]
+    lines += [f"bucket {b.index}: {b.names}" for b in buckets]
+    return lines
 
 
 def check_agreement(transport, lines: list[str]) -> None:

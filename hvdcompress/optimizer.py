@@ -4,33 +4,26 @@
 an instance of a subclass of ``optimizer``'s class (as Horovod does), so it is a drop-in:
 ``loss.backward(); opt.step()``.
 
-This module is the wrapper: hooks, launch order, ``synchronize``/``step``, checkpoints.
-The rest of the gradient's path is elsewhere: buckets and the start-up agreement check
-in ``buckets``, who sends what to whom in ``exchange``, the per-step record in ``stats``
-(docs/design.md, "The gradient walk").
+This module is the wrapper: hooks, launch order, ``synchronize``/``step``, checkpoints;
+buckets and the agreement check are in ``buckets``, who sends what to whom in
+``exchange``, the step record in ``stats`` (docs/design.md section 9, the gradient walk).
 
-Flow per step: a post-accumulate-grad hook on every parameter counts backward passes;
-when every gradient of a bucket is ready, the policy (if any) observes them and the
-bucket's exchange compresses them and starts its collective, so communication overlaps
-the rest of backward. ``synchronize()`` (called by ``step()``) starts what is left,
-waits for every bucket in order, and lets the exchange decode and write the averaged
-gradients into ``p.grad``; it drains every collective even after an error, so no rank
-leaves one pending.
+A post-accumulate-grad hook counts backward passes; when a bucket's gradients are all
+ready, the policy observes them and the bucket's exchange compresses them and starts its
+collective, overlapping the rest of backward. ``synchronize()`` (called by ``step()``)
+starts what is left and finishes every bucket in order, draining every collective even
+after an error so that no rank leaves one pending.
 
 Invariants: after ``synchronize()`` every rank holds bit-identical gradients on the gather
-path (same bytes decoded in the same order); ranks that disagree on the set, order,
-shape, dtype or compressor of gradients get ``RankAgreementError`` at construction, on
-every rank; a payload that fails to decode raises ``PayloadError`` naming the sending rank
-and tensor on every rank (all ranks decode the same bytes).
-
-Compressor state (error-feedback residuals) is per rank; ``state_dict()`` carries it under
-``"hvdcompress"`` next to the inner optimizer's state, so each rank saves its own.
+path; ranks that disagree on what they communicate get ``RankAgreementError`` at
+construction, on every rank; a payload that fails to decode raises ``PayloadError``
+naming the sending rank and tensor, on every rank. Compressor state is per rank:
+``state_dict()`` carries it under ``"hvdcompress"``, and each rank saves its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import warnings
 
@@ -40,8 +33,10 @@ from hvdcompress.buckets import (
     Bucket,
     RankAgreementError,
     check_agreement,
+    describe,
     make_buckets,
     named_params,
+    resolve_fusion_threshold,
 )
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
@@ -52,17 +47,9 @@ from hvdcompress.transports import Transport, make_transport
 
 Average = "average"
 Sum = "sum"
-DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024  # Horovod's default fusion buffer
 STATE_KEY = "hvdcompress"
 
-__all__ = [
-    "Average",
-    "Sum",
-    "DEFAULT_FUSION_THRESHOLD",
-    "DistributedOptimizer",
-    "RankAgreementError",
-    "StepStats",
-]
+__all__ = ["Average", "Sum", "DistributedOptimizer", "RankAgreementError", "StepStats"]
 
 
 def _normalize_op(op) -> str:
@@ -121,23 +108,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._stats = StepStats()
         compressor.check_optimizer(self)  # e.g. DGC refuses an inner optimizer with momentum
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
-        check_agreement(transport, self._describe(named, fusion_threshold))
+        settings = [
+            f"compressor {compressor!r} summable={compressor.summable}",
+            f"op {op}; backward_passes_per_step {self.backward_passes_per_step}",
+            f"fusion_threshold {fusion_threshold}; transport {transport.name}",
+            f"compress_min_numel {self._min_numel}",
+        ]
+        check_agreement(transport, describe(settings, named, self._buckets))
         self._policy = policy
         if policy is not None:
             compressed = {n for b in self._buckets if b.compressed for n in b.names}
             policy.bind(self, compressor, transport, [n for n, _ in named if n in compressed])
-
-    def _describe(self, named, fusion_threshold) -> list[str]:
-        """What every rank must agree on (buckets.check_agreement)."""
-        lines = [
-            f"compressor {self._compressor!r} summable={self._compressor.summable}",
-            f"op {self._op}; backward_passes_per_step {self.backward_passes_per_step}",
-            f"fusion_threshold {fusion_threshold}; transport {self._transport.name}",
-            f"compress_min_numel {self._min_numel}",
-        ]
-        lines += [f"tensor {n} {tuple(p.shape)} {p.dtype}" for n, p in named]
-        lines += [f"bucket {b.index}: {b.names}" for b in self._buckets]
-        return lines
 
     # ---- hooks and launching ---------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -320,8 +301,7 @@ def DistributedOptimizer(
     compressor = resolve_compressor(compression)
     op = _normalize_op(op)
     transport = backend if isinstance(backend, Transport) else make_transport(backend)
-    if fusion_threshold is None:
-        fusion_threshold = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD))
+    fusion_threshold = resolve_fusion_threshold(fusion_threshold)
     cls = type(
         optimizer.__class__.__name__,
         (optimizer.__class__,),

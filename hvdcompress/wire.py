@@ -43,6 +43,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from hvdcompress.errors import PayloadError  # noqa: F401 - also wire.PayloadError
+
 MAGIC = b"HVDC"
 VERSION = 1
 FIXED_HEADER = struct.Struct("<4sBBBBBBHIQQ")  # 32 bytes, fields as in the table above
@@ -77,41 +79,6 @@ def register_codec(name: str, codec_id: int) -> None:
         )
     CODEC_IDS[name] = codec_id
     CODEC_NAMES[codec_id] = name
-
-
-class PayloadError(ValueError):
-    """A payload that cannot be decoded: corrupt, truncated, or not what the receiver expects.
-
-    ``field`` names the header field (or "body") that failed; ``rank`` and ``tensor``
-    say whose payload it was when the caller knows.
-    """
-
-    def __init__(
-        self, field: str, message: str, *, rank: int | None = None, tensor: str | None = None
-    ):
-        self.field = field
-        self.rank = rank
-        self.tensor = tensor
-        self.detail = message
-        super().__init__(self._text())
-
-    def _text(self) -> str:
-        where = []
-        if self.rank is not None:
-            where.append(f"from rank {self.rank}")
-        if self.tensor is not None:
-            where.append(f"for tensor {self.tensor!r}")
-        prefix = "payload " + " ".join(where) + ": " if where else "payload: "
-        return f"{prefix}field {self.field!r}: {self.detail}"
-
-    def locate(self, *, rank: int | None = None, tensor: str | None = None) -> PayloadError:
-        """Fill in who sent the payload (if not known yet) and return self for re-raising."""
-        if self.rank is None:
-            self.rank = rank
-        if self.tensor is None:
-            self.tensor = tensor
-        self.args = (self._text(),)
-        return self
 
 
 def mix(index: np.ndarray) -> np.ndarray:

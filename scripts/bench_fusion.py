@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import hvdcompress
-from hvdcompress.optimizer import DEFAULT_FUSION_THRESHOLD
+from hvdcompress.buckets import DEFAULT_FUSION_THRESHOLD
 
 
 def measure(args, compression: str, threshold: int, comm) -> tuple[float, int]:

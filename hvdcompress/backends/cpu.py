@@ -30,7 +30,7 @@ import torch
 
 from hvdcompress import _native
 from hvdcompress.backends import ThreeLCEncoded
-from hvdcompress.wire import PayloadError
+from hvdcompress.errors import PayloadError
 
 _SOURCES = [_native.kernel_dir() / name for name in _native.C_SOURCES]
 

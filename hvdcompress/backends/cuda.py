@@ -29,7 +29,7 @@ import torch
 
 from hvdcompress._native import NVRTC_OPTIONS, kernel_dir
 from hvdcompress.backends import ThreeLCEncoded
-from hvdcompress.wire import PayloadError
+from hvdcompress.errors import PayloadError
 
 
 class KernelFamily(NamedTuple):

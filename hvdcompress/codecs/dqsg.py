@@ -24,7 +24,7 @@ import torch
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
 from hvdcompress.codecs.quant import num_buckets, padded
-from hvdcompress.wire import PayloadError
+from hvdcompress.errors import PayloadError
 
 DEFAULT_BUCKET = 512
 

@@ -33,7 +33,7 @@ import torch
 from hvdcompress.codecs import dqsg, threelc
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs.quant import num_buckets, padded
-from hvdcompress.wire import PayloadError
+from hvdcompress.errors import PayloadError
 
 
 def check_levels(fine: int, coarse: int) -> int:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
-from hvdcompress.wire import PayloadError
+from hvdcompress.errors import PayloadError
 
 GOLDEN = 0x9E3779B97F4A7C15
 MASK64 = (1 << 64) - 1

@@ -25,7 +25,7 @@ import torch
 
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
-from hvdcompress.wire import PayloadError
+from hvdcompress.errors import PayloadError
 
 MAX_LEVELS = 127
 DEFAULT_BUCKET = 512

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.wire import PayloadError
+from hvdcompress.errors import PayloadError
 
 
 def sign_bits(x: torch.Tensor) -> torch.Tensor:

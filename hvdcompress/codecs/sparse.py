@@ -39,7 +39,7 @@ import math
 import torch
 
 from hvdcompress.codecs.primitives import abs_sum, bitpack, bitunpack, packed_len, uniform
-from hvdcompress.wire import PayloadError
+from hvdcompress.errors import PayloadError
 
 INDEX32_LIMIT = 2**31
 RANDOMK_ONE = 2**24

@@ -67,7 +67,7 @@ def quartic_encode(q: torch.Tensor) -> torch.Tensor:
 
 def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
     """Unpack numel int8 digits; raises PayloadError on bytes > 242, bad padding or length."""
-    from hvdcompress.wire import PayloadError
+    from hvdcompress.errors import PayloadError
 
     buf = _bytes(buf)
     if buf.numel() != quartic_len(numel):

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from hvdcompress import wire
+from hvdcompress.errors import PayloadError
 from hvdcompress.registry import Param
-from hvdcompress.wire import PayloadError
 
 
 def empty_body(device) -> torch.Tensor:

@@ -37,8 +37,8 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
 from hvdcompress.compressors.base import GatherCompressor, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.errors import PayloadError
 from hvdcompress.registry import Param, register
-from hvdcompress.wire import PayloadError
 
 PARAMS = struct.Struct("<dQd")  # ratio, step, density of this step
 WARMUP_START = 0.25  # density at step 0 of the warm-up (75 % sparsity)

@@ -16,8 +16,8 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import empty_body
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.errors import PayloadError
 from hvdcompress.registry import RANK, SEED, register
-from hvdcompress.wire import PayloadError
 
 PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields)
 

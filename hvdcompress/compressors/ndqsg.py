@@ -36,8 +36,8 @@ from hvdcompress.codecs.quant import padded
 from hvdcompress.compressors.base import empty_body
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.errors import PayloadError
 from hvdcompress.registry import RANK, SEED, Param, register
-from hvdcompress.wire import PayloadError
 
 # fine levels, coarse levels, bucket size, dqsg_fraction, mode (0 DQSG, 1 nested)
 PARAMS = struct.Struct("<IIIdB")

@@ -13,8 +13,8 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant, threelc
 from hvdcompress.compressors.base import check_scale, empty_body
 from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.errors import PayloadError
 from hvdcompress.registry import RANK, SEED, Param, register
-from hvdcompress.wire import PayloadError
 
 QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields)
 TERNGRAD_PARAMS = struct.Struct("<f")  # scale M (after the RNG fields)

@@ -14,8 +14,8 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
 from hvdcompress.compressors.base import GatherCompressor, check_scale, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.errors import PayloadError
 from hvdcompress.registry import register
-from hvdcompress.wire import PayloadError
 
 EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
 

@@ -26,8 +26,8 @@ from hvdcompress.compressors.base import GatherCompressor, empty_body
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.errors import PayloadError
 from hvdcompress.registry import FLAG, RANK, SEED, Param, register
-from hvdcompress.wire import PayloadError
 
 TOPK_PARAMS = struct.Struct("<d")  # ratio
 RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import GatherCompressor
-from hvdcompress.wire import PayloadError
+from hvdcompress.errors import PayloadError
 
 
 class Stochastic(GatherCompressor):

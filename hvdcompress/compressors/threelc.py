@@ -15,8 +15,8 @@ from hvdcompress.codecs import threelc
 from hvdcompress.compressors.base import GatherCompressor, as_float32, check_scale
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.errors import PayloadError
 from hvdcompress.registry import Param, register
-from hvdcompress.wire import PayloadError
 
 
 @register

@@ -1,0 +1,49 @@
+"""The errors every rank raises alike (docs/design.md section 8).
+
+``PayloadError``: a payload or frame that cannot be decoded (corrupt, truncated, forged,
+or not what this rank expects), naming the field and, when known, the sending rank and
+the tensor. ``RankAgreementError``: ranks disagree at start-up on what they will
+communicate. Both are also importable from ``hvdcompress``; ``PayloadError`` from
+``hvdcompress.wire`` as well.
+"""
+
+from __future__ import annotations
+
+
+class RankAgreementError(RuntimeError):
+    """Ranks disagree on what they will communicate (tensors, shapes, compressor...)."""
+
+
+class PayloadError(ValueError):
+    """A payload that cannot be decoded: corrupt, truncated, or not what the receiver expects.
+
+    ``field`` names the header field (or "body") that failed; ``rank`` and ``tensor``
+    say whose payload it was when the caller knows.
+    """
+
+    def __init__(
+        self, field: str, message: str, *, rank: int | None = None, tensor: str | None = None
+    ):
+        self.field = field
+        self.rank = rank
+        self.tensor = tensor
+        self.detail = message
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        where = []
+        if self.rank is not None:
+            where.append(f"from rank {self.rank}")
+        if self.tensor is not None:
+            where.append(f"for tensor {self.tensor!r}")
+        prefix = "payload " + " ".join(where) + ": " if where else "payload: "
+        return f"{prefix}field {self.field!r}: {self.detail}"
+
+    def locate(self, *, rank: int | None = None, tensor: str | None = None) -> PayloadError:
+        """Fill in who sent the payload (if not known yet) and return self for re-raising."""
+        if self.rank is None:
+            self.rank = rank
+        if self.tensor is None:
+            self.tensor = tensor
+        self.args = (self._text(),)
+        return self
