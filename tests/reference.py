@@ -2,6 +2,16 @@
 
 import numpy as np
 
+# The 3LC test vectors of docs/design.md section 2: the input, and per sparsity the scale S,
+# the quartic bytes and the zero-run-encoded body (every backend must give these bytes).
+DESIGN_X = [0.80, -0.05, 0.02, 0, -0.70, 0.45, 0.04, 0, 0, 0.01]
+DESIGN_X += [0.30, 0.03, -0.02, 0, 0.05, 0.10, -0.01, 0, 0.02, 0]
+DESIGN_VECTORS = [  # sparsity, S, quartic, zre
+    (1.0, 0.8, [201, 202, 121, 121], [201, 202, 243]),
+    (1.5, 1.2, [201, 121, 121, 121], [201, 244]),
+    (1.9, 1.52, [202, 121, 121, 121], [202, 244]),
+]
+
 
 def quantize(a: np.ndarray, sparsity: float):
     a = a.astype(np.float32)

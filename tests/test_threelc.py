@@ -13,6 +13,7 @@ from hvdcompress import wire
 from hvdcompress.codecs import threelc
 from tests import reference
 from tests.helpers import comp
+from tests.reference import DESIGN_VECTORS, DESIGN_X
 
 
 def tlc(sparsity=1.0):
@@ -21,33 +22,6 @@ def tlc(sparsity=1.0):
 
 # ---- codec (hvdcompress.codecs.threelc) ----------------------------------------------------
 
-DESIGN_X = [
-    0.80,
-    -0.05,
-    0.02,
-    0,
-    -0.70,
-    0.45,
-    0.04,
-    0,
-    0,
-    0.01,
-    0.30,
-    0.03,
-    -0.02,
-    0,
-    0.05,
-    0.10,
-    -0.01,
-    0,
-    0.02,
-    0,
-]
-DESIGN_VECTORS = [  # sparsity, S, quartic, zre (docs/design.md section 2)
-    (1.0, 0.8, [201, 202, 121, 121], [201, 202, 243]),
-    (1.5, 1.2, [201, 121, 121, 121], [201, 244]),
-    (1.9, 1.52, [202, 121, 121, 121], [202, 244]),
-]
 SIZES = [0, 1, 4, 5, 6, 7, 13, 69, 70, 71, 1000, 100003]
 
 

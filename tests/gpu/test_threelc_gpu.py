@@ -21,17 +21,11 @@ import torch
 from hvdcompress.backends import cuda as cuda_backend
 from hvdcompress.wire import PayloadError
 from tests.gpu.conftest import Setup, bits, check_kernel_source_found, check_nvrtc_compiles
+from tests.reference import DESIGN_VECTORS, DESIGN_X
 
 SIZES = [0, 1, 4, 5, 6, 7, 13, 69, 70, 71, 1000, 100003, 1 << 22 | 3]
 KINDS = ["dense", "sparse90", "sparse999", "zeros", "runs", "ties", "subnormal"]
 SPARSITIES = [1.0, 1.5, 1.9]
-DESIGN_X = [0.80, -0.05, 0.02, 0, -0.70, 0.45, 0.04, 0, 0, 0.01]
-DESIGN_X += [0.30, 0.03, -0.02, 0, 0.05, 0.10, -0.01, 0, 0.02, 0]
-DESIGN_VECTORS = [  # sparsity, S, quartic, zre (docs/design.md section 2)
-    (1.0, 0.8, [201, 202, 121, 121], [201, 202, 243]),
-    (1.5, 1.2, [201, 121, 121, 121], [201, 244]),
-    (1.9, 1.52, [202, 121, 121, 121], [202, 244]),
-]
 
 
 def make_input(n: int, kind: str, gen: torch.Generator) -> torch.Tensor:
