@@ -31,6 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hvdcompress import wire
+
 if TYPE_CHECKING:
     from hvdcompress.compressors.base import Compressor
 
@@ -101,8 +103,6 @@ FLAG = Param(kind="bool")
 
 def register(cls: type[Compressor]) -> type[Compressor]:
     """Class decorator: check the declaration and add ``cls`` to the registry."""
-    from hvdcompress import wire
-
     name = cls.name
     if not name or name != name.lower():
         raise ValueError(f"{cls.__qualname__}: a compressor needs a lower-case name, got {name!r}")

@@ -22,6 +22,18 @@ def bound(name: str, rank: int, size: int, **params):
     return c
 
 
+def assert_error_feedback_invariant(c, n: int, steps: int, seed: int, name: str = "w") -> None:
+    """Over ``steps`` seeded gradients of ``n`` values, everything decoded plus the residual
+    is everything computed (the error-feedback invariant)."""
+    torch.manual_seed(seed)
+    total_g, total_dec = torch.zeros(n), torch.zeros(n)
+    for _ in range(steps):
+        x = torch.randn(n)
+        total_g += x
+        total_dec += c.decompress(*c.compress(x, name))
+    torch.testing.assert_close(total_dec + c.memory.residuals[name], total_g)
+
+
 def powersgd_one_rank(c, g: torch.Tensor, name: str = "m") -> torch.Tensor:
     """One PowerSGD step in a world of one rank: the summed P is the local P."""
     p, ctx = c.compress(g, name)

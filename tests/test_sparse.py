@@ -16,7 +16,7 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
 from hvdcompress.wire import PayloadError
 from tests.fuzz.harness import fix_checksum
-from tests.helpers import bound, comp
+from tests.helpers import assert_error_feedback_invariant, bound, comp
 
 # ---- top-k ---------------------------------------------------------------------------------
 
@@ -50,14 +50,7 @@ def test_topk_ties_are_broken_by_lowest_index_and_ef_over_steps():
     dec = c.decompress(*c.compress(g, "w"))
     assert torch.equal(dec, torch.tensor([0.0, -3.0, 3.0, 0.0, 0.0, 0.0]))
     # over steps, everything sent plus the residual is everything computed
-    c = comp("topk", ratio=0.1)
-    total_g, total_dec = torch.zeros(300), torch.zeros(300)
-    torch.manual_seed(1)
-    for _ in range(20):
-        x = torch.randn(300)
-        total_g += x
-        total_dec += c.decompress(*c.compress(x, "w"))
-    torch.testing.assert_close(total_dec + c.memory.residuals["w"], total_g)
+    assert_error_feedback_invariant(comp("topk", ratio=0.1), n=300, steps=20, seed=1)
 
 
 def test_topk_int64_indices_above_2_pow_31():
@@ -121,13 +114,7 @@ def test_randomk_unbiased_mean_over_seeds_approaches_x():
 
 def test_randomk_error_feedback_invariant():
     c = comp("randomk", ratio=0.3, unbiased=False, error_feedback=True, seed=1)
-    total_g, total_dec = torch.zeros(400), torch.zeros(400)
-    torch.manual_seed(2)
-    for _ in range(30):
-        x = torch.randn(400)
-        total_g += x
-        total_dec += c.decompress(*c.compress(x, "w"))
-    torch.testing.assert_close(total_dec + c.memory.residuals["w"], total_g)
+    assert_error_feedback_invariant(c, n=400, steps=30, seed=2)
 
 
 # ---- top-k + sign (topkq) and GSpar, CAT's other compressors -------------------------------
@@ -239,14 +226,8 @@ def test_dgc_momentum_correction_and_factor_masking(momentum):
 
 
 def test_dgc_without_momentum_is_error_feedback_top_k():
-    torch.manual_seed(4)
     c = comp("dgc", ratio=0.02, momentum=0.0)
-    total_g, total_dec = torch.zeros(400), torch.zeros(400)
-    for _ in range(15):
-        g = torch.randn(400)
-        total_g += g
-        total_dec += c.decompress(*c.compress(g, "w"))
-    torch.testing.assert_close(total_dec + c.memory.residuals["w"], total_g)
+    assert_error_feedback_invariant(c, n=400, steps=15, seed=4)
 
 
 def test_dgc_warmup_schedule():
