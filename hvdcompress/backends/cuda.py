@@ -2,11 +2,11 @@
 
 Same protocol and the same bytes as the CPU backend (``hvdcompress.backends``). Each .cu
 file is one kernel family (``KernelFamily``: ``THREELC``, ``PRIMITIVES``), compiled into its
-own module once per process and device, on the first launch of one of its kernels (CuPy
-also caches the binary on disk), with ``NVRTC_OPTIONS`` (``hvdcompress._native``: FMA
-contraction, flush to zero and approximate division turned off). The sources are found by
-``kernel_dir()``: in ``hvdcompress/kernels/`` when the package was installed with them,
-else in the source tree's ``kernels/`` (a checkout on PYTHONPATH).
+own module once per process and device, on the first launch of one of its kernels, with
+exactly ``NVRTC_OPTIONS`` (``hvdcompress._native``: FMA contraction, flush to zero and
+approximate division turned off; ``_compile`` says why not through ``RawModule``). The
+sources are found by ``kernel_dir()``: in ``hvdcompress/kernels/`` when the package was
+installed with them, else in the source tree's ``kernels/`` (a checkout on PYTHONPATH).
 
 Tensors stay torch tensors: kernels get their raw device pointers (zero-copy; the
 tensors are alive for the whole call and every kernel and torch op of a call runs, in
@@ -86,6 +86,8 @@ DEVICE_TYPE = "cuda"
 
 def _import_cupy():
     import cupy
+    import cupy.cuda.compiler  # noqa: F401  (the attributes _compile and _Module use)
+    import cupy.cuda.function  # noqa: F401
 
     return cupy
 
@@ -147,6 +149,26 @@ def _find_reason() -> str | None:
 # ---- kernels and launches ------------------------------------------------------------------
 
 
+def _compile(cupy, source: str, file: str) -> bytes:
+    """NVRTC output (cubin, or PTX where this NVRTC cannot target the device) of one .cu
+    source for the current device, compiled with exactly ``NVRTC_OPTIONS``.
+
+    Not ``cupy.RawModule(code=...)``: CuPy's cached compile path appends ``-ftz=true``
+    after the caller's options, and NVRTC honours the last occurrence, so subnormal inputs
+    and scales would be flushed to zero on the GPU and differ from the CPU backend (seen on
+    an H200: a subnormal 3LC scale came back 0.0). ``compile_using_nvrtc`` passes the
+    options through unchanged (adding only the target architecture)."""
+    result = cupy.cuda.compiler.compile_using_nvrtc(source, NVRTC_OPTIONS, None, file)
+    binary = result[0] if isinstance(result, tuple) else result  # (obj, mapping) in CuPy >= 9
+    if isinstance(binary, str):
+        binary = binary.encode()
+    if binary.lstrip().startswith(b"//"):  # PTX text: check, and NUL-terminate for the driver
+        if b".ftz" in binary:
+            raise RuntimeError(f"NVRTC emitted flush-to-zero instructions for {file}")
+        binary += b"\0"
+    return binary
+
+
 class _Module:
     """The kernels of one family, compiled and loaded on one device."""
 
@@ -154,7 +176,8 @@ class _Module:
         cupy = _import_cupy()
         source = (kernel_dir() / family.file).read_text()
         with cupy.cuda.Device(device_index) as dev:
-            module = cupy.RawModule(code=source, options=NVRTC_OPTIONS)
+            module = cupy.cuda.function.Module()
+            module.load(_compile(cupy, source, family.file))
             self.functions = {name: module.get_function(name) for name in family.names}
             sms = dev.attributes["MultiProcessorCount"]
         self.max_blocks = max(1, BLOCKS_PER_SM * sms)

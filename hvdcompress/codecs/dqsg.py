@@ -51,7 +51,7 @@ def quantize(
     """(q int8 in [-s, s], deltas float32 per bucket) for the finite flat float32 w."""
     n = w.numel()
     w2 = padded(w, bucket)
-    deltas = bucket_absmax(w, bucket) / float(levels)
+    deltas = prim.divide(bucket_absmax(w, bucket), float(levels))
     safe = torch.where(deltas > 0, deltas, torch.ones_like(deltas))[:, None]
     t = w2 / safe
     t += dither(key, w2.numel(), w.device).view(w2.shape)

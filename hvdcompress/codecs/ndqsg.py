@@ -60,7 +60,7 @@ def m_bits(rho: int) -> int:
 def coset(k: torch.Tensor, rho: int) -> torch.Tensor:
     """m = k - rho * rint(k / rho) as int8 (k: integer-valued tensor)."""
     kf = k.to(torch.float32)
-    return (kf - rho * torch.round(kf / rho)).to(torch.int8)
+    return (kf - rho * torch.round(prim.divide(kf, float(rho)))).to(torch.int8)
 
 
 def encode_nested(w: torch.Tensor, levels: int, rho: int, bucket: int, key: int):

@@ -149,6 +149,16 @@ def absmax(x: torch.Tensor) -> float:
     return float(x.abs().amax())
 
 
+def divide(x: torch.Tensor, d: float) -> torch.Tensor:
+    """x / d with each element one correctly rounded float32 division on every device.
+
+    Why not ``x / d``: for a Python-number divisor torch's CUDA kernel computes
+    ``x * (1 / d)``, two roundings, which can differ from the CPU's quotient in the last
+    bit (seen on an H200: DQSG's bucket deltas, and with them whole payloads, differed from
+    the CPU backend's). A 0-dim tensor on x's device is divided by for real."""
+    return x / torch.full((), d, dtype=x.dtype, device=x.device)
+
+
 def all_finite(x: torch.Tensor) -> bool:
     return math.isfinite(absmax(x))
 

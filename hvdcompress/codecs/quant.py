@@ -103,7 +103,7 @@ def qsgd_decode_into(
         raise PayloadError("body", f"a QSGD level is above {levels} or a zero is signed")
     if n == 0:
         return
-    mag = (padded(lvl, bucket).to(torch.float32) / float(levels)) * norms[:, None]
+    mag = prim.divide(padded(lvl, bucket).to(torch.float32), float(levels)) * norms[:, None]
     mag = mag.view(-1)[:n]
     val = torch.where(neg.bool(), -mag, mag)
     if accumulate:
@@ -119,7 +119,7 @@ def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float]:
     if scale == 0.0:
         q = torch.zeros(n, dtype=torch.int8, device=x.device)
     else:
-        keep = prim.uniform(key, n, x.device) < x.abs() / scale
+        keep = prim.uniform(key, n, x.device) < prim.divide(x.abs(), scale)
         q = torch.where(keep, torch.sign(x), torch.zeros_like(x)).to(torch.int8)
     return threelc.zero_run_encode(threelc.quartic_encode(q)), scale
 

@@ -150,10 +150,26 @@ class _FakeKernel:
         self.calls.append(self.name)
 
 
+_FAKE_CUBIN = b"\x7fELF host stand-in\n"  # what the stand-in compiler returns, then the source
+
+
+def _fake_compile_using_nvrtc(source: str, options, arch, filename):
+    """cupy.cuda.compiler.compile_using_nvrtc: the options must reach NVRTC as they are
+    (CuPy's RawModule path would append -ftz=true after them)."""
+    assert tuple(options) == _native.NVRTC_OPTIONS, options
+    assert arch is None and filename.endswith(".cu"), (arch, filename)
+    return _FAKE_CUBIN + source.encode(), {}
+
+
 class _FakeModule:
-    def __init__(self, lib, code: str, options, calls: list[str]):
-        assert "--fmad=false" in options and "--ftz=false" in options
-        self.lib, self.sigs, self.calls = lib, kernel_signatures(code), calls
+    """cupy.cuda.function.Module: load() takes the stand-in compiler's output."""
+
+    def __init__(self, lib, calls: list[str]):
+        self.lib, self.calls, self.sigs = lib, calls, None
+
+    def load(self, binary: bytes) -> None:
+        assert binary.startswith(_FAKE_CUBIN), binary[:32]
+        self.sigs = kernel_signatures(binary[len(_FAKE_CUBIN) :].decode())
 
     def get_function(self, name: str) -> _FakeKernel:
         return _FakeKernel(self.lib, name, self.sigs[name], self.calls)
@@ -178,8 +194,9 @@ def cuda_on_host(host, monkeypatch) -> CudaOnHost:
     calls: list[str] = []
     fake = types.SimpleNamespace(
         __version__="host-emulation",
-        RawModule=lambda code, options: _FakeModule(host.lib, code, options, calls),
         cuda=types.SimpleNamespace(
+            compiler=types.SimpleNamespace(compile_using_nvrtc=_fake_compile_using_nvrtc),
+            function=types.SimpleNamespace(Module=lambda: _FakeModule(host.lib, calls)),
             Device=lambda index: _NoOpContext(),
             Stream=types.SimpleNamespace(from_external=lambda stream: _NoOpContext()),
             runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
