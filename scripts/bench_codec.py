@@ -26,6 +26,7 @@ import torch
 
 import hvdcompress
 from hvdcompress import registry
+from hvdcompress.compressors import SummableCompressor
 from hvdcompress.training.methods import parse_case  # "name:key=value,..." or a method
 
 
@@ -35,6 +36,12 @@ def case_text(name: str, params: dict) -> str:
 
 # Every registered compressor's benchmark configurations (``benchmarks``, registry).
 DEFAULT_CASES = [case_text(name, params) for name, params in registry.bench_cases()]
+
+
+INPUT = (
+    "one N(0, 1) float32 tensor per size (seeded), compressed again at every call, so an\n"
+    "error-feedback residual accumulates as it would for a gradient that does not change"
+)
 
 
 def needs_matrix(name: str) -> bool:
@@ -88,7 +95,7 @@ def _phases(comp, t: torch.Tensor):
     """(encode, decode into a new tensor, bits per value). A summable multi-phase
     compressor (PowerSGD: P, then Q from the summed P) is timed as on one rank: encode is
     its first phase, decode the later phases plus decompress."""
-    phases = getattr(comp, "phases", 1)
+    phases = comp.phases if isinstance(comp, SummableCompressor) else 1
 
     def encode():
         return comp.compress(t, "bench")
@@ -122,14 +129,18 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
         comp = hvdcompress.get_compressor(name, **params)
         comp.bind(0, 1)
         t = x.view(_matrix_shape(n)) if needs_matrix(name) else x
-        encode_fn, decode_fn, bits = _phases(comp, t)
+        encode_fn, decode_fn, first_bits = _phases(comp, t)
         for _ in range(3):  # warm-up: allocates the residual, which then reaches steady state
             decode_fn(*encode_fn())
         encode = run(encode_fn, reps)
-        if getattr(comp, "phases", 1) > 1:
+        # Bits per value of what was timed: the payload after the timed calls, error
+        # feedback built up (3LC's first call sends far fewer bits than its steady state).
+        payload, ctx = encode_fn()
+        if isinstance(comp, SummableCompressor) and comp.phases > 1:
+            bits = 8.0 * decode_fn(payload, ctx)[1] / t.numel()
             new = run(lambda e=encode_fn, d=decode_fn: d(*e()), reps) - encode
         else:
-            payload, ctx = encode_fn()
+            bits = first_bits if comp.summable else comp.bits_per_value(payload)
             new = run(lambda d=decode_fn, p=payload, c=ctx: d(p, c), reps)
         if comp.summable:  # decoded after the allreduce: no gather-path decode to measure
             decode = accumulate = None
@@ -145,6 +156,7 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
                 "case": case,
                 "numel": n,
                 "bits_per_value": bits,
+                "first_call_bits_per_value": first_bits,
                 "ratio": 32.0 / bits,
                 "memcpy_gbs": gb / memcpy,
                 "encode_gbs": gb / encode,
@@ -171,7 +183,7 @@ def _pct(value: float | None) -> str:
 
 def print_table(rows: list) -> None:
     head = (
-        f"{'case':<24} {'numel':>9} {'bits/val':>8} {'ratio':>7} {'memcpy':>8} "
+        f"{'case':<24} {'numel':>9} {'bits/val':>8} {'1st call':>8} {'ratio':>7} {'memcpy':>8} "
         f"{'encode':>8} {'enc/mc':>7} {'decode':>8} {'dec/mc':>7} {'dec+acc':>8} {'acc/mc':>7} "
         f"{'new/mc':>7}"
     )
@@ -180,12 +192,16 @@ def print_table(rows: list) -> None:
     for r in rows:
         print(
             f"{r['case']:<24} {r['numel']:>9.0e} {r['bits_per_value']:>8.3f} "
+            f"{r['first_call_bits_per_value']:>8.3f} "
             f"{r['ratio']:>6.0f}x {r['memcpy_gbs']:>7.2f}G {r['encode_gbs']:>7.2f}G "
             f"{r['encode_vs_memcpy']:>6.0%} {_gbs(r['decode_gbs'])} "
             f"{_pct(r['decode_vs_memcpy'])} {_gbs(r['accumulate_gbs'])} "
             f"{_pct(r['accumulate_vs_memcpy'])} {r['decode_new_tensor_vs_memcpy']:>6.0%}"
         )
     print(
+        f"Input: {INPUT}.\n"
+        "bits/val: bits per value (header included) of the timed payloads, after the\n"
+        "warm-up and timed calls (error feedback built up); 1st call: the first payload's.\n"
         "GB/s of float32 input; x/mc = throughput relative to memcpy into a preallocated tensor\n"
         "in this run. encode: compress with error feedback, header and checksum. decode: into a\n"
         "preallocated tensor; dec+acc: added into one (the gather path); new: into a new tensor.\n"
@@ -221,6 +237,7 @@ def main(argv=None) -> int:
         rows += bench_size(int(size), args.cases, device, run, args.min_time)
     print_table(rows)
     meta = {
+        "input": " ".join(INPUT.split()),
         "device": torch.cuda.get_device_name()
         if device.type == "cuda"
         else platform.processor() or platform.machine(),

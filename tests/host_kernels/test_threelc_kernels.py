@@ -660,3 +660,17 @@ def test_emulated_one_device_read_per_call(emulated):
     assert len(reads) == 4 or calls == []  # the host-side length bound may answer first
     assert "threelc_quartic_decode_scale" not in calls
     assert loaded_families(cuda) == {THREELC.file}
+
+
+@pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 5000, 1024 * 1024 + 7, 3 * 1024 * 1024])
+def test_running_max_equals_cummax(n):
+    """The zero-run encoder's two-level scan (backends/cuda.py ``_running_max``, torch ops
+    only, so it runs here) equals torch.cummax, over one, two and three levels, for the
+    encoder's input shape: -1 everywhere except increasing run starts."""
+    from hvdcompress.backends.cuda import _running_max
+
+    gen = torch.Generator().manual_seed(n)
+    starts = torch.where(torch.rand(n, generator=gen) < 0.01, torch.arange(n), -1)
+    assert torch.equal(_running_max(starts), torch.cummax(starts, 0).values)
+    values = torch.randint(-(2**40), 2**40, (n,), generator=gen)  # any int64 sequence
+    assert torch.equal(_running_max(values), torch.cummax(values, 0).values)
