@@ -5,7 +5,8 @@ per-tensor state (error feedback), transports move bytes, policies choose
 parameters. The wire format every rank and backend shares is in ``wire``.
 """
 
-from hvdcompress import wire
+from hvdcompress import checkpoint, wire
+from hvdcompress.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hvdcompress.compat import Compression
 from hvdcompress.compressors import Compressor, Ctx, available, get_compressor
 from hvdcompress.errors import PayloadError
@@ -21,6 +22,7 @@ __all__ = [
     "PacketCost",
     "calibrate",
     "Average",
+    "CheckpointError",
     "Compression",
     "Compressor",
     "Ctx",
@@ -29,6 +31,9 @@ __all__ = [
     "RankAgreementError",
     "Sum",
     "available",
+    "checkpoint",
     "get_compressor",
+    "load_checkpoint",
+    "save_checkpoint",
     "wire",
 ]

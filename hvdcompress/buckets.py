@@ -37,15 +37,35 @@ def named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parame
     all_params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
         return [(f"param.{i}", p) for i, p in enumerate(all_params) if p.requires_grad]
-    named = list(named_parameters)
-    if any(not isinstance(n, tuple) or len(n) != 2 for n in named):
+    if isinstance(named_parameters, (str, bytes, dict, torch.Tensor)):
         raise ValueError(
-            "named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()"
+            "named_parameters must be an iterable of (name, parameter) pairs, e.g. "
+            f"model.named_parameters(), got a {type(named_parameters).__name__}"
         )
+    named = list(named_parameters)
+    for item in named:
+        if (
+            not isinstance(item, tuple)
+            or len(item) != 2
+            or not isinstance(item[0], str)
+            or not isinstance(item[1], torch.Tensor)
+        ):
+            raise ValueError(
+                "named_parameters must be (str name, tensor) pairs, e.g. "
+                f"model.named_parameters(), got {_short(item)}"
+            )
     names = [n for n, _ in named]
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
         raise ValueError(f"parameter names must be unique, repeated: {dups[:5]}")
+    seen: dict[int, str] = {}
+    for n, p in named:
+        if id(p) in seen:
+            raise ValueError(
+                f"parameter {n!r} is the same tensor as {seen[id(p)]!r}: each parameter "
+                "must be named once"
+            )
+        seen[id(p)] = n
     known = {id(p) for _, p in named}
     missing = [i for i, p in enumerate(all_params) if id(p) not in known]
     if missing:
@@ -57,13 +77,27 @@ def named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parame
     return [(n, p) for n, p in named if id(p) in in_optimizer and p.requires_grad]
 
 
+def _short(item) -> str:
+    text = repr(item) if not isinstance(item, torch.Tensor) else f"a tensor {tuple(item.shape)}"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024  # Horovod's default fusion buffer
 
 
 def resolve_fusion_threshold(value: int | None) -> int:
-    """``value``, or Horovod's ``HOROVOD_FUSION_THRESHOLD``, or 64 MiB."""
+    """``value``, or Horovod's ``HOROVOD_FUSION_THRESHOLD``, or 64 MiB (the caller checks
+    that it is an int >= 0)."""
     if value is None:
-        return int(os.environ.get("HOROVOD_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD))
+        env = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+        if env is None:
+            return DEFAULT_FUSION_THRESHOLD
+        try:
+            return int(env)
+        except ValueError:
+            raise ValueError(
+                f"HOROVOD_FUSION_THRESHOLD must be an int >= 0 (bytes), got {env!r}"
+            ) from None
     return value
 
 

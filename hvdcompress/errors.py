@@ -2,9 +2,10 @@
 
 ``PayloadError``: a payload or frame that cannot be decoded (corrupt, truncated, forged,
 or not what this rank expects), naming the field and, when known, the sending rank and
-the tensor. ``RankAgreementError``: ranks disagree at start-up on what they will
-communicate. Both are also importable from ``hvdcompress``; ``PayloadError`` from
-``hvdcompress.wire`` as well.
+the tensor; ``DecodeOverflowError``, a ``PayloadError`` that is also an ``OverflowError``:
+decoded values that do not fit the payload's dtype. ``RankAgreementError``: ranks disagree
+at start-up on what they will communicate. ``PayloadError`` and ``RankAgreementError`` are
+also importable from ``hvdcompress``; ``PayloadError`` from ``hvdcompress.wire`` as well.
 """
 
 from __future__ import annotations
@@ -47,3 +48,14 @@ class PayloadError(ValueError):
             self.tensor = tensor
         self.args = (self._text(),)
         return self
+
+
+class DecodeOverflowError(PayloadError, OverflowError):
+    """A payload whose decoded values overflow: a float32 value that is finite on the wire
+    but infinite once computed or cast to the payload's dtype (float16 holds at most
+    65504), while the header's non-finite flag is clear. Field ``"overflow"``; the
+    message names the tensor when the caller knows it. Catch it as ``PayloadError`` or as
+    ``OverflowError``."""
+
+    def __init__(self, message: str, *, rank: int | None = None, tensor: str | None = None) -> None:
+        super().__init__("overflow", message, rank=rank, tensor=tensor)

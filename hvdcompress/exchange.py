@@ -23,6 +23,7 @@ so all ranks hold bit-identical gradients; a payload that fails to decode raises
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,11 @@ class InFlight:
     sizes: list[int] = field(default_factory=list)  # summed: elements of each payload
     wait_s: float = 0.0
     decode_s: float = 0.0
+    overflow: list[str] = field(default_factory=list)  # finite sums that overflowed p.grad
+    nonfinite: list[str] = field(default_factory=list)  # sums that were not finite
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 class _Exchange:
@@ -72,6 +78,48 @@ class _Exchange:
 
     def _complete(self, bucket, comp, flight, result, scale) -> None:
         raise NotImplementedError
+
+    def _write(self, p, name: str, value: torch.Tensor, comp, scale: float, flight) -> None:
+        """Write the sum ``value`` times ``scale`` into ``p.grad`` (docs/design.md,
+        "Error feedback and low precision").
+
+        Into a float16 / bfloat16 gradient: a finite float32 value that overflows the
+        dtype becomes +-Inf as a cast would (so that GradScaler skips the step and backs
+        off), and is reported: ``flight.overflow`` (``StepStats.overflow``) and a
+        RuntimeWarning naming the tensor. For an error-feedback compressor the rounding
+        of the cast (float32 value minus what was written), where finite, goes into this
+        rank's residual, scaled so that over the ranks it adds up to the rounding: every
+        rank adds ``rounding / (scale * size)`` (Average: the rounding; Sum: 1 / size of
+        it), so the applied gradients plus the residuals keep tracking the true sum."""
+        grad = p.grad
+        if grad.dtype not in LOW_PRECISION:
+            if scale != 1.0:
+                value = value.to(torch.float32).mul_(scale)
+            grad.copy_(value.view_as(grad))
+            return
+        value = value.to(torch.float32).reshape(grad.shape)
+        if scale != 1.0:
+            value = value.mul(scale)
+        grad.copy_(value)
+        finite = torch.isfinite(value)
+        if not bool(finite.all()):
+            flight.nonfinite.append(name)  # a real non-finite gradient: stays as it is
+            return
+        written = grad.to(torch.float32)
+        if not bool(torch.isfinite(written).all()):
+            flight.overflow.append(name)
+            warnings.warn(
+                f"hvdcompress: the averaged gradient of {name!r} exceeds the range of "
+                f"{grad.dtype} (max |value| {float(value.abs().max()):.6g}) and was written "
+                "as Inf; a GradScaler skips this step and lowers its scale",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if comp.error_feedback:
+            rounding = value - written
+            rounding = torch.where(torch.isfinite(rounding), rounding, torch.zeros_like(value))
+            share = 1.0 / (scale * self.transport.size)
+            comp.absorb(name, rounding if share == 1.0 else rounding * share)
 
 
 class SummedExchange(_Exchange):
@@ -105,11 +153,9 @@ class SummedExchange(_Exchange):
         summed = self._next_phases(comp, flight, summed)
         offset = 0
         for p, ctx, n in zip(bucket.params, flight.ctxs, flight.sizes, strict=True):
-            value = comp.decompress(summed[offset : offset + n], ctx)
+            value = comp.decompress_exact(summed[offset : offset + n], ctx)
             offset += n
-            if scale != 1.0:
-                value = value.to(torch.float32).mul_(scale)
-            p.grad.copy_(value.view_as(p.grad))
+            self._write(p, ctx.name, value, comp, scale, flight)
 
     def _next_phases(self, comp, flight: InFlight, summed: torch.Tensor) -> torch.Tensor:
         """Phases 2.. of a multi-phase compressor (PowerSGD: P, then Q): every rank runs
@@ -178,10 +224,8 @@ class GatheredExchange(_Exchange):
                     accumulate=True,
                     side_info=side,
                 )
-        for p, acc in zip(bucket.params, accs, strict=True):
-            if scale != 1.0:
-                acc.mul_(scale)
-            p.grad.copy_(acc.view_as(p.grad))
+        for p, acc, ctx in zip(bucket.params, accs, flight.ctxs, strict=True):
+            self._write(p, ctx.name, acc, comp, scale, flight)
 
 
 def exchange_for(compressor: Compressor, transport: Transport) -> _Exchange:

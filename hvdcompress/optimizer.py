@@ -53,12 +53,42 @@ __all__ = ["Average", "Sum", "DistributedOptimizer", "RankAgreementError", "Step
 
 
 def _normalize_op(op) -> str:
-    if op in (Average, Sum):
+    if isinstance(op, str) and op in (Average, Sum):
         return op
     # Horovod's ReduceOp values (horovod/common/basics.py): Average 0, Sum 1, Adasum 2.
-    if isinstance(op, int) and op in (0, 1):
+    if isinstance(op, int) and not isinstance(op, bool) and op in (0, 1):
         return (Average, Sum)[op]
-    raise ValueError(f"op must be hvdcompress.Average or hvdcompress.Sum, got {op!r}")
+    raise ValueError(
+        "op must be hvdcompress.Average, hvdcompress.Sum, hvd.Average (0) or hvd.Sum (1), "
+        f"got {op!r}"
+    )
+
+
+def _check_int(what: str, value, low: int, hint: str = "") -> int:
+    """``value`` as an int >= ``low``, else ValueError naming the valid values."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not float(value).is_integer()
+        or value < low
+    ):
+        raise ValueError(f"{what} must be an int >= {low}{hint}, got {value!r}")
+    return int(value)
+
+
+def _check_dtypes(compressor: Compressor, buckets: list[Bucket]) -> None:
+    """TypeError at construction (not at the first step) naming the first parameter whose
+    dtype the compressor cannot send, and the dtypes it can."""
+    for b in buckets:
+        if b.compressed:
+            for name, p in zip(b.names, b.params, strict=True):
+                try:
+                    compressor.check_dtype(name, p.dtype)
+                except TypeError as err:
+                    raise TypeError(
+                        f"{err} (parameter {name!r}; convert the model, e.g. model.float(), "
+                        "or leave such tensors uncompressed with compress_min_numel)"
+                    ) from None
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -79,18 +109,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         self._compressor = compressor
         self._uncompressed = get_compressor("none")  # buckets below compress_min_numel
-        self._min_numel = int(compress_min_numel)
-        if self._min_numel < 0:
-            raise ValueError(f"compress_min_numel must be >= 0, got {compress_min_numel!r}")
+        self._min_numel = _check_int("compress_min_numel", compress_min_numel, 0)
         self._transport = transport
         compressor.bind(transport.rank, transport.size)
-        self.backward_passes_per_step = int(backward_passes_per_step)
-        if self.backward_passes_per_step < 1:
-            raise ValueError("backward_passes_per_step must be >= 1")
+        self.backward_passes_per_step = _check_int(
+            "backward_passes_per_step", backward_passes_per_step, 1
+        )
         self._op = op
         self._scale = 1.0 / transport.size if op == Average else 1.0
         named = named_params(self, named_parameters)
         self._buckets = make_buckets(named, fusion_threshold, self._min_numel)
+        _check_dtypes(compressor, self._buckets)
         self._where: dict[int, tuple[Bucket, int]] = {}
         for b in self._buckets:
             for i, p in enumerate(b.params):
@@ -238,25 +267,51 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict):
+        """Load the inner optimizer's state and the hvdcompress part (compressor and policy
+        state). The hvdcompress part is checked first (``hvdcompress.CheckpointError``
+        naming the entry: another rank's state, unknown tensor names, residuals of the
+        wrong size or dtype, NaN or Inf); on any error nothing stays loaded."""
+        import copy
+
+        from hvdcompress.checkpoint import check_optimizer_state
+
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
-        if ours is not None:
-            me = (self._transport.rank, self._transport.size)
-            if (ours["rank"], ours["size"]) != me:
-                raise ValueError(
-                    f"this optimizer state was saved by rank {ours['rank']} of {ours['size']}, "
-                    f"loading on rank {me[0]} of {me[1]}: error-feedback residuals are per "
-                    "rank, so each rank must load its own state"
-                )
-            if ours["compressor"] != repr(self._compressor):
-                raise ValueError(
-                    f"state saved with compressor {ours['compressor']}, "
-                    f"this optimizer has {self._compressor!r}"
-                )
-            self._compressor.load_state_dict(ours["compressor_state"])
-            if "policy" in ours and self._policy is not None:
-                self._policy.load_state_dict(ours["policy"])
-        return super(self.__class__, self).load_state_dict(state_dict)
+        if ours is None:
+            return super(self.__class__, self).load_state_dict(state_dict)
+        shapes = {
+            n: tuple(p.shape)
+            for b in self._buckets
+            if b.compressed
+            for n, p in zip(b.names, b.params, strict=True)
+        }
+        check_optimizer_state(
+            ours,
+            rank=self._transport.rank,
+            size=self._transport.size,
+            compressor=repr(self._compressor),
+            shapes=shapes,
+        )
+        comp, policy = self._compressor, self._policy
+        before = (
+            comp.state_dict(),
+            dict(comp.levels) if hasattr(comp, "levels") else None,
+            copy.deepcopy(policy.state_dict()) if policy is not None else None,
+        )
+        try:
+            comp.load_state_dict(ours["compressor_state"])
+            if "policy" in ours and policy is not None:
+                policy.load_state_dict(ours["policy"])
+            return super(self.__class__, self).load_state_dict(state_dict)
+        except BaseException:
+            with contextlib.suppress(Exception):  # put back what was there; raise the cause
+                comp.load_state_dict(before[0])
+                if policy is not None:
+                    policy.load_state_dict(before[2])
+                if before[1] is not None:
+                    comp.levels.clear()
+                    comp.levels.update(before[1])
+            raise
 
     @property
     def compressor(self) -> Compressor:
@@ -298,10 +353,29 @@ def DistributedOptimizer(
     allreduce per bucket of them), the switch for links fast enough that compressing a
     small tensor costs more time than it saves (see README, "Results").
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}")
     compressor = resolve_compressor(compression)
     op = _normalize_op(op)
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(
+            "policy must be None or an hvdcompress.Policy (hvdcompress.Accordion(...), "
+            f"hvdcompress.CAT(...)), got {type(policy).__name__}"
+        )
+    fusion_threshold = _check_int(
+        "fusion_threshold",
+        resolve_fusion_threshold(fusion_threshold),
+        0,
+        " (bytes; 0: one tensor per bucket)",
+    )
+    _check_int("backward_passes_per_step", backward_passes_per_step, 1)
+    _check_int("compress_min_numel", compress_min_numel, 0)
+    if not isinstance(backend, (str, Transport)):
+        raise TypeError(
+            "backend must be 'horovod', 'mpi4py' or a hvdcompress Transport, "
+            f"got {type(backend).__name__}"
+        )
     transport = backend if isinstance(backend, Transport) else make_transport(backend)
-    fusion_threshold = resolve_fusion_threshold(fusion_threshold)
     cls = type(
         optimizer.__class__.__name__,
         (optimizer.__class__,),

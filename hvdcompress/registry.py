@@ -26,10 +26,14 @@ parameter, and examples that construct.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from hvdcompress import wire
 
@@ -54,16 +58,49 @@ class Param:
     low_open: bool = False
     high_open: bool = False
     doc: str = ""
+    optional: bool = False  # None is also valid (the constructor resolves it)
 
     def describe(self) -> str:
         if self.kind == "bool":
-            return "bool"
+            text = "bool or None" if self.optional else "bool"
+            return f"{text}, {self.doc}" if self.doc else text
         lo = "-inf" if self.low is None else _num(self.low)
         hi = "inf" if self.high is None else _num(self.high)
         left = "(" if self.low_open or self.low is None else "["
         right = ")" if self.high_open or self.high is None else "]"
         text = f"{self.kind} in {left}{lo}, {hi}{right}"
         return f"{text}, {self.doc}" if self.doc else text
+
+    def accepts(self, value) -> bool:
+        """Whether ``value`` is valid: the right type (a bool is not a number, a string
+        is nothing; an int kind takes integral numbers only) and inside the interval."""
+        if value is None:
+            return self.optional
+        if self.kind == "bool":
+            return isinstance(value, (bool, np.bool_)) or (
+                isinstance(value, numbers.Integral) and value in (0, 1)
+            )
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+            return False
+        if self.kind == "int" and (
+            not isinstance(value, numbers.Integral)
+            and not (math.isfinite(value) and float(value).is_integer())
+        ):
+            return False
+        v = float(value) if self.kind == "float" else value
+        if self.kind == "float" and math.isnan(v):
+            return False
+        if self.low is not None and (v < self.low or (self.low_open and v == self.low)):
+            return False
+        if self.high is not None and (v > self.high or (self.high_open and v == self.high)):
+            return False
+        return self.kind == "int" or self.high is not None or math.isfinite(v)
+
+    def check(self, owner: str, param: str, value):
+        """``value`` if ``accepts(value)``, else ValueError naming the valid values."""
+        if not self.accepts(value):
+            raise ValueError(f"{owner} {param} must be {self.describe()}, got {value!r}")
+        return value
 
     def outside(self) -> list:
         """Values just outside the interval (what a constructor must refuse)."""
@@ -125,8 +162,50 @@ def register(cls: type[Compressor]) -> type[Compressor]:
         unknown = set(example) - accepted
         if unknown:
             raise ValueError(f"{name}: example {example} has unknown parameters {sorted(unknown)}")
+    _enforce_params(cls)
     REGISTRY[name] = cls
     return cls
+
+
+def _enforce_params(cls) -> None:
+    """Make the constructor refuse what ``params`` declares invalid, also when it is
+    called directly (``TopK(ratio="0.5")``), not only through ``get_compressor``.
+
+    The constructor runs first, so its own messages stay; a value it let through
+    (a string it converted, a bool taken for a number, an out-of-range value it
+    did not check) is then refused with the declared range. Subclasses without their
+    own ``__init__`` inherit the check."""
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_checks_params", False):
+        return
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+
+        def invalid() -> list[str]:  # read cls.params now: a test may redeclare them
+            got = bound.arguments
+            return [p for p, spec in cls.params.items() if p in got and not spec.accepts(got[p])]
+
+        def refuse(param: str):
+            cls.params[param].check(cls.name, param, bound.arguments[param])
+
+        try:
+            init(self, *args, **kwargs)
+        except (TypeError, ValueError, OverflowError) as err:
+            # keep the constructor's message when it names the parameter; float(None),
+            # int(nan) and the like get the declared range instead
+            bad = invalid()
+            if bad and not any(p in str(err) for p in bad):
+                refuse(bad[0])
+            raise
+        for param in invalid():
+            refuse(param)
+
+    checked_init._checks_params = True
+    cls.__init__ = checked_init
 
 
 def constructor_params(cls) -> dict[str, object]:

@@ -33,6 +33,10 @@ class StepStats:
     wait_s: float = 0.0
     metrics: dict = field(default_factory=dict)  # compressor's and policy's pop_metrics()
     timings: list[CollectiveTiming] = field(default_factory=list)
+    # tensors whose finite averaged gradient overflowed their float16 / bfloat16 p.grad
+    # (written as Inf, with a RuntimeWarning), and those whose sum was not finite
+    overflow: list[str] = field(default_factory=list)
+    nonfinite: list[str] = field(default_factory=list)
 
     @property
     def bits_per_value(self) -> float:
@@ -48,3 +52,5 @@ class StepStats:
                 self.timings.append(CollectiveTiming(c.payload_bytes, c.handle.seconds))
         self.wait_s += flight.wait_s
         self.decode_s += flight.decode_s
+        self.overflow += flight.overflow
+        self.nonfinite += flight.nonfinite

@@ -22,7 +22,11 @@ then the codec's body::
 Invariant: ``decode(encode(x))`` either returns a tensor of exactly the header's
 shape and dtype or raises ``PayloadError`` (a ``ValueError``) naming the field;
 no field is trusted before it is checked, and nothing is allocated from an
-unchecked size.
+unchecked size: what a payload may make a receiver allocate is bounded by the receiver
+(the tensor it expects, its output tensor, or ``decode_limit``: an explicit
+``max_numel``, ``$HVDCOMPRESS_MAX_DECODE_NUMEL`` or ``DEFAULT_MAX_DECODE_NUMEL``), checked
+by ``check_numel_bound`` before anything is allocated. A shape whose non-zero dimensions
+multiply past 2**63 - 1 (not a torch shape, even when empty) fails at the header.
 
 The checksum is a position-weighted byte sum, chosen because a GPU computes it as an
 order-independent reduction (atomic adds modulo 2**32) with the same result as the
@@ -37,6 +41,7 @@ per-bucket framing of one rank's payloads (``frame`` / ``unframe`` / ``unframe_p
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import NamedTuple
 
@@ -52,6 +57,13 @@ MAX_NDIM = 8
 MAX_PARAMS = 256
 MAX_HEADER = 32 + 8 * MAX_NDIM + MAX_PARAMS  # read this many bytes to parse any header
 CHECKSUM_OFFSET = 12
+MAX_SHAPE_PRODUCT = 2**63 - 1  # the product of a shape's non-zero dims (torch's int64)
+
+# The most elements the public ``decode`` allocates for a payload when the caller gives
+# neither the tensor it expects (``expect``), an output tensor (``out``) nor an explicit
+# ``max_numel``: 2**24 (64 MiB as float32). The environment variable overrides it.
+DEFAULT_MAX_DECODE_NUMEL = 2**24
+MAX_DECODE_NUMEL_ENV = "HVDCOMPRESS_MAX_DECODE_NUMEL"
 
 FLAG_NONFINITE = 1
 KNOWN_FLAGS = FLAG_NONFINITE
@@ -148,7 +160,7 @@ def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
     """Parse and check a header from the first bytes of a payload of ``total_len`` bytes.
 
     ``raw`` must hold at least the whole header (callers pass the first
-    ``min(total_len, FIXED_HEADER.size + 8 * MAX_NDIM + 64)`` bytes). Raises PayloadError.
+    ``min(total_len, MAX_HEADER)`` bytes). Raises PayloadError.
     """
     if total_len < FIXED_HEADER.size or len(raw) < FIXED_HEADER.size:
         raise PayloadError(
@@ -195,9 +207,13 @@ def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
             "header it announces (truncated payload)",
         )
     shape = struct.unpack_from(f"<{ndim}Q", raw, FIXED_HEADER.size)
-    prod = 1
+    prod = nonzero = 1
     for d in shape:
         prod *= d
+        nonzero *= max(d, 1)
+    if nonzero > MAX_SHAPE_PRODUCT:
+        # torch sizes are int64: even an empty tensor's shape must be one torch can hold
+        raise PayloadError("shape", f"{shape} is not a tensor shape (dims multiply past 2**63 - 1)")
     if prod != numel:
         raise PayloadError(
             "numel", f"header says {numel} elements but its shape {shape} holds {prod}"
@@ -217,6 +233,36 @@ def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
         csum,
         bytes(raw[:header_len]),
     )
+
+
+def decode_limit(max_numel: int | None = None) -> int:
+    """The element bound of a decode that has no expected tensor: ``max_numel`` when given,
+    else ``$HVDCOMPRESS_MAX_DECODE_NUMEL``, else ``DEFAULT_MAX_DECODE_NUMEL``. A bad value
+    is the caller's error (ValueError / TypeError), not the payload's."""
+    if max_numel is None:
+        env = os.environ.get(MAX_DECODE_NUMEL_ENV)
+        if env is None:
+            return DEFAULT_MAX_DECODE_NUMEL
+        try:
+            max_numel = int(env, 0)
+        except ValueError:
+            raise ValueError(f"${MAX_DECODE_NUMEL_ENV} must be an integer, got {env!r}") from None
+    if isinstance(max_numel, bool) or not isinstance(max_numel, int | np.integer):
+        raise TypeError(f"max_numel must be an int, got {type(max_numel).__name__}")
+    if not 0 <= max_numel <= 2**60:
+        raise ValueError(f"max_numel must be in [0, 2**60], got {max_numel}")
+    return int(max_numel)
+
+
+def check_numel_bound(header: Header, limit: int, source: str) -> None:
+    """PayloadError ("numel") unless the header's element count is at most ``limit``, the
+    receiver's own bound (``source`` says where it came from). Before any allocation."""
+    if header.numel > limit:
+        raise PayloadError(
+            "numel",
+            f"header claims {header.numel} elements {tuple(header.shape)}, more than the "
+            f"{limit} this receiver accepts ({source})",
+        )
 
 
 _FIELD_MIX = [int(w) for w in mix(np.arange(CHECKSUM_OFFSET, CHECKSUM_OFFSET + 4))]

@@ -21,8 +21,12 @@ with the same number of steps (the remainder is dropped, so no rank waits alone 
 collective). Rank 0 shows a progress bar and writes ``metrics.csv`` and TensorBoard
 events to ``--log-dir``: loss, test accuracy, bytes sent per step (per rank, ring model
 of docs/design.md section 7), bits per value, compression time and step time. ``--checkpoint DIR``
-saves one file per rank (error-feedback residuals are per rank); ``--resume`` continues
-from it and gives the same parameters as an uninterrupted run.
+saves one file per rank and step (error-feedback residuals are per rank), verified by a
+sha256 digest, loaded without unpickling code, written atomically; the newest
+``--keep-checkpoints`` of each rank stay. ``--resume`` continues from the newest step whose
+files verify and load on every rank, and gives the same parameters as an uninterrupted
+run. Every argument is checked before training starts (exit status 2 with the valid
+range), the checkpoint and log directories included.
 
 Policies: ``--accordion LOW HIGH`` switches each tensor between two levels of
 ``--compression`` (3lc sparsity, topk ratio, powersgd matrix_rank; interval = one epoch or
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import math
 import os
 import sys
 import time
@@ -51,8 +56,19 @@ import torch
 import torch.nn.functional as F
 
 import hvdcompress
+from hvdcompress.checkpoint import (
+    DEFAULT_KEEP,
+    CheckpointError,
+    check_tensor,
+    check_writable_dir,
+    checkpoint_path,
+    list_checkpoints,
+    load_checkpoint,
+    save_rank_checkpoint,
+    verified_steps,
+)
 from hvdcompress.training.data import DATA_DIR, DatasetNotFound, load_fashion_mnist, synthetic
-from hvdcompress.training.methods import build_policy, parse_cost, parse_params
+from hvdcompress.training.methods import build_policy, check_level, parse_cost, parse_params
 from hvdcompress.training.models import IMAGE_MODELS, MODELS
 from hvdcompress.transports import make_transport
 
@@ -70,14 +86,86 @@ def param_digest(model) -> str:
     return h.hexdigest()[:16]
 
 
+# ---- arguments -----------------------------------------------------------------------------
+class UsageError(SystemExit):
+    """A bad command line: exit status 2 (argparse's), ``str()`` is the message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise UsageError(message)
+
+
+def int_at_least(low: int, high: int | None = None):
+    """An argparse type: an int in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            valid = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"expected an int {valid}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def finite_float(low: float, *, low_open: bool = False, high: float | None = None,
+                 high_open: bool = False):  # fmt: skip
+    """An argparse type: a finite float in the interval (brackets as given)."""
+    left = "(" if low_open else "["
+    right = "]" if high is None or not high_open else ")"
+    valid = f"in {left}{low}, {'inf' if high is None else high}{right}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        ok = math.isfinite(value) and (value > low if low_open else value >= low)
+        if ok and high is not None:
+            ok = value < high if high_open else value <= high
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected a finite number {valid}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+POSITIVE = int_at_least(1)
+NON_NEGATIVE = int_at_least(0)
+
+
 # ---- training ------------------------------------------------------------------------------
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    """The command line, every argument checked (exit status 2 naming the valid values);
+    ``check_args`` checks the combinations, ``check_dirs`` the directories."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dataset", choices=["fashion-mnist", "synthetic"], default="fashion-mnist")
     p.add_argument("--data-dir", default=DATA_DIR)
-    p.add_argument("--synthetic-size", type=int, default=4096, help="training examples")
+    p.add_argument("--synthetic-size", type=POSITIVE, default=4096, help="training examples")
     p.add_argument("--model", choices=sorted(IMAGE_MODELS), default="cnn")
-    p.add_argument("--width", type=int, default=16, help="channels of the first layer")
+    p.add_argument("--width", type=POSITIVE, default=16, help="channels of the first layer")
     p.add_argument(
         "--compression",
         choices=sorted(hvdcompress.compressors.REGISTRY),
@@ -91,7 +179,12 @@ def parse_args(argv=None):
         metavar="KEY=VALUE",
         help="compressor parameter, repeatable: --compression-param ratio=0.01",
     )
-    p.add_argument("--sparsity", type=float, default=1.0, help="3LC sparsity multiplier [1, 2)")
+    p.add_argument(
+        "--sparsity",
+        type=finite_float(1.0, high=2.0, high_open=True),
+        default=1.0,
+        help="3LC sparsity multiplier [1, 2)",
+    )
     p.add_argument(
         "--accordion",
         nargs=2,
@@ -101,9 +194,9 @@ def parse_args(argv=None):
         help="Accordion policy: the --compression level of low / high compression\n"
         "(3lc sparsity 1.0 1.9; topk ratio 0.99 0.1; powersgd matrix_rank 2 1)",
     )
-    p.add_argument("--accordion-eta", type=float, default=0.5)
+    p.add_argument("--accordion-eta", type=finite_float(0.0, low_open=True), default=0.5)
     p.add_argument(
-        "--accordion-interval", type=int, default=None, help="steps (default: one epoch)"
+        "--accordion-interval", type=POSITIVE, default=None, help="steps (default: one epoch)"
     )
     p.add_argument(
         "--cat",
@@ -111,7 +204,7 @@ def parse_args(argv=None):
         default=None,
         help="CAT policy: per-tensor budget; needs --compression topk, topkq or gspar",
     )
-    p.add_argument("--cat-every", type=int, default=200, help="recompute T* every S steps")
+    p.add_argument("--cat-every", type=POSITIVE, default=200, help="recompute T* every S steps")
     p.add_argument(
         "--cat-cost",
         default=None,
@@ -119,26 +212,64 @@ def parse_args(argv=None):
         help="cost model in seconds and seconds per bit (or per packet); default: calibrate",
     )
     p.add_argument("--backend", choices=["horovod", "mpi4py"], default="horovod")
-    p.add_argument("--fusion-threshold", type=int, default=None, help="bytes per collective")
+    p.add_argument(
+        "--fusion-threshold", type=NON_NEGATIVE, default=None, help="bytes per collective"
+    )
     p.add_argument(
         "--compress-min-numel",
-        type=int,
+        type=NON_NEGATIVE,
         default=0,
         help="send tensors with fewer elements uncompressed (fast links)",
     )
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps in all")
-    p.add_argument("--batch-size", type=int, default=64, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    p.add_argument("--epochs", type=POSITIVE, default=1)
+    p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many steps in all")
+    p.add_argument("--batch-size", type=POSITIVE, default=64, help="per rank")
+    p.add_argument("--lr", type=finite_float(0.0, low_open=True), default=0.05)
+    p.add_argument("--momentum", type=finite_float(0.0, high=1.0, high_open=True), default=0.9)
+    p.add_argument("--seed", type=int_at_least(0, 2**63 - 1 - 10**6), default=42)
+    p.add_argument("--threads", type=POSITIVE, default=None, help="torch threads per rank")
     p.add_argument("--log-dir", default=None, help="metrics.csv and TensorBoard events")
-    p.add_argument("--checkpoint", default=None, help="directory: one file per rank")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: at the end)")
+    p.add_argument("--checkpoint", default=None, help="directory: one file per rank and step")
+    p.add_argument("--checkpoint-every", type=NON_NEGATIVE, default=0, help="steps (0: at the end)")
+    p.add_argument(
+        "--keep-checkpoints",
+        type=POSITIVE,
+        default=DEFAULT_KEEP,
+        help=f"checkpoints kept per rank, newest first (default {DEFAULT_KEEP})",
+    )
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """The combinations of arguments: compressor parameters, policy levels and cost model,
+    --resume; ``parser.error`` (exit status 2) on the first bad one."""
+    if args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint DIR")
+    if args.accordion and args.cat:
+        parser.error("--accordion and --cat are exclusive")
+    if args.accordion:
+        for which, value in zip(("LOW", "HIGH"), args.accordion, strict=True):
+            try:
+                check_level(args.compression, value)
+            except ValueError as err:
+                parser.error(f"--accordion {which}: {err}")
+    try:
+        make_compression(args)
+        make_policy(args)
+    except SystemExit as err:
+        parser.error(str(err))
+
+
+def check_dirs(parser: argparse.ArgumentParser, args) -> None:
+    """Create --checkpoint and --log-dir and check they are writable, before training."""
+    for flag, directory in (("--checkpoint", args.checkpoint), ("--log-dir", args.log_dir)):
+        if directory:
+            try:
+                check_writable_dir(directory, flag)
+            except CheckpointError as err:
+                parser.error(str(err))
 
 
 def make_compression(args) -> tuple[hvdcompress.Compressor, float]:
@@ -192,6 +323,73 @@ def make_policy(args):
     return None
 
 
+CKPT_FORMAT = "hvdcompress.train/1"
+
+
+def apply_checkpoint(path: Path, model, opt, dist) -> int:
+    """Load ``path`` (this rank's file) into the model and optimizer; its step.
+    ``CheckpointError`` for a file that does not verify or does not fit this run."""
+    saved = load_checkpoint(path)
+    for key in ("format", "step", "rank", "size", "model", "optimizer"):
+        if key not in saved:
+            raise CheckpointError(f"{path}: no {key!r} entry")
+    if saved["format"] != CKPT_FORMAT:
+        raise CheckpointError(f"{path}: format {saved['format']!r}, expected {CKPT_FORMAT!r}")
+    if (saved["rank"], saved["size"]) != (dist.rank, dist.size):
+        raise CheckpointError(
+            f"{path}: saved by rank {saved['rank']} of {saved['size']}, this is rank "
+            f"{dist.rank} of {dist.size}"
+        )
+    for kind in ("model", "optimizer"):  # NaN / Inf anywhere: refuse, do not train on it
+        stack = [(kind, saved[kind])]
+        while stack:
+            where, value = stack.pop()
+            if isinstance(value, torch.Tensor):
+                check_tensor(f"{path}: {where}", value, dtype=None)
+            elif isinstance(value, dict):
+                stack.extend((f"{where}.{k}", v) for k, v in value.items())
+            elif isinstance(value, (list, tuple)):
+                stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+    try:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    except (ValueError, RuntimeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: does not fit this run: {err}") from None
+    return int(saved["step"])
+
+
+def resume(directory: Path, model, opt, dist) -> int:
+    """Load the newest step whose checkpoint verifies and loads on every rank; its step.
+    Every rank takes part in the same small collectives and agrees on the step."""
+    good, bad = verified_steps(directory, dist.rank)
+    everyone = dist.allgather_object(good)
+    common = sorted(set(everyone[0]).intersection(*everyone[1:]), reverse=True)
+    problems = [f"{path.name}: {err}" for path, err in bad]
+    for step in common:
+        path = checkpoint_path(directory, dist.rank, step)
+        loaded = error = None
+        try:
+            loaded = apply_checkpoint(path, model, opt, dist)
+        except CheckpointError as err:  # an older step fully overwrites what was loaded
+            error = str(err)
+        errors = dist.allgather_object(error)
+        if all(e is None for e in errors):
+            if problems or step != max(good, default=step):
+                print(f"train: rank {dist.rank} resumes from step {step}", file=sys.stderr)
+            return loaded
+        problems += [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if not list_checkpoints(directory, dist.rank) and not problems:
+        old = directory / f"rank{dist.rank}.pt"
+        note = (
+            f" ({old.name} is an old pickled checkpoint: not loaded, unpickling could run code)"
+            if old.exists()
+            else ""
+        )
+        raise SystemExit(f"--resume: no checkpoint of rank {dist.rank} in {directory}{note}")
+    detail = "; ".join(problems) or "no step has a verified file on every rank"
+    raise SystemExit(f"--resume: no checkpoint in {directory} loads on every rank: {detail}")
+
+
 def evaluate(model, test, dist, batch: int = 1000) -> float:
     x, y = test
     shard = range(dist.rank, len(x), dist.size)
@@ -208,9 +406,10 @@ def evaluate(model, test, dist, batch: int = 1000) -> float:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.resume and not args.checkpoint:
-        raise SystemExit("--resume needs --checkpoint DIR")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    check_dirs(parser, args)  # every rank, before any collective
     dist = make_transport(args.backend)  # the optimizer's transport too
     threads = args.threads or default_threads(dist.local_size)
     torch.set_num_threads(threads)
@@ -249,23 +448,15 @@ def main(argv=None) -> int:
         total_steps = args.steps
 
     start_step = 0
-    ckpt_path = Path(args.checkpoint) / f"rank{dist.rank}.pt" if args.checkpoint else None
+    ckpt_dir = Path(args.checkpoint) if args.checkpoint else None
     if args.resume:
-        if not ckpt_path.is_file():
-            raise SystemExit(f"--resume: {ckpt_path} does not exist")
-        saved = torch.load(ckpt_path, weights_only=False)
-        if saved["size"] != dist.size:
-            raise SystemExit(f"checkpoint is from {saved['size']} ranks, this run has {dist.size}")
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        start_step = saved["step"]
+        start_step = resume(ckpt_dir, model, opt, dist)
 
     def save(step: int) -> None:
-        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = ckpt_path.with_suffix(".tmp")
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        torch.save({**state, "step": step, "size": dist.size, "args": vars(args)}, tmp)
-        os.replace(tmp, ckpt_path)
+        state.update(format=CKPT_FORMAT, step=step, rank=dist.rank, size=dist.size)
+        state["args"] = vars(args)
+        save_rank_checkpoint(ckpt_dir, dist.rank, step, state, keep=args.keep_checkpoints)
 
     is_root = dist.rank == 0
     writer = csv_file = csv_out = None
@@ -332,7 +523,7 @@ def main(argv=None) -> int:
             if hasattr(policy, "end_epoch"):  # every rank: an Accordion interval end
                 policy.end_epoch()
         acc = evaluate(model, test, dist) if end_of_epoch else None
-        if ckpt_path and (
+        if ckpt_dir and (
             step == total_steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
         ):
             save(step)

@@ -14,6 +14,7 @@ import torch
 
 import hvdcompress
 from hvdcompress import registry
+from hvdcompress.errors import DecodeOverflowError
 from hvdcompress.wire import PayloadError
 from tests.fuzz.harness import fix_checksum
 from tests.helpers import LocalTransport, comp, small_model
@@ -162,6 +163,48 @@ def test_decompress_checks_expectations():
     with pytest.raises(hvdcompress.PayloadError, match="sparsity") as err:
         comp("3lc", sparsity=1.5).decode(payload, rank=3, name="x")
     assert "rank 3" in str(err.value)
+
+
+@pytest.mark.parametrize("name,kw", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_never_returns_infinities_with_the_flag_clear(name, kw, dtype):
+    """Values at the top of a 16-bit dtype's range (fp16's 65504; bf16's 3.39e38) may
+    decode to float32 values past it (3LC at s = 1.75 sends 1.75 * 65504): the public
+    decode then raises DecodeOverflowError, a PayloadError and an OverflowError naming the
+    tensor, instead of returning +-Inf as if they were values."""
+    top = torch.finfo(dtype).max
+    x = torch.tensor([top, -top, top, 1.0, -0.5, 0.0, top / 2, -top] * 8, dtype=dtype)
+    for sparsity in (1.5, 1.75) if name == "3lc" else (None,):
+        params = dict(kw, sparsity=sparsity) if sparsity else kw
+        c = comp(name, **params)
+        payload, ctx = c.compress(x, "w")
+        if c.read_header(payload)[0].nonfinite:
+            continue  # the sender flagged the input as non-finite: all NaN is documented
+        try:
+            out = c.decode(payload, expect=ctx)
+        except DecodeOverflowError as err:
+            assert isinstance(err, PayloadError) and isinstance(err, OverflowError)
+            assert err.field == "overflow" and "'w'" in str(err)
+            continue
+        except PayloadError as err:  # gspar's x / p past float32: a body the decoder refuses
+            assert err.field == "body" and "'w'" in str(err), str(err)
+            continue
+        assert out.dtype == dtype and bool(torch.isfinite(out).all()), out
+
+
+def test_decode_overflow_is_reported_for_3lc_at_high_sparsity():
+    """The case of the issue: fp16 values near 65504, 3LC at s = 1.75."""
+    x = torch.tensor([65504.0, -65000.0, 1.0, 0.5], dtype=torch.float16)
+    c = comp("3lc", sparsity=1.75)
+    payload, ctx = c.compress(x, "w")
+    with pytest.raises(OverflowError, match="float16 holds at most 65504"):
+        c.decode(payload, expect=ctx)
+    with pytest.raises(hvdcompress.PayloadError, match="tensor 'w'") as err:
+        c.decode(payload, name="w")
+    assert err.value.field == "overflow"
+    acc = torch.zeros(4)  # the gather path's float32 accumulator holds the values
+    c.decode(payload, expect=ctx, out=acc)
+    assert acc[0] == float(torch.tensor(1.75, dtype=torch.float32) * 65504.0)
 
 
 @pytest.mark.parametrize("name,kw", CONFIGS, ids=IDS)

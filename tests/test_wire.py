@@ -8,6 +8,7 @@ import torch
 import hvdcompress
 from hvdcompress import wire
 from hvdcompress.wire import PayloadError
+from tests.fuzz.harness import fix_checksum
 from tests.helpers import comp
 from tests.reference import DESIGN_X
 
@@ -49,6 +50,82 @@ def test_header_claiming_too_many_elements():
     with pytest.raises(hvdcompress.PayloadError) as err:
         c.decode(forged)
     assert err.value.field == "numel"
+
+
+def _forge(c, payload, shape, flags=None, body=None) -> torch.Tensor:
+    """The payload with its header's shape (and numel) replaced, optionally its flags and
+    body, checksum recomputed: a self-consistent forgery."""
+    header, _ = c.read_header(payload)
+    body = payload[header.size :].numpy().tobytes() if body is None else body
+    flags = header.flags if flags is None else flags
+    forged = wire.Header(header.codec, flags, header.dtype, shape, header.params, len(body))
+    return torch.frombuffer(fix_checksum(bytearray(forged.pack() + body)), dtype=torch.uint8)
+
+
+def test_nonfinite_forgery_cannot_allocate_past_the_receivers_bound():
+    """The issue's 48-byte payload: non-finite flag, empty body, 2**28 elements claimed
+    (1 GiB of float32). Every decode refuses it before torch.full sees the shape."""
+    c = comp("3lc")
+    payload, ctx = c.compress(torch.tensor([1.0, float("nan")]), "h")
+    assert c.read_header(payload)[0].nonfinite
+    for numel in (2**28, 2**24 + 1, 2**40, 2**63 - 1):
+        forged = _forge(c, payload, (numel,))
+        assert forged.numel() == 48
+        for kwargs in ({}, {"expect": ctx}, {"out": torch.zeros(2)}, {"max_numel": 2**20}):
+            with pytest.raises(PayloadError) as err:
+                c.decode(forged, **kwargs)
+            assert err.value.field in ("numel", "shape"), (kwargs, str(err.value))
+    ok = _forge(c, payload, (2**10,))
+    assert torch.isnan(c.decode(ok, max_numel=2**10)).all()
+    with pytest.raises(PayloadError, match="more than the 1023"):
+        c.decode(ok, max_numel=2**10 - 1)
+
+
+def test_default_bound_and_its_environment_override(monkeypatch):
+    c = comp("signsgd")
+    payload, _ = c.compress(torch.randn(40), "s")
+    at_default = _forge(c, payload, (wire.DEFAULT_MAX_DECODE_NUMEL,), flags=1, body=b"")
+    over = _forge(c, payload, (wire.DEFAULT_MAX_DECODE_NUMEL + 1,), flags=1, body=b"")
+    with pytest.raises(PayloadError, match="default bound") as err:
+        c.decode(over)
+    assert err.value.field == "numel"
+    assert c.decode(at_default).numel() == wire.DEFAULT_MAX_DECODE_NUMEL
+    monkeypatch.setenv(wire.MAX_DECODE_NUMEL_ENV, "39")
+    with pytest.raises(PayloadError, match="more than the 39"):
+        c.decode(payload)
+    assert c.decode(payload, max_numel=40).shape == (40,)  # an explicit bound wins
+    monkeypatch.setenv(wire.MAX_DECODE_NUMEL_ENV, "40")
+    assert c.decode(payload).shape == (40,)
+    monkeypatch.setenv(wire.MAX_DECODE_NUMEL_ENV, "lots")
+    with pytest.raises(ValueError, match="must be an integer"):
+        c.decode(payload)
+    for bad, exc in ((-1, ValueError), (2**61, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(exc):
+            c.decode(payload, max_numel=bad)
+
+
+def test_shapes_torch_cannot_hold_are_payload_errors():
+    """Empty shapes whose other dimensions multiply past int64 (torch's sizes) fail at
+    the header, not in torch with a RuntimeError or an overflow TypeError."""
+    c = comp("3lc")
+    payload, _ = c.compress(torch.tensor([1.0, float("nan")]), "h")
+    for shape in ((0, 2**63), (2**62, 4, 0), (0, 2**64 - 1), (2**32, 2**32, 0)):
+        with pytest.raises(PayloadError) as err:
+            c.decode(_forge(c, payload, shape))
+        assert err.value.field == "shape"
+    empty = c.decode(_forge(c, payload, (2**31, 0, 2**31)))  # holds: an empty tensor
+    assert empty.shape == (2**31, 0, 2**31) and empty.numel() == 0
+
+
+def test_out_of_another_size_is_a_payload_error_and_stays_untouched():
+    c = comp("topk", ratio=0.5)
+    payload, _ = c.compress(torch.randn(6), "t")
+    out = torch.full((7,), 3.0)
+    with pytest.raises(PayloadError) as err:
+        c.decode(payload, out=out, accumulate=True)
+    assert err.value.field == "numel" and bool((out == 3.0).all())
+    with pytest.raises(ValueError, match="contiguous float32"):  # the caller's mistake
+        c.decode(payload, out=torch.zeros(6, dtype=torch.float64))
 
 
 def test_frame_roundtrip_and_malformed_frame_names_the_rank():

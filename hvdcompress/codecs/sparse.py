@@ -245,8 +245,12 @@ def gspar_scale(mag: torch.Tensor, budget: float) -> tuple[float, int]:
     raise AssertionError("gspar_scale did not converge")  # c grows monotonically: unreachable
 
 
-def gspar_encode(a: torch.Tensor, budget: float, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(body uint8 in top-k's layout, kept indices int64): element i kept iff u_i < p_i."""
+def gspar_encode(
+    a: torch.Tensor, budget: float, key: int, scaled: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(body uint8 in top-k's layout, kept indices int64): element i kept iff u_i < p_i,
+    sent as a_i / p_i (unbiased), or as a_i when not ``scaled`` (the contractive form
+    that error feedback needs: docs/design.md section 4.9)."""
     mag = a.abs()
     c, _ = gspar_scale(mag, budget)
     if math.isinf(c):
@@ -255,7 +259,7 @@ def gspar_encode(a: torch.Tensor, budget: float, key: int) -> tuple[torch.Tensor
         p = torch.clamp(mag * torch.tensor(c, dtype=torch.float32), max=1.0)
     keep = uniform(key, a.numel(), a.device) < p
     idx = torch.nonzero(keep).reshape(-1)
-    values = a[idx] / p[idx]
+    values = a[idx] / p[idx] if scaled else a[idx]
     body = torch.cat([values.view(torch.uint8), idx.to(index_dtype(a.numel())).view(torch.uint8)])
     return body, idx
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from hvdcompress import wire
-from hvdcompress.errors import PayloadError
+from hvdcompress.errors import DecodeOverflowError, PayloadError
 from hvdcompress.registry import Param
 
 
@@ -87,6 +87,9 @@ class Compressor:
 
     summable: ClassVar[bool] = False
     error_feedback: bool = False  # an instance attribute where it is a parameter
+    # the gradient dtypes this compressor sends (None: every floating dtype); the
+    # optimizer checks its parameters against it at construction
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
 
     @classmethod
     def bench_configs(cls) -> tuple[dict, ...]:
@@ -115,6 +118,47 @@ class Compressor:
         if state:
             raise ValueError(f"{self.name} keeps no state, got keys {sorted(state)}")
 
+    def check_dtype(self, name: str, dtype: torch.dtype) -> None:
+        """TypeError unless this compressor can send tensor ``name`` of ``dtype``."""
+        ok = self.supported_dtypes
+        if not dtype.is_floating_point or (ok is not None and dtype not in ok):
+            names = ", ".join(str(d).replace("torch.", "") for d in ok) if ok else "float*"
+            raise TypeError(
+                f"{self.name}: tensor {name!r} has dtype {str(dtype).replace('torch.', '')}; "
+                f"supported: {names}"
+            )
+
+    # ---- error feedback (docs/design.md, "Error feedback and low precision") -------------
+    def contraction(self, numel: int) -> float | None:
+        """With error feedback: a lower bound delta in (0, 1] on the contraction of what
+        the residual sees, E||a - decode(encode(a))||^2 <= (1 - delta) ||a||^2 for a tensor
+        of ``numel`` elements (Stich et al. 2018; Karimireddy et al. 2019). None: none
+        declared (or no error feedback)."""
+        return None
+
+    def residual_bound(self, numel: int) -> float | None:
+        """K with ||e_t|| <= K max_s ||g_s|| for every step t (in expectation for random
+        compressors): 2 sqrt(1 - delta) / delta for a delta-contraction (the residual's
+        fixed point under ||e'|| <= sqrt(1 - delta) (||e|| + G))."""
+        delta = self.contraction(numel)
+        if delta is None:
+            return None
+        return 2.0 * math.sqrt(max(0.0, 1.0 - delta)) / delta
+
+    def absorb(self, name: str, delta: torch.Tensor) -> bool:
+        """Add ``delta`` (what this rank's share of the applied gradient of ``name`` missed,
+        e.g. the rounding of the write into a float16 ``p.grad``) to the error-feedback
+        residual of ``name``, so that it is sent with the next gradient. False when there
+        is no such residual (no error feedback, or nothing compressed yet)."""
+        memory = getattr(self, "memory", None)
+        if not self.error_feedback or memory is None:
+            return False
+        e = memory.residuals.get(name)
+        if e is None or e.numel() != delta.numel():
+            return False
+        e.add_(delta.reshape(-1).to(device=e.device, dtype=torch.float32))
+        return True
+
     # ---- both kinds ----------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
         raise NotImplementedError
@@ -136,6 +180,11 @@ class SummableCompressor(Compressor):
         """Phase ``phase``'s dense payload from the sum of the previous phase's."""
         raise NotImplementedError(f"{self.name} has {self.phases} phase(s)")
 
+    def decompress_exact(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """``decompress`` without its final cast into a lower-precision gradient dtype
+        (the optimizer path: it averages, casts once and feeds the rounding back)."""
+        return self.decompress(payload, ctx)
+
     def decode(self, payload, **kwargs):
         raise TypeError(f"{self.name} payloads are summed by an allreduce, not decoded alone")
 
@@ -148,6 +197,7 @@ class GatherCompressor(Compressor):
 
     summable: ClassVar[bool] = False
     uses_side_info: ClassVar[bool] = False  # decode_into gets side_info (NDQSG)
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = tuple(wire.DTYPE_IDS)
 
     # ---- to implement ----------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str) -> Encoded:
@@ -176,11 +226,7 @@ class GatherCompressor(Compressor):
 
     # ---- send ------------------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
-        if tensor.dtype not in wire.DTYPE_IDS:
-            raise TypeError(
-                f"{self.name}: tensor {name!r} has dtype {tensor.dtype}; "
-                "supported: float32, float16, bfloat16"
-            )
+        self.check_dtype(name, tensor.dtype)
         ctx = Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device)
         flags, params, body = self.encode(tensor, name)
         header = wire.Header(self.name, flags, tensor.dtype, ctx.shape, params, body.numel())
@@ -210,6 +256,7 @@ class GatherCompressor(Compressor):
         out: torch.Tensor | None = None,
         accumulate: bool = False,
         side_info: torch.Tensor | None = None,
+        max_numel: int | None = None,
     ) -> torch.Tensor:
         """Decode any rank's payload into a new tensor of the header's shape and dtype.
 
@@ -218,6 +265,15 @@ class GatherCompressor(Compressor):
         is how the gather path sums the payloads of all ranks in rank order. ``side_info``
         only for compressors that decode with it (NDQSG). Raises PayloadError naming the
         field, and ``rank`` / ``name`` when given; ``out`` is untouched when it raises.
+
+        What a payload may make this call allocate is bounded by the receiver, never by
+        the payload: a header claiming more elements than ``expect``'s shape, ``out``'s
+        size, or (with neither) ``max_numel`` (default ``wire.DEFAULT_MAX_DECODE_NUMEL``,
+        2**24, or ``$HVDCOMPRESS_MAX_DECODE_NUMEL``) holds is a PayloadError (field
+        "numel") before anything is allocated. A decode into a new tensor whose values
+        are not finite although the payload's non-finite flag is clear (a float32 value
+        past float16's 65504, say) raises ``DecodeOverflowError`` (a PayloadError and an
+        OverflowError, field "overflow") instead of returning infinities.
         """
         tensor_name = name if name is not None else (expect.name if expect else None)
         try:
@@ -233,6 +289,7 @@ class GatherCompressor(Compressor):
             out=out,
             accumulate=accumulate,
             side_info=side_info,
+            max_numel=max_numel,
         )
 
     def decode_parsed(
@@ -246,16 +303,23 @@ class GatherCompressor(Compressor):
         out: torch.Tensor | None = None,
         accumulate: bool = False,
         side_info: torch.Tensor | None = None,
+        max_numel: int | None = None,
     ) -> torch.Tensor:
         """``decode`` of a payload whose header was parsed already (the gather path parses
         each payload once, ``wire.parse``)."""
         if side_info is not None and not self.uses_side_info:
             raise TypeError(f"{self.name} decodes without side information")
+        if out is not None:
+            _check_out(out)
+        limit, source = _numel_limit(expect, out, max_numel)
         try:
-            self._validate(header, payload, expect, name)
+            self._validate(header, payload, expect, name, limit, source)
             body = payload[header.size :]
             if out is not None:
-                _check_out(out, header.numel)
+                if header.numel != out.numel():
+                    raise PayloadError(
+                        "numel", f"{header.numel} elements for an output of {out.numel()}"
+                    )
                 if header.nonfinite:
                     out.fill_(float("nan"))
                 else:
@@ -267,14 +331,21 @@ class GatherCompressor(Compressor):
                 )
             flat = torch.empty(header.numel, dtype=torch.float32, device=payload.device)
             self.decode_into(header, body, flat, False, side_info)
-            return flat.view(header.shape).to(header.dtype)
+            return _checked_cast(flat.view(header.shape), header.dtype)
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=name) from None
 
     def _validate(
-        self, header: wire.Header, payload: torch.Tensor, expect: Ctx | None, name: str | None
+        self,
+        header: wire.Header,
+        payload: torch.Tensor,
+        expect: Ctx | None,
+        name: str | None,
+        limit: int | None = None,
+        source: str = "",
     ) -> None:
-        """Every header check before any allocation or body access."""
+        """Every header check before any allocation or body access; ``limit``: the most
+        elements the receiver accepts (``_numel_limit``; None: the default bound)."""
         if header.codec != self.name:
             raise PayloadError("codec", f"expected {self.name!r}, got {header.codec!r}")
         if expect is not None:
@@ -282,6 +353,9 @@ class GatherCompressor(Compressor):
                 raise PayloadError("shape", f"expected {tuple(expect.shape)}, got {header.shape}")
             if header.dtype != expect.dtype:
                 raise PayloadError("dtype", f"expected {expect.dtype}, got {header.dtype}")
+        if limit is None:
+            limit, source = wire.decode_limit(), "the default bound"
+        wire.check_numel_bound(header, limit, source)
         self.check_params(header, name)
         if header.nonfinite and header.body_len != 0:
             raise PayloadError(
@@ -294,9 +368,42 @@ class GatherCompressor(Compressor):
         wire.verify_checksum(header, payload)
 
 
-def _check_out(out: torch.Tensor, numel: int) -> None:
-    if out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+def _check_out(out: torch.Tensor) -> None:
+    """The caller's output tensor (a ValueError: the caller's mistake, not the payload's)."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(
-            f"out must be a contiguous float32 tensor of {numel} "
-            f"elements, got {out.dtype} with {out.numel()}"
+            f"out must be a contiguous float32 tensor, got {getattr(out, 'dtype', type(out))}"
         )
+
+
+def _numel_limit(expect: Ctx | None, out: torch.Tensor | None, max_numel: int | None):
+    """(the most elements a payload may make this decode produce, where that comes from):
+    the expected tensor's size, ``out``'s size, an explicit ``max_numel`` (the smallest of
+    those given), else the default bound (``wire.decode_limit``). With ``out`` a payload
+    must describe exactly ``out.numel()`` elements (``decode_parsed`` checks)."""
+    limits = []
+    if expect is not None:
+        limits.append((math.prod(expect.shape), "the expected tensor's shape"))
+    if out is not None:
+        limits.append((out.numel(), "the output tensor's size"))
+    if max_numel is not None:
+        limits.append((wire.decode_limit(max_numel), "max_numel"))
+    if not limits:
+        return wire.decode_limit(), "the default bound; pass expect= or max_numel="
+    return min(limits)
+
+
+def _checked_cast(flat32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The decoded float32 values in the payload's dtype; DecodeOverflowError when a value
+    is not finite (the header's non-finite flag is clear on this path): the float32
+    decode overflowed, or the cast to float16 / bfloat16 did."""
+    cast = flat32.to(dtype)
+    if cast.numel() and not bool(torch.isfinite(cast).all()):
+        finite32 = bool(torch.isfinite(flat32).all())
+        where = f"the cast to {dtype}" if finite32 else "the float32 decode"
+        big = float(flat32[torch.isfinite(flat32)].abs().max()) if finite32 else math.inf
+        raise DecodeOverflowError(
+            f"{where} gives non-finite values (largest |value| {big:g}, {dtype} holds at "
+            f"most {torch.finfo(dtype).max:g}) while the payload's non-finite flag is clear"
+        )
+    return cast

@@ -119,6 +119,15 @@ class DGC(GatherCompressor):
                     "use get_compressor('dgc', momentum=0) to keep the optimizer's momentum"
                 )
 
+    def contraction(self, numel):
+        # top-k of v, density >= ratio at every step (the warm-up only keeps more)
+        return sparse.topk_count(numel, self.ratio) / numel if numel else 1.0
+
+    def residual_bound(self, numel):
+        # what v accumulates is the velocity u, ||u|| <= G / (1 - momentum) (masking only
+        # zeroes entries); local clipping only shrinks g
+        return super().residual_bound(numel) / (1.0 - self.momentum)
+
     def density(self, step: int) -> float:
         """The kept fraction at ``step`` (see module doc)."""
         T = self.warmup_steps
@@ -189,13 +198,28 @@ class DGC(GatherCompressor):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        from hvdcompress.checkpoint import (
+            CheckpointError,
+            check_count_map,
+            check_keys,
+            check_tensor_map,
+        )
+
+        check_keys(
+            "dgc state", state, required=("ratio", "velocity", "residuals"), optional=("steps",)
+        )
         if state.get("ratio") != self.ratio:
-            raise ValueError(
+            raise CheckpointError(
                 f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
             )
-        steps = state.get("steps", {})
-        if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in steps.items()):
-            raise ValueError("steps must map tensor names to non-negative ints")
-        self.velocity.load_state_dict(state["velocity"])
-        self.memory.load_state_dict(state["residuals"])
+        steps = check_count_map("dgc steps", state.get("steps", {}))
+        check_tensor_map("dgc velocity", state["velocity"])  # all checked before loading
+        check_tensor_map("dgc residuals", state["residuals"])
+        velocity, memory = self.velocity.residuals, self.memory.residuals
+        try:
+            self.velocity.load_state_dict(state["velocity"], what="dgc velocity")
+            self.memory.load_state_dict(state["residuals"], what="dgc residuals")
+        except BaseException:
+            self.velocity.residuals, self.memory.residuals = velocity, memory
+            raise
         self.steps = dict(steps)

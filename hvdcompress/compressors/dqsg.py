@@ -80,4 +80,8 @@ class DQSG(Stochastic):
         return self._rng_state()
 
     def load_state_dict(self, state: dict) -> None:
+        from hvdcompress.checkpoint import check_count_map, check_keys
+
+        check_keys(f"{self.name} state", state, required=("seed",), optional=("steps",))
+        check_count_map(f"{self.name} steps", state.get("steps", {}))
         self._load_rng_state(state)

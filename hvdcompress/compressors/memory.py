@@ -34,12 +34,19 @@ class ErrorFeedback:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: e.clone() for name, e in self.residuals.items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor], what: str = "residuals") -> None:
+        """Replace every residual; ``CheckpointError`` (nothing replaced) unless ``state``
+        maps names to finite flat float32 tensors (of the current one's size, if any)."""
+        from hvdcompress.checkpoint import CheckpointError, check_tensor_map
+
+        check_tensor_map(what, state, dim=1)
         loaded = {}
         for name, e in state.items():
-            if not isinstance(e, torch.Tensor) or e.dtype != torch.float32 or e.dim() != 1:
-                raise ValueError(f"residual {name!r} must be a flat float32 tensor")
             current = self.residuals.get(name)
+            if current is not None and current.numel() != e.numel():
+                raise CheckpointError(
+                    f"{what}[{name!r}]: {e.numel()} elements, the tensor has {current.numel()}"
+                )
             device = current.device if current is not None else e.device
             loaded[name] = e.detach().to(device=device, copy=True)
         self.residuals = loaded

@@ -163,6 +163,11 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
 
     def decompress(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         """The sum over ranks (P_hat Q_sum^T) from the allreduced phase-2 payload."""
+        return self.decompress_exact(payload, ctx).to(ctx.dtype)
+
+    def decompress_exact(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """``decompress`` before the cast to the gradient's dtype (float32), so that the
+        optimizer rounds once, after averaging, and can feed that rounding back."""
         pending = self._pending.pop(ctx.name, None)
         if (
             pending is None
@@ -171,15 +176,27 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         ):
             raise RuntimeError(f"powersgd: decompress({ctx.name!r}) before next_phase")
         if len(pending) == 2:
-            return pending[1].view(ctx.shape).to(ctx.dtype)
+            return pending[1].view(ctx.shape)
         m, r, p_hat, q_local = pending
         q_sum = payload.view(m.shape[1], r).to(torch.float32)
         approx = p_hat @ q_sum.t()
         if prim.all_finite(m):
             self.memory.residual(ctx.name, m).copy_((m - p_hat @ q_local.t()).reshape(-1))
         if prim.all_finite(q_sum):
+            # A zero column of Q_sum (a zero gradient, e.g. a parameter unused in a step,
+            # or a column Gram-Schmidt dropped) would stay zero for ever (P = M Q = 0):
+            # it keeps its previous value instead, the same on every rank.
+            old = self.qs.get(ctx.name)
+            if old is not None and old.shape == q_sum.shape:
+                zero = (q_sum == 0).all(dim=0)
+                q_sum = torch.where(zero[None, :], old, q_sum)
             self.qs[ctx.name] = q_sum.clone()
-        return approx.view(ctx.shape).to(ctx.dtype)
+        return approx.view(ctx.shape)
+
+    def contraction(self, numel):
+        # One warm-started power iteration has no contraction bound of its own (Vogels
+        # et al. 2019 argue empirically): None, the residual is still kept bounded.
+        return None
 
     # ---- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -191,15 +208,22 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        from hvdcompress.checkpoint import CheckpointError, check_keys, check_tensor_map
+
+        check_keys(
+            "powersgd state", state, required=("matrix_rank", "seed", "residuals"), optional=("qs",)
+        )
         if (state.get("matrix_rank"), state.get("seed")) != (self.matrix_rank, self.seed):
-            raise ValueError(
+            raise CheckpointError(
                 f"state was saved with matrix_rank {state.get('matrix_rank')} seed "
                 f"{state.get('seed')}, this compressor has {self.matrix_rank} {self.seed}"
             )
-        qs = state.get("qs", {})
+        qs = check_tensor_map("powersgd qs", state.get("qs", {}), dim=2)  # Q: cols x rank
         for k, q in qs.items():
-            if not isinstance(q, torch.Tensor) or q.dtype != torch.float32 or q.dim() != 2:
-                raise ValueError(f"Q of {k!r} must be a 2-D float32 tensor")
-        self.memory.load_state_dict(state["residuals"])
+            if not 1 <= q.shape[1] <= MAX_RANK:
+                raise CheckpointError(
+                    f"powersgd qs[{k!r}]: shape {tuple(q.shape)}, rank not in [1, {MAX_RANK}]"
+                )
+        self.memory.load_state_dict(state["residuals"], what="powersgd residuals")
         self.qs = {k: q.detach().clone() for k, q in qs.items()}
         self._pending = {}

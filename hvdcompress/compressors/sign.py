@@ -67,6 +67,11 @@ class EFSignSGD(GatherCompressor):
     def __repr__(self) -> str:
         return "EFSignSGD()"
 
+    def contraction(self, numel):
+        # ||a - mean|a| sign(a)||^2 = ||a||^2 - ||a||_1^2 / n >= (1 - 1 / n) ||a||^2 at worst
+        # (Karimireddy et al. 2019, the scaled sign compressor)
+        return 1.0 / numel if numel else 1.0
+
     def encode(self, tensor, name):
         g = prim.flat_f32(tensor)
         e = self.memory.residual(name, g)
@@ -98,4 +103,7 @@ class EFSignSGD(GatherCompressor):
         return {"residuals": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.memory.load_state_dict(state["residuals"])
+        from hvdcompress.checkpoint import check_keys
+
+        check_keys(f"{self.name} state", state, required=("residuals",))
+        self.memory.load_state_dict(state["residuals"], what=f"{self.name} residuals")

@@ -5,11 +5,11 @@ TopKSign ("topkq") and GSpar ("gspar") are the compressors CAT tunes besides top
 (docs/design.md section 6: "topk+q" and random sparsification with p_i proportional to |g_i|).
 
 Top-k always uses error feedback: the residual keeps every entry that was not sent
-(e = a with the kept entries zeroed, a = g + e). Random-k's is optional
-(``error_feedback=True``): e = a - decode(payload), which with ``unbiased`` also holds the
--(1/p - 1) a of the kept entries; the usual pairing is error feedback without
-``unbiased``. Non-finite input travels as the flag (decode gives all NaN) and leaves the
-residual untouched.
+(e = a with the kept entries zeroed, a = g + e). Random-k's and gspar's are optional
+(``error_feedback=True``) and then send the kept values unscaled (a contractive
+compressor, so the residual stays bounded; the 1/p-scaled values made it diverge):
+e = a - decode(payload) = a with the kept entries zeroed. Non-finite input travels as
+the flag (decode gives all NaN) and leaves the residual untouched.
 """
 
 from __future__ import annotations
@@ -82,6 +82,10 @@ class TopK(RatioLevels, GatherCompressor):
         e.copy_(a)  # a - decode(body): _select subtracted what it sent
         return 0, params, body
 
+    def contraction(self, numel):
+        # keeping the k largest leaves at most (1 - k / n) of ||a||^2 (Stich et al. 2018)
+        return sparse.topk_count(numel, self.ratio) / numel if numel else 1.0
+
     def _select(self, a, k):
         """The body for the k largest |a|; subtracts what the body decodes to from a."""
         body, idx = sparse.topk_encode(a, k)
@@ -108,11 +112,14 @@ class TopK(RatioLevels, GatherCompressor):
         return {"ratio": self.ratio, "residuals": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        from hvdcompress.checkpoint import CheckpointError, check_keys
+
+        check_keys(f"{self.name} state", state, required=("ratio", "residuals"))
         if state.get("ratio") != self.ratio:
-            raise ValueError(
+            raise CheckpointError(
                 f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
             )
-        self.memory.load_state_dict(state["residuals"])
+        self.memory.load_state_dict(state["residuals"], what=f"{self.name} residuals")
 
 
 @register
@@ -126,6 +133,11 @@ class TopKSign(TopK):
 
     def __repr__(self) -> str:
         return f"TopKSign(ratio={self.ratio})"
+
+    def contraction(self, numel):
+        # ||a_S - m sign(a_S)||^2 = ||a_S||^2 - k m^2 and k m^2 = (sum |a_S|)^2 / k
+        # >= ||a_S||^2 / k >= ||a||^2 / n (the top k hold at least k / n of ||a||^2)
+        return 1.0 / numel if numel else 1.0
 
     def _select(self, a, k):
         body, idx, m = sparse.topk_sign_encode(a, k)
@@ -149,36 +161,64 @@ class SeededSparseState:
         return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **self._rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
+        from hvdcompress.checkpoint import (
+            CheckpointError,
+            check_count_map,
+            check_keys,
+            check_tensor_map,
+        )
+
+        check_keys(f"{self.name} state", state, required=("ratio", "residuals", "seed", "steps"))
         if state.get("ratio") != self.ratio:
-            raise ValueError(
+            raise CheckpointError(
                 f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
             )
+        what = f"{self.name} residuals"
+        check_tensor_map(what, state["residuals"])  # all checked before anything is loaded
+        check_count_map(f"{self.name} steps", state["steps"])
         self._load_rng_state(state)
-        self.memory.load_state_dict(state["residuals"])
+        self.memory.load_state_dict(state["residuals"], what=what)
 
 
 @register
 class RandomK(SeededSparseState, Stochastic):
     """Keep each entry with probability ``ratio`` (indices regenerated from the seed, not
-    sent); ``unbiased`` scales the kept values by 1 / ratio; optional error feedback."""
+    sent); ``unbiased`` scales the kept values by 1 / ratio; optional error feedback.
+
+    ``unbiased`` defaults to ``not error_feedback``: with error feedback the residual
+    must be that of a contractive compressor (the unscaled kept values, delta = p;
+    Stich et al. 2018, Karimireddy et al. 2019), and the 1 / p scaled one is not
+    (E||a - decode||^2 = (1 / p - 1) ||a||^2 grows the residual by that factor each step
+    when p < 1/2), so ``unbiased=True`` with ``error_feedback=True`` is refused."""
 
     name = "randomk"
     wire_id = 5
-    params = {"ratio": RATIO, "unbiased": FLAG, "error_feedback": FLAG, "seed": SEED, "rank": RANK}
+    params = {
+        "ratio": RATIO,
+        "unbiased": Param(kind="bool", optional=True, doc="None: not error_feedback"),
+        "error_feedback": FLAG,
+        "seed": SEED,
+        "rank": RANK,
+    }
     examples = ({"ratio": 0.1}, {"ratio": 0.5, "unbiased": False, "error_feedback": True})
     benchmarks = ({"ratio": 0.01},)
 
     def __init__(
         self,
         ratio: float = 0.01,
-        unbiased: bool = True,
+        unbiased: bool | None = None,
         error_feedback: bool = False,
         seed: int = 0,
         rank: int = 0,
     ) -> None:
         self.ratio = sparse.check_ratio(ratio, "randomk")
-        self.unbiased = bool(unbiased)
-        self.error_feedback = bool(error_feedback)
+        self.error_feedback = bool(FLAG.check("randomk", "error_feedback", error_feedback))
+        self.unbiased = not self.error_feedback if unbiased is None else bool(unbiased)
+        if self.unbiased and self.error_feedback:
+            raise ValueError(
+                "randomk: error_feedback=True needs unbiased=False (or None): the 1/p-scaled "
+                "values are not a contractive compressor and the residual diverges"
+            )
         self.memory = ErrorFeedback()
         self._scale = sparse.randomk_scale(self.ratio, self.unbiased)
         self._init_rng(seed, rank)
@@ -199,10 +239,15 @@ class RandomK(SeededSparseState, Stochastic):
             return wire.FLAG_NONFINITE, params, empty_body(g.device)
         mask = sparse.randomk_mask(key, a.numel(), self.ratio, a.device)
         values = a[mask]
-        if e is not None:
+        if e is not None:  # unscaled (error feedback refuses unbiased): a - decode
             e.copy_(a)
-            e[mask] = a[mask] - values * self._scale if self._scale != 1.0 else 0.0
+            e[mask] = 0.0
         return 0, params, values.view(torch.uint8)
+
+    def contraction(self, numel):
+        if not self.error_feedback:
+            return None
+        return sparse.randomk_threshold(self.ratio) / sparse.RANDOMK_ONE  # p
 
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + RANDOMK_PARAMS.size)
@@ -232,7 +277,8 @@ class RandomK(SeededSparseState, Stochastic):
 class GSpar(RatioLevels, SeededSparseState, Stochastic):
     """Keep entry i with probability p_i = min(1, c |a_i|), sum p_i = ``ratio`` * n in
     expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
-    E[decode] = a. Optional error feedback (e = a - decode). A policy may set ``ratio``
+    E[decode] = a. Optional error feedback: then a_i travels unscaled (contractive, so the
+    residual e = a - decode stays bounded; biased like top-k). A policy may set ``ratio``
     per tensor (``set_level``); the header carries it."""
 
     name = "gspar"
@@ -262,12 +308,21 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
         params = rng + TOPK_PARAMS.pack(ratio)
         if not prim.all_finite(a):
             return wire.FLAG_NONFINITE, params, empty_body(g.device)
-        body, idx = sparse.gspar_encode(a, ratio * a.numel(), key)
+        # With error feedback the kept a_i travel unscaled (a contractive compressor,
+        # delta >= ratio; a_i / p_i is not and made the residual diverge): e = a - decode.
+        body, idx = sparse.gspar_encode(a, ratio * a.numel(), key, scaled=e is None)
         if e is not None:
-            sent = body[: 4 * idx.numel()].view(torch.float32)
             e.copy_(a)
-            e[idx] -= sent
+            e[idx] = 0.0
         return 0, params, body
+
+    def contraction(self, numel):
+        if not self.error_feedback:
+            return None
+        # E||a - C(a)||^2 = sum (1 - p_i) a_i^2 and p_i grows with |a_i|, so by Chebyshev's
+        # sum inequality sum p_i a_i^2 >= (sum p_i / n) ||a||^2 = ratio ||a||^2 (the smallest
+        # level a policy may set is not known here: the default ratio is declared)
+        return min(1.0, self.ratio)
 
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + TOPK_PARAMS.size)

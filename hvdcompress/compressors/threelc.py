@@ -43,6 +43,13 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
     def _check_level(self, value):
         return threelc.check_sparsity(value)
 
+    def contraction(self, numel):
+        # every |a_i - S q_i| <= |a_i|, and the largest M = max|a| leaves (s - 1) M with
+        # S = s M: ||a - decode||^2 <= ||a||^2 - s (2 - s) M^2, M^2 >= ||a||^2 / n. The
+        # largest s a policy may set (below 2) is not known here: the default's is declared.
+        s = self.sparsity
+        return s * (2.0 - s) / numel if numel else 1.0
+
     def encode(self, tensor, name):
         # A contiguous float32 gradient is only read, so this is a view, not a copy.
         g = tensor.detach().reshape(-1).to(torch.float32).contiguous()
@@ -78,9 +85,13 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         return {"sparsity": self.sparsity, "residuals": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        from hvdcompress.checkpoint import CheckpointError, check_keys, check_tensor_map
+
+        check_keys("3lc state", state, required=("sparsity", "residuals"))
         if state.get("sparsity") != self.sparsity:
-            raise ValueError(
+            raise CheckpointError(
                 f"state was saved with sparsity {state.get('sparsity')}, this "
                 f"compressor has {self.sparsity}"
             )
-        self.memory.load_state_dict(state["residuals"])
+        check_tensor_map("3lc residuals", state["residuals"])
+        self.memory.load_state_dict(state["residuals"], what="3lc residuals")

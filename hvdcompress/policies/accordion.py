@@ -151,10 +151,49 @@ class Accordion(Policy):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._prev = state["prev"]
-        self._sums = dict(state["sums"])
-        self._steps = state["steps"]
-        self._lr_at_decision = state["lr"]
-        for name, level in state["current"].items():
+        """Everything is checked before anything changes: ``CheckpointError`` naming the
+        entry for unknown tensor names, non-finite norms or levels the compressor refuses."""
+        from hvdcompress.checkpoint import (
+            CheckpointError,
+            check_dict,
+            check_finite_number,
+            check_keys,
+            check_names,
+        )
+
+        check_keys("accordion state", state, required=("prev", "sums", "steps", "current", "lr"))
+        names = set(self.names)
+        prev = state["prev"]
+        if prev is not None:
+            if not isinstance(prev, (list, tuple)) or len(prev) != len(self.names):
+                raise CheckpointError(
+                    f"accordion state 'prev': expected None or {len(self.names)} norms, "
+                    f"got {prev!r:.80}"
+                )
+            prev = [check_finite_number(f"accordion prev[{i}]", v) for i, v in enumerate(prev)]
+        sums = check_dict("accordion sums", state["sums"])
+        check_names("accordion sums", sums, names)
+        sums = {n: check_finite_number(f"accordion sums[{n!r}]", v) for n, v in sums.items()}
+        steps = state["steps"]
+        if type(steps) is not int or steps < 0:
+            raise CheckpointError(f"accordion steps: expected an int >= 0, got {steps!r}")
+        current = check_dict("accordion current", state["current"])
+        check_names("accordion current", current, names)
+        levels = {}
+        for name, level in current.items():
+            try:
+                levels[name] = self._compressor._check_level(level)
+            except (TypeError, ValueError) as err:
+                raise CheckpointError(f"accordion current[{name!r}]: {err}") from None
+        lr = state["lr"]
+        if lr is not None:
+            if not isinstance(lr, (list, tuple)):
+                raise CheckpointError(f"accordion lr: expected a list, got {lr!r:.80}")
+            lr = [check_finite_number(f"accordion lr[{i}]", v) for i, v in enumerate(lr)]
+        self._prev = prev
+        self._sums = {**dict.fromkeys(self.names, 0.0), **sums}
+        self._steps = steps
+        self._lr_at_decision = lr
+        for name, level in levels.items():
             self.current[name] = level
             self._compressor.set_level(name, level)

@@ -373,15 +373,56 @@ class CAT(Policy):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Everything is checked before anything changes (``CheckpointError`` naming the
+        entry: non-finite costs, budgets that are not positive ints, refused levels)."""
+        from hvdcompress.checkpoint import (
+            CheckpointError,
+            check_dict,
+            check_finite_number,
+            check_keys,
+        )
+
+        check_keys(
+            "CAT state", state, required=("kind", "steps", "budgets", "levels", "numel", "cost")
+        )
         if state.get("kind") != self.kind:
-            raise ValueError(f"state is of CAT({state.get('kind')!r}), this is CAT({self.kind!r})")
-        cost = state["cost"]
+            raise CheckpointError(
+                f"state is of CAT({state.get('kind')!r}), this is CAT({self.kind!r})"
+            )
+        cost = check_keys(
+            "CAT cost", state["cost"], required=("c0", "c1", "observations"),
+            optional=("packet_bits",),
+        )  # fmt: skip
         if ("packet_bits" in cost) != isinstance(self.cost, PacketCost):
-            raise ValueError("state and this CAT have different kinds of cost model")
-        self.cost.c0, self.cost.c1 = cost["c0"], cost["c1"]
-        self.cost.observations = [tuple(o) for o in cost["observations"]]
-        self._steps = int(state["steps"])
-        self._numel = dict(state["numel"])
-        self.budgets = dict(state["budgets"])
-        for name, level in state["levels"].items():
+            raise CheckpointError("state and this CAT have different kinds of cost model")
+        c0 = check_finite_number("CAT cost c0", cost["c0"], low=0.0)
+        c1 = check_finite_number("CAT cost c1", cost["c1"], low=0.0)
+        observations = []
+        for i, o in enumerate(cost["observations"]):
+            if not isinstance(o, (list, tuple)) or len(o) != 2:
+                raise CheckpointError(f"CAT cost observations[{i}]: expected (bits, seconds)")
+            observations.append(
+                tuple(check_finite_number(f"CAT cost observations[{i}]", v) for v in o)
+            )
+        steps = state["steps"]
+        if type(steps) is not int or steps < 0:
+            raise CheckpointError(f"CAT steps: expected an int >= 0, got {steps!r}")
+        maps = {}
+        for key in ("budgets", "numel"):
+            maps[key] = check_dict(f"CAT {key}", state[key])
+            for name, v in maps[key].items():
+                if not isinstance(name, str) or type(v) is not int or v < 0:
+                    raise CheckpointError(f"CAT {key}[{name!r}]: expected an int >= 0, got {v!r}")
+        levels = {}
+        for name, level in check_dict("CAT levels", state["levels"]).items():
+            try:
+                levels[name] = self._compressor._check_level(level)
+            except (TypeError, ValueError) as err:
+                raise CheckpointError(f"CAT levels[{name!r}]: {err}") from None
+        self.cost.c0, self.cost.c1 = c0, c1
+        self.cost.observations = observations
+        self._steps = steps
+        self._numel = dict(maps["numel"])
+        self.budgets = dict(maps["budgets"])
+        for name, level in levels.items():
             self._compressor.set_level(name, level)

@@ -20,6 +20,7 @@ method and its flags give the same policy.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -27,6 +28,7 @@ from typing import Any
 
 import hvdcompress
 from hvdcompress.policies.cat import KINDS, compressor_for
+from hvdcompress.registry import Param
 
 POLICIES = ("accordion", "cat")
 
@@ -42,9 +44,8 @@ def build_policy(policy: str, compression: str, **params):
     on the transport), ``recompute_every`` (200 steps).
     """
     if policy == "accordion":
-        low, high = params.pop("low"), params.pop("high")
-        if compression == "powersgd":
-            low, high = int(low), int(high)
+        low = check_level(compression, params.pop("low"))
+        high = check_level(compression, params.pop("high"))
         return hvdcompress.Accordion(low=low, high=high, **params)
     if policy == "cat":
         cat_kind = params.pop("kind")
@@ -59,15 +60,69 @@ def build_policy(policy: str, compression: str, **params):
     raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
 
 
+def level_param(compression: str) -> tuple[str, Param]:
+    """(the name, the declared range) of ``compression``'s per-tensor level: the
+    parameter a policy sets (3lc ``sparsity``, topk ``ratio``, powersgd ``matrix_rank``);
+    ValueError for a compressor without per-tensor levels."""
+    cls = hvdcompress.compressors.REGISTRY.get(compression)
+    if cls is None:
+        raise ValueError(f"unknown compressor {compression!r}")
+    name = getattr(cls, "level_param", "")
+    if not name:
+        with_levels = sorted(
+            n for n, c in hvdcompress.compressors.REGISTRY.items() if getattr(c, "level_param", "")
+        )
+        with_levels = ", ".join(with_levels)
+        raise ValueError(
+            f"{compression} has no per-tensor level (compressors with one: {with_levels})"
+        )
+    return name, cls.params[name]
+
+
+def _in_range(spec: Param, value) -> bool:
+    if spec.low is not None and (value < spec.low or (spec.low_open and value == spec.low)):
+        return False
+    return spec.high is None or not (value > spec.high or (spec.high_open and value == spec.high))
+
+
+def check_level(compression: str, value):
+    """``value`` as a level of ``compression`` (an int for an int parameter), checked
+    against the registry's declared range; ValueError naming the range otherwise."""
+    name, spec = level_param(compression)
+    bad = ValueError(f"{compression} {name} must be {spec.describe()}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad
+    if spec.kind == "int":
+        if int(value) != value:
+            raise bad
+        value = int(value)
+    else:
+        value = float(value)
+    if not _in_range(spec, value):
+        raise bad
+    return value
+
+
 def parse_cost(text: str):
     """A CAT cost model from ``C0,C1`` (AffineCost: seconds, seconds per bit) or
-    ``C0,C1,PACKET_BITS`` (PacketCost: seconds per packet of PACKET_BITS bits)."""
-    parts = [float(v) for v in text.split(",")]
-    if len(parts) == 2:
-        return hvdcompress.AffineCost(*parts)
-    if len(parts) == 3:
-        return hvdcompress.PacketCost(parts[0], parts[1], int(parts[2]))
-    raise ValueError(f"a cost model is C0,C1[,PACKET_BITS], got {text!r}")
+    ``C0,C1,PACKET_BITS`` (PacketCost: seconds per packet of PACKET_BITS bits). C0 and C1
+    are finite and >= 0, PACKET_BITS an int >= 1; ValueError saying so otherwise."""
+    usage = "a cost model is C0,C1[,PACKET_BITS] (finite C0, C1 >= 0; int PACKET_BITS >= 1)"
+    items = text.split(",")
+    if len(items) not in (2, 3):
+        raise ValueError(f"{usage}, got {text!r}")
+    try:
+        c0, c1 = (float(v) for v in items[:2])
+        packet = int(items[2]) if len(items) == 3 else None
+    except ValueError:
+        raise ValueError(f"{usage}, got {text!r}") from None
+    if not all(math.isfinite(c) and c >= 0 for c in (c0, c1)) or (
+        packet is not None and packet < 1
+    ):
+        raise ValueError(f"{usage}, got {text!r}")
+    if packet is None:
+        return hvdcompress.AffineCost(c0, c1)
+    return hvdcompress.PacketCost(c0, c1, packet)
 
 
 # ---- the table -----------------------------------------------------------------------------

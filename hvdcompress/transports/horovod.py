@@ -1,8 +1,24 @@
-"""Collectives through horovod.torch: see hvdcompress.transports."""
+"""Collectives through horovod.torch: see hvdcompress.transports.
+
+Faults are Horovod's: an exception or a dead rank shuts Horovod down ("Horovod has been
+shut down" on the others) and the launcher ends the job; Horovod's stall inspector warns
+about (and, with ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, shuts down on) ranks that do
+not submit a collective. Horovod 0.28.1 under Gloo prints no stall warning and never shuts
+down (measured, tests/faults): there a watchdog thread (``_GlooStallWatch``) checks this
+rank's own pending collectives with the same variables. It warns about a collective
+pending longer than the check time (it cannot name the missing ranks) and, after the
+shutdown time, ends this rank with ``os._exit(1)`` (as ``MPI_Abort`` on the mpi4py
+backend; ``hvd.shutdown()`` from that thread left the process hanging at exit), so that
+the launcher ends the others.
+"""
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
+import time
+import weakref
 
 import torch
 
@@ -26,6 +42,18 @@ class HorovodTransport(Transport):
         self.size = hvd.size()
         self.local_size = hvd.local_size()
         self._count = 0
+        self._pending: dict[str, tuple[object, float]] = {}  # name -> (handle, started)
+        self._watch = None
+        if hvd.gloo_enabled() and self.size > 1:
+            from hvdcompress.transports.mpi import stall_settings
+
+            check, shutdown = stall_settings()
+            if check is not None:
+                self._watch = _GlooStallWatch(self, check, shutdown)
+
+    def _track(self, name: str, handle) -> None:
+        if self._watch is not None:
+            self._pending[name] = (handle, time.monotonic())
 
     def _name(self, kind: str) -> str:
         # Horovod matches collectives across ranks by name: a per-transport counter is the
@@ -40,7 +68,9 @@ class HorovodTransport(Transport):
         framed = torch.cat([prefix.to(local.device), local])
         if framed.is_cuda and not hvd.gpu_available("torch"):
             framed = framed.cpu()
-        handle = hvd.allgather_async(framed, name=self._name("allgatherv"))
+        name = self._name("allgatherv")
+        handle = hvd.allgather_async(framed, name=name)
+        self._track(name, handle)
         size = self.size
 
         def finish():
@@ -55,7 +85,9 @@ class HorovodTransport(Transport):
         if src.dtype == torch.bfloat16 and not src.is_cuda:
             # Horovod 0.28.1 has no bfloat16 CPU allreduce: gather the bits, sum in rank
             # order in float32 rounding each add to bfloat16 (same on every rank).
-            handle = hvd.allgather_async(src.view(torch.int16), name=self._name("bf16sum"))
+            name = self._name("bf16sum")
+            handle = hvd.allgather_async(src.view(torch.int16), name=name)
+            self._track(name, handle)
             n, size = src.numel(), self.size
 
             def finish():
@@ -66,7 +98,9 @@ class HorovodTransport(Transport):
                 return total.to(dense.device)
 
             return _DoneHandle(finish)
-        handle = hvd.allreduce_async(src, name=self._name("allreduce"), op=hvd.Sum)
+        name = self._name("allreduce")
+        handle = hvd.allreduce_async(src, name=name, op=hvd.Sum)
+        self._track(name, handle)
         return _DoneHandle(lambda: hvd.synchronize(handle).to(dense.device))
 
     def allgather_object(self, obj) -> list:
@@ -106,3 +140,57 @@ def _strip_length_prefixes(gathered: torch.Tensor, size: int) -> tuple[torch.Ten
     if offset != raw.size:
         raise RuntimeError(f"allgather: {raw.size - offset} unexpected trailing bytes")
     return torch.cat(parts) if parts else gathered[:0], sizes
+
+
+class _GlooStallWatch:
+    """Horovod's stall check for this rank's own collectives, under Gloo (module doc)."""
+
+    POLL_S = 0.5
+
+    def __init__(self, transport: HorovodTransport, check_s: float, shutdown_s: float) -> None:
+        self.t = weakref.proxy(transport)
+        self.check_s, self.shutdown_s = check_s, shutdown_s
+        self._warned: dict[str, float] = {}
+        thread = threading.Thread(target=self._run, name="hvdcompress-stall", daemon=True)
+        thread.start()
+
+    def _run(self) -> None:
+        from hvdcompress.transports.mpi import _say
+
+        while True:
+            time.sleep(self.POLL_S)
+            try:
+                t, hvd, now = self.t, self.t.hvd, time.monotonic()
+                stalled = []
+                for name, (handle, since) in list(t._pending.items()):
+                    try:
+                        done = hvd.poll(handle)
+                    except Exception:  # noqa: BLE001 - synchronized already: handle gone
+                        done = True
+                    if done:
+                        t._pending.pop(name, None)
+                        self._warned.pop(name, None)
+                    elif now - since > self.check_s:
+                        stalled.append((now - since, name))
+                if not stalled:
+                    continue
+                waited, name = max(stalled)
+                if self.shutdown_s > 0 and waited > self.shutdown_s:
+                    _say(
+                        f"stall check: collective {name} has waited {waited:.1f} s, longer than "
+                        f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.shutdown_s:g}: shutting "
+                        "down (this rank exits with status 1, the launcher ends the others)",
+                        t.rank,
+                    )
+                    os._exit(1)  # hvd.shutdown() from here leaves this process hanging
+                if now >= self._warned.get(name, 0.0):
+                    self._warned[name] = now + self.check_s
+                    _say(
+                        f"stall check: collective {name} has waited {waited:.1f} s "
+                        f"(HOROVOD_STALL_CHECK_TIME_SECONDS={self.check_s:g}; {len(stalled)} "
+                        "pending): some rank has not submitted it (under Gloo Horovod does "
+                        "not say which); a rank that never does deadlocks the job",
+                        t.rank,
+                    )
+            except ReferenceError:
+                return

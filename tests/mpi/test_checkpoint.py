@@ -57,3 +57,30 @@ def test_checkpoint_of_another_rank_is_refused(comm):
     other = states[(comm.rank + 1) % comm.size]
     with pytest.raises(ValueError, match="saved by rank"):
         opt.load_state_dict(other)
+
+
+def test_resume_through_checkpoint_files_equals_uninterrupted(comm, tmp_path_factory):
+    """The same as above through hvdcompress.checkpoint files (verified, weights_only):
+    each rank saves and loads its own file; a corrupt file on one rank is refused there."""
+    from hvdcompress.checkpoint import CheckpointError, load_checkpoint, save_rank_checkpoint
+
+    directory = comm.bcast(str(tmp_path_factory.mktemp("ck")) if comm.rank == 0 else None)
+    full, _ = resume_run(comm.rank, lambda: "3lc", None, 8)
+    model = make_model()
+    opt = wrap(model, "3lc")
+    train(model, opt, comm.rank, 3)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3}
+    path = save_rank_checkpoint(directory, comm.rank, 3, state, keep=1)
+    comm.Barrier()
+    model = make_model(seed=9)
+    opt = wrap(model, "3lc")
+    saved = load_checkpoint(path)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    train(model, opt, comm.rank, 5, start=saved["step"])
+    assert digest(full.parameters()) == digest(model.parameters())
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"rank{comm.rank}.step000000003.ckpt.*digest"):
+        load_checkpoint(path)
