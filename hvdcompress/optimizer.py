@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -91,6 +92,18 @@ def _check_dtypes(compressor: Compressor, buckets: list[Bucket]) -> None:
                     ) from None
 
 
+@dataclass(frozen=True)
+class HorovodOptions:
+    """The keywords of ``hvd.DistributedOptimizer`` (Horovod 0.28.1) beyond those every
+    hvdcompress optimizer has, with Horovod's defaults and meaning."""
+
+    gradient_predivide_factor: float = 1.0
+    num_groups: int = 0
+    groups: object = None
+    sparse_as_dense: bool = False
+    process_set: object = None
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the wrapped optimizer's class (see module doc)."""
 
@@ -105,8 +118,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         fusion_threshold: int,
         policy: Policy | None = None,
         compress_min_numel: int = 0,
+        *,
+        horovod_options: HorovodOptions | None = None,
+        exchange: str = "auto",
     ):
         super(self.__class__, self).__init__(params)
+        # Horovod's own keywords (gradient_predivide_factor, num_groups, groups,
+        # sparse_as_dense, process_set): see HorovodOptions.
+        self._horovod_options = horovod_options or HorovodOptions()
+        # Which exchange gather-only buckets use: "auto", "allgather" or "twostage".
+        self._exchange_mode = exchange
         self._compressor = compressor
         self._uncompressed = get_compressor("none")  # buckets below compress_min_numel
         self._min_numel = _check_int("compress_min_numel", compress_min_numel, 0)
@@ -336,10 +357,17 @@ def DistributedOptimizer(
     compression="none",
     backward_passes_per_step: int = 1,
     op=Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    sparse_as_dense: bool = False,
+    process_set=None,
+    *,
     backend: str | Transport = "horovod",
     fusion_threshold: int | None = None,
     policy=None,
     compress_min_numel: int = 0,
+    exchange: str = "auto",
 ):
     """Wrap ``optimizer`` so gradients are compressed, exchanged and averaged across ranks.
 
@@ -391,4 +419,12 @@ def DistributedOptimizer(
         fusion_threshold,
         policy,
         compress_min_numel,
+        horovod_options=HorovodOptions(
+            gradient_predivide_factor=gradient_predivide_factor,
+            num_groups=num_groups,
+            groups=groups,
+            sparse_as_dense=sparse_as_dense,
+            process_set=process_set,
+        ),
+        exchange=exchange,
     )
