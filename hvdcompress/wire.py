@@ -56,7 +56,23 @@ FIXED_HEADER = struct.Struct("<4sBBBBBBHIQQ")  # 32 bytes, fields as in the tabl
 MAX_NDIM = 8
 MAX_PARAMS = 256
 MAX_HEADER = 32 + 8 * MAX_NDIM + MAX_PARAMS  # read this many bytes to parse any header
-CHECKSUM_OFFSET = 12
+# The fixed header's fields: name -> (offset, size), as in the table above ("shape" is
+# its first dimension; dimension i is at 32 + 8 * i).
+HEADER_FIELDS = {
+    "magic": (0, 4),
+    "version": (4, 1),
+    "codec": (5, 1),
+    "flags": (6, 1),
+    "dtype": (7, 1),
+    "ndim": (8, 1),
+    "reserved": (9, 1),
+    "params_len": (10, 2),
+    "checksum": (12, 4),
+    "numel": (16, 8),
+    "body_len": (24, 8),
+    "shape": (32, 8),
+}
+CHECKSUM_OFFSET = HEADER_FIELDS["checksum"][0]
 MAX_SHAPE_PRODUCT = 2**63 - 1  # the product of a shape's non-zero dims (torch's int64)
 
 # The most elements the public ``decode`` allocates for a payload when the caller gives

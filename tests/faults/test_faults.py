@@ -157,28 +157,24 @@ def _dead_rank_named(backend: str, out: str, code: str) -> None:
         ]
 
 
-@pytest.mark.parametrize(("backend", "np_"), _cases("exit"))
-def test_rank_exits_mid_backward(backend, np_):
+# A rank that dies: the fault, the backends it runs on, and how the launcher names the
+# dead rank (its exit code; 137 = killed by SIGKILL).
+DEATHS = {
+    "exit": (BACKENDS, "3"),  # os._exit(3) mid-backward
+    "kill": (BACKENDS, "137"),  # SIGKILL mid-backward
+    "between": (["mpi4py", "hvd-gloo"], "137"),  # SIGKILL between two steps
+}
+
+
+@pytest.mark.parametrize(
+    ("fault", "backend", "np_"),
+    [(fault, *case) for fault, (backends, _) in DEATHS.items() for case in _cases(fault, backends)],
+)
+def test_a_dead_rank_ends_the_job_and_is_named(fault, backend, np_):
     _needs(backend)
-    rc, out, t = launch(backend, np_, "exit")
+    rc, out, t = launch(backend, np_, fault)
     _failed(rc, out, t)
-    _dead_rank_named(backend, out, "3")
-
-
-@pytest.mark.parametrize(("backend", "np_"), _cases("kill"))
-def test_rank_killed_mid_backward(backend, np_):
-    _needs(backend)
-    rc, out, t = launch(backend, np_, "kill")
-    _failed(rc, out, t)
-    _dead_rank_named(backend, out, "137")
-
-
-@pytest.mark.parametrize(("backend", "np_"), _cases("between", ["mpi4py", "hvd-gloo"]))
-def test_rank_killed_between_steps(backend, np_):
-    _needs(backend)
-    rc, out, t = launch(backend, np_, "between")
-    _failed(rc, out, t)
-    _dead_rank_named(backend, out, "137")
+    _dead_rank_named(backend, out, DEATHS[fault][1])
 
 
 @pytest.mark.parametrize(("backend", "np_"), _cases("sysexit", ["mpi4py", "hvd-gloo"]))

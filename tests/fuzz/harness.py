@@ -40,18 +40,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import hvdcompress
 from hvdcompress import registry, wire
 
-# Header fields a mutation may overwrite: (offset, size) in the fixed header
-# (hvdcompress.wire; "shape" is dimension ``index % ndim`` at 32 + 8 * index).
+# Header fields a mutation may overwrite: (offset, size) in the fixed header (all but
+# the magic, the reserved byte and the checksum, which the harness recomputes).
 FIELDS = {
-    "version": (4, 1),
-    "codec": (5, 1),
-    "flags": (6, 1),
-    "dtype": (7, 1),
-    "ndim": (8, 1),
-    "params_len": (10, 2),
-    "numel": (16, 8),
-    "body_len": (24, 8),
-    "shape": (32, 8),
+    name: where
+    for name, where in wire.HEADER_FIELDS.items()
+    if name not in ("magic", "reserved", "checksum")
 }
 # Values at the edges of every size computation: counts past 2**24 (the default bound),
 # 2**31 (int32 indices), 2**32, 2**63 (torch's int64), and the all-ones words.
