@@ -9,8 +9,9 @@ from hvdcompress import checkpoint, wire
 from hvdcompress.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hvdcompress.compat import Compression
 from hvdcompress.compressors import Compressor, Ctx, available, get_compressor
+from hvdcompress.ddp import DDPHookState, ddp_hook, hooked_optimizer
 from hvdcompress.errors import PayloadError
-from hvdcompress.optimizer import Average, DistributedOptimizer, RankAgreementError, Sum
+from hvdcompress.optimizer import Adasum, Average, DistributedOptimizer, RankAgreementError, Sum
 from hvdcompress.policies import CAT, Accordion, AffineCost, PacketCost, calibrate
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CAT",
     "Accordion",
+    "Adasum",
     "AffineCost",
     "PacketCost",
     "calibrate",
@@ -25,6 +27,7 @@ __all__ = [
     "CheckpointError",
     "Compression",
     "Compressor",
+    "DDPHookState",
     "Ctx",
     "DistributedOptimizer",
     "PayloadError",
@@ -32,7 +35,9 @@ __all__ = [
     "Sum",
     "available",
     "checkpoint",
+    "ddp_hook",
     "get_compressor",
+    "hooked_optimizer",
     "load_checkpoint",
     "save_checkpoint",
     "wire",

@@ -12,6 +12,10 @@ pair, C for the CPU backend and CUDA for the GPU backend, byte for byte the same
     kernels/threelc.c     + kernels/threelc.cu      the 3LC codec and the payload checksum
     kernels/primitives.c  + kernels/primitives.cu   counter-based uniforms, bit packing /
                                                     unpacking, order-fixed chunk sums
+    kernels/sign.c        + kernels/sign.cu         signSGD and EF-signSGD, single pass
+    kernels/quant.c       + kernels/quant.cu        QSGD, TernGrad, DQSG's quantiser
+    kernels/sparse.c                                top-k selection (radix select; the
+                                                    CUDA backend uses torch.topk)
     kernels/cuda_host.h                             g++ shim: the .cu files on the host
 
 ``setup.py`` builds the ``.c`` files into ``hvdcompress._codec_cpu`` and copies the whole
@@ -45,7 +49,8 @@ NVRTC_OPTIONS = (
 )
 
 SOURCE_DIR = "kernels"  # in the repo, relative to its root; in the package, "kernels" too
-C_SOURCES = ("threelc.c", "primitives.c")  # the CPU library, in SOURCE_DIR
+# the CPU library, in SOURCE_DIR
+C_SOURCES = ("threelc.c", "primitives.c", "sign.c", "quant.c", "sparse.c")
 CPU_LIBRARY = "_codec_cpu"  # its extension module: hvdcompress._codec_cpu
 
 PACKAGE_DIR = Path(__file__).resolve().parent

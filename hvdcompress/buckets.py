@@ -35,8 +35,13 @@ def named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parame
     """The (name, parameter) pairs of ``optimizer``'s trainable parameters, checked
     against ``named_parameters`` (unique names, every optimizer parameter named)."""
     all_params = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        return [(f"param.{i}", p) for i, p in enumerate(all_params) if p.requires_grad]
+    if named_parameters is None:  # Horovod's names: parameter j of param group i
+        return [
+            (f"allreduce.noname.{i}.{j}", p)
+            for i, group in enumerate(optimizer.param_groups)
+            for j, p in enumerate(group["params"])
+            if p.requires_grad
+        ]
     if isinstance(named_parameters, (str, bytes, dict, torch.Tensor)):
         raise ValueError(
             "named_parameters must be an iterable of (name, parameter) pairs, e.g. "
@@ -101,9 +106,18 @@ def resolve_fusion_threshold(value: int | None) -> int:
     return value
 
 
-def make_buckets(named, threshold: int, min_numel: int = 0) -> list[Bucket]:
+def make_buckets(
+    named, threshold: int, min_numel: int = 0, groups: list[list[str]] | None = None
+) -> list[Bucket]:
     """Buckets from reversed parameter order, split at ``threshold`` bytes or a dtype change;
-    tensors of fewer than ``min_numel`` elements go in buckets of their own, uncompressed."""
+    tensors of fewer than ``min_numel`` elements go in buckets of their own, uncompressed.
+
+    ``groups`` (names; Horovod's ``groups=``, see ``resolve_groups``): each group is one
+    bucket (split only where dtype, device or compression differ), whatever its size;
+    groups start in the order their last parameter's gradient becomes ready (the one
+    latest in parameter order first)."""
+    if groups is not None:
+        return _group_buckets(named, min_numel, groups)
     buckets: list[Bucket] = []
     open_by_kind: dict[tuple, Bucket] = {}
     for name, p in reversed(named):
@@ -119,6 +133,69 @@ def make_buckets(named, threshold: int, min_numel: int = 0) -> list[Bucket]:
         b.names.append(name)
         b.nbytes += nbytes
     return buckets
+
+
+def _group_buckets(named, min_numel: int, groups: list[list[str]]) -> list[Bucket]:
+    position = {n: i for i, (n, _) in enumerate(named)}
+    param = dict(named)
+    buckets: list[Bucket] = []
+    for group in sorted(groups, key=lambda g: -max(position[n] for n in g)):
+        by_kind: dict[tuple, Bucket] = {}
+        for name in sorted(group, key=lambda n: -position[n]):
+            p = param[name]
+            compressed = p.numel() >= min_numel
+            kind = (p.dtype, p.device, compressed)
+            if kind not in by_kind:
+                by_kind[kind] = Bucket(len(buckets), [], [], compressed=compressed)
+                buckets.append(by_kind[kind])
+            b = by_kind[kind]
+            b.params.append(p)
+            b.names.append(name)
+            b.nbytes += p.numel() * p.element_size()
+    return buckets
+
+
+def resolve_groups(groups, named) -> list[list[str]] | None:
+    """Horovod's ``groups=`` as lists of parameter names (None: no explicit groups).
+
+    An int n > 0: the trainable parameters in parameter order, split into n contiguous,
+    nearly equal groups (the first ``len % n`` one longer, as Horovod splits them). A list
+    of lists of tensors: each inner list one group (tensors the optimizer does not train
+    are left out, as in Horovod), every other parameter a group of its own. Invalid
+    values get Horovod's ValueError texts."""
+    if groups is None:
+        return None
+    if isinstance(groups, bool) or not (
+        isinstance(groups, list) or (isinstance(groups, int) and groups > 0)
+    ):
+        raise ValueError(
+            "groups should be a non-negative integer or a list of list of torch.Tensor."
+        )
+    names = [n for n, _ in named]
+    if isinstance(groups, int):
+        count = min(groups, len(names))
+        size, extra = divmod(len(names), count) if count else (0, 0)
+        bounds = [i * size + min(i, extra) for i in range(count + 1)]
+        return [names[bounds[i] : bounds[i + 1]] for i in range(count)]
+    name_of = {id(p): n for n, p in named}
+    seen: set[int] = set()
+    out: list[list[str]] = []
+    for group in groups:
+        if not isinstance(group, (list, tuple)):
+            raise ValueError("groups must consist of torch.Tensor.")
+        chosen = []
+        for p in group:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError("groups must consist of torch.Tensor.")
+            if id(p) in seen:
+                raise ValueError("A parameter can only appear once in groups.")
+            seen.add(id(p))
+            if id(p) in name_of:
+                chosen.append(name_of[id(p)])
+        if chosen:
+            out.append(chosen)
+    out += [[n] for n, p in named if id(p) not in seen]
+    return out
 
 
 def describe(settings: list[str], named, buckets: list[Bucket]) -> list[str]:

@@ -382,7 +382,15 @@ def check_optimizer_state(ours, *, rank: int, size: int, compressor: str, shapes
         "optimizer state 'hvdcompress'", ours,
         required=("rank", "size", "compressor", "compressor_state"), optional=("policy",),
     )  # fmt: skip
-    if (ours["rank"], ours["size"]) != (rank, size):
+    if ours["size"] != size:
+        raise CheckpointError(
+            f"this optimizer state was saved by rank {ours['rank']} of {ours['size']}, "
+            f"loading on rank {rank} of {size}: a different world size ({ours['size']} "
+            f"ranks saved, {size} load); error-feedback residuals are per rank and the "
+            "two-stage exchange's are sharded over the ranks (no re-sharding): resume with "
+            f"{ours['size']} ranks, or leave out state_dict()['hvdcompress']"
+        )
+    if ours["rank"] != rank:
         raise CheckpointError(
             f"this optimizer state was saved by rank {ours['rank']} of {ours['size']}, "
             f"loading on rank {rank} of {size}: error-feedback residuals are per "

@@ -14,11 +14,24 @@ collective, overlapping the rest of backward. ``synchronize()`` (called by ``ste
 starts what is left and finishes every bucket in order, draining every collective even
 after an error so that no rank leaves one pending.
 
+Horovod parity (docs/design.md, "Horovod parity and the DDP hook"): every keyword of
+``hvd.DistributedOptimizer`` 0.28.1 means what it means there: ``gradient_predivide_factor``
+scales by 1/f before the exchange and f/size after; ``groups`` / ``num_groups`` make the
+buckets; sparse gradients take an uncompressed sparse path (``sparse_grads``) unless
+``sparse_as_dense``; ``process_set`` restricts every collective to the set (ranks outside
+it step on their local gradients); ``op=hvd.Adasum`` returns Horovod's own Adasum optimizer
+for a compression it has (none, fp16) and is refused for the others. Horovod's
+attributes (``op``, ``process_set``, ``_parameter_names``, ...), warnings and errors are
+the same, and ``hvd.broadcast_optimizer_state`` initialises state with the inner
+optimizer's ``step()`` as it does for Horovod's own optimizer (``__module__`` below).
+
 Invariants: after ``synchronize()`` every rank holds bit-identical gradients on the gather
 path; ranks that disagree on what they communicate get ``RankAgreementError`` at
 construction, on every rank; a payload that fails to decode raises ``PayloadError``
 naming the sending rank and tensor, on every rank. Compressor state is per rank:
-``state_dict()`` carries it under ``"hvdcompress"``, and each rank saves its own.
+``state_dict()`` carries it under ``"hvdcompress"``, and each rank saves its own; a state
+saved by another rank (Horovod's rank-0 checkpoint recipe) loads with that rank's
+error-feedback residuals left out and a warning (``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -38,31 +51,59 @@ from hvdcompress.buckets import (
     make_buckets,
     named_params,
     resolve_fusion_threshold,
+    resolve_groups,
 )
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
-from hvdcompress.exchange import exchange_for
+from hvdcompress.exchange import GatheredExchange, SummedExchange, choose_exchanges
 from hvdcompress.policies import Policy
+from hvdcompress.sparse_grads import finish_sparse, start_sparse
 from hvdcompress.stats import StepStats
 from hvdcompress.transports import Transport, make_transport
 
 Average = "average"
 Sum = "sum"
+Adasum = "adasum"
 STATE_KEY = "hvdcompress"
+PER_RANK_STATE = ("residuals", "velocity")  # compressor state that belongs to one rank
 
-__all__ = ["Average", "Sum", "DistributedOptimizer", "RankAgreementError", "StepStats"]
+__all__ = ["Adasum", "Average", "Sum", "DistributedOptimizer", "RankAgreementError", "StepStats"]
 
 
 def _normalize_op(op) -> str:
-    if isinstance(op, str) and op in (Average, Sum):
+    if isinstance(op, str) and op in (Average, Sum, Adasum):
         return op
     # Horovod's ReduceOp values (horovod/common/basics.py): Average 0, Sum 1, Adasum 2.
-    if isinstance(op, int) and not isinstance(op, bool) and op in (0, 1):
-        return (Average, Sum)[op]
+    if isinstance(op, int) and not isinstance(op, bool) and op in (0, 1, 2):
+        return (Average, Sum, Adasum)[op]
     raise ValueError(
-        "op must be hvdcompress.Average, hvdcompress.Sum, hvd.Average (0) or hvd.Sum (1), "
-        f"got {op!r}"
+        "op must be hvdcompress.Average, hvdcompress.Sum, hvd.Average (0), hvd.Sum (1) or "
+        f"hvd.Adasum (2), got {op!r}"
     )
+
+
+class BackwardPassesError(AssertionError, RuntimeError):
+    """More backward passes than ``backward_passes_per_step`` before ``step()``: an
+    AssertionError as in Horovod (and a RuntimeError, as hvdcompress raised before)."""
+
+
+class _OutsideProcessSet(Transport):
+    """The transport of a rank outside ``process_set``: it takes part in no collective; its
+    optimizer steps on its local gradients, as Horovod's does."""
+
+    name = "outside process_set"
+
+
+@dataclass
+class _Launched:
+    """A started bucket: its dense part (the bucket, less any sparse gradients) and the
+    sparse gradients' own collectives."""
+
+    dense: Bucket | None
+    exchange: object  # the exchange that started the dense part
+    flight: object
+    sparse: list[tuple[torch.nn.Parameter, object, int]]  # (parameter, handle, bytes sent)
+    densified: list[torch.nn.Parameter]  # sparse_as_dense: back to sparse after
 
 
 def _check_int(what: str, value, low: int, hint: str = "") -> int:
@@ -125,47 +166,75 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         # Horovod's own keywords (gradient_predivide_factor, num_groups, groups,
         # sparse_as_dense, process_set): see HorovodOptions.
-        self._horovod_options = horovod_options or HorovodOptions()
+        horovod = self._horovod_options = horovod_options or HorovodOptions()
         # Which exchange gather-only buckets use: "auto", "allgather" or "twostage".
         self._exchange_mode = exchange
         self._compressor = compressor
         self._uncompressed = get_compressor("none")  # buckets below compress_min_numel
         self._min_numel = _check_int("compress_min_numel", compress_min_numel, 0)
+        # None: this rank is outside process_set (no collectives, local steps).
+        self._included = transport is not None
+        transport = transport if transport is not None else _OutsideProcessSet()
         self._transport = transport
         compressor.bind(transport.rank, transport.size)
+        # hvd.broadcast_optimizer_state makes missing state with the inner optimizer's
+        # step() only for an optimizer whose __module__ is Horovod's; any other's step()
+        # it calls on the ranks without state, whose collectives the root never joins.
+        # Our step() synchronizes exactly as Horovod's does, so we answer as Horovod's.
+        self.__module__ = "horovod.torch.optimizer"
+        # Horovod's attributes, with its names and values.
         self.backward_passes_per_step = _check_int(
             "backward_passes_per_step", backward_passes_per_step, 1
         )
-        self._op = op
-        self._scale = 1.0 / transport.size if op == Average else 1.0
+        self.op = op
+        self.gradient_predivide_factor = horovod.gradient_predivide_factor
+        self.sparse_as_dense = horovod.sparse_as_dense
+        self.process_set = horovod.process_set
+        self._op = _normalize_op(op)
+        factor = horovod.gradient_predivide_factor
+        # Horovod's Average: scaled by 1/f before the sum and by f/size after.
+        self._prescale = 1.0 / factor if self._op == Average and factor != 1.0 else 1.0
+        if self._op != Average:
+            self._scale = 1.0
+        elif factor == 1.0:
+            self._scale = 1.0 / transport.size
+        else:
+            self._scale = factor / transport.size
         named = named_params(self, named_parameters)
-        self._buckets = make_buckets(named, fusion_threshold, self._min_numel)
+        self._parameter_names = {p: n for n, p in named}
+        self._groups = resolve_groups(horovod.groups, named)
+        self._buckets = make_buckets(named, fusion_threshold, self._min_numel, self._groups)
         _check_dtypes(compressor, self._buckets)
         self._where: dict[int, tuple[Bucket, int]] = {}
         for b in self._buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-        self._exchanges = {
-            True: exchange_for(compressor, transport),
-            False: exchange_for(self._uncompressed, transport),
-        }
+        # per bucket: allreduce, allgather or two-stage (exchange.choose_exchanges)
+        self._exchanges = choose_exchanges(
+            compressor, self._uncompressed, transport, self._buckets, exchange
+        )
         self._passes_left = {id(p): self.backward_passes_per_step for _, p in named}
-        self._in_flight: dict[int, object] = {}
+        self._in_flight: dict[int, _Launched] = {}
         self._next_bucket = 0  # buckets start strictly in order
         self._should_synchronize = True
         self._synchronized = False
         self.last_stats = StepStats()
         self._stats = StepStats()
         compressor.check_optimizer(self)  # e.g. DGC refuses an inner optimizer with momentum
+        self._policy = policy
+        if not self._included:  # as Horovod: no hooks, no collectives
+            self._hooks = []
+            return
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
         settings = [
             f"compressor {compressor!r} summable={compressor.summable}",
-            f"op {op}; backward_passes_per_step {self.backward_passes_per_step}",
+            f"op {self._op}; backward_passes_per_step {self.backward_passes_per_step}",
             f"fusion_threshold {fusion_threshold}; transport {transport.name}",
-            f"compress_min_numel {self._min_numel}",
+            f"compress_min_numel {self._min_numel}; groups {self._groups is not None}",
+            f"gradient_predivide_factor {factor}; sparse_as_dense {self.sparse_as_dense}",
+            f"exchange {exchange}: {[self._exchanges[b.index].kind for b in self._buckets]}",
         ]
         check_agreement(transport, describe(settings, named, self._buckets))
-        self._policy = policy
         if policy is not None:
             compressed = {n for b in self._buckets if b.compressed for n in b.names}
             policy.bind(self, compressor, transport, [n for n, _ in named if n in compressed])
@@ -174,10 +243,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _on_grad(self, p: torch.Tensor) -> None:
         key = id(p)
         if self._passes_left[key] <= 0:
-            raise RuntimeError(
-                "gradients were computed more than backward_passes_per_step="
-                f"{self.backward_passes_per_step} times before step() or synchronize(); "
-                "raise backward_passes_per_step or call step() more often"
+            raise BackwardPassesError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally. "
+                f"(backward_passes_per_step={self.backward_passes_per_step})"
             )
         self._passes_left[key] -= 1
         if self._passes_left[key] == 0:
@@ -195,20 +264,49 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()
-        grads = []
+        dense, sparse, densified = [], [], []
         for p in bucket.params:
             if p.grad is None:  # unused in this step: contributes zeros, as in Horovod
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+            if p.grad.is_sparse and self.sparse_as_dense:
+                p.grad = p.grad.to_dense()  # back to sparse once averaged, as in Horovod
+                densified.append(p)
+            if self._prescale != 1.0:
+                p.grad.mul_(self._prescale)
+            (sparse if p.grad.is_sparse else dense).append(p)
+        part = bucket
+        if sparse:  # the sparse ones go their own (uncompressed) way, as in Horovod
+            keep = [i for i, p in enumerate(bucket.params) if not p.grad.is_sparse]
+            part = Bucket(
+                bucket.index,
+                [bucket.params[i] for i in keep],
+                [bucket.names[i] for i in keep],
+                bucket.nbytes,
+                compressed=bucket.compressed,
+            )
+        grads = [p.grad for p in dense]
         if self._policy is not None and bucket.compressed:
-            for name, g in zip(bucket.names, grads, strict=True):
+            for name, g in zip(part.names, grads, strict=True):
                 self._policy.observe(name, g)  # the uncompressed local gradient
-        flight = self._exchanges[bucket.compressed].start(bucket, self._comp(bucket), grads)
-        self._in_flight[bucket.index] = flight
+        flight = None
+        exchange = self._exchange(bucket)
+        if sparse:  # the bucket's planned exchange may not fit a part of it: a plain one
+            comp = self._comp(bucket)
+            exchange = (SummedExchange if comp.summable else GatheredExchange)(self._transport)
+        if dense:
+            flight = exchange.start(part, self._comp(bucket), grads)
+        sparse_flights = [(p, *start_sparse(self._transport, p.grad)) for p in sparse]
+        self._in_flight[bucket.index] = _Launched(
+            part if dense else None, exchange, flight, sparse_flights, densified
+        )
         s = self._stats
-        s.numel += sum(g.numel() for g in grads)
-        s.raw_bytes += sum(g.numel() * g.element_size() for g in grads)
+        s.numel += sum(p.grad.numel() for p in bucket.params)
+        s.raw_bytes += sum(p.grad.numel() * p.grad.element_size() for p in bucket.params)
         s.compress_s += time.perf_counter() - t0
+
+    def _exchange(self, bucket: Bucket):
+        """The exchange that moves ``bucket`` (chosen at construction)."""
+        return self._exchanges[bucket.index]
 
     def _comp(self, bucket: Bucket) -> Compressor:
         return self._compressor if bucket.compressed else self._uncompressed
@@ -216,18 +314,37 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ---- synchronize / step ----------------------------------------------------------------
     def synchronize(self) -> None:
         """Start what backward has not started, wait for all buckets, write averaged grads."""
+        if not self._included:  # outside process_set: nothing to exchange, as in Horovod
+            self._synchronized = True
+            return
         for b in self._buckets[self._next_bucket :]:
             b.ready.update(range(len(b.params)))
         self._launch_ready()
         error: BaseException | None = None
+        divisor = self._transport.size if self._op == Average else None
         for b in self._buckets:
-            flight = self._in_flight.pop(b.index)
+            launched = self._in_flight.pop(b.index)
+            flight = launched.flight
             try:  # after an error: only wait, so no rank leaves a collective pending
-                exchange = self._exchanges[b.compressed]
-                exchange.finish(b, self._comp(b), flight, self._scale, decode=error is None)
+                if launched.dense is not None:
+                    launched.exchange.finish(
+                        launched.dense, self._comp(b), flight, self._scale, decode=error is None
+                    )
             except BaseException as err:  # noqa: BLE001 - keep draining, then raise
                 error = error or err
-            self._stats.add(flight)
+            for p, handle, nbytes in launched.sparse:
+                self._stats.collectives += 1
+                self._stats.payload_bytes += nbytes
+                try:
+                    result = handle.wait()
+                    if error is None:
+                        finish_sparse(result, p.grad, divisor)
+                except BaseException as err:  # noqa: BLE001 - keep draining, then raise
+                    error = error or err
+            for p in launched.densified:
+                p.grad = p.grad.to_sparse()
+            if flight is not None:
+                self._stats.add(flight)
         self._stats.metrics = self._compressor.pop_metrics()
         if self._policy is not None and error is None:
             self._policy.after_step(self._stats)  # every collective of the step is done
@@ -254,12 +371,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step`` (Horovod's method): the count of the current
+        accumulation starts again."""
+        self.backward_passes_per_step = _check_int("backward_passes_per_step", passes, 1)
+        for key in self._passes_left:
+            self._passes_left[key] = self.backward_passes_per_step
+
     def step(self, closure=None):
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn(
-                    "optimizer.step() called after optimizer.synchronize() without "
-                    "skip_synchronize(): gradients are synchronized again",
+                warnings.warn(  # Horovod's text, so that filters written for it apply
+                    "optimizer.step() called without optimizer.skip_synchronize() context "
+                    "after optimizer.synchronize(). This can cause training slowdown. You may "
+                    "want to consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.",
                     stacklevel=2,
                 )
             self.synchronize()
@@ -270,13 +396,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._in_flight:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
-                "optimizer.step() or optimizer.synchronize()"
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                "cause a race condition."
             )
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
+        if not self._included:  # outside process_set: no compressor state
+            return state
         state[STATE_KEY] = {
             "rank": self._transport.rank,
             "size": self._transport.size,
@@ -291,21 +420,39 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Load the inner optimizer's state and the hvdcompress part (compressor and policy
         state). The hvdcompress part is checked first (``hvdcompress.CheckpointError``
         naming the entry: another rank's state, unknown tensor names, residuals of the
-        wrong size or dtype, NaN or Inf); on any error nothing stays loaded."""
+        wrong size or dtype, NaN or Inf); on any error nothing stays loaded.
+
+        A state saved by another rank of the same job size (Horovod's recipe: rank 0 saves,
+        every rank loads) loads without that rank's error-feedback residuals (and DGC
+        velocities), which belong to it alone: this rank's restart from zero, and a
+        UserWarning says what is lost. A state saved by this rank resumes exactly. As in
+        Horovod, loading ends any gradient accumulation in progress."""
         import copy
 
         from hvdcompress.checkpoint import check_optimizer_state
 
+        if self._in_flight:
+            raise AssertionError(
+                "optimizer.load_state_dict() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(): their collectives are in flight"
+            )
+        self._reset_round()
+        self._synchronized = False
+        self._should_synchronize = True
         state_dict = dict(state_dict)
         ours = state_dict.pop(STATE_KEY, None)
-        if ours is None:
+        if ours is None or not self._included:
             return super(self.__class__, self).load_state_dict(state_dict)
+        if isinstance(ours, dict):
+            ours = without_other_ranks_state(ours, self._transport.rank, self._transport.size)
         shapes = {
             n: tuple(p.shape)
             for b in self._buckets
             if b.compressed
             for n, p in zip(b.names, b.params, strict=True)
         }
+        for exchange in self._exchanges.values():  # the two-stage exchange's piece state
+            shapes.update(exchange.state_shapes())
         check_optimizer_state(
             ours,
             rank=self._transport.rank,
@@ -380,11 +527,47 @@ def DistributedOptimizer(
     ``compress_min_numel``: tensors with fewer elements are sent uncompressed (one float32
     allreduce per bucket of them), the switch for links fast enough that compressing a
     small tensor costs more time than it saves (see README, "Results").
+
+    Horovod's keywords mean what they mean in ``hvd.DistributedOptimizer`` 0.28.1 (module
+    doc): ``gradient_predivide_factor`` (op Average only), ``groups`` (an int or lists of
+    tensors: each group one bucket, instead of ``fusion_threshold``), ``num_groups``
+    (deprecated alias of ``groups``), ``sparse_as_dense``, ``process_set`` (an
+    ``hvd.ProcessSet``; on mpi4py also a list of ``COMM_WORLD`` ranks) and ``op=hvd.Adasum``
+    (Horovod's own Adasum optimizer, for compression none or fp16 on the horovod backend).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}")
     compressor = resolve_compressor(compression)
+    user_op = op
     op = _normalize_op(op)
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(
+        gradient_predivide_factor, (int, float)
+    ):
+        raise ValueError(
+            f"gradient_predivide_factor must be a number > 0, got {gradient_predivide_factor!r}"
+        )
+    if gradient_predivide_factor != 1.0:
+        if op != Average:  # Horovod's check and text
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if not gradient_predivide_factor > 0 or gradient_predivide_factor == float("inf"):
+            raise ValueError(
+                "gradient_predivide_factor must be a finite number > 0, got "
+                f"{gradient_predivide_factor!r}"
+            )
+    if num_groups != 0:
+        warnings.warn(  # Horovod's warning
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if groups is None:
+            groups = num_groups
+    if op == Adasum:
+        return _adasum_optimizer(
+            optimizer, named_parameters, compressor, backward_passes_per_step,
+            user_op, gradient_predivide_factor, groups, sparse_as_dense, process_set,
+            backend=backend, policy=policy,
+        )  # fmt: skip
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(
             "policy must be None or an hvdcompress.Policy (hvdcompress.Accordion(...), "
@@ -403,7 +586,7 @@ def DistributedOptimizer(
             "backend must be 'horovod', 'mpi4py' or a hvdcompress Transport, "
             f"got {type(backend).__name__}"
         )
-    transport = backend if isinstance(backend, Transport) else make_transport(backend)
+    transport = _transport_for(backend, process_set)
     cls = type(
         optimizer.__class__.__name__,
         (optimizer.__class__,),
@@ -415,7 +598,7 @@ def DistributedOptimizer(
         compressor,
         transport,
         backward_passes_per_step,
-        op,
+        user_op,
         fusion_threshold,
         policy,
         compress_min_numel,
@@ -427,4 +610,136 @@ def DistributedOptimizer(
             process_set=process_set,
         ),
         exchange=exchange,
+    )
+
+
+def without_other_ranks_state(ours: dict, rank: int, size: int) -> dict:
+    """``ours`` (an hvdcompress state) for loading on ``rank`` of ``size``: as it is when
+    that rank saved it (or another job size did: ``check_optimizer_state`` refuses that);
+    saved by another rank of this job size (Horovod's rank-0 checkpoint recipe), without
+    the saver's own error-feedback entries (``PER_RANK_STATE``), with a warning that says
+    what is lost; the shared compressor and policy state load as they are."""
+    saver = ours.get("rank")
+    if not isinstance(saver, int) or saver == rank or ours.get("size") != size:
+        return ours
+    state = ours.get("compressor_state")
+    dropped = []
+    if isinstance(state, dict):
+        state = dict(state)
+        for key in PER_RANK_STATE:
+            if isinstance(state.get(key), dict) and state[key]:
+                dropped.append(f"{len(state[key])} {key}")
+                state[key] = {}
+    if dropped:
+        warnings.warn(
+            f"hvdcompress: this state was saved by rank {saver}; rank {rank} loads the inner "
+            f"optimizer's state and the shared compressor and policy state, but not rank "
+            f"{saver}'s error-feedback state ({', '.join(dropped)}): this rank's error "
+            "feedback restarts from zero, so the gradient mass it had not yet sent is lost "
+            "(at most about one step's compression error). To resume exactly, save and load "
+            "each rank's own state (hvdcompress.save_checkpoint on every rank).",
+            UserWarning,
+            stacklevel=3,
+        )
+    return {**ours, "rank": rank, "compressor_state": state}
+
+
+def _transport_for(backend: str | Transport, process_set) -> Transport | None:
+    """The transport over ``process_set`` (None or Horovod's global set: every rank), or
+    None when this rank is outside it."""
+    if process_set is None or _is_global(process_set):
+        return backend if isinstance(backend, Transport) else make_transport(backend)
+    if isinstance(backend, Transport):
+        raise ValueError(
+            "process_set cannot restrict a Transport given as backend: build that transport "
+            "over the set's ranks instead (e.g. MPITransport(sub_communicator))"
+        )
+    if backend == "horovod":
+        from horovod.common.process_sets import ProcessSet
+
+        if not isinstance(process_set, ProcessSet):
+            raise TypeError(
+                "process_set on the horovod backend must be an hvd.ProcessSet "
+                f"(hvd.add_process_set(ranks)), got {type(process_set).__name__}"
+            )
+        if process_set.process_set_id is None:
+            raise ValueError(f"{process_set} is not registered: call hvd.add_process_set first")
+        return make_transport("horovod", process_set) if process_set.included() else None
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    ranks = _ranks_of(process_set)
+    bad = [r for r in ranks if not 0 <= r < world.Get_size()]
+    if bad or not ranks:
+        raise ValueError(
+            f"process_set must name ranks of COMM_WORLD (0..{world.Get_size() - 1}), got {ranks}"
+        )
+    return make_transport("mpi4py", tuple(ranks)) if world.Get_rank() in ranks else None
+
+
+def _is_global(process_set) -> bool:
+    if isinstance(process_set, (list, tuple, range)):
+        return False
+    from horovod.common.process_sets import ProcessSet
+
+    return isinstance(process_set, ProcessSet) and process_set.process_set_id == 0
+
+
+def _ranks_of(process_set) -> list[int]:
+    """The sorted ranks of an ``hvd.ProcessSet`` or a sequence of ranks (mpi4py backend)."""
+    if isinstance(process_set, (list, tuple, range)):
+        ranks = list(process_set)
+    else:
+        from horovod.common.process_sets import ProcessSet
+
+        if not isinstance(process_set, ProcessSet) or process_set.ranks is None:
+            raise TypeError(
+                "process_set must be an hvd.ProcessSet with ranks or a list of ranks, got "
+                f"{process_set!r}"
+            )
+        ranks = list(process_set.ranks)
+    if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+        raise ValueError(f"process_set ranks must be ints, got {ranks!r}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"process_set names a rank twice: {ranks!r}")
+    return sorted(ranks)
+
+
+def _adasum_optimizer(
+    optimizer, named_parameters, compressor, backward_passes_per_step, op,
+    gradient_predivide_factor, groups, sparse_as_dense, process_set, *, backend, policy,
+):  # fmt: skip
+    """``op=hvd.Adasum``: Horovod's own optimizer, for a compression Horovod has."""
+    if not compressor.summable:
+        raise ValueError(
+            f"op=Adasum cannot be combined with {compressor!r}: Adasum merges the ranks' "
+            "gradients pairwise, scaling each pair by their dot product and norms, inside "
+            "Horovod's allreduce of the full vectors; a gather-only codec's payloads are not "
+            "vectors that can be merged that way (every rank decodes and sums them), so there "
+            "is no Adasum step to apply. Use op=Average or op=Sum with this compression, or "
+            "Adasum with compression 'none' or 'fp16'."
+        )
+    if compressor.name not in ("none", "fp16") or policy is not None:
+        raise ValueError(
+            "op=Adasum runs Horovod's own Adasum optimizer, which has compression none and "
+            f"fp16 only and no policy; got {compressor!r}"
+            + (f" and policy {policy!r}" if policy is not None else "")
+        )
+    if backend != "horovod":
+        raise ValueError(
+            f"op=Adasum needs backend='horovod' (Horovod's allreduce), got {backend!r}"
+        )
+    import horovod.torch as hvd
+
+    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[compressor.name]
+    return hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=named_parameters,
+        compression=compression,
+        backward_passes_per_step=backward_passes_per_step,
+        op=hvd.Adasum,
+        gradient_predivide_factor=gradient_predivide_factor,
+        groups=groups,
+        sparse_as_dense=sparse_as_dense,
+        process_set=process_set if process_set is not None else hvd.global_process_set,
     )

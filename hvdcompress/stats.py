@@ -11,6 +11,16 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
+@dataclass
+class Traffic:
+    """Running totals of one transport (``Transport.traffic``): bytes this rank sent and
+    received in collectives, counted by the transport base class (hvdcompress.transports)."""
+
+    sent: int = 0
+    received: int = 0
+    collectives: int = 0
+
+
 class CollectiveTiming(NamedTuple):
     """One collective of a step: the bytes this rank handed to the transport and how long
     the collective took (``transports.Handle.seconds``; None when it is not known)."""
@@ -27,6 +37,9 @@ class StepStats:
     raw_bytes: int = 0  # uncompressed gradient bytes
     payload_bytes: int = 0  # bytes this rank handed to the transport
     wire_bytes: float = 0.0  # bytes this rank sends (ring model, docs/design.md section 7)
+    # bytes this rank sent / received, as the transport counted them (Handle.sent_bytes)
+    sent_bytes: int = 0
+    received_bytes: int = 0
     collectives: int = 0
     compress_s: float = 0.0
     decode_s: float = 0.0
@@ -48,6 +61,8 @@ class StepStats:
             self.payload_bytes += c.payload_bytes
             self.wire_bytes += c.wire_bytes
             self.collectives += 1
+            self.sent_bytes += c.handle.sent_bytes
+            self.received_bytes += c.handle.received_bytes or 0
             if c.handle.ended is not None:  # waited for
                 self.timings.append(CollectiveTiming(c.payload_bytes, c.handle.seconds))
         self.wait_s += flight.wait_s

@@ -1,8 +1,10 @@
 /* Shared primitives of the codecs (docs/design.md sections 3 and 4) on the CPU, loaded
  * through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is primitives.cu next to
- * this file, byte for byte the same. The codecs' element-wise math runs as vectorised
- * torch ops (identical on the CPU and on CUDA: each op is one IEEE-rounded operation);
- * what torch cannot do identically on both devices lives here:
+ * this file, byte for byte the same. signSGD, EF-signSGD, QSGD, TernGrad and DQSG run as
+ * single-pass native codecs (sign.c, quant.c), which draw their uniforms from
+ * hvdc_prim_uniform below; the other codecs' element-wise math runs as torch ops
+ * (identical on the CPU and on CUDA: each op is one IEEE-rounded operation), and what
+ * torch cannot do identically on both devices lives here:
  *
  *   hvdc_prim_uniform     counter-based uniforms: SplitMix64 output number offset + i + 1
  *                         of the stream seeded with `key`, top 24 bits, times 2^-24
@@ -22,6 +24,14 @@
 #include <string.h>
 
 #define PRIM_GOLDEN 0x9E3779B97F4A7C15ull
+
+/* AVX-512 (64-bit lane multiplies) and AVX2 versions of the uniform loop, picked at load
+ * time by the CPU; integer math and one exact float product, so the bytes do not change. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PRIM_VECTOR __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define PRIM_VECTOR
+#endif
 #define PRIM_ERR_LENGTH -1  /* the packed body does not have ceil(n b / 8) bytes */
 #define PRIM_ERR_PADDING -4 /* a padding bit after the last value is set */
 
@@ -33,7 +43,7 @@ static inline uint64_t prim_mix64(uint64_t z) {
 }
 
 /* out[i] = (mix64(key + (offset + i + 1) * golden) >> 40) * 2^-24, i < n. */
-void hvdc_prim_uniform(uint64_t key, int64_t offset, int64_t n, float *out) {
+PRIM_VECTOR void hvdc_prim_uniform(uint64_t key, int64_t offset, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) {
         uint64_t c = (uint64_t)(offset + i) + 1u;
         uint32_t r = (uint32_t)(prim_mix64(key + c * PRIM_GOLDEN) >> 40);

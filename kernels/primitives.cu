@@ -1,7 +1,9 @@
-// Shared primitives of the codecs (topk, randomk, qsgd, terngrad, signsgd, efsignsgd,
-// dqsg, ...): counter-based uniforms, fixed-width bit packing / unpacking and order-fixed
-// chunk sums. Byte for byte the same as the C twin kernels/primitives.c (CPU backend); the
-// codecs' element-wise math runs as torch ops on the tensor's device (hvdcompress/codecs/).
+// Shared primitives of the codecs (randomk, topkq, gspar, dqsg's packing, ...):
+// counter-based uniforms, fixed-width bit packing / unpacking and order-fixed chunk sums.
+// Byte for byte the same as the C twin kernels/primitives.c (CPU backend). signSGD,
+// EF-signSGD, QSGD, TernGrad and DQSG's quantiser are single-pass kernels of their own
+// (sign.cu, quant.cu, which inline the same uniform); the other codecs' element-wise math
+// runs as torch ops on the tensor's device (hvdcompress/codecs/).
 //
 // Compiled three ways from this one file, like kernels/threelc.cu: by NVRTC through
 // cupy.RawModule (hvdcompress/backends/cuda.py, with NVRTC_OPTIONS of

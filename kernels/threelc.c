@@ -32,10 +32,10 @@
 #define TLC_BLOCK_GROUPS 256
 #define TLC_BLOCK (TLC_BLOCK_GROUPS * 5)
 
-/* AVX2 versions of the vectorised loops, picked at load time where the CPU has it
- * (AVX2 without FMA: contraction stays off, so the bytes do not change). */
+/* AVX-512 and AVX2 versions of the vectorised loops, picked at load time by the CPU
+ * (-ffp-contract=off: no FMA contraction in any clone, so the bytes do not change). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TLC_VECTOR __attribute__((target_clones("avx2", "default")))
+#define TLC_VECTOR __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
 #define TLC_VECTOR
 #endif
@@ -348,6 +348,35 @@ int64_t hvdc_tlc_dequantize(const uint8_t *quartic, int64_t n, float S, float *o
     return 0;
 }
 
+/* out[i] += v[i], i < cnt (vectorised). */
+TLC_VECTOR static void tlc_add(float *out, const float *v, int64_t cnt) {
+    for (int64_t i = 0; i < cnt; i++) out[i] = out[i] + v[i];
+}
+
+/* The accumulating decode of a checked body (its zero-run expansion is exactly
+ * ceil(n / 5) groups): consecutive literal groups are expanded into a block of floats
+ * (each its 20-byte table row) and added to out in one vectorised loop when a run starts
+ * or the block is full; a run of zero groups adds nothing and is skipped (out is not even
+ * read there). */
+static void tlc_decode_add(const uint8_t *body, int64_t len, int64_t n,
+                           const float table[243][5], float *out) {
+    float block[TLC_BLOCK];
+    int64_t j = 0, g = 0; /* first group of the block; groups in it */
+    for (int64_t i = 0; i < len; i++) {
+        const uint8_t b = body[i];
+        if (b <= TLC_MAX_QUARTIC) {
+            memcpy(block + 5 * g, table[b], 5 * sizeof(float));
+            if (++g < TLC_BLOCK_GROUPS) continue;
+        }
+        const int64_t hi = 5 * (j + g) < n ? 5 * (j + g) : n;
+        tlc_add(out + 5 * j, block, hi - 5 * j);
+        j += g + (b > TLC_MAX_QUARTIC ? b - TLC_RUN_BASE : 0);
+        g = 0;
+    }
+    const int64_t hi = 5 * (j + g) < n ? 5 * (j + g) : n;
+    tlc_add(out + 5 * j, block, hi - 5 * j);
+}
+
 /* Fused zero-run decode + dequantize without materialising the quartic bytes:
  * a run byte writes (or, accumulating, skips) 5 * r zeros directly. Validates as
  * hvdc_tlc_zre_decode + hvdc_tlc_dequantize do, before writing anything. */
@@ -365,6 +394,10 @@ int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, fl
     }
     float table[243][5];
     scaled_groups(S, table);
+    if (accumulate) {
+        tlc_decode_add(body, len, n, table, out);
+        return 0;
+    }
     int64_t j = 0; /* quartic group index */
     for (int64_t i = 0; i < len; i++) {
         uint8_t b = body[i];
@@ -392,8 +425,8 @@ int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, fl
 }
 
 /* Payload checksum of buf[0..len) placed at payload position offset (see wire.py):
- * sum of (b + 1) * mix(offset + j) modulo 2^32. */
-uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offset) {
+ * sum of (b + 1) * mix(offset + j) modulo 2^32 (integer sums in any order: vectorised). */
+TLC_VECTOR uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offset) {
     uint32_t sum = 0;
     for (int64_t j = 0; j < len; j++) {
         uint64_t idx = (uint64_t)(offset + j);
@@ -401,4 +434,11 @@ uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offset) {
         sum += (uint32_t)(buf[j] + 1) * w;
     }
     return sum;
+}
+
+/* The checksums of `count` payloads inside one buffer (a bucket's frame): out[p] is
+ * hvdc_checksum(buf + starts[p], lens[p], 0). One call per bucket instead of per payload. */
+void hvdc_checksum_segments(const uint8_t *buf, int64_t count, const int64_t *starts,
+                            const int64_t *lens, uint32_t *out) {
+    for (int64_t p = 0; p < count; p++) out[p] = hvdc_checksum(buf + starts[p], lens[p], 0);
 }

@@ -10,12 +10,23 @@ to memcpy are what to compare across machines; absolute GB/s are noisy.
     python scripts/bench_codec.py                      # CPU, one thread, 1e4..1e8
     python scripts/bench_codec.py --device cuda        # GPU (CuPy kernels)
     python scripts/bench_codec.py --sizes 1e6 1e7 --json results/bench_codec.json
+    python scripts/bench_codec.py --targets            # issue 11's targets, 1e7, one thread
+    python scripts/bench_codec.py --overhead           # 160 tensors vs one of the same size
+
+``--threads`` sets torch's threads and the CPU codecs' (``HVDC_NUM_THREADS``; default 1).
+``--targets`` times the target cases at 1e7 and prints each target as a multiple of the
+same run's memcpy, met or not. ``--overhead`` times compress + decode of a 160-tensor
+bucket (sizes log-uniform, seeded, like a ResNet-50's parameter list) per tensor
+(``compress`` / ``decode_parsed`` in a loop) and per bucket (``compress_bucket`` /
+``decode_bucket``), each against one tensor of the same total size.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import platform
 import statistics
 import sys
@@ -25,7 +36,7 @@ from pathlib import Path
 import torch
 
 import hvdcompress
-from hvdcompress import registry
+from hvdcompress import registry, wire
 from hvdcompress.compressors import SummableCompressor
 from hvdcompress.training.methods import parse_case  # "name:key=value,..." or a method
 
@@ -121,10 +132,11 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
     dst.copy_(x)
     probe = max(run(lambda: dst.copy_(x), 1), 1e-6)
     reps = int(min(max(min_time / probe, 3), 200))
-    memcpy = run(lambda: dst.copy_(x), reps)
     rows = []
     gb = n * 4 / 1e9
     for case in cases:
+        # memcpy again beside every case: on a shared machine the load drifts between cases
+        memcpy = run(lambda: dst.copy_(x), reps)
         name, params = parse_case(case)
         comp = hvdcompress.get_compressor(name, **params)
         comp.bind(0, 1)
@@ -202,12 +214,152 @@ def print_table(rows: list) -> None:
         f"Input: {INPUT}.\n"
         "bits/val: bits per value (header included) of the timed payloads, after the\n"
         "warm-up and timed calls (error feedback built up); 1st call: the first payload's.\n"
-        "GB/s of float32 input; x/mc = throughput relative to memcpy into a preallocated tensor\n"
-        "in this run. encode: compress with error feedback, header and checksum. decode: into a\n"
-        "preallocated tensor; dec+acc: added into one (the gather path); new: into a new tensor.\n"
+        "GB/s of float32 input; x/mc = throughput relative to memcpy into a preallocated tensor,\n"
+        "timed just before each case in this run. encode: compress with error feedback, header\n"
+        "and checksum. decode: into a preallocated tensor; dec+acc: added into one (the gather\n"
+        "path); new: into a new tensor.\n"
         "Summable compressors are decoded after the allreduce: only 'new' applies (PowerSGD:\n"
         "encode = P, new = Q from P + decompress, on one rank)."
     )
+
+
+# issue 11's targets: (case, what, bound); what: "enc" encode / memcpy throughput (>=),
+# "acc" decode into a preallocated accumulator / memcpy (>=), "x" (encode + accumulate
+# time) / memcpy time (<=).
+TARGETS = [
+    ("3lc:sparsity=1.0", "enc", 0.5),
+    ("3lc:sparsity=1.0", "acc", 1.0),
+    ("3lc:sparsity=1.75", "enc", 0.5),
+    ("3lc:sparsity=1.75", "acc", 1.0),
+    ("signsgd", "x", 4.0),
+    ("efsignsgd", "x", 4.0),
+    ("qsgd:levels=16", "x", 8.0),
+    ("terngrad", "x", 8.0),
+    ("topk:ratio=0.01", "x", 10.0),
+]
+
+
+def target_rows(rows: list) -> list:
+    """Each target of TARGETS against the rows of the largest size benchmarked."""
+    n = max(r["numel"] for r in rows)
+    by_case = {r["case"]: r for r in rows if r["numel"] == n}
+    out = []
+    for case, what, bound in TARGETS:
+        r = by_case.get(case)
+        if r is None:
+            continue
+        if what == "x":
+            value = 1.0 / r["encode_vs_memcpy"] + 1.0 / r["accumulate_vs_memcpy"]
+            met = value <= bound
+            text = f"encode + decode-accumulate = {value:.2f}x memcpy (target <= {bound:g}x)"
+        else:
+            value = r["encode_vs_memcpy" if what == "enc" else "accumulate_vs_memcpy"]
+            met = value >= bound
+            name = "encode with EF" if what == "enc" else "decode into an accumulator"
+            text = f"{name} = {value:.0%} of memcpy (target >= {bound:.0%})"
+        out.append({"case": case, "numel": n, "metric": what, "value": value,
+                    "bound": bound, "met": met, "text": text})  # fmt: skip
+    return out
+
+
+def print_targets(targets: list) -> None:
+    print("\nTargets (same run's memcpy, one tensor, steady state):")
+    for t in targets:
+        print(f"  {'MET ' if t['met'] else 'MISS'} {t['case']:<20} {t['text']}")
+
+
+def bucket_sizes(total: int, count: int, seed: int = 0) -> list[int]:
+    """``count`` tensor sizes, log-uniform between 64 and total / 8 (seeded), scaled to add
+    up to ``total``."""
+    gen = torch.Generator().manual_seed(seed)
+    logs = torch.rand(count, generator=gen, dtype=torch.float64)
+    raw = torch.exp(math.log(64) + logs * (math.log(max(total // 8, 65)) - math.log(64)))
+    sizes = [max(1, int(v)) for v in (raw / raw.sum() * total).tolist()]
+    sizes[-1] += total - sum(sizes)
+    return sizes
+
+
+def _overhead_case(comp_for, tensors, names, run, min_time: float) -> dict:
+    """Seconds per step of compress + decode-accumulate: the bucket as one tensor, as
+    ``count`` payloads one by one, and through the bucket API."""
+    whole = torch.cat(tensors)
+    accs = [torch.zeros(t.numel()) for t in tensors]
+    acc_one = torch.zeros(whole.numel())
+    one_c, loop_c, bucket_c = comp_for(), comp_for(), comp_for()
+
+    def one():
+        payload, ctx = one_c.compress(whole, "whole")
+        one_c.decode(payload, expect=ctx, out=acc_one, accumulate=True)
+
+    def loop():
+        frame = wire.frame([loop_c.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])
+        parsed = wire.unframe_parsed(frame, 0, names, frame.device)
+        for (header, payload), acc, n in zip(parsed, accs, names, strict=True):
+            loop_c.decode_parsed(header, payload, name=n, out=acc, accumulate=True)
+
+    def bucket():
+        frame, ctxs = bucket_c.compress_bucket(tensors, names)
+        bucket_c.decode_bucket(wire.unframe_parsed(frame, 0, names, frame.device), accs, ctxs)
+
+    times = {}
+    for key, fn in (("one", one), ("loop", loop), ("bucket", bucket)):
+        for _ in range(3):
+            fn()
+        probe = max(run(fn, 1), 1e-6)
+        times[key] = run(fn, int(min(max(min_time / probe, 3), 100)))
+    return times
+
+
+def bench_overhead(cases: list[str], total: int, count: int, run, min_time: float) -> list:
+    """compress + decode of one tensor vs ``count`` tensors of the same total size."""
+    sizes = bucket_sizes(total, count)
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=gen) for n in sizes]
+    names = [f"layer{i}" for i in range(count)]
+    rows = []
+    for case in cases:
+        name, params = parse_case(case)
+        if registry.REGISTRY[name].summable:
+            continue
+
+        def comp_for(name=name, params=params):
+            comp = hvdcompress.get_compressor(name, **params)
+            comp.bind(0, 1)
+            return comp
+
+        t = _overhead_case(comp_for, tensors, names, run, min_time)
+        rows.append(
+            {
+                "case": case,
+                "tensors": count,
+                "total_numel": total,
+                "one_ms": 1e3 * t["one"],
+                "loop_ms": 1e3 * t["loop"],
+                "bucket_ms": 1e3 * t["bucket"],
+                "loop_vs_one": t["loop"] / t["one"],
+                "bucket_vs_one": t["bucket"] / t["one"],
+                "per_tensor_us_loop": 1e6 * (t["loop"] - t["one"]) / count,
+                "per_tensor_us_bucket": 1e6 * (t["bucket"] - t["one"]) / count,
+            }
+        )
+    head = (
+        f"{'case':<24} {'tensors':>7} {'one':>9} {'loop':>9} {'bucket':>9} "
+        f"{'loop/one':>8} {'bkt/one':>8} {'us/t loop':>9} {'us/t bkt':>9}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['case']:<24} {r['tensors']:>7} {r['one_ms']:>7.2f}ms {r['loop_ms']:>7.2f}ms "
+            f"{r['bucket_ms']:>7.2f}ms {r['loop_vs_one']:>7.2f}x {r['bucket_vs_one']:>7.2f}x "
+            f"{r['per_tensor_us_loop']:>9.0f} {r['per_tensor_us_bucket']:>9.0f}"
+        )
+    print(
+        f"compress + decode-accumulate per step, one thread: {count} tensors (sizes "
+        f"log-uniform, seeded, total {total:.0e}) one by one (loop) and through the bucket "
+        "API (bucket), vs one tensor of that size; target: bucket/one <= 1.3x"
+    )
+    return rows
 
 
 def main(argv=None) -> int:
@@ -217,12 +369,25 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cases", nargs="+", default=DEFAULT_CASES, help="name:key=value,... or a method name"
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch and CPU codec threads (default 1)"
+    )
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
-    parser.add_argument("--json", type=Path, default=Path("results/bench_codec.json"))
+    parser.add_argument("--json", type=Path, default=None, help="default results/<mode>.json")
+    parser.add_argument("--targets", action="store_true", help="issue 11's targets at 1e7")
+    parser.add_argument("--overhead", action="store_true", help="160 tensors vs one")
+    parser.add_argument("--tensors", type=int, default=160, help="--overhead: tensors")
+    parser.add_argument("--total", type=float, default=1e7, help="--overhead: total numel")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    os.environ["HVDC_NUM_THREADS"] = str(args.threads)
+    if args.targets:
+        args.cases = list(dict.fromkeys(case for case, _, _ in TARGETS))
+        if args.sizes == parser.get_default("sizes"):
+            args.sizes = [1e7]
+    mode = "bench_overhead" if args.overhead else "bench_codec"
+    json_path = args.json or Path(f"results/{mode}.json")
     device = torch.device(args.device)
     if device.type == "cuda":
         from hvdcompress.backends.cuda import gpu_unavailable_reason
@@ -232,10 +397,19 @@ def main(argv=None) -> int:
             print(f"bench_codec: no GPU benchmark: {reason}")
             return 2
     run = timer(device)
+    if args.overhead:
+        rows = bench_overhead(args.cases, int(args.total), args.tensors, run, args.min_time)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2))
+        print(f"wrote {json_path}")
+        return 0
     rows = []
     for size in args.sizes:
         rows += bench_size(int(size), args.cases, device, run, args.min_time)
     print_table(rows)
+    targets = target_rows(rows)
+    if targets:
+        print_targets(targets)
     meta = {
         "input": " ".join(INPUT.split()),
         "device": torch.cuda.get_device_name()
@@ -245,9 +419,9 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {args.json}")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows, "targets": targets}, indent=2))
+    print(f"wrote {json_path}")
     return 0
 
 

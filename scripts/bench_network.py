@@ -7,6 +7,8 @@ Run as root (it needs network namespaces and tc):
     python scripts/bench_network.py --ranks 2 --rates 100mbit unlimited \\
         --cases none 3lc --models light --steps 3         # a small run
     python scripts/bench_network.py --cleanup             # remove stale namespaces
+    python scripts/bench_network.py --ranks 2 4 8 --rates unlimited --models cnn \
+        --cases none 3lc --exchanges allgather twostage --launchers mpi   # bytes vs ranks
 
 The script (the driver) creates a network namespace ``hvdc-bench-<pid>`` and brings its
 loopback up. Inside it, it launches the ranks of a training-step loop (the worker mode of
@@ -40,17 +42,32 @@ Models (hvdcompress.training.models): ``light`` (LightMLP 1024-1024-1024-10, 2.1
 parameters, little compute) and ``cnn`` (the Fashion-MNIST SmallCNN of scripts/train.py,
 0.2 M parameters). Data are random tensors (no data loading), one torch thread per rank.
 
+Exchanges (``--exchanges``, default ``auto``): the ``exchange=`` of the optimizer for
+gather-only cases, ``allgather`` (one allgather: (N - 1) x payload per rank), ``twostage``
+(compressed reduce-scatter + allgather of re-compressed shards: about 2 (N - 1) / N x
+payload) or ``auto`` (per bucket, by bytes); summable cases (none, fp16, powersgd) are
+allreduced and run once, as exchange ``allreduce``. Ranks (``--ranks``): one launch per
+rank count; ``--ranks 2 4 8`` gives bytes per rank against N (10 ranks: use ``--models
+cnn``).
+
 Per case: ``--warmup`` steps, a barrier, rank 0 reads the namespace's loopback tx bytes
 (/proc/net/dev), ``--steps`` timed steps, a barrier, tx bytes again. Reported: the
 median step time of the slowest rank, bytes on the wire per step (MEASURED on the
 loopback: every rank's sends plus TCP/IP headers and acks; and MODELLED: the sum over
-ranks of ``opt.last_stats.wire_bytes``, the ring model), bits per value, and the speedup
-over ``none`` and over ``fp16`` of the same launcher, ranks, rate and model. A case that
+ranks of ``opt.last_stats.wire_bytes``, the ring model), bytes per rank per step (the
+measured loopback bytes / N, and what the transport counted: ``last_stats.sent_bytes``,
+mean over ranks), bits per value, and the speedup over ``none``, over ``fp16`` and (for
+``twostage``) over the same case on ``allgather``, of the same launcher, ranks, rate and
+model. With several rank counts or exchanges a second table gives bytes per rank per step
+against N, and for ``twostage`` rows the ratio of the bytes sent to 2 (N - 1) / N x the
+allgather case's payload. A case that
 fails or passes ``--timeout`` is reported as failed with the reason, its processes are
 killed, and the launch is restarted for the cases after it.
 
-Output in ``--out`` (default results/network): bench_network.md (table), .json, .png
-(step time against bandwidth, log-log, one line per case, one panel per model x ranks).
+Output in ``--out`` (default results/network): bench_network.md (tables), .json, .png
+(step time against bandwidth, log-log, one line per case and exchange, one panel per
+model x ranks) and, with several rank counts, bench_network_bytes.png (bytes per rank per
+step against N).
 The namespace and every process in it are removed on exit, on failure and on Ctrl-C /
 SIGTERM; ``--cleanup`` removes namespaces left by a driver that was killed (SIGKILL).
 """
@@ -73,6 +90,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from hvdcompress.compressors import REGISTRY
 from hvdcompress.training.methods import METHODS
 
 SCRIPT = Path(__file__).resolve()
@@ -93,6 +111,7 @@ CASES = {
 MODELS = ("light", "cnn")  # of hvdcompress.training.models
 LAUNCHERS = ("gloo", "mpi")
 DEFAULT_RATES = ("100mbit", "1gbit", "10gbit", "unlimited")
+EXCHANGES = ("auto", "allgather", "twostage")  # DistributedOptimizer(exchange=...)
 CAT_CALIBRATION_SIZES = (1, 1 << 10, 1 << 14, 1 << 17, 1 << 20)
 
 
@@ -146,7 +165,9 @@ def build_model(name: str, batch: int, rank: int):
     return model, x, y
 
 
-def run_case(args, transport, model_name: str, case: str, cat_cost: dict) -> dict:
+def run_case(
+    args, transport, model_name: str, case: str, cat_cost: dict, exchange: str = "auto"
+) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -180,6 +201,7 @@ def run_case(args, transport, model_name: str, case: str, cat_cost: dict) -> dic
         backend=transport,
         policy=policy,
         compress_min_numel=method.compress_min_numel,
+        exchange=exchange,
     )
 
     t_built = time.perf_counter()
@@ -197,7 +219,8 @@ def run_case(args, transport, model_name: str, case: str, cat_cost: dict) -> dic
     tx0 = read_tx_bytes() if rank == 0 else 0
     transport.allgather_object(None)  # nobody sends a timed byte before rank 0 has read
     times = []
-    acc = {"payload": 0.0, "wire": 0.0, "compress": 0.0, "wait": 0.0, "decode": 0.0}
+    acc = {"payload": 0.0, "wire": 0.0, "compress": 0.0, "wait": 0.0, "decode": 0.0,
+           "sent": 0.0, "received": 0.0}  # fmt: skip
     t_start = time.perf_counter()
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -209,6 +232,8 @@ def run_case(args, transport, model_name: str, case: str, cat_cost: dict) -> dic
         acc["compress"] += s.compress_s
         acc["wait"] += s.wait_s
         acc["decode"] += s.decode_s
+        acc["sent"] += s.sent_bytes  # as the transport counted them
+        acc["received"] += s.received_bytes
     transport.allgather_object(None)  # barrier: every rank received everything
     elapsed = time.perf_counter() - t_start
     tx1 = read_tx_bytes() if rank == 0 else 0
@@ -236,7 +261,11 @@ def run_case(args, transport, model_name: str, case: str, cat_cost: dict) -> dic
         "step_s": max(r["median"] for r in everyone),  # the slowest rank decides
         "step_s_mean": elapsed / n,
         "step_s_per_rank": [r["median"] for r in everyone],
+        "exchanges": sorted({e.kind for e in opt._exchanges.values()}),
         "measured_bytes_per_step": (tx1 - tx0) / n,
+        "measured_bytes_per_rank": (tx1 - tx0) / n / transport.size,
+        "sent_bytes_per_rank": statistics.mean(r["sent"] for r in everyone),
+        "received_bytes_per_rank": statistics.mean(r["received"] for r in everyone),
         "modelled_bytes_per_step": sum(r["wire"] for r in everyone),
         "payload_bytes_per_rank": statistics.mean(r["payload"] for r in everyone),
         "bits_per_value": 8.0 * statistics.mean(r["payload"] for r in everyone) / numel,
@@ -265,7 +294,7 @@ def worker_main(args) -> int:
     cat_cost: dict = {}
     rate_now = None
     for item in args.items:
-        rate, model_name, case = parse_item(item)
+        rate, model_name, case, exchange = parse_item(item)
         if rank == 0:
             emit({"event": "start", "item": item})
         t0 = time.perf_counter()
@@ -281,7 +310,8 @@ def worker_main(args) -> int:
                 raise RuntimeError(f"injected failure in case {case!r}")
             if case == args.inject_hang and rank == transport.size - 1:
                 time.sleep(10**6)  # the other ranks wait in a collective: a deadlock
-            row = run_case(args, transport, model_name, case, cat_cost)
+            mode = "auto" if exchange == "allreduce" else exchange  # summable: allreduced
+            row = run_case(args, transport, model_name, case, cat_cost, mode)
         except BaseException as err:  # noqa: BLE001 - report, then end every rank
             emit({"event": "error", "item": item, "rank": rank, "error": f"{err!r}"[:400]})
             sys.stdout.flush()
@@ -378,13 +408,19 @@ def tc_rate_command(rate: str) -> list[str]:
     ]  # fmt: skip
 
 
-def item_name(rate: str, model: str, case: str) -> str:
-    return f"{rate}/{model}/{case}"
+def item_name(rate: str, model: str, case: str, exchange: str = "auto") -> str:
+    return f"{rate}/{model}/{case}/{exchange}"
 
 
-def parse_item(item: str) -> tuple[str, str, str]:
-    rate, model, case = item.split("/")
-    return rate, model, case
+def parse_item(item: str) -> tuple[str, str, str, str]:
+    rate, model, case, exchange = item.split("/")
+    return rate, model, case, exchange
+
+
+def case_exchanges(case: str, exchanges: list[str]) -> list[str]:
+    """The exchanges a case runs with: summable compressors only with the allreduce."""
+    summable = REGISTRY[CASES[case].compression].summable
+    return ["allreduce"] if summable else list(exchanges)
 
 
 def cleanup_stale(prefix: str) -> list[str]:
@@ -548,8 +584,9 @@ def run_group(args, ns, launcher, ranks, items, rows: list, log) -> None:
     """All items of one (launcher, ranks) in one launch; relaunches after a failed case."""
 
     def record(item, result):
-        rate, model, case = parse_item(item)
-        row = {"launcher": launcher, "ranks": ranks, "rate": rate, "model": model, "case": case}
+        rate, model, case, exchange = parse_item(item)
+        row = {"launcher": launcher, "ranks": ranks, "rate": rate, "model": model, "case": case,
+               "exchange": exchange}  # fmt: skip
         row.update(result)
         rows.append(row)
         log(row)
@@ -571,16 +608,26 @@ def run_group(args, ns, launcher, ranks, items, rows: list, log) -> None:
 
 
 def add_speedups(rows: list) -> None:
+    """Speedups over none and fp16 (allreduced), and of a twostage row over the same case
+    on the allgather; for twostage rows also ``sent_vs_model``: the bytes sent per rank
+    over 2 (N - 1) / N x the allgather row's payload per rank."""
     groups: dict = {}
     for r in rows:
         key = (r["launcher"], r["ranks"], r["rate"], r["model"])
-        groups.setdefault(key, {})[r["case"]] = r
+        groups.setdefault(key, {})[(r["case"], r.get("exchange", "auto"))] = r
     for r in rows:
         g = groups[(r["launcher"], r["ranks"], r["rate"], r["model"])]
+        ok = r.get("status") == "ok"
         for base in ("none", "fp16"):
-            b = g.get(base)
-            ok = r.get("status") == "ok" and b is not None and b.get("status") == "ok"
-            r[f"speedup_vs_{base}"] = b["step_s"] / r["step_s"] if ok else None
+            b = g.get((base, "allreduce")) or g.get((base, "auto"))
+            fine = ok and b is not None and b.get("status") == "ok"
+            r[f"speedup_vs_{base}"] = b["step_s"] / r["step_s"] if fine else None
+        ag = g.get((r["case"], "allgather"))
+        fine = ok and r.get("exchange") == "twostage" and ag is not None and ag["status"] == "ok"
+        r["speedup_vs_allgather"] = ag["step_s"] / r["step_s"] if fine else None
+        n = r["ranks"]
+        model = 2.0 * (n - 1) / n * ag["payload_bytes_per_rank"] if fine else None
+        r["sent_vs_model"] = r["sent_bytes_per_rank"] / model if model else None
 
 
 def _fmt(v, spec: str, missing: str = "-") -> str:
@@ -589,8 +636,9 @@ def _fmt(v, spec: str, missing: str = "-") -> str:
 
 def markdown(rows: list, meta: dict) -> str:
     head = (
-        "| launcher | ranks | rate | model | case | step s (median) | wire MB/step measured "
-        "| modelled | meas/model | bits/value | speedup vs none | vs fp16 | status |"
+        "| launcher | ranks | rate | model | case | exchange | step s (median) | wire MB/step "
+        "measured | modelled | meas/model | kB/rank/step measured | sent kB/rank (transport) "
+        "| bits/value | speedup vs none | vs fp16 | vs allgather | status |"
     )
     lines = [
         f"# Network benchmark ({meta['date']})",
@@ -613,17 +661,100 @@ def markdown(rows: list, meta: dict) -> str:
         status = "ok" if ok else "FAILED: " + str(r.get("reason", "")).replace("|", "/")
         cells = [
             r["launcher"], str(r["ranks"]), r["rate"], r["model"], r["case"],
+            r.get("exchange", "auto"),
             _fmt(r.get("step_s") if ok else None, ".3f"),
             _fmt(None if meas is None else meas / 1e6, ".2f"),
             _fmt(None if model is None else model / 1e6, ".2f"),
             _fmt(ratio, ".2f"),
+            _fmt(r.get("measured_bytes_per_rank") / 1e3 if ok else None, ".1f"),
+            _fmt(r.get("sent_bytes_per_rank") / 1e3 if ok else None, ".1f"),
             _fmt(r.get("bits_per_value") if ok else None, ".2f"),
             _fmt(r.get("speedup_vs_none"), ".2f"),
             _fmt(r.get("speedup_vs_fp16"), ".2f"),
+            _fmt(r.get("speedup_vs_allgather"), ".2f"),
             status,
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    exchanges = {r.get("exchange") for r in rows} - {"allreduce"}
+    if len({r["ranks"] for r in rows}) > 1 or len(exchanges) > 1:
+        lines += ["", *bytes_table(rows)]
     return "\n".join(lines) + "\n"
+
+
+def _label(r: dict) -> str:
+    """A row's case, with its exchange when that is a choice (gather-only cases)."""
+    exchange = r.get("exchange", "auto")
+    return r["case"] if exchange in ("auto", "allreduce") else f"{r['case']} ({exchange})"
+
+
+def bytes_table(rows: list) -> list[str]:
+    """Bytes per rank per step against the number of ranks: kB measured on the loopback
+    / N, and (transport-counted) sent kB; for twostage rows / 2 (N - 1) / N x payload."""
+    ranks = sorted({r["ranks"] for r in rows})
+    keys = list(dict.fromkeys((r["launcher"], r["rate"], r["model"], _label(r)) for r in rows))
+    head = "| launcher | rate | model | case | " + " | ".join(f"N={n}" for n in ranks) + " |"
+    lines = [
+        "Bytes per rank per step: loopback-measured kB / N; transport-counted sent kB; for "
+        "twostage, sent / (2 (N - 1) / N x the allgather payload per rank).",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
+    for key in keys:
+        cells = []
+        for n in ranks:
+            r = next(
+                (r for r in rows
+                 if (r["launcher"], r["rate"], r["model"], _label(r)) == key and r["ranks"] == n),
+                None,
+            )  # fmt: skip
+            if r is None or r.get("status") != "ok":
+                cells.append("-")
+                continue
+            text = (
+                f"{r['measured_bytes_per_rank'] / 1e3:.1f} / {r['sent_bytes_per_rank'] / 1e3:.1f}"
+            )
+            if r.get("sent_vs_model") is not None:
+                text += f" ({r['sent_vs_model']:.2f})"
+            cells.append(text)
+        lines.append("| " + " | ".join([*key, *cells]) + " |")
+    return lines
+
+
+def plot_bytes(rows: list, path: Path) -> str | None:
+    """Bytes sent per rank per step (transport-counted) against the number of ranks, one
+    line per (launcher, rate, model, case and exchange); only with several rank counts."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    ranks = sorted({r["ranks"] for r in ok})
+    if len(ranks) < 2:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        return f"no bytes PNG ({err})"
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    keys = list(dict.fromkeys((r["launcher"], r["rate"], r["model"], _label(r)) for r in ok))
+    for key in keys:
+        pts = sorted(
+            (r["ranks"], r["sent_bytes_per_rank"] / 1e3)
+            for r in ok
+            if (r["launcher"], r["rate"], r["model"], _label(r)) == key
+        )
+        ax.plot(*zip(*pts, strict=True), marker="o", label=" ".join(key))
+    ax.set_xticks(ranks)
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("kB sent per rank per step (transport-counted)")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("Bytes per rank vs ranks: allgather (N - 1) x P, two-stage ~2 (N - 1) / N x P")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
 
 
 def plot(rows: list, path: Path) -> str | None:
@@ -650,7 +781,7 @@ def plot(rows: list, path: Path) -> str | None:
         b = rate_bits(rate)
         return unlimited_x if b is None else b / 1e9
 
-    cases = [c for c in CASES if any(r["case"] == c for r in rows)]
+    cases = list(dict.fromkeys(_label(r) for r in rows))
     colors = {c: plt.get_cmap("tab10")(i % 10) for i, c in enumerate(cases)}
     styles = {"gloo": "-", "mpi": "--"}
     launchers = [la for la in LAUNCHERS if any(r["launcher"] == la for r in rows)]
@@ -670,7 +801,7 @@ def plot(rows: list, path: Path) -> str | None:
                     pts = sorted(
                         (x_of(r["rate"]), r["step_s"])
                         for r in ok
-                        if (r["model"], r["ranks"], r["case"], r["launcher"]) == key
+                        if (r["model"], r["ranks"], _label(r), r["launcher"]) == key
                     )
                     style = styles.get(launcher, ":") if len(launchers) > 1 else "-"
                     if pts:
@@ -730,6 +861,13 @@ def parse_args(argv=None):
         default=list(LAUNCHERS),
         help="gloo: horovodrun --gloo (backend horovod); mpi: mpirun over TCP (backend\n"
         "mpi4py); default: both",
+    )
+    p.add_argument(
+        "--exchanges",
+        nargs="+",
+        choices=EXCHANGES,
+        default=["auto"],
+        help="exchange= of gather-only cases (summable ones are allreduced); default: auto",
     )
     p.add_argument("--steps", type=int, default=5, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
@@ -795,7 +933,13 @@ def main(argv=None) -> int:
         print(f"note: namespaces {stale} exist (another run, or stale: --cleanup)", flush=True)
 
     ns = f"{args.ns_prefix}{os.getpid()}"
-    items = [item_name(r, m, c) for r in args.rates for m in args.models for c in args.cases]
+    items = [
+        item_name(r, m, c, e)
+        for r in args.rates
+        for m in args.models
+        for c in args.cases
+        for e in case_exchanges(c, args.exchanges)
+    ]
     rows: list = []
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -809,6 +953,7 @@ def main(argv=None) -> int:
         "ranks": args.ranks,
         "rates": args.rates,
         "cases": args.cases,
+        "exchanges": args.exchanges,
         "models": args.models,
         "launchers": args.launchers,
         "timeout_s": args.timeout,
@@ -828,7 +973,7 @@ def main(argv=None) -> int:
             what = f"FAILED: {row.get('reason')}"
         print(
             f"{row['launcher']:<4} {row['ranks']} ranks {row['rate']:>9} {row['model']:<5} "
-            f"{row['case']:<13} {what}",
+            f"{_label(row):<24} {what}",
             flush=True,
         )
 
@@ -857,15 +1002,19 @@ def main(argv=None) -> int:
     meta["wall_s"] = time.monotonic() - t_all
     if interrupted:
         meta["interrupted"] = interrupted
-        seen = {(r["launcher"], r["ranks"], r["rate"], r["model"], r["case"]) for r in rows}
+        seen = {
+            (r["launcher"], r["ranks"], r["rate"], r["model"], r["case"], r["exchange"])
+            for r in rows
+        }
         for launcher in args.launchers:
             for ranks in args.ranks:
                 for item in items:
-                    rate, model, case = parse_item(item)
-                    if (launcher, ranks, rate, model, case) not in seen:
+                    rate, model, case, exchange = parse_item(item)
+                    if (launcher, ranks, rate, model, case, exchange) not in seen:
                         rows.append(
                             {"launcher": launcher, "ranks": ranks, "rate": rate,
-                             "model": model, "case": case, "status": "failed",
+                             "model": model, "case": case, "exchange": exchange,
+                             "status": "failed",
                              "reason": f"not run: interrupted by {interrupted}"}
                         )  # fmt: skip
     order = {
@@ -873,16 +1022,19 @@ def main(argv=None) -> int:
         "rate": {v: i for i, v in enumerate(args.rates)},
         "model": {v: i for i, v in enumerate(args.models)},
         "case": {v: i for i, v in enumerate(args.cases)},
+        "exchange": {v: i for i, v in enumerate(["allreduce", *args.exchanges])},
     }
     rows.sort(key=lambda r: (order["launcher"].get(r["launcher"], 99), r["ranks"],
                              order["rate"].get(r["rate"], 99), order["model"].get(r["model"], 99),
-                             order["case"].get(r["case"], 99)))  # fmt: skip
+                             order["case"].get(r["case"], 99),
+                             order["exchange"].get(r["exchange"], 99)))  # fmt: skip
     add_speedups(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_network.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = markdown(rows, meta)
     (args.out / "bench_network.md").write_text(table)
     note = plot(rows, args.out / "bench_network.png")
+    note = plot_bytes(rows, args.out / "bench_network_bytes.png") or note
     print()
     print(table)
     print(f"wrote {args.out}/bench_network.md, .json" + (f"; {note}" if note else ", .png"))

@@ -3,10 +3,12 @@
 #   1. scripts/check_kernels.sh      nvcc compile of the CUDA kernels (when present)
 #   2. pytest tests -x -q            unit, host-kernel, fuzz and GPU(-skip) tests, one process
 #   3. mpirun -np 2 / -np 4 ... pytest --with-mpi tests/mpi    the MPI tests under real Open MPI
+#      and mpirun -np 3 / -np 5 ... tests/mpi/test_twostage.py    odd world sizes (shards)
 # Every stage runs even after a failure; any failure fails the script. The last line is
 # "run_tests: N passed, N failed, N skipped" (MPI tests counted once, from rank 0).
 #
-# Environment: HVDC_VENV (default .venv), HVDC_MPI_NPS (world sizes, default "2 4"), HVDC_PYTEST_TIMEOUT
+# Environment: HVDC_VENV (default .venv), HVDC_MPI_NPS (world sizes, default "2 4"),
+# HVDC_MPI_ODD_NPS (world sizes of the two-stage exchange's tests, default "3 5"), HVDC_PYTEST_TIMEOUT
 # (s, default 2400), HVDC_MPI_TIMEOUT (s, default 900; a rank that fails before a
 # collective leaves the others waiting forever), PYTEST_ADDOPTS (extra pytest options).
 set -euo pipefail
@@ -79,12 +81,18 @@ if mpirun --version 2>/dev/null | grep -q "Open MPI"; then
         --mca pml ob1 --mca btl self,vader --mca btl_vader_single_copy_mechanism none
         --mca mpi_yield_when_idle 1)
 fi
-for NP in $NPS; do
-    banner "mpirun -np $NP pytest --with-mpi tests/mpi"
+# (world size, what to run, report tag): the whole of tests/mpi at HVDC_MPI_NPS, and the
+# two-stage exchange (uneven shards, shards of 0 and 1 values) at odd sizes too.
+MPI_RUNS=()
+for NP in $NPS; do MPI_RUNS+=("$NP tests/mpi $NP"); done
+for NP in ${HVDC_MPI_ODD_NPS:-3 5}; do MPI_RUNS+=("$NP tests/mpi/test_twostage.py ${NP}ts"); done
+for RUN in "${MPI_RUNS[@]}"; do
+    read -r NP TARGET TAG <<<"$RUN"
+    banner "mpirun -np $NP pytest --with-mpi $TARGET"
     t=$SECONDS
     rc=0
-    if [[ ! -d tests/mpi ]]; then
-        echo "run_tests: tests/mpi is missing" >&2
+    if [[ ! -e $TARGET ]]; then
+        echo "run_tests: $TARGET is missing" >&2
         rc=5
     else
         # Each rank writes its own JUnit report. Rank 0 prints to the console, the others
@@ -94,20 +102,20 @@ for NP in $NPS; do
         timeout -k 30 "${HVDC_MPI_TIMEOUT:-900}" mpirun -np "$NP" "${MPI_OPTS[@]}" bash -c '
             r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
             [[ $r == 0 ]] || exec >"$1/mpi$2-rank$r.log" 2>&1
-            exec "$0" -m pytest --with-mpi tests/mpi -q -rs --color=no -p no:cacheprovider \
-                --junitxml="$1/mpi$2-rank$r.xml"' "$PY" "$REPORTS" "$NP" || rc=$?
+            exec "$0" -m pytest --with-mpi "$3" -q -rs --color=no -p no:cacheprovider \
+                --junitxml="$1/mpi$2-rank$r.xml"' "$PY" "$REPORTS" "$TAG" "$TARGET" || rc=$?
         if [[ $rc -eq 124 || $rc -eq 137 ]]; then
             echo "run_tests: MPI tests timed out after ${HVDC_MPI_TIMEOUT:-900}s (a rank stuck in a collective?)" >&2
         fi
         if [[ $rc -ne 0 ]]; then
-            for f in "$REPORTS"/mpi"$NP"-rank*.log; do
+            for f in "$REPORTS"/mpi"$TAG"-rank*.log; do
                 [[ -f $f ]] || continue
                 echo "--- output of ${f##*/} (last 80 lines) ---"
                 tail -n 80 "$f"
             done
         fi
     fi
-    record "mpi tests (mpirun -np $NP)" "$rc" $((SECONDS - t))
+    record "mpi $TARGET (-np $NP)" "$rc" $((SECONDS - t))
 done
 
 # --- summary ----------------------------------------------------------------------------

@@ -13,6 +13,14 @@ correction), so with ``--compression dgc`` the wrapped SGD runs without momentum
     horovodrun --gloo -np 4 python scripts/train.py --backend horovod
     mpirun -np 4 python scripts/train.py --backend mpi4py
     srun --mpi=pmix python scripts/train.py          (see slurm/)
+    torchrun --nproc_per_node 4 scripts/train.py --launcher torchrun --compression 3lc
+
+``--launcher torchrun``: no Horovod or MPI; torch.distributed (gloo, or NCCL with
+``--ddp-backend nccl``) and DistributedDataParallel with ``hvdcompress.ddp_hook`` (the
+same payloads, moved by ``transports.torch_dist``); the other launchers run one process per
+rank with ``--backend``. Progress: rank 0 shows a tqdm bar when its stderr is a terminal,
+and otherwise (horovodrun, mpirun and srun pipe it) a plain line every
+``--progress-every`` seconds.
 
 Data: the idx files of Debian's ``dataset-fashion-mnist`` in
 /usr/share/datasets/fashion-mnist (``--dataset synthetic`` needs none). Every rank starts
@@ -36,6 +44,21 @@ Policies: ``--accordion LOW HIGH`` switches each tensor between two levels of
 ``T/<tensor>``, ``cat/modelled_s``, ``cat/measured_s``); ``scripts/plot_policy.py`` draws
 it next to the loss.
 
+Learning rate: ``--lr-schedule`` constant, step (the default: x``--lr-gamma`` 0.1 after
+the ``--milestones`` epochs, by default 50% and 80% of ``--epochs``) or cosine, with
+``--warmup-epochs`` of linear warmup (hvdcompress.training.schedule); a pure function of
+the step, set before every step, logged (``lr`` in metrics.csv, ``train/lr`` in
+TensorBoard) and kept in checkpoints (a resume with other schedule flags is refused).
+After each evaluation rank 0 writes ``epochs.csv``: step, epoch, lr, test accuracy and the
+bits per value of every rank since the last evaluation (one small sum over ranks); the
+summary line gives ``bits_per_value_ranks``, the mean over ranks and the run.
+
+Simulated ranks: ``--simulate-ranks N`` plays N ranks in this one process, as threads of
+hvdcompress.training.simulate (one model replica, optimizer, compressor bound to its rank
+and data shard per rank; the same code path as a real run): no launcher, and the same
+final ``param_digest`` as ``mpirun -np N`` / ``horovodrun -np N`` with the same flags for
+the gather-path compressors (docs/design.md, "The simulated world").
+
 Data, models and policies come from ``hvdcompress.training``; ranks, the broadcast of the
 initial parameters and the sums of the evaluation from the optimizer's transport
 (``hvdcompress.transports``).
@@ -46,6 +69,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import json
 import math
 import os
 import sys
@@ -67,13 +91,45 @@ from hvdcompress.checkpoint import (
     save_rank_checkpoint,
     verified_steps,
 )
+from hvdcompress.ddp import hooked_optimizer
 from hvdcompress.training.data import DATA_DIR, DatasetNotFound, load_fashion_mnist, synthetic
 from hvdcompress.training.methods import build_policy, check_level, parse_cost, parse_params
 from hvdcompress.training.models import IMAGE_MODELS, MODELS
+from hvdcompress.training.schedule import (
+    DEFAULT_GAMMA,
+    DEFAULT_KIND,
+    LRSchedule,
+    default_milestones,
+    parse_milestones,
+)
+from hvdcompress.training.schedule import KINDS as SCHEDULES
+from hvdcompress.training.simulate import run_ranks, seeded
 from hvdcompress.transports import make_transport
 
 
 # ---- helpers -------------------------------------------------------------------------------
+class ProgressLines:
+    """Rank 0's progress without a terminal: one plain line (to stderr, flushed) every
+    ``every`` seconds and at the last step, instead of tqdm's carriage returns."""
+
+    def __init__(self, total: int, start: int, every: float) -> None:
+        self.total, self.start, self.every = total, start, every
+        self.began = self.last = time.monotonic()
+
+    def update(self, step: int, loss: float, bits_per_value: float) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every and step < self.total:
+            return
+        self.last = now
+        rate = (step - self.start) / max(now - self.began, 1e-9)
+        print(
+            f"progress: step {step}/{self.total} ({100 * step / max(self.total, 1):.0f}%) "
+            f"loss {loss:.4f} bits_per_value {bits_per_value:.2f} {rate:.1f} steps/s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def default_threads(local_size: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(local_size, 1))
@@ -213,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--backend", choices=["horovod", "mpi4py"], default="horovod")
     p.add_argument(
+        "--launcher",
+        choices=["horovodrun", "mpirun", "srun", "torchrun"],
+        default=None,
+        help="torchrun: torch.distributed + DDP with hvdcompress.ddp_hook (--backend unused)",
+    )
+    p.add_argument("--ddp-backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument(
         "--fusion-threshold", type=NON_NEGATIVE, default=None, help="bytes per collective"
     )
     p.add_argument(
@@ -221,10 +284,40 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="send tensors with fewer elements uncompressed (fast links)",
     )
+    p.add_argument(
+        "--exchange",
+        choices=["auto", "allgather", "twostage"],
+        default="auto",
+        help="gather-only codecs: one allgather, the two-stage exchange (reduce-scatter + "
+        "allgather of re-compressed shards), or per bucket by bytes (docs/design.md section 7)",
+    )
     p.add_argument("--epochs", type=POSITIVE, default=1)
     p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many steps in all")
     p.add_argument("--batch-size", type=POSITIVE, default=64, help="per rank")
     p.add_argument("--lr", type=finite_float(0.0, low_open=True), default=0.05)
+    p.add_argument(
+        "--lr-schedule",
+        choices=SCHEDULES,
+        default=DEFAULT_KIND,
+        help="learning rate over the run (hvdcompress.training.schedule); default step",
+    )
+    p.add_argument(
+        "--milestones",
+        type=milestones_arg,
+        default=None,
+        metavar="E1,E2,...",
+        help="step schedule: epochs after which the rate is multiplied by --lr-gamma\n"
+        "(default: after 50%% and 80%% of --epochs, whole epochs: 5,8 of 10)",
+    )
+    p.add_argument(
+        "--lr-gamma", type=finite_float(0.0, low_open=True, high=1.0), default=DEFAULT_GAMMA
+    )
+    p.add_argument(
+        "--warmup-epochs",
+        type=finite_float(0.0),
+        default=0.0,
+        help="linear warmup to --lr over this many epochs (may be fractional)",
+    )
     p.add_argument("--momentum", type=finite_float(0.0, high=1.0, high_open=True), default=0.9)
     p.add_argument("--seed", type=int_at_least(0, 2**63 - 1 - 10**6), default=42)
     p.add_argument("--threads", type=POSITIVE, default=None, help="torch threads per rank")
@@ -239,7 +332,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--progress-every",
+        type=finite_float(0.0, low_open=True),
+        default=10.0,
+        help="seconds between progress lines when rank 0 has no terminal",
+    )
+    p.add_argument(
+        "--simulate-ranks",
+        type=POSITIVE,
+        default=None,
+        metavar="N",
+        help="play N ranks in this process (threads; no launcher, --backend unused)",
+    )
     return p
+
+
+def milestones_arg(text: str) -> list[float]:
+    """An argparse type: comma-separated milestone epochs."""
+    try:
+        return parse_milestones(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def make_schedule(args, steps_per_epoch: int) -> LRSchedule:
+    """The learning-rate schedule of the flags (default milestones from --epochs)."""
+    milestones = args.milestones
+    if milestones is None:
+        milestones = default_milestones(args.epochs) if args.lr_schedule == "step" else []
+    return LRSchedule(
+        args.lr_schedule,
+        args.lr,
+        steps_per_epoch,
+        args.epochs,
+        tuple(milestones),
+        args.lr_gamma,
+        args.warmup_epochs,
+    )
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
@@ -249,6 +379,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--resume needs --checkpoint DIR")
     if args.accordion and args.cat:
         parser.error("--accordion and --cat are exclusive")
+    if args.milestones and args.lr_schedule != "step":
+        parser.error(f"--milestones apply to --lr-schedule step, not {args.lr_schedule}")
+    if args.simulate_ranks and args.launcher is not None:
+        parser.error("--simulate-ranks runs every rank in this process: no --launcher")
     if args.accordion:
         for which, value in zip(("LOW", "HIGH"), args.accordion, strict=True):
             try:
@@ -326,10 +460,16 @@ def make_policy(args):
 CKPT_FORMAT = "hvdcompress.train/1"
 
 
-def apply_checkpoint(path: Path, model, opt, dist) -> int:
+def apply_checkpoint(path: Path, model, opt, dist, schedule: LRSchedule | None = None) -> int:
     """Load ``path`` (this rank's file) into the model and optimizer; its step.
-    ``CheckpointError`` for a file that does not verify or does not fit this run."""
+    ``CheckpointError`` for a file that does not verify or does not fit this run (another
+    learning-rate ``schedule`` included)."""
     saved = load_checkpoint(path)
+    if schedule is not None and "lr_schedule" in saved:
+        try:
+            schedule.check_resumable(saved["lr_schedule"])
+        except ValueError as err:
+            raise CheckpointError(f"{path}: {err}") from None
     for key in ("format", "step", "rank", "size", "model", "optimizer"):
         if key not in saved:
             raise CheckpointError(f"{path}: no {key!r} entry")
@@ -358,7 +498,7 @@ def apply_checkpoint(path: Path, model, opt, dist) -> int:
     return int(saved["step"])
 
 
-def resume(directory: Path, model, opt, dist) -> int:
+def resume(directory: Path, model, opt, dist, schedule: LRSchedule | None = None) -> int:
     """Load the newest step whose checkpoint verifies and loads on every rank; its step.
     Every rank takes part in the same small collectives and agrees on the step."""
     good, bad = verified_steps(directory, dist.rank)
@@ -369,7 +509,7 @@ def resume(directory: Path, model, opt, dist) -> int:
         path = checkpoint_path(directory, dist.rank, step)
         loaded = error = None
         try:
-            loaded = apply_checkpoint(path, model, opt, dist)
+            loaded = apply_checkpoint(path, model, opt, dist, schedule)
         except CheckpointError as err:  # an older step fully overwrites what was loaded
             error = str(err)
         errors = dist.allgather_object(error)
@@ -410,32 +550,72 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     check_dirs(parser, args)  # every rank, before any collective
+    if args.simulate_ranks:  # N ranks as threads of this process, one copy of the data
+        data = load_data(args)
+        digests = run_ranks(args.simulate_ranks, lambda dist: train_rank(args, dist, data))
+        if len(set(digests)) != 1:  # the replicas must hold the same parameters
+            raise SystemExit(f"simulated ranks ended with different parameters: {digests}")
+        return 0
+    if args.launcher == "torchrun":
+        import torch.distributed
+
+        from hvdcompress.transports.torch_dist import TorchDistTransport
+
+        torch.distributed.init_process_group(args.ddp_backend)
+        train_rank(args, TorchDistTransport())
+        torch.distributed.destroy_process_group()
+        return 0
     dist = make_transport(args.backend)  # the optimizer's transport too
+    train_rank(args, dist)
+    return 0
+
+
+def load_data(args):
+    """(train, test) of --dataset: each an (images, labels) pair."""
+    if args.dataset == "synthetic":
+        return synthetic(args.synthetic_size, max(args.synthetic_size // 4, 256))
+    try:
+        return load_fashion_mnist(args.data_dir)
+    except DatasetNotFound as err:
+        raise SystemExit(str(err)) from None
+
+
+def train_rank(args, dist, data=None) -> str:
+    """One rank's run: a process of a real run, or a thread of --simulate-ranks (which
+    passes the ``data`` every rank reads); the digest of its final parameters."""
     threads = args.threads or default_threads(dist.local_size)
     torch.set_num_threads(threads)
-    torch.manual_seed(args.seed)
+    train, test = data if data is not None else load_data(args)
 
-    if args.dataset == "synthetic":
-        train, test = synthetic(args.synthetic_size, max(args.synthetic_size // 4, 256))
-    else:
-        try:
-            train, test = load_fashion_mnist(args.data_dir)
-        except DatasetNotFound as err:
-            raise SystemExit(str(err)) from None
-
-    model = MODELS[args.model](args.width)
+    model = seeded(args.seed, lambda: MODELS[args.model](args.width))
     dist.broadcast_(model.parameters())
     compression, momentum = make_compression(args)
     policy = make_policy(args)
-    opt = hvdcompress.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum),
-        model.named_parameters(),
-        compression=compression,
-        backend=dist,
-        fusion_threshold=args.fusion_threshold,
-        policy=policy,
-        compress_min_numel=args.compress_min_numel,
-    )
+    forward = model
+    if args.launcher == "torchrun":  # DDP with the hook; the optimizer steps locally
+        if policy is not None:
+            raise SystemExit("--launcher torchrun: --accordion / --cat need the optimizer")
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+        hook_state = hvdcompress.DDPHookState(
+            compression,
+            named_parameters=model.named_parameters(),
+            compress_min_numel=args.compress_min_numel,
+        )
+        forward.register_comm_hook(hook_state, hvdcompress.ddp_hook)
+        opt = hooked_optimizer(
+            torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum), hook_state
+        )
+    else:
+        opt = hvdcompress.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum),
+            model.named_parameters(),
+            compression=compression,
+            backend=dist,
+            fusion_threshold=args.fusion_threshold,
+            policy=policy,
+            compress_min_numel=args.compress_min_numel,
+            exchange=args.exchange,
+        )
 
     steps_per_epoch = len(train[0]) // (dist.size * args.batch_size)
     if steps_per_epoch == 0:
@@ -446,20 +626,22 @@ def main(argv=None) -> int:
     total_steps = steps_per_epoch * args.epochs
     if args.steps is not None:
         total_steps = args.steps
+    schedule = make_schedule(args, steps_per_epoch)
 
     start_step = 0
     ckpt_dir = Path(args.checkpoint) if args.checkpoint else None
     if args.resume:
-        start_step = resume(ckpt_dir, model, opt, dist)
+        start_step = resume(ckpt_dir, model, opt, dist, schedule)
 
     def save(step: int) -> None:
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         state.update(format=CKPT_FORMAT, step=step, rank=dist.rank, size=dist.size)
         state["args"] = vars(args)
+        state["lr_schedule"] = schedule.state_dict()
         save_rank_checkpoint(ckpt_dir, dist.rank, step, state, keep=args.keep_checkpoints)
 
     is_root = dist.rank == 0
-    writer = csv_file = csv_out = None
+    writer = csv_file = csv_out = epochs_file = epochs_out = None
     policy_file = policy_out = None
     if is_root and args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -468,7 +650,17 @@ def main(argv=None) -> int:
         if not args.resume:
             csv_out.writerow(
                 ["step", "epoch", "loss", "test_acc", "bytes_sent", "payload_bytes",
-                 "raw_bytes", "bits_per_value", "compress_s", "step_s"]
+                 "raw_bytes", "bits_per_value", "compress_s", "step_s", "lr",
+                 "sent_bytes", "received_bytes"]
+            )  # fmt: skip
+        epochs_file = open(
+            Path(args.log_dir) / "epochs.csv", "a" if args.resume else "w", newline=""
+        )
+        epochs_out = csv.writer(epochs_file)  # one row per evaluation, over every rank
+        if not args.resume:
+            epochs_out.writerow(
+                ["step", "epoch", "lr", "test_acc", "payload_bits_ranks", "values_ranks",
+                 "bits_per_value_ranks"]
             )  # fmt: skip
         if policy is not None:  # long format: level / T per tensor, modelled vs measured
             policy_file = open(
@@ -484,13 +676,21 @@ def main(argv=None) -> int:
         except ImportError as err:
             print(f"train: no TensorBoard events ({err}); metrics.csv only", file=sys.stderr)
 
-    bar = None
+    bar = lines = None
     if is_root and not args.no_progress:
-        from tqdm import tqdm
+        if sys.stderr.isatty():
+            from tqdm import tqdm
 
-        bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+            bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        else:  # a launcher's pipe: a carriage-return bar would arrive as one endless line
+            lines = ProgressLines(total_steps, start_step, args.progress_every)
 
-    totals = {"wire": 0.0, "raw": 0.0, "steps": 0}
+    # wire: the ring model's bytes; sent / received: what the transport counted
+    totals = {"wire": 0.0, "raw": 0.0, "steps": 0, "sent": 0.0, "received": 0.0}
+    # payload bits and gradient values: this rank's since the last evaluation, and the
+    # sums over every rank since the start (mean bits per value over ranks and the run)
+    since_eval = {"bits": 0.0, "values": 0.0}
+    over_ranks = {"bits": 0.0, "values": 0.0}
     size = dist.size
     step = start_step
     loss_value = float("nan")
@@ -504,9 +704,10 @@ def main(argv=None) -> int:
         in_epoch = step % steps_per_epoch
         lo = (in_epoch * size + dist.rank) * args.batch_size
         idx = perm[lo : lo + args.batch_size]
+        lr = schedule.apply(opt, step)
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+        loss = F.cross_entropy(forward(x_train[idx]), y_train[idx])
         loss.backward()
         opt.step()
         step_s = time.perf_counter() - t0
@@ -516,13 +717,28 @@ def main(argv=None) -> int:
         first_loss = loss_value if first_loss is None else first_loss
         last_loss = loss_value
         totals["wire"] += stats.wire_bytes
+        totals["sent"] += stats.sent_bytes
+        totals["received"] += stats.received_bytes
         totals["raw"] += 2.0 * (size - 1) / size * stats.raw_bytes
         totals["steps"] += 1
+        since_eval["bits"] += 8.0 * stats.payload_bytes
+        since_eval["values"] += stats.numel
         end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
         if policy is not None and step % steps_per_epoch == 0:
             if hasattr(policy, "end_epoch"):  # every rank: an Accordion interval end
                 policy.end_epoch()
         acc = evaluate(model, test, dist) if end_of_epoch else None
+        if end_of_epoch:  # every rank: one small sum
+            bits, values = dist.sum_floats([since_eval["bits"], since_eval["values"]])
+            since_eval = {"bits": 0.0, "values": 0.0}
+            over_ranks["bits"] += bits
+            over_ranks["values"] += values
+            if epochs_out:
+                epochs_out.writerow(
+                    [step, epoch, f"{lr:.6g}", f"{acc:.4f}", f"{bits:.0f}", f"{values:.0f}",
+                     f"{bits / max(values, 1.0):.4f}"]
+                )  # fmt: skip
+                epochs_file.flush()
         if ckpt_dir and (
             step == total_steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
         ):
@@ -532,6 +748,7 @@ def main(argv=None) -> int:
                 step, epoch, f"{loss_value:.6f}", "" if acc is None else f"{acc:.4f}",
                 f"{stats.wire_bytes:.0f}", stats.payload_bytes, stats.raw_bytes,
                 f"{stats.bits_per_value:.4f}", f"{stats.compress_s:.6f}", f"{step_s:.6f}",
+                f"{lr:.6g}", stats.sent_bytes, stats.received_bytes,
             ]  # fmt: skip
             if csv_out:
                 csv_out.writerow(row)
@@ -542,29 +759,39 @@ def main(argv=None) -> int:
             if writer:
                 writer.add_scalar("train/loss", loss_value, step)
                 writer.add_scalar("comm/bytes_sent", stats.wire_bytes, step)
+                writer.add_scalar("comm/sent_bytes_measured", stats.sent_bytes, step)
+                writer.add_scalar("comm/received_bytes_measured", stats.received_bytes, step)
                 writer.add_scalar("comm/bits_per_value", stats.bits_per_value, step)
                 writer.add_scalar("time/compress_s", stats.compress_s, step)
                 writer.add_scalar("time/step_s", step_s, step)
+                writer.add_scalar("train/lr", lr, step)
                 if acc is not None:
                     writer.add_scalar("test/accuracy", acc, step)
             if bar:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss_value:.3f}", bpv=f"{stats.bits_per_value:.2f}")
+            if lines:
+                lines.update(step, loss_value, stats.bits_per_value)
             if acc is not None and bar is None:
                 print(f"step {step} epoch {epoch} loss {loss_value:.4f} test_acc {acc:.4f}")
 
     final_acc = evaluate(model, test, dist)
     digest = param_digest(model)
+    # every rank: the transport's counts, averaged over ranks
+    sent, received = (v / size for v in dist.sum_floats([totals["sent"], totals["received"]]))
     if is_root:
         if bar:
             bar.close()
         saved = 1.0 - totals["wire"] / totals["raw"] if totals["raw"] else 0.0
         print(
-            f"summary: ranks {size} backend {args.backend} compression {args.compression} "
+            f"summary: ranks {size} backend {dist.name} compression {args.compression} "
             f"steps {step} first_loss {first_loss} last_loss {last_loss} "
             f"test_accuracy {final_acc:.4f} bytes_sent_per_rank {totals['wire']:.0f} "
             f"uncompressed_allreduce_bytes {totals['raw']:.0f} traffic_saved {100 * saved:.1f}% "
-            f"threads {threads} param_digest {digest}",
+            f"exchange {args.exchange} sent_bytes_per_rank {sent:.0f} "
+            f"received_bytes_per_rank {received:.0f} "
+            f"bits_per_value_ranks {over_ranks['bits'] / max(over_ranks['values'], 1.0):.4f} "
+            f"lr_schedule {schedule.kind} threads {threads} param_digest {digest}",
             flush=True,
         )
         if writer:
@@ -572,9 +799,22 @@ def main(argv=None) -> int:
             writer.close()
         if csv_file:
             csv_file.close()
+        if epochs_file:
+            epochs_file.close()
         if policy_file:
             policy_file.close()
-    return 0
+        if args.log_dir and isinstance(policy, hvdcompress.Accordion):
+            write_accordion_trace(Path(args.log_dir) / "accordion.json", policy)
+    return digest
+
+
+def write_accordion_trace(path: Path, policy: hvdcompress.Accordion) -> None:
+    """Accordion's decisions in this process (step, reason, level per tensor, the norms
+    averaged over ranks, in ``names`` order) with eta: the norm-change trace that
+    scripts/plot_policy.py draws under the levels."""
+    trace = {"eta": policy.eta, "low": policy.low, "high": policy.high,
+             "names": policy.names, "decisions": policy.history}  # fmt: skip
+    path.write_text(json.dumps(trace, indent=1))
 
 
 if __name__ == "__main__":

@@ -109,3 +109,40 @@ def test_failures_are_reported_and_cleaned_up(tmp_path):
     assert "timeout" in rows["fp16"]["reason"]
     assert "FAILED" in res.stdout
     assert _namespaces(prefix) == []
+
+
+def test_exchange_and_ranks_axes_measure_bytes_per_rank(tmp_path):
+    """3LC on the allgather and the two-stage exchange at 2 and 3 ranks (mpi over TCP):
+    the transport counts the two-stage bytes near 2 (N - 1) / N x the allgather payload,
+    fewer than the allgather's at 3 ranks; none runs once, allreduced."""
+    prefix = f"hvdc-bt{os.getpid()}c-"
+    res, data, out = _run(
+        tmp_path,
+        prefix,
+        *("--ranks", "2", "3", "--rates", "unlimited", "--models", "cnn"),
+        *("--cases", "none", "3lc", "--exchanges", "allgather", "twostage"),
+        *("--launchers", "mpi"),
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {(r["ranks"], r["case"], r["exchange"]): r for r in data["rows"]}
+    assert set(rows) == {
+        (n, c, e)
+        for n in (2, 3)
+        for c, e in (("none", "allreduce"), ("3lc", "allgather"), ("3lc", "twostage"))
+    }
+    for r in rows.values():
+        assert r["status"] == "ok", r
+    for n in (2, 3):
+        ag, ts = rows[(n, "3lc", "allgather")], rows[(n, "3lc", "twostage")]
+        assert ag["exchanges"] == ["allgather"] and ts["exchanges"] == ["twostage"]
+        assert 0.85 < ts["sent_vs_model"] < 1.25, ts
+        assert ts["measured_bytes_per_rank"] > ts["sent_bytes_per_rank"] > 0  # + TCP/IP
+    assert (
+        rows[(3, "3lc", "twostage")]["sent_bytes_per_rank"]
+        < 0.8 * (rows[(3, "3lc", "allgather")]["sent_bytes_per_rank"])
+    )
+    table = (out / "bench_network.md").read_text()
+    assert "| mpi | unlimited | cnn | 3lc (twostage) |" in table  # the bytes-vs-ranks table
+    assert (out / "bench_network_bytes.png").stat().st_size > 0
+    assert _namespaces(prefix) == []

@@ -11,12 +11,18 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hvdcompress
+from hvdcompress.backends import cpu as cpu_backend
 from hvdcompress.codecs import dqsg as dqsg_codec
 from hvdcompress.codecs import ndqsg as ndqsg_codec
 from hvdcompress.codecs import primitives as prim
+from hvdcompress.codecs import threelc
+from hvdcompress.codecs.quant import padded
 from hvdcompress.wire import PayloadError
+from tests.codec_inputs import gradients, special_tensor
 from tests.helpers import bound, comp
 
 # ---- DQSG ----------------------------------------------------------------------------------
@@ -244,3 +250,90 @@ def test_ndqsg_state_dict_roundtrip():
     d = bound("ndqsg", 1, 2)
     d.load_state_dict(c.state_dict())
     assert torch.equal(c.compress(x, "w")[0], d.compress(x, "w")[0])
+
+
+# ---- the native quantiser against the torch formulas ----------------------------------------
+# DQSG's quantiser and reconstruction run natively (kernels/quant.c on the CPU); these are
+# the formulas of hvdcompress.codecs.dqsg's docstring as plain torch ops (the codec before
+# it went native): bodies and decoded values must be the same bytes for any input.
+
+
+def reference_dqsg_quantize(w, levels, bucket, key):
+    n = w.numel()
+    w2 = padded(w, bucket)
+    absmax = w2.abs().amax(dim=1) if n else w.new_zeros(0)
+    deltas = prim.divide(absmax, float(levels))
+    safe = torch.where(deltas > 0, deltas, torch.ones_like(deltas))[:, None]
+    t = w2 / safe
+    t += (prim.uniform(key, w2.numel(), w.device) - 0.5).view(w2.shape)
+    q = torch.round_(t).clamp_(-levels, levels).to(torch.int8)
+    return q.view(-1)[:n], deltas
+
+
+def reference_dqsg_encode(w, levels, bucket, key):
+    q, deltas = reference_dqsg_quantize(w, levels, bucket, key)
+    if levels == 1:
+        packed = threelc.zero_run_encode(threelc.quartic_encode(q))
+    else:
+        packed = prim.bitpack(
+            (q.to(torch.int16) + levels).to(torch.uint8), dqsg_codec.dqsg_bits(levels)
+        )
+    return torch.cat([prim.float_bytes(deltas), packed])
+
+
+def reference_dqsg_decode(q, deltas, bucket, key, out, accumulate):
+    q2 = padded(q, bucket).to(torch.float32)
+    q2 -= (prim.uniform(key, q2.numel(), out.device) - 0.5).view(q2.shape)
+    val = (deltas[:, None] * q2).view(-1)[: q.numel()]
+    return out + val if accumulate else val
+
+
+def check_dqsg(w, levels, bucket, key):
+    body = dqsg_codec.encode(w, levels, bucket, key)
+    if not prim.all_finite(w):
+        assert body is None
+        return
+    assert torch.equal(body, reference_dqsg_encode(w, levels, bucket, key))
+    q, deltas = dqsg_codec.quantize(w, levels, bucket, key)
+    q_ref, deltas_ref = reference_dqsg_quantize(w, levels, bucket, key)
+    assert torch.equal(q, q_ref) and torch.equal(
+        deltas.view(torch.int32), deltas_ref.view(torch.int32)
+    )
+    n = w.numel()
+    out = torch.randn(n)
+    for accumulate in (False, True):
+        got = out.clone()
+        dqsg_codec.decode_into(body, n, levels, bucket, key, got, accumulate)
+        want = reference_dqsg_decode(q_ref, deltas_ref, bucket, key, out, accumulate)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@settings(max_examples=150)
+@given(
+    w=gradients(),
+    levels=st.sampled_from([1, 2, 3, 7, 64, 127]),
+    bucket=st.sampled_from([1, 5, 64, 512, 1000]),
+    key=st.integers(0, 2**64 - 1),
+)
+def test_dqsg_native_matches_torch_formulas(w, levels, bucket, key):
+    check_dqsg(w, levels, bucket, key)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 8, 511, 512, 513, 4097])
+@pytest.mark.parametrize("kind", ["zeros", "negzeros", "subnormal", "huge", "inf", "nan", "mixed"])
+def test_dqsg_edge_sizes_and_specials(n, kind):
+    w = special_tensor(n, kind)
+    for levels, bucket in ((3, 512), (1, 7), (127, 64)):
+        check_dqsg(w, levels, bucket, 2**63 + n)
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_dqsg_bytes_independent_of_threads(monkeypatch, threads):
+    """HVDC_NUM_THREADS splits the native passes; bytes and decoded values do not change."""
+    monkeypatch.setenv("HVDC_NUM_THREADS", threads)
+    monkeypatch.setattr(cpu_backend, "_MIN_PART", 64)
+    gen = torch.Generator().manual_seed(4)
+    for n in (1, 100, 5003, 20000):
+        w = torch.randn(n, generator=gen)
+        for levels, bucket in ((3, 512), (1, 100), (127, 1)):
+            check_dqsg(w, levels, bucket, 31)

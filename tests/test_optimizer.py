@@ -151,3 +151,76 @@ def test_powersgd_optimizer_runs_two_allreduces_per_bucket(transport):
         opt.step()
     state = opt.state_dict()["hvdcompress"]["compressor_state"]
     assert set(state["qs"]) == {"0.weight", "1.weight"}
+
+
+# ---- Horovod's keywords (one process; the comparisons with stock Horovod are in
+# tests/mpi/test_horovod_parity.py) ------------------------------------------------------------
+def _wrap(model, transport, **kw):
+    return hvdcompress.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        backend=transport, **kw,
+    )  # fmt: skip
+
+
+def test_groups_make_one_bucket_per_group_in_readiness_order(model, transport):
+    # model: 0.weight, 0.bias, 2.weight, 2.bias
+    by_count = _wrap(model, transport, groups=2)
+    assert [b.names for b in by_count.buckets] == [["2.bias", "2.weight"], ["0.bias", "0.weight"]]
+    listed = _wrap(model, transport, groups=[[model[0].weight, model[2].bias]])
+    assert [b.names for b in listed.buckets] == [["2.bias", "0.weight"], ["2.weight"], ["0.bias"]]
+    with pytest.warns(DeprecationWarning, match="num_groups"):
+        assert len(_wrap(model, transport, num_groups=4).buckets) == 4
+    with pytest.raises(ValueError, match="only appear once"):
+        _wrap(model, transport, groups=[[model[0].weight], [model[0].weight]])
+
+
+def test_gradient_predivide_factor_scales_before_and_after_the_sum(model, transport):
+    x = torch.randn(4, 10)
+    model(x).sum().backward()
+    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt = _wrap(model, transport, gradient_predivide_factor=4.0)
+    model.zero_grad()
+    model(x).sum().backward()
+    opt.synchronize()
+    for n, p in model.named_parameters():  # (g / 4) summed over 1 rank, times 4 / 1
+        torch.testing.assert_close(p.grad, raw[n] * 0.25 * 4.0, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="op != Average"):
+        _wrap(model, transport, op=hvdcompress.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="finite number > 0"):
+        _wrap(model, transport, gradient_predivide_factor=-1.0)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+@pytest.mark.parametrize("compression", ["none", "3lc"])
+def test_sparse_gradients_are_exchanged_and_stay_sparse(transport, compression, sparse_as_dense):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = hvdcompress.DistributedOptimizer(
+        torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters(),
+        compression=compression, sparse_as_dense=sparse_as_dense, backend=transport,
+    )  # fmt: skip
+    emb(torch.tensor([1, 3, 3])).sum().backward()
+    local = emb.weight.grad.to_dense().clone()
+    opt.synchronize()
+    assert emb.weight.grad.is_sparse
+    if compression == "none" or not sparse_as_dense:  # the sparse path is uncompressed
+        assert torch.equal(emb.weight.grad.to_dense(), local)
+    with opt.skip_synchronize():
+        opt.step()
+
+
+def test_horovod_attributes_and_set_backward_passes_per_step(model, transport):
+    opt = _wrap(model, transport, op=1, backward_passes_per_step=2)
+    assert (opt.op, opt.backward_passes_per_step, opt.gradient_predivide_factor) == (1, 2, 1.0)
+    assert opt.sparse_as_dense is False and opt.process_set is None
+    assert sorted(opt._parameter_names.values()) == sorted(n for n, _ in model.named_parameters())
+    opt.set_backward_passes_per_step(1)
+    model(torch.randn(2, 10)).sum().backward()
+    with pytest.raises(AssertionError, match="Increase backward_passes_per_step"):
+        model(torch.randn(2, 10)).sum().backward()
+    opt.synchronize()
+
+
+def test_adasum_with_a_gather_only_codec_is_refused_with_the_reason(model, transport):
+    with pytest.raises(ValueError, match="gather-only codec"):
+        _wrap(model, transport, op=2, compression="3lc")

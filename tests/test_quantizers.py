@@ -8,7 +8,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from hvdcompress.backends import cpu as cpu_backend
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.codecs import quant, threelc
+from hvdcompress.errors import PayloadError
+from tests.codec_inputs import gradients, special_tensor
 from tests.helpers import comp
 
 
@@ -55,3 +62,144 @@ def test_terngrad_is_unbiased_and_ternary():
     assert c.decode(c.compress(x, "w")[0])[int(x.abs().argmax())] == m * torch.sign(
         x[int(x.abs().argmax())]
     )
+
+
+# ---- the native codecs against the torch formulas ------------------------------------------
+# QSGD and TernGrad run as native passes (kernels/quant.c on the CPU); these are the
+# formulas of hvdcompress.codecs.quant's docstring as plain torch ops (the codecs before
+# they went native): the bodies and decoded values must be the same bytes for any input.
+
+
+def reference_qsgd_encode(x, levels, bucket, key):
+    n = x.numel()
+    if not prim.all_finite(x):
+        return None
+    norms = torch.sqrt(prim.chunk_sums(x, bucket, True)).to(torch.float32)
+    if not prim.all_finite(norms):
+        return None
+    safe = torch.where(norms > 0, norms, torch.ones_like(norms))[:, None]
+    x2 = quant.padded(x, bucket)
+    r = (x2.abs() / safe) * float(levels)
+    r += prim.uniform(key, x2.numel(), x.device).view(x2.shape)
+    lvl = torch.floor_(r).clamp_(0, levels).to(torch.uint8)
+    neg = ((x2 < 0) & (lvl > 0)).to(torch.uint8)
+    codes = (lvl * 2 + neg).view(-1)[:n]
+    return torch.cat([prim.float_bytes(norms), prim.bitpack(codes, quant.qsgd_bits(levels))])
+
+
+def reference_qsgd_decode(body, n, levels, bucket, out, accumulate):
+    nb = quant.num_buckets(n, bucket)
+    norms = prim.floats_from(body, nb)
+    codes = prim.bitunpack(body[4 * nb :], n, quant.qsgd_bits(levels))
+    lvl, neg = codes >> 1, codes & 1
+    mag = prim.divide(quant.padded(lvl, bucket).to(torch.float32), float(levels)) * norms[:, None]
+    val = torch.where(neg.bool(), -mag.view(-1)[:n], mag.view(-1)[:n])
+    return out + val if accumulate else val
+
+
+def reference_terngrad_encode(x, key):
+    if not prim.all_finite(x):
+        return None
+    n = x.numel()
+    scale = prim.absmax(x)
+    if scale == 0.0:
+        q = torch.zeros(n, dtype=torch.int8)
+    else:
+        keep = prim.uniform(key, n, x.device) < prim.divide(x.abs(), scale)
+        q = torch.where(keep, torch.sign(x), torch.zeros_like(x)).to(torch.int8)
+    return threelc.zero_run_encode(threelc.quartic_encode(q)), scale
+
+
+def check_qsgd(x, levels, bucket, key):
+    want = reference_qsgd_encode(x, levels, bucket, key)
+    got = quant.qsgd_encode(x, levels, bucket, key)
+    if want is None:
+        assert got is None
+        return
+    assert torch.equal(got, want)
+    n = x.numel()
+    out = torch.randn(n)
+    for accumulate in (False, True):
+        dec = out.clone()
+        quant.qsgd_decode_into(got, n, levels, bucket, dec, accumulate)
+        ref = reference_qsgd_decode(want, n, levels, bucket, out, accumulate)
+        assert torch.equal(dec.view(torch.int32), ref.view(torch.int32))
+
+
+def check_terngrad(x, key):
+    want = reference_terngrad_encode(x, key)
+    got = quant.terngrad_encode(x, key)
+    if want is None:
+        assert got is None
+        return
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+KEYS = st.integers(0, 2**64 - 1)
+
+
+@settings(max_examples=150)
+@given(
+    x=gradients(),
+    levels=st.sampled_from([1, 2, 3, 7, 16, 31, 64, 127]),
+    bucket=st.sampled_from([1, 7, 64, 512, 1000]),
+    key=KEYS,
+)
+def test_qsgd_native_matches_torch_formulas(x, levels, bucket, key):
+    check_qsgd(x, levels, bucket, key)
+
+
+@settings(max_examples=150)
+@given(x=gradients(), key=KEYS)
+def test_terngrad_native_matches_torch_formulas(x, key):
+    check_terngrad(x, key)
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 7, 8, 9, 511, 512, 513, 1021, 4097])
+@pytest.mark.parametrize("kind", ["zeros", "negzeros", "subnormal", "huge", "inf", "nan", "mixed"])
+def test_quantizers_edge_sizes_and_specials(n, kind):
+    x = special_tensor(n, kind)
+    for levels, bucket in ((16, 512), (1, 7), (127, 64)):
+        check_qsgd(x, levels, bucket, 12345)
+    check_terngrad(x, 2**64 - 1)
+
+
+def test_qsgd_decode_rejects_bad_bodies_out_untouched():
+    x = torch.randn(700)
+    body = quant.qsgd_encode(x, 2, 512, 1)  # 3-bit codes: 6 and 7 are not codes
+    out = torch.full((700,), 5.0)
+    bad_norm = body.clone()
+    bad_norm[:4] = torch.tensor([0, 0, 0x80, 0xBF], dtype=torch.uint8)  # -1.0
+    bad_code = body.clone()
+    bad_code[8] = 0xFF  # code 7: level 3 > 2
+    signed_zero = body.clone()
+    signed_zero[8] = (signed_zero[8] & 0xF8) | 0x01  # code 1: level 0 with the sign bit
+    bad_pad = body.clone()
+    bad_pad[-1] |= 0x80  # 700 * 3 bits leave 4 padding bits
+    for bad, match in (
+        (bad_norm, "norm"),
+        (bad_code, "level"),
+        (signed_zero, "level"),
+        (bad_pad, "padding"),
+        (body[:-1], "bytes"),
+    ):
+        with pytest.raises(PayloadError, match=match):
+            quant.qsgd_decode_into(bad, 700, 2, 512, out, True)
+    assert torch.equal(out, torch.full((700,), 5.0))
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_quantizer_bytes_independent_of_threads(monkeypatch, threads):
+    """HVDC_NUM_THREADS splits the native passes; the bytes do not change."""
+    monkeypatch.setenv("HVDC_NUM_THREADS", threads)
+    monkeypatch.setattr(cpu_backend, "_MIN_PART", 64)
+    gen = torch.Generator().manual_seed(5)
+    for n in (1, 100, 5003, 20000):
+        x = torch.randn(n, generator=gen)
+        for levels, bucket in ((16, 512), (3, 100), (127, 1)):
+            assert torch.equal(
+                quant.qsgd_encode(x, levels, bucket, 77),
+                reference_qsgd_encode(x, levels, bucket, 77),
+            )
+        got, want = quant.terngrad_encode(x, 78), reference_terngrad_encode(x, 78)
+        assert torch.equal(got[0], want[0]) and got[1] == want[1]

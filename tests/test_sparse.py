@@ -11,10 +11,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from hvdcompress.backends import cpu as cpu_backend
+from hvdcompress.backends import cuda as cuda_backend
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
 from hvdcompress.wire import PayloadError
+from tests.codec_inputs import gradients
 from tests.fuzz.harness import fix_checksum
 from tests.helpers import assert_error_feedback_invariant, bound, comp
 
@@ -58,14 +63,25 @@ def test_topk_int64_indices_above_2_pow_31():
     assert sparse.index_dtype(2**31) == torch.int64
 
 
+# Both backends' selections: the CPU's radix select (kernels/sparse.c) and the CUDA
+# backend's torch.topk path, which runs on CPU tensors as well.
+SELECTIONS = {"cpu-radix": cpu_backend.topk_select, "cuda-torch": cuda_backend.topk_select}
+
+
+def stable_topk(x: np.ndarray, k: int) -> np.ndarray:
+    """The codec's kept set by its definition: a stable sort by decreasing |x|."""
+    return np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
+
+
+@pytest.mark.parametrize("select", SELECTIONS.values(), ids=SELECTIONS.keys())
 @pytest.mark.parametrize("kind", ["gauss", "ties", "sample_heavy", "zeros_on_sample"])
-def test_topk_selection_on_large_tensors(kind):
-    """The sampled-candidate path (n >= 4 * SAMPLE) and its fallback select exactly what a
-    stable sort selects: the k largest |x|, ties by lowest index."""
+def test_topk_selection_on_large_tensors(select, kind):
+    """The sampled-candidate path (n >= 4 * TOPK_SAMPLE) and its fallback select exactly
+    what a stable sort selects: the k largest |x|, ties by lowest index."""
     n = 300_007
     rng = np.random.default_rng(11)
     x = rng.standard_normal(n).astype(np.float32)
-    stride = n // sparse.SAMPLE
+    stride = n // cpu_backend.TOPK_SAMPLE
     if kind == "ties":
         x = np.rint(x * 3).astype(np.float32)
     elif kind == "sample_heavy":  # every sampled element is large: fewer than k candidates
@@ -73,10 +89,26 @@ def test_topk_selection_on_large_tensors(kind):
         x[::stride] = 100.0 + np.arange(len(x[::stride]), dtype=np.float32)
     elif kind == "zeros_on_sample":
         x[::stride] = 0.0
-    for k in (1, 3000, 30000):
-        idx = sparse.topk_select(torch.from_numpy(x), k).numpy()
-        want = np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
-        np.testing.assert_array_equal(idx, want)
+    for k in (1, 3000, 30000, n - 1):
+        idx = select(torch.from_numpy(x), k).numpy()
+        np.testing.assert_array_equal(idx, stable_topk(x, k))
+
+
+@settings(max_examples=200)
+@given(x=gradients(allow_nonfinite=False), frac=st.floats(0.0, 1.0), ties=st.booleans())
+def test_topk_radix_select_matches_the_definition(x, frac, ties):
+    """Any finite input (zeros, -0.0, subnormals, huge values, many ties), any k: the
+    native selection, torch's and the definition agree."""
+    n = x.numel()
+    if ties:
+        x = torch.sign(x) * torch.round(
+            torch.rand(n, generator=torch.Generator().manual_seed(n)) * 4
+        )
+    k = sparse.topk_count(n, max(frac, 1e-9)) if n else 0
+    want = stable_topk(x.numpy(), k)
+    np.testing.assert_array_equal(sparse.topk_select(x, k).numpy(), want)
+    if 0 < k < n:
+        np.testing.assert_array_equal(cuda_backend.topk_select(x, k).numpy(), want)
 
 
 # ---- random-k ------------------------------------------------------------------------------

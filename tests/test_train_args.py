@@ -4,7 +4,9 @@ that verifies."""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -69,6 +71,20 @@ BAD = [
     (["--compression", "topk", "--compression-param", "ratio=2"], r"--compression topk: "),
     (["--resume"], r"--resume needs --checkpoint DIR"),
     (["--cat-every", "0"], r"--cat-every: expected an int >= 1"),
+    (
+        ["--lr-schedule", "cosine", "--milestones", "5"],
+        r"--milestones apply to --lr-schedule step, not cosine",
+    ),
+    (["--milestones", "8,5"], r"--milestones: milestones must increase strictly"),
+    (["--milestones", "x"], r"--milestones: expected comma-separated epochs"),
+    (["--warmup-epochs", "-1"], r"--warmup-epochs: expected a finite number"),
+    (["--lr-gamma", "0"], r"--lr-gamma: expected a finite number in \(0.0, 1.0\]"),
+    (["--lr-schedule", "linear"], r"--lr-schedule: invalid choice"),
+    (["--simulate-ranks", "0"], r"--simulate-ranks: expected an int >= 1"),
+    (
+        ["--simulate-ranks", "2", "--launcher", "torchrun"],
+        r"--simulate-ranks runs every rank in this process: no --launcher",
+    ),
 ]
 
 
@@ -88,6 +104,16 @@ def test_good_arguments_parse():
     )
     assert (args.accordion, args.lr, args.steps) == ([2.0, 1.0], 0.1, 3)
     assert train.parse_args([]).keep_checkpoints == 3
+
+
+def test_default_schedule_drops_tenfold_after_half_and_four_fifths_of_the_epochs():
+    s = train.make_schedule(train.parse_args(["--epochs", "10"]), steps_per_epoch=100)
+    assert (s.kind, s.milestones, s.gamma, s.warmup_epochs) == ("step", (5.0, 8.0), 0.1, 0.0)
+    assert s.lr_at(499) == 0.05 and s.lr_at(500) == pytest.approx(0.005)
+    one = train.make_schedule(train.parse_args([]), steps_per_epoch=100)
+    assert one.milestones == ()  # a 1-epoch run: no milestone to place
+    explicit = train.parse_args(["--milestones", "3,7", "--lr-gamma", "0.5"])
+    assert train.make_schedule(explicit, 10).milestone_steps == [30, 70]
 
 
 def _run(args, cwd, timeout=120):
@@ -150,3 +176,79 @@ def test_resume_skips_a_corrupt_newest_checkpoint_and_keeps_k(tmp_path):
     assert out.returncode != 0 and "summary:" not in out.stdout
     assert "rank0.step000000003.ckpt" in out.stderr and "truncated" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+SYNTHETIC = ["--dataset", "synthetic", "--synthetic-size", "1024", "--width", "2",
+             "--batch-size", "32", "--epochs", "2"]  # fmt: skip
+
+
+def test_step_schedule_is_logged_and_resume_continues_it_exactly(tmp_path):
+    sched = [*SYNTHETIC, "--milestones", "0.5"]  # 32 steps per epoch: drop at step 16
+    full = _run([*sched, "--steps", "20", "--log-dir", "logs"], tmp_path)
+    with open(tmp_path / "logs" / "metrics.csv") as f:
+        rates = [float(row["lr"]) for row in csv.DictReader(f)]
+    assert rates == [0.05] * 16 + [pytest.approx(0.005)] * 4
+    _digest(_run([*sched, "--steps", "12", "--checkpoint", "ck"], tmp_path))
+    resumed = _run([*sched, "--steps", "20", "--checkpoint", "ck", "--resume"], tmp_path)
+    assert _digest(resumed) == _digest(full)
+    # other schedule flags on resume: a clear error, no training
+    other = _run([*SYNTHETIC, "--milestones", "0.75", "--steps", "20", "--checkpoint", "ck",
+                  "--resume"], tmp_path)  # fmt: skip
+    assert other.returncode != 0 and "summary:" not in other.stdout
+    assert "trained with the schedule" in other.stderr and "Traceback" not in other.stderr
+
+
+def test_simulated_ranks_match_the_plain_run_and_log_bits_over_ranks(tmp_path):
+    plain = _digest(_run([*SYNTHETIC, "--steps", "6"], tmp_path))
+    one = _run([*SYNTHETIC, "--steps", "6", "--simulate-ranks", "1"], tmp_path)
+    assert _digest(one) == plain and "backend simulated" in one.stdout
+    two = _run([*SYNTHETIC, "--steps", "6", "--simulate-ranks", "2", "--log-dir", "sim"], tmp_path)
+    assert "ranks 2 backend simulated" in two.stdout
+    with open(tmp_path / "sim" / "epochs.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert int(row["step"]) == 6 and float(row["test_acc"]) > 0
+    bits, values = float(row["payload_bits_ranks"]), float(row["values_ranks"])
+    assert values == 2 * 6 * sum(p.numel() for p in train.MODELS["cnn"](2).parameters())
+    assert float(row["bits_per_value_ranks"]) == pytest.approx(bits / values, abs=1e-4)
+    mean = float(re.search(r"bits_per_value_ranks (\S+)", two.stdout).group(1))
+    assert mean == pytest.approx(bits / values, abs=1e-4)
+
+
+def test_accordion_returns_to_low_after_each_rate_drop_and_its_trace_is_plotted(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "_plot_policy", ROOT / "scripts" / "plot_policy.py"
+    )
+    plot_policy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_policy)
+    run = [
+        *SYNTHETIC,
+        "--steps",
+        "40",
+        "--simulate-ranks",
+        "2",
+        "--log-dir",
+        "acc",
+        "--milestones",
+        "0.5,1",
+        "--accordion",
+        "1.0",
+        "1.75",
+        "--accordion-interval",
+        "3",
+    ]
+    _digest(_run(run, tmp_path))  # fmt: skip
+    trace = json.loads((tmp_path / "acc" / "accordion.json").read_text())
+    drops = [d for d in trace["decisions"] if d["reason"] == "lr_drop"]
+    # 16 steps per epoch: the rate drops from step 9 and from step 17 on (1-based); the
+    # first interval ends after each (every 3 steps) put every tensor at the low level
+    assert [d["step"] for d in drops] == [9, 18], trace["decisions"]
+    for d in drops:
+        assert set(d["levels"].values()) == {1.0}
+    changes = plot_policy.norm_changes(trace)
+    with_norms = [d for d in trace["decisions"] if d["norms"] is not None]
+    first = trace["names"][0]
+    a, b = with_norms[0]["norms"][0], with_norms[1]["norms"][0]
+    assert changes[first][0][0] == with_norms[1]["step"]
+    assert changes[first][1][0] == pytest.approx(abs(a - b) / a)
+    out = plot_policy.plot(tmp_path / "acc", tmp_path / "acc" / "policy.png")
+    assert out.stat().st_size > 10_000

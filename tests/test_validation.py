@@ -37,7 +37,7 @@ def _opt(model=None, **kw):
         ({"compress_min_numel": -1}, ValueError, r"compress_min_numel must be an int >= 0"),
         ({"compress_min_numel": None}, ValueError, "compress_min_numel"),
         ({"op": "mean"}, ValueError, r"hvdcompress.Average, hvdcompress.Sum"),
-        ({"op": 2}, ValueError, "hvd.Sum"),  # Adasum
+        ({"op": 2}, ValueError, "Adasum cannot be combined"),  # with 3LC (gather-only)
         ({"op": True}, ValueError, "hvd.Sum"),
         ({"policy": "accordion"}, TypeError, r"hvdcompress.Policy"),
         ({"backend": 3}, TypeError, "backend must be"),

@@ -1,5 +1,5 @@
-"""CPU backend: the C library of ``kernels/*.c`` (``threelc.c``, ``primitives.c``) called
-through ctypes.
+"""CPU backend: the C library of ``kernels/*.c`` (``threelc.c``, ``primitives.c``,
+``sign.c``, ``quant.c``, ``sparse.c``) called through ctypes.
 
 The library is built by ``pip install`` (setup.py) as ``hvdcompress._codec_cpu``. When
 the package runs without that build (a GPU node that only has the checkout on
@@ -16,16 +16,19 @@ stay owned by torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import importlib.machinery
 import math
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hvdcompress import _native
@@ -54,11 +57,28 @@ _SIGNATURES = {
     "hvdc_tlc_dequantize": (_i64, [_p, _i64, _f32, _p, _int]),
     "hvdc_tlc_decode": (_i64, [_p, _i64, _i64, _f32, _p, _int]),
     "hvdc_checksum": (_u32, [_p, _i64, _i64]),
+    "hvdc_checksum_segments": (None, [_p, _i64, _p, _p, _p]),
     # shared primitives (kernels/primitives.c)
     "hvdc_prim_uniform": (None, [ctypes.c_uint64, _i64, _i64, _p]),
     "hvdc_prim_bitpack": (None, [_p, _i64, _int, _p]),
     "hvdc_prim_bitunpack": (_i64, [_p, _i64, _i64, _int, _p]),
     "hvdc_prim_chunk_sums": (None, [_p, _i64, _i64, _int, _p]),
+    # sign codecs (kernels/sign.c)
+    "hvdc_sign_encode": (_int, [_p, _i64, _p]),
+    "hvdc_efsign_sums": (_int, [_p, _p, _i64, _i64, _p]),
+    "hvdc_efsign_encode": (None, [_p, _p, _f32, _i64, _p]),
+    "hvdc_sign_decode": (_i64, [_p, _i64, _f32, _p, _int]),
+    "hvdc_sign_encode_segments": (None, [_i64, _p, _p, _p, _p]),
+    # stochastic quantisers (kernels/quant.c)
+    "hvdc_qsgd_encode": (_int, [_p, _i64, _int, _int, _i64, ctypes.c_uint64, _i64, _p, _p]),
+    "hvdc_qsgd_decode": (_i64, [_p, _i64, _int, _int, _i64, _p, _int]),
+    "hvdc_terngrad_quartic": (None, [_p, _i64, _f32, ctypes.c_uint64, _i64, _p]),
+    "hvdc_dqsg_quantize": (_int, [_p, _i64, _int, _i64, ctypes.c_uint64, _i64, _int, _p, _p]),
+    "hvdc_dqsg_dequantize": (None, [_p, _i64, _p, _i64, ctypes.c_uint64, _i64, _p, _int]),
+    # top-k selection (kernels/sparse.c)
+    "hvdc_topk_kth_bits": (_u32, [_p, _i64, _i64, _u32, _i64, _p]),
+    "hvdc_topk_collect": (_i64, [_p, _i64, _u32, _p, _p, _i64]),
+    "hvdc_topk_keep": (_i64, [_p, _i64, _u32, _p, _u32, _i64, _p]),
 }
 # Negative return codes of the decoders, per source file.
 _ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
@@ -66,9 +86,11 @@ _ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
     -2: "a quartic byte is above 242",
     -3: "a padding digit of the last group is not zero",
 }
-_PRIM_ERRORS = {  # kernels/primitives.c (PRIM_ERR_*)
+_PRIM_ERRORS = {  # kernels/primitives.c (PRIM_ERR_*), sign.c and quant.c (QUANT_ERR_*)
     -1: "the packed body does not have ceil(numel * bits / 8) bytes",
     -4: "a padding bit after the last packed value is set",
+    -5: "a QSGD norm is negative or not finite",
+    -6: "a QSGD level is above the levels or a zero is signed",
 }
 NONFINITE_BITS = 0x7F800000  # abs bits at or above this are Inf or NaN
 
@@ -189,6 +211,18 @@ def checksum(buf: torch.Tensor, offset: int) -> int:
     return int(LIB.hvdc_checksum(_ptr(buf), buf.numel(), offset))
 
 
+def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
+    """``checksum`` (offset 0) of each segment [start, start + length) of buf: one call."""
+    count = len(starts)
+    table = np.array([starts, lengths], dtype=np.int64)
+    out = np.empty(count, dtype=np.uint32)
+    if count:
+        LIB.hvdc_checksum_segments(
+            _ptr(buf), count, table[0].ctypes.data, table[1].ctypes.data, out.ctypes.data
+        )
+    return out.tolist()
+
+
 # ---- building blocks --------------------------------------------------------------------
 
 
@@ -265,4 +299,294 @@ def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
     out = torch.empty((n + chunk - 1) // chunk, dtype=torch.float64)
     if n:
         LIB.hvdc_prim_chunk_sums(_ptr(x), n, chunk, int(square), _ptr(out))
+    return out
+
+
+# ---- threads --------------------------------------------------------------------------------
+
+_MIN_PART = 1 << 18  # elements: below this a part costs more to hand out than to encode
+
+
+def num_threads() -> int:
+    """Threads for the CPU codecs: ``$HVDC_NUM_THREADS`` when set (an int >= 1), else the
+    CPUs this process may run on divided by the ranks on this node (Open MPI's, MPICH's,
+    Slurm's or Horovod's local size), at least 1. The bytes never depend on it."""
+    return _threads_for(os.environ.get("HVDC_NUM_THREADS", "").strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _threads_for(setting: str) -> int:
+    if setting:
+        if not setting.isdigit() or int(setting) < 1:
+            raise ValueError(f"HVDC_NUM_THREADS must be an int >= 1, got {setting!r}")
+        return int(setting)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    local = 1
+    for var in (
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "MPI_LOCALNRANKS",
+        "SLURM_NTASKS_PER_NODE",
+        "HOROVOD_LOCAL_SIZE",
+    ):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) >= 1:
+            local = int(value)
+            break
+    return max(1, (cpus or 1) // local)
+
+
+_pool_lock = threading.Lock()
+_pool: list = []  # [ThreadPoolExecutor, its size]
+
+
+def _executor(threads: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _pool_lock:
+        if not _pool or _pool[1] != threads:
+            if _pool:
+                _pool[0].shutdown(wait=False)
+            _pool[:] = [ThreadPoolExecutor(threads, thread_name_prefix="hvdc-codec"), threads]
+        return _pool[0]
+
+
+def _parts(n: int, align: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges covering 0..n, every lo a multiple of ``align``: one per thread (fewer
+    when the parts would be under _MIN_PART elements)."""
+    if n < 2 * _MIN_PART:
+        return [(0, n)]
+    count = min(num_threads(), n // _MIN_PART)
+    if count <= 1:
+        return [(0, n)]
+    per_part = -(-n // count)
+    step = -(-per_part // align) * align  # ceil(n / count), rounded up to align
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+def _run_parts(fn, parts: list[tuple[int, int]]) -> list:
+    """fn(lo, hi) for every part, on the pool when there is more than one (ctypes releases
+    the GIL during each C call)."""
+    if len(parts) == 1:
+        return [fn(*parts[0])]
+    return list(_executor(len(parts)).map(lambda part: fn(*part), parts))
+
+
+# ---- sign codecs (kernels/sign.c; see hvdcompress.codecs.sign) -------------------------------
+
+_F32 = 4
+
+
+def sign_encode(x: torch.Tensor) -> torch.Tensor | None:
+    """The packed sign bits of x (bit 1 for x < 0), or None when x holds a NaN or an Inf."""
+    n = x.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    base, dst = _ptr(x), _ptr(out)
+
+    def part(lo: int, hi: int) -> int:
+        return LIB.hvdc_sign_encode(base + _F32 * lo, hi - lo, dst + lo // 8)
+
+    return None if any(_run_parts(part, _parts(n, 8))) else out
+
+
+def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``sign_encode`` of each tensor (a bucket) in one native call over a segment table;
+    the bodies are views of one buffer."""
+    sizes = [x.numel() for x in xs]
+    nbytes = [(n + 7) // 8 for n in sizes]
+    buf = torch.empty(sum(nbytes), dtype=torch.uint8)
+    bodies = list(torch.split(buf, nbytes)) if xs else []
+    table = np.array(
+        [[x.data_ptr() for x in xs], sizes, [b.data_ptr() for b in bodies]], dtype=np.uint64
+    )
+    flags = np.zeros(len(xs), dtype=np.int32)
+    if xs:
+        LIB.hvdc_sign_encode_segments(
+            len(xs),
+            table[0].ctypes.data,
+            table[1].ctypes.data,
+            table[2].ctypes.data,
+            flags.ctypes.data,
+        )
+    return [None if bad else body for bad, body in zip(flags.tolist(), bodies, strict=True)]
+
+
+EF_CHUNK = 1024  # elements per order-fixed partial sum of EF-signSGD's mean |a|
+
+
+def efsign_sums(g: torch.Tensor, e: torch.Tensor) -> torch.Tensor | None:
+    """float64 sums of |g + e| over EF_CHUNK-element chunks (each left to right), or None
+    when g + e holds a NaN or an Inf."""
+    n = g.numel()
+    sums = torch.empty((n + EF_CHUNK - 1) // EF_CHUNK, dtype=torch.float64)
+    pg, pe, ps = _ptr(g), _ptr(e), _ptr(sums)
+
+    def part(lo: int, hi: int) -> int:
+        off = _F32 * lo
+        return LIB.hvdc_efsign_sums(
+            pg + off, pe + off, hi - lo, EF_CHUNK, ps + 8 * (lo // EF_CHUNK)
+        )
+
+    return None if any(_run_parts(part, _parts(n, EF_CHUNK))) else sums
+
+
+def efsign_encode(g: torch.Tensor, e: torch.Tensor, scale: float) -> torch.Tensor:
+    """The sign bits of a = g + e; e <- a - (a < 0 ? -scale : scale). a is finite."""
+    n = g.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    pg, pe, po = _ptr(g), _ptr(e), _ptr(out)
+
+    def part(lo: int, hi: int) -> None:
+        LIB.hvdc_efsign_encode(pg + _F32 * lo, pe + _F32 * lo, scale, hi - lo, po + lo // 8)
+
+    _run_parts(part, _parts(n, 8))
+    return out
+
+
+def sign_decode(
+    body: torch.Tensor, n: int, scale: float, out: torch.Tensor, accumulate: bool
+) -> None:
+    """out = (bit ? -scale : scale), or out += that; body has ceil(n / 8) bytes."""
+    _check(LIB.hvdc_sign_decode(_ptr(body), n, scale, _ptr(out), int(accumulate)), _PRIM_ERRORS)
+
+
+# ---- stochastic quantisers (kernels/quant.c; see hvdcompress.codecs.quant) --------------------
+
+
+def qsgd_encode(
+    x: torch.Tensor, levels: int, bits: int, bucket: int, key: int
+) -> torch.Tensor | None:
+    """The QSGD body (norms, then packed codes) of x, or None when x holds a NaN or an Inf
+    or a norm overflows float32."""
+    n = x.numel()
+    nb = (n + bucket - 1) // bucket
+    body = torch.empty(4 * nb + (n * bits + 7) // 8, dtype=torch.uint8)
+    px, pb = _ptr(x), _ptr(body)
+    packed = pb + 4 * nb
+    align = bucket * 8 // math.gcd(bucket, 8)  # whole buckets and whole bytes
+
+    def part(lo: int, hi: int) -> int:
+        return LIB.hvdc_qsgd_encode(
+            px + _F32 * lo,
+            hi - lo,
+            levels,
+            bits,
+            bucket,
+            key,
+            lo,
+            pb + 4 * (lo // bucket),
+            packed + lo * bits // 8,
+        )
+
+    return None if any(_run_parts(part, _parts(n, align))) else body
+
+
+def qsgd_decode(
+    body: torch.Tensor,
+    n: int,
+    levels: int,
+    bits: int,
+    bucket: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """Decode a QSGD body of the right length into out; PayloadError, out untouched, on a
+    bad norm, padding or code."""
+    code = LIB.hvdc_qsgd_decode(_ptr(body), n, levels, bits, bucket, _ptr(out), int(accumulate))
+    _check(code, _PRIM_ERRORS)
+
+
+def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:
+    """(zero-run-encoded quartic body, M = max|x|) of x, or None when x holds a NaN or an
+    Inf."""
+    n = x.numel()
+    bits = LIB.hvdc_tlc_absmax_bits(_ptr(x), None, n)
+    if bits >= NONFINITE_BITS:
+        return None
+    scale = struct.unpack("<f", struct.pack("<I", bits))[0]
+    m = (n + 4) // 5
+    quartic = _scratch(2 * m + 2)
+    px, pq = _ptr(x), _ptr(quartic)
+
+    def part(lo: int, hi: int) -> None:
+        LIB.hvdc_terngrad_quartic(px + _F32 * lo, hi - lo, scale, key, lo, pq + lo // 5)
+
+    _run_parts(part, _parts(n, 5 * 8))
+    out = pq + m
+    length = LIB.hvdc_tlc_zre_encode(pq, m, out)
+    return quartic[m : m + length].clone(), scale
+
+
+def dqsg_quantize(
+    w: torch.Tensor, levels: int, bucket: int, key: int, code_offset: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q + code_offset as uint8, deltas float32 per bucket) of DQSG's quantiser, or None
+    when w holds a NaN or an Inf."""
+    n = w.numel()
+    nb = (n + bucket - 1) // bucket
+    deltas = torch.empty(nb, dtype=torch.float32)
+    q = torch.empty(n, dtype=torch.uint8)
+    pw, pd, pq = _ptr(w), _ptr(deltas), _ptr(q)
+
+    def part(lo: int, hi: int) -> int:
+        return LIB.hvdc_dqsg_quantize(
+            pw + _F32 * lo, hi - lo, levels, bucket, key, lo, code_offset,
+            pd + 4 * (lo // bucket), pq + lo,
+        )  # fmt: skip
+
+    return None if any(_run_parts(part, _parts(n, bucket))) else (q, deltas)
+
+
+def dqsg_dequantize(
+    q: torch.Tensor,
+    deltas: torch.Tensor,
+    bucket: int,
+    key: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """out = delta * (q - dither), or out += that (q int8, deltas validated float32 bytes)."""
+    n = q.numel()
+    pq, pd, po = _ptr(q), _ptr(deltas), _ptr(out)
+
+    def part(lo: int, hi: int) -> None:
+        LIB.hvdc_dqsg_dequantize(
+            pq + lo, hi - lo, pd + 4 * (lo // bucket), bucket, key, lo, po + _F32 * lo,
+            int(accumulate),
+        )  # fmt: skip
+
+    _run_parts(part, _parts(n, bucket))
+
+
+# ---- top-k selection (kernels/sparse.c; see hvdcompress.codecs.sparse) ----------------------
+
+TOPK_SAMPLE = 65536  # elements of the strided sample that bounds the threshold from below
+_ABS = 0x7FFFFFFF
+_ALL = 0xFFFFFFFF
+
+
+def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the k largest |a| (0 < k < n, a finite), ties by lowest
+    index: t = the k-th largest abs bits by radix select, then one ordered pass. A strided
+    sample's bound first narrows the work to about 2 k candidates (one pass over a); the
+    candidates hold every element >= t whenever there are at least k of them, so the
+    result is the same as the selection over all of a."""
+    n = a.numel()
+    hist = _scratch(4 * 2048)
+    out = torch.empty(k, dtype=torch.int64)
+    pa, ph = _ptr(a), _ptr(hist)
+    if n >= 4 * TOPK_SAMPLE and 8 * k <= n:
+        stride = n // TOPK_SAMPLE
+        m = (n - 1) // stride + 1
+        j = min(m, math.ceil(m * 2.0 * k / n) + 64)  # aim at about 2 k candidates
+        bound = LIB.hvdc_topk_kth_bits(pa, m, stride, _ABS, j, ph)
+        cap = 4 * k + 4096
+        cand_idx = torch.empty(cap + 1, dtype=torch.int64)
+        cand_bits = torch.empty(cap + 1, dtype=torch.int32)
+        count = LIB.hvdc_topk_collect(pa, n, bound, _ptr(cand_idx), _ptr(cand_bits), cap)
+        if count >= k:
+            t = LIB.hvdc_topk_kth_bits(_ptr(cand_bits), count, 1, _ALL, k, ph)
+            LIB.hvdc_topk_keep(_ptr(cand_bits), count, _ALL, _ptr(cand_idx), t, k, _ptr(out))
+            return out
+    t = LIB.hvdc_topk_kth_bits(pa, n, 1, _ABS, k, ph)
+    LIB.hvdc_topk_keep(pa, n, _ABS, None, t, k, _ptr(out))
     return out

@@ -1,7 +1,8 @@
 """CUDA backend: the kernels of ``kernels/*.cu`` compiled by NVRTC through CuPy.
 
 Same protocol and the same bytes as the CPU backend (``hvdcompress.backends``). Each .cu
-file is one kernel family (``KernelFamily``: ``THREELC``, ``PRIMITIVES``), compiled into its
+file is one kernel family (``KernelFamily``: ``THREELC``, ``PRIMITIVES``, ``SIGN``,
+``QUANT``), compiled into its
 own module once per process and device, on the first launch of one of its kernels, with
 exactly ``NVRTC_OPTIONS`` (``hvdcompress._native``: FMA contraction, flush to zero and
 approximate division turned off; ``_compile`` says why not through ``RawModule``). The
@@ -20,6 +21,7 @@ anything, so a corrupt body raises ``PayloadError`` with ``out`` untouched.
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from typing import NamedTuple
@@ -61,7 +63,22 @@ PRIMITIVES = KernelFamily(
     "primitives.cu",
     ("primitives_uniform", "primitives_bitpack", "primitives_bitunpack", "primitives_chunk_sums"),
 )
-FAMILIES = (THREELC, PRIMITIVES)
+# Single-pass sign and stochastic-quantiser codecs (C twins: kernels/sign.c, kernels/quant.c).
+SIGN = KernelFamily("sign.cu", ("sign_encode", "sign_ef_sums", "sign_ef_encode", "sign_decode"))
+QUANT = KernelFamily(
+    "quant.cu",
+    (
+        "quant_qsgd_norms",
+        "quant_qsgd_encode",
+        "quant_qsgd_check",
+        "quant_qsgd_decode",
+        "quant_terngrad_quartic",
+        "quant_dqsg_deltas",
+        "quant_dqsg_quantize",
+        "quant_dqsg_dequantize",
+    ),
+)
+FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT)
 _FAMILY_OF = {name: family for family in FAMILIES for name in family.names}
 
 BLOCK = 256  # threads per block; a multiple of 32 (the kernels' warp reductions need it)
@@ -74,6 +91,7 @@ _STATE_WORDS = 8
 # Error bits (HVD_ERR_*; HVD_PRIM_ERR_PADDING of primitives.cu).
 ERR_LENGTH, ERR_BYTE, ERR_PADDING, ERR_OVERFLOW, ERR_INPUT = 1, 2, 4, 8, 16
 _PRIM_ERR_PADDING = 4
+_QUANT_ERR_NORM, _QUANT_ERR_CODE = 32, 64  # HVD_QUANT_ERR_* of quant.cu
 _ZERO_GROUP, _RUN_GROUP = 121, 243  # quartic byte of five zeros; decode-internal run marker
 _MAX_RUN = 14
 _NULL = np.uint64(0)
@@ -499,6 +517,27 @@ def checksum(buf: torch.Tensor, offset: int) -> int:
         return int(_read_state(state)[_ST_SUM])
 
 
+def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
+    """``checksum`` (offset 0) of each segment [start, start + length) of buf: one kernel
+    launch per segment, one device-to-host copy for all."""
+    _check_tensor(buf, "buf", torch.uint8)
+    if not starts:
+        return []
+    with _Launcher(buf.device) as k:
+        states = torch.zeros((len(starts), _STATE_WORDS), dtype=torch.int32, device=buf.device)
+        for p, (start, length) in enumerate(zip(starts, lengths, strict=True)):
+            k(
+                "hvd_checksum",
+                length,
+                np.uint64(buf.data_ptr() + start),
+                np.int64(length),
+                np.uint64(0),
+                _ptr(states[p]),
+            )
+        host = states.cpu().numpy().view(np.uint32)
+    return [int(w) for w in host[:, _ST_SUM]]
+
+
 # ---- building blocks -----------------------------------------------------------------------
 
 
@@ -669,3 +708,286 @@ def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
                 _ptr(out),
             )
     return out
+
+
+# ---- sign codecs (kernels/sign.cu; see hvdcompress.codecs.sign) ----------------------------
+
+EF_CHUNK = 1024  # elements per order-fixed partial sum of EF-signSGD's mean |a| (cpu.EF_CHUNK)
+
+
+def sign_encode(x: torch.Tensor) -> torch.Tensor | None:
+    """The packed sign bits of x, or None when x holds a NaN or an Inf. One launch and one
+    device-to-host copy (the non-finite flag)."""
+    _check_tensor(x, "x", torch.float32)
+    n = x.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return out
+    with _Launcher(x.device) as k:
+        state = k.state()
+        k("sign_encode", out.numel(), _ptr(x), np.int64(n), _ptr(out), _ptr(state))
+        return None if _read_state(state)[_ST_NONFINITE] else out
+
+
+def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``sign_encode`` of each tensor of a bucket (a launch each)."""
+    return [sign_encode(x) for x in xs]
+
+
+def efsign_sums(g: torch.Tensor, e: torch.Tensor) -> torch.Tensor | None:
+    """float64 sums of |g + e| over EF_CHUNK-element chunks (each left to right), or None
+    when g + e holds a NaN or an Inf."""
+    _check_tensor(g, "g", torch.float32)
+    _check_tensor(e, "e", torch.float32)
+    n = g.numel()
+    chunks = (n + EF_CHUNK - 1) // EF_CHUNK
+    sums = torch.empty(chunks, dtype=torch.float64, device=g.device)
+    if n == 0:
+        return sums
+    with _Launcher(g.device) as k:
+        state = k.state()
+        k(
+            "sign_ef_sums",
+            chunks,
+            _ptr(g),
+            _ptr(e),
+            np.int64(n),
+            np.int64(EF_CHUNK),
+            _ptr(sums),
+            _ptr(state),
+        )
+        return None if _read_state(state)[_ST_NONFINITE] else sums
+
+
+def efsign_encode(g: torch.Tensor, e: torch.Tensor, scale: float) -> torch.Tensor:
+    """The sign bits of a = g + e; e <- a - (a < 0 ? -scale : scale). No host copy."""
+    n = g.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=g.device)
+    if n:
+        with _Launcher(g.device) as k:
+            k(
+                "sign_ef_encode",
+                out.numel(),
+                _ptr(g),
+                _ptr(e),
+                np.float32(scale),
+                np.int64(n),
+                _ptr(out),
+            )
+    return out
+
+
+def sign_decode(
+    body: torch.Tensor, n: int, scale: float, out: torch.Tensor, accumulate: bool
+) -> None:
+    """out = (bit ? -scale : scale), or out += that; body has ceil(n / 8) bytes. A set
+    padding bit raises PayloadError with out untouched (the kernel checks before writing)."""
+    _check_tensor(out, "out", torch.float32)
+    with _Launcher(out.device) as k:
+        state = k.state()
+        k(
+            "sign_decode",
+            body.numel(),
+            _ptr(body),
+            np.int64(n),
+            np.float32(scale),
+            _ptr(out),
+            np.int32(bool(accumulate)),
+            _ptr(state),
+        )
+        if int(_read_state(state)[_ST_ERROR]) & _PRIM_ERR_PADDING:
+            raise PayloadError("body", "a padding bit after the last packed value is set")
+
+
+# ---- stochastic quantisers (kernels/quant.cu; see hvdcompress.codecs.quant) -----------------
+
+
+def qsgd_encode(
+    x: torch.Tensor, levels: int, bits: int, bucket: int, key: int
+) -> torch.Tensor | None:
+    """The QSGD body (norms, then packed codes), or None when x holds a NaN or an Inf or a
+    norm overflows float32. Two launches, one device-to-host copy."""
+    _check_tensor(x, "x", torch.float32)
+    n = x.numel()
+    nb = (n + bucket - 1) // bucket
+    body = torch.empty(4 * nb + (n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return body
+    norms = body[: 4 * nb].view(torch.float32)  # 4-byte aligned: the body starts the tensor
+    with _Launcher(x.device) as k:
+        state = k.state()
+        k("quant_qsgd_norms", nb, _ptr(x), np.int64(n), np.int64(bucket), _ptr(norms), _ptr(state))
+        k(
+            "quant_qsgd_encode",
+            (n + 7) // 8,
+            _ptr(x),
+            np.int64(n),
+            np.int32(levels),
+            np.int32(bits),
+            np.int64(bucket),
+            np.uint64(key),
+            _ptr(norms),
+            np.uint64(body.data_ptr() + 4 * nb),
+        )
+        return None if _read_state(state)[_ST_NONFINITE] else body
+
+
+def qsgd_decode(
+    body: torch.Tensor,
+    n: int,
+    levels: int,
+    bits: int,
+    bucket: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """Check the body (norms, padding, codes), then decode it into out: PayloadError with
+    out untouched on a bad body. Two launches, one device-to-host copy between them."""
+    _check_tensor(out, "out", torch.float32)
+    nb = (n + bucket - 1) // bucket
+    args = (_ptr(body), np.int64(n), np.int32(levels), np.int32(bits), np.int64(bucket))
+    with _Launcher(out.device) as k:
+        state = k.state()
+        k("quant_qsgd_check", max((n + 7) // 8, nb), *args, _ptr(state))
+        err = int(_read_state(state)[_ST_ERROR])
+        if err & _QUANT_ERR_NORM:
+            raise PayloadError("body", "a QSGD norm is negative or not finite")
+        if err & _PRIM_ERR_PADDING:
+            raise PayloadError("body", "a padding bit after the last packed value is set")
+        if err & _QUANT_ERR_CODE:
+            raise PayloadError("body", "a QSGD level is above the levels or a zero is signed")
+        k("quant_qsgd_decode", (n + 7) // 8, *args, _ptr(out), np.int32(bool(accumulate)))
+
+
+def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:
+    """(zero-run-encoded quartic body, M = max|x|), or None when x holds a NaN or an Inf:
+    threelc_absmax, one device-to-host copy (M goes into the header), the quartic kernel,
+    then threelc.cu's zero-run encoder."""
+    _check_tensor(x, "x", torch.float32)
+    n = x.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device), 0.0
+    with _Launcher(x.device) as k:
+        state = k.state()
+        k("threelc_absmax", n, _ptr(x), _NULL, np.int64(n), _ptr(state))
+        max_bits = int(_read_state(state)[_ST_ABSMAX])
+        if max_bits >= 0x7F800000:
+            return None
+        scale = _f32(max_bits)
+        quartic = k.empty((n + 4) // 5, torch.uint8)
+        k(
+            "quant_terngrad_quartic",
+            quartic.numel(),
+            _ptr(x),
+            np.int64(n),
+            np.float32(scale),
+            np.uint64(key),
+            _ptr(quartic),
+        )
+        out = _zre_encode(k, quartic, state)
+        length = _count(_read_state(state))
+    return out[:length], scale
+
+
+def dqsg_quantize(
+    w: torch.Tensor, levels: int, bucket: int, key: int, code_offset: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q + code_offset as uint8, deltas float32 per bucket), or None when w holds a NaN or
+    an Inf. Two launches, one device-to-host copy (the non-finite flag)."""
+    _check_tensor(w, "w", torch.float32)
+    n = w.numel()
+    nb = (n + bucket - 1) // bucket
+    deltas = torch.empty(nb, dtype=torch.float32, device=w.device)
+    q = torch.empty(n, dtype=torch.uint8, device=w.device)
+    if n == 0:
+        return q, deltas
+    with _Launcher(w.device) as k:
+        state = k.state()
+        k(
+            "quant_dqsg_deltas",
+            nb,
+            _ptr(w),
+            np.int64(n),
+            np.int32(levels),
+            np.int64(bucket),
+            _ptr(deltas),
+            _ptr(state),
+        )
+        k(
+            "quant_dqsg_quantize",
+            n,
+            _ptr(w),
+            np.int64(n),
+            np.int32(levels),
+            np.int64(bucket),
+            np.uint64(key),
+            np.int32(code_offset),
+            _ptr(deltas),
+            _ptr(q),
+        )
+        return None if _read_state(state)[_ST_NONFINITE] else (q, deltas)
+
+
+def dqsg_dequantize(
+    q: torch.Tensor,
+    deltas: torch.Tensor,
+    bucket: int,
+    key: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """out = delta * (q - dither), or out += that (q int8, deltas validated float32 bytes)."""
+    _check_tensor(out, "out", torch.float32)
+    n = q.numel()
+    if n == 0:
+        return
+    with _Launcher(out.device) as k:
+        k(
+            "quant_dqsg_dequantize",
+            n,
+            _ptr(q),
+            np.int64(n),
+            _ptr(deltas),
+            np.int64(bucket),
+            np.uint64(key),
+            _ptr(out),
+            np.int32(bool(accumulate)),
+        )
+
+
+# ---- top-k selection (torch on the device; the CPU backend's twin is kernels/sparse.c) -------
+
+TOPK_SAMPLE = 65536  # elements of the strided sample that bounds the threshold from below
+
+
+def _topk_candidates(mag: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Ascending indices of a superset of the k largest |a| (all |a| >= a lower bound from
+    a strided sample), or None when the sample's bound is not low enough (then the caller
+    scans everything). Deterministic: the sample and the bound are exact."""
+    n = mag.numel()
+    if n < 4 * TOPK_SAMPLE or 8 * k > n:
+        return None
+    stride = n // TOPK_SAMPLE
+    sample = mag[::stride]
+    m = sample.numel()
+    j = min(m, math.ceil(m * 2.0 * k / n) + 64)  # aim at about 2k candidates
+    bound = torch.topk(sample, j, sorted=False).values.min()
+    cand = torch.nonzero(mag >= bound).reshape(-1)
+    return cand if cand.numel() >= k else None
+
+
+def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the k largest |a| (0 < k < n, a finite), ties by lowest
+    index: t = the k-th largest |a| (torch.topk, exact), every |a| > t, then the |a| == t
+    in index order (torch.topk alone may break ties differently on the CPU and the GPU)."""
+    mag = a.abs()
+    cand = _topk_candidates(mag, k)
+    if cand is not None:  # every one of the k largest is a candidate: select among them
+        mag = mag[cand]
+    thr = torch.topk(mag, k, sorted=False).values.min()  # the k-th largest |a|, exact
+    above = mag > thr
+    need = k - int(above.sum())
+    equal = mag == thr
+    keep = above | (equal & (torch.cumsum(equal, 0, dtype=torch.int64) <= need))
+    idx = torch.nonzero(keep).reshape(-1)
+    return cand[idx] if cand is not None else idx

@@ -10,7 +10,8 @@ regenerates exactly the sender's dither):
     q       = clamp(rint(w / delta_b + u), -s, s)   # 0 where delta_b == 0
     decode: w_hat = delta_b * (q - u)
 
-Each step is one IEEE float32 operation (torch ops, identical on the CPU and CUDA).
+Each step is one IEEE float32 operation (native: kernels/quant.c on the CPU, its twin
+kernels/quant.cu on CUDA; byte for byte the same).
 The error w_hat - w is uniform on [-delta/2, delta/2] and independent of w (the point
 of subtractive dither). Body: the deltas (float32 per bucket), then q: s = 1 as quartic
 + zero-run encoding (3LC's coder, digits q + 1), s > 1 as codes q + s in
@@ -21,9 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from hvdcompress.backends import for_device
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
-from hvdcompress.codecs.quant import num_buckets, padded
+from hvdcompress.codecs.quant import num_buckets
 from hvdcompress.errors import PayloadError
 
 DEFAULT_BUCKET = 512
@@ -38,33 +40,31 @@ def dither(key: int, n: int, device: torch.device) -> torch.Tensor:
     return prim.uniform(key, n, device) - 0.5
 
 
-def bucket_absmax(x: torch.Tensor, bucket: int) -> torch.Tensor:
-    """max |x| per bucket (float32; exact, so the same on every device)."""
-    if x.numel() == 0:
-        return x.new_zeros(0)
-    return padded(x, bucket).abs().amax(dim=1)
-
-
 def quantize(
     w: torch.Tensor, levels: int, bucket: int, key: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 in [-s, s], deltas float32 per bucket) for the finite flat float32 w."""
-    n = w.numel()
-    w2 = padded(w, bucket)
-    deltas = prim.divide(bucket_absmax(w, bucket), float(levels))
-    safe = torch.where(deltas > 0, deltas, torch.ones_like(deltas))[:, None]
-    t = w2 / safe
-    t += dither(key, w2.numel(), w.device).view(w2.shape)
-    q = torch.round_(t).clamp_(-levels, levels).to(torch.int8)
-    return q.view(-1)[:n], deltas
+    """(q int8 in [-s, s], deltas float32 per bucket) for the finite flat float32 w (one
+    native pass per bucket: its max, then q)."""
+    result = for_device(w.device).dqsg_quantize(w, levels, bucket, key, 0)
+    if result is None:
+        raise ValueError("dqsg quantize: the input holds NaN or Inf")
+    q, deltas = result
+    return q.view(torch.int8), deltas
 
 
-def encode(w: torch.Tensor, levels: int, bucket: int, key: int) -> torch.Tensor:
-    q, deltas = quantize(w, levels, bucket, key)
+def encode(w: torch.Tensor, levels: int, bucket: int, key: int) -> torch.Tensor | None:
+    """The body of the flat float32 w, or None when w holds a NaN or an Inf. s > 1: the
+    quantiser writes the codes q + s that are bit-packed; s = 1: q, quartic + zero-run
+    encoded."""
+    code_offset = 0 if levels == 1 else levels
+    result = for_device(w.device).dqsg_quantize(w, levels, bucket, key, code_offset)
+    if result is None:
+        return None
+    codes, deltas = result
     if levels == 1:
-        packed = threelc.zero_run_encode(threelc.quartic_encode(q))
+        packed = threelc.zero_run_encode(threelc.quartic_encode(codes.view(torch.int8)))
     else:
-        packed = prim.bitpack((q.to(torch.int16) + levels).to(torch.uint8), dqsg_bits(levels))
+        packed = prim.bitpack(codes, dqsg_bits(levels))
     return torch.cat([prim.float_bytes(deltas), packed])
 
 
@@ -100,10 +100,4 @@ def decode_into(
     q, deltas = decode_q(body, n, levels, bucket)
     if n == 0:
         return
-    q2 = padded(q, bucket).to(torch.float32)
-    q2 -= dither(key, q2.numel(), out.device).view(q2.shape)
-    val = (deltas[:, None] * q2).view(-1)[:n]
-    if accumulate:
-        out += val
-    else:
-        out.copy_(val)
+    for_device(out.device).dqsg_dequantize(q, deltas, bucket, key, out, accumulate)

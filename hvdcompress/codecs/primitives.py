@@ -132,6 +132,9 @@ def abs_sum(x: torch.Tensor, chunk: int = 1024) -> float:
 
 
 def flat_f32(x: torch.Tensor) -> torch.Tensor:
+    """x as a flat contiguous float32 tensor (a view when it is one already)."""
+    if x.dtype == torch.float32 and x.is_contiguous():
+        return x.detach().view(-1)
     return x.detach().reshape(-1).to(torch.float32).contiguous()
 
 
@@ -147,6 +150,18 @@ def absmax(x: torch.Tensor) -> float:
         bits = cpu.LIB.hvdc_tlc_absmax_bits(x.data_ptr(), None, x.numel())
         return struct.unpack("<f", struct.pack("<I", bits))[0]
     return float(x.abs().amax())
+
+
+def sum_finite(g: torch.Tensor, e: torch.Tensor) -> bool:
+    """Whether every float32 g + e is finite, without forming g + e (one read pass of the
+    3LC library on the CPU; flat contiguous float32 tensors of one size)."""
+    if g.device.type == "cpu":
+        from hvdcompress.backends import cpu
+
+        return (
+            cpu.LIB.hvdc_tlc_absmax_bits(g.data_ptr(), e.data_ptr(), g.numel()) < cpu.NONFINITE_BITS
+        )
+    return bool(torch.isfinite(g + e).all())
 
 
 def divide(x: torch.Tensor, d: float) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from hvdcompress.backends import for_device
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
 from hvdcompress.errors import PayloadError
@@ -67,24 +68,16 @@ def padded(x: torch.Tensor, bucket: int) -> torch.Tensor:
 
 
 def qsgd_encode(x: torch.Tensor, levels: int, bucket: int, key: int) -> torch.Tensor | None:
-    """Body for the flat float32 x, or None when a norm overflows float32."""
-    n = x.numel()
-    norms = torch.sqrt(prim.chunk_sums(x, bucket, True)).to(torch.float32)
-    if not prim.all_finite(norms):
-        return None
-    safe = torch.where(norms > 0, norms, torch.ones_like(norms))[:, None]
-    x2 = padded(x, bucket)
-    r = (x2.abs() / safe) * float(levels)
-    r += prim.uniform(key, x2.numel(), x.device).view(x2.shape)
-    lvl = torch.floor_(r).clamp_(0, levels).to(torch.uint8)
-    neg = ((x2 < 0) & (lvl > 0)).to(torch.uint8)
-    codes = (lvl * 2 + neg).view(-1)[:n]
-    return torch.cat([prim.float_bytes(norms), prim.bitpack(codes, qsgd_bits(levels))])
+    """Body for the flat float32 x (one native pass: bucket norms and packed codes), or
+    None when x holds a NaN or an Inf or a norm overflows float32."""
+    return for_device(x.device).qsgd_encode(x, levels, qsgd_bits(levels), bucket, key)
 
 
 def qsgd_decode_into(
     body: torch.Tensor, n: int, levels: int, bucket: int, out: torch.Tensor, accumulate: bool
 ) -> None:
+    """Write (or add) the decoded values into flat float32 ``out``; PayloadError, ``out``
+    untouched, on a wrong length, a bad norm, set padding bits or an invalid code."""
     nb = num_buckets(n, bucket)
     bits = qsgd_bits(levels)
     if body.numel() != 4 * nb + prim.packed_len(n, bits):
@@ -93,35 +86,16 @@ def qsgd_decode_into(
             f"QSGD of {n} values needs {4 * nb + prim.packed_len(n, bits)} bytes, "
             f"got {body.numel()}",
         )
-    norms = prim.floats_from(body, nb)
-    if nb and not bool((torch.isfinite(norms) & (norms >= 0)).all()):
-        raise PayloadError("body", "a QSGD norm is negative or not finite")
-    codes = prim.bitunpack(body[4 * nb :], n, bits)
-    lvl = codes >> 1
-    neg = codes & 1
-    if n and (int(lvl.max()) > levels or bool(((lvl == 0) & (neg == 1)).any())):
-        raise PayloadError("body", f"a QSGD level is above {levels} or a zero is signed")
     if n == 0:
         return
-    mag = prim.divide(padded(lvl, bucket).to(torch.float32), float(levels)) * norms[:, None]
-    mag = mag.view(-1)[:n]
-    val = torch.where(neg.bool(), -mag, mag)
-    if accumulate:
-        out += val
-    else:
-        out.copy_(val)
+    body = body.reshape(-1).to(out.device).contiguous()
+    for_device(out.device).qsgd_decode(body, n, levels, bits, bucket, out, accumulate)
 
 
-def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float]:
-    """(zero-run-encoded quartic body, the float32 scale M) for the finite flat x."""
-    n = x.numel()
-    scale = prim.absmax(x)
-    if scale == 0.0:
-        q = torch.zeros(n, dtype=torch.int8, device=x.device)
-    else:
-        keep = prim.uniform(key, n, x.device) < prim.divide(x.abs(), scale)
-        q = torch.where(keep, torch.sign(x), torch.zeros_like(x)).to(torch.int8)
-    return threelc.zero_run_encode(threelc.quartic_encode(q)), scale
+def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:
+    """(zero-run-encoded quartic body, the float32 scale M = max|x|) of the flat float32 x,
+    or None when x holds a NaN or an Inf."""
+    return for_device(x.device).terngrad_encode(x, key)
 
 
 def terngrad_decode_into(

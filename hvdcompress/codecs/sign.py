@@ -15,40 +15,60 @@ scale * sign(a) (zero as +1), residual e = a - scale * sign(a).
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
+from hvdcompress.backends import for_device
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.errors import PayloadError
 
 
-def sign_bits(x: torch.Tensor) -> torch.Tensor:
-    return prim.bitpack((x < 0).to(torch.uint8), 1)
+def encode(x: torch.Tensor) -> torch.Tensor | None:
+    """signSGD body of the flat float32 x (one native pass), or None when x holds a NaN
+    or an Inf."""
+    return for_device(x.device).sign_encode(x)
 
 
-def signs(body: torch.Tensor, n: int) -> torch.Tensor:
-    """+1 / -1 float32 from a packed body (PayloadError on a wrong length or padding)."""
-    if body.numel() != prim.packed_len(n, 1):
-        raise PayloadError(
-            "body", f"{body.numel()} bytes cannot hold {n} sign bits (expected {(n + 7) // 8})"
-        )
-    bits = prim.bitunpack(body, n, 1)
-    return 1.0 - 2.0 * bits.to(torch.float32)
+def encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``encode`` of each flat float32 tensor of a bucket (all on one device): one native
+    call over a segment table on the CPU."""
+    if not xs:
+        return []
+    return for_device(xs[0].device).sign_encode_segments(xs)
 
 
-def ef_scale(a: torch.Tensor) -> float:
-    n = a.numel()
+def ef_scale(sums: torch.Tensor, n: int) -> float:
+    """mean |a| as float32: the correctly rounded sum of the order-fixed chunk sums,
+    divided by n (0.0 when n == 0)."""
     if n == 0:
         return 0.0
-    return float(torch.tensor(prim.abs_sum(a) / n, dtype=torch.float32))
+    return float(np.float32(math.fsum(sums.cpu().tolist()) / n))
+
+
+def ef_encode(g: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """EF-signSGD of a = g + e (flat float32): (body, scale = mean|a|), the residual e set to
+    a - scale * sign(a) in place; None, e untouched, when a holds a NaN or an Inf. Two
+    native passes: the chunk sums of |a| (and the finiteness check), then bits and e."""
+    backend = for_device(g.device)
+    sums = backend.efsign_sums(g, e)
+    if sums is None:
+        return None
+    scale = ef_scale(sums, g.numel())
+    return backend.efsign_encode(g, e, scale), scale
 
 
 def decode_into(
     body: torch.Tensor, n: int, scale: float | None, out: torch.Tensor, accumulate: bool
 ) -> None:
-    val = signs(body, n)
-    if scale is not None:
-        val = val * scale
-    if accumulate:
-        out += val
-    else:
-        out.copy_(val)
+    """Write (or add) +-scale (+-1 when scale is None) per packed sign bit into flat float32
+    ``out``; PayloadError, ``out`` untouched, on a wrong length or set padding bits."""
+    if body.numel() != prim.packed_len(n, 1):
+        raise PayloadError(
+            "body", f"{body.numel()} bytes cannot hold {n} sign bits (expected {(n + 7) // 8})"
+        )
+    if n == 0:
+        return
+    body = body.reshape(-1).to(out.device).contiguous()
+    for_device(out.device).sign_decode(body, n, 1.0 if scale is None else scale, out, accumulate)

@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from hvdcompress.backends import for_device
 from hvdcompress.codecs.primitives import abs_sum, bitpack, bitunpack, packed_len, uniform
 from hvdcompress.errors import PayloadError
 
@@ -63,43 +64,16 @@ def index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < INDEX32_LIMIT else torch.int64
 
 
-SAMPLE = 65536  # elements of the strided sample that bounds the threshold from below
-
-
-def _candidates(mag: torch.Tensor, k: int) -> torch.Tensor | None:
-    """Ascending indices of a superset of the k largest |a| (all |a| >= a lower bound from
-    a strided sample), or None when the sample's bound is not low enough (then the caller
-    scans everything). Deterministic: the sample and the bound are exact."""
-    n = mag.numel()
-    if n < 4 * SAMPLE or 8 * k > n:
-        return None
-    stride = n // SAMPLE
-    sample = mag[::stride]
-    m = sample.numel()
-    j = min(m, math.ceil(m * 2.0 * k / n) + 64)  # aim at about 2k candidates
-    bound = torch.topk(sample, j, sorted=False).values.min()
-    cand = torch.nonzero(mag >= bound).reshape(-1)
-    return cand if cand.numel() >= k else None
-
-
 def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending int64 indices of the k largest |a| (ties by lowest index)."""
+    """Ascending int64 indices of the k largest |a| (ties by lowest index) of the finite
+    flat float32 a: the backend's selection (a radix select on the CPU, torch.topk on
+    CUDA), the same set on every device (module docstring)."""
     n = a.numel()
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=a.device)
     if k == n:
         return torch.arange(n, device=a.device)
-    mag = a.abs()
-    cand = _candidates(mag, k)
-    if cand is not None:  # every one of the k largest is a candidate: select among them
-        mag = mag[cand]
-    thr = torch.topk(mag, k, sorted=False).values.min()  # the k-th largest |a|, exact
-    above = mag > thr
-    need = k - int(above.sum())
-    equal = mag == thr
-    keep = above | (equal & (torch.cumsum(equal, 0, dtype=torch.int64) <= need))
-    idx = torch.nonzero(keep).reshape(-1)
-    return cand[idx] if cand is not None else idx
+    return for_device(a.device).topk_select(a, k)
 
 
 def topk_encode(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ a compressor overrides only what it needs.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -198,6 +199,17 @@ class GatherCompressor(Compressor):
     summable: ClassVar[bool] = False
     uses_side_info: ClassVar[bool] = False  # decode_into gets side_info (NDQSG)
     supported_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = tuple(wire.DTYPE_IDS)
+    # The two-stage exchange (hvdcompress.exchange.TwoStageExchange) has the owner of a
+    # shard re-compress the average of the decoded shards with this compressor: False
+    # where ``compress`` is more than encoding its input (with error feedback), e.g.
+    # DGC's momentum correction, or where decoding needs other ranks' payloads (NDQSG).
+    recompressible: ClassVar[bool] = True
+
+    def shard_alignment(self) -> int:
+        """Shard boundaries inside a tensor fall on multiples of this many elements (of
+        the tensor), the codec's group (3LC: 5 values per quartic byte; DQSG: a bucket),
+        so that cutting a tensor into shards adds no partial groups."""
+        return 1
 
     # ---- to implement ----------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str) -> Encoded:
@@ -231,6 +243,60 @@ class GatherCompressor(Compressor):
         flags, params, body = self.encode(tensor, name)
         header = wire.Header(self.name, flags, tensor.dtype, ctx.shape, params, body.numel())
         return wire.assemble(header, body), ctx
+
+    # ---- whole buckets (one call per bucket) ---------------------------------------------
+    def compress_bucket(
+        self, tensors: list[torch.Tensor], names: list[str]
+    ) -> tuple[torch.Tensor, list[Ctx]]:
+        """One rank's frame of a bucket (``wire.frame`` of the payloads ``compress`` gives
+        for each tensor in order, byte for byte, the state updated in the same order) and
+        the tensors' contexts. The bodies come from ``encode_bucket``; the frame is one
+        buffer on the bodies' device, its payloads' checksums one backend call for the
+        bucket (``checksum_segments``): per tensor, Python packs a header."""
+        if len(tensors) != len(names):
+            raise ValueError(f"{len(tensors)} tensors but {len(names)} names")
+        ctxs = []
+        for tensor, name in zip(tensors, names, strict=True):
+            self.check_dtype(name, tensor.dtype)
+            ctxs.append(Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device))
+        encoded = self.encode_bucket(tensors, names)
+        heads = [
+            wire.Header(self.name, flags, ctx.dtype, ctx.shape, params, body.numel()).pack()
+            for ctx, (flags, params, body) in zip(ctxs, encoded, strict=True)
+        ]
+        return wire_bucket_frame(heads, [body for _, _, body in encoded]), ctxs
+
+    def encode_bucket(self, tensors: list[torch.Tensor], names: list[str]) -> list[Encoded]:
+        """``encode`` of each tensor in order. A compressor whose codec has a batched native
+        encoder overrides this: one native call for the bucket, with a segment table of the
+        tensors' pointers and sizes, each tensor keeping its own scale and parameters."""
+        return [self.encode(t, name) for t, name in zip(tensors, names, strict=True)]
+
+    def decode_bucket(
+        self,
+        parsed: list[tuple[wire.Header, torch.Tensor]],
+        outs: list[torch.Tensor],
+        ctxs: list[Ctx],
+        *,
+        rank: int | None = None,
+    ) -> None:
+        """Add one rank's decoded payloads of a bucket into ``outs`` (contiguous float32, one
+        per tensor, holding the sums of the lower ranks' payloads): ``decode_parsed(...,
+        accumulate=True)`` of each in order, with the same checks and errors. A compressor
+        that decodes with side information (NDQSG) gets the gather path's: the mean of the
+        lower ranks' decoded tensors, ``out / rank`` for rank > 0."""
+        for (header, payload), out, ctx in zip(parsed, outs, ctxs, strict=True):
+            side = out / rank if self.uses_side_info and rank else None
+            self.decode_parsed(
+                header,
+                payload,
+                expect=ctx,
+                name=ctx.name,
+                rank=rank,
+                out=out,
+                accumulate=True,
+                side_info=side,
+            )
 
     def bits_per_value(self, payload: torch.Tensor) -> float:
         """Bits on the wire per tensor element, header included."""
@@ -366,6 +432,38 @@ class GatherCompressor(Compressor):
                 "numel", f"{header.numel} elements cannot come from {header.body_len} body bytes"
             )
         wire.verify_checksum(header, payload)
+
+
+def wire_bucket_frame(heads: list[bytes], bodies: list[torch.Tensor]) -> torch.Tensor:
+    """``wire.frame`` of the payloads ``wire.assemble`` makes of each packed header (checksum
+    field zero) and body, built as one buffer on the bodies' device: the length table and
+    the headers written from the host, the bodies copied in, then every payload's checksum
+    from one backend call (``checksum_segments``)."""
+    from hvdcompress.backends import for_device
+
+    device = bodies[0].device if bodies else torch.device("cpu")
+    lengths = [len(h) + b.numel() for h, b in zip(heads, bodies, strict=True)]
+    table = struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths)
+    starts = np.cumsum([len(table), *lengths[:-1]]).tolist() if lengths else []
+    frame = torch.empty(len(table) + sum(lengths), dtype=torch.uint8, device=device)
+    # the table and headers: on the host (a view of the frame on the CPU), then copied
+    host = frame.numpy() if device.type == "cpu" else np.zeros(frame.numel(), np.uint8)
+    host[: len(table)] = np.frombuffer(table, np.uint8)
+    for start, head in zip(starts, heads, strict=True):
+        host[start : start + len(head)] = np.frombuffer(head, np.uint8)
+    if device.type != "cpu":
+        frame.copy_(torch.from_numpy(host))
+    for start, head, body in zip(starts, heads, bodies, strict=True):
+        if body.numel():
+            frame[start + len(head) : start + len(head) + body.numel()].copy_(body.reshape(-1))
+    sums = for_device(device).checksum_segments(frame, starts, lengths)
+    fields = np.frombuffer(np.asarray(sums, dtype="<u4").tobytes(), np.uint8)
+    at = (np.asarray(starts, np.int64)[:, None] + wire.CHECKSUM_OFFSET + np.arange(4)).reshape(-1)
+    if device.type == "cpu":
+        host[at] = fields
+    else:
+        frame[torch.from_numpy(at).to(device)] = torch.from_numpy(fields.copy()).to(device)
+    return frame
 
 
 def _check_out(out: torch.Tensor) -> None:

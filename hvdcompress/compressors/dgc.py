@@ -63,6 +63,7 @@ class DGC(GatherCompressor):
     examples = ({"ratio": 0.05}, {"ratio": 0.01, "warmup_steps": 5, "warmup_stages": 2})
     benchmarks = ({},)
     error_feedback = True
+    recompressible = False  # compress adds momentum: the owner would apply it twice
 
     def __init__(
         self,

@@ -38,6 +38,9 @@ class DQSG(Stochastic):
     benchmarks = ({},)
     error_feedback = False
 
+    def shard_alignment(self) -> int:
+        return self.bucket_size  # one delta per bucket (docs/design.md section 3.3)
+
     def __init__(
         self, levels: int = 3, bucket_size: int = 512, seed: int = 0, rank: int = 0
     ) -> None:
@@ -52,9 +55,10 @@ class DQSG(Stochastic):
         w = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
         params = rng + PARAMS.pack(self.levels, self.bucket_size)
-        if not prim.all_finite(w):
+        body = dqsg.encode(w, self.levels, self.bucket_size, key)
+        if body is None:
             return wire.FLAG_NONFINITE, params, empty_body(w.device)
-        return 0, params, dqsg.encode(w, self.levels, self.bucket_size, key)
+        return 0, params, body
 
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)

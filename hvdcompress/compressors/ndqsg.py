@@ -69,6 +69,7 @@ class NDQSG(Stochastic):
     benchmarks = ({},)
     error_feedback = False
     uses_side_info = True  # the gather path passes side_info (see module doc)
+    recompressible = False  # decoding needs the lower ranks' decoded tensors
 
     def __init__(
         self,

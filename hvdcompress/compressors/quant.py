@@ -33,6 +33,9 @@ class QSGD(Stochastic):
     benchmarks = ({"levels": 16},)
     error_feedback = False
 
+    def shard_alignment(self) -> int:
+        return self.bucket_size  # one norm per bucket (docs/design.md section 3.3)
+
     def __init__(
         self, levels: int = 16, bucket_size: int = 512, seed: int = 0, rank: int = 0
     ) -> None:
@@ -47,9 +50,7 @@ class QSGD(Stochastic):
         x = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
         params = rng + QSGD_PARAMS.pack(self.levels, self.bucket_size)
-        body = (
-            quant.qsgd_encode(x, self.levels, self.bucket_size, key) if prim.all_finite(x) else None
-        )
+        body = quant.qsgd_encode(x, self.levels, self.bucket_size, key)
         if body is None:
             return wire.FLAG_NONFINITE, params, empty_body(x.device)
         return 0, params, body
@@ -94,15 +95,19 @@ class TernGrad(Stochastic):
     def __init__(self, seed: int = 0, rank: int = 0) -> None:
         self._init_rng(seed, rank)
 
+    def shard_alignment(self) -> int:
+        return 5  # a quartic byte holds 5 values (docs/design.md section 2.2)
+
     def __repr__(self) -> str:
         return f"TernGrad(seed={self.seed})"
 
     def encode(self, tensor, name):
         x = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
-        if not prim.all_finite(x):
+        encoded = quant.terngrad_encode(x, key)
+        if encoded is None:
             return wire.FLAG_NONFINITE, rng + TERNGRAD_PARAMS.pack(0.0), empty_body(x.device)
-        body, scale = quant.terngrad_encode(x, key)
+        body, scale = encoded
         return 0, rng + TERNGRAD_PARAMS.pack(scale), body
 
     def check_params(self, header, name):

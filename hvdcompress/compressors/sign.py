@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import struct
 
-import torch
-
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
-from hvdcompress.compressors.base import GatherCompressor, check_scale, empty_body
+from hvdcompress.compressors.base import Encoded, GatherCompressor, check_scale, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.errors import PayloadError
 from hvdcompress.registry import register
@@ -36,9 +34,21 @@ class SignSGD(GatherCompressor):
 
     def encode(self, tensor, name):
         x = prim.flat_f32(tensor)
-        if not prim.all_finite(x):
+        body = sign.encode(x)
+        if body is None:
             return wire.FLAG_NONFINITE, b"", empty_body(x.device)
-        return 0, b"", sign.sign_bits(x)
+        return 0, b"", body
+
+    def encode_bucket(self, tensors, names):
+        xs = [prim.flat_f32(t) for t in tensors]
+        if len({x.device for x in xs}) > 1:
+            return super().encode_bucket(tensors, names)
+        return [
+            Encoded(0, b"", body)
+            if body is not None
+            else Encoded(wire.FLAG_NONFINITE, b"", empty_body(x.device))
+            for x, body in zip(xs, sign.encode_segments(xs), strict=True)
+        ]
 
     def check_params(self, header, name):
         if header.params:
@@ -75,13 +85,10 @@ class EFSignSGD(GatherCompressor):
     def encode(self, tensor, name):
         g = prim.flat_f32(tensor)
         e = self.memory.residual(name, g)
-        a = g + e
-        if not prim.all_finite(a):
+        encoded = sign.ef_encode(g, e)
+        if encoded is None:
             return wire.FLAG_NONFINITE, EF_PARAMS.pack(0.0), empty_body(g.device)
-        scale = sign.ef_scale(a)
-        body = sign.sign_bits(a)
-        decoded = torch.where(a < 0, -scale, scale)
-        e.copy_(a - decoded)
+        body, scale = encoded
         return 0, EF_PARAMS.pack(scale), body
 
     def check_params(self, header, name):

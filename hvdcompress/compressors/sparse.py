@@ -73,14 +73,13 @@ class TopK(RatioLevels, GatherCompressor):
     def encode(self, tensor, name):
         g = prim.flat_f32(tensor)
         e = self.memory.residual(name, g)
-        a = g + e
         ratio = self.level(name)
         params = TOPK_PARAMS.pack(ratio)
-        if not prim.all_finite(a):
+        if not prim.sum_finite(g, e):  # e stays untouched
             return wire.FLAG_NONFINITE, params, empty_body(g.device)
+        a = e.add_(g)  # a = g + e in the residual's memory
         body = self._select(a, sparse.topk_count(a.numel(), ratio))
-        e.copy_(a)  # a - decode(body): _select subtracted what it sent
-        return 0, params, body
+        return 0, params, body  # e = a - decode(body): _select subtracted what it sent
 
     def contraction(self, numel):
         # keeping the k largest leaves at most (1 - k / n) of ||a||^2 (Stich et al. 2018)

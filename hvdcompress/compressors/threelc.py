@@ -33,6 +33,9 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
     error_feedback = True
     level_param = "sparsity"
 
+    def shard_alignment(self) -> int:
+        return 5  # a quartic byte holds 5 values (docs/design.md section 2.2)
+
     def __init__(self, sparsity: float = 1.0) -> None:
         self.sparsity = threelc.check_sparsity(sparsity)
         self.memory = ErrorFeedback()

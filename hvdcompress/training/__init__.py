@@ -1,5 +1,6 @@
-"""What the scripts share: Fashion-MNIST (``data``), the models (``models``) and the table
-of named compression methods (``methods``).
+"""What the scripts share: Fashion-MNIST (``data``), the models (``models``), the table
+of named compression methods (``methods``), learning-rate schedules (``schedule``) and
+the simulated world that plays N ranks in one process (``simulate``).
 
 scripts/train.py, scripts/bench_*.py and their worker processes import it from the
 installed package (``pip install -e .``); none of them imports another script. The
@@ -25,6 +26,8 @@ from hvdcompress.training.models import (
     SmallResNet,
     build_model,
 )
+from hvdcompress.training.schedule import LRSchedule
+from hvdcompress.training.simulate import run_ranks
 
 __all__ = [
     "DATA_DIR",
@@ -34,6 +37,7 @@ __all__ = [
     "METHODS",
     "MODELS",
     "LightMLP",
+    "LRSchedule",
     "Method",
     "SmallCNN",
     "SmallResNet",
@@ -43,5 +47,6 @@ __all__ = [
     "parse_case",
     "read_fashion_mnist",
     "read_idx",
+    "run_ranks",
     "synthetic",
 ]

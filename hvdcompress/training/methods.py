@@ -141,6 +141,7 @@ class Method:
     policy_params: Mapping[str, Any] = field(default_factory=dict)
     compress_min_numel: int = 0
     about: str = ""
+    exchange: str = "auto"  # DistributedOptimizer(exchange=...): auto, allgather, twostage
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", _frozen(self.params))
@@ -189,6 +190,8 @@ class Method:
                 raise ValueError(f"{self.name}: a fixed cost model has no train.py flag here")
         if self.compress_min_numel:
             flags += ["--compress-min-numel", str(self.compress_min_numel)]
+        if self.exchange != "auto":
+            flags += ["--exchange", self.exchange]
         return flags
 
 
@@ -198,6 +201,14 @@ _TABLE = [
     Method("fp16", "fp16", about="float16 allreduce"),
     Method("3lc", "3lc", {"sparsity": 1.0}, about="3LC at sparsity 1.0 (Accordion's low)"),
     Method("3lc-1.75", "3lc", {"sparsity": 1.75}, about="3LC at 1.75 (Accordion's high)"),
+    Method(
+        "3lc-allgather", "3lc", {"sparsity": 1.0}, exchange="allgather",
+        about="3LC at 1.0, every bucket by one allgather",
+    ),
+    Method(
+        "3lc-twostage", "3lc", {"sparsity": 1.0}, exchange="twostage",
+        about="3LC at 1.0, every bucket by the two-stage exchange",
+    ),
     Method(
         "3lc-min64k", "3lc", {"sparsity": 1.0}, compress_min_numel=65536,
         about="3LC; tensors under 65,536 elements sent uncompressed",
@@ -227,6 +238,10 @@ _TABLE = [
     ),
     Method("powersgd", "powersgd", {"matrix_rank": 1}, about="PowerSGD, rank 1"),
     Method("dqsg", "dqsg", {"levels": 3}, about="dithered quantisation, 3 levels"),
+    Method(
+        "ndqsg", "ndqsg", {"fine_levels": 3, "coarse_levels": 1},
+        about="nested DQSG: half the ranks DQSG at 3 levels, half nested (side information)",
+    ),
 ]  # fmt: skip
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
 

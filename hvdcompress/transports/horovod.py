@@ -15,6 +15,7 @@ the launcher ends the others.
 from __future__ import annotations
 
 import os
+import pickle
 import struct
 import threading
 import time
@@ -22,25 +23,32 @@ import weakref
 
 import torch
 
-from hvdcompress.transports import Handle, Transport, _DoneHandle
+from hvdcompress.transports import Handle, Transport, _DoneHandle, check_alltoallv_parts
 
 _LEN = struct.Struct("<Q")
 
 
 class HorovodTransport(Transport):
-    """Collectives through ``horovod.torch`` (initialised here if the caller has not)."""
+    """Collectives through ``horovod.torch`` (initialised here if the caller has not).
+
+    ``process_set`` (an ``hvd.ProcessSet`` this rank belongs to; None: every rank): every
+    collective runs over that set, and ``rank`` / ``size`` are this rank's place in it."""
 
     name = "horovod"
 
-    def __init__(self) -> None:
+    def __init__(self, process_set=None) -> None:
         import horovod.torch as hvd
 
         if not hvd.is_initialized():
             hvd.init()
         self.hvd = hvd
-        self.rank = hvd.rank()
-        self.size = hvd.size()
+        self._set = process_set if process_set is not None else hvd.global_process_set
+        if not self._set.included():
+            raise ValueError(f"this rank ({hvd.rank()}) is not in {self._set}")
+        self.rank = self._set.rank()
+        self.size = self._set.size()
         self.local_size = hvd.local_size()
+        self._prefix = f"hvdcompress.set{self._set.process_set_id}"
         self._count = 0
         self._pending: dict[str, tuple[object, float]] = {}  # name -> (handle, started)
         self._watch = None
@@ -59,7 +67,7 @@ class HorovodTransport(Transport):
         # Horovod matches collectives across ranks by name: a per-transport counter is the
         # same on every rank because every rank starts collectives in the same order.
         self._count += 1
-        return f"hvdcompress.{kind}.{self._count}"
+        return f"{self._prefix}.{kind}.{self._count}"
 
     def start_allgatherv(self, local: torch.Tensor) -> Handle:
         hvd = self.hvd
@@ -69,13 +77,28 @@ class HorovodTransport(Transport):
         if framed.is_cuda and not hvd.gpu_available("torch"):
             framed = framed.cpu()
         name = self._name("allgatherv")
-        handle = hvd.allgather_async(framed, name=name)
+        handle = hvd.allgather_async(framed, name=name, process_set=self._set)
         self._track(name, handle)
         size = self.size
 
         def finish():
             gathered = hvd.synchronize(handle).cpu()
             return _strip_length_prefixes(gathered, size)
+
+        return _DoneHandle(finish)
+
+    def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
+        check_alltoallv_parts(parts, self.size)
+        hvd = self.hvd
+        send = torch.cat([p.detach().cpu() for p in parts])
+        splits = torch.tensor([p.numel() for p in parts], dtype=torch.int32)
+        name = self._name("alltoallv")
+        handle = hvd.alltoall_async(send, splits=splits, name=name, process_set=self._set)
+        self._track(name, handle)
+
+        def finish():
+            received, received_splits = hvd.synchronize(handle)
+            return list(received.cpu().split(received_splits.tolist()))
 
         return _DoneHandle(finish)
 
@@ -86,7 +109,7 @@ class HorovodTransport(Transport):
             # Horovod 0.28.1 has no bfloat16 CPU allreduce: gather the bits, sum in rank
             # order in float32 rounding each add to bfloat16 (same on every rank).
             name = self._name("bf16sum")
-            handle = hvd.allgather_async(src.view(torch.int16), name=name)
+            handle = hvd.allgather_async(src.view(torch.int16), name=name, process_set=self._set)
             self._track(name, handle)
             n, size = src.numel(), self.size
 
@@ -99,25 +122,36 @@ class HorovodTransport(Transport):
 
             return _DoneHandle(finish)
         name = self._name("allreduce")
-        handle = hvd.allreduce_async(src, name=name, op=hvd.Sum)
+        handle = hvd.allreduce_async(src, name=name, op=hvd.Sum, process_set=self._set)
         self._track(name, handle)
         return _DoneHandle(lambda: hvd.synchronize(handle).to(dense.device))
 
     def allgather_object(self, obj) -> list:
-        return self.hvd.allgather_object(obj, name=self._name("object"))
+        if self._set.process_set_id == 0:
+            return self.hvd.allgather_object(obj, name=self._name("object"))
+        # hvd.allgather_object has no process_set in 0.28.1: pickled bytes, framed as above
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        gathered, sizes = self.start_allgatherv(data).wait()
+        parts = gathered.split(sizes)
+        return [pickle.loads(part.numpy().tobytes()) for part in parts]
 
     def broadcast_(self, tensors, root: int = 0) -> None:
         for t in tensors:
             buf = t.data if t.data.is_contiguous() else t.detach().contiguous()
             # Horovod 0.28.1 has no bfloat16 on CPU: its bits travel as int16
             bits = buf.view(torch.int16) if buf.dtype == torch.bfloat16 else buf
-            self.hvd.broadcast_(bits, root_rank=root, name=self._name("broadcast"))
+            self.hvd.broadcast_(
+                bits, root_rank=root, name=self._name("broadcast"), process_set=self._set
+            )
             if buf is not t.data:
                 t.data.copy_(buf)
 
     def sum_floats(self, values) -> list[float]:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        return self.hvd.allreduce(t, op=self.hvd.Sum, name=self._name("sum")).tolist()
+        total = self.hvd.allreduce(
+            t, op=self.hvd.Sum, name=self._name("sum"), process_set=self._set
+        )
+        return total.tolist()
 
     def barrier(self) -> None:
         self.hvd.barrier()

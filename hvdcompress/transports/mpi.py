@@ -39,7 +39,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from hvdcompress.transports import Handle, Transport
+from hvdcompress.transports import Handle, Transport, check_alltoallv_parts
 
 POLL_S = 0.1  # the watcher's polling period
 ABORT_GRACE_S = 2.0  # how long a failing rank waits for the others to acknowledge
@@ -451,6 +451,28 @@ class MPITransport(Transport):
             return torch.from_numpy(recv), [int(s) for s in sizes]
 
         return self._submit(job, f"allgatherv of {buf.size} bytes")
+
+    def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
+        check_alltoallv_parts(parts, self.size)
+        bufs = [np.ascontiguousarray(p.detach().cpu().numpy(), dtype=np.uint8) for p in parts]
+        MPI, comm = self.MPI, self._data_comm
+
+        def job():
+            send_sizes = np.array([b.size for b in bufs], dtype=np.int64)
+            recv_sizes = np.zeros(self.size, dtype=np.int64)
+            comm.Alltoall(send_sizes, recv_sizes)  # each rank learns what comes its way
+            send = np.concatenate(bufs) if bufs else np.empty(0, dtype=np.uint8)
+            recv = np.empty(int(recv_sizes.sum()), dtype=np.uint8)
+            send_displs = np.concatenate([[0], np.cumsum(send_sizes)[:-1]])
+            recv_displs = np.concatenate([[0], np.cumsum(recv_sizes)[:-1]])
+            comm.Alltoallv(
+                [send, (send_sizes.tolist(), send_displs.tolist()), MPI.UNSIGNED_CHAR],
+                [recv, (recv_sizes.tolist(), recv_displs.tolist()), MPI.UNSIGNED_CHAR],
+            )
+            out = torch.from_numpy(recv)
+            return list(out.split(recv_sizes.tolist()))
+
+        return self._submit(job, f"alltoallv of {sum(b.size for b in bufs)} bytes")
 
     def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
         if dense.dtype not in self._mpi_types:

@@ -52,7 +52,8 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
 
 }  // namespace
 
-// The kernels of each family (hvdcompress/backends/cuda.py: THREELC, PRIMITIVES).
+// The kernels of each family (hvdcompress/backends/cuda.py: THREELC, PRIMITIVES, SIGN,
+// QUANT).
 #define HOST_THREELC_KERNELS                  \
     HOST_KERNEL(threelc_absmax)               \
     HOST_KERNEL(threelc_quantize_quartic)     \
@@ -71,6 +72,21 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(primitives_bitpack)    \
     HOST_KERNEL(primitives_bitunpack)  \
     HOST_KERNEL(primitives_chunk_sums)
+
+#define HOST_SIGN_KERNELS      \
+    HOST_KERNEL(sign_encode)    \
+    HOST_KERNEL(sign_ef_sums)   \
+    HOST_KERNEL(sign_ef_encode) \
+    HOST_KERNEL(sign_decode)
+#define HOST_QUANT_KERNELS              \
+    HOST_KERNEL(quant_qsgd_norms)       \
+    HOST_KERNEL(quant_qsgd_encode)      \
+    HOST_KERNEL(quant_qsgd_check)       \
+    HOST_KERNEL(quant_qsgd_decode)      \
+    HOST_KERNEL(quant_terngrad_quartic) \
+    HOST_KERNEL(quant_dqsg_deltas)      \
+    HOST_KERNEL(quant_dqsg_quantize)    \
+    HOST_KERNEL(quant_dqsg_dequantize)
 
 #define HOST_KERNEL(k)                         \
     if (strcmp(name, #k) == 0) {               \

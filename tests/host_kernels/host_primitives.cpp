@@ -1,5 +1,6 @@
 // Host build of kernels/primitives.cu (with kernels/threelc.cu, whose quartic and zero-run
-// kernels terngrad and dqsg reuse, and whose checksum kernel every payload uses) through
+// kernels terngrad and dqsg reuse, and whose checksum kernel every payload uses, and the
+// single-pass codec families kernels/sign.cu and kernels/quant.cu) through
 // kernels/cuda_host.h, behind a small C ABI for ctypes, used by
 // tests/host_kernels/test_primitive_kernels.py: direct wrappers of each primitive kernel,
 // and host_launch (host_launch.h), a cuLaunchKernel-style entry for the stand-in for CuPy
@@ -9,6 +10,8 @@
 //     -shared -fPIC -I kernels tests/host_kernels/host_primitives.cpp -o libhost_primitives.so
 #include "threelc.cu"
 #include "primitives.cu"
+#include "sign.cu"
+#include "quant.cu"
 
 #include "host_launch.h"
 
@@ -19,6 +22,8 @@ int host_launch(const char* name, unsigned int grid, unsigned int block, void** 
 {
     HOST_THREELC_KERNELS
     HOST_PRIMITIVES_KERNELS
+    HOST_SIGN_KERNELS
+    HOST_QUANT_KERNELS
     return -1;
 }
 

@@ -1,4 +1,5 @@
-// 64-bit index check of kernels/threelc.cu and kernels/primitives.cu, run on the host
+// 64-bit index check of kernels/threelc.cu, kernels/primitives.cu and the element-wise
+// kernels of kernels/sign.cu and kernels/quant.cu, run on the host
 // (tests/host_kernels/test_threelc_kernels.py).
 //
 // Tensors of more than 2^32 elements are mapped with mmap(MAP_NORESERVE): pages that are
@@ -14,6 +15,8 @@
 // Exit status: 0 all passed, 1 a check failed, 77 the mappings were refused (skip).
 #include "threelc.cu"
 #include "primitives.cu"
+#include "sign.cu"
+#include "quant.cu"
 
 #include <sys/mman.h>
 
@@ -509,6 +512,63 @@ void test_bitunpack(unsigned char* in, unsigned char* codes, long long n)
     CHECK(state[HVD_PRIM_ST_ERROR] == 0, "bitunpack error bits %u", state[HVD_PRIM_ST_ERROR]);
 }
 
+// signSGD encode / decode and DQSG's deltas, quantiser and reconstruction on n > 2^32
+// elements (element indices above 2^32; sign bytes 8 j and bucket starts b * bucket formed
+// in 64 bits).
+void test_sign_and_dqsg(float* x, unsigned char* bytes, float* deltas, unsigned char* q,
+                        float* out, long long n)
+{
+    const long long lo = K32 - 64;
+    for (long long i = lo; i < n; ++i) x[i] = pattern(i) * 0.5f;
+    for (long long i = 0; i < LOW; ++i) x[i] = 1e30f;
+    const long long nbytes = (n + 7) / 8;
+    unsigned int state[HVD_STATE_WORDS] = {0};
+    run_range(sign_encode, nbytes, K32 / 8, nbytes, (const float*)x, n, bytes, state);
+    for (long long j = first_of_block(K32 / 8); j < nbytes; ++j) {
+        unsigned int want = 0u;
+        for (long long i = 8 * j; i < 8 * j + 8 && i < n; ++i) want |= (x[i] < 0.0f ? 1u : 0u) << (i - 8 * j);
+        CHECK(bytes[j] == want, "sign_encode byte %lld = %d, want %u", j, bytes[j], want);
+    }
+    CHECK(state[HVD_SIGN_ST_NONFINITE] == 0, "sign_encode flagged finite input");
+    fill_low(out, -5.0f);
+    run_range(sign_decode, nbytes, K32 / 8, nbytes, (const unsigned char*)bytes, n, 0.25f, out, 0,
+              state);
+    for (long long i = first_of_block(K32 / 8) * 8; i < n; ++i)
+        CHECK(out[i] == (x[i] < 0.0f ? -0.25f : 0.25f), "sign_decode out[%lld]", i);
+    CHECK(low_changed(out, -5.0f, 0) == 0, "sign_decode wrote low elements");
+
+    const long long bucket = 512;
+    const long long nb = (n + bucket - 1) / bucket;
+    const long long b_lo = lo / bucket + 1;  // the first bucket whose elements are all set
+    run_range(quant_dqsg_deltas, nb, b_lo, nb, (const float*)x, n, 3, bucket, deltas, state);
+    for (long long b = first_of_block(b_lo); b < nb; ++b) {
+        if (b < b_lo) continue;
+        float m = 0.0f;
+        for (long long i = b * bucket; i < n && i < (b + 1) * bucket; ++i) m = std::max(m, fabsf(x[i]));
+        CHECK(bits(deltas[b]) == bits(m / 3.0f), "dqsg delta %lld", b);
+    }
+    const unsigned long long key = 77ull;
+    const long long i_lo = b_lo * bucket;
+    run_range(quant_dqsg_quantize, n, i_lo, n, (const float*)x, n, 3, bucket, key, 3,
+              (const float*)deltas, q);
+    for (long long i = i_lo; i < n; ++i) {
+        const float d = deltas[i / bucket];
+        const float safe = d > 0.0f ? d : 1.0f;
+        float t = rintf(x[i] / safe + (ref_uniform(key, i) - 0.5f));
+        t = t > 3.0f ? 3.0f : (t < -3.0f ? -3.0f : t);
+        CHECK(q[i] == (unsigned char)((int)t + 3), "dqsg q[%lld]", i);
+    }
+    for (long long i = i_lo; i < n; ++i) q[i] = (unsigned char)((int)q[i] - 3);  // int8 q
+    fill_low(out, -5.0f);
+    run_range(quant_dqsg_dequantize, n, i_lo, n, (const signed char*)q, n,
+              (const unsigned char*)deltas, bucket, key, out, 0);
+    for (long long i = i_lo; i < n; ++i) {
+        const float want = deltas[i / bucket] * ((float)(signed char)q[i] - (ref_uniform(key, i) - 0.5f));
+        CHECK(bits(out[i]) == bits(want), "dqsg dequantize out[%lld]", i);
+    }
+    CHECK(low_changed(out, -5.0f, 0) == 0, "dqsg dequantize wrote low elements");
+}
+
 }  // namespace
 
 int main()
@@ -545,6 +605,9 @@ int main()
     unsigned char* pin = vmap<unsigned char>((nun * 5 + 7) / 8);
     unsigned char* ucodes = vmap<unsigned char>(nun);
     test_bitunpack(pin, ucodes, nun);
+    const long long ns = K32 + 1000;  // sign and DQSG elements
+    test_sign_and_dqsg(vmap<float>(ns), vmap<unsigned char>((ns + 7) / 8),
+                       vmap<float>(ns / 512 + 1), vmap<unsigned char>(ns), vmap<float>(ns), ns);
 
     if (failures) {
         fprintf(stderr, "index64: %d checks failed\n", failures);

@@ -16,7 +16,7 @@ import torch
 import hvdcompress
 from hvdcompress import backends
 from hvdcompress.backends import cpu as cpu_backend
-from hvdcompress.backends.cuda import PRIMITIVES, THREELC
+from hvdcompress.backends.cuda import PRIMITIVES, QUANT, SIGN, THREELC
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.wire import PayloadError
 from tests.host_kernels.conftest import (
@@ -207,8 +207,12 @@ def test_emulated_compressor_payloads_match_cpu(emulated, monkeypatch, name, kw)
         assert torch.equal(got, want), f"{name} step {step}"
         on_gpu.decode(want, out=sums_gpu, accumulate=True)
     assert torch.equal(sums_gpu, sums_cpu)
-    # the checksum kernel (and threelc's coders) ran emulated
+    # the checksum kernel (and threelc's coders) ran emulated, and so did the codec's own
+    # family (the single-pass sign or quantiser kernels) and, where the codec uses them,
+    # the uniforms / bit packing
     assert THREELC.file in loaded_families(emulated)
-    if name not in ("topk", "signsgd", "efsignsgd"):
-        # the uniforms / bit packing ran emulated
+    own = {"signsgd": SIGN, "efsignsgd": SIGN, "qsgd": QUANT, "terngrad": QUANT, "dqsg": QUANT}
+    if name in own:
+        assert own[name].file in loaded_families(emulated)
+    if name in ("randomk",) or (name == "dqsg" and kw.get("levels", 3) > 1):
         assert PRIMITIVES.file in loaded_families(emulated)

@@ -43,6 +43,7 @@ def test_gather_only_codec_is_bit_identical_on_every_rank(name, comm):
         model.named_parameters(),
         compression=name,
         backend="mpi4py",
+        exchange="allgather",  # the two-stage exchange: tests/mpi/test_twostage.py
     )
     results = []
     for step in range(3):

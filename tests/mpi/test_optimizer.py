@@ -46,7 +46,12 @@ def test_gather_path_equals_mean_of_individually_decoded_payloads(backend, comm)
     _init_backend(backend)
     rank, size = comm.rank, comm.size
     model = make_model()
-    opt = wrap(model, hvdcompress.Compression.threelc(sparsity=1.5), backend=backend)
+    opt = wrap(
+        model,
+        hvdcompress.Compression.threelc(sparsity=1.5),
+        backend=backend,
+        exchange="allgather",  # the two-stage exchange: tests/mpi/test_twostage.py
+    )
     x, y = batch(rank, 0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     local = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -77,7 +82,7 @@ def test_fusion_one_collective_per_bucket_same_result(comm):
     stats = {}
     for threshold in (None, 0):
         model = make_model()
-        opt = wrap(model, "3lc", fusion_threshold=threshold)
+        opt = wrap(model, "3lc", fusion_threshold=threshold, exchange="allgather")
         x, y = batch(comm.rank, 0)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.synchronize()
@@ -189,19 +194,19 @@ def test_ranks_that_disagree_get_an_error_on_every_rank(what, comm):
 def test_corrupt_payload_raises_on_every_rank_naming_sender_and_tensor(comm):
     bad_rank = 1
     model = make_model()
-    opt = wrap(model, "3lc", fusion_threshold=0)
+    opt = wrap(model, "3lc", fusion_threshold=0, exchange="allgather")  # two-stage: its own
     target = "layers.1.weight"
     if comm.rank == bad_rank:
-        real = opt.compressor.compress
+        real = opt.compressor.compress_bucket
 
-        def corrupt(tensor, name):
-            payload, ctx = real(tensor, name)
-            if name == target:
-                payload = payload.clone()
-                payload[-1] ^= 0x5A
-            return payload, ctx
+        def corrupt(tensors, names):  # one tensor a bucket: its payload ends the frame
+            frame, ctxs = real(tensors, names)
+            if names == [target]:
+                frame = frame.clone()
+                frame[-1] ^= 0x5A
+            return frame, ctxs
 
-        opt.compressor.compress = corrupt
+        opt.compressor.compress_bucket = corrupt
     x, y = batch(comm.rank, 0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     err = None

@@ -1,0 +1,280 @@
+"""A simulated world: N ranks as N threads of one process (docs/design.md, "The simulated
+world").
+
+``SimulatedWorld(size)`` is the rendezvous every rank's ``SimulatedTransport`` shares;
+``hvdcompress.training.simulate.run_ranks`` runs one function per rank on it. Each rank
+runs the real code path (``DistributedOptimizer``, its exchange, its compressor bound to
+its rank, its policy) and only the bytes move differently: a collective is a slot in the
+world that every rank fills with its contribution; the last one to arrive combines them,
+and each rank's ``wait()`` takes its own copy of the result.
+
+Numerics are the real transports', so a simulated run ends with the parameters of the real
+run with the same seed:
+
+* ``start_allgatherv``: every rank's bytes in rank order and each rank's byte count, as
+  ``MPITransport``; the exchange then decodes the same bytes in the same order.
+* ``start_allreduce_sum``: the sum in rank order, ``((x0 + x1) + x2) + ...``; float16 and
+  bfloat16 add in float32 and round back to the dtype after every add (the MPI user op
+  of ``transports.mpi``, Horovod's rule). With two ranks that is exactly what any MPI
+  library computes (addition commutes); with more, MPI picks its own reduction order
+  (recursive doubling, ring), which may differ from rank order in the last bits of a
+  float32 sum. The gather path has no such freedom: its digests match at any size.
+* ``start_alltoallv(parts)``: ``parts[j]`` is this rank's 1-D uint8 tensor for rank j;
+  ``wait()`` gives the list whose entry i came from rank i.
+* ``allgather_object``: every rank's object, each rank receiving its own unpickled copy
+  (as over MPI). ``broadcast_`` copies root's bytes; ``sum_floats`` and ``barrier`` are
+  the base class's (float64 sum in rank order).
+
+Collectives match by their position in one of two sequences, as on the mpi4py transport's
+two communicators: the started (``start_*``) collectives, and the blocking ones of the
+calling thread (``allgather_object``, ``broadcast_``, ...). Invariants: a rank that
+starts a different collective at a position than rank 0 did gets ``RankMismatch``
+instead of a wrong result; a rank that fails aborts the world, so every rank waiting in
+(or later starting) a collective raises ``SimulatedAbort`` naming the failed rank instead
+of waiting forever; the same happens to ranks that wait for a collective a rank that has
+returned will never start.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hvdcompress.transports import Handle, Transport, _DoneHandle, check_alltoallv_parts
+
+SUMMABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class SimulatedAbort(RuntimeError):
+    """A collective of the simulated world cannot finish: another rank failed or returned."""
+
+
+class RankMismatch(RuntimeError):
+    """Ranks started different collectives at the same position of a sequence."""
+
+
+def sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``((parts[0] + parts[1]) + parts[2]) + ...``; float16 / bfloat16 added in float32
+    and rounded back after every add (see the module doc)."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        if total.dtype in LOW_PRECISION:
+            total = (total.float() + part.float()).to(total.dtype)
+        else:
+            total.add_(part)
+    return total
+
+
+@dataclass
+class _Slot:
+    """One collective of the world: what rank 0 (or the first rank) started, every rank's
+    contribution, and each rank's result once all have arrived."""
+
+    what: str
+    signature: tuple
+    values: list
+    arrived: int = 0
+    results: list | None = None
+    taken: int = 0
+    ranks: set = field(default_factory=set)
+
+
+class SimulatedWorld:
+    """The rendezvous of ``size`` simulated ranks (see the module doc)."""
+
+    def __init__(self, size: int) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"a simulated world needs an int size >= 1, got {size!r}")
+        self.size = size
+        self._cond = threading.Condition()
+        self._slots: dict[tuple[str, int], _Slot] = {}
+        self._abort: str | None = None
+        self._returned: dict[int, dict[str, int]] = {}  # rank -> collectives it started
+        self._transports = [SimulatedTransport(self, r) for r in range(size)]
+
+    def transport(self, rank: int) -> SimulatedTransport:
+        return self._transports[rank]
+
+    # ---- called by the transports ------------------------------------------------------------
+    def contribute(
+        self,
+        sequence: str,
+        index: int,
+        rank: int,
+        value,
+        what: str,
+        signature: tuple,
+        combine: Callable[[list], list],
+    ) -> _Slot:
+        """Put ``rank``'s ``value`` into collective ``index`` of ``sequence``; the last
+        rank to arrive runs ``combine(values) -> one result per rank``."""
+        key = (sequence, index)
+        with self._cond:
+            self._check_abort()
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot(what, signature, [None] * self.size)
+            elif slot.signature != signature:
+                message = (
+                    f"rank {rank} started {what} as {sequence} collective #{index}, where "
+                    f"rank {min(slot.ranks)} started {slot.what}: every rank must start the "
+                    "same collectives in the same order"
+                )
+                self._abort = message
+                self._cond.notify_all()
+                raise RankMismatch(message)
+            slot.values[rank] = value
+            slot.ranks.add(rank)
+            slot.arrived += 1
+            if slot.arrived == self.size:
+                try:
+                    slot.results = combine(slot.values)
+                except BaseException as err:  # noqa: BLE001 - every rank learns why
+                    self._abort = f"{what} failed: {err!r}"
+                    raise
+                finally:
+                    self._cond.notify_all()
+                slot.values = []  # the inputs are not needed any more
+            return slot
+
+    def result(self, sequence: str, index: int, rank: int, slot: _Slot):
+        """``rank``'s result of the collective; blocks until every rank has contributed,
+        ``SimulatedAbort`` when one never will."""
+        with self._cond:
+            self._cond.wait_for(lambda: slot.results is not None or self._stuck(sequence, index))
+            if slot.results is None:
+                self._check_abort()
+                raise SimulatedAbort(self._stuck(sequence, index))
+            out, slot.results[rank] = slot.results[rank], None
+            slot.taken += 1
+            if slot.taken == self.size:
+                del self._slots[(sequence, index)]
+            return out
+
+    def _stuck(self, sequence: str, index: int) -> str:
+        """Why collective ``index`` of ``sequence`` can never finish ("" while it can)."""
+        if self._abort is not None:
+            return self._abort
+        for rank, started in sorted(self._returned.items()):
+            if started[sequence] <= index:
+                return (
+                    f"rank {rank} returned after starting {started[sequence]} {sequence} "
+                    f"collectives: {sequence} collective #{index} can never finish"
+                )
+        return ""
+
+    def _check_abort(self) -> None:
+        if self._abort is not None:
+            raise SimulatedAbort(self._abort)
+
+    # ---- called by the runner ----------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        """Every collective waiting or yet to start raises ``SimulatedAbort(reason)``
+        (the first reason is kept)."""
+        with self._cond:
+            if self._abort is None:
+                self._abort = reason
+            self._cond.notify_all()
+
+    def returned(self, rank: int) -> None:
+        """Rank ``rank``'s function returned: collectives it never started cannot finish."""
+        t = self._transports[rank]
+        with self._cond:
+            self._returned[rank] = {"started": t._started, "blocking": t._blocking}
+            self._cond.notify_all()
+
+
+class SimulatedTransport(Transport):
+    """One rank of a ``SimulatedWorld`` (see the module doc)."""
+
+    name = "simulated"
+
+    def __init__(self, world: SimulatedWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.size = world.size
+        self.local_size = world.size  # every rank shares this process's cores
+        self._started = 0  # collectives of the started sequence so far
+        self._blocking = 0  # blocking collectives of this rank so far
+
+    def _start(self, value, what: str, signature: tuple, combine, finish=None) -> Handle:
+        index = self._started
+        self._started += 1
+        slot = self.world.contribute("started", index, self.rank, value, what, signature, combine)
+        world, rank = self.world, self.rank
+
+        def wait():
+            out = world.result("started", index, rank, slot)
+            return out if finish is None else finish(out)
+
+        return _DoneHandle(wait)
+
+    def _blocking_collective(self, value, what: str, signature: tuple, combine):
+        index = self._blocking
+        self._blocking += 1
+        slot = self.world.contribute("blocking", index, self.rank, value, what, signature, combine)
+        return self.world.result("blocking", index, self.rank, slot)
+
+    # ---- the data collectives ------------------------------------------------------------------
+    def start_allgatherv(self, local: torch.Tensor) -> Handle:
+        buf = local.detach().reshape(-1).to(device="cpu", dtype=torch.uint8).clone()
+
+        def combine(values):
+            sizes = [int(v.numel()) for v in values]
+            gathered = torch.cat(values)
+            return [(gathered.clone(), list(sizes)) for _ in values]
+
+        return self._start(buf, f"allgatherv of {buf.numel()} bytes", ("allgatherv",), combine)
+
+    def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
+        if dense.dtype not in SUMMABLE:
+            raise TypeError(f"simulated transport cannot sum {dense.dtype}")
+        src = dense.detach().to("cpu").contiguous().clone()
+        device = dense.device
+
+        def combine(values):
+            total = sum_in_rank_order(values)
+            return [total.clone() for _ in values]
+
+        what = f"allreduce of {src.numel()} {str(src.dtype)[6:]}"
+        signature = ("allreduce", src.dtype, src.numel())
+        return self._start(src, what, signature, combine, finish=lambda out: out.to(device))
+
+    def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
+        check_alltoallv_parts(parts, self.size)
+        mine = [part.detach().to("cpu").clone() for part in parts]
+
+        def combine(values):
+            return [
+                [values[src][dst].clone() for src in range(self.size)] for dst in range(self.size)
+            ]
+
+        what = f"alltoallv of {sum(int(p.numel()) for p in mine)} bytes"
+        return self._start(mine, what, ("alltoallv",), combine)
+
+    # ---- the blocking collectives ----------------------------------------------------------
+    def allgather_object(self, obj) -> list:
+        blob = pickle.dumps(obj)  # what MPI would send: a rank never shares another's object
+
+        def combine(values):
+            return [[pickle.loads(b) for b in values] for _ in values]
+
+        return self._blocking_collective(blob, "allgather_object", ("allgather_object",), combine)
+
+    def broadcast_(self, tensors, root: int = 0) -> None:
+        tensors = list(tensors)
+        mine = [t.detach().cpu().clone() for t in tensors] if self.rank == root else None
+        signature = ("broadcast", root, len(tensors))
+
+        def combine(values):
+            return [values[root]] * len(values)  # read-only: copied into each rank's tensors
+
+        what = f"broadcast of {len(tensors)} tensors from rank {root}"
+        theirs = self._blocking_collective(mine, what, signature, combine)
+        for t, value in zip(tensors, theirs, strict=True):
+            t.data.copy_(value)

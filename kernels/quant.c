@@ -1,0 +1,382 @@
+/* CPU backend of the stochastic quantisers QSGD and TernGrad (docs/design.md section 4),
+ * loaded through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is quant.cu next to
+ * this file, byte for byte the same. The formulas, one IEEE float32 operation each, are
+ * those of hvdcompress/codecs/quant.py's module docstring:
+ *
+ *   hvdc_qsgd_encode     one pass over x, a group of buckets at a time: the buckets' sums
+ *                        of x^2 (double, left to right), norm = float32(sqrt(sum)), then
+ *                        r = (|x| / norm) * s + u, l = min(floor(r), s), code = 2 l + sign,
+ *                        bit-packed LSB first (bits = 1 + ceil(log2(s + 1)), from the caller);
+ *   hvdc_qsgd_decode     validates norms, padding and codes, then writes or adds
+ *                        +-((l / s) * norm);
+ *   hvdc_terngrad_quartic  q = (u < |x| / M) ? sign(x) : 0 as 3LC quartic bytes (the
+ *                        caller zero-run encodes them with hvdc_tlc_zre_encode).
+ *
+ * u is the counter-based uniform of hvdc_prim_uniform (kernels/primitives.c) for the
+ * element's index in the whole tensor: the encoders take `offset`, the index of x[0], so a
+ * tensor may be split into parts (the caller's threads) without changing a byte. A QSGD
+ * part starts at a multiple of the bucket size whose bit offset is a whole byte.
+ *
+ * Memory traffic per element: QSGD encode reads 4 B (twice, the second time from L1) and
+ * writes bits / 8 B; decode reads bits / 8 B twice and writes 4 B (8 B with accumulate);
+ * TernGrad reads 4 B and writes 1/5 B. Pure functions over caller-owned buffers; built
+ * with -ffp-contract=off and without fast-math (C_FLAGS in hvdcompress/_native.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QUANT_ERR_PADDING -4 /* a padding bit after the last value is set (PRIM_ERR_PADDING) */
+#define QUANT_ERR_NORM -5    /* a norm is negative or not finite */
+#define QUANT_ERR_CODE -6    /* a level above s, or a zero level with the sign bit */
+#define QUANT_BLOCK 1024     /* elements per block of uniforms and codes (in L1) */
+#define QUANT_SPAN 65536     /* elements of whole buckets whose norms are formed together */
+#define QUANT_SPAN_BUCKETS QUANT_SPAN
+#define QUANT_LANES 4        /* bucket sums run side by side (independent chains) */
+#define QUANT_ROW 1024       /* elements of a bucket staged as doubles at a time (8 KB) */
+_Static_assert(QUANT_LANES == 4, "quant_square_sums' fast path sums four rows");
+#define QUANT_TERN_BLOCK 1020 /* TernGrad elements per block: whole quartic groups */
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define QUANT_VECTOR __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define QUANT_VECTOR
+#endif
+
+void hvdc_prim_uniform(uint64_t key, int64_t offset, int64_t n, float *out); /* primitives.c */
+
+static inline uint32_t quant_abs_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u & 0x7fffffffu;
+}
+
+/* Packs `groups` groups of eight codes (each < 2^bits) into bits bytes per group, LSB
+ * first: group g fills dst[bits g .. bits g + bits). The last 4 groups are stored byte by
+ * byte, the others as one 8-byte word that the following groups overwrite (4 groups of at
+ * least 2 bytes cover a word's spill). */
+static inline void quant_pack_groups(const uint8_t *codes, int64_t groups, int bits,
+                                     uint8_t *dst) {
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *c = codes + 8 * g;
+        uint64_t acc = 0;
+        for (int k = 0; k < 8; k++) acc |= (uint64_t)c[k] << (k * bits);
+        if (g + 4 < groups) {
+            memcpy(dst + g * bits, &acc, sizeof acc);
+        } else {
+            for (int k = 0; k < bits; k++) dst[g * bits + k] = (uint8_t)(acc >> (8 * k));
+        }
+    }
+}
+
+/* Unpacks `groups` groups of eight codes of `bits` bits from src (bits bytes a group). */
+static inline void quant_unpack_groups(const uint8_t *src, int64_t groups, int bits,
+                                       uint8_t *codes) {
+    const uint64_t mask = (1ull << bits) - 1ull;
+    for (int64_t g = 0; g < groups; g++) {
+        uint64_t acc = 0;
+        if (g + 4 < groups) {
+            memcpy(&acc, src + g * bits, sizeof acc);
+        } else {
+            for (int k = 0; k < bits; k++) acc |= (uint64_t)src[g * bits + k] << (8 * k);
+        }
+        for (int k = 0; k < 8; k++) codes[8 * g + k] = (uint8_t)((acc >> (k * bits)) & mask);
+    }
+}
+
+/* d[i] = x_i^2 in double, i < n (vectorised). */
+QUANT_VECTOR static void quant_squares(const float *x, int64_t n, double *d) {
+    for (int64_t i = 0; i < n; i++) {
+        const double v = (double)x[i];
+        d[i] = v * v;
+    }
+}
+
+/* Sum of x^2 in double, left to right, of each of `count` consecutive buckets of `bucket`
+ * elements starting at x (the last may end early, at x[len]). QUANT_LANES buckets at a
+ * time: their squares are staged as doubles in rows of a block (padded, so that the rows
+ * do not alias in L1) by a vectorised pass, then the rows are summed side by side,
+ * QUANT_LANES independent chains of additions, each bucket in its own order. */
+static void quant_square_sums(const float *x, int64_t len, int64_t bucket, int64_t count,
+                              double *sums) {
+    double rows[QUANT_LANES][QUANT_ROW + 8]; /* 33 KB of stack */
+    for (int64_t b = 0; b < count; b += QUANT_LANES) {
+        const int64_t lanes = count - b < QUANT_LANES ? count - b : QUANT_LANES;
+        double s[QUANT_LANES] = {0.0};
+        for (int64_t part = 0; part < bucket; part += QUANT_ROW) {
+            int64_t n[QUANT_LANES];
+            for (int64_t l = 0; l < lanes; l++) {
+                const int64_t lo = (b + l) * bucket + part;
+                const int64_t end = (b + l + 1) * bucket < len ? (b + l + 1) * bucket : len;
+                const int64_t hi = lo + QUANT_ROW < end ? lo + QUANT_ROW : end;
+                n[l] = hi > lo ? hi - lo : 0;
+                quant_squares(x + lo, n[l], rows[l]);
+            }
+            if (lanes == QUANT_LANES && n[QUANT_LANES - 1] == n[0]) {
+                double s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
+                for (int64_t i = 0; i < n[0]; i++) {
+                    s0 += rows[0][i];
+                    s1 += rows[1][i];
+                    s2 += rows[2][i];
+                    s3 += rows[3][i];
+                }
+                s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+            } else {
+                for (int64_t l = 0; l < lanes; l++)
+                    for (int64_t i = 0; i < n[l]; i++) s[l] += rows[l][i];
+            }
+        }
+        for (int64_t l = 0; l < lanes; l++) sums[b + l] = s[l];
+    }
+}
+
+/* codes[i] = 2 l + sign of x[0..len) under one bucket's norm (safe: the norm, or 1 where
+ * it is 0), with uniforms u. */
+QUANT_VECTOR static void quant_qsgd_codes(const float *x, const float *u, int64_t len,
+                                          float safe, int levels, uint8_t *codes) {
+    const float levels_f = (float)levels;
+    for (int64_t i = 0; i < len; i++) {
+        const float r = (fabsf(x[i]) / safe) * levels_f + u[i];
+        int l = (int)r; /* r >= 0: truncation is floor */
+        l = l > levels ? levels : l;
+        codes[i] = (uint8_t)(2 * l + (x[i] < 0.0f && l > 0));
+    }
+}
+
+/* QSGD body parts for x[0..n) (elements offset .. offset + n - 1 of the tensor; offset a
+ * multiple of bucket): norms[0..ceil(n / bucket)) and the packed codes at packed[0]
+ * (offset * bits a multiple of 8). One pass: a span of whole buckets (about
+ * QUANT_SPAN elements, in L2) gets its norms, then its codes a block at a time; codes wait
+ * in `codes` until eight of them fill `bits` whole bytes. Returns 1, with the outputs
+ * meaningless, when x holds a NaN or an Inf or a norm overflows float32; else 0. */
+int hvdc_qsgd_encode(const float *x, int64_t n, int levels, int bits, int64_t bucket,
+                     uint64_t key, int64_t offset, float *norms, uint8_t *packed) {
+    float u[QUANT_BLOCK];
+    uint8_t codes[QUANT_BLOCK + 8];
+    double sums[QUANT_SPAN_BUCKETS];
+    const int64_t nb = (n + bucket - 1) / bucket;
+    const int64_t span = bucket >= QUANT_SPAN ? 1 : QUANT_SPAN / bucket; /* buckets */
+    int64_t pending = 0; /* codes waiting in codes[0..pending), < 8 */
+    uint8_t *dst = packed;
+    for (int64_t b0 = 0; b0 < nb; b0 += span) {
+        const int64_t count = nb - b0 < span ? nb - b0 : span;
+        const int64_t lo = b0 * bucket;
+        const int64_t hi = lo + count * bucket < n ? lo + count * bucket : n;
+        quant_square_sums(x + lo, hi - lo, bucket, count, sums);
+        for (int64_t b = 0; b < count; b++) {
+            const float norm = (float)sqrt(sums[b]);
+            if (quant_abs_bits(norm) >= 0x7f800000u) return 1; /* NaN / Inf input, overflow */
+            norms[b0 + b] = norm;
+        }
+        for (int64_t b = 0; b < count; b++) {
+            const float safe = norms[b0 + b] > 0.0f ? norms[b0 + b] : 1.0f;
+            const int64_t start = lo + b * bucket;
+            const int64_t end = start + bucket < n ? start + bucket : n;
+            for (int64_t p = start; p < end;) {
+                const int64_t room = QUANT_BLOCK - pending;
+                const int64_t len = end - p < room ? end - p : room;
+                hvdc_prim_uniform(key, offset + p, len, u);
+                quant_qsgd_codes(x + p, u, len, safe, levels, codes + pending);
+                const int64_t total = pending + len, groups = total / 8;
+                quant_pack_groups(codes, groups, bits, dst);
+                dst += groups * bits;
+                pending = total - 8 * groups;
+                memmove(codes, codes + 8 * groups, (size_t)pending);
+                p += len;
+            }
+        }
+    }
+    if (pending) { /* the last, short group: ceil(pending bits / 8) bytes, padding zero */
+        memset(codes + pending, 0, (size_t)(8 - pending));
+        uint8_t word[8];
+        quant_pack_groups(codes, 1, bits, word);
+        memcpy(dst, word, (size_t)((pending * bits + 7) / 8));
+    }
+    return 0;
+}
+
+/* Reads the little-endian float32 at p (the body may sit at any byte offset). */
+static inline float quant_load_f32(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+
+/* The codes of elements [lo, lo + len) (lo a multiple of 8) of a packed stream of n codes
+ * of nbytes bytes, into codes[0..len). */
+static inline void quant_codes_at(const uint8_t *packed, int64_t nbytes, int64_t lo, int64_t len,
+                                  int bits, uint8_t *codes) {
+    const int64_t groups = len / 8;
+    quant_unpack_groups(packed + lo / 8 * bits, groups, bits, codes);
+    if (len % 8) { /* the last, short group: only its own bytes exist */
+        const int64_t first = (lo + 8 * groups) / 8 * bits;
+        const int64_t have = nbytes - first < bits ? nbytes - first : bits;
+        uint64_t acc = 0;
+        for (int64_t k = 0; k < have; k++) acc |= (uint64_t)packed[first + k] << (8 * k);
+        for (int64_t k = 0; k < len % 8; k++)
+            codes[8 * groups + k] = (uint8_t)((acc >> (k * bits)) & ((1u << bits) - 1u));
+    }
+}
+
+/* Decodes a QSGD body: norms (4 nb bytes, nb = ceil(n / bucket)) then ceil(n bits / 8)
+ * bytes of codes (the caller checked the body length). Validates everything first and
+ * returns QUANT_ERR_NORM / QUANT_ERR_PADDING / QUANT_ERR_CODE with out untouched; else
+ * writes (or adds) -((l / s) * norm) or (l / s) * norm and returns 0. */
+QUANT_VECTOR int64_t hvdc_qsgd_decode(const uint8_t *body, int64_t n, int levels, int bits,
+                                      int64_t bucket, float *out, int accumulate) {
+    const int64_t nb = (n + bucket - 1) / bucket;
+    for (int64_t b = 0; b < nb; b++) {
+        const float norm = quant_load_f32(body + 4 * b);
+        if (!(norm >= 0.0f) || quant_abs_bits(norm) >= 0x7f800000u) return QUANT_ERR_NORM;
+    }
+    const uint8_t *packed = body + 4 * nb;
+    const int64_t used = n * bits, nbytes = (used + 7) / 8;
+    if ((used & 7) && (packed[nbytes - 1] >> (used & 7))) return QUANT_ERR_PADDING;
+    /* bad[c]: c is not 2 l + sign with l <= s, or is a signed zero level */
+    uint8_t bad[256];
+    for (int c = 0; c < 256; c++) bad[c] = c == 1 || (c >> 1) > levels;
+    uint8_t codes[QUANT_BLOCK];
+    for (int64_t lo = 0; lo < n; lo += QUANT_BLOCK) {
+        const int64_t len = n - lo < QUANT_BLOCK ? n - lo : QUANT_BLOCK;
+        quant_codes_at(packed, nbytes, lo, len, bits, codes);
+        uint8_t any = 0;
+        for (int64_t i = 0; i < len; i++) any |= bad[codes[i]];
+        if (any) return QUANT_ERR_CODE;
+    }
+    const float levels_f = (float)levels;
+    for (int64_t lo = 0; lo < n; lo += QUANT_BLOCK) {
+        const int64_t len = n - lo < QUANT_BLOCK ? n - lo : QUANT_BLOCK;
+        quant_codes_at(packed, nbytes, lo, len, bits, codes);
+        for (int64_t p = lo; p < lo + len;) { /* one bucket's stretch of this block */
+            const int64_t b = p / bucket;
+            const int64_t end = (b + 1) * bucket < lo + len ? (b + 1) * bucket : lo + len;
+            const float norm = quant_load_f32(body + 4 * b);
+            const uint8_t *c = codes + (p - lo);
+            float *o = out + p;
+            const int64_t cnt = end - p;
+            /* (l / s) * norm, then the sign bit flipped for code & 1: IEEE negation */
+            if (accumulate) {
+                for (int64_t i = 0; i < cnt; i++) {
+                    const float mag = ((float)(c[i] >> 1) / levels_f) * norm;
+                    uint32_t u;
+                    memcpy(&u, &mag, sizeof u);
+                    u ^= (uint32_t)(c[i] & 1) << 31;
+                    float v;
+                    memcpy(&v, &u, sizeof v);
+                    o[i] = o[i] + v;
+                }
+            } else {
+                for (int64_t i = 0; i < cnt; i++) {
+                    const float mag = ((float)(c[i] >> 1) / levels_f) * norm;
+                    uint32_t u;
+                    memcpy(&u, &mag, sizeof u);
+                    u ^= (uint32_t)(c[i] & 1) << 31;
+                    memcpy(o + i, &u, sizeof u);
+                }
+            }
+            p = end;
+        }
+    }
+    return 0;
+}
+
+/* TernGrad's quartic bytes: digit d_i = q_i + 1 with q_i = (u_i < |x_i| / M) ? sign(x_i) : 0
+ * (0 for every i when M == 0), five digits a byte (81 d0 + 27 d1 + 9 d2 + 3 d3 + d4, the
+ * last group padded with d = 1), for x[0..n), elements offset .. of the tensor (offset a
+ * multiple of 5). quartic must hold ceil(n / 5) bytes. M: max|x| of the whole tensor,
+ * finite (the caller checked). */
+QUANT_VECTOR void hvdc_terngrad_quartic(const float *x, int64_t n, float M, uint64_t key,
+                                        int64_t offset, uint8_t *quartic) {
+    float u[QUANT_TERN_BLOCK];
+    uint8_t d[QUANT_TERN_BLOCK + 8];
+    for (int64_t base = 0; base < n; base += QUANT_TERN_BLOCK) {
+        const int64_t len = n - base < QUANT_TERN_BLOCK ? n - base : QUANT_TERN_BLOCK;
+        if (M == 0.0f) {
+            memset(d, 1, (size_t)len);
+        } else {
+            hvdc_prim_uniform(key, offset + base, len, u);
+            const float *xb = x + base;
+            for (int64_t i = 0; i < len; i++) {
+                const uint8_t keep = u[i] < fabsf(xb[i]) / M;
+                const uint8_t minus = xb[i] < 0.0f;
+                d[i] = (uint8_t)(1 + keep - 2 * (keep & minus));
+            }
+        }
+        memset(d + len, 1, 8); /* padding digits of the last group, and pack5's slack */
+        for (int64_t g = 0; 5 * g < len; g++) {
+            /* 81 d0 + 27 d1 + 9 d2 + 3 d3 + d4 as one product (threelc.c's pack5) */
+            uint64_t w;
+            memcpy(&w, d + 5 * g, sizeof w);
+            quartic[base / 5 + g] = (uint8_t)((w * 0x511B090301ull) >> 32);
+        }
+    }
+}
+
+/* DQSG's quantiser (hvdcompress/codecs/dqsg.py): per bucket delta = max|w| / s (one
+ * float32 division; the max is exact), then t = w / safe + (v - 1/2) with safe = delta or
+ * 1 where delta == 0 and v the element's uniform, q = clamp(rint(t), -s, s) (round half to
+ * even). Writes deltas[0..ceil(n / bucket)) and out[i] = q + code_offset as a byte (0: the
+ * int8 q; s: the codes 0..2 s that DQSG bit-packs). w[0..n) are elements offset .. of the
+ * tensor (offset a multiple of bucket). Returns 1 when w holds a NaN or an Inf (outputs
+ * then meaningless), else 0. */
+QUANT_VECTOR int hvdc_dqsg_quantize(const float *w, int64_t n, int levels, int64_t bucket,
+                                    uint64_t key, int64_t offset, int code_offset,
+                                    float *deltas, uint8_t *out) {
+    float u[QUANT_BLOCK];
+    const float levels_f = (float)levels;
+    const float magic = 12582912.0f; /* 1.5 * 2^23: (t + magic) - magic = rint(t), |t| <= 2^22 */
+    const int64_t nb = (n + bucket - 1) / bucket;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t lo = b * bucket, hi = lo + bucket < n ? lo + bucket : n;
+        uint32_t worst = 0;
+        for (int64_t i = lo; i < hi; i++) {
+            const uint32_t a = quant_abs_bits(w[i]);
+            worst = a > worst ? a : worst;
+        }
+        if (worst >= 0x7f800000u) return 1;
+        float m;
+        memcpy(&m, &worst, sizeof m);
+        const float delta = m / levels_f;
+        deltas[b] = delta;
+        const float safe = delta > 0.0f ? delta : 1.0f;
+        for (int64_t p = lo; p < hi; p += QUANT_BLOCK) {
+            const int64_t len = hi - p < QUANT_BLOCK ? hi - p : QUANT_BLOCK;
+            hvdc_prim_uniform(key, offset + p, len, u);
+            for (int64_t i = 0; i < len; i++) {
+                /* |t| <= s (1 + 2^-23) + 1/2 with delta > 0, |w| + 1/2 tiny otherwise */
+                const float t = w[p + i] / safe + (u[i] - 0.5f);
+                float q = (t + magic) - magic;
+                q = q > levels_f ? levels_f : q < -levels_f ? -levels_f : q;
+                out[p + i] = (uint8_t)((int)q + code_offset);
+            }
+        }
+    }
+    return 0;
+}
+
+/* DQSG's reconstruction: out[i] = delta_b * (q_i - (v_i - 1/2)) (one float32 subtraction,
+ * one product), or out[i] += that, for the int8 q[0..n) in [-s, s] and the little-endian
+ * float32 deltas (any byte offset) the caller validated. Elements offset .. of the tensor
+ * (offset a multiple of bucket). */
+QUANT_VECTOR void hvdc_dqsg_dequantize(const int8_t *q, int64_t n, const uint8_t *deltas,
+                                       int64_t bucket, uint64_t key, int64_t offset, float *out,
+                                       int accumulate) {
+    float u[QUANT_BLOCK];
+    const int64_t nb = (n + bucket - 1) / bucket;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t lo = b * bucket, hi = lo + bucket < n ? lo + bucket : n;
+        const float delta = quant_load_f32(deltas + 4 * b);
+        for (int64_t p = lo; p < hi; p += QUANT_BLOCK) {
+            const int64_t len = hi - p < QUANT_BLOCK ? hi - p : QUANT_BLOCK;
+            hvdc_prim_uniform(key, offset + p, len, u);
+            float *o = out + p;
+            const int8_t *qp = q + p;
+            if (accumulate) {
+                for (int64_t i = 0; i < len; i++)
+                    o[i] = o[i] + delta * ((float)qp[i] - (u[i] - 0.5f));
+            } else {
+                for (int64_t i = 0; i < len; i++) o[i] = delta * ((float)qp[i] - (u[i] - 0.5f));
+            }
+        }
+    }
+}

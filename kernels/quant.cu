@@ -1,0 +1,293 @@
+// Stochastic quantisers QSGD and TernGrad (docs/design.md section 4): the CUDA twin of
+// kernels/quant.c (CPU backend), byte for byte the same; formulas in
+// hvdcompress/codecs/quant.py's module docstring, one IEEE float32 operation each
+// (__fdiv_rn & co., never contracted).
+//
+// Compiled three ways from this one file, like kernels/threelc.cu: by NVRTC through
+// hvdcompress/backends/cuda.py (NVRTC_OPTIONS of hvdcompress/_native.py), by nvcc in
+// scripts/check_kernels.sh, and by g++ for the host through kernels/cuda_host.h
+// (tests/host_kernels/). Hence plain C-like code, no #include under CUDA, no barriers or
+// shared memory, no code that needs two threads at once.
+//
+// Names: kernels quant_<op>, helpers hvd_quant_* (the host build compiles every .cu file in
+// one unit). Every index is 64-bit. Every kernel is a grid-stride loop, so any grid size is
+// correct; the backend launches 256 threads per block and at most 8 blocks per
+// multiprocessor.
+//
+// Packed codes of `bits` bits: eight consecutive codes fill exactly `bits` bytes, so one
+// thread per group of eight elements owns its bytes (no two threads write one byte).
+//
+// `state` is the zeroed 8-word uint32 array of threelc.cu; word 2 (non-finite flag) and
+// word 3 (error bits) are used here, with atomicOr.
+#define HVD_QUANT_ST_NONFINITE 2
+#define HVD_QUANT_ST_ERROR 3
+#define HVD_QUANT_ERR_PADDING 4u  // a padding bit after the last packed value is set
+#define HVD_QUANT_ERR_NORM 32u    // a norm is negative or not finite
+#define HVD_QUANT_ERR_CODE 64u    // a level above s, or a zero level with the sign bit
+#define HVD_QUANT_NONFINITE_BITS 0x7f800000u
+
+#ifndef __CUDACC__
+#include "cuda_host.h"
+#define hvd_quant_dadd(a, b) ((a) + (b))
+#define hvd_quant_dmul(a, b) ((a) * (b))
+#define hvd_quant_dsqrt(a) sqrt(a)
+#else
+#define hvd_quant_dadd(a, b) __dadd_rn((a), (b))
+#define hvd_quant_dmul(a, b) __dmul_rn((a), (b))
+#define hvd_quant_dsqrt(a) __dsqrt_rn(a)
+#endif
+
+__device__ __forceinline__ long long hvd_quant_first_index()
+{
+    return (long long)blockIdx.x * (long long)blockDim.x + (long long)threadIdx.x;
+}
+
+__device__ __forceinline__ long long hvd_quant_grid_stride()
+{
+    return (long long)gridDim.x * (long long)blockDim.x;
+}
+
+// The counter-based uniform of element i (kernels/primitives.cu, primitives_uniform):
+// SplitMix64 output number i + 1 of the stream seeded with key, top 24 bits, times 2^-24.
+__device__ __forceinline__ float hvd_quant_uniform(unsigned long long key, long long i)
+{
+    unsigned long long z = key + ((unsigned long long)i + 1ull) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z = z ^ (z >> 31);
+    return __fmul_rn((float)(unsigned int)(z >> 40), 5.9604644775390625e-08f);  // 2^-24
+}
+
+__device__ __forceinline__ float hvd_quant_load_f32(const unsigned char* p)
+{
+    const unsigned int u = (unsigned int)p[0] | ((unsigned int)p[1] << 8) |
+                           ((unsigned int)p[2] << 16) | ((unsigned int)p[3] << 24);
+    return __uint_as_float(u);
+}
+
+// 1. QSGD norms: norms[b] = float32(sqrt(sum over bucket b of x_i^2)), the sum in double
+// strictly left to right (one thread per bucket: the CPU's order). A NaN / Inf norm (NaN or
+// Inf input, or float32 overflow) sets the non-finite word. grid: grid-stride over
+// ceil(n / bucket) buckets. bytes: reads 4n, writes 4 per bucket.
+extern "C" __global__ void quant_qsgd_norms(const float* __restrict__ x, long long n,
+                                            long long bucket, float* __restrict__ norms,
+                                            unsigned int* __restrict__ state)
+{
+    const long long nb = (n + bucket - 1) / bucket;
+    const long long stride = hvd_quant_grid_stride();
+    bool bad = false;
+    for (long long b = hvd_quant_first_index(); b < nb; b += stride) {
+        const long long lo = b * bucket;
+        const long long hi = lo + bucket < n ? lo + bucket : n;
+        double s = 0.0;
+        for (long long i = lo; i < hi; ++i) {
+            const double v = (double)x[i];
+            s = hvd_quant_dadd(s, hvd_quant_dmul(v, v));
+        }
+        const float norm = (float)hvd_quant_dsqrt(s);
+        bad = bad || (__float_as_uint(norm) & 0x7fffffffu) >= HVD_QUANT_NONFINITE_BITS;
+        norms[b] = norm;
+    }
+    if (bad) atomicOr(state + HVD_QUANT_ST_NONFINITE, 1u);
+}
+
+// 2. QSGD codes: r = (|x| / norm) * s + u (norm 1 where it is 0), l = min(floor(r), s),
+// code = 2 l + (x < 0 and l > 0), packed LSB first. One thread per group of eight elements,
+// which fill bytes [bits g, bits g + bits). grid: grid-stride over ceil(n / 8) groups.
+// bytes: reads 4n (+ the norms), writes n bits / 8.
+extern "C" __global__ void quant_qsgd_encode(const float* __restrict__ x, long long n,
+                                             int levels, int bits, long long bucket,
+                                             unsigned long long key,
+                                             const float* __restrict__ norms,
+                                             unsigned char* __restrict__ packed)
+{
+    const long long groups = (n + 7) / 8;
+    const long long nbytes = (n * (long long)bits + 7) / 8;
+    const long long stride = hvd_quant_grid_stride();
+    const float levels_f = (float)levels;
+    for (long long g = hvd_quant_first_index(); g < groups; g += stride) {
+        const long long lo = 8ll * g;
+        const long long hi = lo + 8 < n ? lo + 8 : n;
+        unsigned long long acc = 0ull;
+        for (long long i = lo; i < hi; ++i) {
+            const float norm = norms[i / bucket];
+            const float safe = norm > 0.0f ? norm : 1.0f;
+            const float v = x[i];
+            const float r = __fadd_rn(__fmul_rn(__fdiv_rn(fabsf(v), safe), levels_f),
+                                      hvd_quant_uniform(key, i));
+            int l = (int)r;  // r >= 0: truncation is floor
+            l = l > levels ? levels : l;
+            const unsigned long long code =
+                (unsigned long long)(2 * l + ((v < 0.0f && l > 0) ? 1 : 0));
+            acc |= code << (unsigned int)((i - lo) * bits);
+        }
+        const long long first_byte = g * (long long)bits;
+        for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
+            packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
+    }
+}
+
+// 3. QSGD body check, before any decode writes: norms finite and >= 0 (one float per
+// bucket, unaligned), padding bits zero, every code 2 l + sign with l <= s and no signed
+// zero level; sets HVD_QUANT_ERR_* bits. The caller checked the body length. grid:
+// grid-stride over max(ceil(n / 8), buckets). bytes: reads n bits / 8 + 4 per bucket.
+extern "C" __global__ void quant_qsgd_check(const unsigned char* __restrict__ body, long long n,
+                                            int levels, int bits, long long bucket,
+                                            unsigned int* __restrict__ state)
+{
+    const long long nb = (n + bucket - 1) / bucket;
+    const long long groups = (n + 7) / 8;
+    const long long work = groups > nb ? groups : nb;
+    const unsigned char* packed = body + 4ll * nb;
+    const long long used = n * (long long)bits;
+    const long long nbytes = (used + 7) / 8;
+    const long long stride = hvd_quant_grid_stride();
+    const long long first = hvd_quant_first_index();
+    unsigned int err = 0u;
+    if (first == 0 && (used & 7ll) &&
+        ((unsigned int)packed[nbytes - 1] >> (unsigned int)(used & 7ll)))
+        err |= HVD_QUANT_ERR_PADDING;
+    for (long long t = first; t < work; t += stride) {
+        if (t < nb) {
+            const float norm = hvd_quant_load_f32(body + 4ll * t);
+            if (!(norm >= 0.0f) || (__float_as_uint(norm) & 0x7fffffffu) >= HVD_QUANT_NONFINITE_BITS)
+                err |= HVD_QUANT_ERR_NORM;
+        }
+        if (t < groups) {
+            const long long lo = 8ll * t;
+            const long long hi = lo + 8 < n ? lo + 8 : n;
+            unsigned long long acc = 0ull;
+            const long long first_byte = t * (long long)bits;
+            for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
+                acc |= (unsigned long long)packed[first_byte + k] << (8 * k);
+            const unsigned long long mask = (1ull << bits) - 1ull;
+            for (long long i = lo; i < hi; ++i) {
+                const unsigned int code = (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
+                if ((int)(code >> 1) > levels || code == 1u) err |= HVD_QUANT_ERR_CODE;
+            }
+        }
+    }
+    if (err) atomicOr(state + HVD_QUANT_ST_ERROR, err);
+}
+
+// 4. QSGD decode of a checked body: out[i] = +-((l / s) * norm) (or added to out[i]). One
+// thread per group of eight elements. grid: grid-stride over ceil(n / 8). bytes: reads
+// n bits / 8 + the norms, writes 4n (reads 4n more with accumulate).
+extern "C" __global__ void quant_qsgd_decode(const unsigned char* __restrict__ body, long long n,
+                                             int levels, int bits, long long bucket,
+                                             float* __restrict__ out, int accumulate)
+{
+    const long long nb = (n + bucket - 1) / bucket;
+    const long long groups = (n + 7) / 8;
+    const unsigned char* packed = body + 4ll * nb;
+    const long long nbytes = (n * (long long)bits + 7) / 8;
+    const long long stride = hvd_quant_grid_stride();
+    const float levels_f = (float)levels;
+    const unsigned long long mask = (1ull << bits) - 1ull;
+    for (long long g = hvd_quant_first_index(); g < groups; g += stride) {
+        const long long lo = 8ll * g;
+        const long long hi = lo + 8 < n ? lo + 8 : n;
+        unsigned long long acc = 0ull;
+        const long long first_byte = g * (long long)bits;
+        for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
+            acc |= (unsigned long long)packed[first_byte + k] << (8 * k);
+        for (long long i = lo; i < hi; ++i) {
+            const unsigned int code = (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
+            const float norm = hvd_quant_load_f32(body + 4ll * (i / bucket));
+            const float mag = __fmul_rn(__fdiv_rn((float)(code >> 1), levels_f), norm);
+            const float v = (code & 1u) ? -mag : mag;
+            out[i] = accumulate ? __fadd_rn(out[i], v) : v;
+        }
+    }
+}
+
+// 5. TernGrad quartic bytes: digit d_i = q_i + 1, q_i = (u_i < |x_i| / M) ? sign(x_i) : 0
+// (0 everywhere when M == 0), byte 81 d0 + 27 d1 + 9 d2 + 3 d3 + d4 of elements 5j .. 5j + 4
+// (padded with d = 1); threelc.cu's zero-run kernels then encode them. M = max|x|, finite.
+// One thread per quartic byte. grid: grid-stride over ceil(n / 5). bytes: reads 4n,
+// writes n / 5.
+extern "C" __global__ void quant_terngrad_quartic(const float* __restrict__ x, long long n,
+                                                  float scale, unsigned long long key,
+                                                  unsigned char* __restrict__ quartic)
+{
+    const long long m = (n + 4) / 5;
+    const long long stride = hvd_quant_grid_stride();
+    for (long long j = hvd_quant_first_index(); j < m; j += stride) {
+        unsigned int byte = 0u;
+        for (long long k = 0; k < 5; ++k) {
+            const long long i = 5ll * j + k;
+            unsigned int d = 1u;
+            if (i < n && scale != 0.0f) {
+                const float v = x[i];
+                if (hvd_quant_uniform(key, i) < __fdiv_rn(fabsf(v), scale))
+                    d = v < 0.0f ? 0u : 2u;
+            }
+            byte = byte * 3u + d;
+        }
+        quartic[j] = (unsigned char)byte;
+    }
+}
+
+// 6. DQSG deltas: deltas[b] = max|w| over bucket b / s (the max exact, one float32
+// division); NaN / Inf input sets the non-finite word. One thread per bucket. grid:
+// grid-stride over ceil(n / bucket). bytes: reads 4n, writes 4 per bucket.
+extern "C" __global__ void quant_dqsg_deltas(const float* __restrict__ w, long long n,
+                                             int levels, long long bucket,
+                                             float* __restrict__ deltas,
+                                             unsigned int* __restrict__ state)
+{
+    const long long nb = (n + bucket - 1) / bucket;
+    const long long stride = hvd_quant_grid_stride();
+    bool bad = false;
+    for (long long b = hvd_quant_first_index(); b < nb; b += stride) {
+        const long long lo = b * bucket;
+        const long long hi = lo + bucket < n ? lo + bucket : n;
+        unsigned int worst = 0u;
+        for (long long i = lo; i < hi; ++i) {
+            const unsigned int a = __float_as_uint(w[i]) & 0x7fffffffu;
+            worst = a > worst ? a : worst;
+        }
+        bad = bad || worst >= HVD_QUANT_NONFINITE_BITS;
+        deltas[b] = __fdiv_rn(__uint_as_float(worst), (float)levels);
+    }
+    if (bad) atomicOr(state + HVD_QUANT_ST_NONFINITE, 1u);
+}
+
+// 7. DQSG quantiser: q = clamp(rint(w / safe + (v - 1/2)), -s, s) (safe = delta, or 1
+// where delta == 0; rint half to even), out[i] = q + code_offset as a byte. One thread per
+// element. grid: grid-stride over n. bytes: reads 4n (+ the deltas), writes n.
+extern "C" __global__ void quant_dqsg_quantize(const float* __restrict__ w, long long n,
+                                               int levels, long long bucket,
+                                               unsigned long long key, int code_offset,
+                                               const float* __restrict__ deltas,
+                                               unsigned char* __restrict__ out)
+{
+    const long long stride = hvd_quant_grid_stride();
+    const float levels_f = (float)levels;
+    for (long long i = hvd_quant_first_index(); i < n; i += stride) {
+        const float delta = deltas[i / bucket];
+        const float safe = delta > 0.0f ? delta : 1.0f;
+        const float u = __fsub_rn(hvd_quant_uniform(key, i), 0.5f);
+        float q = rintf(__fadd_rn(__fdiv_rn(w[i], safe), u));
+        q = q > levels_f ? levels_f : (q < -levels_f ? -levels_f : q);
+        out[i] = (unsigned char)((int)q + code_offset);
+    }
+}
+
+// 8. DQSG reconstruction: out[i] = delta * (q - (v - 1/2)), or added to out[i]; deltas are
+// the body's little-endian float32 (any byte offset), validated by the caller. One thread
+// per element. grid: grid-stride over n. bytes: reads n (+ the deltas), writes 4n (reads 4n
+// more with accumulate).
+extern "C" __global__ void quant_dqsg_dequantize(const signed char* __restrict__ q, long long n,
+                                                 const unsigned char* __restrict__ deltas,
+                                                 long long bucket, unsigned long long key,
+                                                 float* __restrict__ out, int accumulate)
+{
+    const long long stride = hvd_quant_grid_stride();
+    for (long long i = hvd_quant_first_index(); i < n; i += stride) {
+        const float delta = hvd_quant_load_f32(deltas + 4ll * (i / bucket));
+        const float u = __fsub_rn(hvd_quant_uniform(key, i), 0.5f);
+        const float v = __fmul_rn(delta, __fsub_rn((float)q[i], u));
+        out[i] = accumulate ? __fadd_rn(out[i], v) : v;
+    }
+}

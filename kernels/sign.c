@@ -1,0 +1,184 @@
+/* CPU backend of the sign codecs, signSGD and EF-signSGD (docs/design.md section 4), loaded
+ * through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is sign.cu next to this file,
+ * byte for byte the same. Body: bit i = (a_i < 0), packed LSB first (a -0.0 is sent as +);
+ * decoding gives bit ? -scale : +scale, scale 1 for signSGD.
+ *
+ *   hvdc_sign_encode      one pass: bits of x and whether x holds a NaN or an Inf;
+ *   hvdc_efsign_sums      EF-signSGD pass 1: sums of |g + e| over chunks, in double,
+ *                         each chunk strictly left to right (hvdc_prim_chunk_sums' order),
+ *                         and whether g + e holds a NaN or an Inf (nothing written then);
+ *   hvdc_efsign_encode    EF-signSGD pass 2: bits of a = g + e and e <- a - (+-scale);
+ *   hvdc_sign_decode      checks the padding bits, then writes or adds +-scale;
+ *   hvdc_sign_encode_segments  hvdc_sign_encode of a bucket's tensors in one call.
+ *
+ * Ranges: the encoders may be called on a part of a tensor that starts at a multiple of
+ * 8 elements (the caller's threads), writing the part's bytes; every byte depends only on
+ * its own 8 elements, so the bytes do not depend on how the tensor is split.
+ *
+ * Memory traffic per element: signSGD encode reads 4 B, writes 1/8 B; EF-signSGD reads
+ * 8 B (pass 1), then reads 8 B, writes 4 B + 1/8 B (pass 2); decode reads 1/8 B and
+ * writes 4 B (reads and writes 4 B more with accumulate).
+ * Pure functions over caller-owned buffers; built with -ffp-contract=off and without
+ * fast-math (C_FLAGS in hvdcompress/_native.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define SIGN_ERR_PADDING -4 /* a padding bit after the last value is set (PRIM_ERR_PADDING) */
+#define SIGN_NONFINITE_BITS 0x7f800000u /* abs bits at or above: Inf or NaN */
+#define SIGN_LANES 4   /* EF-signSGD chunks summed side by side (independent chains) */
+#define SIGN_ROW 1024  /* elements of a chunk staged as doubles at a time (8 KB) */
+_Static_assert(SIGN_LANES == 4, "hvdc_efsign_sums' fast path sums four rows");
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SIGN_VECTOR __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#else
+#define SIGN_VECTOR
+#endif
+
+static inline uint32_t sign_abs_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u & 0x7fffffffu;
+}
+
+/* The byte of elements x[0..k), k <= 8: bit j = x[j] < 0. */
+static inline uint8_t sign_byte(const float *x, int k) {
+    uint32_t b = 0;
+    for (int j = 0; j < k; j++) b |= (uint32_t)(x[j] < 0.0f) << j;
+    return (uint8_t)b;
+}
+
+/* out[0..ceil(n / 8)) = the sign bits of x[0..n). Returns 1 when x holds a NaN or an Inf
+ * (the bytes are then meaningless), else 0. */
+SIGN_VECTOR int hvdc_sign_encode(const float *x, int64_t n, uint8_t *out) {
+    uint32_t worst = 0;
+    const int64_t full = n / 8;
+    for (int64_t j = 0; j < full; j++) {
+        const float *p = x + 8 * j;
+        uint32_t b = 0;
+        for (int k = 0; k < 8; k++) {
+            uint32_t a = sign_abs_bits(p[k]);
+            worst = a > worst ? a : worst;
+            b |= (uint32_t)(p[k] < 0.0f) << k;
+        }
+        out[j] = (uint8_t)b;
+    }
+    for (int64_t i = 8 * full; i < n; i++) {
+        uint32_t a = sign_abs_bits(x[i]);
+        worst = a > worst ? a : worst;
+    }
+    if (n % 8) out[full] = sign_byte(x + 8 * full, (int)(n % 8));
+    return worst >= SIGN_NONFINITE_BITS;
+}
+
+/* d[i] = |g_i + e_i| in double (the float32 sum, then |.|), i < n; returns the max abs
+ * bits of the sums (>= SIGN_NONFINITE_BITS: a NaN or an Inf). Vectorised. */
+SIGN_VECTOR static uint32_t sign_abs_sums(const float *g, const float *e, int64_t n, double *d) {
+    uint32_t worst = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float a = g[i] + e[i];
+        const uint32_t b = sign_abs_bits(a);
+        worst = b > worst ? b : worst;
+        d[i] = fabs((double)a);
+    }
+    return worst;
+}
+
+/* sums[c] = sum over i in chunk c of |g_i + e_i| (float32 sum, then |.| in double), in
+ * double, left to right. SIGN_LANES chunks at a time: one vectorised pass writes their
+ * |a| as doubles into rows of a block (padded, so that the rows do not alias in L1), then
+ * the rows are summed side by side, SIGN_LANES independent chains of additions, each
+ * chunk in its own order. Returns 1 when some g_i + e_i is a NaN or an Inf (sums then
+ * meaningless), else 0. */
+int hvdc_efsign_sums(const float *g, const float *e, int64_t n, int64_t chunk, double *sums) {
+    double rows[SIGN_LANES][SIGN_ROW + 8]; /* 33 KB of stack */
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    for (int64_t c = 0; c < chunks; c += SIGN_LANES) {
+        const int64_t lanes = chunks - c < SIGN_LANES ? chunks - c : SIGN_LANES;
+        double s[SIGN_LANES] = {0.0};
+        /* the chunks' parts of at most SIGN_ROW elements, each chunk in order */
+        for (int64_t part = 0; part < chunk; part += SIGN_ROW) {
+            int64_t len[SIGN_LANES];
+            for (int64_t l = 0; l < lanes; l++) {
+                const int64_t lo = (c + l) * chunk + part;
+                const int64_t end = (c + l + 1) * chunk < n ? (c + l + 1) * chunk : n;
+                const int64_t hi = lo + SIGN_ROW < end ? lo + SIGN_ROW : end;
+                len[l] = hi > lo ? hi - lo : 0;
+                if (sign_abs_sums(g + lo, e + lo, len[l], rows[l]) >= SIGN_NONFINITE_BITS)
+                    return 1;
+            }
+            if (lanes == SIGN_LANES && len[SIGN_LANES - 1] == len[0]) {
+                double s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
+                for (int64_t i = 0; i < len[0]; i++) {
+                    s0 += rows[0][i];
+                    s1 += rows[1][i];
+                    s2 += rows[2][i];
+                    s3 += rows[3][i];
+                }
+                s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+            } else {
+                for (int64_t l = 0; l < lanes; l++)
+                    for (int64_t i = 0; i < len[l]; i++) s[l] += rows[l][i];
+            }
+        }
+        for (int64_t l = 0; l < lanes; l++) sums[c + l] = s[l];
+    }
+    return 0;
+}
+
+/* a = g + e; out = sign bits of a; e <- a - (a < 0 ? -scale : scale) (one float32
+ * subtraction). The caller checked that a is finite (hvdc_efsign_sums). */
+SIGN_VECTOR void hvdc_efsign_encode(const float *g, float *e, float scale, int64_t n,
+                                    uint8_t *out) {
+    const float neg = -scale;
+    for (int64_t j = 0; 8 * j < n; j++) {
+        const int64_t lo = 8 * j;
+        const int k = n - lo < 8 ? (int)(n - lo) : 8;
+        uint32_t b = 0;
+        for (int t = 0; t < k; t++) {
+            const float a = g[lo + t] + e[lo + t];
+            const int minus = a < 0.0f;
+            b |= (uint32_t)minus << t;
+            e[lo + t] = a - (minus ? neg : scale);
+        }
+        out[j] = (uint8_t)b;
+    }
+}
+
+/* out[i] = (bit i ? -scale : scale), or out[i] += that with accumulate, for i < n from
+ * body[0..ceil(n / 8)) (the caller checked the length). -scale is scale with its sign bit
+ * flipped (IEEE negation), so each value is scale's bits XOR (bit << 31): branch-free and
+ * vectorisable. Returns 0, or SIGN_ERR_PADDING with out untouched when a padding bit after
+ * element n - 1 is set. */
+SIGN_VECTOR int64_t hvdc_sign_decode(const uint8_t *body, int64_t n, float scale, float *out,
+                                     int accumulate) {
+    if ((n & 7) && (body[n / 8] >> (n & 7))) return SIGN_ERR_PADDING;
+    uint32_t s;
+    memcpy(&s, &scale, sizeof s);
+    if (accumulate) {
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t b = s ^ ((uint32_t)(body[i >> 3] >> (i & 7)) << 31);
+            float v;
+            memcpy(&v, &b, sizeof v);
+            out[i] = out[i] + v;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t b = s ^ ((uint32_t)(body[i >> 3] >> (i & 7)) << 31);
+            memcpy(out + i, &b, sizeof b);
+        }
+    }
+    return 0;
+}
+
+/* hvdc_sign_encode of `count` tensors in one call (a bucket): tensor p has ns[p] floats at
+ * address xs[p] and its ceil(ns[p] / 8) body bytes go to address outs[p]; nonfinite[p] is
+ * hvdc_sign_encode's result. */
+void hvdc_sign_encode_segments(int64_t count, const uint64_t *xs, const int64_t *ns,
+                               const uint64_t *outs, int32_t *nonfinite) {
+    for (int64_t p = 0; p < count; p++)
+        nonfinite[p] = hvdc_sign_encode((const float *)(uintptr_t)xs[p], ns[p],
+                                        (uint8_t *)(uintptr_t)outs[p]);
+}

@@ -1,0 +1,141 @@
+// Sign codecs, signSGD and EF-signSGD (docs/design.md section 4): the CUDA twin of
+// kernels/sign.c (CPU backend), byte for byte the same. Body: bit i = (a_i < 0), packed
+// LSB first; decoding gives bit ? -scale : +scale (scale 1 for signSGD).
+//
+// Compiled three ways from this one file, like kernels/threelc.cu: by NVRTC through
+// hvdcompress/backends/cuda.py (NVRTC_OPTIONS of hvdcompress/_native.py), by nvcc in
+// scripts/check_kernels.sh, and by g++ for the host through kernels/cuda_host.h
+// (tests/host_kernels/). Hence plain C-like code, no #include under CUDA, no barriers or
+// shared memory, no code that needs two threads at once.
+//
+// Names: kernels sign_<op>, helpers hvd_sign_* (the host build compiles every .cu file in
+// one unit). Every index is 64-bit (blockIdx.x * blockDim.x and the grid stride formed in
+// long long). Every kernel is a grid-stride loop, so any grid size is correct; the backend
+// launches 256 threads per block and at most 8 blocks per multiprocessor.
+//
+// `state` is the zeroed 8-word uint32 array of threelc.cu; word 2 (non-finite flag) and
+// word 3 (error bits) are used here, with atomicOr.
+#define HVD_SIGN_ST_NONFINITE 2
+#define HVD_SIGN_ST_ERROR 3
+#define HVD_SIGN_ERR_PADDING 4u  // a padding bit after the last value is set
+#define HVD_SIGN_NONFINITE_BITS 0x7f800000u
+
+#ifndef __CUDACC__
+#include "cuda_host.h"
+#endif
+
+__device__ __forceinline__ long long hvd_sign_first_index()
+{
+    return (long long)blockIdx.x * (long long)blockDim.x + (long long)threadIdx.x;
+}
+
+__device__ __forceinline__ long long hvd_sign_grid_stride()
+{
+    return (long long)gridDim.x * (long long)blockDim.x;
+}
+
+// 1. signSGD encode: one thread per output byte j (elements 8j .. 8j + 7), so no two
+// threads write the same byte; any |x| with Inf / NaN bits sets the non-finite word.
+// grid: grid-stride over nbytes = ceil(n / 8). bytes: reads 4n, writes n / 8.
+extern "C" __global__ void sign_encode(const float* __restrict__ x, long long n,
+                                       unsigned char* __restrict__ out,
+                                       unsigned int* __restrict__ state)
+{
+    const long long nbytes = (n + 7) / 8;
+    const long long stride = hvd_sign_grid_stride();
+    unsigned int worst = 0u;
+    for (long long j = hvd_sign_first_index(); j < nbytes; j += stride) {
+        const long long lo = 8ll * j;
+        const long long hi = lo + 8 < n ? lo + 8 : n;
+        unsigned int byte = 0u;
+        for (long long i = lo; i < hi; ++i) {
+            const float v = x[i];
+            const unsigned int a = __float_as_uint(v) & 0x7fffffffu;
+            worst = a > worst ? a : worst;
+            byte |= (v < 0.0f ? 1u : 0u) << (unsigned int)(i - lo);
+        }
+        out[j] = (unsigned char)byte;
+    }
+    if (worst >= HVD_SIGN_NONFINITE_BITS) atomicOr(state + HVD_SIGN_ST_NONFINITE, 1u);
+}
+
+// 2. EF-signSGD pass 1: sums[c] = sum over i in chunk c of |g_i + e_i| (float32 sum, then
+// |.| in double), in double strictly left to right: one thread per chunk, the CPU's order.
+// Inf / NaN in g + e sets the non-finite word. grid: grid-stride over ceil(n / chunk)
+// chunks. bytes: reads 8n, writes 8 per chunk.
+extern "C" __global__ void sign_ef_sums(const float* __restrict__ g, const float* __restrict__ e,
+                                        long long n, long long chunk,
+                                        double* __restrict__ sums,
+                                        unsigned int* __restrict__ state)
+{
+    const long long chunks = (n + chunk - 1) / chunk;
+    const long long stride = hvd_sign_grid_stride();
+    unsigned int worst = 0u;
+    for (long long c = hvd_sign_first_index(); c < chunks; c += stride) {
+        const long long lo = c * chunk;
+        const long long hi = lo + chunk < n ? lo + chunk : n;
+        double s = 0.0;
+        for (long long i = lo; i < hi; ++i) {
+            const float a = __fadd_rn(g[i], e[i]);
+            const unsigned int b = __float_as_uint(a) & 0x7fffffffu;
+            worst = b > worst ? b : worst;
+#ifdef __CUDACC__
+            s = __dadd_rn(s, fabs((double)a));
+#else
+            s = s + fabs((double)a);
+#endif
+        }
+        sums[c] = s;
+    }
+    if (worst >= HVD_SIGN_NONFINITE_BITS) atomicOr(state + HVD_SIGN_ST_NONFINITE, 1u);
+}
+
+// 3. EF-signSGD pass 2: a = g + e, out = sign bits of a, e <- a - (a < 0 ? -scale : scale).
+// One thread per output byte (elements 8j .. 8j + 7). grid: grid-stride over ceil(n / 8).
+// bytes: reads 8n, writes 4n + n / 8.
+extern "C" __global__ void sign_ef_encode(const float* __restrict__ g, float* __restrict__ e,
+                                          float scale, long long n,
+                                          unsigned char* __restrict__ out)
+{
+    const long long nbytes = (n + 7) / 8;
+    const long long stride = hvd_sign_grid_stride();
+    for (long long j = hvd_sign_first_index(); j < nbytes; j += stride) {
+        const long long lo = 8ll * j;
+        const long long hi = lo + 8 < n ? lo + 8 : n;
+        unsigned int byte = 0u;
+        for (long long i = lo; i < hi; ++i) {
+            const float a = __fadd_rn(g[i], e[i]);
+            const bool minus = a < 0.0f;
+            byte |= (minus ? 1u : 0u) << (unsigned int)(i - lo);
+            e[i] = __fsub_rn(a, minus ? -scale : scale);
+        }
+        out[j] = (unsigned char)byte;
+    }
+}
+
+// 4. Decode: out[i] = (bit i ? -scale : scale), or out[i] += that with accumulate. Every
+// thread first looks at the padding bits of the last byte: when one is set no thread
+// writes, and the thread of byte 0 sets HVD_SIGN_ERR_PADDING (out untouched). The caller
+// checked nbytes == ceil(n / 8). One thread per body byte. grid: grid-stride over nbytes.
+// bytes: reads n / 8, writes 4n (reads 4n more with accumulate).
+extern "C" __global__ void sign_decode(const unsigned char* __restrict__ body, long long n,
+                                       float scale, float* __restrict__ out, int accumulate,
+                                       unsigned int* __restrict__ state)
+{
+    const long long nbytes = (n + 7) / 8;
+    const long long first = hvd_sign_first_index();
+    if ((n & 7ll) && ((unsigned int)body[nbytes - 1] >> (unsigned int)(n & 7ll))) {
+        if (first == 0) atomicOr(state + HVD_SIGN_ST_ERROR, HVD_SIGN_ERR_PADDING);
+        return;
+    }
+    const long long stride = hvd_sign_grid_stride();
+    for (long long j = first; j < nbytes; j += stride) {
+        const unsigned int byte = body[j];
+        const long long lo = 8ll * j;
+        const long long hi = lo + 8 < n ? lo + 8 : n;
+        for (long long i = lo; i < hi; ++i) {
+            const float v = ((byte >> (unsigned int)(i - lo)) & 1u) ? -scale : scale;
+            out[i] = accumulate ? __fadd_rn(out[i], v) : v;
+        }
+    }
+}

@@ -1,0 +1,188 @@
+"""The single-pass codec kernels of kernels/sign.cu and kernels/quant.cu, compiled for the
+host with g++ (kernels/cuda_host.h) and run through hvdcompress/backends/cuda.py itself
+(the stand-in for CuPy of conftest.py), compared byte for byte with the CPU backend
+(kernels/sign.c, kernels/quant.c) under several launch shapes: signSGD and EF-signSGD
+bodies, residuals and decodes, QSGD bodies and decodes, TernGrad bodies, and the same
+PayloadErrors (output untouched) on corrupt bodies.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hvdcompress
+from hvdcompress import backends
+from hvdcompress.backends import cpu as cpu_backend
+from hvdcompress.backends.cuda import QUANT, SIGN
+from hvdcompress.codecs import quant
+from hvdcompress.wire import PayloadError
+from tests.codec_inputs import special_tensor
+from tests.host_kernels.conftest import (
+    KERNELS,
+    HostLibrary,
+    build_host_library,
+    kernel_signatures,
+    loaded_families,
+)
+
+pytestmark = pytest.mark.host_kernels
+
+SIZES = [1, 7, 8, 9, 511, 513, 1025, 5003]
+KINDS = ["mixed", "zeros", "subnormal", "huge", "nan", "inf"]
+# (threads per block, blocks per multiprocessor; the stand-in has 2 multiprocessors): a full
+# grid, and small grids whose threads loop
+SHAPES = [(256, 8), (64, 1), (32, 1)]
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    return build_host_library(HostLibrary, "host_primitives.cpp", SIGN.file, tmp_path_factory)
+
+
+@pytest.fixture(params=SHAPES, ids=lambda s: f"block{s[0]}x{s[1]}perSM")
+def emulated(cuda_on_host, monkeypatch, request):
+    """The CUDA backend on CPU tensors with the host-built kernels, at one launch shape."""
+    backend = cuda_on_host.backend
+    monkeypatch.setattr(backend, "BLOCK", request.param[0])
+    monkeypatch.setattr(backend, "BLOCKS_PER_SM", request.param[1])
+    return backend
+
+
+def inputs():
+    gen = torch.Generator().manual_seed(1)
+    for n in SIZES:
+        for kind in KINDS:
+            yield special_tensor(n, kind), torch.randn(n, generator=gen)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_sign_kernels_match_cpu(emulated):
+    for x, e in inputs():
+        n = x.numel()
+        want = cpu_backend.sign_encode(x)
+        got = emulated.sign_encode(x)
+        assert (got is None) == (want is None)
+        if want is None:
+            continue
+        assert torch.equal(got, want)
+        sums_cpu, sums_gpu = cpu_backend.efsign_sums(x, e), emulated.efsign_sums(x, e)
+        assert same_bits(sums_gpu, sums_cpu)
+        e_cpu, e_gpu = e.clone(), e.clone()
+        body = cpu_backend.efsign_encode(x, e_cpu, 0.8125)
+        assert torch.equal(emulated.efsign_encode(x, e_gpu, 0.8125), body)
+        assert same_bits(e_gpu, e_cpu)
+        for scale, accumulate in ((1.0, False), (0.8125, True), (0.0, False)):
+            out_cpu, out_gpu = e.clone(), e.clone()
+            cpu_backend.sign_decode(body, n, scale, out_cpu, accumulate)
+            emulated.sign_decode(body, n, scale, out_gpu, accumulate)
+            assert same_bits(out_gpu, out_cpu)
+        if n % 8:
+            bad = body.clone()
+            bad[-1] |= 0x80
+            out = e.clone()
+            with pytest.raises(PayloadError, match="padding"):
+                emulated.sign_decode(bad, n, 1.0, out, True)
+            assert torch.equal(out, e)
+    assert SIGN.file in loaded_families(emulated)
+
+
+def test_efsign_sums_flag_nonfinite(emulated):
+    g = torch.ones(3000)
+    e = torch.zeros(3000)
+    e[2999] = float("inf")
+    assert emulated.efsign_sums(g, e) is None
+    assert cpu_backend.efsign_sums(g, e) is None
+
+
+@pytest.mark.parametrize("levels,bucket", [(16, 512), (1, 7), (3, 100), (127, 64), (5, 1)])
+def test_qsgd_kernels_match_cpu(emulated, levels, bucket):
+    bits = quant.qsgd_bits(levels)
+    for x, out in inputs():
+        n = x.numel()
+        key = 2**64 - 1 - n
+        want = cpu_backend.qsgd_encode(x, levels, bits, bucket, key)
+        got = emulated.qsgd_encode(x, levels, bits, bucket, key)
+        assert (got is None) == (want is None)
+        if want is None:
+            continue
+        assert torch.equal(got, want)
+        for accumulate in (False, True):
+            out_cpu, out_gpu = out.clone(), out.clone()
+            cpu_backend.qsgd_decode(want, n, levels, bits, bucket, out_cpu, accumulate)
+            emulated.qsgd_decode(want, n, levels, bits, bucket, out_gpu, accumulate)
+            assert same_bits(out_gpu, out_cpu)
+    assert QUANT.file in loaded_families(emulated)
+
+
+def test_qsgd_kernels_reject_what_the_cpu_rejects(emulated):
+    levels, bucket, n = 2, 512, 700
+    bits = quant.qsgd_bits(levels)
+    body = cpu_backend.qsgd_encode(torch.randn(n), levels, bits, bucket, 3)
+    bad_norm, bad_code, bad_pad = body.clone(), body.clone(), body.clone()
+    bad_norm[4:8] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # NaN
+    bad_code[8 + 100] = 0xFF  # codes 7: level 3 > 2
+    bad_pad[-1] |= 0x80
+    for bad, match in ((bad_norm, "norm"), (bad_code, "level"), (bad_pad, "padding")):
+        for backend in (cpu_backend, emulated):
+            out = torch.full((n,), 2.0)
+            with pytest.raises(PayloadError, match=match):
+                backend.qsgd_decode(bad, n, levels, bits, bucket, out, False)
+            assert torch.equal(out, torch.full((n,), 2.0))
+
+
+def test_terngrad_kernels_match_cpu(emulated):
+    for x, _ in inputs():
+        key = 12345 + x.numel()
+        want = cpu_backend.terngrad_encode(x, key)
+        got = emulated.terngrad_encode(x, key)
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    assert QUANT.file in loaded_families(emulated)
+
+
+def test_kernel_signatures_parse():
+    for family in (SIGN, QUANT):
+        sigs = kernel_signatures((KERNELS / family.file).read_text())
+        assert set(sigs) == set(family.names)
+    sigs = kernel_signatures((KERNELS / QUANT.file).read_text())
+    assert sigs["quant_qsgd_encode"][5] == "unsigned long long"  # the stream key
+    assert sigs["quant_terngrad_quartic"][3] == "unsigned long long"
+
+
+@pytest.mark.parametrize("levels,bucket,code_offset", [(3, 512, 0), (1, 7, 0), (127, 64, 127)])
+def test_dqsg_kernels_match_cpu(emulated, levels, bucket, code_offset):
+    for w, out in inputs():
+        key = 7 + w.numel()
+        want = cpu_backend.dqsg_quantize(w, levels, bucket, key, code_offset)
+        got = emulated.dqsg_quantize(w, levels, bucket, key, code_offset)
+        assert (got is None) == (want is None)
+        if want is None:
+            continue
+        assert torch.equal(got[0], want[0]) and same_bits(got[1], want[1])
+        q = cpu_backend.dqsg_quantize(w, levels, bucket, key, 0)[0].view(torch.int8)
+        for accumulate in (False, True):
+            out_cpu, out_gpu = out.clone(), out.clone()
+            cpu_backend.dqsg_dequantize(q, want[1], bucket, key, out_cpu, accumulate)
+            emulated.dqsg_dequantize(q, want[1], bucket, key, out_gpu, accumulate)
+            assert same_bits(out_gpu, out_cpu)
+    assert QUANT.file in loaded_families(emulated)
+
+
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "qsgd", "terngrad", "dqsg", "3lc"])
+def test_emulated_bucket_frames_match_cpu(emulated, monkeypatch, name):
+    """compress_bucket through the CUDA backend's code (segment encoders, per-payload
+    checksum kernels) gives the CPU backend's frame, step after step."""
+    gen = torch.Generator().manual_seed(2)
+    tensors = [torch.randn(n, generator=gen) for n in (1, 9, 700, 5003)]
+    names = [f"t{i}" for i in range(len(tensors))]
+    on_cpu = hvdcompress.get_compressor(name)
+    frames = [on_cpu.compress_bucket(tensors, names)[0] for _ in range(2)]
+    monkeypatch.setitem(backends._BACKENDS, "cpu", emulated)
+    on_gpu = hvdcompress.get_compressor(name)
+    for step, want in enumerate(frames):
+        assert torch.equal(on_gpu.compress_bucket(tensors, names)[0], want), f"step {step}"

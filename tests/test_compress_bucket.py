@@ -1,0 +1,87 @@
+"""The bucket-level API of the gather compressors (hvdcompress.compressors.base):
+``compress_bucket`` gives one rank's frame of a bucket, byte for byte ``wire.frame`` of the
+per-tensor payloads, with the same state updates (error-feedback residuals, step counters),
+and ``decode_bucket`` accumulates like ``decode_parsed`` of each payload."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hvdcompress
+from hvdcompress import registry, wire
+from hvdcompress.errors import PayloadError
+
+GATHER_CASES = [
+    (name, params) for name, params in registry.examples() if not registry.REGISTRY[name].summable
+]
+
+
+def bucket_tensors(step: int) -> tuple[list[torch.Tensor], list[str]]:
+    """A bucket of mixed sizes and shapes: empty, single elements, odd sizes, a matrix,
+    a float16 tensor, zeros, and (at step 1) a non-finite one."""
+    gen = torch.Generator().manual_seed(step)
+    tensors = [
+        torch.randn(0, generator=gen),
+        torch.randn(1, generator=gen),
+        torch.randn(7, generator=gen),
+        torch.randn(33, 17, generator=gen),
+        torch.zeros(100),
+        torch.randn(5003, generator=gen).to(torch.float16),
+        torch.randn(513, generator=gen),
+    ]
+    if step == 1:
+        tensors[6][100] = float("nan")
+    return tensors, [f"layer{i}.weight" for i in range(len(tensors))]
+
+
+@pytest.mark.parametrize("name,params", GATHER_CASES, ids=[f"{n}{p}" for n, p in GATHER_CASES])
+def test_compress_bucket_is_the_frame_of_per_tensor_payloads(name, params):
+    one_by_one = hvdcompress.get_compressor(name, **params)
+    bucketed = hvdcompress.get_compressor(name, **params)
+    for step in range(3):
+        tensors, names = bucket_tensors(step)
+        if one_by_one.supported_dtypes is not None:
+            tensors = [t if t.dtype in one_by_one.supported_dtypes else t.float() for t in tensors]
+        sent = [one_by_one.compress(t, n) for t, n in zip(tensors, names, strict=True)]
+        frame, ctxs = bucketed.compress_bucket([t.clone() for t in tensors], names)
+        assert torch.equal(frame, wire.frame([p for p, _ in sent])), f"{name} step {step}"
+        assert ctxs == [ctx for _, ctx in sent]
+        # decode_bucket == decode_parsed of each, accumulated, for a rank 0 and a rank 1
+        parsed = wire.unframe_parsed(frame, 0, names, torch.device("cpu"))
+        for rank in (0, 1):
+            outs = [torch.linspace(-1, 1, t.numel()) for t in tensors]
+            wants = [out.clone() for out in outs]
+            bucketed.decode_bucket(parsed, outs, ctxs, rank=rank)
+            for (header, payload), want, ctx in zip(parsed, wants, ctxs, strict=True):
+                side = want / rank if one_by_one.uses_side_info and rank else None
+                one_by_one.decode_parsed(
+                    header, payload, expect=ctx, name=ctx.name, out=want, accumulate=True,
+                    side_info=side,
+                )  # fmt: skip
+            for out, want in zip(outs, wants, strict=True):
+                assert torch.equal(out.nan_to_num(7.0), want.nan_to_num(7.0))
+    assert one_by_one.state_dict().keys() == bucketed.state_dict().keys()
+
+
+def test_compress_bucket_checks_names_and_dtypes():
+    c = hvdcompress.get_compressor("signsgd")
+    with pytest.raises(ValueError, match="names"):
+        c.compress_bucket([torch.ones(3)], ["a", "b"])
+    with pytest.raises(TypeError, match="dtype"):
+        c.compress_bucket([torch.ones(3, dtype=torch.int32)], ["a"])
+    frame, ctxs = c.compress_bucket([], [])
+    assert torch.equal(frame, wire.frame([])) and ctxs == []
+
+
+def test_decode_bucket_names_the_rank_and_tensor_of_a_corrupt_payload():
+    c = hvdcompress.get_compressor("signsgd")
+    tensors, names = [torch.randn(10), torch.randn(20)], ["a", "b"]
+    frame, ctxs = c.compress_bucket(tensors, names)
+    frame[-1] ^= 0xFF  # the body of "b": its checksum fails
+    parsed = wire.unframe_parsed(frame, 3, names, torch.device("cpu"))
+    outs = [torch.zeros(10), torch.zeros(20)]
+    with pytest.raises(PayloadError, match="checksum") as err:
+        c.decode_bucket(parsed, outs, ctxs, rank=3)
+    assert err.value.rank == 3 and err.value.tensor == "b"
+    assert torch.equal(outs[1], torch.zeros(20))
