@@ -12,6 +12,7 @@
  *   hvdc_prim_bitpack     fixed-width bit packing, LSB first: value i occupies bits
  *                         [i b, i b + b) of the little-endian bit stream, padding zero;
  *   hvdc_prim_bitunpack   the inverse, rejecting a wrong length or non-zero padding;
+ *   hvdc_prim_add_rows    four staged rows of doubles added to four sums side by side
  *   hvdc_prim_chunk_sums  per-chunk sums of |x| or x^2 in double, accumulated strictly
  *                         left to right (an order-fixed, hence device-independent, sum).
  *
@@ -126,4 +127,28 @@ void hvdc_prim_chunk_sums(const float *x, int64_t n, int64_t chunk, int square, 
         }
         out[c] = s;
     }
+}
+
+/* s[l] += rows[l * stride + i] for i < n[l], left to right, for each of the lanes (<= 4)
+ * rows of a staged block: the order-fixed chunk sums of sign.c and quant.c, whose
+ * vectorised passes stage four chunks' terms as doubles in padded rows. With four rows of
+ * one length the four chains of dependent additions run side by side, overlapping their
+ * latencies; each lane's sum is the same either way. */
+void hvdc_prim_add_rows(const double *rows, int64_t stride, const int64_t *n, int64_t lanes,
+                        double *s) {
+    if (lanes == 4 && n[3] == n[0]) {
+        const double *r0 = rows, *r1 = rows + stride, *r2 = rows + 2 * stride,
+                     *r3 = rows + 3 * stride;
+        double s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
+        for (int64_t i = 0; i < n[0]; i++) {
+            s0 += r0[i];
+            s1 += r1[i];
+            s2 += r2[i];
+            s3 += r3[i];
+        }
+        s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+        return;
+    }
+    for (int64_t l = 0; l < lanes; l++)
+        for (int64_t i = 0; i < n[l]; i++) s[l] += rows[l * stride + i];
 }

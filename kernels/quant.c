@@ -26,6 +26,10 @@
 #include <stdint.h>
 #include <string.h>
 
+/* kernels/primitives.c */
+void hvdc_prim_add_rows(const double *rows, int64_t stride, const int64_t *n, int64_t lanes,
+                        double *s);
+
 #define QUANT_ERR_PADDING -4 /* a padding bit after the last value is set (PRIM_ERR_PADDING) */
 #define QUANT_ERR_NORM -5    /* a norm is negative or not finite */
 #define QUANT_ERR_CODE -6    /* a level above s, or a zero level with the sign bit */
@@ -34,7 +38,7 @@
 #define QUANT_SPAN_BUCKETS QUANT_SPAN
 #define QUANT_LANES 4        /* bucket sums run side by side (independent chains) */
 #define QUANT_ROW 1024       /* elements of a bucket staged as doubles at a time (8 KB) */
-_Static_assert(QUANT_LANES == 4, "quant_square_sums' fast path sums four rows");
+_Static_assert(QUANT_LANES == 4, "hvdc_prim_add_rows sums at most four rows");
 #define QUANT_TERN_BLOCK 1020 /* TernGrad elements per block: whole quartic groups */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -112,19 +116,7 @@ static void quant_square_sums(const float *x, int64_t len, int64_t bucket, int64
                 n[l] = hi > lo ? hi - lo : 0;
                 quant_squares(x + lo, n[l], rows[l]);
             }
-            if (lanes == QUANT_LANES && n[QUANT_LANES - 1] == n[0]) {
-                double s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
-                for (int64_t i = 0; i < n[0]; i++) {
-                    s0 += rows[0][i];
-                    s1 += rows[1][i];
-                    s2 += rows[2][i];
-                    s3 += rows[3][i];
-                }
-                s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
-            } else {
-                for (int64_t l = 0; l < lanes; l++)
-                    for (int64_t i = 0; i < n[l]; i++) s[l] += rows[l][i];
-            }
+            hvdc_prim_add_rows(&rows[0][0], QUANT_ROW + 8, n, lanes, s);
         }
         for (int64_t l = 0; l < lanes; l++) sums[b + l] = s[l];
     }

@@ -25,11 +25,15 @@
 #include <stdint.h>
 #include <string.h>
 
+/* kernels/primitives.c */
+void hvdc_prim_add_rows(const double *rows, int64_t stride, const int64_t *n, int64_t lanes,
+                        double *s);
+
 #define SIGN_ERR_PADDING -4 /* a padding bit after the last value is set (PRIM_ERR_PADDING) */
 #define SIGN_NONFINITE_BITS 0x7f800000u /* abs bits at or above: Inf or NaN */
 #define SIGN_LANES 4   /* EF-signSGD chunks summed side by side (independent chains) */
 #define SIGN_ROW 1024  /* elements of a chunk staged as doubles at a time (8 KB) */
-_Static_assert(SIGN_LANES == 4, "hvdc_efsign_sums' fast path sums four rows");
+_Static_assert(SIGN_LANES == 4, "hvdc_prim_add_rows sums at most four rows");
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define SIGN_VECTOR __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
@@ -109,19 +113,7 @@ int hvdc_efsign_sums(const float *g, const float *e, int64_t n, int64_t chunk, d
                 if (sign_abs_sums(g + lo, e + lo, len[l], rows[l]) >= SIGN_NONFINITE_BITS)
                     return 1;
             }
-            if (lanes == SIGN_LANES && len[SIGN_LANES - 1] == len[0]) {
-                double s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
-                for (int64_t i = 0; i < len[0]; i++) {
-                    s0 += rows[0][i];
-                    s1 += rows[1][i];
-                    s2 += rows[2][i];
-                    s3 += rows[3][i];
-                }
-                s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
-            } else {
-                for (int64_t l = 0; l < lanes; l++)
-                    for (int64_t i = 0; i < len[l]; i++) s[l] += rows[l][i];
-            }
+            hvdc_prim_add_rows(&rows[0][0], SIGN_ROW + 8, len, lanes, s);
         }
         for (int64_t l = 0; l < lanes; l++) sums[c + l] = s[l];
     }
