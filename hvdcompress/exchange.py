@@ -375,7 +375,7 @@ class TwoStageExchange(_Exchange):
                 for pc in pieces:
                     level = comp.level(pc.name)
                     comp.set_level(pc.sender_key, level)
-                    comp.set_level(pc.owner_key, level)
+                    comp.set_level(pc.owner_key, comp.owner_level(level))
 
     # ---- stage 1 ----------------------------------------------------------------------------
     def start(self, bucket: Bucket, comp: GatherCompressor, grads: list[torch.Tensor]) -> InFlight:

@@ -33,5 +33,11 @@ class PerTensorLevels:
     def set_level(self, name: str, value) -> None:
         self.levels[name] = self._check_level(value)
 
+    def owner_level(self, level):
+        """The level at which the owner of a two-stage shard re-compresses the averaged
+        shard when the tensor's level is ``level`` (docs/design.md section 7): by default
+        the same level."""
+        return level
+
     def clear_levels(self) -> None:
         self.levels.clear()

@@ -18,6 +18,7 @@ import torch
 import hvdcompress
 from hvdcompress.checkpoint import CheckpointError
 from hvdcompress.compressors import REGISTRY
+from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.exchange import TwoStageExchange, plan_shards
 from hvdcompress.wire import PayloadError
 from tests.mpi.helpers import digest
@@ -84,6 +85,12 @@ def _reference_step(comm, ref, shards_of, grads, scale) -> dict[str, torch.Tenso
                 payload, _ = ref.compress(flat[pc.start : pc.stop], key)
                 stage1[key] = payload.numpy().tobytes()
     everyone = comm.allgather(stage1)
+    if isinstance(ref, PerTensorLevels):  # the owner's level (3LC: s = 1)
+        for name, shards in shards_of.items():
+            for pieces in shards:
+                for pc in pieces:
+                    key = f"{name}[{pc.start}:{pc.stop}]@owner"
+                    ref.set_level(key, ref.owner_level(ref.level(name)))
     stage2 = {}
     for name, shards in shards_of.items():
         for pc in shards[rank]:
