@@ -180,7 +180,11 @@ def test_a_dead_rank_ends_the_job_and_is_named(fault, backend, np_):
 @pytest.mark.parametrize(("backend", "np_"), _cases("sysexit", ["mpi4py", "hvd-gloo"]))
 def test_rank_exits_cleanly_too_early(backend, np_):
     _needs(backend)
-    rc, out, t = launch(backend, np_, "sysexit")
+    # Under Gloo, Horovod's shutdown usually reaches the others ("Horovod has been shut
+    # down"), but once in five CI runs it did not and the job hung: the stall watchdog
+    # (transports/horovod.py) is the guarantee there, so the test sets its variables.
+    env = STALL_ENV if backend == "hvd-gloo" else None
+    rc, out, t = launch(backend, np_, "sysexit", env=env)
     _failed(rc, out, t)
     if backend == "mpi4py":
         for q in _others(np_):
@@ -188,7 +192,10 @@ def test_rank_exits_cleanly_too_early(backend, np_):
                 out[-4000:]
             )
     else:
-        assert "Horovod has been shut down" in out, out[-4000:]
+        assert (
+            "Horovod has been shut down" in out
+            or "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5: shutting down" in out
+        ), out[-4000:]
 
 
 @pytest.mark.parametrize(("backend", "np_"), _cases("raise"))
