@@ -59,8 +59,9 @@ static inline uint32_t quant_abs_bits(float x) {
  * first: group g fills dst[bits g .. bits g + bits). The last 4 groups are stored byte by
  * byte, the others as one 8-byte word that the following groups overwrite (4 groups of at
  * least 2 bytes cover a word's spill). */
-static inline void quant_pack_groups(const uint8_t *codes, int64_t groups, int bits,
-                                     uint8_t *dst) {
+static inline __attribute__((always_inline)) void quant_pack_groups_of(const uint8_t *codes,
+                                                                      int64_t groups, int bits,
+                                                                      uint8_t *dst) {
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *c = codes + 8 * g;
         uint64_t acc = 0;
@@ -73,9 +74,24 @@ static inline void quant_pack_groups(const uint8_t *codes, int64_t groups, int b
     }
 }
 
+/* quant_pack_groups_of with `bits` a constant in each case: the shifts become immediates. */
+static void quant_pack_groups(const uint8_t *codes, int64_t groups, int bits, uint8_t *dst) {
+    switch (bits) {
+    case 2: quant_pack_groups_of(codes, groups, 2, dst); break;
+    case 3: quant_pack_groups_of(codes, groups, 3, dst); break;
+    case 4: quant_pack_groups_of(codes, groups, 4, dst); break;
+    case 5: quant_pack_groups_of(codes, groups, 5, dst); break;
+    case 6: quant_pack_groups_of(codes, groups, 6, dst); break;
+    case 7: quant_pack_groups_of(codes, groups, 7, dst); break;
+    default: quant_pack_groups_of(codes, groups, bits, dst); break;
+    }
+}
+
 /* Unpacks `groups` groups of eight codes of `bits` bits from src (bits bytes a group). */
-static inline void quant_unpack_groups(const uint8_t *src, int64_t groups, int bits,
-                                       uint8_t *codes) {
+static inline __attribute__((always_inline)) void quant_unpack_groups_of(const uint8_t *src,
+                                                                        int64_t groups,
+                                                                        int bits,
+                                                                        uint8_t *codes) {
     const uint64_t mask = (1ull << bits) - 1ull;
     for (int64_t g = 0; g < groups; g++) {
         uint64_t acc = 0;
@@ -85,6 +101,19 @@ static inline void quant_unpack_groups(const uint8_t *src, int64_t groups, int b
             for (int k = 0; k < bits; k++) acc |= (uint64_t)src[g * bits + k] << (8 * k);
         }
         for (int k = 0; k < 8; k++) codes[8 * g + k] = (uint8_t)((acc >> (k * bits)) & mask);
+    }
+}
+
+/* quant_unpack_groups_of with `bits` a constant in each case: the shifts become immediates. */
+static void quant_unpack_groups(const uint8_t *src, int64_t groups, int bits, uint8_t *codes) {
+    switch (bits) {
+    case 2: quant_unpack_groups_of(src, groups, 2, codes); break;
+    case 3: quant_unpack_groups_of(src, groups, 3, codes); break;
+    case 4: quant_unpack_groups_of(src, groups, 4, codes); break;
+    case 5: quant_unpack_groups_of(src, groups, 5, codes); break;
+    case 6: quant_unpack_groups_of(src, groups, 6, codes); break;
+    case 7: quant_unpack_groups_of(src, groups, 7, codes); break;
+    default: quant_unpack_groups_of(src, groups, bits, codes); break;
     }
 }
 
@@ -224,18 +253,24 @@ QUANT_VECTOR int64_t hvdc_qsgd_decode(const uint8_t *body, int64_t n, int levels
     const uint8_t *packed = body + 4 * nb;
     const int64_t used = n * bits, nbytes = (used + 7) / 8;
     if ((used & 7) && (packed[nbytes - 1] >> (used & 7))) return QUANT_ERR_PADDING;
-    /* bad[c]: c is not 2 l + sign with l <= s, or is a signed zero level */
-    uint8_t bad[256];
-    for (int c = 0; c < 256; c++) bad[c] = c == 1 || (c >> 1) > levels;
+    /* a bad code c is not 2 l + sign with l <= s (c > 2 s + 1), or is a signed zero level
+     * (c == 1): byte compares, vectorised */
+    const uint8_t top = (uint8_t)(2 * levels + 1);
     uint8_t codes[QUANT_BLOCK];
     for (int64_t lo = 0; lo < n; lo += QUANT_BLOCK) {
         const int64_t len = n - lo < QUANT_BLOCK ? n - lo : QUANT_BLOCK;
         quant_codes_at(packed, nbytes, lo, len, bits, codes);
         uint8_t any = 0;
-        for (int64_t i = 0; i < len; i++) any |= bad[codes[i]];
+        for (int64_t i = 0; i < len; i++) any |= (uint8_t)((codes[i] > top) | (codes[i] == 1));
         if (any) return QUANT_ERR_CODE;
     }
+    /* ratio[l] = l / s, once; per bucket stretch, value[c] = the decoded bits of every valid
+     * code c (the same two float32 operations as element by element), then one lookup per
+     * element instead of a division */
     const float levels_f = (float)levels;
+    float ratio[128];
+    for (int l = 0; l <= levels; l++) ratio[l] = (float)l / levels_f;
+    const int ncodes = 2 * levels + 2;
     for (int64_t lo = 0; lo < n; lo += QUANT_BLOCK) {
         const int64_t len = n - lo < QUANT_BLOCK ? n - lo : QUANT_BLOCK;
         quant_codes_at(packed, nbytes, lo, len, bits, codes);
@@ -243,28 +278,22 @@ QUANT_VECTOR int64_t hvdc_qsgd_decode(const uint8_t *body, int64_t n, int levels
             const int64_t b = p / bucket;
             const int64_t end = (b + 1) * bucket < lo + len ? (b + 1) * bucket : lo + len;
             const float norm = quant_load_f32(body + 4 * b);
+            /* (l / s) * norm, then the sign bit flipped for code & 1: IEEE negation */
+            float value[256];
+            for (int c = 0; c < ncodes; c++) {
+                const float mag = ratio[c >> 1] * norm;
+                uint32_t u;
+                memcpy(&u, &mag, sizeof u);
+                u ^= (uint32_t)(c & 1) << 31;
+                memcpy(value + c, &u, sizeof u);
+            }
             const uint8_t *c = codes + (p - lo);
             float *o = out + p;
             const int64_t cnt = end - p;
-            /* (l / s) * norm, then the sign bit flipped for code & 1: IEEE negation */
             if (accumulate) {
-                for (int64_t i = 0; i < cnt; i++) {
-                    const float mag = ((float)(c[i] >> 1) / levels_f) * norm;
-                    uint32_t u;
-                    memcpy(&u, &mag, sizeof u);
-                    u ^= (uint32_t)(c[i] & 1) << 31;
-                    float v;
-                    memcpy(&v, &u, sizeof v);
-                    o[i] = o[i] + v;
-                }
+                for (int64_t i = 0; i < cnt; i++) o[i] = o[i] + value[c[i]];
             } else {
-                for (int64_t i = 0; i < cnt; i++) {
-                    const float mag = ((float)(c[i] >> 1) / levels_f) * norm;
-                    uint32_t u;
-                    memcpy(&u, &mag, sizeof u);
-                    u ^= (uint32_t)(c[i] & 1) << 31;
-                    memcpy(o + i, &u, sizeof u);
-                }
+                for (int64_t i = 0; i < cnt; i++) o[i] = value[c[i]];
             }
             p = end;
         }

@@ -120,47 +120,84 @@ int hvdc_efsign_sums(const float *g, const float *e, int64_t n, int64_t chunk, d
     return 0;
 }
 
-/* a = g + e; out = sign bits of a; e <- a - (a < 0 ? -scale : scale) (one float32
- * subtraction). The caller checked that a is finite (hvdc_efsign_sums). */
-SIGN_VECTOR void hvdc_efsign_encode(const float *g, float *e, float scale, int64_t n,
-                                    uint8_t *out) {
-    const float neg = -scale;
-    for (int64_t j = 0; 8 * j < n; j++) {
-        const int64_t lo = 8 * j;
-        const int k = n - lo < 8 ? (int)(n - lo) : 8;
-        uint32_t b = 0;
-        for (int t = 0; t < k; t++) {
-            const float a = g[lo + t] + e[lo + t];
-            const int minus = a < 0.0f;
-            b |= (uint32_t)minus << t;
-            e[lo + t] = a - (minus ? neg : scale);
-        }
-        out[j] = (uint8_t)b;
+typedef float sign_f32x8 __attribute__((vector_size(32)));
+typedef uint32_t sign_u32x8 __attribute__((vector_size(32)));
+typedef uint32_t sign_u32x4 __attribute__((vector_size(16)));
+
+/* Elements lo .. lo + k - 1 (k <= 8) of hvdc_efsign_encode, one at a time: its byte. */
+static uint8_t sign_efsign_byte(const float *g, float *e, float scale, int k) {
+    uint32_t b = 0;
+    for (int t = 0; t < k; t++) {
+        const float a = g[t] + e[t];
+        const int minus = a < 0.0f;
+        b |= (uint32_t)minus << t;
+        e[t] = a - (minus ? -scale : scale);
     }
+    return (uint8_t)b;
+}
+
+/* a = g + e; out = sign bits of a; e <- a - (a < 0 ? -scale : scale) (one float32
+ * subtraction). The caller checked that a is finite (hvdc_efsign_sums). Eight lanes a
+ * byte: the comparison mask flips scale's sign bit (IEEE negation) and, and-ed with the
+ * lanes' bit values, or-reduces to the byte. */
+SIGN_VECTOR void hvdc_efsign_encode(const float *restrict g, float *restrict e, float scale,
+                                    int64_t n, uint8_t *restrict out) {
+    uint32_t s;
+    memcpy(&s, &scale, sizeof s);
+    const sign_u32x8 sv = (sign_u32x8){0} + s;
+    const sign_u32x8 lane_bit = {1, 2, 4, 8, 16, 32, 64, 128};
+    const int64_t full = n / 8;
+    for (int64_t j = 0; j < full; j++) {
+        sign_f32x8 a, r;
+        memcpy(&a, g + 8 * j, sizeof a);
+        memcpy(&r, e + 8 * j, sizeof r);
+        a = a + r;
+        const sign_u32x8 minus = (sign_u32x8)(a < 0.0f);
+        const sign_u32x8 step_bits = sv ^ (minus & 0x80000000u);
+        memcpy(&r, &step_bits, sizeof r);
+        r = a - r;
+        memcpy(e + 8 * j, &r, sizeof r);
+        sign_u32x4 half[2];
+        const sign_u32x8 bits = minus & lane_bit;
+        memcpy(half, &bits, sizeof half);
+        sign_u32x4 q = half[0] | half[1];
+        q |= __builtin_shuffle(q, (sign_u32x4){2, 3, 0, 1});
+        q |= __builtin_shuffle(q, (sign_u32x4){1, 0, 3, 2});
+        out[j] = (uint8_t)q[0];
+    }
+    if (n % 8) out[full] = sign_efsign_byte(g + 8 * full, e + 8 * full, scale, (int)(n % 8));
 }
 
 /* out[i] = (bit i ? -scale : scale), or out[i] += that with accumulate, for i < n from
  * body[0..ceil(n / 8)) (the caller checked the length). -scale is scale with its sign bit
- * flipped (IEEE negation), so each value is scale's bits XOR (bit << 31): branch-free and
- * vectorisable. Returns 0, or SIGN_ERR_PADDING with out untouched when a padding bit after
- * element n - 1 is set. */
-SIGN_VECTOR int64_t hvdc_sign_decode(const uint8_t *body, int64_t n, float scale, float *out,
-                                     int accumulate) {
+ * flipped (IEEE negation), so each value is scale's bits XOR (bit << 31): one byte gives
+ * eight lanes by a variable shift, branch-free. Returns 0, or SIGN_ERR_PADDING with out
+ * untouched when a padding bit after element n - 1 is set. */
+SIGN_VECTOR int64_t hvdc_sign_decode(const uint8_t *restrict body, int64_t n, float scale,
+                                     float *restrict out, int accumulate) {
     if ((n & 7) && (body[n / 8] >> (n & 7))) return SIGN_ERR_PADDING;
     uint32_t s;
     memcpy(&s, &scale, sizeof s);
-    if (accumulate) {
-        for (int64_t i = 0; i < n; i++) {
-            const uint32_t b = s ^ ((uint32_t)(body[i >> 3] >> (i & 7)) << 31);
-            float v;
-            memcpy(&v, &b, sizeof v);
-            out[i] = out[i] + v;
+    const sign_u32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const sign_u32x8 sv = (sign_u32x8){0} + s;
+    const int64_t full = n / 8;
+    for (int64_t j = 0; j < full; j++) {
+        const sign_u32x8 bits = sv ^ ((((sign_u32x8){0} + (uint32_t)body[j]) >> lane & 1u) << 31);
+        if (accumulate) {
+            sign_f32x8 v, o;
+            memcpy(&v, &bits, sizeof v);
+            memcpy(&o, out + 8 * j, sizeof o);
+            o = o + v;
+            memcpy(out + 8 * j, &o, sizeof o);
+        } else {
+            memcpy(out + 8 * j, &bits, sizeof bits);
         }
-    } else {
-        for (int64_t i = 0; i < n; i++) {
-            const uint32_t b = s ^ ((uint32_t)(body[i >> 3] >> (i & 7)) << 31);
-            memcpy(out + i, &b, sizeof b);
-        }
+    }
+    for (int64_t i = 8 * full; i < n; i++) {
+        const uint32_t b = s ^ ((uint32_t)(body[i >> 3] >> (i & 7)) << 31);
+        float v;
+        memcpy(&v, &b, sizeof v);
+        out[i] = accumulate ? out[i] + v : v;
     }
     return 0;
 }

@@ -21,6 +21,7 @@
 #define TLC_MAX_QUARTIC 242
 #define TLC_RUN_BASE 241 /* a byte b >= 243 is a run of b - 241 zero groups */
 #define TLC_MAX_RUN 14
+#define TLC_GOLDEN 0x9E3779B97F4A7C15ull /* the checksum's mix multiplier (wire.py) */
 
 /* Errors returned (negative) by the decoders. */
 #define TLC_ERR_LENGTH -1  /* zero-run decoding does not give exactly the expected bytes */
@@ -425,13 +426,15 @@ int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, fl
 }
 
 /* Payload checksum of buf[0..len) placed at payload position offset (see wire.py):
- * sum of (b + 1) * mix(offset + j) modulo 2^32 (integer sums in any order: vectorised). */
+ * sum of (b + 1) * mix(offset + j) modulo 2^32 (integer sums in any order: vectorised).
+ * The 64-bit product (offset + j) * golden advances by golden each byte (an induction
+ * variable, modulo 2^64 like the product), so no lane multiplies 64-bit numbers. */
 TLC_VECTOR uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offset) {
     uint32_t sum = 0;
+    uint64_t product = (uint64_t)offset * TLC_GOLDEN;
     for (int64_t j = 0; j < len; j++) {
-        uint64_t idx = (uint64_t)(offset + j);
-        uint32_t w = (uint32_t)((idx * 0x9E3779B97F4A7C15ull) >> 32) | 1u;
-        sum += (uint32_t)(buf[j] + 1) * w;
+        sum += (uint32_t)(buf[j] + 1) * ((uint32_t)(product >> 32) | 1u);
+        product += TLC_GOLDEN;
     }
     return sum;
 }
