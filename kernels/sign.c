@@ -47,6 +47,24 @@ static inline uint32_t sign_abs_bits(float x) {
     return u & 0x7fffffffu;
 }
 
+/* Eight lanes of a byte (GCC vector types: every target_clones clone, the baseline one
+ * included, compiles from this source). */
+typedef float sign_f32x8 __attribute__((vector_size(32)));
+typedef uint32_t sign_u32x8 __attribute__((vector_size(32)));
+typedef uint32_t sign_u32x4 __attribute__((vector_size(16)));
+static const sign_u32x8 SIGN_LANE_BIT = {1, 2, 4, 8, 16, 32, 64, 128};
+
+/* The byte whose bit k is set where lane k of *minus (a comparison mask) is true. */
+static inline __attribute__((always_inline)) uint8_t sign_mask_byte(const sign_u32x8 *minus) {
+    const sign_u32x8 bits = *minus & SIGN_LANE_BIT;
+    sign_u32x4 half[2];
+    memcpy(half, &bits, sizeof half);
+    sign_u32x4 q = half[0] | half[1];
+    q |= __builtin_shuffle(q, (sign_u32x4){2, 3, 0, 1});
+    q |= __builtin_shuffle(q, (sign_u32x4){1, 0, 3, 2});
+    return (uint8_t)q[0];
+}
+
 /* The byte of elements x[0..k), k <= 8: bit j = x[j] < 0. */
 static inline uint8_t sign_byte(const float *x, int k) {
     uint32_t b = 0;
@@ -55,26 +73,30 @@ static inline uint8_t sign_byte(const float *x, int k) {
 }
 
 /* out[0..ceil(n / 8)) = the sign bits of x[0..n). Returns 1 when x holds a NaN or an Inf
- * (the bytes are then meaningless), else 0. */
-SIGN_VECTOR int hvdc_sign_encode(const float *x, int64_t n, uint8_t *out) {
-    uint32_t worst = 0;
+ * (the bytes are then meaningless), else 0. Eight lanes a byte: the lane-wise max of the
+ * abs bits, and the byte of the x < 0 mask. */
+SIGN_VECTOR int hvdc_sign_encode(const float *restrict x, int64_t n, uint8_t *restrict out) {
+    sign_u32x8 worst = {0};
     const int64_t full = n / 8;
     for (int64_t j = 0; j < full; j++) {
-        const float *p = x + 8 * j;
-        uint32_t b = 0;
-        for (int k = 0; k < 8; k++) {
-            uint32_t a = sign_abs_bits(p[k]);
-            worst = a > worst ? a : worst;
-            b |= (uint32_t)(p[k] < 0.0f) << k;
-        }
-        out[j] = (uint8_t)b;
+        sign_f32x8 v;
+        memcpy(&v, x + 8 * j, sizeof v);
+        sign_u32x8 a;
+        memcpy(&a, &v, sizeof a);
+        a &= 0x7fffffffu;
+        const sign_u32x8 up = a > worst;
+        worst = (a & up) | (worst & ~up);
+        const sign_u32x8 minus = (sign_u32x8)(v < 0.0f);
+        out[j] = sign_mask_byte(&minus);
     }
+    uint32_t top = 0;
+    for (int l = 0; l < 8; l++) top = worst[l] > top ? worst[l] : top;
     for (int64_t i = 8 * full; i < n; i++) {
         uint32_t a = sign_abs_bits(x[i]);
-        worst = a > worst ? a : worst;
+        top = a > top ? a : top;
     }
     if (n % 8) out[full] = sign_byte(x + 8 * full, (int)(n % 8));
-    return worst >= SIGN_NONFINITE_BITS;
+    return top >= SIGN_NONFINITE_BITS;
 }
 
 /* d[i] = |g_i + e_i| in double (the float32 sum, then |.|), i < n; returns the max abs
@@ -120,10 +142,6 @@ int hvdc_efsign_sums(const float *g, const float *e, int64_t n, int64_t chunk, d
     return 0;
 }
 
-typedef float sign_f32x8 __attribute__((vector_size(32)));
-typedef uint32_t sign_u32x8 __attribute__((vector_size(32)));
-typedef uint32_t sign_u32x4 __attribute__((vector_size(16)));
-
 /* Elements lo .. lo + k - 1 (k <= 8) of hvdc_efsign_encode, one at a time: its byte. */
 static uint8_t sign_efsign_byte(const float *g, float *e, float scale, int k) {
     uint32_t b = 0;
@@ -138,14 +156,13 @@ static uint8_t sign_efsign_byte(const float *g, float *e, float scale, int k) {
 
 /* a = g + e; out = sign bits of a; e <- a - (a < 0 ? -scale : scale) (one float32
  * subtraction). The caller checked that a is finite (hvdc_efsign_sums). Eight lanes a
- * byte: the comparison mask flips scale's sign bit (IEEE negation) and, and-ed with the
- * lanes' bit values, or-reduces to the byte. */
+ * byte: the comparison mask a < 0 flips scale's sign bit (IEEE negation) and gives the
+ * byte (sign_mask_byte). */
 SIGN_VECTOR void hvdc_efsign_encode(const float *restrict g, float *restrict e, float scale,
                                     int64_t n, uint8_t *restrict out) {
     uint32_t s;
     memcpy(&s, &scale, sizeof s);
     const sign_u32x8 sv = (sign_u32x8){0} + s;
-    const sign_u32x8 lane_bit = {1, 2, 4, 8, 16, 32, 64, 128};
     const int64_t full = n / 8;
     for (int64_t j = 0; j < full; j++) {
         sign_f32x8 a, r;
@@ -157,13 +174,7 @@ SIGN_VECTOR void hvdc_efsign_encode(const float *restrict g, float *restrict e, 
         memcpy(&r, &step_bits, sizeof r);
         r = a - r;
         memcpy(e + 8 * j, &r, sizeof r);
-        sign_u32x4 half[2];
-        const sign_u32x8 bits = minus & lane_bit;
-        memcpy(half, &bits, sizeof half);
-        sign_u32x4 q = half[0] | half[1];
-        q |= __builtin_shuffle(q, (sign_u32x4){2, 3, 0, 1});
-        q |= __builtin_shuffle(q, (sign_u32x4){1, 0, 3, 2});
-        out[j] = (uint8_t)q[0];
+        out[j] = sign_mask_byte(&minus);
     }
     if (n % 8) out[full] = sign_efsign_byte(g + 8 * full, e + 8 * full, scale, (int)(n % 8));
 }
