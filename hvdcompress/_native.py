@@ -16,6 +16,9 @@ pair, C for the CPU backend and CUDA for the GPU backend, byte for byte the same
     kernels/quant.c       + kernels/quant.cu        QSGD, TernGrad, DQSG's quantiser
     kernels/sparse.c                                top-k selection (radix select; the
                                                     CUDA backend uses torch.topk)
+    kernels/frame.c                                 one rank's frame of a bucket, written
+                                                    and scanned in one call (host memory
+                                                    on every backend: no CUDA twin)
     kernels/cuda_host.h                             g++ shim: the .cu files on the host
 
 ``setup.py`` builds the ``.c`` files into ``hvdcompress._codec_cpu`` and copies the whole
@@ -50,7 +53,7 @@ NVRTC_OPTIONS = (
 
 SOURCE_DIR = "kernels"  # in the repo, relative to its root; in the package, "kernels" too
 # the CPU library, in SOURCE_DIR
-C_SOURCES = ("threelc.c", "primitives.c", "sign.c", "quant.c", "sparse.c")
+C_SOURCES = ("threelc.c", "primitives.c", "sign.c", "quant.c", "sparse.c", "frame.c")
 CPU_LIBRARY = "_codec_cpu"  # its extension module: hvdcompress._codec_cpu
 
 PACKAGE_DIR = Path(__file__).resolve().parent

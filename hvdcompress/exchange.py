@@ -246,9 +246,8 @@ class GatheredExchange(_Exchange):
         for rank, size in enumerate(sizes):
             frame = gathered[offset : offset + size]
             offset += size
-            parsed = wire.unframe_parsed(frame, rank, bucket.names, device)
             # Rank order; NDQSG gets the mean of the lower ranks' tensors (decode_bucket).
-            comp.decode_bucket(parsed, accs, flight.ctxs, rank=rank)
+            comp.decode_frame(frame, accs, flight.ctxs, rank=rank)
         for p, acc, ctx in zip(bucket.params, accs, flight.ctxs, strict=True):
             self._write(p, ctx.name, acc, comp, scale, flight)
 

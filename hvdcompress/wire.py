@@ -396,3 +396,91 @@ def unframe_parsed(
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=name) from None
     return out
+
+
+# ---- frames in one native call (kernels/frame.c; docs/design.md section 8.7) -------------------
+# What hvdc_frame_scan reports per payload, in its column order.
+SCAN_FIELDS = (
+    "ok",
+    "start",
+    "length",
+    "codec",
+    "flags",
+    "dtype",
+    "ndim",
+    "params_len",
+    "numel",
+    "body_len",
+)
+SCAN = {name: i for i, name in enumerate(SCAN_FIELDS)}
+
+
+class FrameLayout:
+    """The per-tensor parts of a bucket's payloads that do not change from step to step:
+    the codec, and each tensor's dtype and shape. Holds the packed header templates the
+    sender's frame is written from (``write_frame``: flags, params and body are the
+    step's) and the expectations a receiver checks a scanned frame against
+    (``scan_frame``)."""
+
+    def __init__(self, codec: str, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]):
+        self.codec, self.count = codec, len(shapes)
+        heads = [
+            Header(codec, 0, dt, tuple(sh), b"", 0).pack()
+            for sh, dt in zip(shapes, dtypes, strict=True)
+        ]
+        self.head_lens = np.fromiter(map(len, heads), dtype=np.int64, count=self.count)
+        self.head_starts = np.zeros(self.count, dtype=np.int64)
+        np.cumsum(self.head_lens[:-1], out=self.head_starts[1:])
+        self.heads = np.frombuffer(b"".join(heads) or b"\0", dtype=np.uint8)
+        self.codec_id = CODEC_IDS[codec]
+        self.dtype_ids = np.array([DTYPE_IDS[dt] for dt in dtypes], dtype=np.int64)
+        self.ndims = np.array([len(sh) for sh in shapes], dtype=np.int64)
+        self.shapes = np.zeros((self.count, MAX_NDIM), dtype=np.uint64)
+        for row, sh in zip(self.shapes, shapes, strict=True):
+            row[: len(sh)] = sh
+        self.numels = np.array([int(np.prod(sh, dtype=object)) for sh in shapes], dtype=np.int64)
+
+
+def write_frame(
+    layout: FrameLayout, flags: list[int], params: list[bytes], bodies: list[torch.Tensor]
+) -> torch.Tensor:
+    """``frame`` of the payloads ``assemble`` makes of each tensor's header (the layout's,
+    with these flags and params) and body (contiguous uint8 on the CPU), byte for byte,
+    written by one native call."""
+    from hvdcompress.backends import cpu
+
+    params_lens = np.fromiter(map(len, params), dtype=np.int64, count=len(params))
+    if params_lens.size and int(params_lens.max()) > MAX_PARAMS:
+        raise ValueError(f"codec parameters of at most {MAX_PARAMS} bytes, got {params_lens.max()}")
+    return cpu.frame_write(
+        layout.heads,
+        layout.head_starts,
+        layout.head_lens,
+        np.asarray(flags, dtype=np.uint8),
+        b"".join(params),
+        params_lens,
+        bodies,
+    )
+
+
+def scan_frame(frame: torch.Tensor, layout: FrameLayout) -> np.ndarray | None:
+    """The scanned fields (``SCAN_FIELDS`` columns, a row per payload) of one rank's frame
+    on the CPU when it holds ``layout.count`` payloads each of which ``parse`` accepts
+    (checksum included) and whose codec, dtype and shape are the layout's, and whose flags
+    are known; else None (the caller then takes ``unframe_parsed``, whose errors name the
+    field). Codec parameters and bodies are the compressor's to check."""
+    from hvdcompress.backends import cpu
+
+    scanned = cpu.frame_scan(frame, layout.count)
+    if scanned is None:
+        return None
+    fields, shapes = scanned
+    good = (
+        (fields[:, SCAN["ok"]] == 1)
+        & (fields[:, SCAN["codec"]] == layout.codec_id)
+        & (fields[:, SCAN["flags"]] & ~KNOWN_FLAGS == 0)
+        & (fields[:, SCAN["dtype"]] == layout.dtype_ids)
+        & (fields[:, SCAN["ndim"]] == layout.ndims)
+        & (shapes == layout.shapes).all(axis=1)
+    )
+    return fields if bool(good.all()) else None

@@ -33,6 +33,8 @@ void hvdc_prim_add_rows(const double *rows, int64_t stride, const int64_t *n, in
 #define QUANT_ERR_PADDING -4 /* a padding bit after the last value is set (PRIM_ERR_PADDING) */
 #define QUANT_ERR_NORM -5    /* a norm is negative or not finite */
 #define QUANT_ERR_CODE -6    /* a level above s, or a zero level with the sign bit */
+#define QUANT_ERR_LEVELS -7  /* s outside 1..127, or bits outside 1..8 (the caller's error) */
+#define QUANT_MAX_LEVELS 127 /* codes 2 l + sign fit a byte (codecs/quant.py MAX_LEVELS) */
 #define QUANT_BLOCK 1024     /* elements per block of uniforms and codes (in L1) */
 #define QUANT_SPAN 65536     /* elements of whole buckets whose norms are formed together */
 #define QUANT_SPAN_BUCKETS QUANT_SPAN
@@ -241,10 +243,13 @@ static inline void quant_codes_at(const uint8_t *packed, int64_t nbytes, int64_t
 
 /* Decodes a QSGD body: norms (4 nb bytes, nb = ceil(n / bucket)) then ceil(n bits / 8)
  * bytes of codes (the caller checked the body length). Validates everything first and
- * returns QUANT_ERR_NORM / QUANT_ERR_PADDING / QUANT_ERR_CODE with out untouched; else
- * writes (or adds) -((l / s) * norm) or (l / s) * norm and returns 0. */
+ * returns QUANT_ERR_LEVELS / QUANT_ERR_NORM / QUANT_ERR_PADDING / QUANT_ERR_CODE with out
+ * untouched; else writes (or adds) -((l / s) * norm) or (l / s) * norm and returns 0. */
 QUANT_VECTOR int64_t hvdc_qsgd_decode(const uint8_t *body, int64_t n, int levels, int bits,
                                       int64_t bucket, float *out, int accumulate) {
+    /* the code checks and the value table below hold codes of one byte */
+    if (levels < 1 || levels > QUANT_MAX_LEVELS || bits < 1 || bits > 8 || bucket < 1)
+        return QUANT_ERR_LEVELS;
     const int64_t nb = (n + bucket - 1) / bucket;
     for (int64_t b = 0; b < nb; b++) {
         const float norm = quant_load_f32(body + 4 * b);
@@ -400,4 +405,24 @@ QUANT_VECTOR void hvdc_dqsg_dequantize(const int8_t *q, int64_t n, const uint8_t
             }
         }
     }
+}
+
+/* hvdc_qsgd_decode (accumulating) of `count` bodies in one call, every tensor with the
+ * same levels, bits and bucket: body p at body + starts[p] (the caller checked its
+ * length) of ns[p] values, added into the floats at address outs[p]. Returns -1 - p for
+ * the first body p that does not decode (bodies before it added, its output untouched)
+ * with its error code in *code, else 0. */
+int64_t hvdc_qsgd_decode_segments(int64_t count, const uint8_t *body, const int64_t *starts,
+                                  const int64_t *ns, int levels, int bits, int64_t bucket,
+                                  const uint64_t *outs, int64_t *code) {
+    for (int64_t p = 0; p < count; p++) {
+        if (ns[p] == 0) continue;
+        int64_t rc = hvdc_qsgd_decode(body + starts[p], ns[p], levels, bits, bucket,
+                                      (float *)(uintptr_t)outs[p], 1);
+        if (rc < 0) {
+            *code = rc;
+            return -1 - p;
+        }
+    }
+    return 0;
 }

@@ -222,3 +222,40 @@ void hvdc_sign_encode_segments(int64_t count, const uint64_t *xs, const int64_t 
         nonfinite[p] = hvdc_sign_encode((const float *)(uintptr_t)xs[p], ns[p],
                                         (uint8_t *)(uintptr_t)outs[p]);
 }
+
+/* hvdc_sign_decode (accumulating) of `count` bodies in one call: body p is at body +
+ * starts[p] (the caller checked it has ceil(ns[p] / 8) bytes), ns[p] values of magnitude
+ * scales[p] (1 for signSGD), added into the floats at address outs[p]. Returns -1 - p for
+ * the first body p with a padding bit set (bodies before it are added, its output is
+ * untouched), else 0. */
+int64_t hvdc_sign_decode_segments(int64_t count, const uint8_t *body, const int64_t *starts,
+                                  const int64_t *ns, const float *scales, const uint64_t *outs) {
+    for (int64_t p = 0; p < count; p++)
+        if (hvdc_sign_decode(body + starts[p], ns[p], scales[p], (float *)(uintptr_t)outs[p], 1) < 0)
+            return -1 - p;
+    return 0;
+}
+
+/* hvdc_efsign_sums of `count` tensors in one call (a bucket): tensor p has ns[p] floats at
+ * address gs[p], its residual at es[p]; its chunk sums go to sums + sum_starts[p];
+ * nonfinite[p] is hvdc_efsign_sums's result. */
+void hvdc_efsign_sums_segments(int64_t count, const uint64_t *gs, const uint64_t *es,
+                               const int64_t *ns, int64_t chunk, double *sums,
+                               const int64_t *sum_starts, int32_t *nonfinite) {
+    for (int64_t p = 0; p < count; p++)
+        nonfinite[p] = hvdc_efsign_sums((const float *)(uintptr_t)gs[p],
+                                        (const float *)(uintptr_t)es[p], ns[p], chunk,
+                                        sums + sum_starts[p]);
+}
+
+/* hvdc_efsign_encode of `count` tensors in one call: tensor p (ns[p] floats at gs[p],
+ * residual at es[p], scale scales[p]) into the ceil(ns[p] / 8) bytes at outs[p]; a tensor
+ * with skip[p] set (non-finite: no body, residual untouched) is left alone. */
+void hvdc_efsign_encode_segments(int64_t count, const uint64_t *gs, const uint64_t *es,
+                                 const int64_t *ns, const float *scales, const int32_t *skip,
+                                 const uint64_t *outs) {
+    for (int64_t p = 0; p < count; p++)
+        if (!skip[p])
+            hvdc_efsign_encode((const float *)(uintptr_t)gs[p], (float *)(uintptr_t)es[p],
+                               scales[p], ns[p], (uint8_t *)(uintptr_t)outs[p]);
+}

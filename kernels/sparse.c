@@ -11,7 +11,9 @@
  *                        of three histogram passes (11, 11, 10 bits; the caller's hist);
  *   hvdc_topk_collect    ascending indices of the |a_i| >= a bound (a candidate superset)
  *                        and their bits, or -1 when more than `cap` qualify;
- *   hvdc_topk_keep       the final ascending indices, from all of a or from candidates.
+ *   hvdc_topk_keep       the final ascending indices, from all of a or from candidates;
+ *   hvdc_topk_encode_segments  a bucket's top-k with error feedback, one call;
+ *   hvdc_topk_decode_segments  a bucket's top-k bodies checked and added, one call.
  *
  * The backend first bounds t from below with the k-th largest of a strided sample, keeps
  * the elements at or above the bound (about 2 k of them, one pass over a), and selects
@@ -19,6 +21,7 @@
  * of a. Either way t is the same exact value, so the bytes do not depend on the path.
  * Pure functions over caller-owned buffers; no allocation, no global state.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -100,4 +103,128 @@ int64_t hvdc_topk_keep(const uint32_t *v, int64_t m, uint32_t mask, const int64_
         }
     }
     return c;
+}
+
+/* Errors of hvdc_topk_decode_segments, in the order hvdcompress/codecs/sparse.py checks. */
+#define TOPK_ERR_RANGE -1     /* the first index is negative or the last is >= n */
+#define TOPK_ERR_ORDER -2     /* indices are not strictly increasing */
+#define TOPK_ERR_NONFINITE -3 /* a kept value is NaN or Inf */
+
+static inline int64_t topk_index(const uint8_t *at, int wide, int64_t i) {
+    if (wide) {
+        int64_t v;
+        memcpy(&v, at + 8 * i, 8);
+        return v;
+    }
+    int32_t v;
+    memcpy(&v, at + 4 * i, 4);
+    return v;
+}
+
+/* One top-k body (k float32 values, then k indices: int32, or int64 when wide), checked
+ * as a whole before out is touched; then out[index] += value. Returns 0 or TOPK_ERR_*. */
+static int64_t topk_decode_add(const uint8_t *body, int64_t k, int64_t n, int wide, float *out) {
+    if (k == 0) return 0;
+    const uint8_t *idx = body + 4 * k;
+    if (topk_index(idx, wide, 0) < 0 || topk_index(idx, wide, k - 1) >= n) return TOPK_ERR_RANGE;
+    for (int64_t i = 1; i < k; i++)
+        if (topk_index(idx, wide, i) <= topk_index(idx, wide, i - 1)) return TOPK_ERR_ORDER;
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t bits;
+        memcpy(&bits, body + 4 * i, 4);
+        if ((bits & 0x7fffffffu) >= 0x7f800000u) return TOPK_ERR_NONFINITE;
+    }
+    for (int64_t i = 0; i < k; i++) {
+        float v;
+        memcpy(&v, body + 4 * i, 4);
+        out[topk_index(idx, wide, i)] += v;
+    }
+    return 0;
+}
+
+/* The top-k decode (accumulating) of `count` bodies in one call: body p at body +
+ * starts[p] (the caller checked its length: ks[p] values and indices) of a tensor of
+ * ns[p] elements, indices int64 when wide[p], added into the floats at address outs[p].
+ * Returns -1 - p for the first body p that does not decode (bodies before it added, its
+ * output untouched) with its TOPK_ERR_* in *code, else 0. */
+int64_t hvdc_topk_decode_segments(int64_t count, const uint8_t *body, const int64_t *starts,
+                                  const int64_t *ks, const int64_t *ns, const int32_t *wide,
+                                  const uint64_t *outs, int64_t *code) {
+    for (int64_t p = 0; p < count; p++) {
+        int64_t rc = topk_decode_add(body + starts[p], ks[p], ns[p], wide[p],
+                                     (float *)(uintptr_t)outs[p]);
+        if (rc < 0) {
+            *code = rc;
+            return -1 - p;
+        }
+    }
+    return 0;
+}
+
+/* --- a bucket's top-k encode (TopK.encode of each tensor, one call) --------------------- */
+
+#define TOPK_SAMPLE 65536 /* elements of the strided sample (backends/cpu.py TOPK_SAMPLE) */
+#define TOPK_ABS 0x7fffffffu
+#define TOPK_ALL 0xffffffffu
+
+uint32_t hvdc_tlc_absmax_bits(const float *g, const float *e, int64_t n); /* threelc.c */
+
+/* backends/cpu.py topk_select, step for step (0 < k < n, a finite): the ascending indices
+ * of the k largest |a| into out. cand_idx / cand_bits hold 4 k + 4097 entries. */
+static void topk_select_into(const float *a, int64_t n, int64_t k, uint32_t *hist,
+                             int64_t *cand_idx, uint32_t *cand_bits, int64_t *out) {
+    const uint32_t *v = (const uint32_t *)(const void *)a;
+    if (n >= 4 * TOPK_SAMPLE && 8 * k <= n) {
+        const int64_t stride = n / TOPK_SAMPLE, m = (n - 1) / stride + 1;
+        int64_t j = (int64_t)ceil((double)m * 2.0 * (double)k / (double)n) + 64;
+        j = j < m ? j : m;
+        const uint32_t bound = hvdc_topk_kth_bits(v, m, stride, TOPK_ABS, j, hist);
+        const int64_t count = hvdc_topk_collect(a, n, bound, cand_idx, cand_bits, 4 * k + 4096);
+        if (count >= k) {
+            const uint32_t t = hvdc_topk_kth_bits(cand_bits, count, 1, TOPK_ALL, k, hist);
+            hvdc_topk_keep(cand_bits, count, TOPK_ALL, cand_idx, t, k, out);
+            return;
+        }
+    }
+    const uint32_t t = hvdc_topk_kth_bits(v, n, 1, TOPK_ABS, k, hist);
+    hvdc_topk_keep(v, n, TOPK_ABS, NULL, t, k, out);
+}
+
+/* Top-k with error feedback of `count` tensors in one call. Tensor p: ns[p] floats g at
+ * address gs[p], its residual e at es[p], ks[p] values kept (0 <= k <= n). When some
+ * g + e is not finite: nonfinite[p] = 1, e untouched, nothing written. Else a = g + e
+ * (float32, into e), the kept set (the k largest |a|, ties by lowest index; all of a when
+ * k == n), and the body at out + out_starts[p]: the k values a[i], then the k indices
+ * (int32, or int64 when wide[p]), ascending; then a[i] = 0 for each kept i (e = a minus
+ * what was sent). Scratch: hist (TOPK_BINS words), sel (max k int64), cand_idx and
+ * cand_bits (4 max k + 4097 entries each). */
+void hvdc_topk_encode_segments(int64_t count, const uint64_t *gs, const uint64_t *es,
+                               const int64_t *ns, const int64_t *ks, const int32_t *wide,
+                               uint8_t *out, const int64_t *out_starts, int32_t *nonfinite,
+                               uint32_t *hist, int64_t *sel, int64_t *cand_idx,
+                               uint32_t *cand_bits) {
+    for (int64_t p = 0; p < count; p++) {
+        const float *g = (const float *)(uintptr_t)gs[p];
+        float *e = (float *)(uintptr_t)es[p];
+        const int64_t n = ns[p], k = ks[p];
+        nonfinite[p] = hvdc_tlc_absmax_bits(g, e, n) >= 0x7f800000u;
+        if (nonfinite[p]) continue;
+        for (int64_t i = 0; i < n; i++) e[i] = e[i] + g[i];
+        if (k == 0) continue;
+        if (k == n)
+            for (int64_t i = 0; i < n; i++) sel[i] = i;
+        else
+            topk_select_into(e, n, k, hist, cand_idx, cand_bits, sel);
+        uint8_t *body = out + out_starts[p], *idx = body + 4 * k;
+        for (int64_t i = 0; i < k; i++) {
+            memcpy(body + 4 * i, e + sel[i], 4);
+            if (wide[p]) {
+                memcpy(idx + 8 * i, &sel[i], 8);
+            } else {
+                const int32_t i32 = (int32_t)sel[i];
+                memcpy(idx + 4 * i, &i32, 4);
+            }
+        }
+        for (int64_t i = 0; i < k; i++) e[sel[i]] = 0.0f;
+    }
 }

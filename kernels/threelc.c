@@ -445,3 +445,44 @@ void hvdc_checksum_segments(const uint8_t *buf, int64_t count, const int64_t *st
                             const int64_t *lens, uint32_t *out) {
     for (int64_t p = 0; p < count; p++) out[p] = hvdc_checksum(buf + starts[p], lens[p], 0);
 }
+
+/* hvdc_tlc_absmax_bits, hvdc_tlc_scale and hvdc_tlc_encode of `count` tensors in one call
+ * (a bucket). Tensor p: ns[p] floats at address gs[p], its residual at es[p] (0: none),
+ * sparsity sparsities[p]; its body goes to out + out_starts[p] (room for ceil(ns[p] / 5)
+ * + 2 bytes). Reported per tensor: scales[p] (S) and lens[p] (the body length), or
+ * lens[p] = -1 when the input or S is not finite (residual untouched, nothing written). */
+void hvdc_tlc_encode_segments(int64_t count, const uint64_t *gs, const uint64_t *es,
+                              const int64_t *ns, const float *sparsities, uint8_t *out,
+                              const int64_t *out_starts, float *scales, int64_t *lens) {
+    for (int64_t p = 0; p < count; p++) {
+        const float *g = (const float *)(uintptr_t)gs[p];
+        float *e = (float *)(uintptr_t)es[p];
+        uint32_t bits = hvdc_tlc_absmax_bits(g, e, ns[p]);
+        float S = bits >= 0x7f800000u ? INFINITY : hvdc_tlc_scale(bits, sparsities[p]);
+        if (!isfinite(S)) {
+            scales[p] = 0.0f;
+            lens[p] = -1;
+            continue;
+        }
+        scales[p] = S;
+        lens[p] = hvdc_tlc_encode(g, e, S, ns[p], out + out_starts[p]);
+    }
+}
+
+/* hvdc_tlc_decode (accumulating) of `count` bodies in one call: body p is lens[p] bytes at
+ * body + starts[p], ns[p] values with scale scales[p], added into the floats at address
+ * outs[p]. Returns -1 - p for the first body p that does not decode (bodies before it are
+ * added, its output is untouched) with its error code in *code, else 0. */
+int64_t hvdc_tlc_decode_segments(int64_t count, const uint8_t *body, const int64_t *starts,
+                                 const int64_t *lens, const int64_t *ns, const float *scales,
+                                 const uint64_t *outs, int64_t *code) {
+    for (int64_t p = 0; p < count; p++) {
+        int64_t rc = hvdc_tlc_decode(body + starts[p], lens[p], ns[p], scales[p],
+                                     (float *)(uintptr_t)outs[p], 1);
+        if (rc < 0) {
+            *code = rc;
+            return -1 - p;
+        }
+    }
+    return 0;
+}

@@ -18,7 +18,8 @@ to memcpy are what to compare across machines; absolute GB/s are noisy.
 same run's memcpy, met or not. ``--overhead`` times compress + decode of a 160-tensor
 bucket (sizes log-uniform, seeded, like a ResNet-50's parameter list) per tensor
 (``compress`` / ``decode_parsed`` in a loop) and per bucket (``compress_bucket`` /
-``decode_bucket``), each against one tensor of the same total size.
+``decode_frame``, what the allgather exchange runs), each against one tensor of the same
+total size.
 """
 
 from __future__ import annotations
@@ -297,9 +298,9 @@ def _overhead_case(comp_for, tensors, names, run, min_time: float) -> dict:
         for (header, payload), acc, n in zip(parsed, accs, names, strict=True):
             loop_c.decode_parsed(header, payload, name=n, out=acc, accumulate=True)
 
-    def bucket():
+    def bucket():  # what the allgather exchange runs per bucket and rank
         frame, ctxs = bucket_c.compress_bucket(tensors, names)
-        bucket_c.decode_bucket(wire.unframe_parsed(frame, 0, names, frame.device), accs, ctxs)
+        bucket_c.decode_frame(frame, accs, ctxs, rank=0)
 
     times = {}
     for key, fn in (("one", one), ("loop", loop), ("bucket", bucket)):

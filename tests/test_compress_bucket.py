@@ -1,10 +1,12 @@
 """The bucket-level API of the gather compressors (hvdcompress.compressors.base):
 ``compress_bucket`` gives one rank's frame of a bucket, byte for byte ``wire.frame`` of the
 per-tensor payloads, with the same state updates (error-feedback residuals, step counters),
-and ``decode_bucket`` accumulates like ``decode_parsed`` of each payload."""
+and ``decode_bucket`` (and ``decode_frame``, the frame in one native scan) accumulates
+like ``decode_parsed`` of each payload."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,15 +54,18 @@ def test_compress_bucket_is_the_frame_of_per_tensor_payloads(name, params):
         for rank in (0, 1):
             outs = [torch.linspace(-1, 1, t.numel()) for t in tensors]
             wants = [out.clone() for out in outs]
+            framed = [out.clone() for out in outs]
             bucketed.decode_bucket(parsed, outs, ctxs, rank=rank)
+            bucketed.decode_frame(frame, framed, ctxs, rank=rank)  # the one-call path
             for (header, payload), want, ctx in zip(parsed, wants, ctxs, strict=True):
                 side = want / rank if one_by_one.uses_side_info and rank else None
                 one_by_one.decode_parsed(
                     header, payload, expect=ctx, name=ctx.name, out=want, accumulate=True,
                     side_info=side,
                 )  # fmt: skip
-            for out, want in zip(outs, wants, strict=True):
+            for out, want, got in zip(outs, wants, framed, strict=True):
                 assert torch.equal(out.nan_to_num(7.0), want.nan_to_num(7.0))
+                assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
     assert one_by_one.state_dict().keys() == bucketed.state_dict().keys()
 
 
@@ -85,3 +90,39 @@ def test_decode_bucket_names_the_rank_and_tensor_of_a_corrupt_payload():
         c.decode_bucket(parsed, outs, ctxs, rank=3)
     assert err.value.rank == 3 and err.value.tensor == "b"
     assert torch.equal(outs[1], torch.zeros(20))
+
+
+def test_decode_frame_names_the_rank_and_tensor_of_a_corrupt_payload():
+    """The one-call path finds the bad checksum in its scan and takes the per-payload way:
+    the same error, the earlier tensor decoded, the bad one's output untouched."""
+    c = hvdcompress.get_compressor("3lc")
+    tensors, names = [torch.randn(10), torch.randn(20)], ["a", "b"]
+    frame, ctxs = c.compress_bucket(tensors, names)
+    frame[-1] ^= 0xFF
+    outs = [torch.zeros(10), torch.zeros(20)]
+    with pytest.raises(PayloadError, match="checksum") as err:
+        c.decode_frame(frame, outs, ctxs, rank=3)
+    assert err.value.rank == 3 and err.value.tensor == "b"
+    assert outs[0].abs().sum() > 0 and torch.equal(outs[1], torch.zeros(20))
+
+
+def test_decode_frame_reports_a_forged_body_like_decode_parsed():
+    """A body that passes every header check (checksum recomputed) but does not decode:
+    the batched decoder stops at it with decode_parsed's error; the tensors before it are
+    added, it is untouched."""
+    c = hvdcompress.get_compressor("3lc")
+    tensors, names = [torch.randn(10), torch.randn(20), torch.randn(30)], ["a", "b", "c"]
+    frame, ctxs = c.compress_bucket(tensors, names)
+    payloads = wire.unframe(frame, 3, 0, names)
+    forged = bytearray(payloads[1].numpy().tobytes())
+    forged[-1] = 250  # a run byte past the end: zero-run decoding gives too many bytes
+    forged[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4] = bytes(4)
+    csum = wire.checksum_numpy(np.frombuffer(bytes(forged), np.uint8))
+    forged[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4] = csum.to_bytes(4, "little")
+    bad = wire.frame([payloads[0], torch.frombuffer(forged, dtype=torch.uint8), payloads[2]])
+    outs = [torch.zeros(n) for n in (10, 20, 30)]
+    with pytest.raises(PayloadError, match="zero-run") as err:
+        c.decode_frame(bad, outs, ctxs, rank=1)
+    assert err.value.rank == 1 and err.value.tensor == "b" and err.value.field == "body"
+    assert outs[0].abs().sum() > 0
+    assert torch.equal(outs[1], torch.zeros(20)) and torch.equal(outs[2], torch.zeros(30))

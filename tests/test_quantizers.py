@@ -188,6 +188,20 @@ def test_qsgd_decode_rejects_bad_bodies_out_untouched():
     assert torch.equal(out, torch.full((700,), 5.0))
 
 
+@pytest.mark.parametrize("levels", [0, 128, 200])
+def test_qsgd_decode_refuses_levels_past_one_byte_codes(levels):
+    """Levels come from the receiver's own compressor, never from a payload, but the
+    decoder's byte-wide codes and value table hold at most 127: the codec refuses others
+    (ValueError), and so does the native decoder called directly, out untouched."""
+    body = quant.qsgd_encode(torch.randn(700), 2, 512, 1)
+    out = torch.full((700,), 5.0)
+    with pytest.raises(ValueError, match="levels"):
+        quant.qsgd_decode_into(body, 700, levels, 512, out, True)
+    with pytest.raises(PayloadError, match="levels outside 1..127"):
+        cpu_backend.qsgd_decode(body, 700, levels, 8, 512, out, True)
+    assert torch.equal(out, torch.full((700,), 5.0))
+
+
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
 def test_quantizer_bytes_independent_of_threads(monkeypatch, threads):
     """HVDC_NUM_THREADS splits the native passes; the bytes do not change."""

@@ -153,6 +153,28 @@ def test_sign_codecs_bytes_independent_of_threads(monkeypatch, threads):
         assert torch.equal(e, want[2])
 
 
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_ef_encode_segments_is_ef_encode_of_each(monkeypatch, threads):
+    """A bucket's one-call EF-signSGD encoder gives each tensor's ef_encode (bytes, scale,
+    residual); with codec threads, tensors big enough to be cut into parts take the
+    per-tensor path beside the others."""
+    monkeypatch.setenv("HVDC_NUM_THREADS", threads)
+    monkeypatch.setattr(cpu_backend, "_MIN_PART", 64)
+    gen = torch.Generator().manual_seed(5)
+    gs = [torch.randn(n, generator=gen) for n in (0, 1, 100, 127, 5003, 3)]
+    gs[5][1] = float("nan")
+    es = [torch.randn(g.numel(), generator=gen) for g in gs]
+    wants = [(g, e.clone()) for g, e in zip(gs, es, strict=True)]
+    got = sign.ef_encode_segments(gs, es)
+    for (g, e_want), result, e_got in zip(wants, got, es, strict=True):
+        want = sign.ef_encode(g, e_want)
+        if want is None:
+            assert result is None
+        else:
+            assert torch.equal(result[0], want[0]) and result[1] == want[1]
+        assert torch.equal(e_got, e_want)
+
+
 def test_signsgd_payload_nonfinite_flag():
     c = comp("signsgd")
     payload, _ = c.compress(torch.tensor([1.0, float("inf")]), "w")

@@ -94,6 +94,37 @@ def test_topk_selection_on_large_tensors(select, kind):
         np.testing.assert_array_equal(idx, stable_topk(x, k))
 
 
+@pytest.mark.parametrize("kind", ["gauss", "ties", "sample_heavy", "zeros_on_sample"])
+def test_topk_encode_segments_is_topk_encode_of_each(kind):
+    """A bucket's one-call top-k encoder (kernels/sparse.c) gives each tensor's
+    TopK.encode: the same bodies (sampled and direct selections, ties, k == n, k == 0, a
+    non-finite tensor left untouched) and the same residuals, over two steps."""
+    rng = np.random.default_rng(3)
+    n = 300_007
+    stride = n // cpu_backend.TOPK_SAMPLE
+    big = rng.standard_normal(n).astype(np.float32)
+    if kind == "ties":
+        big = np.rint(big * 3).astype(np.float32)
+    elif kind == "sample_heavy":
+        big *= 1e-3
+        big[::stride] = 100.0 + np.arange(len(big[::stride]), dtype=np.float32)
+    elif kind == "zeros_on_sample":
+        big[::stride] = 0.0
+    tensors = [torch.from_numpy(big), torch.randn(1), torch.zeros(0), torch.randn(5003)]
+    tensors.append(torch.tensor([1.0, float("nan"), 2.0]))
+    names = [f"t{i}" for i in range(len(tensors))]
+    for ratio in (0.01, 1.0):
+        one, bucket = comp("topk", ratio=ratio), comp("topk", ratio=ratio)
+        for _ in range(2):
+            want = [one.encode(t, name) for t, name in zip(tensors, names, strict=True)]
+            got = bucket.encode_bucket(tensors, names)
+            for (wf, wp, wb), (gf, gp, gb) in zip(want, got, strict=True):
+                assert (wf, wp) == (gf, gp) and torch.equal(wb, gb)
+        for name in names:
+            a, b = one.memory.residuals[name], bucket.memory.residuals[name]
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
 @settings(max_examples=200)
 @given(x=gradients(allow_nonfinite=False), frac=st.floats(0.0, 1.0), ties=st.booleans())
 def test_topk_radix_select_matches_the_definition(x, frac, ties):

@@ -1,5 +1,5 @@
 """CPU backend: the C library of ``kernels/*.c`` (``threelc.c``, ``primitives.c``,
-``sign.c``, ``quant.c``, ``sparse.c``) called through ctypes.
+``sign.c``, ``quant.c``, ``sparse.c``, ``frame.c``) called through ctypes.
 
 The library is built by ``pip install`` (setup.py) as ``hvdcompress._codec_cpu``. When
 the package runs without that build (a GPU node that only has the checkout on
@@ -58,6 +58,11 @@ _SIGNATURES = {
     "hvdc_tlc_decode": (_i64, [_p, _i64, _i64, _f32, _p, _int]),
     "hvdc_checksum": (_u32, [_p, _i64, _i64]),
     "hvdc_checksum_segments": (None, [_p, _i64, _p, _p, _p]),
+    "hvdc_tlc_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
+    "hvdc_tlc_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
+    # kernels/frame.c
+    "hvdc_frame_scan": (_i64, [_p, _i64, _i64, _p, _p]),
+    "hvdc_frame_write": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p]),
     # shared primitives (kernels/primitives.c)
     "hvdc_prim_uniform": (None, [ctypes.c_uint64, _i64, _i64, _p]),
     "hvdc_prim_bitpack": (None, [_p, _i64, _int, _p]),
@@ -69,6 +74,9 @@ _SIGNATURES = {
     "hvdc_efsign_encode": (None, [_p, _p, _f32, _i64, _p]),
     "hvdc_sign_decode": (_i64, [_p, _i64, _f32, _p, _int]),
     "hvdc_sign_encode_segments": (None, [_i64, _p, _p, _p, _p]),
+    "hvdc_sign_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p]),
+    "hvdc_efsign_sums_segments": (None, [_i64, _p, _p, _p, _i64, _p, _p, _p]),
+    "hvdc_efsign_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p]),
     # stochastic quantisers (kernels/quant.c)
     "hvdc_qsgd_encode": (_int, [_p, _i64, _int, _int, _i64, ctypes.c_uint64, _i64, _p, _p]),
     "hvdc_qsgd_decode": (_i64, [_p, _i64, _int, _int, _i64, _p, _int]),
@@ -79,6 +87,9 @@ _SIGNATURES = {
     "hvdc_topk_kth_bits": (_u32, [_p, _i64, _i64, _u32, _i64, _p]),
     "hvdc_topk_collect": (_i64, [_p, _i64, _u32, _p, _p, _i64]),
     "hvdc_topk_keep": (_i64, [_p, _i64, _u32, _p, _u32, _i64, _p]),
+    "hvdc_topk_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
+    "hvdc_topk_encode_segments": (None, [_i64] + [_p] * 12),
+    "hvdc_qsgd_decode_segments": (_i64, [_i64, _p, _p, _p, _int, _int, _i64, _p, _p]),
 }
 # Negative return codes of the decoders, per source file.
 _ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
@@ -91,6 +102,7 @@ _PRIM_ERRORS = {  # kernels/primitives.c (PRIM_ERR_*), sign.c and quant.c (QUANT
     -4: "a padding bit after the last packed value is set",
     -5: "a QSGD norm is negative or not finite",
     -6: "a QSGD level is above the levels or a zero is signed",
+    -7: "QSGD levels outside 1..127 or code bits outside 1..8 (the caller's arguments)",
 }
 NONFINITE_BITS = 0x7F800000  # abs bits at or above this are Inf or NaN
 
@@ -312,6 +324,12 @@ def num_threads() -> int:
     CPUs this process may run on divided by the ranks on this node (Open MPI's, MPICH's,
     Slurm's or Horovod's local size), at least 1. The bytes never depend on it."""
     return _threads_for(os.environ.get("HVDC_NUM_THREADS", "").strip())
+
+
+def splits(n: int) -> bool:
+    """Whether a tensor of n elements is cut into parts for the codec threads: a bucket's
+    one-call encoders leave such tensors to the per-tensor (threaded) path."""
+    return n >= 2 * _MIN_PART and num_threads() > 1
 
 
 @functools.lru_cache(maxsize=8)
@@ -590,3 +608,315 @@ def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
     t = LIB.hvdc_topk_kth_bits(pa, n, 1, _ABS, k, ph)
     LIB.hvdc_topk_keep(pa, n, _ABS, None, t, k, _ptr(out))
     return out
+
+
+# ---- whole buckets: segment tables (kernels/threelc.c, sign.c, frame.c) -------------------
+
+
+def _addresses(tensors) -> np.ndarray:
+    return np.fromiter((t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors))
+
+
+def threelc_encode_segments(
+    gs: list[torch.Tensor], es: list[torch.Tensor], sparsities: list[float]
+) -> tuple[list[torch.Tensor], list[float], list[bool]]:
+    """``threelc_encode`` of each (g, e, sparsity) of a bucket in one native call: (bodies,
+    views of one new buffer; scales; non-finite flags)."""
+    count = len(gs)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    room = (ns + 4) // 5 + 2
+    starts = np.zeros(count, dtype=np.int64)
+    np.cumsum(room[:-1], out=starts[1:])
+    buf = torch.empty(int(room.sum()), dtype=torch.uint8)
+    scales = np.empty(count, dtype=np.float32)
+    lens = np.empty(count, dtype=np.int64)
+    s = np.asarray(sparsities, dtype=np.float32)
+    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
+    LIB.hvdc_tlc_encode_segments(
+        count,
+        g_at.ctypes.data,
+        e_at.ctypes.data,
+        ns.ctypes.data,
+        s.ctypes.data,
+        _ptr(buf),
+        starts.ctypes.data,
+        scales.ctypes.data,
+        lens.ctypes.data,
+    )
+    bad = (lens < 0).tolist()
+    bodies = [
+        buf[a : a + n] if n >= 0 else buf[:0]
+        for a, n in zip(starts.tolist(), lens.tolist(), strict=True)
+    ]
+    return bodies, scales.tolist(), bad
+
+
+def threelc_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    scales: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """``threelc_decode`` (accumulating) of each body ``frame[starts[p]:][:lens[p]]`` into
+    ``outs[p]``, one native call: None, or (p, message) of the first body that does not
+    decode (the ones before it are added, its output untouched)."""
+    code = ctypes.c_int64(0)
+    scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
+    rc = LIB.hvdc_tlc_decode_segments(
+        len(outs),
+        _ptr(frame),
+        _i64_array(starts),
+        _i64_array(lens),
+        _i64_array(ns),
+        scales32.ctypes.data,
+        out_at.ctypes.data,
+        ctypes.byref(code),
+    )
+    return None if rc == 0 else (-1 - rc, _ERRORS.get(code.value, f"error code {code.value}"))
+
+
+def sign_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ns: np.ndarray,
+    scales: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """``sign_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    checked the lengths) into ``outs[p]``, one native call: None, or (p, message) of the
+    first body with a padding bit set (the ones before it are added)."""
+    scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
+    rc = LIB.hvdc_sign_decode_segments(
+        len(outs),
+        _ptr(frame),
+        _i64_array(starts),
+        _i64_array(ns),
+        scales32.ctypes.data,
+        out_at.ctypes.data,
+    )
+    return None if rc == 0 else (-1 - rc, _PRIM_ERRORS[-4])
+
+
+def _i64_array(a: np.ndarray) -> int:
+    """The address of the caller's contiguous int64 array ``a`` (never a converted
+    temporary, which would be freed before the native call reads it)."""
+    if a.dtype != np.int64 or not a.flags.c_contiguous:
+        raise TypeError("expected a contiguous int64 array")
+    return a.ctypes.data
+
+
+SCAN_FIELDS = 10  # kernels/frame.c (FRAME_FIELDS); their names: wire.SCAN_FIELDS
+
+
+def frame_scan(frame: torch.Tensor, count: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(fields, count x SCAN_FIELDS int64; shapes, count x 8 uint64, zero past ndim) of a
+    frame of ``count`` payloads, or None when its length table does not describe it."""
+    fields = np.empty((count, SCAN_FIELDS), dtype=np.int64)
+    shapes = np.zeros((count, 8), dtype=np.uint64)
+    rc = LIB.hvdc_frame_scan(
+        _ptr(frame), frame.numel(), count, fields.ctypes.data, shapes.ctypes.data
+    )
+    return None if rc < 0 else (fields, shapes)
+
+
+def frame_write(
+    heads: np.ndarray,
+    head_starts: np.ndarray,
+    head_lens: np.ndarray,
+    flags: np.ndarray,
+    params: bytes,
+    params_lens: np.ndarray,
+    bodies: list[torch.Tensor],
+) -> torch.Tensor:
+    """One rank's frame (kernels/frame.c, hvdc_frame_write): per payload its header
+    template (``heads[head_starts[p]:][:head_lens[p]]``), flags, params and body, each
+    payload's checksum in place."""
+    count = len(bodies)
+    body_lens = np.fromiter((b.numel() for b in bodies), dtype=np.int64, count=count)
+    param_starts = np.zeros(count, dtype=np.int64)
+    np.cumsum(params_lens[:-1], out=param_starts[1:])
+    total = 8 * (count + 1) + int(head_lens.sum() + params_lens.sum() + body_lens.sum())
+    frame = torch.empty(total, dtype=torch.uint8)
+    # locals, so that every array lives across the call
+    params_buf = np.frombuffer(params, dtype=np.uint8) if params else np.zeros(1, np.uint8)
+    flags8, body_at = np.ascontiguousarray(flags, dtype=np.uint8), _addresses(bodies)
+    LIB.hvdc_frame_write(
+        count,
+        heads.ctypes.data,
+        _i64_array(head_starts),
+        _i64_array(head_lens),
+        flags8.ctypes.data,
+        params_buf.ctypes.data,
+        _i64_array(param_starts),
+        _i64_array(params_lens),
+        body_at.ctypes.data,
+        _i64_array(body_lens),
+        _ptr(frame),
+    )
+    return frame
+
+
+def efsign_sums_segments(
+    gs: list[torch.Tensor], es: list[torch.Tensor]
+) -> tuple[list[list[float]], list[bool]]:
+    """``efsign_sums`` of each (g, e) of a bucket in one native call: (each tensor's chunk
+    sums, each tensor's non-finite flag)."""
+    count = len(gs)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    chunks = (ns + EF_CHUNK - 1) // EF_CHUNK
+    starts = np.zeros(count, dtype=np.int64)
+    np.cumsum(chunks[:-1], out=starts[1:])
+    sums = np.zeros(max(int(chunks.sum()), 1), dtype=np.float64)
+    bad = np.zeros(count, dtype=np.int32)
+    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
+    LIB.hvdc_efsign_sums_segments(
+        count,
+        g_at.ctypes.data,
+        e_at.ctypes.data,
+        ns.ctypes.data,
+        EF_CHUNK,
+        sums.ctypes.data,
+        starts.ctypes.data,
+        bad.ctypes.data,
+    )
+    bounds = zip(starts.tolist(), (starts + chunks).tolist(), strict=True)
+    return [sums[a:b].tolist() for a, b in bounds], [bool(b) for b in bad.tolist()]
+
+
+def efsign_encode_segments(
+    gs: list[torch.Tensor], es: list[torch.Tensor], scales: list[float], skip: list[bool]
+) -> list[torch.Tensor]:
+    """``efsign_encode`` of each (g, e, scale) of a bucket whose ``skip`` is False, in one
+    native call: the bodies (views of one new buffer; empty where skipped)."""
+    count = len(gs)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    nbytes = np.where(np.asarray(skip, dtype=bool), 0, (ns + 7) // 8)
+    buf = torch.empty(int(nbytes.sum()), dtype=torch.uint8)
+    bodies = list(torch.split(buf, nbytes.tolist())) if count else []
+    g_at, e_at, out_at = _addresses(gs), _addresses(es), _addresses(bodies)
+    scales32 = np.asarray(scales, dtype=np.float32)
+    skip32 = np.asarray(skip, dtype=np.int32)
+    LIB.hvdc_efsign_encode_segments(
+        count,
+        g_at.ctypes.data,
+        e_at.ctypes.data,
+        ns.ctypes.data,
+        scales32.ctypes.data,
+        skip32.ctypes.data,
+        out_at.ctypes.data,
+    )
+    return bodies
+
+
+_TOPK_ERRORS = {  # kernels/sparse.c (TOPK_ERR_*): the messages of codecs/sparse.py
+    -1: "an index is outside [0, {n})",
+    -2: "indices are not strictly increasing",
+    -3: "a top-k value is not finite",
+}
+
+
+def topk_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ks: np.ndarray,
+    ns: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """The top-k decode (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    checked its length) of ``ks[p]`` kept values of ``ns[p]``, into ``outs[p]``, one native
+    call: None, or (p, message) of the first body that does not decode (the ones before it
+    added, its output untouched)."""
+    code = ctypes.c_int64(0)
+    wide = (ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
+    out_at = _addresses(outs)  # a local: alive across the call
+    rc = LIB.hvdc_topk_decode_segments(
+        len(outs),
+        _ptr(frame),
+        _i64_array(starts),
+        _i64_array(ks),
+        _i64_array(ns),
+        wide.ctypes.data,
+        out_at.ctypes.data,
+        ctypes.byref(code),
+    )
+    if rc == 0:
+        return None
+    p = -1 - rc
+    return p, _TOPK_ERRORS[code.value].format(n=int(ns[p]))
+
+
+def qsgd_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ns: np.ndarray,
+    levels: int,
+    bits: int,
+    bucket: int,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """``qsgd_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    checked its length) of ``ns[p]`` values into ``outs[p]``, one native call: None, or
+    (p, message) of the first body that does not decode (the ones before it added)."""
+    code = ctypes.c_int64(0)
+    out_at = _addresses(outs)  # a local: alive across the call
+    rc = LIB.hvdc_qsgd_decode_segments(
+        len(outs),
+        _ptr(frame),
+        _i64_array(starts),
+        _i64_array(ns),
+        levels,
+        bits,
+        bucket,
+        out_at.ctypes.data,
+        ctypes.byref(code),
+    )
+    if rc == 0:
+        return None
+    return -1 - rc, _PRIM_ERRORS.get(code.value, f"error code {code.value}")
+
+
+def topk_encode_segments(
+    gs: list[torch.Tensor], es: list[torch.Tensor], ks: list[int]
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """Top-k with error feedback of each (g, e, k) of a bucket in one native call
+    (kernels/sparse.c, hvdc_topk_encode_segments): (bodies: k values then k ascending
+    indices, int32 below 2**31 elements; views of one new buffer; non-finite flags, e
+    untouched there). e becomes g + e with the kept values zeroed, as TopK.encode does."""
+    count = len(gs)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    k = np.asarray(ks, dtype=np.int64).reshape(count)
+    wide = (ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
+    room = k * np.where(wide == 1, 12, 8)
+    starts = np.zeros(count, dtype=np.int64)
+    np.cumsum(room[:-1], out=starts[1:])
+    buf = torch.empty(int(room.sum()), dtype=torch.uint8)
+    most = int(k.max()) if count else 0
+    sel = np.empty(max(most, 1), dtype=np.int64)
+    cand_idx = np.empty(4 * most + 4097, dtype=np.int64)
+    cand_bits = np.empty(4 * most + 4097, dtype=np.uint32)
+    hist = np.empty(2048, dtype=np.uint32)
+    bad = np.zeros(count, dtype=np.int32)
+    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
+    LIB.hvdc_topk_encode_segments(
+        count,
+        g_at.ctypes.data,
+        e_at.ctypes.data,
+        ns.ctypes.data,
+        k.ctypes.data,
+        wide.ctypes.data,
+        _ptr(buf),
+        starts.ctypes.data,
+        bad.ctypes.data,
+        hist.ctypes.data,
+        sel.ctypes.data,
+        cand_idx.ctypes.data,
+        cand_bits.ctypes.data,
+    )
+    flags = [bool(b) for b in bad.tolist()]
+    bodies = [
+        buf[:0] if nonfinite else buf[a : a + r]
+        for a, r, nonfinite in zip(starts.tolist(), room.tolist(), flags, strict=True)
+    ]
+    return bodies, flags

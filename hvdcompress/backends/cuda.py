@@ -734,6 +734,56 @@ def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return [sign_encode(x) for x in xs]
 
 
+# ---- a bucket's segment calls: the CPU backend's one-call signatures, a launch sequence
+# per tensor here (docs/design.md section 1.6, "One call per bucket") ---------------------
+
+
+def splits(n: int) -> bool:
+    """No host threads here: no tensor leaves a bucket's segment calls."""
+    return False
+
+
+def threelc_encode_segments(
+    gs: list[torch.Tensor], es: list[torch.Tensor], sparsities: list[float]
+) -> tuple[list[torch.Tensor], list[float], list[bool]]:
+    encoded = [threelc_encode(g, e, s) for g, e, s in zip(gs, es, sparsities, strict=True)]
+    return [x.body for x in encoded], [x.scale for x in encoded], [x.nonfinite for x in encoded]
+
+
+def threelc_decode_segments(frame, starts, lens, ns, scales, outs) -> tuple[int, str] | None:
+    for p, (a, n, numel, scale) in enumerate(
+        zip(starts.tolist(), lens.tolist(), ns.tolist(), scales.tolist(), strict=True)
+    ):
+        try:
+            threelc_decode(frame[a : a + n], numel, scale, outs[p], True)
+        except PayloadError as err:
+            return p, err.detail
+    return None
+
+
+def sign_decode_segments(frame, starts, ns, scales, outs) -> tuple[int, str] | None:
+    for p, (a, numel, scale) in enumerate(
+        zip(starts.tolist(), ns.tolist(), scales.tolist(), strict=True)
+    ):
+        try:
+            sign_decode(frame[a : a + (numel + 7) // 8], numel, scale, outs[p], True)
+        except PayloadError as err:
+            return p, err.detail
+    return None
+
+
+def efsign_sums_segments(gs, es) -> tuple[list[torch.Tensor], list[bool]]:
+    sums = [efsign_sums(g, e) for g, e in zip(gs, es, strict=True)]
+    return [torch.zeros(0) if s is None else s for s in sums], [s is None for s in sums]
+
+
+def efsign_encode_segments(gs, es, scales, skip) -> list[torch.Tensor]:
+    return [
+        torch.empty(0, dtype=torch.uint8, device=g.device) if bad else efsign_encode(g, e, s)
+        for g, e, s, bad in zip(gs, es, scales, skip, strict=True)
+    ]
+
+
 def efsign_sums(g: torch.Tensor, e: torch.Tensor) -> torch.Tensor | None:
     """float64 sums of |g + e| over EF_CHUNK-element chunks (each left to right), or None
     when g + e holds a NaN or an Inf."""

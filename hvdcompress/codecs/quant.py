@@ -21,6 +21,7 @@ is left to the optimizer.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
@@ -77,7 +78,9 @@ def qsgd_decode_into(
     body: torch.Tensor, n: int, levels: int, bucket: int, out: torch.Tensor, accumulate: bool
 ) -> None:
     """Write (or add) the decoded values into flat float32 ``out``; PayloadError, ``out``
-    untouched, on a wrong length, a bad norm, set padding bits or an invalid code."""
+    untouched, on a wrong length, a bad norm, set padding bits or an invalid code;
+    ValueError for levels outside [1, 127] (the caller's, not the payload's)."""
+    levels = check_levels(levels, "QSGD")
     nb = num_buckets(n, bucket)
     bits = qsgd_bits(levels)
     if body.numel() != 4 * nb + prim.packed_len(n, bits):
@@ -102,3 +105,36 @@ def terngrad_decode_into(
     body: torch.Tensor, n: int, scale: float, out: torch.Tensor, accumulate: bool
 ) -> None:
     threelc.decode_into(body, n, scale, out, accumulate)
+
+
+def qsgd_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    levels: int,
+    bucket: int,
+    outs: list[torch.Tensor],
+) -> tuple[int, PayloadError] | None:
+    """``qsgd_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` of
+    ``ns[i]`` values into ``outs[i]``, in order, one native call over a host frame
+    (kernels/quant.c): None, or (i, the PayloadError ``qsgd_decode_into`` raises) for the
+    first body that does not decode, the ones before it added, ``outs[i]`` untouched."""
+    from hvdcompress.backends import cpu
+
+    levels = check_levels(levels, "QSGD")
+    bits = qsgd_bits(levels)
+    need = 4 * ((ns + bucket - 1) // bucket) + (ns * bits + 7) // 8
+    wrong = np.flatnonzero(lens != need)
+    upto = int(wrong[0]) if wrong.size else len(outs)
+    failed = cpu.qsgd_decode_segments(
+        frame, starts[:upto].copy(), ns[:upto].copy(), levels, bits, bucket, outs[:upto]
+    )
+    if failed is not None:
+        return failed[0], PayloadError("body", failed[1])
+    if wrong.size:
+        n, got = int(ns[upto]), int(lens[upto])
+        return upto, PayloadError(
+            "body", f"QSGD of {n} values needs {int(need[upto])} bytes, got {got}"
+        )
+    return None

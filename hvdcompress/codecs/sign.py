@@ -39,12 +39,13 @@ def encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return for_device(xs[0].device).sign_encode_segments(xs)
 
 
-def ef_scale(sums: torch.Tensor, n: int) -> float:
+def ef_scale(sums: torch.Tensor | list[float], n: int) -> float:
     """mean |a| as float32: the correctly rounded sum of the order-fixed chunk sums,
     divided by n (0.0 when n == 0)."""
     if n == 0:
         return 0.0
-    return float(np.float32(math.fsum(sums.cpu().tolist()) / n))
+    values = sums.cpu().tolist() if isinstance(sums, torch.Tensor) else sums
+    return float(np.float32(math.fsum(values) / n))
 
 
 def ef_encode(g: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, float] | None:
@@ -59,16 +60,75 @@ def ef_encode(g: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, float] | 
     return backend.efsign_encode(g, e, scale), scale
 
 
+def ef_encode_segments(
+    gs: list[torch.Tensor], es: list[torch.Tensor]
+) -> list[tuple[torch.Tensor, float] | None]:
+    """``ef_encode`` of each (g, e) of a bucket (flat float32 on the CPU): the same two
+    passes, each one native call for the bucket's tensors, except those the backend cuts
+    into parts for its threads (``splits``), which take ``ef_encode``."""
+    backend = for_device(gs[0].device)
+    large = [i for i, g in enumerate(gs) if backend.splits(g.numel())]
+    if large:
+        small = [i for i in range(len(gs)) if i not in set(large)]
+        results = dict(
+            zip(
+                small,
+                ef_encode_segments([gs[i] for i in small], [es[i] for i in small]) if small else [],
+                strict=True,
+            )
+        )
+        results.update({i: ef_encode(gs[i], es[i]) for i in large})
+        return [results[i] for i in range(len(gs))]
+    sums, nonfinite = backend.efsign_sums_segments(gs, es)
+    scales = [
+        0.0 if bad else ef_scale(s, g.numel())
+        for s, bad, g in zip(sums, nonfinite, gs, strict=True)
+    ]
+    bodies = backend.efsign_encode_segments(gs, es, scales, nonfinite)
+    return [
+        None if bad else (body, scale)
+        for body, scale, bad in zip(bodies, scales, nonfinite, strict=True)
+    ]
+
+
 def decode_into(
     body: torch.Tensor, n: int, scale: float | None, out: torch.Tensor, accumulate: bool
 ) -> None:
     """Write (or add) +-scale (+-1 when scale is None) per packed sign bit into flat float32
     ``out``; PayloadError, ``out`` untouched, on a wrong length or set padding bits."""
     if body.numel() != prim.packed_len(n, 1):
-        raise PayloadError(
-            "body", f"{body.numel()} bytes cannot hold {n} sign bits (expected {(n + 7) // 8})"
-        )
+        raise _length_error(body.numel(), n)
     if n == 0:
         return
     body = body.reshape(-1).to(out.device).contiguous()
     for_device(out.device).sign_decode(body, n, 1.0 if scale is None else scale, out, accumulate)
+
+
+def decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    scales: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, PayloadError] | None:
+    """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` of ``ns[i]``
+    signs of magnitude ``scales[i]`` into ``outs[i]``, in order, one native call (a CPU
+    frame): None, or (i, the PayloadError ``decode_into`` raises) for the first body that
+    does not decode, the ones before it added, ``outs[i]`` untouched."""
+    wrong = np.flatnonzero(lens != (ns + 7) // 8)
+    upto = int(wrong[0]) if wrong.size else len(outs)
+    failed = for_device(frame.device).sign_decode_segments(
+        frame, starts[:upto].copy(), ns[:upto].copy(), scales[:upto], outs[:upto]
+    )
+    if failed is not None:
+        return failed[0], PayloadError("body", failed[1])
+    if wrong.size:
+        return upto, _length_error(int(lens[upto]), int(ns[upto]))
+    return None
+
+
+def _length_error(nbytes: int, n: int) -> PayloadError:
+    return PayloadError(
+        "body", f"{nbytes} bytes cannot hold {n} sign bits (expected {(n + 7) // 8})"
+    )

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
@@ -246,3 +247,45 @@ def gspar_decode_into(body: torch.Tensor, n: int, out: torch.Tensor, accumulate:
     if k > n:
         raise PayloadError("body", f"{k} kept values for {n} elements")
     topk_decode_into(body, n, k, out, accumulate)
+
+
+def topk_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    ks: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, PayloadError] | None:
+    """``topk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` (``ks[i]``
+    of ``ns[i]`` values) into ``outs[i]``, in order, one native call over a host frame
+    (kernels/sparse.c): None, or (i, the PayloadError ``topk_decode_into`` raises) for the
+    first body that does not decode, the ones before it added, ``outs[i]`` untouched."""
+    from hvdcompress.backends import cpu
+
+    need = ks * np.where(ns >= INDEX32_LIMIT, 12, 8)
+    wrong = np.flatnonzero(lens != need)
+    upto = int(wrong[0]) if wrong.size else len(outs)
+    failed = cpu.topk_decode_segments(
+        frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto]
+    )
+    if failed is not None:
+        return failed[0], PayloadError("body", failed[1])
+    if wrong.size:
+        k, got = int(ks[upto]), int(lens[upto])
+        return upto, PayloadError(
+            "body", f"top-k of {k} values needs {int(need[upto])} bytes, got {got}"
+        )
+    return None
+
+
+def topk_encode_segments(
+    gs: list[torch.Tensor], es: list[torch.Tensor], ks: list[int]
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """Top-k with error feedback of a bucket's tensors (flat float32 on the CPU) in one
+    native call: for each (g, e, k), unless g + e is not finite (flagged, e untouched),
+    e = g + e, the body of ``topk_encode(e, k)``, then e[kept] = 0 (the compressor's
+    ``TopK.encode``, byte for byte)."""
+    from hvdcompress.backends import cpu
+
+    return cpu.topk_encode_segments(gs, es, ks)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import ThreeLCEncoded, for_device
+from hvdcompress.errors import PayloadError
 
 ZERO_GROUP = 121
 MAX_QUARTIC = 242
@@ -109,3 +110,33 @@ def decode_into(
 ) -> None:
     """Write (or add) S * q of a zero-run-encoded body into flat float32 ``out``."""
     for_device(body.device).threelc_decode(body, numel, scale, out, accumulate)
+
+
+def encode_segments(
+    gs: list[torch.Tensor], residuals: list[torch.Tensor], sparsities: list[float]
+) -> list[ThreeLCEncoded]:
+    """``encode`` of each (g, residual, sparsity) of a bucket (contiguous flat float32 on the
+    CPU), in one native call."""
+    bodies, scales, nonfinite = for_device(gs[0].device).threelc_encode_segments(
+        gs, residuals, sparsities
+    )
+    return [
+        ThreeLCEncoded(body, 0.0 if bad else scale, bad)
+        for body, scale, bad in zip(bodies, scales, nonfinite, strict=True)
+    ]
+
+
+def decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    scales: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, PayloadError] | None:
+    """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` of ``ns[i]``
+    values with scale ``scales[i]`` into ``outs[i]``, in order, one native call (a CPU
+    frame): None, or (i, the PayloadError ``decode_into`` raises) for the first body that
+    does not decode, the ones before it added, ``outs[i]`` untouched."""
+    failed = for_device(frame.device).threelc_decode_segments(frame, starts, lens, ns, scales, outs)
+    return None if failed is None else (failed[0], PayloadError("body", failed[1]))

@@ -255,16 +255,38 @@ class GatherCompressor(Compressor):
         bucket (``checksum_segments``): per tensor, Python packs a header."""
         if len(tensors) != len(names):
             raise ValueError(f"{len(tensors)} tensors but {len(names)} names")
-        ctxs = []
-        for tensor, name in zip(tensors, names, strict=True):
-            self.check_dtype(name, tensor.dtype)
-            ctxs.append(Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device))
+        ctxs = [
+            Ctx(name, tuple(t.shape), t.dtype, t.device)
+            for t, name in zip(tensors, names, strict=True)
+        ]
+        layout = self.frame_layout(ctxs)  # checks the dtypes (once per set of tensors)
         encoded = self.encode_bucket(tensors, names)
+        bodies = [body for _, _, body in encoded]
+        if all(b.device.type == "cpu" for b in bodies):
+            flags = [f for f, _, _ in encoded]
+            params = [p for _, p, _ in encoded]
+            return wire.write_frame(layout, flags, params, bodies), ctxs
         heads = [
             wire.Header(self.name, flags, ctx.dtype, ctx.shape, params, body.numel()).pack()
             for ctx, (flags, params, body) in zip(ctxs, encoded, strict=True)
         ]
-        return wire_bucket_frame(heads, [body for _, _, body in encoded]), ctxs
+        return wire_bucket_frame(heads, bodies), ctxs
+
+    def frame_layout(self, ctxs: list[Ctx]) -> wire.FrameLayout:
+        """The ``wire.FrameLayout`` of a bucket of these tensors, made once per set of
+        tensors (their dtypes checked then) and kept."""
+        key = tuple(ctxs)
+        layouts = self.__dict__.setdefault("_frame_layouts", {})
+        layout = layouts.get(key)
+        if layout is None:
+            for ctx in ctxs:
+                self.check_dtype(ctx.name, ctx.dtype)
+            if len(layouts) >= 256:  # buckets come and go (sparse gradients): stay bounded
+                layouts.clear()
+            layout = layouts[key] = wire.FrameLayout(
+                self.name, [c.shape for c in ctxs], [c.dtype for c in ctxs]
+            )
+        return layout
 
     def encode_bucket(self, tensors: list[torch.Tensor], names: list[str]) -> list[Encoded]:
         """``encode`` of each tensor in order. A compressor whose codec has a batched native
@@ -297,6 +319,134 @@ class GatherCompressor(Compressor):
                 accumulate=True,
                 side_info=side,
             )
+
+    def decode_frame(
+        self,
+        frame: torch.Tensor,
+        outs: list[torch.Tensor],
+        ctxs: list[Ctx],
+        *,
+        rank: int | None = None,
+    ) -> None:
+        """Add one rank's frame of a bucket (``compress_bucket``'s) into ``outs``: exactly
+        ``decode_bucket`` of ``wire.unframe_parsed(frame, ...)``, same sums, same checks,
+        same errors, without a Python round trip per payload where it can.
+
+        The fast path (a CPU frame and outputs, no side information): one native scan
+        of the frame checks every header's layout and checksum (``wire.scan_frame``)
+        against the bucket's ``frame_layout``, ``accepts_bucket`` the codec parameters
+        and body sizes, ``decode_segments`` adds the bodies. Whatever the scan or
+        ``accepts_bucket`` does not accept goes the per-payload way, which raises the
+        error naming the field; a body that does not decode raises as it would there."""
+        names = [ctx.name for ctx in ctxs]
+        scanned = self._scan_accepted(frame, outs, ctxs, names)
+        if scanned is None:
+            device = outs[0].device if outs else torch.device("cpu")
+            parsed = wire.unframe_parsed(frame, rank, names, device)
+            self.decode_bucket(parsed, outs, ctxs, rank=rank)
+            return
+        params, starts, lens, numels, nonfinite = scanned
+        for out in outs:
+            _check_out(out)
+        outs = [out if out.dim() == 1 else out.view(-1) for out in outs]
+        finite = np.flatnonzero(~nonfinite)
+        pick = finite.tolist()
+        failed = None
+        if pick:
+            failed = self.decode_segments(
+                frame,
+                [params[i] for i in pick],
+                starts[finite],
+                lens[finite],
+                numels[finite],
+                [outs[i] for i in pick],
+                [names[i] for i in pick],
+            )
+        # a non-finite payload's output is all NaN, in bucket order: up to a failed body
+        stop = len(outs) if failed is None else pick[failed[0]]
+        for i in np.flatnonzero(nonfinite[:stop]).tolist():
+            outs[i].fill_(float("nan"))
+        if failed is not None:
+            raise failed[1].locate(rank=rank, tensor=names[stop]) from None
+
+    def _scan_accepted(self, frame, outs, ctxs, names):
+        """decode_frame's fast-path checks: (params, body starts, body lengths, numels,
+        non-finite flags) of every payload when the scan, ``accepts_bucket`` and the
+        outputs' sizes accept the frame, else None (the per-payload way)."""
+        if self.uses_side_info or frame.device.type != "cpu":
+            return None
+        if not all(o.device.type == "cpu" for o in outs):
+            return None
+        fields = wire.scan_frame(frame, self.frame_layout(ctxs))
+        if fields is None:
+            return None
+        col = wire.SCAN
+        flags = fields[:, col["flags"]]
+        lens = np.ascontiguousarray(fields[:, col["body_len"]])
+        starts = fields[:, col["start"]] + fields[:, col["length"]] - lens
+        numels = np.ascontiguousarray(fields[:, col["numel"]])
+        sizes = np.fromiter((o.numel() for o in outs), dtype=np.int64, count=len(outs))
+        nonfinite = (flags & wire.FLAG_NONFINITE) != 0
+        if not np.array_equal(sizes, numels) or not bool((lens[nonfinite] == 0).all()):
+            return None  # decode_parsed names the mismatch ("numel", "body_len")
+        view = frame.numpy()
+        params = [
+            view[a - n : a].tobytes()
+            for a, n in zip(starts.tolist(), fields[:, col["params_len"]].tolist(), strict=True)
+        ]
+        if not self.accepts_bucket(names, flags, params, lens, numels):
+            return None
+        return params, starts, lens, numels, nonfinite
+
+    def accepts_bucket(
+        self,
+        names: list[str],
+        flags: np.ndarray,
+        params: list[bytes],
+        body_lens: np.ndarray,
+        numels: np.ndarray,
+    ) -> bool:
+        """True when every payload of a scanned frame passes ``check_params`` (its flags
+        and params; the scan checked the rest of its header) and, unless non-finite,
+        ``numel <= max_numel(body_len)``. False sends the frame the per-payload way, whose
+        errors name the field. A compressor overrides this with array arithmetic over the
+        same conditions."""
+        for name, flag, param, body_len, numel in zip(
+            names, flags.tolist(), params, body_lens.tolist(), numels.tolist(), strict=True
+        ):
+            header = wire.Header(self.name, flag, torch.float32, (numel,), param, body_len)
+            try:
+                self.check_params(header, name)
+            except PayloadError:
+                return False
+            if not header.nonfinite and numel > self.max_numel(body_len, name):
+                return False
+        return True
+
+    def decode_segments(
+        self,
+        frame: torch.Tensor,
+        params: list[bytes],
+        body_starts: np.ndarray,
+        body_lens: np.ndarray,
+        numels: np.ndarray,
+        outs: list[torch.Tensor],
+        names: list[str],
+    ) -> tuple[int, PayloadError] | None:
+        """Add the finite payloads' bodies ``frame[body_starts[i]:][:body_lens[i]]`` (their
+        headers accepted) decoded into ``outs[i]``: None, or (i, the PayloadError) of the
+        first that does not decode (``outs`` before it added to, ``outs[i]`` untouched).
+        ``decode_into`` of each by default; a codec with a batched native decoder
+        overrides this with one call for all."""
+        for i, (param, start, length, numel) in enumerate(
+            zip(params, body_starts.tolist(), body_lens.tolist(), numels.tolist(), strict=True)
+        ):
+            header = wire.Header(self.name, 0, torch.float32, (numel,), param, length)
+            try:
+                self.decode_into(header, frame[start : start + length], outs[i], True, None)
+            except PayloadError as err:
+                return i, err
+        return None
 
     def bits_per_value(self, payload: torch.Tensor) -> float:
         """Bits on the wire per tensor element, header included."""

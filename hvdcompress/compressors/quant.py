@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant, threelc
@@ -72,6 +74,12 @@ class QSGD(Stochastic):
     def decode_into(self, header, body, out, accumulate, side_info):
         quant.qsgd_decode_into(body, header.numel, self.levels, self.bucket_size, out, accumulate)
 
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        # accepts_bucket checked every payload's levels and bucket size against these
+        return quant.qsgd_decode_segments(
+            frame, body_starts, body_lens, numels, self.levels, self.bucket_size, outs
+        )
+
     def state_dict(self) -> dict:
         return self._rng_state()
 
@@ -122,6 +130,12 @@ class TernGrad(Stochastic):
     def decode_into(self, header, body, out, accumulate, side_info):
         (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
         quant.terngrad_decode_into(body, header.numel, scale, out, accumulate)
+
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        # the 3LC body layout (quartic digits, zero-run coded) with the scale M
+        at = prim.RNG_PARAMS.size
+        scales = np.array([TERNGRAD_PARAMS.unpack_from(p, at)[0] for p in params], np.float32)
+        return threelc.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
 
     def state_dict(self) -> dict:
         return self._rng_state()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
@@ -62,6 +64,14 @@ class SignSGD(GatherCompressor):
     def decode_into(self, header, body, out, accumulate, side_info):
         sign.decode_into(body, header.numel, None, out, accumulate)
 
+    def accepts_bucket(self, names, flags, params, body_lens, numels):
+        nonfinite = (flags & wire.FLAG_NONFINITE) != 0
+        return not any(params) and bool((nonfinite | (numels <= 8 * body_lens)).all())
+
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        ones = np.ones(len(outs), dtype=np.float32)
+        return sign.decode_segments(frame, body_starts, body_lens, numels, ones, outs)
+
 
 @register
 class EFSignSGD(GatherCompressor):
@@ -91,6 +101,18 @@ class EFSignSGD(GatherCompressor):
         body, scale = encoded
         return 0, EF_PARAMS.pack(scale), body
 
+    def encode_bucket(self, tensors, names):
+        gs = [prim.flat_f32(t) for t in tensors]
+        if len({g.device for g in gs}) != 1:  # none, or on several devices
+            return super().encode_bucket(tensors, names)
+        es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
+        return [
+            Encoded(wire.FLAG_NONFINITE, EF_PARAMS.pack(0.0), empty_body(g.device))
+            if enc is None
+            else Encoded(0, EF_PARAMS.pack(enc[1]), enc[0])
+            for g, enc in zip(gs, sign.ef_encode_segments(gs, es), strict=True)
+        ]
+
     def check_params(self, header, name):
         if len(header.params) != EF_PARAMS.size:
             raise PayloadError(
@@ -105,6 +127,20 @@ class EFSignSGD(GatherCompressor):
     def decode_into(self, header, body, out, accumulate, side_info):
         (scale,) = EF_PARAMS.unpack(header.params)
         sign.decode_into(body, header.numel, scale, out, accumulate)
+
+    def accepts_bucket(self, names, flags, params, body_lens, numels):
+        # check_params and max_numel of every payload, as array arithmetic
+        if any(len(p) != EF_PARAMS.size for p in params):
+            return False
+        scale = np.frombuffer(b"".join(params), dtype="<f4")
+        nonfinite = (flags & wire.FLAG_NONFINITE) != 0
+        with np.errstate(invalid="ignore"):
+            ok = np.where(nonfinite, scale == 0.0, np.isfinite(scale) & (scale >= 0.0))
+        return bool((ok & (nonfinite | (numels <= 8 * body_lens))).all())
+
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        scales = np.frombuffer(b"".join(params), dtype="<f4")
+        return sign.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
 
     def state_dict(self) -> dict:
         return {"residuals": self.memory.state_dict()}

@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 import struct
 
+import numpy as np
 import torch
 
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import GatherCompressor, empty_body
+from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.stochastic import Stochastic
@@ -81,6 +82,19 @@ class TopK(RatioLevels, GatherCompressor):
         body = self._select(a, sparse.topk_count(a.numel(), ratio))
         return 0, params, body  # e = a - decode(body): _select subtracted what it sent
 
+    def encode_bucket(self, tensors, names):
+        gs = [prim.flat_f32(t) for t in tensors]
+        if not gs or any(g.device.type != "cpu" for g in gs):  # the CUDA selection: per tensor
+            return super().encode_bucket(tensors, names)
+        es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
+        ratios = [self.level(name) for name in names]
+        ks = [sparse.topk_count(g.numel(), r) for g, r in zip(gs, ratios, strict=True)]
+        bodies, nonfinite = sparse.topk_encode_segments(gs, es, ks)
+        return [
+            Encoded(wire.FLAG_NONFINITE if bad else 0, TOPK_PARAMS.pack(r), body)
+            for body, bad, r in zip(bodies, nonfinite, ratios, strict=True)
+        ]
+
     def contraction(self, numel):
         # keeping the k largest leaves at most (1 - k / n) of ||a||^2 (Stich et al. 2018)
         return sparse.topk_count(numel, self.ratio) / numel if numel else 1.0
@@ -107,6 +121,17 @@ class TopK(RatioLevels, GatherCompressor):
         k = sparse.topk_count(header.numel, ratio)
         sparse.topk_decode_into(body, header.numel, k, out, accumulate)
 
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        ks = np.fromiter(
+            (
+                sparse.topk_count(n, TOPK_PARAMS.unpack(p)[0])
+                for n, p in zip(numels.tolist(), params, strict=True)
+            ),
+            dtype=np.int64,
+            count=len(params),
+        )
+        return sparse.topk_decode_segments(frame, body_starts, body_lens, numels, ks, outs)
+
     def state_dict(self) -> dict:
         return {"ratio": self.ratio, "residuals": self.memory.state_dict()}
 
@@ -129,6 +154,10 @@ class TopKSign(TopK):
     name = "topkq"
     wire_id = 11
     cat_kind = "topk+q"
+
+    # its own body layout (shared magnitude, sign bits): encode and decode_into of each
+    encode_bucket = GatherCompressor.encode_bucket
+    decode_segments = GatherCompressor.decode_segments
 
     def __repr__(self) -> str:
         return f"TopKSign(ratio={self.ratio})"

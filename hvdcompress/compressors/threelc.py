@@ -8,11 +8,12 @@ GradScaler skips the step.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hvdcompress import wire
 from hvdcompress.codecs import threelc
-from hvdcompress.compressors.base import GatherCompressor, as_float32, check_scale
+from hvdcompress.compressors.base import Encoded, GatherCompressor, as_float32, check_scale
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.errors import PayloadError
@@ -70,6 +71,21 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         flags = wire.FLAG_NONFINITE if enc.nonfinite else 0
         return flags, threelc.PARAMS.pack(s, enc.scale), enc.body
 
+    def encode_bucket(self, tensors, names):
+        gs = [t.detach().reshape(-1).to(torch.float32).contiguous() for t in tensors]
+        if len({g.device for g in gs}) != 1:  # none, or on several devices
+            return super().encode_bucket(tensors, names)
+        es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
+        levels = [self.level(name) for name in names]
+        return [
+            Encoded(
+                wire.FLAG_NONFINITE if enc.nonfinite else 0,
+                threelc.PARAMS.pack(s, enc.scale),
+                enc.body,
+            )
+            for s, enc in zip(levels, threelc.encode_segments(gs, es, levels), strict=True)
+        ]
+
     def check_params(self, header, name):
         if len(header.params) != threelc.PARAMS.size:
             raise PayloadError(
@@ -91,6 +107,25 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
     def decode_into(self, header, body, out, accumulate, side_info):
         _, scale = threelc.PARAMS.unpack(header.params)
         threelc.decode_into(body, header.numel, scale, out, accumulate)
+
+    def accepts_bucket(self, names, flags, params, body_lens, numels):
+        # check_params and max_numel of every payload, as array arithmetic
+        if any(len(p) != threelc.PARAMS.size for p in params):
+            return False
+        values = np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)
+        sparsity, scale = values[:, 0], values[:, 1]
+        expected = np.array([self.level(name) for name in names], dtype=np.float32)
+        nonfinite = (flags & wire.FLAG_NONFINITE) != 0
+        with np.errstate(invalid="ignore"):
+            ok = (sparsity == expected) & np.where(
+                nonfinite, scale == 0.0, np.isfinite(scale) & (scale >= 0.0)
+            )
+        ok &= nonfinite | (numels <= body_lens * threelc.MAX_VALUES_PER_BYTE)
+        return bool(ok.all())
+
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        scales = np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)[:, 1]
+        return threelc.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
 
     def state_dict(self) -> dict:
         return {"sparsity": self.sparsity, "residuals": self.memory.state_dict()}

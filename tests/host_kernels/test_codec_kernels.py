@@ -176,13 +176,22 @@ def test_dqsg_kernels_match_cpu(emulated, levels, bucket, code_offset):
 @pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "qsgd", "terngrad", "dqsg", "3lc"])
 def test_emulated_bucket_frames_match_cpu(emulated, monkeypatch, name):
     """compress_bucket through the CUDA backend's code (segment encoders, per-payload
-    checksum kernels) gives the CPU backend's frame, step after step."""
+    checksum kernels) gives the CPU backend's frame, step after step, and decode_frame
+    through its segment decoders the CPU backend's sums."""
     gen = torch.Generator().manual_seed(2)
     tensors = [torch.randn(n, generator=gen) for n in (1, 9, 700, 5003)]
     names = [f"t{i}" for i in range(len(tensors))]
     on_cpu = hvdcompress.get_compressor(name)
-    frames = [on_cpu.compress_bucket(tensors, names)[0] for _ in range(2)]
+    sent = [on_cpu.compress_bucket(tensors, names) for _ in range(2)]
+    sums = []
+    for frame, ctxs in sent:
+        outs = [torch.linspace(-1, 1, t.numel()) for t in tensors]
+        on_cpu.decode_frame(frame, outs, ctxs, rank=1)
+        sums.append(outs)
     monkeypatch.setitem(backends._BACKENDS, "cpu", emulated)
     on_gpu = hvdcompress.get_compressor(name)
-    for step, want in enumerate(frames):
+    for step, ((want, ctxs), want_sums) in enumerate(zip(sent, sums, strict=True)):
         assert torch.equal(on_gpu.compress_bucket(tensors, names)[0], want), f"step {step}"
+        outs = [torch.linspace(-1, 1, t.numel()) for t in tensors]
+        on_gpu.decode_frame(want, outs, ctxs, rank=1)
+        assert all(same_bits(a, b) for a, b in zip(outs, want_sums, strict=True)), f"step {step}"
