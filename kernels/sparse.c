@@ -15,7 +15,8 @@
  *   hvdc_topk_encode_segments  a bucket's top-k with error feedback, one call;
  *   hvdc_topk_decode_segments  a bucket's top-k bodies checked and added, one call.
  *
- * The backend first bounds t from below with the k-th largest of a strided sample, keeps
+ * The backend first bounds t from below with the k-th largest of a strided sample (tensors
+ * of 16384 elements or more: every max(4, n / 65536)-th element), keeps
  * the elements at or above the bound (about 2 k of them, one pass over a), and selects
  * among those; when the bound fails (too few or too many candidates) it selects over all
  * of a. Either way t is the same exact value, so the bytes do not depend on the path.
@@ -163,7 +164,9 @@ int64_t hvdc_topk_decode_segments(int64_t count, const uint8_t *body, const int6
 
 /* --- a bucket's top-k encode (TopK.encode of each tensor, one call) --------------------- */
 
-#define TOPK_SAMPLE 65536 /* elements of the strided sample (backends/cpu.py TOPK_SAMPLE) */
+#define TOPK_SAMPLE 65536     /* elements of the strided sample (backends/cpu.py TOPK_SAMPLE) */
+#define TOPK_MIN_SAMPLED 16384 /* tensors from this size on are sampled (TOPK_MIN_SAMPLED) */
+#define TOPK_MIN_STRIDE 4      /* every 4th element at least (TOPK_MIN_STRIDE) */
 #define TOPK_ABS 0x7fffffffu
 #define TOPK_ALL 0xffffffffu
 
@@ -174,8 +177,9 @@ uint32_t hvdc_tlc_absmax_bits(const float *g, const float *e, int64_t n); /* thr
 static void topk_select_into(const float *a, int64_t n, int64_t k, uint32_t *hist,
                              int64_t *cand_idx, uint32_t *cand_bits, int64_t *out) {
     const uint32_t *v = (const uint32_t *)(const void *)a;
-    if (n >= 4 * TOPK_SAMPLE && 8 * k <= n) {
-        const int64_t stride = n / TOPK_SAMPLE, m = (n - 1) / stride + 1;
+    if (n >= TOPK_MIN_SAMPLED && 8 * k <= n) {
+        const int64_t stride = n / TOPK_SAMPLE > TOPK_MIN_STRIDE ? n / TOPK_SAMPLE : TOPK_MIN_STRIDE;
+        const int64_t m = (n - 1) / stride + 1;
         int64_t j = (int64_t)ceil((double)m * 2.0 * (double)k / (double)n) + 64;
         j = j < m ? j : m;
         const uint32_t bound = hvdc_topk_kth_bits(v, m, stride, TOPK_ABS, j, hist);

@@ -75,13 +75,14 @@ def stable_topk(x: np.ndarray, k: int) -> np.ndarray:
 
 @pytest.mark.parametrize("select", SELECTIONS.values(), ids=SELECTIONS.keys())
 @pytest.mark.parametrize("kind", ["gauss", "ties", "sample_heavy", "zeros_on_sample"])
-def test_topk_selection_on_large_tensors(select, kind):
-    """The sampled-candidate path (n >= 4 * TOPK_SAMPLE) and its fallback select exactly
-    what a stable sort selects: the k largest |x|, ties by lowest index."""
-    n = 300_007
+@pytest.mark.parametrize("n", [20_011, 300_007])
+def test_topk_selection_on_large_tensors(select, kind, n):
+    """The sampled-candidate path (n >= TOPK_MIN_SAMPLED: a stride of 4 at 20,011
+    elements, of n / TOPK_SAMPLE at 300,007) and its fallback select exactly what a stable
+    sort selects: the k largest |x|, ties by lowest index."""
     rng = np.random.default_rng(11)
     x = rng.standard_normal(n).astype(np.float32)
-    stride = n // cpu_backend.TOPK_SAMPLE
+    stride = max(cpu_backend.TOPK_MIN_STRIDE, n // cpu_backend.TOPK_SAMPLE)
     if kind == "ties":
         x = np.rint(x * 3).astype(np.float32)
     elif kind == "sample_heavy":  # every sampled element is large: fewer than k candidates
@@ -89,7 +90,7 @@ def test_topk_selection_on_large_tensors(select, kind):
         x[::stride] = 100.0 + np.arange(len(x[::stride]), dtype=np.float32)
     elif kind == "zeros_on_sample":
         x[::stride] = 0.0
-    for k in (1, 3000, 30000, n - 1):
+    for k in (1, n // 100, n // 10, n - 1):
         idx = select(torch.from_numpy(x), k).numpy()
         np.testing.assert_array_equal(idx, stable_topk(x, k))
 
@@ -101,7 +102,7 @@ def test_topk_encode_segments_is_topk_encode_of_each(kind):
     non-finite tensor left untouched) and the same residuals, over two steps."""
     rng = np.random.default_rng(3)
     n = 300_007
-    stride = n // cpu_backend.TOPK_SAMPLE
+    stride = max(cpu_backend.TOPK_MIN_STRIDE, n // cpu_backend.TOPK_SAMPLE)
     big = rng.standard_normal(n).astype(np.float32)
     if kind == "ties":
         big = np.rint(big * 3).astype(np.float32)
@@ -110,7 +111,8 @@ def test_topk_encode_segments_is_topk_encode_of_each(kind):
         big[::stride] = 100.0 + np.arange(len(big[::stride]), dtype=np.float32)
     elif kind == "zeros_on_sample":
         big[::stride] = 0.0
-    tensors = [torch.from_numpy(big), torch.randn(1), torch.zeros(0), torch.randn(5003)]
+    mid = torch.from_numpy(np.rint(rng.standard_normal(20_011) * 3).astype(np.float32))
+    tensors = [torch.from_numpy(big), mid, torch.randn(1), torch.zeros(0), torch.randn(5003)]
     tensors.append(torch.tensor([1.0, float("nan"), 2.0]))
     names = [f"t{i}" for i in range(len(tensors))]
     for ratio in (0.01, 1.0):

@@ -731,7 +731,7 @@ def sign_encode(x: torch.Tensor) -> torch.Tensor | None:
 
 def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """``sign_encode`` of each tensor of a bucket (a launch each)."""
-    return [sign_encode(x) for x in xs]
+    return [sign_encode(x.view(-1)) for x in xs]
 
 
 # ---- a bucket's segment calls: the CPU backend's one-call signatures, a launch sequence
@@ -746,7 +746,7 @@ def splits(n: int) -> bool:
 def threelc_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor], sparsities: list[float]
 ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
-    encoded = [threelc_encode(g, e, s) for g, e, s in zip(gs, es, sparsities, strict=True)]
+    encoded = [threelc_encode(g.view(-1), e, s) for g, e, s in zip(gs, es, sparsities, strict=True)]
     return [x.body for x in encoded], [x.scale for x in encoded], [x.nonfinite for x in encoded]
 
 
@@ -773,13 +773,15 @@ def sign_decode_segments(frame, starts, ns, scales, outs) -> tuple[int, str] | N
 
 
 def efsign_sums_segments(gs, es) -> tuple[list[torch.Tensor], list[bool]]:
-    sums = [efsign_sums(g, e) for g, e in zip(gs, es, strict=True)]
+    sums = [efsign_sums(g.view(-1), e) for g, e in zip(gs, es, strict=True)]
     return [torch.zeros(0) if s is None else s for s in sums], [s is None for s in sums]
 
 
 def efsign_encode_segments(gs, es, scales, skip) -> list[torch.Tensor]:
     return [
-        torch.empty(0, dtype=torch.uint8, device=g.device) if bad else efsign_encode(g, e, s)
+        torch.empty(0, dtype=torch.uint8, device=g.device)
+        if bad
+        else efsign_encode(g.view(-1), e, s)
         for g, e, s, bad in zip(gs, es, scales, skip, strict=True)
     ]
 

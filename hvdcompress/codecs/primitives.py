@@ -138,6 +138,16 @@ def flat_f32(x: torch.Tensor) -> torch.Tensor:
     return x.detach().reshape(-1).to(torch.float32).contiguous()
 
 
+def f32_data(x: torch.Tensor) -> torch.Tensor:
+    """x's values as a contiguous float32 tensor, for native calls that take only an
+    address and a size (a bucket's segment tables): x itself when it is one already (no
+    view made: a view costs microseconds, which a bucket pays per tensor), else a flat
+    float32 copy."""
+    if x.dtype == torch.float32 and x.is_contiguous():
+        return x
+    return x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
 def absmax(x: torch.Tensor) -> float:
     """max |x| exactly (0.0 when empty); NaN or Inf when x holds a NaN or an Inf. One pass
     of the 3LC library's vectorised reduction on the CPU, torch's amax on a GPU (a max is

@@ -42,7 +42,7 @@ class SignSGD(GatherCompressor):
         return 0, b"", body
 
     def encode_bucket(self, tensors, names):
-        xs = [prim.flat_f32(t) for t in tensors]
+        xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({x.device for x in xs}) > 1:
             return super().encode_bucket(tensors, names)
         return [
@@ -102,7 +102,7 @@ class EFSignSGD(GatherCompressor):
         return 0, EF_PARAMS.pack(scale), body
 
     def encode_bucket(self, tensors, names):
-        gs = [prim.flat_f32(t) for t in tensors]
+        gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({g.device for g in gs}) != 1:  # none, or on several devices
             return super().encode_bucket(tensors, names)
         es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]

@@ -83,7 +83,7 @@ class TopK(RatioLevels, GatherCompressor):
         return 0, params, body  # e = a - decode(body): _select subtracted what it sent
 
     def encode_bucket(self, tensors, names):
-        gs = [prim.flat_f32(t) for t in tensors]
+        gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if not gs or any(g.device.type != "cpu" for g in gs):  # the CUDA selection: per tensor
             return super().encode_bucket(tensors, names)
         es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from hvdcompress import wire
+from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
 from hvdcompress.compressors.base import Encoded, GatherCompressor, as_float32, check_scale
 from hvdcompress.compressors.levels import PerTensorLevels
@@ -72,7 +73,7 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         return flags, threelc.PARAMS.pack(s, enc.scale), enc.body
 
     def encode_bucket(self, tensors, names):
-        gs = [t.detach().reshape(-1).to(torch.float32).contiguous() for t in tensors]
+        gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({g.device for g in gs}) != 1:  # none, or on several devices
             return super().encode_bucket(tensors, names)
         es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
