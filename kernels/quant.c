@@ -426,3 +426,31 @@ int64_t hvdc_qsgd_decode_segments(int64_t count, const uint8_t *body, const int6
     }
     return 0;
 }
+
+int64_t hvdc_tlc_zre_encode(const uint8_t *in, int64_t m, uint8_t *out);  /* threelc.c */
+uint32_t hvdc_tlc_absmax_bits(const float *g, const float *e, int64_t n); /* threelc.c */
+
+/* TernGrad's encode of `count` tensors in one call (a bucket): tensor p has ns[p] floats
+ * at address xs[p] and the random stream keys[p]; scales[p] = M = max|x| and its body
+ * (the quartic digits of hvdc_terngrad_quartic, zero-run encoded by hvdc_tlc_zre_encode)
+ * at out + out_starts[p] (room for ceil(n / 5) + 2 bytes), lens[p] its length; or
+ * lens[p] = -1 when x holds a NaN or an Inf (nothing written). quartic: scratch of the
+ * largest ceil(n / 5) bytes. */
+void hvdc_terngrad_encode_segments(int64_t count, const uint64_t *xs, const int64_t *ns,
+                                   const uint64_t *keys, uint8_t *out, const int64_t *out_starts,
+                                   uint8_t *quartic, float *scales, int64_t *lens) {
+    for (int64_t p = 0; p < count; p++) {
+        const float *x = (const float *)(uintptr_t)xs[p];
+        const uint32_t bits = hvdc_tlc_absmax_bits(x, NULL, ns[p]);
+        if (bits >= 0x7f800000u) {
+            scales[p] = 0.0f;
+            lens[p] = -1;
+            continue;
+        }
+        float M;
+        memcpy(&M, &bits, sizeof M);
+        scales[p] = M;
+        hvdc_terngrad_quartic(x, ns[p], M, keys[p], 0, quartic);
+        lens[p] = hvdc_tlc_zre_encode(quartic, (ns[p] + 4) / 5, out + out_starts[p]);
+    }
+}

@@ -69,6 +69,25 @@ def test_compress_bucket_is_the_frame_of_per_tensor_payloads(name, params):
     assert one_by_one.state_dict().keys() == bucketed.state_dict().keys()
 
 
+@pytest.mark.parametrize("name", ["efsignsgd", "terngrad"])
+def test_compress_bucket_with_codec_threads(monkeypatch, name):
+    """With codec threads, tensors big enough to be cut into parts leave the bucket's
+    one-call encoder for the threaded per-tensor path: the frame does not change."""
+    from hvdcompress.backends import cpu
+
+    monkeypatch.setenv("HVDC_NUM_THREADS", "3")
+    monkeypatch.setattr(cpu, "_MIN_PART", 64)
+    one_by_one, bucketed = hvdcompress.get_compressor(name), hvdcompress.get_compressor(name)
+    for step in range(2):
+        tensors, names = bucket_tensors(step)
+        tensors = [t.float() for t in tensors]
+        assert any(cpu.splits(t.numel()) for t in tensors)
+        assert not all(cpu.splits(t.numel()) for t in tensors)
+        sent = [one_by_one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)]
+        frame, _ = bucketed.compress_bucket([t.clone() for t in tensors], names)
+        assert torch.equal(frame, wire.frame(sent)), f"{name} step {step}"
+
+
 def test_compress_bucket_checks_names_and_dtypes():
     c = hvdcompress.get_compressor("signsgd")
     with pytest.raises(ValueError, match="names"):

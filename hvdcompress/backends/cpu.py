@@ -90,6 +90,7 @@ _SIGNATURES = {
     "hvdc_topk_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
     "hvdc_topk_encode_segments": (None, [_i64] + [_p] * 12),
     "hvdc_qsgd_decode_segments": (_i64, [_i64, _p, _p, _p, _int, _int, _i64, _p, _p]),
+    "hvdc_terngrad_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
 }
 # Negative return codes of the decoders, per source file.
 _ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
@@ -925,3 +926,36 @@ def topk_encode_segments(
         for a, r, nonfinite in zip(starts.tolist(), room.tolist(), flags, strict=True)
     ]
     return bodies, flags
+
+
+def terngrad_encode_segments(
+    xs: list[torch.Tensor], keys: list[int]
+) -> list[tuple[torch.Tensor, float] | None]:
+    """``terngrad_encode`` of each (x, key) of a bucket in one native call: (body, a view of
+    one new buffer; M) or None for a non-finite x."""
+    count = len(xs)
+    ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=count)
+    room = (ns + 4) // 5 + 2
+    starts = np.zeros(count, dtype=np.int64)
+    np.cumsum(room[:-1], out=starts[1:])
+    buf = torch.empty(int(room.sum()), dtype=torch.uint8)
+    quartic = _scratch(int(room.max()) if count else 1)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
+    scales = np.empty(count, dtype=np.float32)
+    lens = np.empty(count, dtype=np.int64)
+    x_at = _addresses(xs)  # a local: alive across the call
+    LIB.hvdc_terngrad_encode_segments(
+        count,
+        x_at.ctypes.data,
+        ns.ctypes.data,
+        key_array.ctypes.data,
+        _ptr(buf),
+        starts.ctypes.data,
+        _ptr(quartic),
+        scales.ctypes.data,
+        lens.ctypes.data,
+    )
+    return [
+        None if n < 0 else (buf[a : a + n], m)
+        for a, n, m in zip(starts.tolist(), lens.tolist(), scales.tolist(), strict=True)
+    ]

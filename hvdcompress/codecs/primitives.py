@@ -24,6 +24,7 @@ reduction's order, hence its rounding, differs between devices).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import struct
@@ -59,6 +60,7 @@ def rng_key(seed: int, step: int, rank: int, tensor_id: int) -> int:
     return h
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the same names every step, on both sides
 def tensor_id(name: str) -> int:
     """A stable 64-bit id of a tensor name (blake2b), the same on every rank."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")

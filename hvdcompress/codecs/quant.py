@@ -101,6 +101,22 @@ def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | N
     return for_device(x.device).terngrad_encode(x, key)
 
 
+def terngrad_encode_segments(
+    xs: list[torch.Tensor], keys: list[int]
+) -> list[tuple[torch.Tensor, float] | None]:
+    """``terngrad_encode`` of each (x, key) of a bucket (contiguous float32 on the CPU): one
+    native call for the tensors that the codec threads do not cut into parts
+    (``cpu.splits``), ``terngrad_encode`` for those."""
+    from hvdcompress.backends import cpu
+
+    large = {i for i, x in enumerate(xs) if cpu.splits(x.numel())}
+    small = [i for i in range(len(xs)) if i not in large]
+    batched = cpu.terngrad_encode_segments([xs[i] for i in small], [keys[i] for i in small])
+    results = dict(zip(small, batched, strict=True))
+    results.update({i: terngrad_encode(xs[i], keys[i]) for i in large})
+    return [results[i] for i in range(len(xs))]
+
+
 def terngrad_decode_into(
     body: torch.Tensor, n: int, scale: float, out: torch.Tensor, accumulate: bool
 ) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant, threelc
-from hvdcompress.compressors.base import check_scale, empty_body
+from hvdcompress.compressors.base import Encoded, check_scale, empty_body
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.errors import PayloadError
 from hvdcompress.registry import RANK, SEED, Param, register
@@ -117,6 +117,19 @@ class TernGrad(Stochastic):
             return wire.FLAG_NONFINITE, rng + TERNGRAD_PARAMS.pack(0.0), empty_body(x.device)
         body, scale = encoded
         return 0, rng + TERNGRAD_PARAMS.pack(scale), body
+
+    def encode_bucket(self, tensors, names):
+        xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
+        if not xs or any(x.device.type != "cpu" for x in xs):
+            return super().encode_bucket(tensors, names)
+        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
+        encoded = quant.terngrad_encode_segments(xs, [key for _, key in rngs])
+        return [
+            Encoded(wire.FLAG_NONFINITE, rng + TERNGRAD_PARAMS.pack(0.0), empty_body(x.device))
+            if enc is None
+            else Encoded(0, rng + TERNGRAD_PARAMS.pack(enc[1]), enc[0])
+            for x, (rng, _), enc in zip(xs, rngs, encoded, strict=True)
+        ]
 
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + TERNGRAD_PARAMS.size)
