@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import numpy as np
@@ -55,8 +54,7 @@ def as_float32(value: float) -> float:
     return float(np.float32(value))
 
 
-@dataclass(frozen=True)
-class Ctx:
+class Ctx(NamedTuple):  # a NamedTuple: a bucket makes one per tensor and step
     """What the sender knows about a tensor that the payload must match."""
 
     name: str
