@@ -623,17 +623,27 @@ def _addresses(tensors) -> np.ndarray:
     return np.fromiter((t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors))
 
 
+def _numels(tensors) -> np.ndarray:
+    return np.fromiter((t.numel() for t in tensors), dtype=np.int64, count=len(tensors))
+
+
+def _bodies_buffer(room: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    """One new byte buffer for a bucket's bodies, ``room[p]`` bytes for body p (so that the
+    bodies stay valid after the next call), and where each starts in it."""
+    starts = np.zeros(room.size, dtype=np.int64)
+    np.cumsum(room[:-1], out=starts[1:])
+    return torch.empty(int(room.sum()), dtype=torch.uint8), starts
+
+
 def threelc_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor], sparsities: list[float]
 ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
     """``threelc_encode`` of each (g, e, sparsity) of a bucket in one native call: (bodies,
     views of one new buffer; scales; non-finite flags)."""
     count = len(gs)
-    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    ns = _numels(gs)
     room = (ns + 4) // 5 + 2
-    starts = np.zeros(count, dtype=np.int64)
-    np.cumsum(room[:-1], out=starts[1:])
-    buf = torch.empty(int(room.sum()), dtype=torch.uint8)
+    buf, starts = _bodies_buffer(room)
     scales = np.empty(count, dtype=np.float32)
     lens = np.empty(count, dtype=np.int64)
     s = np.asarray(sparsities, dtype=np.float32)
@@ -770,7 +780,7 @@ def efsign_sums_segments(
     """``efsign_sums`` of each (g, e) of a bucket in one native call: (each tensor's chunk
     sums, each tensor's non-finite flag)."""
     count = len(gs)
-    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    ns = _numels(gs)
     chunks = (ns + EF_CHUNK - 1) // EF_CHUNK
     starts = np.zeros(count, dtype=np.int64)
     np.cumsum(chunks[:-1], out=starts[1:])
@@ -797,7 +807,7 @@ def efsign_encode_segments(
     """``efsign_encode`` of each (g, e, scale) of a bucket whose ``skip`` is False, in one
     native call: the bodies (views of one new buffer; empty where skipped)."""
     count = len(gs)
-    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    ns = _numels(gs)
     nbytes = np.where(np.asarray(skip, dtype=bool), 0, (ns + 7) // 8)
     buf = torch.empty(int(nbytes.sum()), dtype=torch.uint8)
     bodies = list(torch.split(buf, nbytes.tolist())) if count else []
@@ -891,13 +901,11 @@ def topk_encode_segments(
     indices, int32 below 2**31 elements; views of one new buffer; non-finite flags, e
     untouched there). e becomes g + e with the kept values zeroed, as TopK.encode does."""
     count = len(gs)
-    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    ns = _numels(gs)
     k = np.asarray(ks, dtype=np.int64).reshape(count)
     wide = (ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
     room = k * np.where(wide == 1, 12, 8)
-    starts = np.zeros(count, dtype=np.int64)
-    np.cumsum(room[:-1], out=starts[1:])
-    buf = torch.empty(int(room.sum()), dtype=torch.uint8)
+    buf, starts = _bodies_buffer(room)
     most = int(k.max()) if count else 0
     sel = np.empty(max(most, 1), dtype=np.int64)
     cand_idx = np.empty(4 * most + 4097, dtype=np.int64)
@@ -934,11 +942,9 @@ def terngrad_encode_segments(
     """``terngrad_encode`` of each (x, key) of a bucket in one native call: (body, a view of
     one new buffer; M) or None for a non-finite x."""
     count = len(xs)
-    ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=count)
+    ns = _numels(xs)
     room = (ns + 4) // 5 + 2
-    starts = np.zeros(count, dtype=np.int64)
-    np.cumsum(room[:-1], out=starts[1:])
-    buf = torch.empty(int(room.sum()), dtype=torch.uint8)
+    buf, starts = _bodies_buffer(room)
     quartic = _scratch(int(room.max()) if count else 1)
     key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
     scales = np.empty(count, dtype=np.float32)

@@ -112,10 +112,10 @@ def decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` of ``ns[i]``
-    signs of magnitude ``scales[i]`` into ``outs[i]``, in order, one native call (a CPU
-    frame): None, or (i, the PayloadError ``decode_into`` raises) for the first body that
-    does not decode, the ones before it added, ``outs[i]`` untouched."""
+    """The bucket form of ``decode_into`` (accumulating), one native call: body i, ``ns[i]``
+    signs of magnitude ``scales[i]``, is ``frame[starts[i]:][:lens[i]]`` and goes into
+    ``outs[i]``. Returns None, or (i, the error ``decode_into`` would raise) for the first
+    bad body: the bodies before it are added, ``outs[i]`` is untouched."""
     wrong = np.flatnonzero(lens != (ns + 7) // 8)
     upto = int(wrong[0]) if wrong.size else len(outs)
     failed = for_device(frame.device).sign_decode_segments(
