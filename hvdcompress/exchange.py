@@ -382,12 +382,12 @@ class TwoStageExchange(_Exchange):
         self._mirror_levels(comp, shards)
         flats = [g.reshape(-1) for g in grads]
         parts = []
-        for pieces in shards:
-            payloads = [
-                comp.compress(flats[pc.tensor][pc.start : pc.stop], pc.sender_key)[0].cpu()
-                for pc in pieces
-            ]
-            parts.append(wire.frame(payloads))
+        for pieces in shards:  # one frame per owner, its pieces in one bucket call
+            frame, _ = comp.compress_bucket(
+                [flats[pc.tensor][pc.start : pc.stop] for pc in pieces],
+                [pc.sender_key for pc in pieces],
+            )
+            parts.append(frame.cpu())
         ctxs = [
             Ctx(name, tuple(g.shape), g.dtype, g.device)
             for name, g in zip(bucket.names, grads, strict=True)
@@ -437,21 +437,12 @@ class TwoStageExchange(_Exchange):
         device = flight.ctxs[0].device if flight.ctxs else torch.device("cpu")
         mine = flight.shards[self.transport.rank]
         accs = [torch.zeros(pc.numel, dtype=torch.float32, device=device) for pc in mine]
-        keys = [pc.sender_key for pc in mine]
+        ctxs = [
+            Ctx(pc.sender_key, (pc.numel,), flight.ctxs[pc.tensor].dtype, device) for pc in mine
+        ]
         for sender, frame in enumerate(received):
-            try:
-                parsed = wire.unframe_parsed(frame, sender, keys, device)
-                for (header, payload), acc, pc in zip(parsed, accs, mine, strict=True):
-                    expect = Ctx(pc.sender_key, (pc.numel,), flight.ctxs[pc.tensor].dtype, device)
-                    comp.decode_parsed(
-                        header,
-                        payload,
-                        expect=expect,
-                        name=pc.sender_key,
-                        rank=sender,
-                        out=acc,
-                        accumulate=True,
-                    )
+            try:  # decode_parsed(expect=ctx, out=acc, accumulate=True) of each payload
+                comp.decode_frame(frame, accs, ctxs, rank=sender)
             except PayloadError as err:
                 report = _report(err, sender, 1, _piece_of(flight.shards, err.tensor))
                 body = json.dumps(report).encode()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import hvdcompress
+from hvdcompress import wire
 from hvdcompress.checkpoint import CheckpointError
 from hvdcompress.compressors import REGISTRY
 from hvdcompress.compressors.levels import PerTensorLevels
@@ -328,7 +329,10 @@ def test_resume_with_another_world_size_names_both_sizes(comm):
 
 
 def _corrupt_keys(opt, keys: set[str]):
-    real = opt.compressor.compress
+    """Flip the last byte of the payloads of these piece keys: stage 1 sends a shard's
+    pieces as one bucket frame (``compress_bucket``), stage 2 re-compresses each piece
+    (``compress``)."""
+    real, real_bucket = opt.compressor.compress, opt.compressor.compress_bucket
 
     def corrupt(tensor, name):
         payload, ctx = real(tensor, name)
@@ -337,7 +341,18 @@ def _corrupt_keys(opt, keys: set[str]):
             payload[-1] ^= 0x5A
         return payload, ctx
 
+    def corrupt_bucket(tensors, names):
+        frame, ctxs = real_bucket(tensors, names)
+        if keys & set(names):
+            payloads = [p.clone() for p in wire.unframe(frame, len(names), 0, names)]
+            for payload, name in zip(payloads, names, strict=True):
+                if name in keys:
+                    payload[-1] ^= 0x5A
+            frame = wire.frame(payloads)
+        return frame, ctxs
+
     opt.compressor.compress = corrupt
+    opt.compressor.compress_bucket = corrupt_bucket
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -367,7 +382,8 @@ def test_corrupt_payload_raises_on_every_rank_naming_sender_stage_and_tensor(sta
     assert all(f"stage {stage}" in e[2] and f"from rank {bad}" in e[2] for e in errors), errors
     # the ranks are still in step: another collective and another step complete
     assert comm.allreduce(1) == size
-    opt.compressor.compress = type(opt.compressor).compress.__get__(opt.compressor)
+    for patched in ("compress", "compress_bucket"):  # the class's methods again
+        opt.compressor.__dict__.pop(patched, None)
     _synchronize(opt, model, _grads(model, rank, 1))
 
 
