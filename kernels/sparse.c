@@ -232,3 +232,117 @@ void hvdc_topk_encode_segments(int64_t count, const uint64_t *gs, const uint64_t
         for (int64_t i = 0; i < k; i++) e[sel[i]] = 0.0f;
     }
 }
+
+/* --- a bucket's top-k + sign (TopKSign, codecs/sparse.py topk_sign_*), one call a pass --- */
+
+void hvdc_prim_chunk_sums(const float *x, int64_t n, int64_t chunk, int square,
+                          double *out); /* primitives.c */
+
+#define TOPKQ_CHUNK 1024          /* primitives.abs_sum's chunk */
+#define TOPKQ_ERR_MAGNITUDE -4    /* the shared magnitude is not finite and >= 0 */
+#define TOPKQ_ERR_PADDING -5      /* a sign bit after the last kept value is set */
+
+/* First pass of top-k + sign with error feedback for `count` tensors (TopKSign.encode up
+ * to the magnitude). Tensor p: ns[p] floats g at gs[p], residual e at es[p], ks[p] kept
+ * (0 <= k <= n). nonfinite[p] = 1 when some g + e is not finite (e untouched); else
+ * a = g + e into e, the kept set into sel + starts[p] (ascending), the kept values
+ * a[i] into kept + starts[p], and their order-fixed chunk sums of |a[i]| (TOPKQ_CHUNK
+ * values a chunk, left to right, in double) into sums + sum_starts[p]. Scratch as for
+ * hvdc_topk_encode_segments. */
+void hvdc_topkq_select_segments(int64_t count, const uint64_t *gs, const uint64_t *es,
+                                const int64_t *ns, const int64_t *ks, int32_t *nonfinite,
+                                int64_t *sel, float *kept, const int64_t *starts, double *sums,
+                                const int64_t *sum_starts, uint32_t *hist, int64_t *cand_idx,
+                                uint32_t *cand_bits) {
+    for (int64_t p = 0; p < count; p++) {
+        const float *g = (const float *)(uintptr_t)gs[p];
+        float *e = (float *)(uintptr_t)es[p];
+        const int64_t n = ns[p], k = ks[p];
+        int64_t *s = sel + starts[p];
+        float *v = kept + starts[p];
+        nonfinite[p] = hvdc_tlc_absmax_bits(g, e, n) >= 0x7f800000u;
+        if (nonfinite[p]) continue;
+        for (int64_t i = 0; i < n; i++) e[i] = e[i] + g[i];
+        if (k == 0) continue;
+        if (k == n)
+            for (int64_t i = 0; i < n; i++) s[i] = i;
+        else
+            topk_select_into(e, n, k, hist, cand_idx, cand_bits, s);
+        for (int64_t i = 0; i < k; i++) v[i] = e[s[i]];
+        hvdc_prim_chunk_sums(v, k, TOPKQ_CHUNK, 0, sums + sum_starts[p]);
+    }
+}
+
+/* Second pass: for each tensor p not skipped, with the magnitude ms[p] (float32 of the
+ * correctly rounded mean of |kept|, from the caller), its body at out + out_starts[p]:
+ * m, the k indices (int32, or int64 when wide[p]), the sign bits of the kept values (bit
+ * 1 for a value < 0, LSB first); then e[i] -= (a[i] < 0 ? -m : m) for each kept i. */
+void hvdc_topkq_write_segments(int64_t count, const uint64_t *es, const int64_t *ks,
+                               const int32_t *skip, const float *ms, const int64_t *sel,
+                               const float *kept, const int64_t *starts, const int32_t *wide,
+                               uint8_t *out, const int64_t *out_starts) {
+    for (int64_t p = 0; p < count; p++) {
+        if (skip[p]) continue;
+        float *e = (float *)(uintptr_t)es[p];
+        const int64_t k = ks[p], *s = sel + starts[p];
+        const float *v = kept + starts[p], m = ms[p];
+        uint8_t *body = out + out_starts[p];
+        memcpy(body, &m, 4);
+        uint8_t *idx = body + 4, *signs = idx + (wide[p] ? 8 : 4) * k;
+        for (int64_t i = 0; i < k; i++) {
+            if (wide[p]) {
+                memcpy(idx + 8 * i, &s[i], 8);
+            } else {
+                const int32_t i32 = (int32_t)s[i];
+                memcpy(idx + 4 * i, &i32, 4);
+            }
+        }
+        memset(signs, 0, (size_t)((k + 7) / 8));
+        for (int64_t i = 0; i < k; i++) {
+            const int minus = v[i] < 0.0f;
+            signs[i >> 3] |= (uint8_t)(minus << (i & 7));
+            e[s[i]] = e[s[i]] - (minus ? -m : m);
+        }
+    }
+}
+
+/* The top-k + sign decode (accumulating) of `count` bodies in one call: body p at body +
+ * starts[p] (the caller checked its length: 4 + k index bytes + ceil(k / 8)) of ks[p]
+ * kept values of ns[p], indices int64 when wide[p], added into the floats at outs[p].
+ * Checks in codecs/sparse.py's order: the magnitude, the indices, the sign padding.
+ * Returns -1 - p for the first body p that does not decode (the ones before it added,
+ * its output untouched) with TOPK_ERR_* / TOPKQ_ERR_* in *code, else 0. */
+int64_t hvdc_topkq_decode_segments(int64_t count, const uint8_t *body, const int64_t *starts,
+                                   const int64_t *ks, const int64_t *ns, const int32_t *wide,
+                                   const uint64_t *outs, int64_t *code) {
+    for (int64_t p = 0; p < count; p++) {
+        const uint8_t *b = body + starts[p], *idx = b + 4;
+        const int64_t k = ks[p], n = ns[p];
+        const uint8_t *signs = idx + (wide[p] ? 8 : 4) * k;
+        uint32_t mbits;
+        memcpy(&mbits, b, 4);
+        int64_t rc = 0;
+        if (mbits >= 0x7f800000u) /* NaN, Inf, or a sign bit set: -0.0 and negatives */
+            rc = (mbits == 0x80000000u) ? 0 : TOPKQ_ERR_MAGNITUDE;
+        if (rc == 0 && k > 0) {
+            if (topk_index(idx, wide[p], 0) < 0 || topk_index(idx, wide[p], k - 1) >= n)
+                rc = TOPK_ERR_RANGE;
+            for (int64_t i = 1; rc == 0 && i < k; i++)
+                if (topk_index(idx, wide[p], i) <= topk_index(idx, wide[p], i - 1))
+                    rc = TOPK_ERR_ORDER;
+            if (rc == 0 && (k & 7) && (signs[k >> 3] >> (k & 7)))
+                rc = TOPKQ_ERR_PADDING;
+        }
+        if (rc < 0) {
+            *code = rc;
+            return -1 - p;
+        }
+        float m, *o = (float *)(uintptr_t)outs[p];
+        memcpy(&m, b, 4);
+        for (int64_t i = 0; i < k; i++) {
+            const int minus = (signs[i >> 3] >> (i & 7)) & 1;
+            o[topk_index(idx, wide[p], i)] += minus ? -m : m;
+        }
+    }
+    return 0;
+}

@@ -95,11 +95,12 @@ def test_topk_selection_on_large_tensors(select, kind, n):
         np.testing.assert_array_equal(idx, stable_topk(x, k))
 
 
+@pytest.mark.parametrize("name", ["topk", "topkq"])
 @pytest.mark.parametrize("kind", ["gauss", "ties", "sample_heavy", "zeros_on_sample"])
-def test_topk_encode_segments_is_topk_encode_of_each(kind):
-    """A bucket's one-call top-k encoder (kernels/sparse.c) gives each tensor's
-    TopK.encode: the same bodies (sampled and direct selections, ties, k == n, k == 0, a
-    non-finite tensor left untouched) and the same residuals, over two steps."""
+def test_topk_encode_segments_is_topk_encode_of_each(kind, name):
+    """A bucket's one-call top-k (and top-k + sign) encoder (kernels/sparse.c) gives each
+    tensor's encode: the same bodies (sampled and direct selections, ties, k == n, k == 0,
+    a non-finite tensor left untouched) and the same residuals, over two steps."""
     rng = np.random.default_rng(3)
     n = 300_007
     stride = max(cpu_backend.TOPK_MIN_STRIDE, n // cpu_backend.TOPK_SAMPLE)
@@ -116,14 +117,14 @@ def test_topk_encode_segments_is_topk_encode_of_each(kind):
     tensors.append(torch.tensor([1.0, float("nan"), 2.0]))
     names = [f"t{i}" for i in range(len(tensors))]
     for ratio in (0.01, 1.0):
-        one, bucket = comp("topk", ratio=ratio), comp("topk", ratio=ratio)
+        one, bucket = comp(name, ratio=ratio), comp(name, ratio=ratio)
         for _ in range(2):
-            want = [one.encode(t, name) for t, name in zip(tensors, names, strict=True)]
+            want = [one.encode(t, tn) for t, tn in zip(tensors, names, strict=True)]
             got = bucket.encode_bucket(tensors, names)
             for (wf, wp, wb), (gf, gp, gb) in zip(want, got, strict=True):
                 assert (wf, wp) == (gf, gp) and torch.equal(wb, gb)
-        for name in names:
-            a, b = one.memory.residuals[name], bucket.memory.residuals[name]
+        for tn in names:
+            a, b = one.memory.residuals[tn], bucket.memory.residuals[tn]
             assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 

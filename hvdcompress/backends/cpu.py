@@ -89,6 +89,9 @@ _SIGNATURES = {
     "hvdc_topk_keep": (_i64, [_p, _i64, _u32, _p, _u32, _i64, _p]),
     "hvdc_topk_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
     "hvdc_topk_encode_segments": (None, [_i64] + [_p] * 12),
+    "hvdc_topkq_select_segments": (None, [_i64] + [_p] * 13),
+    "hvdc_topkq_write_segments": (None, [_i64] + [_p] * 10),
+    "hvdc_topkq_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
     "hvdc_qsgd_decode_segments": (_i64, [_i64, _p, _p, _p, _int, _int, _i64, _p, _p]),
     "hvdc_terngrad_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
 }
@@ -965,3 +968,115 @@ def terngrad_encode_segments(
         None if n < 0 else (buf[a : a + n], m)
         for a, n, m in zip(starts.tolist(), lens.tolist(), scales.tolist(), strict=True)
     ]
+
+
+class TopKSignSelection:
+    """What the first pass of a bucket's top-k + sign leaves for the second
+    (``topkq_select_segments`` -> the caller's magnitudes -> ``topkq_write_segments``)."""
+
+    def __init__(self, gs, es, ks) -> None:
+        count = len(gs)
+        self.es, self.ns = es, _numels(gs)
+        self.ks = np.asarray(ks, dtype=np.int64).reshape(count)
+        self.starts = np.zeros(count, dtype=np.int64)
+        np.cumsum(self.ks[:-1], out=self.starts[1:])
+        chunks = (self.ks + 1023) // 1024  # primitives.abs_sum's chunks
+        self.sum_starts = np.zeros(count, dtype=np.int64)
+        np.cumsum(chunks[:-1], out=self.sum_starts[1:])
+        self.sum_ends = self.sum_starts + chunks
+        total = max(int(self.ks.sum()), 1)
+        self.sel = np.empty(total, dtype=np.int64)
+        self.kept = np.empty(total, dtype=np.float32)
+        self.sums = np.zeros(max(int(chunks.sum()), 1), dtype=np.float64)
+        self.nonfinite = np.zeros(count, dtype=np.int32)
+        self.wide = (self.ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
+
+    def chunk_sums(self) -> list[list[float]]:
+        """Each tensor's order-fixed chunk sums of |kept| (empty when none are kept)."""
+        bounds = zip(self.sum_starts.tolist(), self.sum_ends.tolist(), strict=True)
+        return [self.sums[a:b].tolist() for a, b in bounds]
+
+
+def topkq_select_segments(gs, es, ks) -> TopKSignSelection:
+    """The first pass of top-k + sign for a bucket, one native call (kernels/sparse.c,
+    hvdc_topkq_select_segments): non-finite flags, e = g + e, the kept sets and values and
+    the chunk sums of their magnitudes."""
+    sel = TopKSignSelection(gs, es, ks)
+    most = int(sel.ks.max()) if len(gs) else 0
+    cand_idx = np.empty(4 * most + 4097, dtype=np.int64)
+    cand_bits = np.empty(4 * most + 4097, dtype=np.uint32)
+    hist = np.empty(2048, dtype=np.uint32)
+    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
+    LIB.hvdc_topkq_select_segments(
+        len(gs),
+        g_at.ctypes.data,
+        e_at.ctypes.data,
+        sel.ns.ctypes.data,
+        sel.ks.ctypes.data,
+        sel.nonfinite.ctypes.data,
+        sel.sel.ctypes.data,
+        sel.kept.ctypes.data,
+        sel.starts.ctypes.data,
+        sel.sums.ctypes.data,
+        sel.sum_starts.ctypes.data,
+        hist.ctypes.data,
+        cand_idx.ctypes.data,
+        cand_bits.ctypes.data,
+    )
+    return sel
+
+
+def topkq_write_segments(sel: TopKSignSelection, magnitudes: list[float]) -> list[torch.Tensor]:
+    """The second pass, one native call: each finite tensor's body (m, indices, sign bits)
+    and its residual less what the body decodes to; the bodies are views of one new
+    buffer (empty where non-finite)."""
+    skip = sel.nonfinite
+    room = np.where(skip == 1, 0, 4 + sel.ks * np.where(sel.wide == 1, 8, 4) + (sel.ks + 7) // 8)
+    buf, out_starts = _bodies_buffer(room)
+    ms = np.asarray(magnitudes, dtype=np.float32).reshape(len(room))
+    e_at = _addresses(sel.es)  # a local: alive across the call
+    LIB.hvdc_topkq_write_segments(
+        len(room),
+        e_at.ctypes.data,
+        sel.ks.ctypes.data,
+        skip.ctypes.data,
+        ms.ctypes.data,
+        sel.sel.ctypes.data,
+        sel.kept.ctypes.data,
+        sel.starts.ctypes.data,
+        sel.wide.ctypes.data,
+        _ptr(buf),
+        out_starts.ctypes.data,
+    )
+    return [buf[a : a + r] for a, r in zip(out_starts.tolist(), room.tolist(), strict=True)]
+
+
+_TOPKQ_ERRORS = {**_TOPK_ERRORS, -5: _PRIM_ERRORS[-4]}  # -4: the magnitude (the caller's text)
+
+
+def topkq_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ks: np.ndarray,
+    ns: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """The top-k + sign decode (accumulating) of each body at ``frame[starts[p]:]`` (the
+    caller checked its length) into ``outs[p]``, one native call: None, or (p, error
+    code) of the first body that does not decode (the ones before it added, its output
+    untouched): -1 / -2 the indices (``_TOPK_ERRORS``), -4 the magnitude, -5 a sign
+    padding bit."""
+    code = ctypes.c_int64(0)
+    wide = (ns >= 2**31).astype(np.int32)
+    out_at = _addresses(outs)  # a local: alive across the call
+    rc = LIB.hvdc_topkq_decode_segments(
+        len(outs),
+        _ptr(frame),
+        _i64_array(starts),
+        _i64_array(ks),
+        _i64_array(ns),
+        wide.ctypes.data,
+        out_at.ctypes.data,
+        ctypes.byref(code),
+    )
+    return None if rc == 0 else (-1 - rc, int(code.value))

@@ -289,3 +289,56 @@ def topk_encode_segments(
     from hvdcompress.backends import cpu
 
     return cpu.topk_encode_segments(gs, es, ks)
+
+
+def topk_sign_encode_segments(
+    gs: list[torch.Tensor], es: list[torch.Tensor], ks: list[int]
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """Top-k + sign with error feedback of a bucket's tensors (contiguous float32 on the
+    CPU), two native calls (``TopKSign.encode`` of each, byte for byte): e = g + e, the
+    kept set, m = float32(correctly rounded sum of |kept| / k) per tensor here, then the
+    bodies and e[kept] -= +-m. (bodies, non-finite flags: e untouched there.)"""
+    from hvdcompress.backends import cpu
+
+    sel = cpu.topkq_select_segments(gs, es, ks)
+    magnitudes = [
+        float(np.float32(math.fsum(sums) / k)) if k else 0.0
+        for sums, k in zip(sel.chunk_sums(), sel.ks.tolist(), strict=True)
+    ]
+    bodies = cpu.topkq_write_segments(sel, magnitudes)
+    return bodies, [bool(b) for b in sel.nonfinite.tolist()]
+
+
+def topk_sign_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    ks: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, PayloadError] | None:
+    """``topk_sign_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``
+    into ``outs[i]``, in order, one native call over a host frame: None, or (i, the
+    PayloadError ``topk_sign_decode_into`` raises) for the first bad body, the ones
+    before it added, ``outs[i]`` untouched."""
+    from hvdcompress.backends import cpu
+
+    need = 4 + ks * np.where(ns >= INDEX32_LIMIT, 8, 4) + (ks + 7) // 8
+    wrong = np.flatnonzero(lens != need)
+    upto = int(wrong[0]) if wrong.size else len(outs)
+    failed = cpu.topkq_decode_segments(
+        frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto]
+    )
+    if failed is not None:
+        i, code = failed
+        if code == -4:
+            at = int(starts[i])
+            m = float(frame[at : at + 4].clone().view(torch.float32))
+            return i, PayloadError("body", f"top-k + sign magnitude {m} is not finite and >= 0")
+        return i, PayloadError("body", cpu._TOPKQ_ERRORS[code].format(n=int(ns[i])))
+    if wrong.size:
+        k, got, n_need = int(ks[upto]), int(lens[upto]), int(need[upto])
+        return upto, PayloadError(
+            "body", f"top-k + sign of {k} values needs {n_need} bytes, got {got}"
+        )
+    return None

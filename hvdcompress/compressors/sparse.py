@@ -155,9 +155,29 @@ class TopKSign(TopK):
     wire_id = 11
     cat_kind = "topk+q"
 
-    # its own body layout (shared magnitude, sign bits): encode and decode_into of each
-    encode_bucket = GatherCompressor.encode_bucket
-    decode_segments = GatherCompressor.decode_segments
+    def encode_bucket(self, tensors, names):
+        gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
+        if not gs or any(g.device.type != "cpu" for g in gs):  # the CUDA selection: per tensor
+            return GatherCompressor.encode_bucket(self, tensors, names)
+        es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
+        ratios = [self.level(name) for name in names]
+        ks = [sparse.topk_count(g.numel(), r) for g, r in zip(gs, ratios, strict=True)]
+        bodies, nonfinite = sparse.topk_sign_encode_segments(gs, es, ks)
+        return [
+            Encoded(wire.FLAG_NONFINITE if bad else 0, TOPK_PARAMS.pack(r), body)
+            for body, bad, r in zip(bodies, nonfinite, ratios, strict=True)
+        ]
+
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        ks = np.fromiter(
+            (
+                sparse.topk_count(n, TOPK_PARAMS.unpack(p)[0])
+                for n, p in zip(numels.tolist(), params, strict=True)
+            ),
+            dtype=np.int64,
+            count=len(params),
+        )
+        return sparse.topk_sign_decode_segments(frame, body_starts, body_lens, numels, ks, outs)
 
     def __repr__(self) -> str:
         return f"TopKSign(ratio={self.ratio})"
