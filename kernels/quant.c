@@ -454,3 +454,75 @@ void hvdc_terngrad_encode_segments(int64_t count, const uint64_t *xs, const int6
         lens[p] = hvdc_tlc_zre_encode(quartic, (ns[p] + 4) / 5, out + out_starts[p]);
     }
 }
+
+/* --- a bucket's DQSG with s > 1 (codecs/dqsg.py encode / decode_q + decode_into) --------- */
+
+void hvdc_prim_bitpack(const uint8_t *codes, int64_t n, int bits, uint8_t *out); /* primitives.c */
+int64_t hvdc_prim_bitunpack(const uint8_t *in, int64_t nbytes, int64_t n, int bits,
+                            uint8_t *codes); /* primitives.c */
+
+/* Errors of hvdc_dqsg_decode_segments, in codecs/dqsg.py decode_q's order. */
+#define DQSG_ERR_DELTAS_LEN -11 /* the body cannot hold the bucket deltas */
+#define DQSG_ERR_DELTA -12      /* a delta is negative or not finite */
+#define DQSG_ERR_CODES_LEN -13  /* the packed codes are not ceil(n bits / 8) bytes */
+#define DQSG_ERR_PADDING -14    /* a padding bit after the last code is set */
+#define DQSG_ERR_CODE -15       /* a code above 2 s */
+
+/* DQSG encode (s = levels > 1) of `count` tensors in one call: tensor p, ns[p] floats at
+ * xs[p] with the random stream keys[p], gets its body at out + out_starts[p]: the float32
+ * deltas of its buckets, then its codes q + s bit-packed (bits each). nonfinite[p] = 1
+ * (nothing written) when x holds a NaN or an Inf. Scratch: deltas (the most buckets) and
+ * codes (the most elements). */
+void hvdc_dqsg_encode_segments(int64_t count, const uint64_t *xs, const int64_t *ns,
+                               const uint64_t *keys, int levels, int bits, int64_t bucket,
+                               uint8_t *out, const int64_t *out_starts, int32_t *nonfinite,
+                               float *deltas, uint8_t *codes) {
+    for (int64_t p = 0; p < count; p++) {
+        const int64_t n = ns[p], nb = (n + bucket - 1) / bucket;
+        nonfinite[p] = hvdc_dqsg_quantize((const float *)(uintptr_t)xs[p], n, levels, bucket,
+                                          keys[p], 0, levels, deltas, codes);
+        if (nonfinite[p]) continue;
+        uint8_t *body = out + out_starts[p];
+        memcpy(body, deltas, (size_t)(4 * nb));
+        hvdc_prim_bitpack(codes, n, bits, body + 4 * nb);
+    }
+}
+
+/* DQSG decode (s = levels > 1, accumulating) of `count` bodies in one call: body p is
+ * lens[p] bytes at body + starts[p], ns[p] values with the stream keys[p], added into the
+ * floats at outs[p]. Checks in decode_q's order: the deltas' length, each delta finite
+ * and >= 0, the codes' length, padding bits, codes <= 2 s; then reconstructs. Returns
+ * -1 - p for the first body p that does not decode (the ones before it added, its output
+ * untouched) with its DQSG_ERR_* in *code, else 0. Scratch: codes (the most elements). */
+int64_t hvdc_dqsg_decode_segments(int64_t count, const uint8_t *body, const int64_t *starts,
+                                  const int64_t *lens, const int64_t *ns, const uint64_t *keys,
+                                  int levels, int bits, int64_t bucket, const uint64_t *outs,
+                                  uint8_t *codes, int64_t *code) {
+    for (int64_t p = 0; p < count; p++) {
+        const uint8_t *b = body + starts[p];
+        const int64_t n = ns[p], nb = (n + bucket - 1) / bucket, len = lens[p];
+        int64_t rc = 0;
+        if (len < 4 * nb) rc = DQSG_ERR_DELTAS_LEN;
+        for (int64_t i = 0; rc == 0 && i < nb; i++) {
+            const float d = quant_load_f32(b + 4 * i);
+            if (!(d >= 0.0f) || quant_abs_bits(d) >= 0x7f800000u) rc = DQSG_ERR_DELTA;
+        }
+        if (rc == 0) {
+            const int64_t got = hvdc_prim_bitunpack(b + 4 * nb, len - 4 * nb, n, bits, codes);
+            if (got == QUANT_ERR_PADDING) rc = DQSG_ERR_PADDING;
+            else if (got < 0) rc = DQSG_ERR_CODES_LEN;
+        }
+        uint8_t any = 0;
+        for (int64_t i = 0; rc == 0 && i < n; i++) any |= codes[i] > 2 * levels;
+        if (rc == 0 && any) rc = DQSG_ERR_CODE;
+        if (rc < 0) {
+            *code = rc;
+            return -1 - p;
+        }
+        if (n == 0) continue;
+        for (int64_t i = 0; i < n; i++) codes[i] = (uint8_t)(int8_t)((int)codes[i] - levels);
+        hvdc_dqsg_dequantize((const int8_t *)codes, n, b, bucket, keys[p], 0,
+                             (float *)(uintptr_t)outs[p], 1);
+    }
+    return 0;
+}

@@ -69,7 +69,7 @@ def test_compress_bucket_is_the_frame_of_per_tensor_payloads(name, params):
     assert one_by_one.state_dict().keys() == bucketed.state_dict().keys()
 
 
-@pytest.mark.parametrize("name", ["efsignsgd", "terngrad"])
+@pytest.mark.parametrize("name", ["efsignsgd", "terngrad", "dqsg"])
 def test_compress_bucket_with_codec_threads(monkeypatch, name):
     """With codec threads, tensors big enough to be cut into parts leave the bucket's
     one-call encoder for the threaded per-tensor path: the frame does not change."""

@@ -94,6 +94,8 @@ _SIGNATURES = {
     "hvdc_topkq_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
     "hvdc_qsgd_decode_segments": (_i64, [_i64, _p, _p, _p, _int, _int, _i64, _p, _p]),
     "hvdc_terngrad_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
+    "hvdc_dqsg_encode_segments": (None, [_i64, _p, _p, _p, _int, _int, _i64] + [_p] * 5),
+    "hvdc_dqsg_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _int, _int, _i64, _p, _p, _p]),
 }
 # Negative return codes of the decoders, per source file.
 _ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
@@ -1077,6 +1079,77 @@ def topkq_decode_segments(
         _i64_array(ns),
         wide.ctypes.data,
         out_at.ctypes.data,
+        ctypes.byref(code),
+    )
+    return None if rc == 0 else (-1 - rc, int(code.value))
+
+
+def dqsg_encode_segments(
+    xs: list[torch.Tensor], keys: list[int], levels: int, bits: int, bucket: int
+) -> list[torch.Tensor | None]:
+    """DQSG's body (s = levels > 1: deltas, then the bit-packed codes) of each (x, key) of
+    a bucket in one native call: views of one new buffer, or None for a non-finite x."""
+    count = len(xs)
+    ns = _numels(xs)
+    nb = (ns + bucket - 1) // bucket
+    room = 4 * nb + (ns * bits + 7) // 8
+    buf, starts = _bodies_buffer(room)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
+    bad = np.zeros(count, dtype=np.int32)
+    deltas = np.empty(max(int(nb.max()) if count else 0, 1), dtype=np.float32)
+    codes = np.empty(max(int(ns.max()) if count else 0, 1), dtype=np.uint8)
+    x_at = _addresses(xs)  # a local: alive across the call
+    LIB.hvdc_dqsg_encode_segments(
+        count,
+        x_at.ctypes.data,
+        ns.ctypes.data,
+        key_array.ctypes.data,
+        levels,
+        bits,
+        bucket,
+        _ptr(buf),
+        starts.ctypes.data,
+        bad.ctypes.data,
+        deltas.ctypes.data,
+        codes.ctypes.data,
+    )
+    return [
+        None if b else buf[a : a + r]
+        for a, r, b in zip(starts.tolist(), room.tolist(), bad.tolist(), strict=True)
+    ]
+
+
+def dqsg_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    levels: int,
+    bits: int,
+    bucket: int,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """DQSG's decode (s = levels > 1, accumulating) of each body ``frame[starts[p]:][:lens[p]]``
+    into ``outs[p]``, one native call: None, or (p, error code, kernels/quant.c DQSG_ERR_*)
+    of the first body that does not decode (the ones before it added, its output
+    untouched)."""
+    code = ctypes.c_int64(0)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(len(outs))
+    codes = np.empty(max(int(ns.max()) if len(outs) else 0, 1), dtype=np.uint8)
+    out_at = _addresses(outs)  # a local: alive across the call
+    rc = LIB.hvdc_dqsg_decode_segments(
+        len(outs),
+        _ptr(frame),
+        _i64_array(starts),
+        _i64_array(lens),
+        _i64_array(ns),
+        key_array.ctypes.data,
+        levels,
+        bits,
+        bucket,
+        out_at.ctypes.data,
+        codes.ctypes.data,
         ctypes.byref(code),
     )
     return None if rc == 0 else (-1 - rc, int(code.value))

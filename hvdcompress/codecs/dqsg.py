@@ -20,6 +20,7 @@ ceil(log2(2 s + 1)) bits, bit-packed LSB first.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
@@ -101,3 +102,55 @@ def decode_into(
     if n == 0:
         return
     for_device(out.device).dqsg_dequantize(q, deltas, bucket, key, out, accumulate)
+
+
+def encode_segments(
+    ws: list[torch.Tensor], levels: int, bucket: int, keys: list[int]
+) -> list[torch.Tensor | None]:
+    """``encode`` of each (w, key) of a bucket (contiguous float32 on the CPU, s > 1), one
+    native call for the tensors the codec threads do not cut into parts (``cpu.splits``),
+    ``encode`` for those."""
+    from hvdcompress.backends import cpu
+
+    large = {i for i, w in enumerate(ws) if cpu.splits(w.numel())}
+    small = [i for i in range(len(ws)) if i not in large]
+    batched = cpu.dqsg_encode_segments(
+        [ws[i] for i in small], [keys[i] for i in small], levels, dqsg_bits(levels), bucket
+    )
+    results = dict(zip(small, batched, strict=True))
+    results.update({i: encode(ws[i], levels, bucket, keys[i]) for i in large})
+    return [results[i] for i in range(len(ws))]
+
+
+def decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    levels: int,
+    bucket: int,
+    keys: list[int],
+    outs: list[torch.Tensor],
+) -> tuple[int, PayloadError] | None:
+    """``decode_into`` (accumulating, s > 1) of each body ``frame[starts[i]:][:lens[i]]``
+    into ``outs[i]``, in order, one native call over a host frame: None, or (i, the
+    PayloadError ``decode_into`` raises) for the first bad body, the ones before it added,
+    ``outs[i]`` untouched."""
+    from hvdcompress.backends import cpu
+
+    bits = dqsg_bits(levels)
+    failed = cpu.dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs)
+    if failed is None:
+        return None
+    i, code = failed
+    n, length = int(ns[i]), int(lens[i])
+    nb = num_buckets(n, bucket)
+    rest, packed = length - 4 * nb, prim.packed_len(n, bits)
+    message = {
+        -11: f"{length} bytes cannot hold {nb} bucket deltas",
+        -12: "a DQSG delta is negative or not finite",
+        -13: f"{rest} packed bytes cannot hold {n} values of {bits} bits (expected {packed})",
+        -14: "a padding bit after the last packed value is set",
+        -15: f"a DQSG code is above {2 * levels}",
+    }[code]
+    return i, PayloadError("body", message)

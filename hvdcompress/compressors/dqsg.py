@@ -13,7 +13,7 @@ import struct
 from hvdcompress import wire
 from hvdcompress.codecs import dqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import empty_body
+from hvdcompress.compressors.base import Encoded, empty_body
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.errors import PayloadError
@@ -60,6 +60,20 @@ class DQSG(Stochastic):
             return wire.FLAG_NONFINITE, params, empty_body(w.device)
         return 0, params, body
 
+    def encode_bucket(self, tensors, names):
+        ws = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
+        if self.levels == 1 or not ws or any(w.device.type != "cpu" for w in ws):
+            return super().encode_bucket(tensors, names)  # quartic codes / the CUDA path
+        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
+        params = [rng + PARAMS.pack(self.levels, self.bucket_size) for rng, _ in rngs]
+        bodies = dqsg.encode_segments(ws, self.levels, self.bucket_size, [k for _, k in rngs])
+        return [
+            Encoded(0, p, body)
+            if body is not None
+            else Encoded(wire.FLAG_NONFINITE, p, empty_body(w.device))
+            for w, p, body in zip(ws, params, bodies, strict=True)
+        ]
+
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)
         self._rng_check(header.params, name)
@@ -79,6 +93,16 @@ class DQSG(Stochastic):
     def decode_into(self, header, body, out, accumulate, side_info):
         key = self._stream_key(header.params)
         dqsg.decode_into(body, header.numel, self.levels, self.bucket_size, key, out, accumulate)
+
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        if self.levels == 1:  # quartic codes: decode_into of each
+            return super().decode_segments(
+                frame, params, body_starts, body_lens, numels, outs, names
+            )
+        keys = [self._stream_key(p) for p in params]  # accepts_bucket checked the fields
+        return dqsg.decode_segments(
+            frame, body_starts, body_lens, numels, self.levels, self.bucket_size, keys, outs
+        )
 
     def state_dict(self) -> dict:
         return self._rng_state()
