@@ -849,10 +849,20 @@ def topk_decode_segments(
     checked its length) of ``ks[p]`` kept values of ``ns[p]``, into ``outs[p]``, one native
     call: None, or (p, message) of the first body that does not decode (the ones before it
     added, its output untouched)."""
+    failed = _kept_decode_segments(LIB.hvdc_topk_decode_segments, frame, starts, ks, ns, outs)
+    if failed is None:
+        return None
+    p, code = failed
+    return p, _TOPK_ERRORS[code].format(n=int(ns[p]))
+
+
+def _kept_decode_segments(fn, frame, starts, ks, ns, outs) -> tuple[int, int] | None:
+    """Call a kept-set decoder of kernels/sparse.c (top-k, top-k + sign) over a bucket's
+    bodies: None, or (p, its error code) for the first body p that does not decode."""
     code = ctypes.c_int64(0)
     wide = (ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
     out_at = _addresses(outs)  # a local: alive across the call
-    rc = LIB.hvdc_topk_decode_segments(
+    rc = fn(
         len(outs),
         _ptr(frame),
         _i64_array(starts),
@@ -862,10 +872,7 @@ def topk_decode_segments(
         out_at.ctypes.data,
         ctypes.byref(code),
     )
-    if rc == 0:
-        return None
-    p = -1 - rc
-    return p, _TOPK_ERRORS[code.value].format(n=int(ns[p]))
+    return None if rc == 0 else (-1 - rc, int(code.value))
 
 
 def qsgd_decode_segments(
@@ -1068,20 +1075,7 @@ def topkq_decode_segments(
     code) of the first body that does not decode (the ones before it added, its output
     untouched): -1 / -2 the indices (``_TOPK_ERRORS``), -4 the magnitude, -5 a sign
     padding bit."""
-    code = ctypes.c_int64(0)
-    wide = (ns >= 2**31).astype(np.int32)
-    out_at = _addresses(outs)  # a local: alive across the call
-    rc = LIB.hvdc_topkq_decode_segments(
-        len(outs),
-        _ptr(frame),
-        _i64_array(starts),
-        _i64_array(ks),
-        _i64_array(ns),
-        wide.ctypes.data,
-        out_at.ctypes.data,
-        ctypes.byref(code),
-    )
-    return None if rc == 0 else (-1 - rc, int(code.value))
+    return _kept_decode_segments(LIB.hvdc_topkq_decode_segments, frame, starts, ks, ns, outs)
 
 
 def dqsg_encode_segments(

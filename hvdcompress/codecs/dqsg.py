@@ -112,14 +112,16 @@ def encode_segments(
     ``encode`` for those."""
     from hvdcompress.backends import cpu
 
-    large = {i for i, w in enumerate(ws) if cpu.splits(w.numel())}
-    small = [i for i in range(len(ws)) if i not in large]
-    batched = cpu.dqsg_encode_segments(
-        [ws[i] for i in small], [keys[i] for i in small], levels, dqsg_bits(levels), bucket
+    bits = dqsg_bits(levels)
+    return prim.batched_except_split(
+        list(zip(ws, keys, strict=True)),
+        lambda wk: wk[0].numel(),
+        cpu.splits,
+        lambda pairs: cpu.dqsg_encode_segments(
+            [w for w, _ in pairs], [k for _, k in pairs], levels, bits, bucket
+        ),
+        lambda wk: encode(wk[0], levels, bucket, wk[1]),
     )
-    results = dict(zip(small, batched, strict=True))
-    results.update({i: encode(ws[i], levels, bucket, keys[i]) for i in large})
-    return [results[i] for i in range(len(ws))]
 
 
 def decode_segments(

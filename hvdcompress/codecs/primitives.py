@@ -140,6 +140,20 @@ def flat_f32(x: torch.Tensor) -> torch.Tensor:
     return x.detach().reshape(-1).to(torch.float32).contiguous()
 
 
+def batched_except_split(items: list, numel, splits, batched, single) -> list:
+    """``batched(rest)`` for the items whose tensors the backend does not cut into parts
+    for its codec threads (``splits(numel(item))`` False) and ``single(item)`` for each of
+    the others, results in the items' order: a bucket's one-call encoders leave the big
+    tensors to the threaded per-tensor path."""
+    large = {i for i, item in enumerate(items) if splits(numel(item))}
+    if not large:
+        return batched(items)
+    small = [i for i in range(len(items)) if i not in large]
+    results = dict(zip(small, batched([items[i] for i in small]) if small else [], strict=True))
+    results.update({i: single(items[i]) for i in large})
+    return [results[i] for i in range(len(items))]
+
+
 def f32_data(x: torch.Tensor) -> torch.Tensor:
     """x's values as a contiguous float32 tensor, for native calls that take only an
     address and a size (a bucket's segment tables): x itself when it is one already (no

@@ -109,12 +109,13 @@ def terngrad_encode_segments(
     (``cpu.splits``), ``terngrad_encode`` for those."""
     from hvdcompress.backends import cpu
 
-    large = {i for i, x in enumerate(xs) if cpu.splits(x.numel())}
-    small = [i for i in range(len(xs)) if i not in large]
-    batched = cpu.terngrad_encode_segments([xs[i] for i in small], [keys[i] for i in small])
-    results = dict(zip(small, batched, strict=True))
-    results.update({i: terngrad_encode(xs[i], keys[i]) for i in large})
-    return [results[i] for i in range(len(xs))]
+    return prim.batched_except_split(
+        list(zip(xs, keys, strict=True)),
+        lambda xk: xk[0].numel(),
+        cpu.splits,
+        lambda pairs: cpu.terngrad_encode_segments([x for x, _ in pairs], [k for _, k in pairs]),
+        lambda xk: terngrad_encode(*xk),
+    )
 
 
 def terngrad_decode_into(

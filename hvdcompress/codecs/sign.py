@@ -67,18 +67,16 @@ def ef_encode_segments(
     passes, each one native call for the bucket's tensors, except those the backend cuts
     into parts for its threads (``splits``), which take ``ef_encode``."""
     backend = for_device(gs[0].device)
-    large = [i for i, g in enumerate(gs) if backend.splits(g.numel())]
-    if large:
-        small = [i for i in range(len(gs)) if i not in set(large)]
-        results = dict(
-            zip(
-                small,
-                ef_encode_segments([gs[i] for i in small], [es[i] for i in small]) if small else [],
-                strict=True,
-            )
-        )
-        results.update({i: ef_encode(gs[i], es[i]) for i in large})
-        return [results[i] for i in range(len(gs))]
+    return prim.batched_except_split(
+        list(zip(gs, es, strict=True)),
+        lambda ge: ge[0].numel(),
+        backend.splits,
+        lambda pairs: _ef_encode_batch(backend, [g for g, _ in pairs], [e for _, e in pairs]),
+        lambda ge: ef_encode(*ge),
+    )
+
+
+def _ef_encode_batch(backend, gs, es) -> list[tuple[torch.Tensor, float] | None]:
     sums, nonfinite = backend.efsign_sums_segments(gs, es)
     scales = [
         0.0 if bad else ef_scale(s, g.numel())

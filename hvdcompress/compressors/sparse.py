@@ -82,6 +82,10 @@ class TopK(RatioLevels, GatherCompressor):
         body = self._select(a, sparse.topk_count(a.numel(), ratio))
         return 0, params, body  # e = a - decode(body): _select subtracted what it sent
 
+    # the bucket forms of the codec (kernels/sparse.c): TopKSign sets its own
+    encode_segments = staticmethod(sparse.topk_encode_segments)
+    decode_kept_segments = staticmethod(sparse.topk_decode_segments)
+
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if not gs or any(g.device.type != "cpu" for g in gs):  # the CUDA selection: per tensor
@@ -89,7 +93,7 @@ class TopK(RatioLevels, GatherCompressor):
         es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
         ratios = [self.level(name) for name in names]
         ks = [sparse.topk_count(g.numel(), r) for g, r in zip(gs, ratios, strict=True)]
-        bodies, nonfinite = sparse.topk_encode_segments(gs, es, ks)
+        bodies, nonfinite = self.encode_segments(gs, es, ks)
         return [
             Encoded(wire.FLAG_NONFINITE if bad else 0, TOPK_PARAMS.pack(r), body)
             for body, bad, r in zip(bodies, nonfinite, ratios, strict=True)
@@ -130,7 +134,7 @@ class TopK(RatioLevels, GatherCompressor):
             dtype=np.int64,
             count=len(params),
         )
-        return sparse.topk_decode_segments(frame, body_starts, body_lens, numels, ks, outs)
+        return self.decode_kept_segments(frame, body_starts, body_lens, numels, ks, outs)
 
     def state_dict(self) -> dict:
         return {"ratio": self.ratio, "residuals": self.memory.state_dict()}
@@ -155,29 +159,8 @@ class TopKSign(TopK):
     wire_id = 11
     cat_kind = "topk+q"
 
-    def encode_bucket(self, tensors, names):
-        gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if not gs or any(g.device.type != "cpu" for g in gs):  # the CUDA selection: per tensor
-            return GatherCompressor.encode_bucket(self, tensors, names)
-        es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
-        ratios = [self.level(name) for name in names]
-        ks = [sparse.topk_count(g.numel(), r) for g, r in zip(gs, ratios, strict=True)]
-        bodies, nonfinite = sparse.topk_sign_encode_segments(gs, es, ks)
-        return [
-            Encoded(wire.FLAG_NONFINITE if bad else 0, TOPK_PARAMS.pack(r), body)
-            for body, bad, r in zip(bodies, nonfinite, ratios, strict=True)
-        ]
-
-    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
-        ks = np.fromiter(
-            (
-                sparse.topk_count(n, TOPK_PARAMS.unpack(p)[0])
-                for n, p in zip(numels.tolist(), params, strict=True)
-            ),
-            dtype=np.int64,
-            count=len(params),
-        )
-        return sparse.topk_sign_decode_segments(frame, body_starts, body_lens, numels, ks, outs)
+    encode_segments = staticmethod(sparse.topk_sign_encode_segments)
+    decode_kept_segments = staticmethod(sparse.topk_sign_decode_segments)
 
     def __repr__(self) -> str:
         return f"TopKSign(ratio={self.ratio})"
