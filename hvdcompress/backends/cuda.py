@@ -750,28 +750,6 @@ def threelc_encode_segments(
     return [x.body for x in encoded], [x.scale for x in encoded], [x.nonfinite for x in encoded]
 
 
-def threelc_decode_segments(frame, starts, lens, ns, scales, outs) -> tuple[int, str] | None:
-    for p, (a, n, numel, scale) in enumerate(
-        zip(starts.tolist(), lens.tolist(), ns.tolist(), scales.tolist(), strict=True)
-    ):
-        try:
-            threelc_decode(frame[a : a + n], numel, scale, outs[p], True)
-        except PayloadError as err:
-            return p, err.detail
-    return None
-
-
-def sign_decode_segments(frame, starts, ns, scales, outs) -> tuple[int, str] | None:
-    for p, (a, numel, scale) in enumerate(
-        zip(starts.tolist(), ns.tolist(), scales.tolist(), strict=True)
-    ):
-        try:
-            sign_decode(frame[a : a + (numel + 7) // 8], numel, scale, outs[p], True)
-        except PayloadError as err:
-            return p, err.detail
-    return None
-
-
 def efsign_sums_segments(gs, es) -> tuple[list[torch.Tensor], list[bool]]:
     sums = [efsign_sums(g.view(-1), e) for g, e in zip(gs, es, strict=True)]
     return [torch.zeros(0) if s is None else s for s in sums], [s is None for s in sums]

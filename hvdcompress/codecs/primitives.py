@@ -154,6 +154,19 @@ def batched_except_split(items: list, numel, splits, batched, single) -> list:
     return [results[i] for i in range(len(items))]
 
 
+def decode_to_wrong_length(lens: np.ndarray, need: np.ndarray, decode, length_error):
+    """A bucket decoder for bodies whose length the header fixes (``need``): ``decode(upto)``
+    adds the bodies before the first of a wrong length (None, or (i, PayloadError) of a
+    body that does not decode), then that body's ``length_error(i)``, as the per-payload
+    decoders, which check the length first, would stop there."""
+    wrong = np.flatnonzero(lens != need)
+    upto = int(wrong[0]) if wrong.size else len(lens)
+    failed = decode(upto)
+    if failed is not None:
+        return failed
+    return (upto, length_error(upto)) if wrong.size else None
+
+
 def f32_data(x: torch.Tensor) -> torch.Tensor:
     """x's values as a contiguous float32 tensor, for native calls that take only an
     address and a size (a bucket's segment tables): x itself when it is one already (no

@@ -142,16 +142,15 @@ def qsgd_decode_segments(
     levels = check_levels(levels, "QSGD")
     bits = qsgd_bits(levels)
     need = 4 * ((ns + bucket - 1) // bucket) + (ns * bits + 7) // 8
-    wrong = np.flatnonzero(lens != need)
-    upto = int(wrong[0]) if wrong.size else len(outs)
-    failed = cpu.qsgd_decode_segments(
-        frame, starts[:upto].copy(), ns[:upto].copy(), levels, bits, bucket, outs[:upto]
-    )
-    if failed is not None:
-        return failed[0], PayloadError("body", failed[1])
-    if wrong.size:
-        n, got = int(ns[upto]), int(lens[upto])
-        return upto, PayloadError(
-            "body", f"QSGD of {n} values needs {int(need[upto])} bytes, got {got}"
+
+    def decode(upto: int):
+        failed = cpu.qsgd_decode_segments(
+            frame, starts[:upto].copy(), ns[:upto].copy(), levels, bits, bucket, outs[:upto]
         )
-    return None
+        return None if failed is None else (failed[0], PayloadError("body", failed[1]))
+
+    def length_error(i: int) -> PayloadError:
+        n, got = int(ns[i]), int(lens[i])
+        return PayloadError("body", f"QSGD of {n} values needs {int(need[i])} bytes, got {got}")
+
+    return prim.decode_to_wrong_length(lens, need, decode, length_error)

@@ -110,20 +110,21 @@ def decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """The bucket form of ``decode_into`` (accumulating), one native call: body i, ``ns[i]``
-    signs of magnitude ``scales[i]``, is ``frame[starts[i]:][:lens[i]]`` and goes into
-    ``outs[i]``. Returns None, or (i, the error ``decode_into`` would raise) for the first
-    bad body: the bodies before it are added, ``outs[i]`` is untouched."""
-    wrong = np.flatnonzero(lens != (ns + 7) // 8)
-    upto = int(wrong[0]) if wrong.size else len(outs)
-    failed = for_device(frame.device).sign_decode_segments(
-        frame, starts[:upto].copy(), ns[:upto].copy(), scales[:upto], outs[:upto]
+    """The bucket form of ``decode_into`` (accumulating), one native call over a host
+    frame: body i, ``ns[i]`` signs of magnitude ``scales[i]``, is ``frame[starts[i]:][:lens[i]]``
+    and goes into ``outs[i]``. Returns None, or (i, the error ``decode_into`` would raise)
+    for the first bad body: the bodies before it are added, ``outs[i]`` is untouched."""
+    from hvdcompress.backends import cpu
+
+    def decode(upto: int):
+        failed = cpu.sign_decode_segments(
+            frame, starts[:upto].copy(), ns[:upto].copy(), scales[:upto], outs[:upto]
+        )
+        return None if failed is None else (failed[0], PayloadError("body", failed[1]))
+
+    return prim.decode_to_wrong_length(
+        lens, (ns + 7) // 8, decode, lambda i: _length_error(int(lens[i]), int(ns[i]))
     )
-    if failed is not None:
-        return failed[0], PayloadError("body", failed[1])
-    if wrong.size:
-        return upto, _length_error(int(lens[upto]), int(ns[upto]))
-    return None
 
 
 def _length_error(nbytes: int, n: int) -> PayloadError:

@@ -40,7 +40,14 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
-from hvdcompress.codecs.primitives import abs_sum, bitpack, bitunpack, packed_len, uniform
+from hvdcompress.codecs.primitives import (
+    abs_sum,
+    bitpack,
+    bitunpack,
+    decode_to_wrong_length,
+    packed_len,
+    uniform,
+)
 from hvdcompress.errors import PayloadError
 
 INDEX32_LIMIT = 2**31
@@ -264,19 +271,18 @@ def topk_decode_segments(
     from hvdcompress.backends import cpu
 
     need = ks * np.where(ns >= INDEX32_LIMIT, 12, 8)
-    wrong = np.flatnonzero(lens != need)
-    upto = int(wrong[0]) if wrong.size else len(outs)
-    failed = cpu.topk_decode_segments(
-        frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto]
-    )
-    if failed is not None:
-        return failed[0], PayloadError("body", failed[1])
-    if wrong.size:
-        k, got = int(ks[upto]), int(lens[upto])
-        return upto, PayloadError(
-            "body", f"top-k of {k} values needs {int(need[upto])} bytes, got {got}"
+
+    def decode(upto: int):
+        failed = cpu.topk_decode_segments(
+            frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto]
         )
-    return None
+        return None if failed is None else (failed[0], PayloadError("body", failed[1]))
+
+    def length_error(i: int) -> PayloadError:
+        k, got = int(ks[i]), int(lens[i])
+        return PayloadError("body", f"top-k of {k} values needs {int(need[i])} bytes, got {got}")
+
+    return decode_to_wrong_length(lens, need, decode, length_error)
 
 
 def topk_encode_segments(
@@ -324,21 +330,24 @@ def topk_sign_decode_segments(
     from hvdcompress.backends import cpu
 
     need = 4 + ks * np.where(ns >= INDEX32_LIMIT, 8, 4) + (ks + 7) // 8
-    wrong = np.flatnonzero(lens != need)
-    upto = int(wrong[0]) if wrong.size else len(outs)
-    failed = cpu.topkq_decode_segments(
-        frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto]
-    )
-    if failed is not None:
+
+    def decode(upto: int):
+        failed = cpu.topkq_decode_segments(
+            frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto]
+        )
+        if failed is None:
+            return None
         i, code = failed
         if code == -4:
             at = int(starts[i])
             m = float(frame[at : at + 4].clone().view(torch.float32))
             return i, PayloadError("body", f"top-k + sign magnitude {m} is not finite and >= 0")
         return i, PayloadError("body", cpu._TOPKQ_ERRORS[code].format(n=int(ns[i])))
-    if wrong.size:
-        k, got, n_need = int(ks[upto]), int(lens[upto]), int(need[upto])
-        return upto, PayloadError(
-            "body", f"top-k + sign of {k} values needs {n_need} bytes, got {got}"
+
+    def length_error(i: int) -> PayloadError:
+        k, got = int(ks[i]), int(lens[i])
+        return PayloadError(
+            "body", f"top-k + sign of {k} values needs {int(need[i])} bytes, got {got}"
         )
-    return None
+
+    return decode_to_wrong_length(lens, need, decode, length_error)

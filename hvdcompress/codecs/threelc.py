@@ -135,8 +135,10 @@ def decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` of ``ns[i]``
-    values with scale ``scales[i]`` into ``outs[i]``, in order, one native call (a CPU
-    frame): None, or (i, the PayloadError ``decode_into`` raises) for the first body that
+    values with scale ``scales[i]`` into ``outs[i]``, in order, one native call over a host
+    frame: None, or (i, the PayloadError ``decode_into`` raises) for the first body that
     does not decode, the ones before it added, ``outs[i]`` untouched."""
-    failed = for_device(frame.device).threelc_decode_segments(frame, starts, lens, ns, scales, outs)
+    from hvdcompress.backends import cpu
+
+    failed = cpu.threelc_decode_segments(frame, starts, lens, ns, scales, outs)
     return None if failed is None else (failed[0], PayloadError("body", failed[1]))

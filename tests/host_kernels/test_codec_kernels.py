@@ -176,8 +176,8 @@ def test_dqsg_kernels_match_cpu(emulated, levels, bucket, code_offset):
 @pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "qsgd", "terngrad", "dqsg", "3lc"])
 def test_emulated_bucket_frames_match_cpu(emulated, monkeypatch, name):
     """compress_bucket through the CUDA backend's code (segment encoders, per-payload
-    checksum kernels) gives the CPU backend's frame, step after step, and decode_frame
-    through its segment decoders the CPU backend's sums."""
+    checksum kernels) gives the CPU backend's frame, step after step, and decode_frame (the
+    host's segment decoders: frames are host memory) the CPU backend's sums."""
     gen = torch.Generator().manual_seed(2)
     tensors = [torch.randn(n, generator=gen) for n in (1, 9, 700, 5003)]
     names = [f"t{i}" for i in range(len(tensors))]
