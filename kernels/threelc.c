@@ -85,6 +85,49 @@ static inline float rint_small(float x) {
     return (x + magic) - magic;
 }
 
+/* Smallest S whose half is exact (S / 2 >= FLT_MIN, the least normal float). */
+#define TLC_HALF_EXACT_MIN 2.3509887e-38f /* 2^-125 */
+
+/* q = rint(fl(a / S)) without the division (docs/design.md 2.1). |a / S| <= 1, so q is
+ * +-1 exactly when |fl(a / S)| > 1/2 (1/2 itself rounds to 0, ties to even). With S in
+ * [2^k, 2^(k+1)), fl(a / S) > 1/2 iff a / S > 1/2 + 2^-25 (the midpoint above 1/2), i.e.
+ * |a| > S (1/2 + 2^-25); that bound lies strictly between S / 2 and the next float above
+ * it (S 2^-25 < ulp(S) / 2 = ulp(S / 2)), so for a float a the test is |a| > S / 2, exact
+ * when S / 2 is a normal float. The quantiser compares instead of dividing (a vector
+ * division is the slowest step of the pass) and takes the division for the tiny scales
+ * below TLC_HALF_EXACT_MIN. Same q, same residual: S * q is -S, +0.0 or +S. */
+static inline void quantize_block(const float *g, const float *e_in, float *e_out, float S,
+                                  int64_t len, int8_t *d) {
+    if (S == 0.0f) {
+        for (int64_t i = 0; i < len; i++) {
+            float a = e_in ? g[i] + e_in[i] : g[i];
+            if (e_out) e_out[i] = a;
+            d[i] = 1;
+        }
+    } else if (S >= TLC_HALF_EXACT_MIN) {
+        /* in integer lanes (non-negative floats order like their bits): keep = |a| > S / 2,
+         * S * q = keep ? S with a's sign : +0.0, d = 1 + q */
+        const uint32_t half_bits = f32_bits(S * 0.5f), s_bits = f32_bits(S);
+        for (int64_t i = 0; i < len; i++) {
+            float a = e_in ? g[i] + e_in[i] : g[i];
+            uint32_t bits = f32_bits(a), sign = bits >> 31;
+            uint32_t keep = (bits & 0x7fffffffu) > half_bits;
+            uint32_t sq_bits = (s_bits | (bits & 0x80000000u)) & (0u - keep);
+            float Sq;
+            memcpy(&Sq, &sq_bits, sizeof Sq);
+            if (e_out) e_out[i] = a - Sq;
+            d[i] = (int8_t)(1 + keep - 2 * (keep & sign));
+        }
+    } else {
+        for (int64_t i = 0; i < len; i++) {
+            float a = e_in ? g[i] + e_in[i] : g[i];
+            float q = rint_small(a / S);
+            if (e_out) e_out[i] = a - S * q;
+            d[i] = (int8_t)((int)q + 1);
+        }
+    }
+}
+
 /* Quantise, update the residual, and emit quartic bytes / int8 digits.
  *   a = g + e_in (e_in may be NULL), q = rint(a / S) (0 when S == 0),
  *   e_out = a - S * q (e_out may be NULL; may alias e_in),
@@ -95,21 +138,8 @@ TLC_VECTOR void hvdc_tlc_quantize(const float *g, const float *e_in, float *e_ou
     int8_t d[TLC_BLOCK + 8];
     for (int64_t base = 0; base < n; base += TLC_BLOCK) {
         int64_t len = n - base < TLC_BLOCK ? n - base : TLC_BLOCK;
-        const float *gb = g + base;
-        if (S == 0.0f) {
-            for (int64_t i = 0; i < len; i++) {
-                float a = e_in ? gb[i] + e_in[base + i] : gb[i];
-                if (e_out) e_out[base + i] = a;
-                d[i] = 1;
-            }
-        } else {
-            for (int64_t i = 0; i < len; i++) {
-                float a = e_in ? gb[i] + e_in[base + i] : gb[i];
-                float q = rint_small(a / S);
-                if (e_out) e_out[base + i] = a - S * q;
-                d[i] = (int8_t)((int)q + 1);
-            }
-        }
+        quantize_block(g + base, e_in ? e_in + base : NULL, e_out ? e_out + base : NULL, S, len,
+                       d);
         if (q_out)
             for (int64_t i = 0; i < len; i++) q_out[base + i] = (int8_t)(d[i] - 1);
         if (quartic) {
@@ -183,8 +213,9 @@ static inline void zre_step(uint8_t *out, int64_t *o_io, int64_t *run_io, uint8_
 }
 
 /* Eight bytes at a time: a word without zero groups is copied, a word of eight zero
- * groups extends the run; mixed words go byte by byte. */
-static inline void zre_push(zre_state *st, const uint8_t *in, int64_t m) {
+ * groups extends the run; mixed words go byte by byte. The portable path (and the
+ * reference of the word-table path below). */
+static inline void zre_push_bytes(zre_state *st, const uint8_t *in, int64_t m) {
     uint8_t *out = st->out;
     int64_t o = st->o, run = st->run, i = 0;
     for (; i + 8 <= m; i += 8) {
@@ -213,6 +244,121 @@ static inline void zre_push(zre_state *st, const uint8_t *in, int64_t m) {
     st->run = run;
 }
 
+/* The word-table path (x86-64 with SSSE3, picked at load time): a mixed word (zero groups
+ * and literals, the common case at s = 1) is encoded by one byte shuffle instead of eight
+ * dependent steps. For each 8-bit zero-group mask m of a word (bit k: byte k is 121) that
+ * has a literal, zre_rows[m] encodes the word from its first literal to its last: a
+ * pshufb control picking the literals (0x80: a code byte goes there) and the codes of the
+ * inner runs (at most 6 zero groups, so a single code each) to OR in. The zero groups before
+ * the first literal extend the pending run, which is emitted (255 once it reaches 14, then
+ * its code) before it; those after the last literal start the next pending run. Same bytes
+ * as zre_push_bytes (tests/codecs/test_threelc.py compares the two on random streams). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define TLC_WORD_ZRE 1
+#define TLC_ZRE_CHUNK 256 /* input bytes encoded into the stack stage per step */
+
+typedef struct {
+    uint8_t shuffle[16];
+    uint8_t codes[16];
+} zre_word_row;
+static zre_word_row zre_rows[256];
+static uint8_t zre_row_len[256];
+static int zre_use_words;
+
+/* The code of a pending run of r < 14 zero groups (r = 0: never committed). */
+static const uint8_t zre_run_code[14] = {0,   TLC_ZERO_GROUP, 243, 244, 245, 246, 247,
+                                         248, 249,            250, 251, 252, 253, 254};
+
+__attribute__((constructor)) static void zre_build_rows(void) {
+    for (int m = 0; m < 255; m++) { /* m = 255: no literal */
+        zre_word_row *row = &zre_rows[m];
+        int first = 0, last = 7, o = 0, run = 0;
+        while (m >> first & 1) first++;
+        while (m >> last & 1) last--;
+        memset(row->shuffle, 0x80, sizeof row->shuffle);
+        memset(row->codes, 0, sizeof row->codes);
+        for (int k = first; k <= last; k++) {
+            if (m >> k & 1) {
+                run++;
+                continue;
+            }
+            if (run) row->codes[o++] = zre_run_code[run];
+            run = 0;
+            row->shuffle[o++] = (uint8_t)k;
+        }
+        zre_row_len[m] = (uint8_t)o;
+    }
+    __builtin_cpu_init();
+    zre_use_words = __builtin_cpu_supports("ssse3");
+}
+
+/* Emits the pending run of r <= 21 zero groups that a literal ends: 255 if r >= 14, then
+ * the code of the rest (branch-free: speculative writes, commits by count). */
+static inline int64_t zre_emit_run(uint8_t *out, int64_t o, int64_t r) {
+    int64_t big = r >= TLC_MAX_RUN;
+    out[o] = TLC_RUN_BASE + TLC_MAX_RUN;
+    o += big;
+    r -= TLC_MAX_RUN & -big;
+    out[o] = zre_run_code[r];
+    return o + (r > 0);
+}
+
+__attribute__((target("ssse3"))) static void zre_push_words(zre_state *st, const uint8_t *in,
+                                                            int64_t m) {
+    /* a chunk's output: at most its input plus one pending code, plus the 16-byte store */
+    uint8_t stage[TLC_ZRE_CHUNK + 32];
+    for (int64_t c = 0; c < m; c += TLC_ZRE_CHUNK) {
+        const int64_t len = m - c < TLC_ZRE_CHUNK ? m - c : TLC_ZRE_CHUNK;
+        const uint8_t *p = in + c;
+        int64_t o = 0, run = st->run, i = 0;
+        for (; i + 8 <= len; i += 8) {
+            uint64_t x;
+            memcpy(&x, p + i, sizeof x);
+            /* bit k of mask: byte k is a zero group (bit 7 of each byte gathered to the top) */
+            const unsigned mask =
+                (unsigned)(((zero_group_mask(x) >> 7) * 0x0102040810204080ull) >> 56);
+            if (mask == 0) { /* eight literals */
+                o = zre_emit_run(stage, o, run);
+                memcpy(stage + o, &x, sizeof x);
+                o += 8;
+                run = 0;
+            } else if (mask == 0xffu) { /* eight zero groups */
+                run += 8;
+                const int64_t big = run >= TLC_MAX_RUN;
+                stage[o] = TLC_RUN_BASE + TLC_MAX_RUN;
+                o += big;
+                run -= TLC_MAX_RUN & -big;
+            } else {
+                o = zre_emit_run(stage, o, run + __builtin_ctz(~mask));
+                const zre_word_row *row = &zre_rows[mask];
+                const __m128i word = _mm_cvtsi64_si128((long long)x);
+                const __m128i enc = _mm_or_si128(
+                    _mm_shuffle_epi8(word, _mm_loadu_si128((const __m128i *)row->shuffle)),
+                    _mm_loadu_si128((const __m128i *)row->codes));
+                _mm_storeu_si128((__m128i *)(stage + o), enc);
+                o += zre_row_len[mask];
+                run = __builtin_clz(~mask << 24); /* zero groups after the last literal */
+            }
+        }
+        for (; i < len; i++) zre_step(stage, &o, &run, p[i]);
+        memcpy(st->out + st->o, stage, (size_t)o);
+        st->o += o;
+        st->run = run;
+    }
+}
+#endif
+
+static inline void zre_push(zre_state *st, const uint8_t *in, int64_t m) {
+#ifdef TLC_WORD_ZRE
+    if (zre_use_words) {
+        zre_push_words(st, in, m);
+        return;
+    }
+#endif
+    zre_push_bytes(st, in, m);
+}
+
 static inline int64_t zre_finish(zre_state *st) {
     if (st->run > 0)
         st->out[st->o++] = (uint8_t)(st->run >= 2 ? TLC_RUN_BASE + st->run : TLC_ZERO_GROUP);
@@ -225,6 +371,14 @@ static inline int64_t zre_finish(zre_state *st) {
 int64_t hvdc_tlc_zre_encode(const uint8_t *in, int64_t m, uint8_t *out) {
     zre_state st = {out, 0, 0};
     zre_push(&st, in, m);
+    return zre_finish(&st);
+}
+
+/* hvdc_tlc_zre_encode through the portable byte-at-a-time path (the tests compare it with
+ * the word-table path that hvdc_tlc_zre_encode takes on x86-64). */
+int64_t hvdc_tlc_zre_encode_portable(const uint8_t *in, int64_t m, uint8_t *out) {
+    zre_state st = {out, 0, 0};
+    zre_push_bytes(&st, in, m);
     return zre_finish(&st);
 }
 
@@ -349,33 +503,37 @@ int64_t hvdc_tlc_dequantize(const uint8_t *quartic, int64_t n, float S, float *o
     return 0;
 }
 
-/* out[i] += v[i], i < cnt (vectorised). */
-TLC_VECTOR static void tlc_add(float *out, const float *v, int64_t cnt) {
-    for (int64_t i = 0; i < cnt; i++) out[i] = out[i] + v[i];
-}
-
 /* The accumulating decode of a checked body (its zero-run expansion is exactly
- * ceil(n / 5) groups): consecutive literal groups are expanded into a block of floats
- * (each its 20-byte table row) and added to out in one vectorised loop when a run starts
- * or the block is full; a run of zero groups adds nothing and is skipped (out is not even
- * read there). */
-static void tlc_decode_add(const uint8_t *body, int64_t len, int64_t n,
-                           const float table[243][5], float *out) {
-    float block[TLC_BLOCK];
-    int64_t j = 0, g = 0; /* first group of the block; groups in it */
-    for (int64_t i = 0; i < len; i++) {
-        const uint8_t b = body[i];
-        if (b <= TLC_MAX_QUARTIC) {
-            memcpy(block + 5 * g, table[b], 5 * sizeof(float));
-            if (++g < TLC_BLOCK_GROUPS) continue;
+ * ceil(n / 5) groups), straight into out: each body byte adds its 20-byte row of `rows` to
+ * the five floats of its first group and advances by the groups it stands for (1, or r for
+ * a run). A run shorter than 14 (codes 243..254) has the row five -0.0, and x + -0.0 == x
+ * for every float x (+0.0 and -0.0 included), so it leaves the output as it is (section
+ * 2.4) without a branch: short runs and literals interleave at random in gradient data,
+ * and a branch on each byte mispredicted about every third byte. A full run (255, common
+ * only in sparse payloads, where it comes in long streaks) is skipped by a branch without
+ * touching out. Only the last group, when n is not a multiple of 5, is added element by
+ * element (its row reaches past out[n - 1]). */
+static void tlc_decode_add(const uint8_t *body, int64_t len, int64_t n, const float rows[256][5],
+                           const uint8_t advance[256], float *out) {
+    const int64_t whole = n / 5; /* groups with five elements inside out */
+    int64_t j = 0, i = 0;
+    for (; i < len && j < whole; i++) {
+        const uint8_t b = body[i]; /* read once: out's stores may alias it for the compiler */
+        if (b == TLC_RUN_BASE + TLC_MAX_RUN) {
+            j += TLC_MAX_RUN;
+            continue;
         }
-        const int64_t hi = 5 * (j + g) < n ? 5 * (j + g) : n;
-        tlc_add(out + 5 * j, block, hi - 5 * j);
-        j += g + (b > TLC_MAX_QUARTIC ? b - TLC_RUN_BASE : 0);
-        g = 0;
+        const float *t = rows[b];
+        float *o = out + 5 * j;
+        o[0] = o[0] + t[0];
+        o[1] = o[1] + t[1];
+        o[2] = o[2] + t[2];
+        o[3] = o[3] + t[3];
+        o[4] = o[4] + t[4];
+        j += advance[b];
     }
-    const int64_t hi = 5 * (j + g) < n ? 5 * (j + g) : n;
-    tlc_add(out + 5 * j, block, hi - 5 * j);
+    if (i < len && body[i] <= TLC_MAX_QUARTIC) /* the partial last group, a literal */
+        for (int64_t k = 0; k < n - 5 * j; k++) out[5 * j + k] += rows[body[i]][k];
 }
 
 /* Fused zero-run decode + dequantize without materialising the quartic bytes:
@@ -393,12 +551,20 @@ int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, fl
         for (int k = 4; k >= (int)(n % 5); k--)
             if ((b / pow3[k]) % 3 != 1) return TLC_ERR_PADDING;
     }
-    float table[243][5];
-    scaled_groups(S, table);
     if (accumulate) {
-        tlc_decode_add(body, len, n, table, out);
+        float rows[256][5];
+        uint8_t advance[256];
+        scaled_groups(S, rows);
+        for (int b = 0; b < 256; b++) {
+            advance[b] = (uint8_t)(b > TLC_MAX_QUARTIC ? b - TLC_RUN_BASE : 1);
+            if (b > TLC_MAX_QUARTIC) /* a run: adds -0.0, the identity */
+                for (int k = 0; k < 5; k++) rows[b][k] = -0.0f;
+        }
+        tlc_decode_add(body, len, n, rows, advance, out);
         return 0;
     }
+    float table[243][5];
+    scaled_groups(S, table);
     int64_t j = 0; /* quartic group index */
     for (int64_t i = 0; i < len; i++) {
         uint8_t b = body[i];

@@ -87,6 +87,64 @@ def test_building_blocks_roundtrip(n):
     assert torch.equal(threelc.quartic_decode(quartic, n), q)
 
 
+def _zre_through(entry, quartic: np.ndarray) -> bytes:
+    out = np.zeros(quartic.size + 2, np.uint8)
+    length = entry(quartic.ctypes.data, quartic.size, out.ctypes.data)
+    return out[:length].tobytes()
+
+
+@pytest.mark.parametrize("zero_fraction", [0.0, 0.2, 0.5, 0.8, 0.97, 1.0])
+def test_zero_run_encode_word_path_matches_oracle_and_portable_path(zero_fraction):
+    """The word-table zero-run encoder (one shuffle per mixed 8-byte word, x86-64) gives the
+    oracle's bytes and the portable byte-at-a-time path's, at every mix of zero groups and
+    literals, at every length around the 8-byte words and 256-byte chunks, with runs that
+    cross words, chunks and the 14-group code limit."""
+    from hvdcompress.backends.cpu import LIB
+
+    rng = np.random.default_rng(int(zero_fraction * 1000))
+    for m in [*range(40), 255, 256, 257, 263, 264, 511, 512, 513, 4099]:
+        for _ in range(4):
+            quartic = rng.integers(0, 243, m).astype(np.uint8)
+            quartic[rng.random(m) < zero_fraction] = threelc.ZERO_GROUP
+            if m > 60 and rng.random() < 0.5:  # one long run at a random place
+                start = int(rng.integers(0, m - 40))
+                quartic[start : start + int(rng.integers(13, 40))] = threelc.ZERO_GROUP
+            expected = reference.zre(quartic).tobytes()
+            assert _zre_through(LIB.hvdc_tlc_zre_encode, quartic) == expected, (m, quartic)
+            assert _zre_through(LIB.hvdc_tlc_zre_encode_portable, quartic) == expected
+
+
+@pytest.mark.parametrize(
+    "peak",
+    [1.0, 3.0e-3, 1.7e38, 2.0**-124, 2.0**-125, 2.0**-125 * 1.5, 2.0**-126, 1.0e-40, 1.4e-45],
+)
+@pytest.mark.parametrize("sparsity", [1.0, 1.5, 1.99])
+def test_quantize_at_half_the_scale_is_the_division_rule(peak, sparsity):
+    """The quantiser compares |a| with S / 2 instead of rounding fl(a / S) (design doc 2.1):
+    the same q at the boundary itself, the floats on either side of it and the rounding
+    ties, for scales whose half is exact and for the tiny ones (S / 2 below the least
+    normal float) that take the division."""
+    peak = np.float32(peak)
+    scale = np.float32(np.float32(sparsity) * peak)
+    half = np.float32(scale * np.float32(0.5))
+    near = [half]
+    for _ in range(3):
+        near += [np.nextafter(near[-1], np.float32(np.inf))]
+    down = half
+    for _ in range(3):
+        down = np.nextafter(down, np.float32(0))
+        near.append(down)
+    near += [scale * np.float32(0.25), peak, np.float32(0)]
+    near = [v for v in near if v <= peak]  # the peak stays the largest (smallest subnormals)
+    values = np.array([peak] + [s * v for v in near for s in (1, -1)], np.float32)
+    zre, s_sent, new_e = reference.encode(values, np.zeros_like(values), sparsity)
+    e_t = torch.zeros(values.size)
+    enc = threelc.encode(torch.from_numpy(values), e_t, sparsity)
+    assert np.float32(enc.scale) == s_sent == scale
+    assert enc.body.numpy().tobytes() == zre.tobytes()
+    assert e_t.numpy().tobytes() == new_e.tobytes()
+
+
 def test_all_zero_tensor_is_all_runs():
     enc = threelc.encode(torch.zeros(1000), None, 1.0)
     assert enc.scale == 0.0
@@ -107,6 +165,48 @@ def test_decode_accumulate_adds_in_float32():
     expected = acc + torch.from_numpy(reference.quantize(g.numpy(), 1.0)[0]).float() * enc.scale
     threelc.decode_into(enc.body, 1003, enc.scale, acc, accumulate=True)
     assert torch.equal(acc, expected)
+
+
+@pytest.mark.parametrize("n", [5 * 700, 5 * 700 - 3])
+def test_decode_accumulate_leaves_run_groups_untouched(n):
+    """Accumulating decode adds S * q for every group of a literal byte (a zero digit adds
+    +0.0, turning a -0.0 into +0.0) and leaves the groups of every run code as they were
+    (a -0.0 stays -0.0), for runs of every length 1..30 between literals (design doc 2.4)."""
+    rng = np.random.default_rng(n)
+    groups = -(-n // 5)
+    quartic = rng.integers(0, 243, groups).astype(np.uint8)
+    j = 0
+    while j < groups:  # alternate literals and runs of 1, 2, ..., 30 zero groups
+        r = int(rng.integers(1, 31))
+        quartic[j + 1 : j + 1 + r] = threelc.ZERO_GROUP
+        j += 1 + r
+    if n % 5:
+        quartic[-1] = 81 * int(rng.integers(0, 3)) + 27 * int(rng.integers(0, 3)) + 13
+    body = reference.zre(quartic)
+    levels = np.float32([-0.75, 0.0, 0.75])
+    base = np.where(rng.random(n) < 0.5, np.float32(-0.0), rng.standard_normal(n)).astype(
+        np.float32
+    )
+    expected = base.copy()
+    digits = np.stack(
+        [quartic // 81, quartic // 27 % 3, quartic // 9 % 3, quartic // 3 % 3, quartic % 3], 1
+    )
+    values = levels[digits.reshape(-1)][:n]
+    # groups written as a run code (not a literal 121) are the ones to leave alone
+    from_run = np.zeros(groups, bool)
+    g = 0
+    for b in body.tolist():
+        if b >= 243:
+            from_run[g : g + b - 241] = True
+            g += b - 241
+        else:
+            g += 1
+    add = ~np.repeat(from_run, 5)[:n]
+    expected[add] = expected[add] + values[add]
+    out = torch.from_numpy(base.copy())
+    threelc.decode_into(torch.from_numpy(body), n, 0.75, out, accumulate=True)
+    assert out.numpy().view(np.uint32).tolist() == expected.view(np.uint32).tolist()
+    assert from_run.any() and (~from_run & (quartic == threelc.ZERO_GROUP)).any()
 
 
 @pytest.mark.parametrize(
@@ -156,18 +256,16 @@ def test_size_math_is_64_bit():
 
 
 def test_decode_indexes_past_2_to_the_31_groups():
-    """A body describing 2^31 + 10 groups (10.7e9 values): only the last group is real.
+    """A body describing 14 k + 1 > 2^31 groups (10.7e9 values): only the last group is real.
 
-    Accumulating decode skips zero runs, so ``out`` can point 43 GB before a 5-float
-    buffer: the last group lands in that buffer only if every index is 64-bit.
+    Accumulating decode skips full zero runs (code 255) without touching ``out``, so ``out``
+    can point 43 GB before a 5-float buffer: the last group lands in that buffer only if
+    every index is 64-bit.
     """
-    groups = 2**31 + 10
+    head = 14 * (2**31 // 14 + 1)  # zero groups before the real one: 2^31 + 12
+    groups = head + 1
     n = 5 * groups
-    head = groups - 1
-    body = torch.full((head // 14 + 2,), 255, dtype=torch.uint8)
-    rem = head % 14
-    assert rem >= 2
-    body[-2] = 241 + rem
+    body = torch.full((head // 14 + 1,), 255, dtype=torch.uint8)
     body[-1] = 201  # digits 2,1,1,1,0 -> q = 1, 0, 0, 0, -1
     real = torch.zeros(5)
     fake_out = real.data_ptr() - 4 * 5 * head  # address arithmetic only; never dereferenced

@@ -51,6 +51,7 @@ _SIGNATURES = {
     "hvdc_tlc_scale": (_f32, [_u32, _f32]),
     "hvdc_tlc_encode": (_i64, [_p, _p, _f32, _i64, _p]),
     "hvdc_tlc_zre_encode": (_i64, [_p, _i64, _p]),
+    "hvdc_tlc_zre_encode_portable": (_i64, [_p, _i64, _p]),
     "hvdc_tlc_zre_decoded_len": (_i64, [_p, _i64]),
     "hvdc_tlc_zre_decode": (_i64, [_p, _i64, _p, _i64]),
     "hvdc_tlc_quartic_decode": (_i64, [_p, _i64, _p]),
