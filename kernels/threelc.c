@@ -255,7 +255,7 @@ static inline void zre_push_bytes(zre_state *st, const uint8_t *in, int64_t m) {
  * as zre_push_bytes (tests/codecs/test_threelc.py compares the two on random streams). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define TLC_WORD_ZRE 1
+#define TLC_X86_PATHS 1
 #define TLC_ZRE_CHUNK 256 /* input bytes encoded into the stack stage per step */
 
 typedef struct {
@@ -264,13 +264,13 @@ typedef struct {
 } zre_word_row;
 static zre_word_row zre_rows[256];
 static uint8_t zre_row_len[256];
-static int zre_use_words;
+static int zre_use_words, tlc_use_avx2;
 
 /* The code of a pending run of r < 14 zero groups (r = 0: never committed). */
 static const uint8_t zre_run_code[14] = {0,   TLC_ZERO_GROUP, 243, 244, 245, 246, 247,
                                          248, 249,            250, 251, 252, 253, 254};
 
-__attribute__((constructor)) static void zre_build_rows(void) {
+__attribute__((constructor)) static void tlc_init_x86_paths(void) {
     for (int m = 0; m < 255; m++) { /* m = 255: no literal */
         zre_word_row *row = &zre_rows[m];
         int first = 0, last = 7, o = 0, run = 0;
@@ -291,6 +291,7 @@ __attribute__((constructor)) static void zre_build_rows(void) {
     }
     __builtin_cpu_init();
     zre_use_words = __builtin_cpu_supports("ssse3");
+    tlc_use_avx2 = __builtin_cpu_supports("avx2");
 }
 
 /* Emits the pending run of r <= 21 zero groups that a literal ends: 255 if r >= 14, then
@@ -350,7 +351,7 @@ __attribute__((target("ssse3"))) static void zre_push_words(zre_state *st, const
 #endif
 
 static inline void zre_push(zre_state *st, const uint8_t *in, int64_t m) {
-#ifdef TLC_WORD_ZRE
+#ifdef TLC_X86_PATHS
     if (zre_use_words) {
         zre_push_words(st, in, m);
         return;
@@ -591,11 +592,10 @@ int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, fl
     return 0;
 }
 
-/* Payload checksum of buf[0..len) placed at payload position offset (see wire.py):
- * sum of (b + 1) * mix(offset + j) modulo 2^32 (integer sums in any order: vectorised).
- * The 64-bit product (offset + j) * golden advances by golden each byte (an induction
- * variable, modulo 2^64 like the product), so no lane multiplies 64-bit numbers. */
-TLC_VECTOR uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offset) {
+/* The payload checksum in 64-bit lanes (the portable path): the 64-bit product
+ * (offset + j) * golden advances by golden each byte (an induction variable, modulo 2^64
+ * like the product), so no lane multiplies 64-bit numbers. */
+TLC_VECTOR static uint32_t checksum_lanes64(const uint8_t *buf, int64_t len, int64_t offset) {
     uint32_t sum = 0;
     uint64_t product = (uint64_t)offset * TLC_GOLDEN;
     for (int64_t j = 0; j < len; j++) {
@@ -603,6 +603,58 @@ TLC_VECTOR uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offse
         product += TLC_GOLDEN;
     }
     return sum;
+}
+
+#ifdef TLC_X86_PATHS
+/* The AVX2 checksum: eight positions per vector with the 64-bit product kept as two 32-bit
+ * lanes (low, high) and the carry of the low add taken by an unsigned compare, so that
+ * every multiply is a 32-bit one (AVX2 has no 64-bit lane multiply, and 64-bit lanes hold
+ * only four positions). Integer math mod 2^32: the same sum as checksum_lanes64. */
+__attribute__((target("avx2"))) static uint32_t checksum_avx2(const uint8_t *buf, int64_t len,
+                                                              int64_t offset) {
+    const int64_t vec = len / 8 * 8;
+    uint32_t sum = 0;
+    if (vec > 0) {
+        uint32_t lo0[8], hi0[8];
+        for (int k = 0; k < 8; k++) {
+            const uint64_t p = (uint64_t)(offset + k) * TLC_GOLDEN;
+            lo0[k] = (uint32_t)p;
+            hi0[k] = (uint32_t)(p >> 32);
+        }
+        const uint64_t step = 8 * TLC_GOLDEN;
+        const __m256i step_lo = _mm256_set1_epi32((int)(uint32_t)step);
+        const __m256i step_hi = _mm256_set1_epi32((int)(uint32_t)(step >> 32));
+        const __m256i flip = _mm256_set1_epi32((int)0x80000000u); /* unsigned compare */
+        const __m256i step_lo_flipped = _mm256_xor_si256(step_lo, flip);
+        const __m256i one = _mm256_set1_epi32(1);
+        __m256i lo = _mm256_loadu_si256((const __m256i *)lo0);
+        __m256i hi = _mm256_loadu_si256((const __m256i *)hi0);
+        __m256i acc = _mm256_setzero_si256();
+        for (int64_t j = 0; j < vec; j += 8) {
+            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(buf + j)));
+            const __m256i weight = _mm256_or_si256(hi, one);
+            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_add_epi32(b, one), weight));
+            /* product += 8 golden: low add, carry = (new low < step low) unsigned */
+            lo = _mm256_add_epi32(lo, step_lo);
+            const __m256i carry =
+                _mm256_cmpgt_epi32(step_lo_flipped, _mm256_xor_si256(lo, flip)); /* -1 or 0 */
+            hi = _mm256_sub_epi32(_mm256_add_epi32(hi, step_hi), carry);
+        }
+        uint32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, acc);
+        for (int k = 0; k < 8; k++) sum += lanes[k];
+    }
+    return sum + checksum_lanes64(buf + vec, len - vec, offset + vec);
+}
+#endif
+
+/* Payload checksum of buf[0..len) placed at payload position offset (see wire.py):
+ * sum of (b + 1) * mix(offset + j) modulo 2^32 (integer sums in any order: vectorised). */
+uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offset) {
+#ifdef TLC_X86_PATHS
+    if (tlc_use_avx2) return checksum_avx2(buf, len, offset);
+#endif
+    return checksum_lanes64(buf, len, offset);
 }
 
 /* The checksums of `count` payloads inside one buffer (a bucket's frame): out[p] is

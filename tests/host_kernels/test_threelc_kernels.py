@@ -505,11 +505,11 @@ def test_zre_roundtrip_random(shaped):
 # ---- checksum ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [0, 1, 31, 32, 33, 1000, 65537])
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 31, 32, 33, 1000, 65537])
 def test_checksum_matches(shaped, size):
     rng = np.random.default_rng(size)
     buf = rng.integers(0, 256, size, dtype=np.uint8)
-    for offset in (0, 12, 2**32 - 5, 2**40 + 3):
+    for offset in (0, 12, 2**32 - 5, 2**40 + 3, 2**63 - 40):
         got = shaped.checksum(buf, offset)
         assert got == wire.checksum_numpy(buf, offset)
         if cpu_backend is not None:
