@@ -538,7 +538,8 @@ static void tlc_decode_add(const uint8_t *body, int64_t len, int64_t n, const fl
 }
 
 /* Fused zero-run decode + dequantize without materialising the quartic bytes:
- * a run byte writes (or, accumulating, skips) 5 * r zeros directly. Validates as
+ * a run byte writes 5 * r zeros directly (accumulating: leaves them as they are, see
+ * tlc_decode_add). Validates as
  * hvdc_tlc_zre_decode + hvdc_tlc_dequantize do, before writing anything. */
 int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, float *out,
                         int accumulate) {
