@@ -119,6 +119,135 @@ static void quant_unpack_groups(const uint8_t *src, int64_t groups, int bits, ui
     }
 }
 
+/* The SSSE3 unpack: sixteen codes (two groups, 2 bits bytes) from one 16-byte load. Code k
+ * starts at bit k bits, in byte lo = k bits / 8 at shift k bits % 8, and ends in byte lo or
+ * lo + 1 (bits <= 8), at most byte 15. One pshufb per eight codes puts bytes lo and lo + 1
+ * in a 16-bit lane; a multiply by 2^(16 - shift - bits) moves the code to the lane's top
+ * (the lane keeps its low 16 bits), a shift right by 16 - bits brings it down, and a pack
+ * narrows the sixteen lanes to bytes. quant_unpack_rows[bits] holds the controls and
+ * multipliers, built at load time; the codes are those of quant_unpack_groups_of. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define QUANT_X86_PATHS 1
+
+typedef struct {
+    uint8_t shuffle[2][16]; /* codes 0..7 and 8..15 of a 16-code chunk */
+    int16_t multiplier[2][8];
+} quant_unpack_row;
+static quant_unpack_row quant_unpack_rows[9];
+static int quant_use_ssse3;
+
+__attribute__((constructor)) static void quant_init_x86_paths(void) {
+    for (int bits = 1; bits <= 8; bits++) {
+        quant_unpack_row *row = &quant_unpack_rows[bits];
+        for (int k = 0; k < 16; k++) {
+            const int lo = k * bits / 8, shift = k * bits % 8;
+            row->shuffle[k / 8][2 * (k % 8)] = (uint8_t)lo;
+            row->shuffle[k / 8][2 * (k % 8) + 1] = lo + 1 < 16 ? (uint8_t)(lo + 1) : 0x80;
+            row->multiplier[k / 8][k % 8] = (int16_t)(1 << (16 - shift - bits));
+        }
+    }
+    __builtin_cpu_init();
+    quant_use_ssse3 = __builtin_cpu_supports("ssse3");
+}
+
+/* The SSSE3 pack of sixteen codes (two groups) below 2^bits, bits <= 6: a multiply-add of
+ * byte pairs (c0 + c1 2^bits in a 16-bit lane), one of 16-bit pairs (four codes in a
+ * 32-bit lane, 4 bits bits), the upper 32-bit half of each 64-bit lane shifted down
+ * next to the lower one (eight codes, bits bytes), and a pshufb that closes the gap
+ * between the two groups. The store writes 16 bytes; the next pair overwrites the 16 -
+ * 2 bits beyond. Returns the number of groups packed (even), those whose 16-byte store
+ * stays inside the `groups` groups of dst. */
+__attribute__((target("ssse3"))) static int64_t quant_pack_pairs_ssse3(const uint8_t *codes,
+                                                                       int64_t groups,
+                                                                       int bits,
+                                                                       uint8_t *dst) {
+    if (bits > 6) return 0; /* 2^bits must be a positive int8 multiplier */
+    const __m128i pair_mul = _mm_set1_epi16((int16_t)(1 | (1 << (bits + 8))));
+    const __m128i quad_mul = _mm_set1_epi32(1 | (1 << (2 * bits + 16)));
+    const __m128i low_half = _mm_set1_epi64x(0xffffffff);
+    const __m128i up = _mm_cvtsi32_si128(32 - 4 * bits);
+    uint8_t ctrl[16];
+    for (int k = 0; k < 16; k++) /* group 0: bytes 0.., group 1: bytes 8.., then zeros */
+        ctrl[k] = k < bits ? (uint8_t)k : k < 2 * bits ? (uint8_t)(8 + k - bits) : 0x80;
+    const __m128i close = _mm_loadu_si128((const __m128i *)ctrl);
+    int64_t g = 0;
+    for (; g * bits + 16 <= groups * bits; g += 2) {
+        const __m128i c = _mm_loadu_si128((const __m128i *)(codes + 8 * g));
+        const __m128i quads = _mm_madd_epi16(_mm_maddubs_epi16(c, pair_mul), quad_mul);
+        const __m128i eights = _mm_or_si128(_mm_and_si128(quads, low_half),
+                                            _mm_srl_epi64(_mm_andnot_si128(low_half, quads), up));
+        _mm_storeu_si128((__m128i *)(dst + g * bits), _mm_shuffle_epi8(eights, close));
+    }
+    return g;
+}
+
+/* quant_unpack_groups for the pairs of groups whose 16-byte load stays inside the `groups`
+ * groups of src; returns the number of groups unpacked (even). */
+__attribute__((target("ssse3"))) static int64_t quant_unpack_pairs_ssse3(const uint8_t *src,
+                                                                         int64_t groups,
+                                                                         int bits,
+                                                                         uint8_t *codes) {
+    const quant_unpack_row *row = &quant_unpack_rows[bits];
+    const __m128i lo_ctrl = _mm_loadu_si128((const __m128i *)row->shuffle[0]);
+    const __m128i hi_ctrl = _mm_loadu_si128((const __m128i *)row->shuffle[1]);
+    const __m128i lo_mul = _mm_loadu_si128((const __m128i *)row->multiplier[0]);
+    const __m128i hi_mul = _mm_loadu_si128((const __m128i *)row->multiplier[1]);
+    const __m128i down = _mm_cvtsi32_si128(16 - bits);
+    int64_t g = 0;
+    for (; g * bits + 16 <= groups * bits; g += 2) { /* 2 bits <= 16: both groups inside */
+        const __m128i in = _mm_loadu_si128((const __m128i *)(src + g * bits));
+        __m128i a = _mm_mullo_epi16(_mm_shuffle_epi8(in, lo_ctrl), lo_mul);
+        __m128i b = _mm_mullo_epi16(_mm_shuffle_epi8(in, hi_ctrl), hi_mul);
+        a = _mm_srl_epi16(a, down);
+        b = _mm_srl_epi16(b, down);
+        _mm_storeu_si128((__m128i *)(codes + 8 * g), _mm_packus_epi16(a, b));
+    }
+    return g;
+}
+#endif
+
+/* Packs `groups` groups of eight codes below 2^bits into bits bytes each at dst: the
+ * SSSE3 path where the CPU has it and bits <= 6, else (and near the end) the portable
+ * one. */
+static void quant_pack(const uint8_t *codes, int64_t groups, int bits, uint8_t *dst,
+                       int portable) {
+    int64_t done = 0;
+#ifdef QUANT_X86_PATHS
+    if (quant_use_ssse3 && !portable) done = quant_pack_pairs_ssse3(codes, groups, bits, dst);
+#else
+    (void)portable;
+#endif
+    quant_pack_groups(codes + 8 * done, groups - done, bits, dst + done * bits);
+}
+
+/* Test hook: quant_pack, SSSE3 (portable == 0) or portable. */
+void hvdc_quant_pack_groups(const uint8_t *codes, int64_t groups, int bits, uint8_t *dst,
+                            int portable) {
+    quant_pack(codes, groups, bits, dst, portable);
+}
+
+/* Unpacks `groups` groups of eight codes of `bits` bits (bits bytes a group) from src:
+ * the SSSE3 path where the CPU has it, the portable one (and the portable one for the
+ * groups near the end, where a 16-byte load would pass the last group). */
+static void quant_unpack(const uint8_t *src, int64_t groups, int bits, uint8_t *codes,
+                         int portable) {
+    int64_t done = 0;
+#ifdef QUANT_X86_PATHS
+    if (quant_use_ssse3 && !portable) done = quant_unpack_pairs_ssse3(src, groups, bits, codes);
+#else
+    (void)portable;
+#endif
+    quant_unpack_groups(src + done * bits, groups - done, bits, codes + 8 * done);
+}
+
+/* Test hook: quant_unpack, its SSSE3 path (portable == 0, where the CPU has it) or its
+ * portable one; tests/test_quantizers.py compares both with the reference bit unpack. */
+void hvdc_quant_unpack_groups(const uint8_t *src, int64_t groups, int bits, uint8_t *codes,
+                              int portable) {
+    quant_unpack(src, groups, bits, codes, portable);
+}
+
 /* d[i] = x_i^2 in double, i < n (vectorised). */
 QUANT_VECTOR static void quant_squares(const float *x, int64_t n, double *d) {
     for (int64_t i = 0; i < n; i++) {
@@ -201,7 +330,7 @@ int hvdc_qsgd_encode(const float *x, int64_t n, int levels, int bits, int64_t bu
                 hvdc_prim_uniform(key, offset + p, len, u);
                 quant_qsgd_codes(x + p, u, len, safe, levels, codes + pending);
                 const int64_t total = pending + len, groups = total / 8;
-                quant_pack_groups(codes, groups, bits, dst);
+                quant_pack(codes, groups, bits, dst, 0);
                 dst += groups * bits;
                 pending = total - 8 * groups;
                 memmove(codes, codes + 8 * groups, (size_t)pending);
@@ -230,7 +359,7 @@ static inline float quant_load_f32(const uint8_t *p) {
 static inline void quant_codes_at(const uint8_t *packed, int64_t nbytes, int64_t lo, int64_t len,
                                   int bits, uint8_t *codes) {
     const int64_t groups = len / 8;
-    quant_unpack_groups(packed + lo / 8 * bits, groups, bits, codes);
+    quant_unpack(packed + lo / 8 * bits, groups, bits, codes, 0);
     if (len % 8) { /* the last, short group: only its own bytes exist */
         const int64_t first = (lo + 8 * groups) / 8 * bits;
         const int64_t have = nbytes - first < bits ? nbytes - first : bits;
@@ -238,6 +367,32 @@ static inline void quant_codes_at(const uint8_t *packed, int64_t nbytes, int64_t
         for (int64_t k = 0; k < have; k++) acc |= (uint64_t)packed[first + k] << (8 * k);
         for (int64_t k = 0; k < len % 8; k++)
             codes[8 * groups + k] = (uint8_t)((acc >> (k * bits)) & ((1u << bits) - 1u));
+    }
+}
+
+/* o[i] (+)= +-(((c >> 1) * inv) * norm) for the codes c[0..cnt), sign bit c & 1: the
+ * table's values when (float)l * inv is l / s for every level l (the caller checked),
+ * computed in vector lanes instead of one table load per element. */
+QUANT_VECTOR static void quant_qsgd_values(const uint8_t *c, int64_t cnt, float inv, float norm,
+                                           float *o, int accumulate) {
+    if (accumulate) {
+        for (int64_t i = 0; i < cnt; i++) {
+            const float mag = ((float)(c[i] >> 1) * inv) * norm;
+            uint32_t u;
+            memcpy(&u, &mag, sizeof u);
+            u ^= (uint32_t)(c[i] & 1) << 31;
+            float v;
+            memcpy(&v, &u, sizeof v);
+            o[i] = o[i] + v;
+        }
+    } else {
+        for (int64_t i = 0; i < cnt; i++) {
+            const float mag = ((float)(c[i] >> 1) * inv) * norm;
+            uint32_t u;
+            memcpy(&u, &mag, sizeof u);
+            u ^= (uint32_t)(c[i] & 1) << 31;
+            memcpy(o + i, &u, sizeof u);
+        }
     }
 }
 
@@ -275,6 +430,11 @@ QUANT_VECTOR int64_t hvdc_qsgd_decode(const uint8_t *body, int64_t n, int levels
     const float levels_f = (float)levels;
     float ratio[128];
     for (int l = 0; l <= levels; l++) ratio[l] = (float)l / levels_f;
+    /* l * (1 / s) rounds to l / s for every level (always for a power of two s, and for
+     * most others): then no table, each value from two vector products */
+    const float inv = 1.0f / levels_f;
+    int by_product = 1;
+    for (int l = 0; l <= levels; l++) by_product &= (float)l * inv == ratio[l];
     const int ncodes = 2 * levels + 2;
     for (int64_t lo = 0; lo < n; lo += QUANT_BLOCK) {
         const int64_t len = n - lo < QUANT_BLOCK ? n - lo : QUANT_BLOCK;
@@ -283,6 +443,11 @@ QUANT_VECTOR int64_t hvdc_qsgd_decode(const uint8_t *body, int64_t n, int levels
             const int64_t b = p / bucket;
             const int64_t end = (b + 1) * bucket < lo + len ? (b + 1) * bucket : lo + len;
             const float norm = quant_load_f32(body + 4 * b);
+            if (by_product) {
+                quant_qsgd_values(codes + (p - lo), end - p, inv, norm, out + p, accumulate);
+                p = end;
+                continue;
+            }
             /* (l / s) * norm, then the sign bit flipped for code & 1: IEEE negation */
             float value[256];
             for (int c = 0; c < ncodes; c++) {

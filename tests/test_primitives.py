@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from hvdcompress.backends import cpu as cpu_backend
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.wire import PayloadError
 
@@ -26,6 +27,20 @@ def test_uniform_matches_python_and_numpy(key):
     assert [float(v) for v in got[:50]] == [_uniform_python(key, i) for i in range(50)]
     assert got.min() >= 0.0 and got.max() < 1.0
     assert abs(got.mean() - 0.5) < 5 * math.sqrt(1 / 12 / n)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3, 511, 2**40 + 5])
+def test_uniform_at_any_offset_and_length(offset):
+    """The native generator stages 512 integers at a time and hashes four per step: every
+    (offset, length) around those boundaries gives the numpy reference's numbers."""
+    lib, ptr = cpu_backend.LIB, cpu_backend._ptr
+    key = prim.rng_key(3, 1, 0, prim.tensor_id("u"))
+    want = prim.uniform_numpy(key, 1100, offset)
+    for n in (0, 1, 2, 3, 4, 5, 7, 511, 512, 513, 515, 1024, 1027, 1100):
+        got = torch.full((n + 1,), -1.0)
+        lib.hvdc_prim_uniform(key, offset, n, ptr(got))
+        np.testing.assert_array_equal(got[:n].numpy(), want[:n])
+        assert got[n] == -1.0
 
 
 def test_rng_key_pins_the_format():

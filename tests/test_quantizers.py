@@ -141,7 +141,7 @@ KEYS = st.integers(0, 2**64 - 1)
 @settings(max_examples=150)
 @given(
     x=gradients(),
-    levels=st.sampled_from([1, 2, 3, 7, 16, 31, 64, 127]),
+    levels=st.sampled_from([1, 2, 3, 7, 9, 16, 31, 40, 64, 127]),  # codes of 2..8 bits
     bucket=st.sampled_from([1, 7, 64, 512, 1000]),
     key=KEYS,
 )
@@ -200,6 +200,49 @@ def test_qsgd_decode_refuses_levels_past_one_byte_codes(levels):
     with pytest.raises(PayloadError, match="levels outside 1..127"):
         cpu_backend.qsgd_decode(body, 700, levels, 8, 512, out, True)
     assert torch.equal(out, torch.full((700,), 5.0))
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("portable", [0, 1])
+def test_code_pack_and_unpack_paths_keep_the_bit_layout(bits, portable):
+    """QSGD's code packer and unpacker (kernels/quant.c), both the SSSE3 path (taken where
+    the CPU has it, for the pairs of groups a 16-byte access keeps inside the buffer) and
+    the portable one, give the reference bit layout (hvdc_prim_bitpack / bitunpack), at
+    every group count around the 16-byte boundary, and write nothing past the last
+    group."""
+    lib, ptr = cpu_backend.LIB, cpu_backend._ptr
+    gen = torch.Generator().manual_seed(bits)
+    for groups in (*range(0, 12), 17, 100, 1001):
+        codes = torch.randint(0, 2**bits, (8 * groups,), dtype=torch.uint8, generator=gen)
+        packed = prim.bitpack(codes, bits) if groups else torch.empty(0, dtype=torch.uint8)
+        got = torch.full((bits * groups + 16,), 0xA5, dtype=torch.uint8)
+        lib.hvdc_quant_pack_groups(ptr(codes), groups, bits, ptr(got), portable)
+        assert torch.equal(got[: bits * groups], packed), groups
+        assert (got[bits * groups :] == 0xA5).all(), groups
+        back = torch.full((8 * groups + 16,), 0xA5, dtype=torch.uint8)
+        lib.hvdc_quant_unpack_groups(ptr(packed), groups, bits, ptr(back), portable)
+        assert torch.equal(back[: 8 * groups], codes), groups
+        assert (back[8 * groups :] == 0xA5).all(), groups
+
+
+@pytest.mark.parametrize("levels", [16, 7, 9, 127])
+def test_qsgd_decode_value_rule_at_every_level(levels):
+    """The decoder forms +-((l / s) * norm) from l * (1 / s) when that rounds to l / s at
+    every level (s = 16, 9: vector products) and from a table of l / s otherwise (7, 127):
+    both give the reference's values for every code, written and accumulated."""
+    # buckets of two, (cos t, sin t) with both signs: |x| / norm sweeps [0, 1]
+    t = torch.linspace(0.0, 2 * math.pi, 64 * levels)
+    x = torch.stack([torch.cos(t), torch.sin(t)], 1).reshape(-1)
+    n = x.numel()
+    body = quant.qsgd_encode(x, levels, 2, 3)
+    codes = prim.bitunpack(body[4 * (n // 2) :], n, quant.qsgd_bits(levels))
+    assert set(codes.tolist()) == set(range(2 * levels + 2)) - {1}  # every code
+    out = torch.randn(n)
+    for accumulate in (False, True):
+        got = out.clone()
+        quant.qsgd_decode_into(body, n, levels, 2, got, accumulate)
+        want = reference_qsgd_decode(body, n, levels, 2, out, accumulate)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("threads", ["1", "2", "3"])
