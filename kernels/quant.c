@@ -135,7 +135,7 @@ typedef struct {
     int16_t multiplier[2][8];
 } quant_unpack_row;
 static quant_unpack_row quant_unpack_rows[9];
-static int quant_use_ssse3;
+static int quant_use_ssse3, quant_use_avx2;
 
 __attribute__((constructor)) static void quant_init_x86_paths(void) {
     for (int bits = 1; bits <= 8; bits++) {
@@ -149,6 +149,7 @@ __attribute__((constructor)) static void quant_init_x86_paths(void) {
     }
     __builtin_cpu_init();
     quant_use_ssse3 = __builtin_cpu_supports("ssse3");
+    quant_use_avx2 = __builtin_cpu_supports("avx2");
 }
 
 /* The SSSE3 pack of sixteen codes (two groups) below 2^bits, bits <= 6: a multiply-add of
@@ -256,16 +257,64 @@ QUANT_VECTOR static void quant_squares(const float *x, int64_t n, double *d) {
     }
 }
 
+#ifdef QUANT_X86_PATHS
+
+/* The sums of x^2 of eight whole buckets at x (bucket elements each) with the buckets in
+ * vector lanes: four elements of four buckets are loaded and transposed, so that one
+ * vector holds element i of four buckets; each is widened to double, squared (exact: 48
+ * bits) and added to its bucket's lane, in element order. Each lane is one bucket's chain
+ * of additions in the scalar order, the same sum; eight chains in two vectors cover the
+ * addition's latency, and no squares are staged. The last bucket % 4 elements follow,
+ * lane by lane. */
+__attribute__((target("avx2"))) static void quant_square_sums8_avx2(const float *x,
+                                                                    int64_t bucket,
+                                                                    double *sums) {
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd(); /* buckets 0-3, 4-7 */
+    const int64_t body = bucket & ~(int64_t)3;
+    for (int64_t i = 0; i < body; i += 4) {
+        __m128 a0 = _mm_loadu_ps(x + i), a1 = _mm_loadu_ps(x + bucket + i),
+               a2 = _mm_loadu_ps(x + 2 * bucket + i), a3 = _mm_loadu_ps(x + 3 * bucket + i);
+        __m128 b0 = _mm_loadu_ps(x + 4 * bucket + i), b1 = _mm_loadu_ps(x + 5 * bucket + i),
+               b2 = _mm_loadu_ps(x + 6 * bucket + i), b3 = _mm_loadu_ps(x + 7 * bucket + i);
+        _MM_TRANSPOSE4_PS(a0, a1, a2, a3);
+        _MM_TRANSPOSE4_PS(b0, b1, b2, b3);
+        const __m128 a[4] = {a0, a1, a2, a3}, b[4] = {b0, b1, b2, b3};
+        for (int k = 0; k < 4; k++) {
+            const __m256d da = _mm256_cvtps_pd(a[k]), db = _mm256_cvtps_pd(b[k]);
+            lo = _mm256_add_pd(lo, _mm256_mul_pd(da, da));
+            hi = _mm256_add_pd(hi, _mm256_mul_pd(db, db));
+        }
+    }
+    _mm256_storeu_pd(sums, lo);
+    _mm256_storeu_pd(sums + 4, hi);
+    for (int l = 0; l < 8; l++) {
+        for (int64_t i = body; i < bucket; i++) {
+            const double v = (double)x[l * bucket + i];
+            sums[l] += v * v;
+        }
+    }
+}
+#endif
+
 /* Sum of x^2 in double, left to right, of each of `count` consecutive buckets of `bucket`
- * elements starting at x (the last may end early, at x[len]). QUANT_LANES buckets at a
- * time: their squares are staged as doubles in rows of a block (padded, so that the rows
- * do not alias in L1) by a vectorised pass, then the rows are summed side by side,
- * QUANT_LANES independent chains of additions, each bucket in its own order. */
+ * elements starting at x (the last may end early, at x[len]). Eight whole buckets at a
+ * time in vector lanes where the CPU has AVX2 (quant_square_sums8_avx2); else, and for
+ * the rest, QUANT_LANES buckets at a time: their squares are staged as doubles in rows of
+ * a block (padded, so that the rows do not alias in L1) by a vectorised pass, then the
+ * rows are summed side by side, QUANT_LANES independent chains of additions, each bucket
+ * in its own order. */
 static void quant_square_sums(const float *x, int64_t len, int64_t bucket, int64_t count,
                               double *sums) {
     double rows[QUANT_LANES][QUANT_ROW + 8]; /* 33 KB of stack */
-    for (int64_t b = 0; b < count; b += QUANT_LANES) {
-        const int64_t lanes = count - b < QUANT_LANES ? count - b : QUANT_LANES;
+    for (int64_t b = 0, lanes; b < count; b += lanes) {
+#ifdef QUANT_X86_PATHS
+        if (quant_use_avx2 && bucket >= 8 && b + 8 <= count && (b + 8) * bucket <= len) {
+            quant_square_sums8_avx2(x + b * bucket, bucket, sums + b);
+            lanes = 8;
+            continue;
+        }
+#endif
+        lanes = count - b < QUANT_LANES ? count - b : QUANT_LANES;
         double s[QUANT_LANES] = {0.0};
         for (int64_t part = 0; part < bucket; part += QUANT_ROW) {
             int64_t n[QUANT_LANES];

@@ -225,6 +225,20 @@ def test_code_pack_and_unpack_paths_keep_the_bit_layout(bits, portable):
         assert (back[8 * groups :] == 0xA5).all(), groups
 
 
+@pytest.mark.parametrize("bucket", [8, 9, 10, 11, 12, 13, 100, 1001])
+def test_qsgd_norms_eight_buckets_at_a_time(bucket):
+    """The encoder sums the squares of eight whole buckets at once in vector lanes (AVX2),
+    then a bucket's last bucket % 4 elements, and the leftover buckets four at a time:
+    the norms (and so the body) are the reference's, left-to-right sums in double, for
+    bucket sizes with every remainder mod 4 and tensors ending mid-bucket."""
+    gen = torch.Generator().manual_seed(bucket)
+    for n in (8 * bucket, 16 * bucket + 3 * bucket + 5, 9 * bucket - 1):
+        x = torch.randn(n, generator=gen) * torch.logspace(-3, 3, n)
+        assert torch.equal(
+            quant.qsgd_encode(x, 16, bucket, 9), reference_qsgd_encode(x, 16, bucket, 9)
+        )
+
+
 @pytest.mark.parametrize("levels", [16, 7, 9, 127])
 def test_qsgd_decode_value_rule_at_every_level(levels):
     """The decoder forms +-((l / s) * norm) from l * (1 / s) when that rounds to l / s at
