@@ -9,6 +9,7 @@
  *   hvdc_prim_uniform     counter-based uniforms: SplitMix64 output number offset + i + 1
  *                         of the stream seeded with `key`, top 24 bits, times 2^-24
  *                         (exact in float32, in [0, 1));
+ *   hvdc_prim_hash24      those top 24 bits as integers (random-k compares them);
  *   hvdc_prim_bitpack     fixed-width bit packing, LSB first: value i occupies bits
  *                         [i b, i b + b) of the little-endian bit stream, padding zero;
  *   hvdc_prim_bitunpack   the inverse, rejecting a wrong length or non-zero padding;
@@ -53,28 +54,35 @@ static inline uint32_t prim_mix64_top24(uint64_t z) {
 
 #define PRIM_UNIFORM_CHUNK 512 /* uniforms staged as integers (2 KB, in L1) */
 
-/* out[i] = (mix64(key + (offset + i + 1) * golden) >> 40) * 2^-24, i < n. The integer
- * hash runs alone in one loop (the counter advances by one addition of golden) and the
- * staged integers are converted by a second, vectorised loop: the conversion no longer
- * sits between the hash's multiplies, which on a machine without 64-bit vector
- * multiplies bound the time. */
+/* r[i] = mix64(key + (offset + i + 1) * golden) >> 40, i < n: the uniforms' 24-bit
+ * integers (u_i = r_i 2^-24, so u_i < T 2^-24 exactly when r_i < T: random-k compares
+ * these, kernels/sparse.c). Four independent hashes an iteration; the counter advances
+ * by additions of golden. */
+PRIM_VECTOR void hvdc_prim_hash24(uint64_t key, int64_t offset, int64_t n, uint32_t *r) {
+    uint64_t z = key + ((uint64_t)offset + 1u) * PRIM_GOLDEN;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        r[i] = prim_mix64_top24(z);
+        r[i + 1] = prim_mix64_top24(z + PRIM_GOLDEN);
+        r[i + 2] = prim_mix64_top24(z + 2 * PRIM_GOLDEN);
+        r[i + 3] = prim_mix64_top24(z + 3 * PRIM_GOLDEN);
+        z += 4 * PRIM_GOLDEN;
+    }
+    for (; i < n; i++) {
+        r[i] = prim_mix64_top24(z);
+        z += PRIM_GOLDEN;
+    }
+}
+
+/* out[i] = (mix64(key + (offset + i + 1) * golden) >> 40) * 2^-24, i < n: the integers of
+ * hvdc_prim_hash24, a chunk at a time, then converted by a second, vectorised loop (the
+ * conversion no longer sits between the hash's multiplies, which bound the time on a
+ * machine without 64-bit vector multiplies). */
 PRIM_VECTOR void hvdc_prim_uniform(uint64_t key, int64_t offset, int64_t n, float *out) {
     uint32_t r[PRIM_UNIFORM_CHUNK];
-    uint64_t z = key + ((uint64_t)offset + 1u) * PRIM_GOLDEN;
     for (int64_t lo = 0; lo < n; lo += PRIM_UNIFORM_CHUNK) {
         const int64_t len = n - lo < PRIM_UNIFORM_CHUNK ? n - lo : PRIM_UNIFORM_CHUNK;
-        int64_t i = 0;
-        for (; i + 4 <= len; i += 4) { /* four independent hashes an iteration */
-            r[i] = prim_mix64_top24(z);
-            r[i + 1] = prim_mix64_top24(z + PRIM_GOLDEN);
-            r[i + 2] = prim_mix64_top24(z + 2 * PRIM_GOLDEN);
-            r[i + 3] = prim_mix64_top24(z + 3 * PRIM_GOLDEN);
-            z += 4 * PRIM_GOLDEN;
-        }
-        for (; i < len; i++) {
-            r[i] = prim_mix64_top24(z);
-            z += PRIM_GOLDEN;
-        }
+        hvdc_prim_hash24(key, offset + lo, len, r);
         for (int64_t i = 0; i < len; i++) out[lo + i] = (float)(int32_t)r[i] * 0x1p-24f;
     }
 }

@@ -1,4 +1,4 @@
-/* CPU backend of top-k selection (docs/design.md section 4, hvdcompress/codecs/sparse.py),
+/* CPU backend of top-k selection and random-k (docs/design.md section 4, hvdcompress/codecs/sparse.py),
  * loaded through ctypes (hvdcompress/backends/cpu.py). The kept set is fixed by the codec,
  * not by the algorithm: with t the k-th largest |a| (exact), every |a_i| > t is kept, and
  * the |a_i| == t are kept in index order until there are k. The CUDA backend selects the
@@ -13,7 +13,9 @@
  *                        and their bits, or -1 when more than `cap` qualify;
  *   hvdc_topk_keep       the final ascending indices, from all of a or from candidates;
  *   hvdc_topk_encode_segments  a bucket's top-k with error feedback, one call;
- *   hvdc_topk_decode_segments  a bucket's top-k bodies checked and added, one call.
+ *   hvdc_topk_decode_segments  a bucket's top-k bodies checked and added, one call;
+ *   hvdc_randomk_encode / _decode  random-k: kept values from one pass of hashed
+ *                        counters (no mask, no uniforms in float), and their scatter.
  *
  * The backend first bounds t from below with the k-th largest of a strided sample (tensors
  * of 16384 elements or more: every max(4, n / 65536)-th element), keeps
@@ -345,4 +347,73 @@ int64_t hvdc_topkq_decode_segments(int64_t count, const uint8_t *body, const int
         }
     }
     return 0;
+}
+
+/* --- random-k (hvdcompress/codecs/sparse.py): element i is kept iff u_i < T 2^-24, that is
+ * iff its 24-bit hash r_i < T (hvdc_prim_hash24, the integers of the uniforms). One pass of
+ * hashes a chunk at a time, in L1; the kept values travel in index order. ----------------- */
+
+void hvdc_prim_hash24(uint64_t key, int64_t offset, int64_t n, uint32_t *r); /* primitives.c */
+
+#define RANDOMK_CHUNK 512
+#define RANDOMK_ERR_VALUE -1 /* a kept value is not finite */
+
+/* The kept values of a[0..n) in index order at values[0..k) (k returned), and, when
+ * residual is not NULL, residual[i] = kept ? 0 : a[i] (error feedback: a - decode with the
+ * values unscaled). values needs room for n + 1 floats: every element is written at the
+ * next slot and the slot advances only when the element is kept (no branch). */
+int64_t hvdc_randomk_encode(const float *a, int64_t n, uint64_t key, uint32_t threshold,
+                            float *values, float *residual) {
+    uint32_t r[RANDOMK_CHUNK];
+    int64_t k = 0;
+    for (int64_t lo = 0; lo < n; lo += RANDOMK_CHUNK) {
+        const int64_t len = n - lo < RANDOMK_CHUNK ? n - lo : RANDOMK_CHUNK;
+        hvdc_prim_hash24(key, lo, len, r);
+        const float *x = a + lo;
+        for (int64_t i = 0; i < len; i++) {
+            values[k] = x[i];
+            k += r[i] < threshold;
+        }
+        if (residual)
+            for (int64_t i = 0; i < len; i++) residual[lo + i] = r[i] < threshold ? 0.0f : x[i];
+    }
+    return k;
+}
+
+/* Random-k's decode of `count` little-endian float32 values at body (any byte offset;
+ * count = -1: the body is not whole values) into out[0..n): regenerates the kept indices
+ * (at most count of them into idx, the caller's scratch) and counts them all. Returns the
+ * kept count, with out untouched, when it is not count (the caller reports the mismatch);
+ * RANDOMK_ERR_VALUE, out untouched, when a value is not finite; else writes out = 0 and
+ * out[idx[j]] = value_j * scale, or adds value_j * scale (one product, one sum), and
+ * returns count. */
+int64_t hvdc_randomk_decode(const uint8_t *body, int64_t count, int64_t n, uint64_t key,
+                            uint32_t threshold, float scale, float *out, int accumulate,
+                            int64_t *idx) {
+    uint32_t r[RANDOMK_CHUNK];
+    int64_t k = 0;
+    for (int64_t lo = 0; lo < n; lo += RANDOMK_CHUNK) {
+        const int64_t len = n - lo < RANDOMK_CHUNK ? n - lo : RANDOMK_CHUNK;
+        hvdc_prim_hash24(key, lo, len, r);
+        for (int64_t i = 0; i < len; i++) {
+            if (r[i] < threshold) { /* rare at small ratios: predicted */
+                if (k < count) idx[k] = lo + i;
+                k++;
+            }
+        }
+    }
+    if (k != count) return k;
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t bits;
+        memcpy(&bits, body + 4 * j, sizeof bits);
+        if ((bits & 0x7fffffffu) >= 0x7f800000u) return RANDOMK_ERR_VALUE;
+    }
+    if (!accumulate) memset(out, 0, (size_t)n * sizeof(float));
+    for (int64_t j = 0; j < count; j++) {
+        float v;
+        memcpy(&v, body + 4 * j, sizeof v);
+        v = v * scale;
+        out[idx[j]] = accumulate ? out[idx[j]] + v : v;
+    }
+    return count;
 }

@@ -183,6 +183,76 @@ def test_randomk_error_feedback_invariant():
     assert_error_feedback_invariant(c, n=400, steps=30, seed=2)
 
 
+def _randomk_reference(a: torch.Tensor, key: int, ratio: float) -> np.ndarray:
+    """The mask of the codec's definition: u_i < T / 2**24 with NumPy's uniforms."""
+    return prim.uniform_numpy(key, a.numel()) < sparse.randomk_threshold(ratio) / 2**24
+
+
+@pytest.mark.parametrize("ratio", [2**-24, 0.01, 0.1, 0.5, 1.0])
+def test_randomk_native_pass_keeps_the_defined_set(ratio):
+    """The CPU codec compares each element's 24-bit hash with T in one pass (no mask, no
+    float uniforms): its values, residual and decoded tensor (written and accumulated)
+    are those of the mask u < T / 2**24, at sizes around its 512-element chunks."""
+    gen = torch.Generator().manual_seed(11)
+    key = prim.rng_key(4, 2, 1, prim.tensor_id("w"))
+    scale = sparse.randomk_scale(ratio, True)
+    for n in (0, 1, 3, 511, 512, 513, 1029, 20000):
+        a = torch.randn(n, generator=gen)
+        mask = torch.from_numpy(_randomk_reference(a, key, ratio))
+        residual = torch.full((n,), 7.0)
+        values = sparse.randomk_encode(a, key, ratio, residual)
+        assert torch.equal(values, a[mask])
+        assert torch.equal(residual, torch.where(mask, torch.zeros_like(a), a))
+        out = torch.randn(n, generator=gen)
+        for accumulate in (False, True):
+            got = out.clone()
+            sparse.randomk_decode_into(
+                values.view(torch.uint8), key, n, ratio, scale, got, accumulate
+            )
+            scaled = values * np.float32(scale)  # one product, then one sum
+            want = out.clone() if accumulate else torch.zeros(n)
+            want[mask] = out[mask] + scaled if accumulate else scaled
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_randomk_keeps_strictly_below_the_threshold():
+    """An element whose 24-bit hash equals T is not kept (u < p, strict): T is set to the
+    hashes of chosen elements, on both sides of the codec."""
+    key, n = prim.rng_key(9, 0, 0, 1), 2000
+    hashes = (prim.uniform_numpy(key, n) * 2**24).astype(np.int64)
+    a = torch.arange(1, n + 1, dtype=torch.float32)
+    for j in (0, 777, n - 1):
+        ratio = float(hashes[j]) / 2**24  # randomk_threshold(ratio) == hashes[j]
+        assert sparse.randomk_threshold(ratio) == hashes[j]
+        values = sparse.randomk_encode(a, key, ratio, None)
+        assert torch.equal(values, a[torch.from_numpy(hashes < hashes[j])])
+        out = torch.zeros(n)
+        sparse.randomk_decode_into(values.view(torch.uint8), key, n, ratio, 1.0, out, True)
+        assert out[j] == 0.0 and torch.equal(out[out != 0], values)
+
+
+def test_randomk_decode_refuses_a_wrong_count_or_a_nonfinite_value_out_untouched():
+    key, n, ratio = prim.rng_key(1, 0, 0, 5), 3000, 0.1
+    a = torch.randn(n)
+    body = sparse.randomk_encode(a, key, ratio, None).view(torch.uint8)
+    kept = body.numel() // 4
+    nan = body.clone()
+    nan[4 * (kept // 2) : 4 * (kept // 2) + 4] = torch.tensor([0, 0, 0xC0, 0x7F])
+    cases = [
+        (body[:-4], f"keeps {kept} values"),
+        (torch.cat([body, body[:4]]), f"keeps {kept} values"),
+        (body[:-1], f"keeps {kept} values"),
+        (torch.empty(0, dtype=torch.uint8), f"keeps {kept} values"),
+        (nan, "not finite"),
+    ]
+    for bad, match in cases:
+        for accumulate in (False, True):
+            out = torch.full((n,), 5.0)
+            with pytest.raises(PayloadError, match=match):
+                sparse.randomk_decode_into(bad, key, n, ratio, 1.0, out, accumulate)
+            assert torch.equal(out, torch.full((n,), 5.0))
+
+
 # ---- top-k + sign (topkq) and GSpar, CAT's other compressors -------------------------------
 
 

@@ -87,6 +87,11 @@ _SIGNATURES = {
     "hvdc_dqsg_quantize": (_int, [_p, _i64, _int, _i64, ctypes.c_uint64, _i64, _int, _p, _p]),
     "hvdc_dqsg_dequantize": (None, [_p, _i64, _p, _i64, ctypes.c_uint64, _i64, _p, _int]),
     # top-k selection (kernels/sparse.c)
+    "hvdc_randomk_encode": (_i64, [_p, _i64, ctypes.c_uint64, _u32, _p, _p]),
+    "hvdc_randomk_decode": (
+        _i64,
+        [_p, _i64, _i64, ctypes.c_uint64, _u32, _f32, _p, _int, _p],
+    ),
     "hvdc_topk_kth_bits": (_u32, [_p, _i64, _i64, _u32, _i64, _p]),
     "hvdc_topk_collect": (_i64, [_p, _i64, _u32, _p, _p, _i64]),
     "hvdc_topk_keep": (_i64, [_p, _i64, _u32, _p, _u32, _i64, _p]),
@@ -622,6 +627,42 @@ def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
     t = LIB.hvdc_topk_kth_bits(pa, n, 1, _ABS, k, ph)
     LIB.hvdc_topk_keep(pa, n, _ABS, None, t, k, _ptr(out))
     return out
+
+
+def randomk_encode(
+    a: torch.Tensor, key: int, threshold: int, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """The kept values of the finite flat float32 a (element i kept iff its 24-bit hash is
+    below threshold), in index order, from one pass of hashes; residual (not None: error
+    feedback) <- a with the kept elements zeroed."""
+    n = a.numel()
+    # room for n + 1 values: untouched pages of the worst case are never committed
+    values = torch.empty(n + 1, dtype=torch.float32)
+    k = LIB.hvdc_randomk_encode(_ptr(a), n, key, threshold, _ptr(values), _ptr(residual))
+    return values[:k]
+
+
+def randomk_decode(
+    body: torch.Tensor,
+    key: int,
+    n: int,
+    threshold: int,
+    scale: float,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> int | None:
+    """Write (or add) the random-k values of body, times scale, at the regenerated kept
+    indices of out. Returns None; or the regenerated kept count, out untouched, when the
+    body does not hold exactly that many values. PayloadError, out untouched, for a value
+    that is not finite."""
+    count = body.numel() // 4 if body.numel() % 4 == 0 else -1
+    idx = torch.empty(max(0, min(count, n)), dtype=torch.int64)  # at most the body's values
+    got = LIB.hvdc_randomk_decode(
+        _ptr(body), count, n, key, threshold, scale, _ptr(out), int(accumulate), _ptr(idx)
+    )
+    if got == -1 and count != -1:
+        raise PayloadError("body", "a random-k value is not finite")
+    return None if got == count else got
 
 
 # ---- whole buckets: segment tables (kernels/threelc.c, sign.c, frame.c) -------------------

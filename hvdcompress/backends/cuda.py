@@ -1021,3 +1021,50 @@ def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
     keep = above | (equal & (torch.cumsum(equal, 0, dtype=torch.int64) <= need))
     idx = torch.nonzero(keep).reshape(-1)
     return cand[idx] if cand is not None else idx
+
+
+# ---- random-k: the mask from the uniforms, torch ops on the device ---------------------------
+
+
+def _randomk_mask(key: int, n: int, threshold: int, device: torch.device) -> torch.Tensor:
+    # u < T 2^-24 (exact in float32): the CPU compares the uniforms' 24-bit integers with T
+    return uniform(key, n, device) < threshold * 2.0**-24
+
+
+def randomk_encode(
+    a: torch.Tensor, key: int, threshold: int, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """The kept values of the finite flat float32 a in index order; residual <- a with
+    the kept entries zeroed (when not None)."""
+    mask = _randomk_mask(key, a.numel(), threshold, a.device)
+    values = a[mask]
+    if residual is not None:
+        residual.copy_(a)
+        residual[mask] = 0.0
+    return values
+
+
+def randomk_decode(
+    body: torch.Tensor,
+    key: int,
+    n: int,
+    threshold: int,
+    scale: float,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> int | None:
+    """The CPU backend's randomk_decode (same checks, same values) with torch ops."""
+    mask = _randomk_mask(key, n, threshold, out.device)
+    kept = int(mask.sum())
+    if body.numel() != 4 * kept:
+        return kept
+    values = _as_body(body, out.device).clone().view(torch.float32)
+    if kept and not bool(torch.isfinite(values).all()):
+        raise PayloadError("body", "a random-k value is not finite")
+    values = values * scale
+    if accumulate:
+        out[mask] += values
+    else:
+        out.zero_()
+        out[mask] = values
+    return None

@@ -120,9 +120,10 @@ def randomk_scale(ratio: float, unbiased: bool) -> float:
     return float(torch.tensor(RANDOMK_ONE / randomk_threshold(ratio), dtype=torch.float32))
 
 
-def randomk_mask(key: int, n: int, ratio: float, device: torch.device) -> torch.Tensor:
-    p = randomk_threshold(ratio) / RANDOMK_ONE  # exact in float32
-    return uniform(key, n, device) < p
+def randomk_encode(a: torch.Tensor, key: int, ratio: float, residual: torch.Tensor | None):
+    """The kept values of the finite flat float32 a (float32, index order); residual (not
+    None: error feedback, unscaled values) <- a with the kept entries zeroed."""
+    return for_device(a.device).randomk_encode(a, key, randomk_threshold(ratio), residual)
 
 
 def randomk_decode_into(
@@ -134,24 +135,18 @@ def randomk_decode_into(
     out: torch.Tensor,
     accumulate: bool,
 ) -> None:
-    mask = randomk_mask(key, n, ratio, out.device)
-    kept = int(mask.sum())
-    if body.numel() != 4 * kept:
+    """Write (or add) scale * the kept values at the regenerated indices; PayloadError,
+    out untouched, when the body does not hold exactly the regenerated count of finite
+    values."""
+    kept = for_device(out.device).randomk_decode(
+        body, key, n, randomk_threshold(ratio), scale, out, accumulate
+    )
+    if kept is not None:
         raise PayloadError(
             "body",
             f"the regenerated mask keeps {kept} values ({4 * kept} bytes), body has "
             f"{body.numel()} bytes (wrong seed, step, rank or tensor, or corrupt)",
         )
-    values = body.clone().view(torch.float32)
-    if kept and not bool(torch.isfinite(values).all()):
-        raise PayloadError("body", "a random-k value is not finite")
-    if scale != 1.0:
-        values = values * scale
-    if accumulate:
-        out[mask] += values
-    else:
-        out.zero_()
-        out[mask] = values
 
 
 # ---- top-k + sign (one shared magnitude) ---------------------------------------------------

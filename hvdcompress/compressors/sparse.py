@@ -268,11 +268,8 @@ class RandomK(SeededSparseState, Stochastic):
         params = rng + RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
         if not prim.all_finite(a):
             return wire.FLAG_NONFINITE, params, empty_body(g.device)
-        mask = sparse.randomk_mask(key, a.numel(), self.ratio, a.device)
-        values = a[mask]
-        if e is not None:  # unscaled (error feedback refuses unbiased): a - decode
-            e.copy_(a)
-            e[mask] = 0.0
+        # e (error feedback refuses unbiased: unscaled values) <- a - decode
+        values = sparse.randomk_encode(a, key, self.ratio, e)
         return 0, params, values.view(torch.uint8)
 
     def contraction(self, numel):
