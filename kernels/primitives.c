@@ -87,18 +87,218 @@ PRIM_VECTOR void hvdc_prim_uniform(uint64_t key, int64_t offset, int64_t n, floa
     }
 }
 
+/* Packs `groups` groups of eight codes (their low `bits` bits) into bits bytes per group, LSB
+ * first: group g fills dst[bits g .. bits g + bits). The last 4 groups are stored byte by
+ * byte, the others as one 8-byte word that the following groups overwrite (4 groups of at
+ * least 2 bytes cover a word's spill). */
+static inline __attribute__((always_inline)) void prim_pack_groups_of(const uint8_t *codes,
+                                                                      int64_t groups, int bits,
+                                                                      uint8_t *dst) {
+    const uint8_t mask = (uint8_t)((1u << bits) - 1u); /* the bits above are ignored */
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *c = codes + 8 * g;
+        uint64_t acc = 0;
+        for (int k = 0; k < 8; k++) acc |= (uint64_t)(c[k] & mask) << (k * bits);
+        if (g + 4 < groups) {
+            memcpy(dst + g * bits, &acc, sizeof acc);
+        } else {
+            for (int k = 0; k < bits; k++) dst[g * bits + k] = (uint8_t)(acc >> (8 * k));
+        }
+    }
+}
+
+/* prim_pack_groups_of with `bits` a constant in each case: the shifts become immediates. */
+static void prim_pack_groups(const uint8_t *codes, int64_t groups, int bits, uint8_t *dst) {
+    switch (bits) {
+    case 2: prim_pack_groups_of(codes, groups, 2, dst); break;
+    case 3: prim_pack_groups_of(codes, groups, 3, dst); break;
+    case 4: prim_pack_groups_of(codes, groups, 4, dst); break;
+    case 5: prim_pack_groups_of(codes, groups, 5, dst); break;
+    case 6: prim_pack_groups_of(codes, groups, 6, dst); break;
+    case 7: prim_pack_groups_of(codes, groups, 7, dst); break;
+    default: prim_pack_groups_of(codes, groups, bits, dst); break;
+    }
+}
+
+/* Unpacks `groups` groups of eight codes of `bits` bits from src (bits bytes a group). */
+static inline __attribute__((always_inline)) void prim_unpack_groups_of(const uint8_t *src,
+                                                                        int64_t groups,
+                                                                        int bits,
+                                                                        uint8_t *codes) {
+    const uint64_t mask = (1ull << bits) - 1ull;
+    for (int64_t g = 0; g < groups; g++) {
+        uint64_t acc = 0;
+        if (g + 4 < groups) {
+            memcpy(&acc, src + g * bits, sizeof acc);
+        } else {
+            for (int k = 0; k < bits; k++) acc |= (uint64_t)src[g * bits + k] << (8 * k);
+        }
+        for (int k = 0; k < 8; k++) codes[8 * g + k] = (uint8_t)((acc >> (k * bits)) & mask);
+    }
+}
+
+/* prim_unpack_groups_of with `bits` a constant in each case: the shifts become immediates. */
+static void prim_unpack_groups(const uint8_t *src, int64_t groups, int bits, uint8_t *codes) {
+    switch (bits) {
+    case 2: prim_unpack_groups_of(src, groups, 2, codes); break;
+    case 3: prim_unpack_groups_of(src, groups, 3, codes); break;
+    case 4: prim_unpack_groups_of(src, groups, 4, codes); break;
+    case 5: prim_unpack_groups_of(src, groups, 5, codes); break;
+    case 6: prim_unpack_groups_of(src, groups, 6, codes); break;
+    case 7: prim_unpack_groups_of(src, groups, 7, codes); break;
+    default: prim_unpack_groups_of(src, groups, bits, codes); break;
+    }
+}
+
+/* The SSSE3 unpack: sixteen codes (two groups, 2 bits bytes) from one 16-byte load. Code k
+ * starts at bit k bits, in byte lo = k bits / 8 at shift k bits % 8, and ends in byte lo or
+ * lo + 1 (bits <= 8), at most byte 15. One pshufb per eight codes puts bytes lo and lo + 1
+ * in a 16-bit lane; a multiply by 2^(16 - shift - bits) moves the code to the lane's top
+ * (the lane keeps its low 16 bits), a shift right by 16 - bits brings it down, and a pack
+ * narrows the sixteen lanes to bytes. prim_unpack_rows[bits] holds the controls and
+ * multipliers, built at load time; the codes are those of prim_unpack_groups_of. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define PRIM_X86_PATHS 1
+
+typedef struct {
+    uint8_t shuffle[2][16]; /* codes 0..7 and 8..15 of a 16-code chunk */
+    int16_t multiplier[2][8];
+} prim_unpack_row;
+static prim_unpack_row prim_unpack_rows[9];
+static int prim_use_ssse3;
+
+__attribute__((constructor)) static void prim_init_x86_paths(void) {
+    for (int bits = 1; bits <= 8; bits++) {
+        prim_unpack_row *row = &prim_unpack_rows[bits];
+        for (int k = 0; k < 16; k++) {
+            const int lo = k * bits / 8, shift = k * bits % 8;
+            row->shuffle[k / 8][2 * (k % 8)] = (uint8_t)lo;
+            row->shuffle[k / 8][2 * (k % 8) + 1] = lo + 1 < 16 ? (uint8_t)(lo + 1) : 0x80;
+            row->multiplier[k / 8][k % 8] = (int16_t)(1 << (16 - shift - bits));
+        }
+    }
+    __builtin_cpu_init();
+    prim_use_ssse3 = __builtin_cpu_supports("ssse3");
+}
+
+/* The SSSE3 pack of sixteen codes (two groups) below 2^bits, bits <= 6: a multiply-add of
+ * byte pairs (c0 + c1 2^bits in a 16-bit lane), one of 16-bit pairs (four codes in a
+ * 32-bit lane, 4 bits bits), the upper 32-bit half of each 64-bit lane shifted down
+ * next to the lower one (eight codes, bits bytes), and a pshufb that closes the gap
+ * between the two groups. The store writes 16 bytes; the next pair overwrites the 16 -
+ * 2 bits beyond. Returns the number of groups packed (even), those whose 16-byte store
+ * stays inside the `groups` groups of dst. */
+__attribute__((target("ssse3"))) static int64_t prim_pack_pairs_ssse3(const uint8_t *codes,
+                                                                       int64_t groups,
+                                                                       int bits,
+                                                                       uint8_t *dst) {
+    if (bits > 6) return 0; /* 2^bits must be a positive int8 multiplier */
+    const __m128i pair_mul = _mm_set1_epi16((int16_t)(1 | (1 << (bits + 8))));
+    const __m128i quad_mul = _mm_set1_epi32(1 | (1 << (2 * bits + 16)));
+    const __m128i low_half = _mm_set1_epi64x(0xffffffff);
+    const __m128i up = _mm_cvtsi32_si128(32 - 4 * bits);
+    const __m128i low = _mm_set1_epi8((char)((1 << bits) - 1)); /* the bits above: ignored */
+    uint8_t ctrl[16];
+    for (int k = 0; k < 16; k++) /* group 0: bytes 0.., group 1: bytes 8.., then zeros */
+        ctrl[k] = k < bits ? (uint8_t)k : k < 2 * bits ? (uint8_t)(8 + k - bits) : 0x80;
+    const __m128i close = _mm_loadu_si128((const __m128i *)ctrl);
+    int64_t g = 0;
+    for (; g * bits + 16 <= groups * bits; g += 2) {
+        const __m128i c = _mm_and_si128(_mm_loadu_si128((const __m128i *)(codes + 8 * g)), low);
+        const __m128i quads = _mm_madd_epi16(_mm_maddubs_epi16(c, pair_mul), quad_mul);
+        const __m128i eights = _mm_or_si128(_mm_and_si128(quads, low_half),
+                                            _mm_srl_epi64(_mm_andnot_si128(low_half, quads), up));
+        _mm_storeu_si128((__m128i *)(dst + g * bits), _mm_shuffle_epi8(eights, close));
+    }
+    return g;
+}
+
+/* prim_unpack_groups for the pairs of groups whose 16-byte load stays inside the `groups`
+ * groups of src; returns the number of groups unpacked (even). */
+__attribute__((target("ssse3"))) static int64_t prim_unpack_pairs_ssse3(const uint8_t *src,
+                                                                         int64_t groups,
+                                                                         int bits,
+                                                                         uint8_t *codes) {
+    const prim_unpack_row *row = &prim_unpack_rows[bits];
+    const __m128i lo_ctrl = _mm_loadu_si128((const __m128i *)row->shuffle[0]);
+    const __m128i hi_ctrl = _mm_loadu_si128((const __m128i *)row->shuffle[1]);
+    const __m128i lo_mul = _mm_loadu_si128((const __m128i *)row->multiplier[0]);
+    const __m128i hi_mul = _mm_loadu_si128((const __m128i *)row->multiplier[1]);
+    const __m128i down = _mm_cvtsi32_si128(16 - bits);
+    int64_t g = 0;
+    for (; g * bits + 16 <= groups * bits; g += 2) { /* 2 bits <= 16: both groups inside */
+        const __m128i in = _mm_loadu_si128((const __m128i *)(src + g * bits));
+        __m128i a = _mm_mullo_epi16(_mm_shuffle_epi8(in, lo_ctrl), lo_mul);
+        __m128i b = _mm_mullo_epi16(_mm_shuffle_epi8(in, hi_ctrl), hi_mul);
+        a = _mm_srl_epi16(a, down);
+        b = _mm_srl_epi16(b, down);
+        _mm_storeu_si128((__m128i *)(codes + 8 * g), _mm_packus_epi16(a, b));
+    }
+    return g;
+}
+#endif
+
+/* Packs `groups` groups of eight codes below 2^bits into bits bytes each at dst: the
+ * SSSE3 path where the CPU has it and bits <= 6, else (and near the end) the portable
+ * one. */
+static void prim_pack(const uint8_t *codes, int64_t groups, int bits, uint8_t *dst,
+                       int portable) {
+    int64_t done = 0;
+#ifdef PRIM_X86_PATHS
+    if (prim_use_ssse3 && !portable) done = prim_pack_pairs_ssse3(codes, groups, bits, dst);
+#else
+    (void)portable;
+#endif
+    prim_pack_groups(codes + 8 * done, groups - done, bits, dst + done * bits);
+}
+
+/* Test hook: prim_pack, SSSE3 (portable == 0) or portable. */
+void hvdc_prim_pack_groups(const uint8_t *codes, int64_t groups, int bits, uint8_t *dst,
+                            int portable) {
+    prim_pack(codes, groups, bits, dst, portable);
+}
+
+/* Unpacks `groups` groups of eight codes of `bits` bits (bits bytes a group) from src:
+ * the SSSE3 path where the CPU has it, the portable one (and the portable one for the
+ * groups near the end, where a 16-byte load would pass the last group). */
+static void prim_unpack(const uint8_t *src, int64_t groups, int bits, uint8_t *codes,
+                         int portable) {
+    int64_t done = 0;
+#ifdef PRIM_X86_PATHS
+    if (prim_use_ssse3 && !portable) done = prim_unpack_pairs_ssse3(src, groups, bits, codes);
+#else
+    (void)portable;
+#endif
+    prim_unpack_groups(src + done * bits, groups - done, bits, codes + 8 * done);
+}
+
+/* Test hook: prim_unpack, its SSSE3 path (portable == 0, where the CPU has it) or its
+ * portable one; tests/test_quantizers.py compares both with the reference bit unpack. */
+void hvdc_prim_unpack_groups(const uint8_t *src, int64_t groups, int bits, uint8_t *codes,
+                              int portable) {
+    prim_unpack(src, groups, bits, codes, portable);
+}
+
 /* Pack n codes of `bits` (1..8) bits each into ceil(n bits / 8) bytes, LSB first. Bits
- * of a code above `bits` are ignored. */
+ * of a code above `bits` are ignored. Whole groups of eight codes (bits bytes each) go
+ * through prim_pack (2 <= bits <= 7), the last n % 8 codes through one word. */
 void hvdc_prim_bitpack(const uint8_t *codes, int64_t n, int bits, uint8_t *out) {
-    const uint32_t mask = (1u << bits) - 1u;
-    uint64_t acc = 0;
-    int have = 0;
-    int64_t o = 0;
     if (bits == 8) {
         memcpy(out, codes, (size_t)n);
         return;
     }
-    for (int64_t i = 0; i < n; i++) {
+    const uint32_t mask = (1u << bits) - 1u;
+    int64_t i = 0, o = 0;
+    if (bits >= 2) {
+        const int64_t groups = n / 8;
+        prim_pack(codes, groups, bits, out, 0);
+        i = 8 * groups;
+        o = bits * groups;
+    }
+    uint64_t acc = 0;
+    int have = 0;
+    for (; i < n; i++) {
         acc |= (uint64_t)(codes[i] & mask) << have;
         have += bits;
         if (have >= 32) {
@@ -119,7 +319,8 @@ void hvdc_prim_bitpack(const uint8_t *codes, int64_t n, int bits, uint8_t *out) 
 }
 
 /* Unpack n codes of `bits` bits from in[0..nbytes). Returns 0, PRIM_ERR_LENGTH or
- * PRIM_ERR_PADDING (codes untouched on error). */
+ * PRIM_ERR_PADDING (codes untouched on error). Whole groups through prim_unpack
+ * (2 <= bits <= 7), the rest code by code. */
 int64_t hvdc_prim_bitunpack(const uint8_t *in, int64_t nbytes, int64_t n, int bits,
                             uint8_t *codes) {
     const int64_t used = n * bits;
@@ -130,10 +331,16 @@ int64_t hvdc_prim_bitunpack(const uint8_t *in, int64_t nbytes, int64_t n, int bi
         return 0;
     }
     const uint32_t mask = (1u << bits) - 1u;
+    int64_t i = 0, j = 0;
+    if (bits >= 2) {
+        const int64_t groups = n / 8;
+        prim_unpack(in, groups, bits, codes, 0);
+        i = 8 * groups;
+        j = bits * groups;
+    }
     uint64_t acc = 0;
     int have = 0;
-    int64_t j = 0;
-    for (int64_t i = 0; i < n; i++) {
+    for (; i < n; i++) {
         if (have < bits) {
             acc |= (uint64_t)in[j++] << have;
             have += 8;

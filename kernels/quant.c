@@ -8,7 +8,8 @@
  *                        r = (|x| / norm) * s + u, l = min(floor(r), s), code = 2 l + sign,
  *                        bit-packed LSB first (bits = 1 + ceil(log2(s + 1)), from the caller);
  *   hvdc_qsgd_decode     validates norms, padding and codes, then writes or adds
- *                        +-((l / s) * norm);
+ *                        +-((l / s) * norm) (as l * (1 / s) * norm in vector lanes when
+ *                        that rounds to l / s at every level, else from a table);
  *   hvdc_terngrad_quartic  q = (u < |x| / M) ? sign(x) : 0 as 3LC quartic bytes (the
  *                        caller zero-run encodes them with hvdc_tlc_zre_encode).
  *
@@ -17,7 +18,10 @@
  * tensor may be split into parts (the caller's threads) without changing a byte. A QSGD
  * part starts at a multiple of the bucket size whose bit offset is a whole byte.
  *
- * Memory traffic per element: QSGD encode reads 4 B (twice, the second time from L1) and
+ * Codes are packed and unpacked by hvdc_prim_bitpack / hvdc_prim_bitunpack (primitives.c:
+ * sixteen codes a step with SSSE3).
+ *
+ * Memory traffic per element: QSGD encode reads 4 B (twice, the second time from L2) and
  * writes bits / 8 B; decode reads bits / 8 B twice and writes 4 B (8 B with accumulate);
  * TernGrad reads 4 B and writes 1/5 B. Pure functions over caller-owned buffers; built
  * with -ffp-contract=off and without fast-math (C_FLAGS in hvdcompress/_native.py).
@@ -50,6 +54,9 @@ _Static_assert(QUANT_LANES == 4, "hvdc_prim_add_rows sums at most four rows");
 #endif
 
 void hvdc_prim_uniform(uint64_t key, int64_t offset, int64_t n, float *out); /* primitives.c */
+void hvdc_prim_bitpack(const uint8_t *codes, int64_t n, int bits, uint8_t *out);
+int64_t hvdc_prim_bitunpack(const uint8_t *in, int64_t nbytes, int64_t n, int bits,
+                            uint8_t *codes);
 
 static inline uint32_t quant_abs_bits(float x) {
     uint32_t u;
@@ -57,197 +64,16 @@ static inline uint32_t quant_abs_bits(float x) {
     return u & 0x7fffffffu;
 }
 
-/* Packs `groups` groups of eight codes (each < 2^bits) into bits bytes per group, LSB
- * first: group g fills dst[bits g .. bits g + bits). The last 4 groups are stored byte by
- * byte, the others as one 8-byte word that the following groups overwrite (4 groups of at
- * least 2 bytes cover a word's spill). */
-static inline __attribute__((always_inline)) void quant_pack_groups_of(const uint8_t *codes,
-                                                                      int64_t groups, int bits,
-                                                                      uint8_t *dst) {
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *c = codes + 8 * g;
-        uint64_t acc = 0;
-        for (int k = 0; k < 8; k++) acc |= (uint64_t)c[k] << (k * bits);
-        if (g + 4 < groups) {
-            memcpy(dst + g * bits, &acc, sizeof acc);
-        } else {
-            for (int k = 0; k < bits; k++) dst[g * bits + k] = (uint8_t)(acc >> (8 * k));
-        }
-    }
-}
-
-/* quant_pack_groups_of with `bits` a constant in each case: the shifts become immediates. */
-static void quant_pack_groups(const uint8_t *codes, int64_t groups, int bits, uint8_t *dst) {
-    switch (bits) {
-    case 2: quant_pack_groups_of(codes, groups, 2, dst); break;
-    case 3: quant_pack_groups_of(codes, groups, 3, dst); break;
-    case 4: quant_pack_groups_of(codes, groups, 4, dst); break;
-    case 5: quant_pack_groups_of(codes, groups, 5, dst); break;
-    case 6: quant_pack_groups_of(codes, groups, 6, dst); break;
-    case 7: quant_pack_groups_of(codes, groups, 7, dst); break;
-    default: quant_pack_groups_of(codes, groups, bits, dst); break;
-    }
-}
-
-/* Unpacks `groups` groups of eight codes of `bits` bits from src (bits bytes a group). */
-static inline __attribute__((always_inline)) void quant_unpack_groups_of(const uint8_t *src,
-                                                                        int64_t groups,
-                                                                        int bits,
-                                                                        uint8_t *codes) {
-    const uint64_t mask = (1ull << bits) - 1ull;
-    for (int64_t g = 0; g < groups; g++) {
-        uint64_t acc = 0;
-        if (g + 4 < groups) {
-            memcpy(&acc, src + g * bits, sizeof acc);
-        } else {
-            for (int k = 0; k < bits; k++) acc |= (uint64_t)src[g * bits + k] << (8 * k);
-        }
-        for (int k = 0; k < 8; k++) codes[8 * g + k] = (uint8_t)((acc >> (k * bits)) & mask);
-    }
-}
-
-/* quant_unpack_groups_of with `bits` a constant in each case: the shifts become immediates. */
-static void quant_unpack_groups(const uint8_t *src, int64_t groups, int bits, uint8_t *codes) {
-    switch (bits) {
-    case 2: quant_unpack_groups_of(src, groups, 2, codes); break;
-    case 3: quant_unpack_groups_of(src, groups, 3, codes); break;
-    case 4: quant_unpack_groups_of(src, groups, 4, codes); break;
-    case 5: quant_unpack_groups_of(src, groups, 5, codes); break;
-    case 6: quant_unpack_groups_of(src, groups, 6, codes); break;
-    case 7: quant_unpack_groups_of(src, groups, 7, codes); break;
-    default: quant_unpack_groups_of(src, groups, bits, codes); break;
-    }
-}
-
-/* The SSSE3 unpack: sixteen codes (two groups, 2 bits bytes) from one 16-byte load. Code k
- * starts at bit k bits, in byte lo = k bits / 8 at shift k bits % 8, and ends in byte lo or
- * lo + 1 (bits <= 8), at most byte 15. One pshufb per eight codes puts bytes lo and lo + 1
- * in a 16-bit lane; a multiply by 2^(16 - shift - bits) moves the code to the lane's top
- * (the lane keeps its low 16 bits), a shift right by 16 - bits brings it down, and a pack
- * narrows the sixteen lanes to bytes. quant_unpack_rows[bits] holds the controls and
- * multipliers, built at load time; the codes are those of quant_unpack_groups_of. */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define QUANT_X86_PATHS 1
-
-typedef struct {
-    uint8_t shuffle[2][16]; /* codes 0..7 and 8..15 of a 16-code chunk */
-    int16_t multiplier[2][8];
-} quant_unpack_row;
-static quant_unpack_row quant_unpack_rows[9];
-static int quant_use_ssse3, quant_use_avx2;
+static int quant_use_avx2;
 
 __attribute__((constructor)) static void quant_init_x86_paths(void) {
-    for (int bits = 1; bits <= 8; bits++) {
-        quant_unpack_row *row = &quant_unpack_rows[bits];
-        for (int k = 0; k < 16; k++) {
-            const int lo = k * bits / 8, shift = k * bits % 8;
-            row->shuffle[k / 8][2 * (k % 8)] = (uint8_t)lo;
-            row->shuffle[k / 8][2 * (k % 8) + 1] = lo + 1 < 16 ? (uint8_t)(lo + 1) : 0x80;
-            row->multiplier[k / 8][k % 8] = (int16_t)(1 << (16 - shift - bits));
-        }
-    }
     __builtin_cpu_init();
-    quant_use_ssse3 = __builtin_cpu_supports("ssse3");
     quant_use_avx2 = __builtin_cpu_supports("avx2");
 }
-
-/* The SSSE3 pack of sixteen codes (two groups) below 2^bits, bits <= 6: a multiply-add of
- * byte pairs (c0 + c1 2^bits in a 16-bit lane), one of 16-bit pairs (four codes in a
- * 32-bit lane, 4 bits bits), the upper 32-bit half of each 64-bit lane shifted down
- * next to the lower one (eight codes, bits bytes), and a pshufb that closes the gap
- * between the two groups. The store writes 16 bytes; the next pair overwrites the 16 -
- * 2 bits beyond. Returns the number of groups packed (even), those whose 16-byte store
- * stays inside the `groups` groups of dst. */
-__attribute__((target("ssse3"))) static int64_t quant_pack_pairs_ssse3(const uint8_t *codes,
-                                                                       int64_t groups,
-                                                                       int bits,
-                                                                       uint8_t *dst) {
-    if (bits > 6) return 0; /* 2^bits must be a positive int8 multiplier */
-    const __m128i pair_mul = _mm_set1_epi16((int16_t)(1 | (1 << (bits + 8))));
-    const __m128i quad_mul = _mm_set1_epi32(1 | (1 << (2 * bits + 16)));
-    const __m128i low_half = _mm_set1_epi64x(0xffffffff);
-    const __m128i up = _mm_cvtsi32_si128(32 - 4 * bits);
-    uint8_t ctrl[16];
-    for (int k = 0; k < 16; k++) /* group 0: bytes 0.., group 1: bytes 8.., then zeros */
-        ctrl[k] = k < bits ? (uint8_t)k : k < 2 * bits ? (uint8_t)(8 + k - bits) : 0x80;
-    const __m128i close = _mm_loadu_si128((const __m128i *)ctrl);
-    int64_t g = 0;
-    for (; g * bits + 16 <= groups * bits; g += 2) {
-        const __m128i c = _mm_loadu_si128((const __m128i *)(codes + 8 * g));
-        const __m128i quads = _mm_madd_epi16(_mm_maddubs_epi16(c, pair_mul), quad_mul);
-        const __m128i eights = _mm_or_si128(_mm_and_si128(quads, low_half),
-                                            _mm_srl_epi64(_mm_andnot_si128(low_half, quads), up));
-        _mm_storeu_si128((__m128i *)(dst + g * bits), _mm_shuffle_epi8(eights, close));
-    }
-    return g;
-}
-
-/* quant_unpack_groups for the pairs of groups whose 16-byte load stays inside the `groups`
- * groups of src; returns the number of groups unpacked (even). */
-__attribute__((target("ssse3"))) static int64_t quant_unpack_pairs_ssse3(const uint8_t *src,
-                                                                         int64_t groups,
-                                                                         int bits,
-                                                                         uint8_t *codes) {
-    const quant_unpack_row *row = &quant_unpack_rows[bits];
-    const __m128i lo_ctrl = _mm_loadu_si128((const __m128i *)row->shuffle[0]);
-    const __m128i hi_ctrl = _mm_loadu_si128((const __m128i *)row->shuffle[1]);
-    const __m128i lo_mul = _mm_loadu_si128((const __m128i *)row->multiplier[0]);
-    const __m128i hi_mul = _mm_loadu_si128((const __m128i *)row->multiplier[1]);
-    const __m128i down = _mm_cvtsi32_si128(16 - bits);
-    int64_t g = 0;
-    for (; g * bits + 16 <= groups * bits; g += 2) { /* 2 bits <= 16: both groups inside */
-        const __m128i in = _mm_loadu_si128((const __m128i *)(src + g * bits));
-        __m128i a = _mm_mullo_epi16(_mm_shuffle_epi8(in, lo_ctrl), lo_mul);
-        __m128i b = _mm_mullo_epi16(_mm_shuffle_epi8(in, hi_ctrl), hi_mul);
-        a = _mm_srl_epi16(a, down);
-        b = _mm_srl_epi16(b, down);
-        _mm_storeu_si128((__m128i *)(codes + 8 * g), _mm_packus_epi16(a, b));
-    }
-    return g;
-}
 #endif
-
-/* Packs `groups` groups of eight codes below 2^bits into bits bytes each at dst: the
- * SSSE3 path where the CPU has it and bits <= 6, else (and near the end) the portable
- * one. */
-static void quant_pack(const uint8_t *codes, int64_t groups, int bits, uint8_t *dst,
-                       int portable) {
-    int64_t done = 0;
-#ifdef QUANT_X86_PATHS
-    if (quant_use_ssse3 && !portable) done = quant_pack_pairs_ssse3(codes, groups, bits, dst);
-#else
-    (void)portable;
-#endif
-    quant_pack_groups(codes + 8 * done, groups - done, bits, dst + done * bits);
-}
-
-/* Test hook: quant_pack, SSSE3 (portable == 0) or portable. */
-void hvdc_quant_pack_groups(const uint8_t *codes, int64_t groups, int bits, uint8_t *dst,
-                            int portable) {
-    quant_pack(codes, groups, bits, dst, portable);
-}
-
-/* Unpacks `groups` groups of eight codes of `bits` bits (bits bytes a group) from src:
- * the SSSE3 path where the CPU has it, the portable one (and the portable one for the
- * groups near the end, where a 16-byte load would pass the last group). */
-static void quant_unpack(const uint8_t *src, int64_t groups, int bits, uint8_t *codes,
-                         int portable) {
-    int64_t done = 0;
-#ifdef QUANT_X86_PATHS
-    if (quant_use_ssse3 && !portable) done = quant_unpack_pairs_ssse3(src, groups, bits, codes);
-#else
-    (void)portable;
-#endif
-    quant_unpack_groups(src + done * bits, groups - done, bits, codes + 8 * done);
-}
-
-/* Test hook: quant_unpack, its SSSE3 path (portable == 0, where the CPU has it) or its
- * portable one; tests/test_quantizers.py compares both with the reference bit unpack. */
-void hvdc_quant_unpack_groups(const uint8_t *src, int64_t groups, int bits, uint8_t *codes,
-                              int portable) {
-    quant_unpack(src, groups, bits, codes, portable);
-}
 
 /* d[i] = x_i^2 in double, i < n (vectorised). */
 QUANT_VECTOR static void quant_squares(const float *x, int64_t n, double *d) {
@@ -379,7 +205,7 @@ int hvdc_qsgd_encode(const float *x, int64_t n, int levels, int bits, int64_t bu
                 hvdc_prim_uniform(key, offset + p, len, u);
                 quant_qsgd_codes(x + p, u, len, safe, levels, codes + pending);
                 const int64_t total = pending + len, groups = total / 8;
-                quant_pack(codes, groups, bits, dst, 0);
+                hvdc_prim_bitpack(codes, 8 * groups, bits, dst);
                 dst += groups * bits;
                 pending = total - 8 * groups;
                 memmove(codes, codes + 8 * groups, (size_t)pending);
@@ -387,12 +213,8 @@ int hvdc_qsgd_encode(const float *x, int64_t n, int levels, int bits, int64_t bu
             }
         }
     }
-    if (pending) { /* the last, short group: ceil(pending bits / 8) bytes, padding zero */
-        memset(codes + pending, 0, (size_t)(8 - pending));
-        uint8_t word[8];
-        quant_pack_groups(codes, 1, bits, word);
-        memcpy(dst, word, (size_t)((pending * bits + 7) / 8));
-    }
+    /* the last, short group: ceil(pending bits / 8) bytes, padding zero */
+    if (pending) hvdc_prim_bitpack(codes, pending, bits, dst);
     return 0;
 }
 
@@ -404,19 +226,11 @@ static inline float quant_load_f32(const uint8_t *p) {
 }
 
 /* The codes of elements [lo, lo + len) (lo a multiple of 8) of a packed stream of n codes
- * of nbytes bytes, into codes[0..len). */
-static inline void quant_codes_at(const uint8_t *packed, int64_t nbytes, int64_t lo, int64_t len,
-                                  int bits, uint8_t *codes) {
-    const int64_t groups = len / 8;
-    quant_unpack(packed + lo / 8 * bits, groups, bits, codes, 0);
-    if (len % 8) { /* the last, short group: only its own bytes exist */
-        const int64_t first = (lo + 8 * groups) / 8 * bits;
-        const int64_t have = nbytes - first < bits ? nbytes - first : bits;
-        uint64_t acc = 0;
-        for (int64_t k = 0; k < have; k++) acc |= (uint64_t)packed[first + k] << (8 * k);
-        for (int64_t k = 0; k < len % 8; k++)
-            codes[8 * groups + k] = (uint8_t)((acc >> (k * bits)) & ((1u << bits) - 1u));
-    }
+ * whose length and padding the caller checked, into codes[0..len): ceil(len bits / 8)
+ * bytes from byte lo bits / 8, the stream's last bytes when lo + len == n. */
+static inline void quant_codes_at(const uint8_t *packed, int64_t lo, int64_t len, int bits,
+                                  uint8_t *codes) {
+    hvdc_prim_bitunpack(packed + lo / 8 * bits, (len * bits + 7) / 8, len, bits, codes);
 }
 
 /* o[i] (+)= +-(((c >> 1) * inv) * norm) for the codes c[0..cnt), sign bit c & 1: the
@@ -468,7 +282,7 @@ QUANT_VECTOR int64_t hvdc_qsgd_decode(const uint8_t *body, int64_t n, int levels
     uint8_t codes[QUANT_BLOCK];
     for (int64_t lo = 0; lo < n; lo += QUANT_BLOCK) {
         const int64_t len = n - lo < QUANT_BLOCK ? n - lo : QUANT_BLOCK;
-        quant_codes_at(packed, nbytes, lo, len, bits, codes);
+        quant_codes_at(packed, lo, len, bits, codes);
         uint8_t any = 0;
         for (int64_t i = 0; i < len; i++) any |= (uint8_t)((codes[i] > top) | (codes[i] == 1));
         if (any) return QUANT_ERR_CODE;
@@ -487,7 +301,7 @@ QUANT_VECTOR int64_t hvdc_qsgd_decode(const uint8_t *body, int64_t n, int levels
     const int ncodes = 2 * levels + 2;
     for (int64_t lo = 0; lo < n; lo += QUANT_BLOCK) {
         const int64_t len = n - lo < QUANT_BLOCK ? n - lo : QUANT_BLOCK;
-        quant_codes_at(packed, nbytes, lo, len, bits, codes);
+        quant_codes_at(packed, lo, len, bits, codes);
         for (int64_t p = lo; p < lo + len;) { /* one bucket's stretch of this block */
             const int64_t b = p / bucket;
             const int64_t end = (b + 1) * bucket < lo + len ? (b + 1) * bucket : lo + len;
@@ -671,9 +485,6 @@ void hvdc_terngrad_encode_segments(int64_t count, const uint64_t *xs, const int6
 
 /* --- a bucket's DQSG with s > 1 (codecs/dqsg.py encode / decode_q + decode_into) --------- */
 
-void hvdc_prim_bitpack(const uint8_t *codes, int64_t n, int bits, uint8_t *out); /* primitives.c */
-int64_t hvdc_prim_bitunpack(const uint8_t *in, int64_t nbytes, int64_t n, int bits,
-                            uint8_t *codes); /* primitives.c */
 
 /* Errors of hvdc_dqsg_decode_segments, in codecs/dqsg.py decode_q's order. */
 #define DQSG_ERR_DELTAS_LEN -11 /* the body cannot hold the bucket deltas */

@@ -1,8 +1,9 @@
-/* CPU backend of top-k selection and random-k (docs/design.md section 4, hvdcompress/codecs/sparse.py),
- * loaded through ctypes (hvdcompress/backends/cpu.py). The kept set is fixed by the codec,
- * not by the algorithm: with t the k-th largest |a| (exact), every |a_i| > t is kept, and
- * the |a_i| == t are kept in index order until there are k. The CUDA backend selects the
- * same set with torch.topk on the device (hvdcompress/backends/cuda.py, topk_select).
+/* CPU backend of top-k selection and random-k (docs/design.md section 4,
+ * hvdcompress/codecs/sparse.py), loaded through ctypes (hvdcompress/backends/cpu.py).
+ * Top-k's kept set is fixed by the codec, not by the algorithm: with t the k-th largest
+ * |a| (exact), every |a_i| > t is kept, and the |a_i| == t are kept in index order until
+ * there are k. The CUDA backend selects the same set with torch.topk on the device
+ * (hvdcompress/backends/cuda.py, topk_select).
  *
  * Magnitudes are compared as the bits of |a| (a finite float's abs bits order like its
  * magnitude), so selection is integer work:

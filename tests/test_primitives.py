@@ -60,13 +60,47 @@ def _pack_numpy(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
-@pytest.mark.parametrize("n", [0, 1, 3, 8, 13, 1001])
+@pytest.mark.parametrize("n", [0, 1, 3, 8, 13, 16, 31, 32, 33, 1001])
 def test_bitpack_matches_numpy_and_roundtrips(bits, n):
     rng = np.random.default_rng(bits * 1000 + n)
     codes = rng.integers(0, 2**bits, n).astype(np.uint8)
     packed = prim.bitpack(torch.from_numpy(codes), bits)
     np.testing.assert_array_equal(packed.numpy(), _pack_numpy(codes, bits))
     np.testing.assert_array_equal(prim.bitunpack(packed, n, bits).numpy(), codes)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("n", [16, 17, 23, 24, 25, 31, 33, 40, 4099])
+def test_bitpack_ignores_the_bits_above(bits, n):
+    """Codes with bits set above `bits` pack as their low bits, on every path (SSSE3 pairs
+    of groups, portable groups, the tail)."""
+    rng = np.random.default_rng(bits * 7 + n)
+    codes = rng.integers(0, 256, n).astype(np.uint8)
+    packed = prim.bitpack(torch.from_numpy(codes), bits)
+    np.testing.assert_array_equal(packed.numpy(), _pack_numpy(codes & (2**bits - 1), bits))
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("portable", [0, 1])
+def test_group_pack_and_unpack_paths_keep_the_bit_layout(bits, portable):
+    """The group packer and unpacker under bitpack / bitunpack, both the SSSE3 path (taken
+    where the CPU has it, for the pairs of groups that a 16-byte access keeps inside the
+    buffer) and the portable one, give the NumPy bit layout at every group count around
+    the 16-byte boundary, and write nothing past the last group."""
+    lib, ptr = cpu_backend.LIB, cpu_backend._ptr
+    rng = np.random.default_rng(bits)
+    for groups in (*range(0, 12), 17, 100, 1001):
+        codes = rng.integers(0, 2**bits, 8 * groups).astype(np.uint8)
+        packed = _pack_numpy(codes, bits)
+        got = torch.full((bits * groups + 16,), 0xA5, dtype=torch.uint8)
+        lib.hvdc_prim_pack_groups(ptr(torch.from_numpy(codes)), groups, bits, ptr(got), portable)
+        np.testing.assert_array_equal(got[: bits * groups].numpy(), packed)
+        assert (got[bits * groups :] == 0xA5).all(), groups
+        back = torch.full((8 * groups + 16,), 0xA5, dtype=torch.uint8)
+        src = torch.from_numpy(packed.copy())
+        lib.hvdc_prim_unpack_groups(ptr(src), groups, bits, ptr(back), portable)
+        np.testing.assert_array_equal(back[: 8 * groups].numpy(), codes)
+        assert (back[8 * groups :] == 0xA5).all(), groups
 
 
 @pytest.mark.parametrize("bits", [1, 3, 5, 7])

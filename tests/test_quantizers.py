@@ -202,29 +202,6 @@ def test_qsgd_decode_refuses_levels_past_one_byte_codes(levels):
     assert torch.equal(out, torch.full((700,), 5.0))
 
 
-@pytest.mark.parametrize("bits", range(2, 9))
-@pytest.mark.parametrize("portable", [0, 1])
-def test_code_pack_and_unpack_paths_keep_the_bit_layout(bits, portable):
-    """QSGD's code packer and unpacker (kernels/quant.c), both the SSSE3 path (taken where
-    the CPU has it, for the pairs of groups a 16-byte access keeps inside the buffer) and
-    the portable one, give the reference bit layout (hvdc_prim_bitpack / bitunpack), at
-    every group count around the 16-byte boundary, and write nothing past the last
-    group."""
-    lib, ptr = cpu_backend.LIB, cpu_backend._ptr
-    gen = torch.Generator().manual_seed(bits)
-    for groups in (*range(0, 12), 17, 100, 1001):
-        codes = torch.randint(0, 2**bits, (8 * groups,), dtype=torch.uint8, generator=gen)
-        packed = prim.bitpack(codes, bits) if groups else torch.empty(0, dtype=torch.uint8)
-        got = torch.full((bits * groups + 16,), 0xA5, dtype=torch.uint8)
-        lib.hvdc_quant_pack_groups(ptr(codes), groups, bits, ptr(got), portable)
-        assert torch.equal(got[: bits * groups], packed), groups
-        assert (got[bits * groups :] == 0xA5).all(), groups
-        back = torch.full((8 * groups + 16,), 0xA5, dtype=torch.uint8)
-        lib.hvdc_quant_unpack_groups(ptr(packed), groups, bits, ptr(back), portable)
-        assert torch.equal(back[: 8 * groups], codes), groups
-        assert (back[8 * groups :] == 0xA5).all(), groups
-
-
 @pytest.mark.parametrize("bucket", [8, 9, 10, 11, 12, 13, 100, 1001])
 def test_qsgd_norms_eight_buckets_at_a_time(bucket):
     """The encoder sums the squares of eight whole buckets at once in vector lanes (AVX2),

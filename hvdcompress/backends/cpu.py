@@ -81,8 +81,8 @@ _SIGNATURES = {
     # stochastic quantisers (kernels/quant.c)
     "hvdc_qsgd_encode": (_int, [_p, _i64, _int, _int, _i64, ctypes.c_uint64, _i64, _p, _p]),
     "hvdc_qsgd_decode": (_i64, [_p, _i64, _int, _int, _i64, _p, _int]),
-    "hvdc_quant_unpack_groups": (None, [_p, _i64, _int, _p, _int]),
-    "hvdc_quant_pack_groups": (None, [_p, _i64, _int, _p, _int]),
+    "hvdc_prim_unpack_groups": (None, [_p, _i64, _int, _p, _int]),
+    "hvdc_prim_pack_groups": (None, [_p, _i64, _int, _p, _int]),
     "hvdc_terngrad_quartic": (None, [_p, _i64, _f32, ctypes.c_uint64, _i64, _p]),
     "hvdc_dqsg_quantize": (_int, [_p, _i64, _int, _i64, ctypes.c_uint64, _i64, _int, _p, _p]),
     "hvdc_dqsg_dequantize": (None, [_p, _i64, _p, _i64, ctypes.c_uint64, _i64, _p, _int]),
