@@ -435,6 +435,61 @@ QUANT_VECTOR void hvdc_dqsg_dequantize(const int8_t *q, int64_t n, const uint8_t
     }
 }
 
+/* NDQSG's coset of the fine index (hvdcompress/codecs/ndqsg.py): m = k - rho rint(k / rho)
+ * (one float32 division, round half to even, one product, one difference), for k in
+ * k[0..n) (int8), written as m + code_offset (0: the int8 m; rho // 2: the codes NDQSG
+ * bit-packs). m depends on k alone: a table of the 256 int8 values, one load an element. */
+void hvdc_ndqsg_coset(const int8_t *k, int64_t n, int rho, int code_offset, uint8_t *out) {
+    uint8_t table[256];
+    const float rho_f = (float)rho;
+    for (int v = -128; v < 128; v++) {
+        const float kf = (float)v;
+        const float m = kf - rho_f * rintf(kf / rho_f);
+        table[(uint8_t)v] = (uint8_t)((int)m + code_offset);
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = table[(uint8_t)k[i]];
+}
+
+/* NDQSG's side-information decoder for the cosets m[0..n) (int8) of a nested body, the
+ * validated float32 deltas (any byte offset) and the side information y: per element, with
+ * u = v - 1/2 the dither, safe = delta or 1 where delta == 0,
+ *   r = safe (m - u) - y,  j = rint(r / (safe rho)),  k = m - rho j  (0 where delta == 0),
+ *   w = delta (k - u)
+ * (each one float32 operation, in the order of codecs/ndqsg.py's side_decode_into),
+ * written to out or added to it (out may be NULL: only the count wanted). Returns how many
+ * k differ from k_true (the sender's fine indices, int8; NULL: 0), the aliasing count,
+ * without materialising k. One pass with the uniforms a block at a time in L1. */
+QUANT_VECTOR int64_t hvdc_ndqsg_side_decode(const int8_t *m, int64_t n, const uint8_t *deltas,
+                                            const float *y, int rho, int64_t bucket,
+                                            uint64_t key, float *out, int accumulate,
+                                            const int8_t *k_true) {
+    float u[QUANT_BLOCK];
+    const float rho_f = (float)rho;
+    const int64_t nb = (n + bucket - 1) / bucket;
+    int64_t aliased = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t lo = b * bucket, hi = lo + bucket < n ? lo + bucket : n;
+        const float delta = quant_load_f32(deltas + 4 * b);
+        const float safe = delta > 0.0f ? delta : 1.0f, coarse = safe * rho_f;
+        for (int64_t p = lo; p < hi; p += QUANT_BLOCK) {
+            const int64_t len = hi - p < QUANT_BLOCK ? hi - p : QUANT_BLOCK;
+            hvdc_prim_uniform(key, p, len, u);
+            for (int64_t i = 0; i < len; i++) {
+                const float d = u[i] - 0.5f, mf = (float)m[p + i];
+                const float r = safe * (mf - d) - y[p + i];
+                float k = mf - rho_f * rintf(r / coarse);
+                k = delta > 0.0f ? k : 0.0f;
+                u[i] = k; /* u[i] is read no more: k staged for the count */
+                const float w = delta * (k - d);
+                if (out) out[p + i] = accumulate ? out[p + i] + w : w;
+            }
+            if (k_true)
+                for (int64_t i = 0; i < len; i++) aliased += (float)k_true[p + i] != u[i];
+        }
+    }
+    return aliased;
+}
+
 /* hvdc_qsgd_decode (accumulating) of `count` bodies in one call, every tensor with the
  * same levels, bits and bucket: body p at body + starts[p] (the caller checked its
  * length) of ns[p] values, added into the floats at address outs[p]. Returns -1 - p for

@@ -103,10 +103,11 @@ def _matrix_shape(n: int) -> tuple[int, int]:
     return rows, n // rows
 
 
-def _phases(comp, t: torch.Tensor):
+def _phases(comp, t: torch.Tensor, side: torch.Tensor | None):
     """(encode, decode into a new tensor, bits per value). A summable multi-phase
     compressor (PowerSGD: P, then Q from the summed P) is timed as on one rank: encode is
-    its first phase, decode the later phases plus decompress."""
+    its first phase, decode the later phases plus decompress. side: the side information
+    of a compressor that decodes with it (NDQSG), else None."""
     phases = comp.phases if isinstance(comp, SummableCompressor) else 1
 
     def encode():
@@ -117,6 +118,8 @@ def _phases(comp, t: torch.Tensor):
         for phase in range(1, phases):
             payload = comp.next_phase(payload, ctx, phase)
             sent += payload.numel() * payload.element_size()
+        if side is not None:
+            return comp.decode(payload, expect=ctx, side_info=side), sent
         return comp.decompress(payload, ctx), sent
 
     payload, ctx = encode()
@@ -140,9 +143,12 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
         memcpy = run(lambda: dst.copy_(x), reps)
         name, params = parse_case(case)
         comp = hvdcompress.get_compressor(name, **params)
-        comp.bind(0, 1)
+        # NDQSG: the nested code, which every rank after the DQSG-coded first ones sends
+        # (rank 1 of 2), decoded with the input itself as the side information
+        side = x if comp.uses_side_info else None
+        comp.bind(0, 1) if side is None else comp.bind(1, 2)
         t = x.view(_matrix_shape(n)) if needs_matrix(name) else x
-        encode_fn, decode_fn, first_bits = _phases(comp, t)
+        encode_fn, decode_fn, first_bits = _phases(comp, t, side)
         for _ in range(3):  # warm-up: allocates the residual, which then reaches steady state
             decode_fn(*encode_fn())
         encode = run(encode_fn, reps)
@@ -159,9 +165,14 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
             decode = accumulate = None
         else:
             acc = torch.zeros(n, dtype=torch.float32, device=device)
-            decode = run(lambda comp=comp, p=payload, a=acc: comp.decode(p, out=a), reps)
+            decode = run(
+                lambda comp=comp, p=payload, a=acc, y=side: comp.decode(p, out=a, side_info=y),
+                reps,
+            )
             accumulate = run(
-                lambda comp=comp, p=payload, a=acc: comp.decode(p, out=a, accumulate=True),
+                lambda comp=comp, p=payload, a=acc, y=side: comp.decode(
+                    p, out=a, accumulate=True, side_info=y
+                ),
                 reps,
             )
         rows.append(
@@ -220,7 +231,8 @@ def print_table(rows: list) -> None:
         "and checksum. decode: into a preallocated tensor; dec+acc: added into one (the gather\n"
         "path); new: into a new tensor.\n"
         "Summable compressors are decoded after the allreduce: only 'new' applies (PowerSGD:\n"
-        "encode = P, new = Q from P + decompress, on one rank)."
+        "encode = P, new = Q from P + decompress, on one rank). NDQSG: rank 1 of 2 (the nested\n"
+        "code), decoded with the input as side information."
     )
 
 

@@ -117,6 +117,25 @@ def test_ndqsg_equals_dqsg_reconstruction_when_side_info_is_close(fine, coarse, 
 
 
 @pytest.mark.parametrize("fine,coarse", LEVELS)
+def test_ndqsg_dqsg_mode_decodes_as_dqsg(fine, coarse):
+    """Rank 0's payload (DQSG mode) decodes through DQSG's own decoder: the same bits as
+    a DQSG compressor with the same levels, seed and rank, written and accumulated."""
+    w = torch.randn(2000) * torch.logspace(-2, 2, 2000)
+    kw = {"fine_levels": fine, "coarse_levels": coarse, "bucket_size": 64, "seed": 5}
+    sender = bound("ndqsg", 0, 3, **kw)
+    payload, _ = sender.compress(w, "w")
+    assert sender.read_header(payload)[0].params[-1] == 0  # DQSG mode
+    dq = comp("dqsg", levels=fine, bucket_size=64, seed=5, rank=0)
+    dq_payload, _ = dq.compress(w, "w")
+    base = torch.randn(2000)
+    for accumulate in (False, True):
+        got, want = base.clone(), base.clone()
+        bound("ndqsg", 2, 3, **kw).decode(payload, out=got, accumulate=accumulate)
+        dq.decode(dq_payload, out=want, accumulate=accumulate)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("fine,coarse", LEVELS)
 def test_ndqsg_aliases_when_side_info_is_far_and_reports_the_rate(fine, coarse):
     rho = fine // coarse
     torch.manual_seed(1)
@@ -175,8 +194,9 @@ def test_ndqsg_estimate_from_dqsg_coded_ranks_and_through_the_gather_order():
         payloads[1][receiver.read_header(payloads[1])[0].size :], 4000, 3, 512
     )
     key = prim.rng_key(0, 0, 1, prim.tensor_id("w"))
-    _, k_hat = ndqsg_codec.side_decode(ndqsg_codec.coset(q, 3), deltas, y1, 3, 512, key)
-    assert metrics["aliasing_rate_estimate"] == ndqsg_codec.aliased(q, k_hat) / 4000
+    _, k_hat = reference_side_decode(ndqsg_codec.coset(q, 3), deltas, y1, 3, 512, key)
+    bad = int((q.to(torch.float32) != k_hat).sum())
+    assert metrics["aliasing_rate_estimate"] == bad / 4000
     assert receiver.last_aliasing_rate == metrics["aliasing_rate_estimate"]
 
 
@@ -337,3 +357,70 @@ def test_dqsg_bytes_independent_of_threads(monkeypatch, threads):
         w = torch.randn(n, generator=gen)
         for levels, bucket in ((3, 512), (1, 100), (127, 1)):
             check_dqsg(w, levels, bucket, 31)
+
+
+# ---- NDQSG's native coset and side-information decoder against the torch formulas ------------
+# (the codec's formulas as plain torch ops, the codec before it went native)
+
+
+def reference_coset(k: torch.Tensor, rho: int) -> torch.Tensor:
+    kf = k.to(torch.float32)
+    return (kf - rho * torch.round(prim.divide(kf, float(rho)))).to(torch.int8)
+
+
+def reference_side_decode(m, deltas, y, rho, bucket, key):
+    n = m.numel()
+    nb = (n + bucket - 1) // bucket
+    u = (prim.uniform(key, nb * bucket, y.device) - 0.5).view(nb, bucket)
+    mf = padded(m, bucket).to(torch.float32)
+    y2 = padded(y.reshape(-1).to(torch.float32), bucket)
+    d = deltas[:, None]
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    r = safe * (mf - u) - y2
+    j = torch.round(r / (safe * float(rho)))
+    k_hat = mf - float(rho) * j
+    k_hat = torch.where(d > 0, k_hat, torch.zeros_like(k_hat))
+    w_hat = (deltas[:, None] * (k_hat - u)).view(-1)[:n]
+    return w_hat, k_hat.view(-1)[:n]
+
+
+@pytest.mark.parametrize("rho", [2, 3, 4, 5, 9, 127])
+def test_ndqsg_coset_table_matches_the_formula(rho):
+    """The native coset (a table of the 256 int8 values, built with the formula's float32
+    operations) gives the formula's m for every k, as int8 and as offset codes."""
+    k = torch.arange(-128, 128, dtype=torch.int8)
+    want = reference_coset(k, rho)
+    assert torch.equal(ndqsg_codec.coset(k, rho), want)
+    h = ndqsg_codec.m_half(rho)
+    assert torch.equal(ndqsg_codec.coset(k, rho, h), (want.to(torch.int16) + h).to(torch.uint8))
+
+
+@pytest.mark.parametrize("rho,levels", [(3, 3), (2, 2), (4, 4), (9, 9)])
+@pytest.mark.parametrize("spread", [0.0, 0.5, 5.0, 1e3])
+def test_ndqsg_side_decode_matches_the_formulas(rho, levels, spread):
+    """One native pass gives the torch formulas' w_hat (written and added), bit for bit,
+    and the count of decoded fine indices that differ from given ones: side information
+    near the input (no aliasing) and far from it (aliasing), buckets with delta 0, a NaN
+    and an Inf in y, sizes that end mid-bucket."""
+    gen = torch.Generator().manual_seed(rho * 100 + int(spread))
+    for n, bucket in ((1, 64), (700, 64), (5000, 512), (1029, 1000)):
+        w = torch.randn(n, generator=gen) * torch.logspace(-3, 1, n)
+        w[: min(n, bucket)] = 0.0  # a zero bucket: delta 0
+        key = int(torch.randint(0, 2**62, (1,), generator=gen))
+        k, deltas = dqsg_codec.quantize(w, levels, bucket, key)
+        m = ndqsg_codec.coset(k, rho)
+        y = w + torch.randn(n, generator=gen) * spread * deltas.repeat_interleave(bucket)[:n]
+        if n > 10:
+            y[n - 3], y[n - 5] = float("nan"), float("inf")  # in a bucket with delta > 0
+        want_w, want_k = reference_side_decode(m, deltas, y, rho, bucket, key)
+        base = torch.randn(n, generator=gen)
+        other = torch.randint(-levels, levels + 1, (n,), dtype=torch.int8, generator=gen)
+        for accumulate in (False, True):
+            got = base.clone()
+            bad = ndqsg_codec.side_decode_into(m, deltas, y, rho, bucket, key, got, accumulate, k)
+            want = base + want_w if accumulate else want_w
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+            assert bad == int((k.to(torch.float32) != want_k).sum())
+        # the count alone (no output), against indices that differ often
+        bad = ndqsg_codec.side_decode_into(m, deltas, y, rho, bucket, key, None, False, other)
+        assert bad == int((other.to(torch.float32) != want_k).sum())

@@ -87,6 +87,11 @@ _SIGNATURES = {
     "hvdc_dqsg_quantize": (_int, [_p, _i64, _int, _i64, ctypes.c_uint64, _i64, _int, _p, _p]),
     "hvdc_dqsg_dequantize": (None, [_p, _i64, _p, _i64, ctypes.c_uint64, _i64, _p, _int]),
     # top-k selection (kernels/sparse.c)
+    "hvdc_ndqsg_coset": (None, [_p, _i64, _int, _int, _p]),
+    "hvdc_ndqsg_side_decode": (
+        _i64,
+        [_p, _i64, _p, _p, _int, _i64, ctypes.c_uint64, _p, _int, _p],
+    ),
     "hvdc_randomk_encode": (_i64, [_p, _i64, ctypes.c_uint64, _u32, _p, _p]),
     "hvdc_randomk_decode": (
         _i64,
@@ -587,6 +592,35 @@ def dqsg_dequantize(
         )  # fmt: skip
 
     _run_parts(part, _parts(n, bucket))
+
+
+def ndqsg_coset(k: torch.Tensor, rho: int, code_offset: int) -> torch.Tensor:
+    """m + code_offset as uint8 for NDQSG's coset m = k - rho * rint(k / rho) of the int8 k."""
+    out = torch.empty(k.numel(), dtype=torch.uint8)
+    LIB.hvdc_ndqsg_coset(_ptr(k), k.numel(), rho, code_offset, _ptr(out))
+    return out
+
+
+def ndqsg_side_decode(
+    m: torch.Tensor,
+    deltas: torch.Tensor,
+    y: torch.Tensor,
+    rho: int,
+    bucket: int,
+    key: int,
+    out: torch.Tensor | None,
+    accumulate: bool,
+    k_true: torch.Tensor | None,
+) -> int:
+    """NDQSG's side-information decode of the int8 cosets m: out <- (or +=) w_hat (out
+    None: not formed); returns how many decoded fine indices differ from the int8 k_true
+    (None: 0). One pass."""
+    return int(
+        LIB.hvdc_ndqsg_side_decode(
+            _ptr(m), m.numel(), _ptr(deltas), _ptr(y), rho, bucket, key, _ptr(out),
+            int(accumulate), _ptr(k_true),
+        )
+    )  # fmt: skip
 
 
 # ---- top-k selection (kernels/sparse.c; see hvdcompress.codecs.sparse) ----------------------

@@ -1068,3 +1068,47 @@ def randomk_decode(
         out.zero_()
         out[mask] = values
     return None
+
+
+# ---- NDQSG's coset and side-information decoder: torch ops on the device ---------------------
+
+
+def ndqsg_coset(k: torch.Tensor, rho: int, code_offset: int) -> torch.Tensor:
+    """m + code_offset as uint8, m = k - rho * rint(k / rho) (the CPU backend's table)."""
+    kf = k.to(torch.float32)
+    m = kf - rho * torch.round(kf / torch.full((), float(rho), device=k.device))
+    return (m.to(torch.int16) + code_offset).to(torch.uint8)
+
+
+def ndqsg_side_decode(
+    m: torch.Tensor,
+    deltas: torch.Tensor,
+    y: torch.Tensor,
+    rho: int,
+    bucket: int,
+    key: int,
+    out: torch.Tensor | None,
+    accumulate: bool,
+    k_true: torch.Tensor | None,
+) -> int:
+    """The CPU backend's ndqsg_side_decode (the same float32 operations) with torch ops."""
+    n = m.numel()
+    nb = (n + bucket - 1) // bucket
+    pad = nb * bucket - n
+    u = (uniform(key, nb * bucket, y.device) - 0.5).view(nb, bucket)
+    mf = torch.cat([m.to(torch.float32), m.new_zeros(pad, dtype=torch.float32)]).view(nb, -1)
+    y2 = torch.cat([y.to(torch.float32), y.new_zeros(pad, dtype=torch.float32)]).view(nb, -1)
+    d = deltas.to(y.device)[:, None]
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    r = safe * (mf - u) - y2
+    j = torch.round(r / (safe * float(rho)))
+    k = torch.where(d > 0, mf - float(rho) * j, torch.zeros_like(mf))
+    if out is not None:
+        w = (d * (k - u)).view(-1)[:n]
+        if accumulate:
+            out += w
+        else:
+            out.copy_(w)
+    if k_true is None:
+        return 0
+    return int((k_true.to(torch.float32) != k.view(-1)[:n]).sum())

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import torch
 
+from hvdcompress.backends import for_device
 from hvdcompress.codecs import dqsg, threelc
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.codecs.quant import num_buckets, padded
+from hvdcompress.codecs.quant import num_buckets
 from hvdcompress.errors import PayloadError
 
 
@@ -57,21 +58,21 @@ def m_bits(rho: int) -> int:
     return prim.bits_for(2 * m_half(rho) + 1)
 
 
-def coset(k: torch.Tensor, rho: int) -> torch.Tensor:
-    """m = k - rho * rint(k / rho) as int8 (k: integer-valued tensor)."""
-    kf = k.to(torch.float32)
-    return (kf - rho * torch.round(prim.divide(kf, float(rho)))).to(torch.int8)
+def coset(k: torch.Tensor, rho: int, code_offset: int = 0) -> torch.Tensor:
+    """m = k - rho * rint(k / rho) of the int8 k, as int8 (code_offset 0) or as the uint8
+    codes m + code_offset."""
+    m = for_device(k.device).ndqsg_coset(k.reshape(-1).contiguous(), rho, code_offset)
+    return m.view(torch.int8) if code_offset == 0 else m
 
 
 def encode_nested(w: torch.Tensor, levels: int, rho: int, bucket: int, key: int):
     """(body, k) of the finite flat float32 w: k is the fine index (int8), kept by the
     caller to measure its own aliasing."""
     k, deltas = dqsg.quantize(w, levels, bucket, key)
-    m = coset(k, rho)
     if rho <= 3:
-        packed = threelc.zero_run_encode(threelc.quartic_encode(m))
+        packed = threelc.zero_run_encode(threelc.quartic_encode(coset(k, rho)))
     else:
-        packed = prim.bitpack((m.to(torch.int16) + m_half(rho)).to(torch.uint8), m_bits(rho))
+        packed = prim.bitpack(coset(k, rho, m_half(rho)), m_bits(rho))
     return torch.cat([prim.float_bytes(deltas), packed]), k
 
 
@@ -102,35 +103,23 @@ def decode_m(body: torch.Tensor, n: int, rho: int, bucket: int):
     return m, deltas
 
 
-def side_decode(
+def side_decode_into(
     m: torch.Tensor,
     deltas: torch.Tensor,
     y: torch.Tensor,
     rho: int,
     bucket: int,
     key: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_hat float32 flat, k_hat float32 flat) from the coset m and side information y."""
-    n = m.numel()
-    u = dither_padded(key, n, bucket, y.device)
-    mf = padded(m, bucket).to(torch.float32)
-    y2 = padded(y.reshape(-1).to(torch.float32), bucket)
-    d = deltas[:, None]
-    safe = torch.where(d > 0, d, torch.ones_like(d))
-    r = safe * (mf - u) - y2
-    j = torch.round(r / (safe * float(rho)))
-    k_hat = mf - float(rho) * j
-    k_hat = torch.where(d > 0, k_hat, torch.zeros_like(k_hat))
-    q2 = k_hat - u  # the float32 operations of dqsg.decode_into: delta * (k - u)
-    w_hat = (deltas[:, None] * q2).view(-1)[:n]
-    return w_hat, k_hat.view(-1)[:n]
-
-
-def dither_padded(key: int, n: int, bucket: int, device: torch.device) -> torch.Tensor:
-    nb = num_buckets(n, bucket)
-    return dqsg.dither(key, nb * bucket, device).view(nb, bucket)
-
-
-def aliased(k_true: torch.Tensor, k_hat: torch.Tensor) -> int:
-    """How many fine indices the side-information decoder got wrong."""
-    return int((k_true.to(torch.float32) != k_hat).sum())
+    out: torch.Tensor | None,
+    accumulate: bool,
+    k_true: torch.Tensor | None = None,
+) -> int:
+    """w_hat (see the module docstring) from the coset m (int8), the validated deltas and
+    the side information y (flat float32, m's device), written to out or added to it (out
+    None: not formed). Returns how many decoded fine indices k_hat differ from the int8
+    k_true (the aliasing count; 0 without k_true)."""
+    return for_device(y.device).ndqsg_side_decode(
+        m.reshape(-1).contiguous(), deltas.contiguous(), y.reshape(-1).contiguous(), rho,
+        bucket, key, out, accumulate,
+        None if k_true is None else k_true.reshape(-1).contiguous(),
+    )  # fmt: skip

@@ -32,7 +32,6 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import dqsg, ndqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.codecs.quant import padded
 from hvdcompress.compressors.base import empty_body
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.stochastic import Stochastic
@@ -180,34 +179,29 @@ class NDQSG(Stochastic):
         n, s1, bucket = header.numel, self.fine_levels, self.bucket_size
         y = self._side_info(side_info, n, out.device)
         if mode == MODE_DQSG:
-            q, deltas = dqsg.decode_q(body, n, s1, bucket)
-            if n == 0:
-                return
-            q2 = padded(q, bucket).to(torch.float32)
-            q2 -= dqsg.dither(key, q2.numel(), out.device).view(q2.shape)
-            val = (deltas[:, None] * q2).view(-1)[:n]
-            if y is not None and sender > 0:  # estimate: would the nested code alias here?
+            if y is not None and sender > 0 and n:  # estimate: would the nested code alias?
+                q, deltas = dqsg.decode_q(body, n, s1, bucket)
                 m = ndqsg.coset(q, self.rho)
-                _, k_hat = ndqsg.side_decode(m, deltas, y, self.rho, bucket, key)
-                self._count("estimate", ndqsg.aliased(q, k_hat), n)
-        else:
-            m, deltas = ndqsg.decode_m(body, n, self.rho, bucket)
-            if y is None:
-                raise PayloadError(
-                    "side_info",
-                    f"a nested payload (rank {sender}) decodes only with side information: "
-                    "the mean of the lower ranks' decoded tensors (the optimizer passes it)",
-                )
-            if n == 0:
-                return
-            val, k_hat = ndqsg.side_decode(m, deltas, y, self.rho, bucket, key)
-            sent = self._sent.get(tid) if sender == self.rank else None
-            if sent is not None and sent[0] == step and sent[1].numel() == n:
-                self._count("own", ndqsg.aliased(sent[1], k_hat), n)
-        if accumulate:
-            out += val
-        else:
-            out.copy_(val)
+                bad = ndqsg.side_decode_into(m, deltas, y, self.rho, bucket, key, None, False, q)
+                self._count("estimate", bad, n)
+            # DQSG's own decoder: its checks, then delta * (q - u) written or added
+            dqsg.decode_into(body, n, s1, bucket, key, out, accumulate)
+            return
+        m, deltas = ndqsg.decode_m(body, n, self.rho, bucket)
+        if y is None:
+            raise PayloadError(
+                "side_info",
+                f"a nested payload (rank {sender}) decodes only with side information: "
+                "the mean of the lower ranks' decoded tensors (the optimizer passes it)",
+            )
+        if n == 0:
+            return
+        sent = self._sent.get(tid) if sender == self.rank else None
+        own = sent is not None and sent[0] == step and sent[1].numel() == n
+        k_true = sent[1] if own else None  # its own payload: how many indices alias
+        bad = ndqsg.side_decode_into(m, deltas, y, self.rho, bucket, key, out, accumulate, k_true)
+        if own:
+            self._count("own", bad, n)
 
     # ---- metrics and state ------------------------------------------------------------------
     def _count(self, which: str, bad: int, total: int) -> None:
