@@ -16,7 +16,9 @@
  *   hvdc_topk_encode_segments  a bucket's top-k with error feedback, one call;
  *   hvdc_topk_decode_segments  a bucket's top-k bodies checked and added, one call;
  *   hvdc_randomk_encode / _decode  random-k: kept values from one pass of hashed
- *                        counters (no mask, no uniforms in float), and their scatter.
+ *                        counters (no mask, no uniforms in float), and their scatter;
+ *   hvdc_gspar_round / _draw  GSpar: one round of the scale iteration (saturated count
+ *                        and ordered chunk sums), and the draw of the kept entries.
  *
  * The backend first bounds t from below with the k-th largest of a strided sample (tensors
  * of 16384 elements or more: every max(4, n / 65536)-th element), keeps
@@ -417,4 +419,78 @@ int64_t hvdc_randomk_decode(const uint8_t *body, int64_t count, int64_t n, uint6
         out[idx[j]] = accumulate ? out[idx[j]] + v : v;
     }
     return count;
+}
+
+/* --- GSpar (hvdcompress/codecs/sparse.py): p_i = min(1, c |a_i|) with sum p_i = T ---------- */
+
+#define GSPAR_LANES 4 /* chunks summed side by side (independent chains of additions) */
+
+/* One round of GSpar's scale iteration at the float32 scale c: returns how many |a_i| c
+ * >= 1 (one float32 product, the saturated entries), and sums[ch] = the sum in double,
+ * left to right, of the other |a_i| of chunk ch (chunk elements; the last may be short).
+ * A saturated entry adds nothing (the codec's sum adds +0.0 for it: the same double).
+ * GSPAR_LANES chunks at a time, their chains of additions side by side. c = 0 saturates
+ * nothing (the first round's plain sums). */
+int64_t hvdc_gspar_round(const float *a, int64_t n, float c, int64_t chunk, double *sums) {
+    const int64_t chunks = (n + chunk - 1) / chunk;
+    int64_t count = 0;
+    int64_t ch = 0;
+    for (; ch + GSPAR_LANES <= chunks && (ch + GSPAR_LANES) * chunk <= n; ch += GSPAR_LANES) {
+        double s[GSPAR_LANES] = {0.0};
+        const float *x = a + ch * chunk;
+        for (int64_t i = 0; i < chunk; i++) {
+            for (int l = 0; l < GSPAR_LANES; l++) {
+                const float m = fabsf(x[l * chunk + i]);
+                const int sat = m * c >= 1.0f;
+                count += sat;
+                s[l] += sat ? 0.0 : (double)m;
+            }
+        }
+        for (int l = 0; l < GSPAR_LANES; l++) sums[ch + l] = s[l];
+    }
+    for (; ch < chunks; ch++) {
+        const int64_t lo = ch * chunk, hi = lo + chunk < n ? lo + chunk : n;
+        double s = 0.0;
+        for (int64_t i = lo; i < hi; i++) {
+            const float m = fabsf(a[i]);
+            const int sat = m * c >= 1.0f;
+            count += sat;
+            s += sat ? 0.0 : (double)m;
+        }
+        sums[ch] = s;
+    }
+    return count;
+}
+
+/* GSpar's draw at the float32 scale c (all_nonzero: c is infinite, every non-zero entry
+ * kept): p_i = min(|a_i| c, 1) (p_i = [a_i != 0] when all_nonzero), entry i kept iff
+ * u_i < p_i (u_i the counter-based uniform of key); the kept entries' values (a_i / p_i,
+ * or a_i when not scaled) at values[0..k) and indices at idx[0..k), ascending; returns k
+ * (values and idx need room for n entries). p and the draw run as a vector loop over a
+ * chunk, then the kept entries (a few at small budgets) are gathered. */
+int64_t hvdc_gspar_draw(const float *a, int64_t n, float c, int all_nonzero, uint64_t key,
+                        int scaled, float *values, int64_t *idx) {
+    uint32_t r[RANDOMK_CHUNK];
+    float p[RANDOMK_CHUNK];
+    uint8_t keep[RANDOMK_CHUNK];
+    int64_t k = 0;
+    for (int64_t lo = 0; lo < n; lo += RANDOMK_CHUNK) {
+        const int64_t len = n - lo < RANDOMK_CHUNK ? n - lo : RANDOMK_CHUNK;
+        hvdc_prim_hash24(key, lo, len, r);
+        const float *x = a + lo;
+        for (int64_t i = 0; i < len; i++) { /* vectorised: p and the draw */
+            const float m = fabsf(x[i]);
+            float q = all_nonzero ? (float)(m > 0.0f) : m * c;
+            q = q > 1.0f ? 1.0f : q;
+            p[i] = q;
+            keep[i] = (float)(int32_t)r[i] * 0x1p-24f < q;
+        }
+        for (int64_t i = 0; i < len; i++) { /* the kept few: a division each when scaled */
+            if (keep[i]) {
+                values[k] = scaled ? x[i] / p[i] : x[i];
+                idx[k++] = lo + i;
+            }
+        }
+    }
+    return k;
 }

@@ -289,6 +289,62 @@ def test_gspar_scale_solves_the_budget_with_saturation():
     assert sparse.gspar_scale(mag, 7.0)[0] == math.inf  # every non-zero entry kept
 
 
+def _gspar_scale_reference(mag: torch.Tensor, budget: float) -> tuple[float, int]:
+    """The scale iteration as torch ops (the codec before it went native)."""
+    nonzero = int(torch.count_nonzero(mag))
+    if budget >= nonzero:
+        return math.inf, 0
+    saturated = torch.zeros_like(mag, dtype=torch.bool)
+    count = 0
+    for rounds in range(1, nonzero + 2):
+        rest = prim.abs_sum(torch.where(saturated, torch.zeros_like(mag), mag))
+        c = (budget - count) / rest
+        saturated = mag * c >= 1.0
+        new = int(saturated.sum())
+        if new == count:
+            return c, rounds
+        count = new
+    raise AssertionError
+
+
+def _gspar_encode_reference(a, budget, key, scaled):
+    mag = a.abs()
+    c, _ = _gspar_scale_reference(mag, budget)
+    if math.isinf(c):
+        p = (mag > 0).to(torch.float32)
+    else:
+        p = torch.clamp(mag * torch.tensor(c, dtype=torch.float32), max=1.0)
+    keep = torch.from_numpy(prim.uniform_numpy(key, a.numel())) < p
+    idx = torch.nonzero(keep).reshape(-1)
+    values = a[idx] / p[idx] if scaled else a[idx]
+    return torch.cat(
+        [values.view(torch.uint8), idx.to(sparse.index_dtype(a.numel())).view(torch.uint8)]
+    )
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2, 0.6, 1.0])
+def test_gspar_native_rounds_and_draw_match_the_torch_formulas(ratio):
+    """One pass per round (the saturated count and the others' ordered chunk sums) and
+    one draw pass give the torch formulas' c, rounds and body, scaled or not: heavy-tailed
+    inputs that saturate over several rounds, zeros, sizes around the 1024-element chunks
+    and their groups of four."""
+    # an entry exactly at the boundary, |a| c == 1, is saturated (>=): (1/16, 2 rounds)
+    boundary = torch.ones(4096)
+    boundary[0] = 16.0
+    assert sparse.gspar_scale(boundary, 4111 / 16) == (0.0625, 2)
+    assert _gspar_scale_reference(boundary, 4111 / 16) == (0.0625, 2)
+    gen = torch.Generator().manual_seed(int(ratio * 1000))
+    key = prim.rng_key(2, 5, 1, prim.tensor_id("g"))
+    for n in (1, 7, 1023, 1024, 4097, 5000, 20000):
+        a = torch.randn(n, generator=gen) * torch.randn(n, generator=gen).abs() ** 6
+        a[::7] = 0.0
+        budget = ratio * n
+        assert sparse.gspar_scale(a, budget) == _gspar_scale_reference(a.abs(), budget)
+        for scaled in (True, False):
+            body, idx = sparse.gspar_encode(a, budget, key, scaled)
+            assert torch.equal(body, _gspar_encode_reference(a, budget, key, scaled))
+
+
 @pytest.mark.parametrize("n", [1, 17, 5000])
 def test_gspar_sends_a_over_p_and_keeps_everything_at_full_budget(n):
     torch.manual_seed(n)

@@ -92,6 +92,8 @@ _SIGNATURES = {
         _i64,
         [_p, _i64, _p, _p, _int, _i64, ctypes.c_uint64, _p, _int, _p],
     ),
+    "hvdc_gspar_round": (_i64, [_p, _i64, _f32, _i64, _p]),
+    "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, ctypes.c_uint64, _int, _p, _p]),
     "hvdc_randomk_encode": (_i64, [_p, _i64, ctypes.c_uint64, _u32, _p, _p]),
     "hvdc_randomk_decode": (
         _i64,
@@ -697,6 +699,29 @@ def randomk_decode(
     if got == -1 and count != -1:
         raise PayloadError("body", "a random-k value is not finite")
     return None if got == count else got
+
+
+def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:
+    """(how many |a_i| * float32(c) >= 1, the float64 sums of the other |a_i| per chunk)."""
+    sums = torch.empty((a.numel() + chunk - 1) // chunk, dtype=torch.float64)
+    count = LIB.hvdc_gspar_round(_ptr(a), a.numel(), c, chunk, _ptr(sums))
+    return int(count), sums
+
+
+def gspar_draw(
+    a: torch.Tensor, c: float, key: int, scaled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept values, ascending int64 indices) of GSpar's draw at scale float32(c) (c = inf:
+    every non-zero entry), from one pass of hashed counters."""
+    n = a.numel()
+    # room for n entries: untouched pages of the worst case are never committed
+    values = torch.empty(n, dtype=torch.float32)
+    idx = torch.empty(n, dtype=torch.int64)
+    inf = math.isinf(c)
+    k = LIB.hvdc_gspar_draw(
+        _ptr(a), n, 0.0 if inf else c, int(inf), key, int(scaled), _ptr(values), _ptr(idx)
+    )
+    return values[:k], idx[:k]
 
 
 # ---- whole buckets: segment tables (kernels/threelc.c, sign.c, frame.c) -------------------

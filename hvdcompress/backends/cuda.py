@@ -1112,3 +1112,30 @@ def ndqsg_side_decode(
     if k_true is None:
         return 0
     return int((k_true.to(torch.float32) != k.view(-1)[:n]).sum())
+
+
+# ---- GSpar's scale rounds and draw: torch ops on the device ----------------------------------
+
+
+def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:
+    """The CPU backend's gspar_round: the saturated count at float32(c) and the float64
+    chunk sums of the other magnitudes (chunk_sums' ordered sums)."""
+    mag = a.abs()
+    saturated = mag * c >= 1.0
+    rest = torch.where(saturated, torch.zeros_like(mag), mag)
+    return int(saturated.sum()), chunk_sums(rest, chunk, False)
+
+
+def gspar_draw(
+    a: torch.Tensor, c: float, key: int, scaled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU backend's gspar_draw with torch ops (p from the same float32 product)."""
+    mag = a.abs()
+    if math.isinf(c):
+        p = (mag > 0).to(torch.float32)
+    else:
+        p = torch.clamp(mag * torch.tensor(c, dtype=torch.float32, device=a.device), max=1.0)
+    keep = uniform(key, a.numel(), a.device) < p
+    idx = torch.nonzero(keep).reshape(-1)
+    values = a[idx] / p[idx] if scaled else a[idx]
+    return values, idx

@@ -46,7 +46,6 @@ from hvdcompress.codecs.primitives import (
     bitunpack,
     decode_to_wrong_length,
     packed_len,
-    uniform,
 )
 from hvdcompress.errors import PayloadError
 
@@ -203,19 +202,23 @@ def _scatter(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, accumul
 
 
 # ---- magnitude-proportional random sparsification --------------------------------------------
+GSPAR_CHUNK = 1024  # the chunks of abs_sum's ordered sum
+
+
 def gspar_scale(mag: torch.Tensor, budget: float) -> tuple[float, int]:
-    """(c, rounds): p_i = min(1, c mag_i) has sum p_i == budget (see module doc); c = inf
-    when budget >= the number of non-zero entries (every one of them is kept)."""
+    """(c, rounds): p_i = min(1, c |mag_i|) has sum p_i == budget (see module doc); c = inf
+    when budget >= the number of non-zero entries (every one of them is kept). Each round
+    is one pass (the backend's gspar_round): the entries saturated at the current c
+    (mag_i * float32(c) >= 1) and the ordered chunk sums of the others, whose correctly
+    rounded total (abs_sum's) gives the next c."""
     nonzero = int(torch.count_nonzero(mag))
     if budget >= nonzero:
         return math.inf, 0
-    saturated = torch.zeros_like(mag, dtype=torch.bool)
-    count = 0
+    backend = for_device(mag.device)
+    count, sums = backend.gspar_round(mag, 0.0, GSPAR_CHUNK)  # c = 0: nothing saturated
     for rounds in range(1, nonzero + 2):
-        rest = abs_sum(torch.where(saturated, torch.zeros_like(mag), mag))
-        c = (budget - count) / rest
-        saturated = mag * c >= 1.0
-        new = int(saturated.sum())
+        c = (budget - count) / math.fsum(sums.cpu().tolist())
+        new, sums = backend.gspar_round(mag, c, GSPAR_CHUNK)
         if new == count:
             return c, rounds
         count = new
@@ -228,15 +231,8 @@ def gspar_encode(
     """(body uint8 in top-k's layout, kept indices int64): element i kept iff u_i < p_i,
     sent as a_i / p_i (unbiased), or as a_i when not ``scaled`` (the contractive form
     that error feedback needs: docs/design.md section 4.9)."""
-    mag = a.abs()
-    c, _ = gspar_scale(mag, budget)
-    if math.isinf(c):
-        p = (mag > 0).to(torch.float32)
-    else:
-        p = torch.clamp(mag * torch.tensor(c, dtype=torch.float32), max=1.0)
-    keep = uniform(key, a.numel(), a.device) < p
-    idx = torch.nonzero(keep).reshape(-1)
-    values = a[idx] / p[idx] if scaled else a[idx]
+    c, _ = gspar_scale(a, budget)
+    values, idx = for_device(a.device).gspar_draw(a, c, key, scaled)
     body = torch.cat([values.view(torch.uint8), idx.to(index_dtype(a.numel())).view(torch.uint8)])
     return body, idx
 
