@@ -494,3 +494,29 @@ int64_t hvdc_gspar_draw(const float *a, int64_t n, float c, int all_nonzero, uin
     }
     return k;
 }
+
+/* --- DGC (hvdcompress/compressors/dgc.py): momentum correction in place ------------------ */
+
+/* u' = m u + g (u' = g when zero_momentum: g itself, not 0 u + g, which would turn -0.0
+ * into +0.0) and v' = v + u', each one float32 operation. Returns 1, u and v untouched,
+ * when some v' is a NaN or an Inf (a checking pass reads everything first); else writes
+ * u <- u', v <- v' and returns 0. Two passes instead of the temporaries of the torch form. */
+TOPK_VECTOR int hvdc_dgc_update(const float *g, float *u, float *v, int64_t n, float momentum,
+                                int zero_momentum) {
+    uint32_t worst = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float un = zero_momentum ? g[i] : u[i] * momentum + g[i];
+        const float vn = v[i] + un;
+        uint32_t bits;
+        memcpy(&bits, &vn, sizeof bits);
+        bits &= 0x7fffffffu;
+        worst = bits > worst ? bits : worst;
+    }
+    if (worst >= 0x7f800000u) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        const float un = zero_momentum ? g[i] : u[i] * momentum + g[i];
+        u[i] = un;
+        v[i] = v[i] + un;
+    }
+    return 0;
+}

@@ -469,6 +469,28 @@ def test_dgc_local_clipping_scales_by_world_size():
     assert torch.equal(c.decompress(*c.compress(small, "s")), small)  # under the limit
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_dgc_momentum_update_in_place_or_untouched(momentum):
+    """u <- m u + g (g itself at m = 0, -0.0 kept) and v <- v + u, in place, one float32
+    operation each; a v that would overflow or turn NaN leaves u and v untouched."""
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 7, 1000, 4099):
+        g, u, v = (torch.randn(n, generator=gen) for _ in range(3))
+        g[0] = -0.0
+        want_u = g.clone() if momentum == 0.0 else u * momentum + g
+        want_v = v + want_u
+        assert not sparse.momentum_update(g, u, v, momentum)
+        assert torch.equal(u.view(torch.int32), want_u.view(torch.int32))
+        assert torch.equal(v.view(torch.int32), want_v.view(torch.int32))
+        for bad in (3e38, float("nan"), float("-inf")):
+            g2, u2, v2 = g.clone(), u.clone(), v.clone()
+            g2[n // 2], v2[n // 2] = 3e38, bad  # 3e38 + 3e38 overflows; NaN and -Inf stay
+            before = (u2.clone().view(torch.int32), v2.clone().view(torch.int32))
+            assert sparse.momentum_update(g2, u2, v2, momentum)
+            assert torch.equal(u2.view(torch.int32), before[0])
+            assert torch.equal(v2.view(torch.int32), before[1])
+
+
 def test_dgc_nonfinite_keeps_state_and_state_dict_roundtrip():
     c = comp("dgc", ratio=0.1)
     x = torch.randn(200)

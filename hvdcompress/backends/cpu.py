@@ -92,6 +92,7 @@ _SIGNATURES = {
         _i64,
         [_p, _i64, _p, _p, _int, _i64, ctypes.c_uint64, _p, _int, _p],
     ),
+    "hvdc_dgc_update": (_int, [_p, _p, _p, _i64, _f32, _int]),
     "hvdc_gspar_round": (_i64, [_p, _i64, _f32, _i64, _p]),
     "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, ctypes.c_uint64, _int, _p, _p]),
     "hvdc_randomk_encode": (_i64, [_p, _i64, ctypes.c_uint64, _u32, _p, _p]),
@@ -699,6 +700,13 @@ def randomk_decode(
     if got == -1 and count != -1:
         raise PayloadError("body", "a random-k value is not finite")
     return None if got == count else got
+
+
+def dgc_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:
+    """u <- momentum * u + g (u <- g at momentum 0), v <- v + u in place; True, u and v
+    untouched, when the new v would hold a NaN or an Inf."""
+    n = g.numel()
+    return bool(LIB.hvdc_dgc_update(_ptr(g), _ptr(u), _ptr(v), n, momentum, int(momentum == 0)))
 
 
 def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:

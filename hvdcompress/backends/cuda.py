@@ -1139,3 +1139,17 @@ def gspar_draw(
     idx = torch.nonzero(keep).reshape(-1)
     values = a[idx] / p[idx] if scaled else a[idx]
     return values, idx
+
+
+# ---- DGC's momentum correction: torch ops on the device ---------------------------------------
+
+
+def dgc_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:
+    """The CPU backend's dgc_update (the same float32 operations) with torch temporaries."""
+    u_new = u * momentum + g if momentum else g.clone()
+    v_new = v + u_new
+    if v_new.numel() and not math.isfinite(float(v_new.abs().amax())):
+        return True
+    u.copy_(u_new)
+    v.copy_(v_new)
+    return False

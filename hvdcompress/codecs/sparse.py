@@ -201,6 +201,14 @@ def _scatter(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, accumul
         out[idx] = values
 
 
+# ---- DGC's momentum correction (hvdcompress/compressors/dgc.py) -------------------------------
+def momentum_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:
+    """DGC's u <- momentum * u + g (u <- g at momentum 0) and v <- v + u, in place, each one
+    float32 operation. True, with u and v untouched, when the new v would hold a NaN or an
+    Inf."""
+    return for_device(g.device).dgc_update(g, u, v, momentum)
+
+
 # ---- magnitude-proportional random sparsification --------------------------------------------
 GSPAR_CHUNK = 1024  # the chunks of abs_sum's ordered sum
 

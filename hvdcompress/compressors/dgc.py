@@ -153,15 +153,11 @@ class DGC(GatherCompressor):
             norm = math.sqrt(math.fsum(prim.chunk_sums(g, 1024, True).cpu().tolist()))
             if norm > limit:
                 g = g * float(limit / (norm + 1e-6))
-        u_new = u * self.momentum + g if self.momentum else g.clone()
-        v_new = v + u_new
-        if not prim.all_finite(v_new):
+        if sparse.momentum_update(g, u, v, self.momentum):  # u and v untouched
             return wire.FLAG_NONFINITE, params, empty_body(g.device)
-        body, idx = sparse.topk_encode(v_new, sparse.topk_count(v_new.numel(), density))
-        v_new[idx] = 0.0
-        u_new[idx] = 0.0
-        u.copy_(u_new)
-        v.copy_(v_new)
+        body, idx = sparse.topk_encode(v, sparse.topk_count(v.numel(), density))
+        v[idx] = 0.0
+        u[idx] = 0.0
         return 0, params, body
 
     def check_params(self, header, name):
