@@ -112,17 +112,71 @@ SIGN_VECTOR static uint32_t sign_abs_sums(const float *g, const float *e, int64_
     return worst;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define SIGN_X86_PATHS 1
+static int sign_use_avx2;
+
+__attribute__((constructor)) static void sign_init_x86_paths(void) {
+    __builtin_cpu_init();
+    sign_use_avx2 = __builtin_cpu_supports("avx2");
+}
+
+/* The sums of |g_i + e_i| of four whole chunks (chunk elements each, a multiple of 4) with
+ * the chunks in vector lanes: a = g + e (float32) for four elements of the four chunks,
+ * the 4 x 4 block transposed so that one vector holds element i of the four chunks,
+ * widened to double, |.|, added to its chunk's lane in element order. Each lane is one
+ * chunk's chain of additions in the scalar order (the same sum), and nothing is staged.
+ * Four chunks, eight sequential streams (eight chunks ran slower: sixteen streams).
+ * Returns the max abs bits of the a. */
+__attribute__((target("avx2"))) static uint32_t sign_abs_sums4_avx2(const float *g,
+                                                                   const float *e,
+                                                                   int64_t chunk,
+                                                                   double *sums) {
+    const __m256d magnitude = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffll));
+    const __m128i abs_bits = _mm_set1_epi32(0x7fffffff);
+    __m256d acc = _mm256_setzero_pd();
+    __m128i worst = _mm_setzero_si128();
+    for (int64_t i = 0; i < chunk; i += 4) {
+        __m128 a[4];
+        for (int l = 0; l < 4; l++) {
+            a[l] = _mm_add_ps(_mm_loadu_ps(g + l * chunk + i), _mm_loadu_ps(e + l * chunk + i));
+            worst = _mm_max_epu32(worst, _mm_and_si128(_mm_castps_si128(a[l]), abs_bits));
+        }
+        _MM_TRANSPOSE4_PS(a[0], a[1], a[2], a[3]);
+        for (int k = 0; k < 4; k++)
+            acc = _mm256_add_pd(acc, _mm256_and_pd(_mm256_cvtps_pd(a[k]), magnitude));
+    }
+    _mm256_storeu_pd(sums, acc);
+    uint32_t w[4];
+    _mm_storeu_si128((__m128i *)w, worst);
+    uint32_t top = 0;
+    for (int k = 0; k < 4; k++) top = w[k] > top ? w[k] : top;
+    return top;
+}
+#endif
+
 /* sums[c] = sum over i in chunk c of |g_i + e_i| (float32 sum, then |.| in double), in
- * double, left to right. SIGN_LANES chunks at a time: one vectorised pass writes their
- * |a| as doubles into rows of a block (padded, so that the rows do not alias in L1), then
- * the rows are summed side by side, SIGN_LANES independent chains of additions, each
- * chunk in its own order. Returns 1 when some g_i + e_i is a NaN or an Inf (sums then
- * meaningless), else 0. */
+ * double, left to right. Eight whole chunks at a time in vector lanes where the CPU has
+ * AVX2 (sign_abs_sums8_avx2); else, and for the rest, SIGN_LANES chunks at a time: one
+ * vectorised pass writes their |a| as doubles into rows of a block (padded, so that the
+ * rows do not alias in L1), then the rows are summed side by side, SIGN_LANES independent
+ * chains of additions, each chunk in its own order. Returns 1 when some g_i + e_i is a
+ * NaN or an Inf (sums then meaningless), else 0. */
 int hvdc_efsign_sums(const float *g, const float *e, int64_t n, int64_t chunk, double *sums) {
     double rows[SIGN_LANES][SIGN_ROW + 8]; /* 33 KB of stack */
     const int64_t chunks = (n + chunk - 1) / chunk;
-    for (int64_t c = 0; c < chunks; c += SIGN_LANES) {
-        const int64_t lanes = chunks - c < SIGN_LANES ? chunks - c : SIGN_LANES;
+    for (int64_t c = 0, lanes; c < chunks; c += lanes) {
+#ifdef SIGN_X86_PATHS
+        if (sign_use_avx2 && chunk % 4 == 0 && c + 4 <= chunks && (c + 4) * chunk <= n) {
+            const int64_t at = c * chunk;
+            if (sign_abs_sums4_avx2(g + at, e + at, chunk, sums + c) >= SIGN_NONFINITE_BITS)
+                return 1;
+            lanes = 4;
+            continue;
+        }
+#endif
+        lanes = chunks - c < SIGN_LANES ? chunks - c : SIGN_LANES;
         double s[SIGN_LANES] = {0.0};
         /* the chunks' parts of at most SIGN_ROW elements, each chunk in order */
         for (int64_t part = 0; part < chunk; part += SIGN_ROW) {
