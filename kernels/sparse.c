@@ -361,12 +361,14 @@ void hvdc_prim_hash24(uint64_t key, int64_t offset, int64_t n, uint32_t *r); /* 
 #define RANDOMK_CHUNK 512
 #define RANDOMK_ERR_VALUE -1 /* a kept value is not finite */
 
-/* The kept values of a[0..n) in index order at values[0..k) (k returned), and, when
- * residual is not NULL, residual[i] = kept ? 0 : a[i] (error feedback: a - decode with the
- * values unscaled). values needs room for n + 1 floats: every element is written at the
- * next slot and the slot advances only when the element is kept (no branch). */
+/* The kept values of a[0..n) in index order at values[0..min(k, cap)) with k, the kept
+ * count, returned (k > cap: the caller's estimate was short; it calls again with room),
+ * and, when residual is not NULL, residual[i] = kept ? 0 : a[i] (error feedback: a -
+ * decode with the values unscaled; the same on a second call). values needs room for
+ * cap + 1 floats: every element is written at the next slot (slot cap once full), which
+ * advances only when the element is kept (no branch). */
 int64_t hvdc_randomk_encode(const float *a, int64_t n, uint64_t key, uint32_t threshold,
-                            float *values, float *residual) {
+                            float *values, float *residual, int64_t cap) {
     uint32_t r[RANDOMK_CHUNK];
     int64_t k = 0;
     for (int64_t lo = 0; lo < n; lo += RANDOMK_CHUNK) {
@@ -374,7 +376,7 @@ int64_t hvdc_randomk_encode(const float *a, int64_t n, uint64_t key, uint32_t th
         hvdc_prim_hash24(key, lo, len, r);
         const float *x = a + lo;
         for (int64_t i = 0; i < len; i++) {
-            values[k] = x[i];
+            values[k < cap ? k : cap] = x[i];
             k += r[i] < threshold;
         }
         if (residual)
@@ -465,11 +467,12 @@ int64_t hvdc_gspar_round(const float *a, int64_t n, float c, int64_t chunk, doub
 /* GSpar's draw at the float32 scale c (all_nonzero: c is infinite, every non-zero entry
  * kept): p_i = min(|a_i| c, 1) (p_i = [a_i != 0] when all_nonzero), entry i kept iff
  * u_i < p_i (u_i the counter-based uniform of key); the kept entries' values (a_i / p_i,
- * or a_i when not scaled) at values[0..k) and indices at idx[0..k), ascending; returns k
- * (values and idx need room for n entries). p and the draw run as a vector loop over a
- * chunk, then the kept entries (a few at small budgets) are gathered. */
+ * or a_i when not scaled) at values[0..min(k, cap)) and indices at idx[..], ascending;
+ * returns k, the kept count (k > cap: the caller calls again with room for k). p and the
+ * draw run as a vector loop over a chunk, then the kept entries (a few at small budgets)
+ * are gathered. */
 int64_t hvdc_gspar_draw(const float *a, int64_t n, float c, int all_nonzero, uint64_t key,
-                        int scaled, float *values, int64_t *idx) {
+                        int scaled, float *values, int64_t *idx, int64_t cap) {
     uint32_t r[RANDOMK_CHUNK];
     float p[RANDOMK_CHUNK];
     uint8_t keep[RANDOMK_CHUNK];
@@ -487,8 +490,11 @@ int64_t hvdc_gspar_draw(const float *a, int64_t n, float c, int all_nonzero, uin
         }
         for (int64_t i = 0; i < len; i++) { /* the kept few: a division each when scaled */
             if (keep[i]) {
-                values[k] = scaled ? x[i] / p[i] : x[i];
-                idx[k++] = lo + i;
+                if (k < cap) {
+                    values[k] = scaled ? x[i] / p[i] : x[i];
+                    idx[k] = lo + i;
+                }
+                k++;
             }
         }
     }

@@ -345,6 +345,23 @@ def test_gspar_native_rounds_and_draw_match_the_torch_formulas(ratio):
             assert torch.equal(body, _gspar_encode_reference(a, budget, key, scaled))
 
 
+@pytest.mark.parametrize("room", [0, 3])
+def test_random_draws_call_again_when_the_room_is_short(monkeypatch, room):
+    """Random-k and GSpar size their output from the mean kept count (plus 8 standard
+    deviations); a draw that keeps more is drawn again with exact room: same values,
+    indices and residual as the reference."""
+    monkeypatch.setattr(cpu_backend, "_kept_room", lambda n, mean: room)
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(3000, generator=gen)
+    key = prim.rng_key(1, 2, 3, 4)
+    mask = torch.from_numpy(_randomk_reference(a, key, 0.1))
+    residual = torch.randn(3000, generator=gen)
+    assert torch.equal(sparse.randomk_encode(a, key, 0.1, residual), a[mask])
+    assert torch.equal(residual, torch.where(mask, torch.zeros_like(a), a))
+    body, _ = sparse.gspar_encode(a, 300.0, key, True)
+    assert torch.equal(body, _gspar_encode_reference(a, 300.0, key, True))
+
+
 @pytest.mark.parametrize("n", [1, 17, 5000])
 def test_gspar_sends_a_over_p_and_keeps_everything_at_full_budget(n):
     torch.manual_seed(n)

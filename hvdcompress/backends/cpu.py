@@ -94,8 +94,8 @@ _SIGNATURES = {
     ),
     "hvdc_dgc_update": (_int, [_p, _p, _p, _i64, _f32, _int]),
     "hvdc_gspar_round": (_i64, [_p, _i64, _f32, _i64, _p]),
-    "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, ctypes.c_uint64, _int, _p, _p]),
-    "hvdc_randomk_encode": (_i64, [_p, _i64, ctypes.c_uint64, _u32, _p, _p]),
+    "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, ctypes.c_uint64, _int, _p, _p, _i64]),
+    "hvdc_randomk_encode": (_i64, [_p, _i64, ctypes.c_uint64, _u32, _p, _p, _i64]),
     "hvdc_randomk_decode": (
         _i64,
         [_p, _i64, _i64, ctypes.c_uint64, _u32, _f32, _p, _int, _p],
@@ -666,6 +666,13 @@ def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def _kept_room(n: int, mean: float) -> int:
+    """Room for the kept entries of a random draw with this mean count: 8 standard
+    deviations (Poisson bound) and 64 above it, at most n. The draw calls again with the
+    exact count when it keeps more (far rarer than once in 10^12 draws)."""
+    return min(n, math.ceil(mean + 8.0 * math.sqrt(mean) + 64))
+
+
 def randomk_encode(
     a: torch.Tensor, key: int, threshold: int, residual: torch.Tensor | None
 ) -> torch.Tensor:
@@ -673,10 +680,13 @@ def randomk_encode(
     below threshold), in index order, from one pass of hashes; residual (not None: error
     feedback) <- a with the kept elements zeroed."""
     n = a.numel()
-    # room for n + 1 values: untouched pages of the worst case are never committed
-    values = torch.empty(n + 1, dtype=torch.float32)
-    k = LIB.hvdc_randomk_encode(_ptr(a), n, key, threshold, _ptr(values), _ptr(residual))
-    return values[:k]
+    cap = _kept_room(n, n * threshold / 2**24)
+    while True:
+        values = torch.empty(cap + 1, dtype=torch.float32)
+        k = LIB.hvdc_randomk_encode(_ptr(a), n, key, threshold, _ptr(values), _ptr(residual), cap)
+        if k <= cap:
+            return values[:k]
+        cap = k
 
 
 def randomk_decode(
@@ -717,19 +727,24 @@ def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tenso
 
 
 def gspar_draw(
-    a: torch.Tensor, c: float, key: int, scaled: bool
+    a: torch.Tensor, c: float, key: int, scaled: bool, budget: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kept values, ascending int64 indices) of GSpar's draw at scale float32(c) (c = inf:
-    every non-zero entry), from one pass of hashed counters."""
+    every non-zero entry), from one pass of hashed counters; budget: sum p_i, the mean
+    kept count."""
     n = a.numel()
-    # room for n entries: untouched pages of the worst case are never committed
-    values = torch.empty(n, dtype=torch.float32)
-    idx = torch.empty(n, dtype=torch.int64)
     inf = math.isinf(c)
-    k = LIB.hvdc_gspar_draw(
-        _ptr(a), n, 0.0 if inf else c, int(inf), key, int(scaled), _ptr(values), _ptr(idx)
-    )
-    return values[:k], idx[:k]
+    cap = n if inf else _kept_room(n, budget)
+    while True:
+        values = torch.empty(cap, dtype=torch.float32)
+        idx = torch.empty(cap, dtype=torch.int64)
+        k = LIB.hvdc_gspar_draw(
+            _ptr(a), n, 0.0 if inf else c, int(inf), key, int(scaled), _ptr(values), _ptr(idx),
+            cap,
+        )  # fmt: skip
+        if k <= cap:
+            return values[:k], idx[:k]
+        cap = k
 
 
 # ---- whole buckets: segment tables (kernels/threelc.c, sign.c, frame.c) -------------------

@@ -1127,9 +1127,10 @@ def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tenso
 
 
 def gspar_draw(
-    a: torch.Tensor, c: float, key: int, scaled: bool
+    a: torch.Tensor, c: float, key: int, scaled: bool, budget: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU backend's gspar_draw with torch ops (p from the same float32 product)."""
+    """The CPU backend's gspar_draw with torch ops (p from the same float32 product; the
+    budget, which sizes the CPU's output, is not needed)."""
     mag = a.abs()
     if math.isinf(c):
         p = (mag > 0).to(torch.float32)

@@ -240,7 +240,7 @@ def gspar_encode(
     sent as a_i / p_i (unbiased), or as a_i when not ``scaled`` (the contractive form
     that error feedback needs: docs/design.md section 4.9)."""
     c, _ = gspar_scale(a, budget)
-    values, idx = for_device(a.device).gspar_draw(a, c, key, scaled)
+    values, idx = for_device(a.device).gspar_draw(a, c, key, scaled, budget)
     body = torch.cat([values.view(torch.uint8), idx.to(index_dtype(a.numel())).view(torch.uint8)])
     return body, idx
 
