@@ -189,6 +189,10 @@ int hvdc_qsgd_encode(const float *x, int64_t n, int levels, int bits, int64_t bu
         const int64_t count = nb - b0 < span ? nb - b0 : span;
         const int64_t lo = b0 * bucket;
         const int64_t hi = lo + count * bucket < n ? lo + count * bucket : n;
+        /* the next span, asked into L2 a block's worth of lines per block of codes: its
+         * memory traffic overlaps this span's uniforms, which bound the codes' time */
+        const char *ahead = (const char *)(x + hi);
+        const char *ahead_end = (const char *)(x + (hi + (hi - lo) < n ? hi + (hi - lo) : n));
         quant_square_sums(x + lo, hi - lo, bucket, count, sums);
         for (int64_t b = 0; b < count; b++) {
             const float norm = (float)sqrt(sums[b]);
@@ -202,6 +206,8 @@ int hvdc_qsgd_encode(const float *x, int64_t n, int levels, int bits, int64_t bu
             for (int64_t p = start; p < end;) {
                 const int64_t room = QUANT_BLOCK - pending;
                 const int64_t len = end - p < room ? end - p : room;
+                for (int64_t k = 0; k < len * 4 / 64 && ahead < ahead_end; k++, ahead += 64)
+                    __builtin_prefetch(ahead, 0, 2);
                 hvdc_prim_uniform(key, offset + p, len, u);
                 quant_qsgd_codes(x + p, u, len, safe, levels, codes + pending);
                 const int64_t total = pending + len, groups = total / 8;
