@@ -22,6 +22,11 @@ Building blocks (public API of ``hvdcompress.codecs.threelc``):
 ``quantize(x, sparsity) -> (q int8, scale float32 0-dim tensor)``,
 ``quartic_encode(q) -> uint8``, ``quartic_decode(buf, numel) -> int8``,
 ``zero_run_encode(buf) -> uint8``, ``zero_run_decode(buf) -> uint8``.
+The other codecs' passes (signSGD, QSGD, TernGrad, DQSG, top-k, and random-k's
+``randomk_encode`` / ``randomk_decode``, GSpar's ``gspar_round`` / ``gspar_draw``, DGC's
+``dgc_update``, NDQSG's ``ndqsg_coset`` / ``ndqsg_side_decode``) have the same signature
+in both modules; the CUDA module computes some of them with torch operations on the
+device (docs/design.md section 1.6).
 """
 
 from __future__ import annotations
