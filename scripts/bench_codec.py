@@ -38,7 +38,7 @@ import torch
 
 import hvdcompress
 from hvdcompress import registry, wire
-from hvdcompress.compressors import SummableCompressor
+from hvdcompress.compressors import GatherCompressor, SummableCompressor
 from hvdcompress.training.methods import parse_case  # "name:key=value,..." or a method
 
 
@@ -145,7 +145,7 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
         comp = hvdcompress.get_compressor(name, **params)
         # NDQSG: the nested code, which every rank after the DQSG-coded first ones sends
         # (rank 1 of 2), decoded with the input itself as the side information
-        side = x if comp.uses_side_info else None
+        side = x if isinstance(comp, GatherCompressor) and comp.uses_side_info else None
         comp.bind(0, 1) if side is None else comp.bind(1, 2)
         t = x.view(_matrix_shape(n)) if needs_matrix(name) else x
         encode_fn, decode_fn, first_bits = _phases(comp, t, side)
