@@ -199,26 +199,38 @@ static void topk_select_into(const float *a, int64_t n, int64_t k, uint32_t *his
     hvdc_topk_keep(v, n, TOPK_ABS, NULL, t, k, out);
 }
 
+int hvdc_dgc_update(const float *g, float *u, float *v, int64_t n, float momentum,
+                    int zero_momentum); /* below */
+
 /* Top-k with error feedback of `count` tensors in one call. Tensor p: ns[p] floats g at
  * address gs[p], its residual e at es[p], ks[p] values kept (0 <= k <= n). When some
  * g + e is not finite: nonfinite[p] = 1, e untouched, nothing written. Else a = g + e
  * (float32, into e), the kept set (the k largest |a|, ties by lowest index; all of a when
  * k == n), and the body at out + out_starts[p]: the k values a[i], then the k indices
  * (int32, or int64 when wide[p]), ascending; then a[i] = 0 for each kept i (e = a minus
- * what was sent). Scratch: hist (TOPK_BINS words), sel (max k int64), cand_idx and
- * cand_bits (4 max k + 4097 entries each). */
+ * what was sent). DGC (us not NULL: tensor p's velocity u at us[p]): a is instead the
+ * momentum-corrected v = e of hvdc_dgc_update (u <- m u + g, v <- v + u; non-finite:
+ * both untouched), and u[i] = 0 too for each kept i (momentum factor masking). Scratch:
+ * hist (TOPK_BINS words), sel (max k int64), cand_idx and cand_bits (4 max k + 4097
+ * entries each). */
 void hvdc_topk_encode_segments(int64_t count, const uint64_t *gs, const uint64_t *es,
-                               const int64_t *ns, const int64_t *ks, const int32_t *wide,
-                               uint8_t *out, const int64_t *out_starts, int32_t *nonfinite,
-                               uint32_t *hist, int64_t *sel, int64_t *cand_idx,
-                               uint32_t *cand_bits) {
+                               const uint64_t *us, float momentum, const int64_t *ns,
+                               const int64_t *ks, const int32_t *wide, uint8_t *out,
+                               const int64_t *out_starts, int32_t *nonfinite, uint32_t *hist,
+                               int64_t *sel, int64_t *cand_idx, uint32_t *cand_bits) {
     for (int64_t p = 0; p < count; p++) {
         const float *g = (const float *)(uintptr_t)gs[p];
         float *e = (float *)(uintptr_t)es[p];
+        float *u = us ? (float *)(uintptr_t)us[p] : NULL;
         const int64_t n = ns[p], k = ks[p];
-        nonfinite[p] = hvdc_tlc_absmax_bits(g, e, n) >= 0x7f800000u;
-        if (nonfinite[p]) continue;
-        for (int64_t i = 0; i < n; i++) e[i] = e[i] + g[i];
+        if (u) {
+            nonfinite[p] = hvdc_dgc_update(g, u, e, n, momentum, momentum == 0.0f);
+            if (nonfinite[p]) continue;
+        } else {
+            nonfinite[p] = hvdc_tlc_absmax_bits(g, e, n) >= 0x7f800000u;
+            if (nonfinite[p]) continue;
+            for (int64_t i = 0; i < n; i++) e[i] = e[i] + g[i];
+        }
         if (k == 0) continue;
         if (k == n)
             for (int64_t i = 0; i < n; i++) sel[i] = i;
@@ -235,6 +247,8 @@ void hvdc_topk_encode_segments(int64_t count, const uint64_t *gs, const uint64_t
             }
         }
         for (int64_t i = 0; i < k; i++) e[sel[i]] = 0.0f;
+        if (u)
+            for (int64_t i = 0; i < k; i++) u[sel[i]] = 0.0f;
     }
 }
 

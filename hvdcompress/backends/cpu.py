@@ -104,7 +104,7 @@ _SIGNATURES = {
     "hvdc_topk_collect": (_i64, [_p, _i64, _u32, _p, _p, _i64]),
     "hvdc_topk_keep": (_i64, [_p, _i64, _u32, _p, _u32, _i64, _p]),
     "hvdc_topk_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
-    "hvdc_topk_encode_segments": (None, [_i64] + [_p] * 12),
+    "hvdc_topk_encode_segments": (None, [_i64, _p, _p, _p, _f32] + [_p] * 10),
     "hvdc_topkq_select_segments": (None, [_i64] + [_p] * 13),
     "hvdc_topkq_write_segments": (None, [_i64] + [_p] * 10),
     "hvdc_topkq_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
@@ -1032,12 +1032,18 @@ def qsgd_decode_segments(
 
 
 def topk_encode_segments(
-    gs: list[torch.Tensor], es: list[torch.Tensor], ks: list[int]
+    gs: list[torch.Tensor],
+    es: list[torch.Tensor],
+    ks: list[int],
+    us: list[torch.Tensor] | None = None,
+    momentum: float = 0.0,
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """Top-k with error feedback of each (g, e, k) of a bucket in one native call
     (kernels/sparse.c, hvdc_topk_encode_segments): (bodies: k values then k ascending
     indices, int32 below 2**31 elements; views of one new buffer; non-finite flags, e
-    untouched there). e becomes g + e with the kept values zeroed, as TopK.encode does."""
+    untouched there). e becomes g + e with the kept values zeroed, as TopK.encode does.
+    DGC (us: the velocities): u <- momentum * u + g, e <- e + u, then the top-k of e, and
+    u and e zeroed at the kept entries, as DGC.encode does."""
     count = len(gs)
     ns = _numels(gs)
     k = np.asarray(ks, dtype=np.int64).reshape(count)
@@ -1051,10 +1057,13 @@ def topk_encode_segments(
     hist = np.empty(2048, dtype=np.uint32)
     bad = np.zeros(count, dtype=np.int32)
     g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
+    u_at = None if us is None else _addresses(us)
     LIB.hvdc_topk_encode_segments(
         count,
         g_at.ctypes.data,
         e_at.ctypes.data,
+        None if u_at is None else u_at.ctypes.data,
+        momentum,
         ns.ctypes.data,
         k.ctypes.data,
         wide.ctypes.data,

@@ -32,10 +32,12 @@ from __future__ import annotations
 import math
 import struct
 
+import numpy as np
+
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import GatherCompressor, empty_body
+from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.errors import PayloadError
 from hvdcompress.registry import Param, register
@@ -160,6 +162,25 @@ class DGC(GatherCompressor):
         u[idx] = 0.0
         return 0, params, body
 
+    def encode_bucket(self, tensors, names):
+        gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
+        if self.clip_norm > 0.0 or not gs or any(g.device.type != "cpu" for g in gs):
+            return super().encode_bucket(tensors, names)  # clipping / the CUDA selection
+        us = [self.velocity.residual(name, g) for g, name in zip(gs, names, strict=True)]
+        vs = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
+        params, ks = [], []
+        for g, name in zip(gs, names, strict=True):  # steps advance as in encode
+            step = self.steps.get(name, 0)
+            self.steps[name] = step + 1
+            density = self.density(step)
+            params.append(PARAMS.pack(self.ratio, step, density))
+            ks.append(sparse.topk_count(g.numel(), density))
+        bodies, nonfinite = sparse.topk_encode_segments(gs, vs, ks, us, self.momentum)
+        return [
+            Encoded(wire.FLAG_NONFINITE if bad else 0, p, empty_body(g.device) if bad else body)
+            for g, p, body, bad in zip(gs, params, bodies, nonfinite, strict=True)
+        ]
+
     def check_params(self, header, name):
         if len(header.params) != PARAMS.size:
             raise PayloadError(
@@ -185,6 +206,18 @@ class DGC(GatherCompressor):
         _, _, density = PARAMS.unpack(header.params)
         k = sparse.topk_count(header.numel, density)
         sparse.topk_decode_into(body, header.numel, k, out, accumulate)
+
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        # top-k's bodies: one native call (accepts_bucket checked the densities)
+        ks = np.fromiter(
+            (
+                sparse.topk_count(n, PARAMS.unpack(p)[2])
+                for n, p in zip(numels.tolist(), params, strict=True)
+            ),
+            dtype=np.int64,
+            count=len(params),
+        )
+        return sparse.topk_decode_segments(frame, body_starts, body_lens, numels, ks, outs)
 
     def state_dict(self) -> dict:
         return {
