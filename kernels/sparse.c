@@ -540,3 +540,47 @@ TOPK_VECTOR int hvdc_dgc_update(const float *g, float *u, float *v, int64_t n, f
     }
     return 0;
 }
+
+/* --- a bucket's random-k (RandomK.encode_bucket / decode_segments), one call each ------- */
+
+/* hvdc_randomk_encode (no error feedback) of `count` tensors: tensor p has ns[p] floats at
+ * address as[p] and the stream keys[p]; nonfinite[p] = 1 when it holds a NaN or an Inf
+ * (nothing written); else its kept values go to out + out_starts[p] (room for caps[p] + 1
+ * floats, 4-byte aligned) and ks[p] is the kept count (> caps[p]: the caller encodes that
+ * tensor again with room). */
+void hvdc_randomk_encode_segments(int64_t count, const uint64_t *as, const int64_t *ns,
+                                  const uint64_t *keys, uint32_t threshold, uint8_t *out,
+                                  const int64_t *out_starts, const int64_t *caps, int64_t *ks,
+                                  int32_t *nonfinite) {
+    for (int64_t p = 0; p < count; p++) {
+        const float *a = (const float *)(uintptr_t)as[p];
+        nonfinite[p] = hvdc_tlc_absmax_bits(a, NULL, ns[p]) >= 0x7f800000u;
+        ks[p] = nonfinite[p] ? 0
+                             : hvdc_randomk_encode(a, ns[p], keys[p], threshold,
+                                                   (float *)(void *)(out + out_starts[p]), NULL,
+                                                   caps[p]);
+    }
+}
+
+/* hvdc_randomk_decode (accumulating) of `count` bodies: body p is lens[p] bytes at
+ * body + starts[p], ns[p] values, stream keys[p], added times scale into the floats at
+ * outs[p]. Returns 0; or -1 - p for the first body p that does not decode (the ones before
+ * it added, its output untouched) with *code = RANDOMK_ERR_VALUE or the regenerated kept
+ * count (>= 0) when the body does not hold that many values. idx: scratch for the most
+ * min(lens[p] / 4, ns[p]) indices. */
+int64_t hvdc_randomk_decode_segments(int64_t count, const uint8_t *body, const int64_t *starts,
+                                     const int64_t *lens, const int64_t *ns,
+                                     const uint64_t *keys, uint32_t threshold, float scale,
+                                     const uint64_t *outs, int64_t *idx, int64_t *code) {
+    for (int64_t p = 0; p < count; p++) {
+        const int64_t values = lens[p] % 4 == 0 ? lens[p] / 4 : -1;
+        const int64_t got = hvdc_randomk_decode(body + starts[p], values, ns[p], keys[p],
+                                                threshold, scale,
+                                                (float *)(uintptr_t)outs[p], 1, idx);
+        if (got != values) { /* a count mismatch (got >= 0) or RANDOMK_ERR_VALUE */
+            *code = got;
+            return -1 - p;
+        }
+    }
+    return 0;
+}

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hvdcompress import wire
 from hvdcompress.backends import cpu as cpu_backend
 from hvdcompress.backends import cuda as cuda_backend
 from hvdcompress.codecs import primitives as prim
@@ -360,6 +361,13 @@ def test_random_draws_call_again_when_the_room_is_short(monkeypatch, room):
     assert torch.equal(residual, torch.where(mask, torch.zeros_like(a), a))
     body, _ = sparse.gspar_encode(a, 300.0, key, True)
     assert torch.equal(body, _gspar_encode_reference(a, 300.0, key, True))
+    # a bucket's one-call encoder: the tensors that overflow are encoded again alone
+    one, bucketed = comp("randomk", ratio=0.1, seed=2), comp("randomk", ratio=0.1, seed=2)
+    tensors = [torch.randn(n, generator=gen) for n in (0, 5, 3000, 70)]
+    names = [f"t{i}" for i in range(len(tensors))]
+    frame, _ = bucketed.compress_bucket(tensors, names)
+    want = wire.frame([one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])
+    assert torch.equal(frame, want)
 
 
 @pytest.mark.parametrize("n", [1, 17, 5000])

@@ -93,6 +93,14 @@ _SIGNATURES = {
         [_p, _i64, _p, _p, _int, _i64, ctypes.c_uint64, _p, _int, _p],
     ),
     "hvdc_dgc_update": (_int, [_p, _p, _p, _i64, _f32, _int]),
+    "hvdc_randomk_encode_segments": (
+        None,
+        [_i64, _p, _p, _p, _u32, _p, _p, _p, _p, _p],
+    ),
+    "hvdc_randomk_decode_segments": (
+        _i64,
+        [_i64, _p, _p, _p, _p, _p, _u32, _f32, _p, _p, _p],
+    ),
     "hvdc_gspar_round": (_i64, [_p, _i64, _f32, _i64, _p]),
     "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, ctypes.c_uint64, _int, _p, _p, _i64]),
     "hvdc_randomk_encode": (_i64, [_p, _i64, ctypes.c_uint64, _u32, _p, _p, _i64]),
@@ -687,6 +695,65 @@ def randomk_encode(
         if k <= cap:
             return values[:k]
         cap = k
+
+
+def randomk_encode_segments(
+    gs: list[torch.Tensor], keys: list[int], threshold: int
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """``randomk_encode`` (no error feedback) of each (g, key) of a bucket in one native
+    call: (bodies, views of one new buffer; non-finite flags). A tensor that keeps more
+    than its room (mean + 8 standard deviations) is encoded again on its own."""
+    count = len(gs)
+    ns = _numels(gs)
+    caps = np.array([_kept_room(n, n * threshold / 2**24) for n in ns.tolist()], np.int64)
+    buf, starts = _bodies_buffer(4 * (caps + 1))
+    ks = np.zeros(count, dtype=np.int64)
+    bad = np.zeros(count, dtype=np.int32)
+    g_at = _addresses(gs)  # a local: alive across the call
+    key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
+    LIB.hvdc_randomk_encode_segments(
+        count, g_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data, threshold, _ptr(buf),
+        starts.ctypes.data, caps.ctypes.data, ks.ctypes.data, bad.ctypes.data,
+    )  # fmt: skip
+    flags = [bool(b) for b in bad.tolist()]
+    bodies = []
+    for g, key, a, k, cap, nonfinite in zip(
+        gs, keys, starts.tolist(), ks.tolist(), caps.tolist(), flags, strict=True
+    ):
+        if nonfinite:
+            bodies.append(buf[:0])
+        elif k > cap:  # more kept than the room: again, alone, with room
+            bodies.append(randomk_encode(g, key, threshold, None).view(torch.uint8))
+        else:
+            bodies.append(buf[a : a + 4 * k])
+    return bodies, flags
+
+
+def randomk_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    threshold: int,
+    scale: float,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """``randomk_decode`` (accumulating) of each body of a host frame, one native call:
+    None, or (p, code) for the first body p that does not decode (code -1: a value is not
+    finite; else the regenerated kept count, which the body does not hold)."""
+    count = len(outs)
+    most = int(np.minimum(lens // 4, ns).max()) if count else 0
+    idx = np.empty(max(most, 1), dtype=np.int64)
+    key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
+    out_at = _addresses(outs)  # a local: alive across the call
+    code = ctypes.c_int64(0)
+    rc = LIB.hvdc_randomk_decode_segments(
+        count, _ptr(frame), _i64_array(starts), _i64_array(lens), _i64_array(ns),
+        key_at.ctypes.data, threshold, scale, out_at.ctypes.data, idx.ctypes.data,
+        ctypes.byref(code),
+    )  # fmt: skip
+    return None if rc == 0 else (-1 - rc, int(code.value))
 
 
 def randomk_decode(

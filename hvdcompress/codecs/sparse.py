@@ -148,6 +148,47 @@ def randomk_decode_into(
         )
 
 
+def randomk_encode_segments(
+    gs: list[torch.Tensor], keys: list[int], ratio: float
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """``randomk_encode`` (no error feedback) of a bucket's tensors (flat float32 on the
+    CPU) in one native call: (bodies, non-finite flags)."""
+    from hvdcompress.backends import cpu
+
+    return cpu.randomk_encode_segments(gs, keys, randomk_threshold(ratio))
+
+
+def randomk_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    ratio: float,
+    scale: float,
+    outs: list[torch.Tensor],
+) -> tuple[int, PayloadError] | None:
+    """``randomk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``
+    into ``outs[i]``, in order, one native call over a host frame: None, or (i, the
+    PayloadError ``randomk_decode_into`` raises) for the first bad body, the ones before
+    it added, ``outs[i]`` untouched."""
+    from hvdcompress.backends import cpu
+
+    failed = cpu.randomk_decode_segments(
+        frame, starts, lens, ns, keys, randomk_threshold(ratio), scale, outs
+    )
+    if failed is None:
+        return None
+    i, code = failed
+    if code == -1:
+        return i, PayloadError("body", "a random-k value is not finite")
+    return i, PayloadError(
+        "body",
+        f"the regenerated mask keeps {code} values ({4 * code} bytes), body has "
+        f"{int(lens[i])} bytes (wrong seed, step, rank or tensor, or corrupt)",
+    )
+
+
 # ---- top-k + sign (one shared magnitude) ---------------------------------------------------
 def topk_sign_encode(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(body uint8, kept indices int64, magnitude m) for the flat float32 a."""

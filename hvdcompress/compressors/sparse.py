@@ -272,6 +272,26 @@ class RandomK(SeededSparseState, Stochastic):
         values = sparse.randomk_encode(a, key, self.ratio, e)
         return 0, params, values.view(torch.uint8)
 
+    def encode_bucket(self, tensors, names):
+        gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
+        if self.error_feedback or not gs or any(g.device.type != "cpu" for g in gs):
+            return super().encode_bucket(tensors, names)  # residuals / the CUDA mask
+        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
+        fields = RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
+        bodies, nonfinite = sparse.randomk_encode_segments(gs, [k for _, k in rngs], self.ratio)
+        return [
+            Encoded(wire.FLAG_NONFINITE, rng + fields, empty_body(g.device))
+            if bad
+            else Encoded(0, rng + fields, body)
+            for g, (rng, _), body, bad in zip(gs, rngs, bodies, nonfinite, strict=True)
+        ]
+
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        keys = [self._stream_key(p) for p in params]  # accepts_bucket checked the fields
+        return sparse.randomk_decode_segments(
+            frame, body_starts, body_lens, numels, keys, self.ratio, self._scale, outs
+        )
+
     def contraction(self, numel):
         if not self.error_feedback:
             return None
