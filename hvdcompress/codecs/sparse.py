@@ -325,6 +325,31 @@ def topk_decode_segments(
     return decode_to_wrong_length(lens, need, decode, length_error)
 
 
+def gspar_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, PayloadError] | None:
+    """``gspar_decode_into`` (accumulating) of each body of a host frame: top-k's batched
+    decoder for the bodies before the first whose length is not a whole number of (value,
+    index) pairs for at most n of them, then that body's error (None when all decode)."""
+    pair = 4 + np.where(ns >= INDEX32_LIMIT, 8, 4)
+    ks = lens // pair
+    wrong = np.flatnonzero((lens % pair != 0) | (ks > ns))
+    upto = int(wrong[0]) if wrong.size else len(lens)
+    failed = topk_decode_segments(
+        frame, starts[:upto], lens[:upto], ns[:upto], ks[:upto], outs[:upto]
+    )
+    if failed is not None or not wrong.size:
+        return failed
+    length, n, k = int(lens[upto]), int(ns[upto]), int(ks[upto])
+    if length % int(pair[upto]):
+        return upto, PayloadError("body", f"{length} bytes are not whole (value, index) pairs")
+    return upto, PayloadError("body", f"{k} kept values for {n} elements")
+
+
 def topk_encode_segments(
     gs: list[torch.Tensor],
     es: list[torch.Tensor],

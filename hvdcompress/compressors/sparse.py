@@ -385,3 +385,6 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
 
     def decode_into(self, header, body, out, accumulate, side_info):
         sparse.gspar_decode_into(body, header.numel, out, accumulate)
+
+    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+        return sparse.gspar_decode_segments(frame, body_starts, body_lens, numels, outs)
