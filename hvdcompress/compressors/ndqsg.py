@@ -32,7 +32,7 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import dqsg, ndqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import empty_body
+from hvdcompress.compressors.base import Encoded, empty_body
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.errors import PayloadError
@@ -130,6 +130,30 @@ class NDQSG(Stochastic):
         _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
         self._sent[tid] = (step, k)
         return 0, params, body
+
+    def encode_bucket(self, tensors, names):
+        ws = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
+        dqsg_mode = self.mode_of(self.rank) == MODE_DQSG
+        if (
+            not dqsg_mode
+            or self.fine_levels == 1
+            or not ws
+            or any(w.device.type != "cpu" for w in ws)
+        ):
+            return super().encode_bucket(tensors, names)  # nested / quartic codes / CUDA
+        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
+        fields = PARAMS.pack(
+            self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction, MODE_DQSG
+        )
+        bodies = dqsg.encode_segments(
+            ws, self.fine_levels, self.bucket_size, [k for _, k in rngs]
+        )  # DQSG's one-call encoder: rank 0's payloads are DQSG's bodies
+        return [
+            Encoded(0, rng + fields, body)
+            if body is not None
+            else Encoded(wire.FLAG_NONFINITE, rng + fields, empty_body(w.device))
+            for w, (rng, _), body in zip(ws, rngs, bodies, strict=True)
+        ]
 
     # ---- decode ---------------------------------------------------------------------------
     def _fields(self, header):
