@@ -584,3 +584,109 @@ int64_t hvdc_randomk_decode_segments(int64_t count, const uint8_t *body, const i
     }
     return 0;
 }
+
+/* --- a bucket's GSpar encode (GSpar.encode_bucket), one call --------------------------- */
+
+#define GSPAR_PARTIALS 64 /* non-negative doubles: at most ~40 partials (2098 / 53) */
+
+/* The correctly rounded sum of x[0..m) (m >= 0, every x finite and >= 0): Python's
+ * math.fsum (Shewchuk's exact partials, then the round-half-even correction of CPython's
+ * mathmodule.c), which the codec's abs_sum is. Returns -1.0 if the partials would not fit
+ * (never for finite non-negative input; the caller then takes the Python path). */
+static double gspar_fsum(const double *x, int64_t m) {
+    double partials[GSPAR_PARTIALS];
+    int np = 0;
+    for (int64_t j = 0; j < m; j++) {
+        double v = x[j];
+        int i = 0;
+        for (int k = 0; k < np; k++) {
+            double y = partials[k];
+            if (fabs(v) < fabs(y)) {
+                const double t = v;
+                v = y;
+                y = t;
+            }
+            const double hi = v + y, lo = y - (hi - v);
+            if (lo != 0.0) partials[i++] = lo;
+            v = hi;
+        }
+        if (i >= GSPAR_PARTIALS) return -1.0;
+        partials[i] = v;
+        np = i + 1;
+    }
+    double hi = 0.0, lo = 0.0;
+    int k = np;
+    if (k > 0) {
+        hi = partials[--k];
+        while (k > 0) {
+            const double v = hi, y = partials[--k];
+            hi = v + y;
+            lo = y - (hi - v);
+            if (lo != 0.0) break;
+        }
+        if (k > 0 && ((lo < 0.0 && partials[k - 1] < 0.0) || (lo > 0.0 && partials[k - 1] > 0.0))) {
+            const double y = lo * 2.0, v = hi + y;
+            if (y == v - hi) hi = v;
+        }
+    }
+    return hi;
+}
+
+/* GSpar's encode (scaled values, no error feedback) of `count` tensors: tensor p has ns[p]
+ * floats at as[p], the stream keys[p] and the budget budgets[p] (ratio n). nonfinite[p] =
+ * 1 when it holds a NaN or an Inf (nothing written). Else c comes from the scale
+ * iteration of codecs/sparse.py's gspar_scale (the same rounds: hvdc_gspar_round with
+ * chunk-element sums and their gspar_fsum), the draw (hvdc_gspar_draw, into the scratch
+ * values and idx of room caps[p]) keeps ks[p] entries, and the body goes to
+ * out + out_starts[p]: the ks[p] values, then their indices (int32, or int64 when
+ * wide[p]). ks[p] > caps[p]: more kept than the room, nothing written, the caller encodes
+ * that tensor again alone; ks[p] = -1: the sum of the rest came out 0 or did not fit, the
+ * caller's path too (which then raises as it does). sums: scratch of the most
+ * ceil(n / chunk) doubles. */
+void hvdc_gspar_encode_segments(int64_t count, const uint64_t *as, const int64_t *ns,
+                                const uint64_t *keys, const double *budgets, int64_t chunk,
+                                const int64_t *caps, const int32_t *wide, uint8_t *out,
+                                const int64_t *out_starts, int64_t *ks, int32_t *nonfinite,
+                                float *values, int64_t *idx, double *sums) {
+    for (int64_t p = 0; p < count; p++) {
+        const float *a = (const float *)(uintptr_t)as[p];
+        const int64_t n = ns[p], chunks = (n + chunk - 1) / chunk;
+        const double budget = budgets[p];
+        nonfinite[p] = hvdc_tlc_absmax_bits(a, NULL, n) >= 0x7f800000u;
+        ks[p] = 0;
+        if (nonfinite[p]) continue;
+        int64_t nonzero = 0;
+        for (int64_t i = 0; i < n; i++) nonzero += a[i] != 0.0f;
+        const int all = budget >= (double)nonzero;
+        float c32 = 0.0f;
+        if (!all) {
+            int64_t saturated = hvdc_gspar_round(a, n, 0.0f, chunk, sums); /* c = 0: none */
+            for (int64_t round = 1; round <= nonzero + 1; round++) {
+                const double rest = gspar_fsum(sums, chunks);
+                if (!(rest > 0.0)) {
+                    ks[p] = -1;
+                    break;
+                }
+                c32 = (float)((budget - (double)saturated) / rest);
+                const int64_t now = hvdc_gspar_round(a, n, c32, chunk, sums);
+                if (now == saturated) break;
+                saturated = now;
+            }
+            if (ks[p] < 0) continue;
+        }
+        const int64_t k = hvdc_gspar_draw(a, n, c32, all, keys[p], 1, values, idx, caps[p]);
+        ks[p] = k;
+        if (k > caps[p]) continue;
+        uint8_t *body = out + out_starts[p];
+        memcpy(body, values, (size_t)k * sizeof(float));
+        uint8_t *at = body + 4 * k;
+        for (int64_t i = 0; i < k; i++) {
+            if (wide[p]) {
+                memcpy(at + 8 * i, &idx[i], 8);
+            } else {
+                const int32_t i32 = (int32_t)idx[i];
+                memcpy(at + 4 * i, &i32, 4);
+            }
+        }
+    }
+}

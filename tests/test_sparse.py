@@ -346,6 +346,27 @@ def test_gspar_native_rounds_and_draw_match_the_torch_formulas(ratio):
             assert torch.equal(body, _gspar_encode_reference(a, budget, key, scaled))
 
 
+@pytest.mark.parametrize("ratio", [0.01, 0.2, 0.6, 1.0])
+def test_gspar_bucket_encode_is_the_per_tensor_encode(ratio):
+    """GSpar's one-call bucket encoder (the scale rounds with a native correctly rounded
+    sum, then the draw) gives each tensor's payload: heavy-tailed tensors that saturate
+    over several rounds, zeros, a non-finite tensor, every entry kept at ratio 1."""
+    gen = torch.Generator().manual_seed(int(ratio * 100))
+    tensors = [
+        torch.randn(n, generator=gen) * torch.randn(n, generator=gen).abs() ** 6
+        for n in (1, 7, 1023, 1024, 5000, 20000)
+    ]
+    tensors[3][::3] = 0.0
+    tensors.append(torch.zeros(50))
+    tensors.append(torch.tensor([1.0, float("nan"), 2.0]))
+    names = [f"t{i}" for i in range(len(tensors))]
+    one, bucketed = comp("gspar", ratio=ratio, seed=6), comp("gspar", ratio=ratio, seed=6)
+    for _ in range(2):
+        frame, _ = bucketed.compress_bucket(tensors, names)
+        want = wire.frame([one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])
+        assert torch.equal(frame, want)
+
+
 @pytest.mark.parametrize("room", [0, 3])
 def test_random_draws_call_again_when_the_room_is_short(monkeypatch, room):
     """Random-k and GSpar size their output from the mean kept count (plus 8 standard
@@ -365,6 +386,10 @@ def test_random_draws_call_again_when_the_room_is_short(monkeypatch, room):
     one, bucketed = comp("randomk", ratio=0.1, seed=2), comp("randomk", ratio=0.1, seed=2)
     tensors = [torch.randn(n, generator=gen) for n in (0, 5, 3000, 70)]
     names = [f"t{i}" for i in range(len(tensors))]
+    frame, _ = bucketed.compress_bucket(tensors, names)
+    want = wire.frame([one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])
+    assert torch.equal(frame, want)
+    one, bucketed = comp("gspar", ratio=0.1, seed=2), comp("gspar", ratio=0.1, seed=2)
     frame, _ = bucketed.compress_bucket(tensors, names)
     want = wire.frame([one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])
     assert torch.equal(frame, want)

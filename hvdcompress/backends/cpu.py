@@ -101,6 +101,7 @@ _SIGNATURES = {
         _i64,
         [_i64, _p, _p, _p, _p, _p, _u32, _f32, _p, _p, _p],
     ),
+    "hvdc_gspar_encode_segments": (None, [_i64, _p, _p, _p, _p, _i64] + [_p] * 9),
     "hvdc_gspar_round": (_i64, [_p, _i64, _f32, _i64, _p]),
     "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, ctypes.c_uint64, _int, _p, _p, _i64]),
     "hvdc_randomk_encode": (_i64, [_p, _i64, ctypes.c_uint64, _u32, _p, _p, _i64]),
@@ -784,6 +785,46 @@ def dgc_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: floa
     untouched, when the new v would hold a NaN or an Inf."""
     n = g.numel()
     return bool(LIB.hvdc_dgc_update(_ptr(g), _ptr(u), _ptr(v), n, momentum, int(momentum == 0)))
+
+
+def gspar_encode_segments(
+    gs: list[torch.Tensor], keys: list[int], budgets: list[float], chunk: int
+) -> tuple[list[torch.Tensor | None], list[bool]]:
+    """GSpar's encode (scaled, no error feedback) of each (g, key, budget) of a bucket in
+    one native call: (bodies in top-k's layout, views of one new buffer, or None for a
+    tensor the caller encodes alone: more kept than its room, or a scale iteration the
+    native sum does not finish; non-finite flags)."""
+    count = len(gs)
+    ns = _numels(gs)
+    caps = np.array([_kept_room(n, b) for n, b in zip(ns.tolist(), budgets, strict=True)], np.int64)
+    wide = (ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
+    buf, starts = _bodies_buffer(caps * np.where(wide == 1, 12, 8))
+    most = int(caps.max()) if count else 0
+    values = np.empty(max(most, 1), dtype=np.float32)
+    idx = np.empty(max(most, 1), dtype=np.int64)
+    sums = np.empty(max(int(((ns + chunk - 1) // chunk).max()) if count else 0, 1), np.float64)
+    ks = np.zeros(count, dtype=np.int64)
+    bad = np.zeros(count, dtype=np.int32)
+    g_at = _addresses(gs)  # locals: alive across the call
+    key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
+    budget_at = np.asarray(budgets, dtype=np.float64).reshape(count)
+    LIB.hvdc_gspar_encode_segments(
+        count, g_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data, budget_at.ctypes.data,
+        chunk, caps.ctypes.data, wide.ctypes.data, _ptr(buf), starts.ctypes.data,
+        ks.ctypes.data, bad.ctypes.data, values.ctypes.data, idx.ctypes.data, sums.ctypes.data,
+    )  # fmt: skip
+    flags = [bool(b) for b in bad.tolist()]
+    bodies: list[torch.Tensor | None] = []
+    for a, k, cap, w, nonfinite in zip(
+        starts.tolist(), ks.tolist(), caps.tolist(), wide.tolist(), flags, strict=True
+    ):
+        if nonfinite:
+            bodies.append(buf[:0])
+        elif k < 0 or k > cap:
+            bodies.append(None)
+        else:
+            bodies.append(buf[a : a + k * (12 if w else 8)])
+    return bodies, flags
 
 
 def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:

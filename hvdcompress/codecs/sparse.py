@@ -286,6 +286,21 @@ def gspar_encode(
     return body, idx
 
 
+def gspar_encode_segments(
+    gs: list[torch.Tensor], keys: list[int], budgets: list[float]
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """``gspar_encode`` (scaled, no error feedback) of a bucket's tensors (flat float32 on
+    the CPU, finite or flagged) in one native call: (bodies, non-finite flags); a tensor the
+    call leaves to its caller (more kept than its room) is encoded alone."""
+    from hvdcompress.backends import cpu
+
+    bodies, nonfinite = cpu.gspar_encode_segments(gs, keys, budgets, GSPAR_CHUNK)
+    return [
+        gspar_encode(g, budget, key)[0] if body is None else body
+        for g, key, budget, body in zip(gs, keys, budgets, bodies, strict=True)
+    ], nonfinite
+
+
 def gspar_decode_into(body: torch.Tensor, n: int, out: torch.Tensor, accumulate: bool) -> None:
     isz = 4 if index_dtype(n) == torch.int32 else 8
     if body.numel() % (4 + isz):

@@ -364,6 +364,19 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
             e[idx] = 0.0
         return 0, params, body
 
+    def encode_bucket(self, tensors, names):
+        gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
+        if self.error_feedback or not gs or any(g.device.type != "cpu" for g in gs):
+            return super().encode_bucket(tensors, names)  # residuals / the CUDA draw
+        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
+        ratios = [self.level(name) for name in names]
+        budgets = [r * g.numel() for r, g in zip(ratios, gs, strict=True)]
+        bodies, nonfinite = sparse.gspar_encode_segments(gs, [k for _, k in rngs], budgets)
+        return [
+            Encoded(wire.FLAG_NONFINITE if bad else 0, rng + TOPK_PARAMS.pack(r), body)
+            for (rng, _), r, body, bad in zip(rngs, ratios, bodies, nonfinite, strict=True)
+        ]
+
     def contraction(self, numel):
         if not self.error_feedback:
             return None
