@@ -67,6 +67,16 @@ def topk_count(n: int, ratio: float) -> int:
     return min(n, max(1, math.ceil(n * ratio)))
 
 
+def topk_counts(numels: np.ndarray, ratios) -> np.ndarray:
+    """``topk_count`` of each (n, ratio) of a bucket, as an int64 array (ratios: one per
+    numel, any iterable)."""
+    return np.fromiter(
+        (topk_count(n, r) for n, r in zip(numels.tolist(), ratios, strict=True)),
+        dtype=np.int64,
+        count=len(numels),
+    )
+
+
 def index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < INDEX32_LIMIT else torch.int64
 

@@ -32,8 +32,6 @@ from __future__ import annotations
 import math
 import struct
 
-import numpy as np
-
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
@@ -209,14 +207,7 @@ class DGC(GatherCompressor):
 
     def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
         # top-k's bodies: one native call (accepts_bucket checked the densities)
-        ks = np.fromiter(
-            (
-                sparse.topk_count(n, PARAMS.unpack(p)[2])
-                for n, p in zip(numels.tolist(), params, strict=True)
-            ),
-            dtype=np.int64,
-            count=len(params),
-        )
+        ks = sparse.topk_counts(numels, (PARAMS.unpack(p)[2] for p in params))
         return sparse.topk_decode_segments(frame, body_starts, body_lens, numels, ks, outs)
 
     def state_dict(self) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import struct
 
-import numpy as np
 import torch
 
 from hvdcompress import wire
@@ -126,14 +125,7 @@ class TopK(RatioLevels, GatherCompressor):
         sparse.topk_decode_into(body, header.numel, k, out, accumulate)
 
     def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
-        ks = np.fromiter(
-            (
-                sparse.topk_count(n, TOPK_PARAMS.unpack(p)[0])
-                for n, p in zip(numels.tolist(), params, strict=True)
-            ),
-            dtype=np.int64,
-            count=len(params),
-        )
+        ks = sparse.topk_counts(numels, (TOPK_PARAMS.unpack(p)[0] for p in params))
         return self.decode_kept_segments(frame, body_starts, body_lens, numels, ks, outs)
 
     def state_dict(self) -> dict:
