@@ -151,11 +151,15 @@ def randomk_decode_into(
         body, key, n, randomk_threshold(ratio), scale, out, accumulate
     )
     if kept is not None:
-        raise PayloadError(
-            "body",
-            f"the regenerated mask keeps {kept} values ({4 * kept} bytes), body has "
-            f"{body.numel()} bytes (wrong seed, step, rank or tensor, or corrupt)",
-        )
+        raise _randomk_count_error(kept, body.numel())
+
+
+def _randomk_count_error(kept: int, body_len: int) -> PayloadError:
+    return PayloadError(
+        "body",
+        f"the regenerated mask keeps {kept} values ({4 * kept} bytes), body has "
+        f"{body_len} bytes (wrong seed, step, rank or tensor, or corrupt)",
+    )
 
 
 def randomk_encode_segments(
@@ -192,11 +196,7 @@ def randomk_decode_segments(
     i, code = failed
     if code == -1:
         return i, PayloadError("body", "a random-k value is not finite")
-    return i, PayloadError(
-        "body",
-        f"the regenerated mask keeps {code} values ({4 * code} bytes), body has "
-        f"{int(lens[i])} bytes (wrong seed, step, rank or tensor, or corrupt)",
-    )
+    return i, _randomk_count_error(code, int(lens[i]))
 
 
 # ---- top-k + sign (one shared magnitude) ---------------------------------------------------
