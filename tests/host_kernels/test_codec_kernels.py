@@ -3,11 +3,13 @@ host with g++ (kernels/cuda_host.h) and run through hvdcompress/backends/cuda.py
 (the stand-in for CuPy of conftest.py), compared byte for byte with the CPU backend
 (kernels/sign.c, kernels/quant.c) under several launch shapes: signSGD and EF-signSGD
 bodies, residuals and decodes, QSGD bodies and decodes, TernGrad bodies, and the same
-PayloadErrors (output untouched) on corrupt bodies.
+PayloadErrors (output untouched) on corrupt bodies. Also the CUDA module's torch forms of
+random-k, GSpar, DGC and NDQSG (native passes on the CPU) against the CPU backend.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ import hvdcompress
 from hvdcompress import backends
 from hvdcompress.backends import cpu as cpu_backend
 from hvdcompress.backends.cuda import QUANT, SIGN
+from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant
 from hvdcompress.wire import PayloadError
 from tests.codec_inputs import special_tensor
@@ -195,3 +198,64 @@ def test_emulated_bucket_frames_match_cpu(emulated, monkeypatch, name):
         outs = [torch.linspace(-1, 1, t.numel()) for t in tensors]
         on_gpu.decode_frame(want, outs, ctxs, rank=1)
         assert all(same_bits(a, b) for a, b in zip(outs, want_sums, strict=True)), f"step {step}"
+
+
+@pytest.mark.parametrize(
+    "name,params,rank",
+    [
+        ("randomk", {"ratio": 0.1}, 0),
+        ("randomk", {"ratio": 0.3, "unbiased": False, "error_feedback": True}, 0),
+        ("gspar", {"ratio": 0.05}, 0),
+        ("gspar", {"ratio": 0.2, "error_feedback": True}, 0),
+        ("dgc", {"ratio": 0.05}, 0),
+        ("dgc", {"ratio": 0.05, "momentum": 0.0}, 0),
+        ("ndqsg", {}, 0),
+        ("ndqsg", {}, 1),
+    ],
+)
+def test_emulated_torch_forms_match_cpu(emulated, monkeypatch, name, params, rank):
+    """The CUDA backend's torch forms of random-k, GSpar, DGC and NDQSG (the CPU backend
+    runs native passes for them) give the CPU backend's payloads, residuals and decoded
+    sums, tensor by tensor over several steps: the CUDA module's code, run on CPU tensors
+    with its uniforms and chunk sums from the host-built kernels. NDQSG at rank 1 of 2 is
+    its nested code, decoded with side information."""
+    gen = torch.Generator().manual_seed(3)
+    xs = [
+        torch.randn(n, generator=gen) * torch.randn(n, generator=gen).abs() ** 4
+        for n in (7, 700, 5003)
+    ]
+    xs[2][:1024] = 0.0  # whole zero buckets (NDQSG's delta 0)
+    names = [f"t{i}" for i in range(len(xs))]
+
+    def run(compressor):
+        compressor.bind(rank, 2)
+        payloads, sums = [], []
+        for _ in range(3):
+            for x, n in zip(xs, names, strict=True):
+                payload, ctx = compressor.compress(x, n)
+                out = torch.linspace(-1, 1, x.numel())
+                side = x * 0.999 if compressor.uses_side_info and rank else None
+                compressor.decode(payload, expect=ctx, out=out, accumulate=True, side_info=side)
+                payloads.append(payload)
+                sums.append(out)
+        return payloads, sums
+
+    want = run(hvdcompress.get_compressor(name, **params))
+    monkeypatch.setitem(backends._BACKENDS, "cpu", emulated)
+    got = run(hvdcompress.get_compressor(name, **params))
+    for i, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
+        assert torch.equal(a, b), f"payload {i}"
+    for i, (a, b) in enumerate(zip(got[1], want[1], strict=True)):
+        assert same_bits(a, b), f"decoded {i}"
+
+
+def test_emulated_randomk_keeps_strictly_below_the_threshold(emulated):
+    """The CUDA form's mask (u < T 2^-24 in float32) and the CPU's integer compare agree
+    at a tie: T set to chosen elements' hashes, which are not kept."""
+    key, n = prim.rng_key(9, 0, 0, 1), 2000
+    hashes = (prim.uniform_numpy(key, n) * 2**24).astype(np.int64)
+    a = torch.arange(1, n + 1, dtype=torch.float32)
+    for j in (0, 777, n - 1):
+        want = cpu_backend.randomk_encode(a, key, int(hashes[j]), None)
+        got = emulated.randomk_encode(a, key, int(hashes[j]), None)
+        assert torch.equal(got, want) and float(a[j]) not in got.tolist()
