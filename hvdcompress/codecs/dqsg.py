@@ -99,7 +99,19 @@ def decode_into(
     accumulate: bool,
 ) -> None:
     q, deltas = decode_q(body, n, levels, bucket)
-    if n == 0:
+    dequantize_into(q, deltas, bucket, key, out, accumulate)
+
+
+def dequantize_into(
+    q: torch.Tensor,
+    deltas: torch.Tensor,
+    bucket: int,
+    key: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """out = delta * (q - u), or out += that, for ``decode_q``'s (q, deltas)."""
+    if q.numel() == 0:
         return
     for_device(out.device).dqsg_dequantize(q, deltas, bucket, key, out, accumulate)
 

@@ -203,13 +203,13 @@ class NDQSG(Stochastic):
         n, s1, bucket = header.numel, self.fine_levels, self.bucket_size
         y = self._side_info(side_info, n, out.device)
         if mode == MODE_DQSG:
+            # DQSG's own decoder: its checks, then delta * (q - u) written or added
+            q, deltas = dqsg.decode_q(body, n, s1, bucket)
             if y is not None and sender > 0 and n:  # estimate: would the nested code alias?
-                q, deltas = dqsg.decode_q(body, n, s1, bucket)
                 m = ndqsg.coset(q, self.rho)
                 bad = ndqsg.side_decode_into(m, deltas, y, self.rho, bucket, key, None, False, q)
                 self._count("estimate", bad, n)
-            # DQSG's own decoder: its checks, then delta * (q - u) written or added
-            dqsg.decode_into(body, n, s1, bucket, key, out, accumulate)
+            dqsg.dequantize_into(q, deltas, bucket, key, out, accumulate)
             return
         m, deltas = ndqsg.decode_m(body, n, self.rho, bucket)
         if y is None:
