@@ -464,12 +464,14 @@ void hvdc_ndqsg_coset(const int8_t *k, int64_t n, int rho, int code_offset, uint
  * (each one float32 operation, in the order of codecs/ndqsg.py's side_decode_into),
  * written to out or added to it (out may be NULL: only the count wanted). Returns how many
  * k differ from k_true (the sender's fine indices, int8; NULL: 0), the aliasing count,
- * without materialising k. One pass with the uniforms a block at a time in L1. */
-QUANT_VECTOR int64_t hvdc_ndqsg_side_decode(const int8_t *m, int64_t n, const uint8_t *deltas,
-                                            const float *y, int rho, int64_t bucket,
-                                            uint64_t key, float *out, int accumulate,
-                                            const int8_t *k_true) {
-    float u[QUANT_BLOCK];
+ * without materialising k. One pass with the uniforms a block at a time in L1.
+ * y NULL: the gather path's side information fl32(out[i] / y_divisor) (the mean of the
+ * ranks decoded before, out holding their sum), formed from out before it is added to. */
+static inline int64_t ndqsg_side_decode(const int8_t *m, int64_t n, const uint8_t *deltas,
+                                        const float *y, float y_divisor, int rho,
+                                        int64_t bucket, uint64_t key, float *out,
+                                        int accumulate, const int8_t *k_true) {
+    float u[QUANT_BLOCK], y_block[QUANT_BLOCK];
     const float rho_f = (float)rho;
     const int64_t nb = (n + bucket - 1) / bucket;
     int64_t aliased = 0;
@@ -480,9 +482,12 @@ QUANT_VECTOR int64_t hvdc_ndqsg_side_decode(const int8_t *m, int64_t n, const ui
         for (int64_t p = lo; p < hi; p += QUANT_BLOCK) {
             const int64_t len = hi - p < QUANT_BLOCK ? hi - p : QUANT_BLOCK;
             hvdc_prim_uniform(key, p, len, u);
+            const float *yp = y ? y + p : y_block;
+            if (!y)
+                for (int64_t i = 0; i < len; i++) y_block[i] = out[p + i] / y_divisor;
             for (int64_t i = 0; i < len; i++) {
                 const float d = u[i] - 0.5f, mf = (float)m[p + i];
-                const float r = safe * (mf - d) - y[p + i];
+                const float r = safe * (mf - d) - yp[i];
                 float k = mf - rho_f * rintf(r / coarse);
                 k = delta > 0.0f ? k : 0.0f;
                 u[i] = k; /* u[i] is read no more: k staged for the count */
@@ -494,6 +499,13 @@ QUANT_VECTOR int64_t hvdc_ndqsg_side_decode(const int8_t *m, int64_t n, const ui
         }
     }
     return aliased;
+}
+
+QUANT_VECTOR int64_t hvdc_ndqsg_side_decode(const int8_t *m, int64_t n, const uint8_t *deltas,
+                                            const float *y, int rho, int64_t bucket,
+                                            uint64_t key, float *out, int accumulate,
+                                            const int8_t *k_true) {
+    return ndqsg_side_decode(m, n, deltas, y, 1.0f, rho, bucket, key, out, accumulate, k_true);
 }
 
 /* hvdc_qsgd_decode (accumulating) of `count` bodies in one call, every tensor with the
@@ -609,6 +621,152 @@ int64_t hvdc_dqsg_decode_segments(int64_t count, const uint8_t *body, const int6
         for (int64_t i = 0; i < n; i++) codes[i] = (uint8_t)(int8_t)((int)codes[i] - levels);
         hvdc_dqsg_dequantize((const int8_t *)codes, n, b, bucket, keys[p], 0,
                              (float *)(uintptr_t)outs[p], 1);
+    }
+    return 0;
+}
+
+/* --- a bucket's ternary DQSG (s = 1) and NDQSG nested code (codecs/dqsg.py, ndqsg.py) ---- */
+
+void hvdc_tlc_quartic_encode(const int8_t *q, int64_t n, uint8_t *quartic);       /* threelc.c */
+int64_t hvdc_tlc_zre_decoded_len(const uint8_t *in, int64_t len);                /* threelc.c */
+int64_t hvdc_tlc_zre_decode(const uint8_t *in, int64_t len, uint8_t *out, int64_t m);
+int64_t hvdc_tlc_quartic_decode(const uint8_t *quartic, int64_t n, int8_t *q); /* threelc.c */
+
+/* Errors of the two decoders below (the caller re-runs the per-payload decoder of the body
+ * for its message): the deltas do not fit, a delta is negative or not finite, the packed
+ * digits do not decode (length, a byte or code out of range, padding). */
+#define DIGITS_ERR_DELTAS_LEN -21
+#define DIGITS_ERR_DELTA -22
+#define DIGITS_ERR_PACKED -23
+
+/* DQSG's quantiser (s = levels) of `count` tensors in one call, then the digits packed:
+ * tensor p (ns[p] floats at xs[p], stream keys[p]) gets its int8 fine indices k at
+ * ks + k_starts[p] (k_starts all 0: ks is scratch) and its body at out + out_starts[p]:
+ * the float32 deltas, then the digits, which are k itself (rho == 0: DQSG with s = 1) or
+ * its cosets m = k - rho rint(k / rho) (NDQSG's nested code, rho >= 2). Digits in
+ * {-1, 0, 1} (rho <= 3) are quartic encoded (digit + 1) and zero-run encoded; larger
+ * cosets are bit-packed as m + rho // 2 in `bits` bits. lens[p] is the body's length, or
+ * -1 (nothing written) when x holds a NaN or an Inf. Room: 4 nb + ceil(n / 5) + 2 bytes
+ * (zero-run) or 4 nb + ceil(n bits / 8). Scratch: deltas (the most buckets), codes (the
+ * most elements), quartic (the most groups). */
+void hvdc_digits_encode_segments(int64_t count, const uint64_t *xs, const int64_t *ns,
+                                 const uint64_t *keys, int levels, int rho, int bits,
+                                 int64_t bucket, int8_t *ks, const int64_t *k_starts,
+                                 uint8_t *out, const int64_t *out_starts, int64_t *lens,
+                                 float *deltas, uint8_t *codes, uint8_t *quartic) {
+    const int ternary = rho <= 3, half = rho / 2;
+    for (int64_t p = 0; p < count; p++) {
+        const int64_t n = ns[p], nb = (n + bucket - 1) / bucket;
+        int8_t *k = ks + k_starts[p];
+        if (hvdc_dqsg_quantize((const float *)(uintptr_t)xs[p], n, levels, bucket, keys[p], 0,
+                               0, deltas, (uint8_t *)k)) {
+            lens[p] = -1;
+            continue;
+        }
+        uint8_t *body = out + out_starts[p];
+        memcpy(body, deltas, (size_t)(4 * nb));
+        const int8_t *digits = k;
+        if (rho > 0) {
+            hvdc_ndqsg_coset(k, n, rho, ternary ? 0 : half, codes);
+            digits = (const int8_t *)codes;
+        }
+        if (ternary) {
+            hvdc_tlc_quartic_encode(digits, n, quartic);
+            lens[p] = 4 * nb + hvdc_tlc_zre_encode(quartic, (n + 4) / 5, body + 4 * nb);
+        } else {
+            hvdc_prim_bitpack(codes, n, bits, body + 4 * nb);
+            lens[p] = 4 * nb + (n * bits + 7) / 8;
+        }
+    }
+}
+
+/* Checks one body of n digits as codecs/ndqsg.py decode_m (and dqsg.py decode_q, s = 1)
+ * do, in their order, and unpacks the int8 digits into `digits`: 0 or a DIGITS_ERR_*.
+ * quartic: scratch of ceil(n / 5) bytes (ternary digits). */
+static int64_t digits_unpack(const uint8_t *b, int64_t len, int64_t n, int64_t bucket,
+                             int ternary, int bits, int max_code, int code_offset,
+                             int8_t *digits, uint8_t *quartic) {
+    const int64_t nb = (n + bucket - 1) / bucket;
+    if (len < 4 * nb) return DIGITS_ERR_DELTAS_LEN;
+    for (int64_t i = 0; i < nb; i++) {
+        const float d = quant_load_f32(b + 4 * i);
+        if (!(d >= 0.0f) || quant_abs_bits(d) >= 0x7f800000u) return DIGITS_ERR_DELTA;
+    }
+    const uint8_t *rest = b + 4 * nb;
+    const int64_t rest_len = len - 4 * nb, m = (n + 4) / 5;
+    if (ternary) {
+        if (hvdc_tlc_zre_decoded_len(rest, rest_len) != m) return DIGITS_ERR_PACKED;
+        hvdc_tlc_zre_decode(rest, rest_len, quartic, m);
+        return hvdc_tlc_quartic_decode(quartic, n, digits) ? DIGITS_ERR_PACKED : 0;
+    }
+    uint8_t *codes = (uint8_t *)digits;
+    if (hvdc_prim_bitunpack(rest, rest_len, n, bits, codes) < 0) return DIGITS_ERR_PACKED;
+    uint8_t worst = 0;
+    for (int64_t i = 0; i < n; i++) worst = codes[i] > worst ? codes[i] : worst;
+    if (worst > max_code) return DIGITS_ERR_PACKED;
+    for (int64_t i = 0; i < n; i++) codes[i] = (uint8_t)(int8_t)((int)codes[i] - code_offset);
+    return 0;
+}
+
+/* NDQSG's nested decode (codecs/ndqsg.py decode_m, then side_decode_into with the gather
+ * path's side information) of `count` bodies in one call: body p is lens[p] bytes at
+ * body + starts[p], ns[p] values with the stream keys[p], added into the floats at outs[p]
+ * with y = fl32(out / y_divisor) (the mean of the y_divisor ranks already summed in out).
+ * k_trues[p]: the address of the sender's int8 fine indices (this rank's own payload) or
+ * 0; aliased[p] gets how many decoded indices differ from them (0 without). rho <= 3:
+ * ternary cosets (quartic + zero-run), else codes m + rho // 2 of `bits` bits. Returns
+ * -1 - p for the first body p that does not decode (the ones before it added, its output
+ * untouched) with its DIGITS_ERR_* in *code, else 0. Scratch: digits (the most elements),
+ * quartic (the most groups). */
+QUANT_VECTOR int64_t hvdc_ndqsg_decode_segments(int64_t count, const uint8_t *body,
+                                                const int64_t *starts, const int64_t *lens,
+                                                const int64_t *ns, const uint64_t *keys,
+                                                int rho, int bits, int64_t bucket,
+                                                float y_divisor, const uint64_t *outs,
+                                                const uint64_t *k_trues, int64_t *aliased,
+                                                int8_t *digits, uint8_t *quartic,
+                                                int64_t *code) {
+    const int half = rho / 2;
+    for (int64_t p = 0; p < count; p++) {
+        const uint8_t *b = body + starts[p];
+        const int64_t n = ns[p];
+        aliased[p] = 0;
+        const int64_t rc =
+            digits_unpack(b, lens[p], n, bucket, rho <= 3, bits, 2 * half, half, digits, quartic);
+        if (rc < 0) {
+            *code = rc;
+            return -1 - p;
+        }
+        if (n == 0) continue;
+        aliased[p] = ndqsg_side_decode(digits, n, b, NULL, y_divisor, rho, bucket, keys[p],
+                                       (float *)(uintptr_t)outs[p], 1,
+                                       (const int8_t *)(uintptr_t)k_trues[p]);
+    }
+    return 0;
+}
+
+/* DQSG's decode with s = 1 (codecs/dqsg.py decode_q, then the reconstruction added) of
+ * `count` bodies in one call: body p is lens[p] bytes at body + starts[p], ns[p] values
+ * with the stream keys[p], added into the floats at outs[p]. Returns -1 - p for the first
+ * body p that does not decode (the ones before it added, its output untouched) with its
+ * DIGITS_ERR_* in *code, else 0. Scratch: digits (the most elements), quartic (the most
+ * groups). */
+int64_t hvdc_dqsg_ternary_decode_segments(int64_t count, const uint8_t *body,
+                                          const int64_t *starts, const int64_t *lens,
+                                          const int64_t *ns, const uint64_t *keys,
+                                          int64_t bucket, const uint64_t *outs, int8_t *digits,
+                                          uint8_t *quartic, int64_t *code) {
+    for (int64_t p = 0; p < count; p++) {
+        const uint8_t *b = body + starts[p];
+        const int64_t n = ns[p];
+        const int64_t rc = digits_unpack(b, lens[p], n, bucket, 1, 0, 0, 0, digits, quartic);
+        if (rc < 0) {
+            *code = rc;
+            return -1 - p;
+        }
+        if (n)
+            hvdc_dqsg_dequantize(digits, n, b, bucket, keys[p], 0, (float *)(uintptr_t)outs[p],
+                                 1);
     }
     return 0;
 }

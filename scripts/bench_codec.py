@@ -292,27 +292,33 @@ def bucket_sizes(total: int, count: int, seed: int = 0) -> list[int]:
     return sizes
 
 
-def _overhead_case(comp_for, tensors, names, run, min_time: float) -> dict:
+def _overhead_case(comp_for, tensors, names, run, min_time: float, rank: int = 0) -> dict:
     """Seconds per step of compress + decode-accumulate: the bucket as one tensor, as
-    ``count`` payloads one by one, and through the bucket API."""
+    ``count`` payloads one by one, and through the bucket API. ``rank``: the sender, whose
+    frame a compressor with side information decodes with the gather path's (acc / rank)."""
     whole = torch.cat(tensors)
     accs = [torch.zeros(t.numel()) for t in tensors]
     acc_one = torch.zeros(whole.numel())
     one_c, loop_c, bucket_c = comp_for(), comp_for(), comp_for()
 
+    def side(acc):
+        return acc / rank if one_c.uses_side_info and rank else None
+
     def one():
         payload, ctx = one_c.compress(whole, "whole")
-        one_c.decode(payload, expect=ctx, out=acc_one, accumulate=True)
+        one_c.decode(payload, expect=ctx, out=acc_one, accumulate=True, side_info=side(acc_one))
 
     def loop():
         frame = wire.frame([loop_c.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])
-        parsed = wire.unframe_parsed(frame, 0, names, frame.device)
+        parsed = wire.unframe_parsed(frame, rank, names, frame.device)
         for (header, payload), acc, n in zip(parsed, accs, names, strict=True):
-            loop_c.decode_parsed(header, payload, name=n, out=acc, accumulate=True)
+            loop_c.decode_parsed(
+                header, payload, name=n, out=acc, accumulate=True, side_info=side(acc)
+            )
 
     def bucket():  # what the allgather exchange runs per bucket and rank
         frame, ctxs = bucket_c.compress_bucket(tensors, names)
-        bucket_c.decode_frame(frame, accs, ctxs, rank=0)
+        bucket_c.decode_frame(frame, accs, ctxs, rank=rank)
 
     times = {}
     for key, fn in (("one", one), ("loop", loop), ("bucket", bucket)):
@@ -321,6 +327,21 @@ def _overhead_case(comp_for, tensors, names, run, min_time: float) -> dict:
         probe = max(run(fn, 1), 1e-6)
         times[key] = run(fn, int(min(max(min_time / probe, 3), 100)))
     return times
+
+
+def _overhead_row(label: str, count: int, total: int, t: dict) -> dict:
+    return {
+        "case": label,
+        "tensors": count,
+        "total_numel": total,
+        "one_ms": 1e3 * t["one"],
+        "loop_ms": 1e3 * t["loop"],
+        "bucket_ms": 1e3 * t["bucket"],
+        "loop_vs_one": t["loop"] / t["one"],
+        "bucket_vs_one": t["bucket"] / t["one"],
+        "per_tensor_us_loop": 1e6 * (t["loop"] - t["one"]) / count,
+        "per_tensor_us_bucket": 1e6 * (t["bucket"] - t["one"]) / count,
+    }
 
 
 def bench_overhead(cases: list[str], total: int, count: int, run, min_time: float) -> list:
@@ -332,29 +353,22 @@ def bench_overhead(cases: list[str], total: int, count: int, run, min_time: floa
     rows = []
     for case in cases:
         name, params = parse_case(case)
-        if registry.REGISTRY[name].summable:
+        cls = registry.REGISTRY[name]
+        if cls.summable:
             continue
+        # rank 0 of 1; a compressor with side information (NDQSG) also as rank 1 of 2,
+        # which sends its nested code and decodes with the side information
+        binds = [(0, 1)] + ([(1, 2)] if cls.uses_side_info else [])
+        for rank, size in binds:
 
-        def comp_for(name=name, params=params):
-            comp = hvdcompress.get_compressor(name, **params)
-            comp.bind(0, 1)
-            return comp
+            def comp_for(name=name, params=params, rank=rank, size=size):
+                comp = hvdcompress.get_compressor(name, **params)
+                comp.bind(rank, size)
+                return comp
 
-        t = _overhead_case(comp_for, tensors, names, run, min_time)
-        rows.append(
-            {
-                "case": case,
-                "tensors": count,
-                "total_numel": total,
-                "one_ms": 1e3 * t["one"],
-                "loop_ms": 1e3 * t["loop"],
-                "bucket_ms": 1e3 * t["bucket"],
-                "loop_vs_one": t["loop"] / t["one"],
-                "bucket_vs_one": t["bucket"] / t["one"],
-                "per_tensor_us_loop": 1e6 * (t["loop"] - t["one"]) / count,
-                "per_tensor_us_bucket": 1e6 * (t["bucket"] - t["one"]) / count,
-            }
-        )
+            t = _overhead_case(comp_for, tensors, names, run, min_time, rank)
+            label = case if rank == 0 else f"{case} (rank {rank} of {size})"
+            rows.append(_overhead_row(label, count, total, t))
     head = (
         f"{'case':<24} {'tensors':>7} {'one':>9} {'loop':>9} {'bucket':>9} "
         f"{'loop/one':>8} {'bkt/one':>8} {'us/t loop':>9} {'us/t bkt':>9}"

@@ -145,3 +145,81 @@ def test_decode_frame_reports_a_forged_body_like_decode_parsed():
     assert err.value.rank == 1 and err.value.tensor == "b" and err.value.field == "body"
     assert outs[0].abs().sum() > 0
     assert torch.equal(outs[1], torch.zeros(20)) and torch.equal(outs[2], torch.zeros(30))
+
+
+def test_ndqsg_rank0_frame_takes_the_one_call_path(monkeypatch):
+    """Rank 0's NDQSG frame gets no side information (decode_bucket gives it none), so its
+    DQSG-mode bodies go through DQSG's batched decoder, with decode_bucket's sums; a nested
+    frame decoded without side information raises "side_info" on both paths."""
+    from hvdcompress.codecs import dqsg
+
+    calls = []
+    batched = dqsg.decode_segments
+    monkeypatch.setattr(
+        dqsg, "decode_segments", lambda *a, **k: calls.append(len(a[1])) or batched(*a, **k)
+    )
+    tensors, names = bucket_tensors(0)
+    tensors = [t.float() for t in tensors]
+    sender, receiver = hvdcompress.get_compressor("ndqsg"), hvdcompress.get_compressor("ndqsg")
+    sender.bind(0, 2)
+    receiver.bind(1, 2)
+    frame, ctxs = sender.compress_bucket(tensors, names)
+    parsed = wire.unframe_parsed(frame, 0, names, torch.device("cpu"))
+    wants = [torch.linspace(-1, 1, t.numel()) for t in tensors]
+    gots = [w.clone() for w in wants]
+    receiver.decode_bucket(parsed, wants, ctxs, rank=0)
+    assert calls == []  # the per-payload path
+    receiver.decode_frame(frame, gots, ctxs, rank=0)
+    assert calls == [len(names)]
+    assert all(torch.equal(g, w) for g, w in zip(gots, wants, strict=True))
+
+    nested = hvdcompress.get_compressor("ndqsg")
+    nested.bind(1, 2)
+    frame, ctxs = nested.compress_bucket(tensors, names)
+    for decode in (
+        lambda outs: receiver.decode_frame(frame, outs, ctxs, rank=0),
+        lambda outs: receiver.decode_bucket(
+            wire.unframe_parsed(frame, 0, names, torch.device("cpu")), outs, ctxs, rank=0
+        ),
+    ):
+        outs = [torch.zeros(t.numel()) for t in tensors]
+        with pytest.raises(PayloadError, match="side information") as err:
+            decode(outs)
+        assert err.value.field == "side_info" and err.value.tensor == names[0]
+        assert all(not o.any() for o in outs)
+
+
+@pytest.mark.parametrize("params", [{}, {"fine_levels": 8, "coarse_levels": 2}])
+def test_ndqsg_gather_of_frames_equals_the_per_payload_path(params):
+    """Four ranks (D = 2: ranks 0, 1 DQSG, 2, 3 nested), every frame decoded in rank order
+    into running sums: decode_frame (nested frames in one native call, the side information
+    out / rank formed in the same pass) gives decode_bucket's sums bit for bit and the same
+    aliasing rates, the own one counted from this rank's remembered k (rank 3's tensors lie
+    far from the others', so some of its values alias)."""
+    tensors, names = bucket_tensors(0)
+    tensors = [t.float() for t in tensors]
+    gen = torch.Generator().manual_seed(9)
+    per_rank = [
+        [t + (4.0 if r == 3 else 0.05) * torch.randn(t.shape, generator=gen) for t in tensors]
+        for r in range(4)
+    ]
+    senders = [hvdcompress.get_compressor("ndqsg", **params) for _ in range(4)]
+    receivers = [hvdcompress.get_compressor("ndqsg", **params) for _ in range(2)]
+    for r, c in enumerate(senders):
+        c.bind(r, 4)
+    for c in receivers:
+        c.bind(3, 4)
+    frames = [c.compress_bucket(ts, names) for c, ts in zip(senders, per_rank, strict=True)]
+    for c in receivers:  # each remembers rank 3's k, as the sender did
+        assert torch.equal(c.compress_bucket(per_rank[3], names)[0], frames[3][0])
+    fast = [torch.zeros(t.numel()) for t in tensors]
+    slow = [torch.zeros(t.numel()) for t in tensors]
+    for r, (frame, ctxs) in enumerate(frames):
+        receivers[0].decode_frame(frame, fast, ctxs, rank=r)
+        parsed = wire.unframe_parsed(frame, r, names, torch.device("cpu"))
+        receivers[1].decode_bucket(parsed, slow, ctxs, rank=r)
+    for got, want in zip(fast, slow, strict=True):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    got, want = receivers[0].pop_metrics(), receivers[1].pop_metrics()
+    assert got == want
+    assert got["aliasing_rate_own"] > 0 and got["aliasing_rate_estimate"] is not None

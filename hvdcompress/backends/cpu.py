@@ -121,6 +121,12 @@ _SIGNATURES = {
     "hvdc_terngrad_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
     "hvdc_dqsg_encode_segments": (None, [_i64, _p, _p, _p, _int, _int, _i64] + [_p] * 5),
     "hvdc_dqsg_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _int, _int, _i64, _p, _p, _p]),
+    "hvdc_digits_encode_segments": (None, [_i64, _p, _p, _p, _int, _int, _int, _i64] + [_p] * 8),
+    "hvdc_ndqsg_decode_segments": (
+        _i64,
+        [_i64, _p, _p, _p, _p, _p, _int, _int, _i64, _f32] + [_p] * 6,
+    ),
+    "hvdc_dqsg_ternary_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _i64] + [_p] * 4),
 }
 # Negative return codes of the decoders, per source file.
 _ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
@@ -1389,4 +1395,106 @@ def dqsg_decode_segments(
         codes.ctypes.data,
         ctypes.byref(code),
     )
+    return None if rc == 0 else (-1 - rc, int(code.value))
+
+
+def digits_encode_segments(
+    xs: list[torch.Tensor], keys: list[int], levels: int, rho: int, bits: int, bucket: int
+) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """DQSG's quantiser (s = levels) of each (x, key) of a bucket, then its digits packed,
+    in one native call (kernels/quant.c ``hvdc_digits_encode_segments``): the digits are
+    the fine indices k (rho 0: DQSG with s = 1) or their cosets (NDQSG's nested code, rho
+    >= 2). Returns (the bodies, views of one new buffer, None for a non-finite x; the int8
+    k of every tensor, concatenated in order)."""
+    count = len(xs)
+    ns = _numels(xs)
+    nb = (ns + bucket - 1) // bucket
+    ternary = rho <= 3
+    room = 4 * nb + ((ns + 4) // 5 + 2 if ternary else (ns * bits + 7) // 8)
+    buf, starts = _bodies_buffer(room)
+    k_starts = np.zeros(count, dtype=np.int64)
+    np.cumsum(ns[:-1], out=k_starts[1:])
+    ks = torch.empty(int(ns.sum()), dtype=torch.int8)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
+    lens = np.zeros(count, dtype=np.int64)
+    most = max(int(ns.max()) if count else 0, 1)
+    deltas = np.empty(max(int(nb.max()) if count else 0, 1), dtype=np.float32)
+    codes = np.empty(most, dtype=np.uint8)
+    quartic = np.empty((most + 4) // 5, dtype=np.uint8)
+    x_at = _addresses(xs)  # a local: alive across the call
+    LIB.hvdc_digits_encode_segments(
+        count, x_at.ctypes.data, ns.ctypes.data, key_array.ctypes.data, levels, rho, bits,
+        bucket, _ptr(ks), k_starts.ctypes.data, _ptr(buf), starts.ctypes.data,
+        lens.ctypes.data, deltas.ctypes.data, codes.ctypes.data, quartic.ctypes.data,
+    )  # fmt: skip
+    bodies = [
+        None if n < 0 else buf[a : a + n]
+        for a, n in zip(starts.tolist(), lens.tolist(), strict=True)
+    ]
+    return bodies, ks
+
+
+def ndqsg_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    rho: int,
+    bits: int,
+    bucket: int,
+    divisor: int,
+    outs: list[torch.Tensor],
+    k_trues: list[torch.Tensor | None],
+) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """NDQSG's nested decode of each body ``frame[starts[p]:][:lens[p]]``, added into
+    ``outs[p]`` with the side information ``outs[p] / divisor`` formed in the same pass,
+    one native call: (the aliasing count of each body against ``k_trues[p]``, 0 where None;
+    None, or (p, error code) of the first body that does not decode, the ones before it
+    added, its output untouched)."""
+    count = len(outs)
+    code = ctypes.c_int64(0)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
+    most = max(int(ns.max()) if count else 0, 1)
+    digits = np.empty(most, dtype=np.int8)
+    quartic = np.empty((most + 4) // 5, dtype=np.uint8)
+    aliased = np.zeros(count, dtype=np.int64)
+    out_at = _addresses(outs)  # locals: alive across the call
+    k_at = np.fromiter(
+        (0 if k is None else k.data_ptr() for k in k_trues), dtype=np.uint64, count=count
+    )
+    rc = LIB.hvdc_ndqsg_decode_segments(
+        count, _ptr(frame), _i64_array(starts), _i64_array(lens), _i64_array(ns),
+        key_array.ctypes.data, rho, bits, bucket, float(divisor), out_at.ctypes.data,
+        k_at.ctypes.data, aliased.ctypes.data, digits.ctypes.data, quartic.ctypes.data,
+        ctypes.byref(code),
+    )  # fmt: skip
+    return aliased, None if rc == 0 else (-1 - rc, int(code.value))
+
+
+def dqsg_ternary_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    bucket: int,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """DQSG's decode with s = 1 (quartic + zero-run codes), accumulating, of each body
+    ``frame[starts[p]:][:lens[p]]`` into ``outs[p]``, one native call: None, or (p, error
+    code) of the first body that does not decode (the ones before it added, its output
+    untouched)."""
+    count = len(outs)
+    code = ctypes.c_int64(0)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
+    most = max(int(ns.max()) if count else 0, 1)
+    digits = np.empty(most, dtype=np.int8)
+    quartic = np.empty((most + 4) // 5, dtype=np.uint8)
+    out_at = _addresses(outs)  # a local: alive across the call
+    rc = LIB.hvdc_dqsg_ternary_decode_segments(
+        count, _ptr(frame), _i64_array(starts), _i64_array(lens), _i64_array(ns),
+        key_array.ctypes.data, bucket, out_at.ctypes.data, digits.ctypes.data,
+        quartic.ctypes.data, ctypes.byref(code),
+    )  # fmt: skip
     return None if rc == 0 else (-1 - rc, int(code.value))

@@ -119,19 +119,24 @@ def dequantize_into(
 def encode_segments(
     ws: list[torch.Tensor], levels: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """``encode`` of each (w, key) of a bucket (contiguous float32 on the CPU, s > 1), one
-    native call for the tensors the codec threads do not cut into parts (``cpu.splits``),
+    """``encode`` of each (w, key) of a bucket (contiguous float32 on the CPU), one native
+    call for the tensors the codec threads do not cut into parts (``cpu.splits``),
     ``encode`` for those."""
     from hvdcompress.backends import cpu
 
     bits = dqsg_bits(levels)
+
+    def batched(pairs):
+        xs, ks = [w for w, _ in pairs], [k for _, k in pairs]
+        if levels == 1:  # ternary q: quartic + zero-run codes
+            return cpu.digits_encode_segments(xs, ks, 1, 0, 0, bucket)[0]
+        return cpu.dqsg_encode_segments(xs, ks, levels, bits, bucket)
+
     return prim.batched_except_split(
         list(zip(ws, keys, strict=True)),
         lambda wk: wk[0].numel(),
         cpu.splits,
-        lambda pairs: cpu.dqsg_encode_segments(
-            [w for w, _ in pairs], [k for _, k in pairs], levels, bits, bucket
-        ),
+        batched,
         lambda wk: encode(wk[0], levels, bucket, wk[1]),
     )
 
@@ -146,12 +151,19 @@ def decode_segments(
     keys: list[int],
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """``decode_into`` (accumulating, s > 1) of each body ``frame[starts[i]:][:lens[i]]``
-    into ``outs[i]``, in order, one native call over a host frame: None, or (i, the
+    """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
+    ``outs[i]``, in order, one native call over a host frame: None, or (i, the
     PayloadError ``decode_into`` raises) for the first bad body, the ones before it added,
     ``outs[i]`` untouched."""
     from hvdcompress.backends import cpu
 
+    if levels == 1:  # ternary q: quartic + zero-run codes
+        failed = cpu.dqsg_ternary_decode_segments(frame, starts, lens, ns, keys, bucket, outs)
+        if failed is None:
+            return None
+        i = failed[0]
+        body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
+        return i, prim.refusal(lambda: decode_q(body, int(ns[i]), levels, bucket))
     bits = dqsg_bits(levels)
     failed = cpu.dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs)
     if failed is None:

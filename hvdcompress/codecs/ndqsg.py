@@ -28,6 +28,7 @@ ceil(log2(2 (rho // 2) + 1)) bits, bit-packed LSB first.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
@@ -74,6 +75,34 @@ def encode_nested(w: torch.Tensor, levels: int, rho: int, bucket: int, key: int)
     else:
         packed = prim.bitpack(coset(k, rho, m_half(rho)), m_bits(rho))
     return torch.cat([prim.float_bytes(deltas), packed]), k
+
+
+def encode_nested_segments(
+    ws: list[torch.Tensor], levels: int, rho: int, bucket: int, keys: list[int]
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """``encode_nested`` of each (w, key) of a bucket (contiguous float32 on the CPU), None
+    for a w with a NaN or an Inf: one native call for the tensors the codec threads do not
+    cut into parts (``cpu.splits``), ``encode_nested`` for those."""
+    from hvdcompress.backends import cpu
+
+    def batched(pairs):
+        xs = [w for w, _ in pairs]
+        bodies, ks = cpu.digits_encode_segments(
+            xs, [key for _, key in pairs], levels, rho, m_bits(rho), bucket
+        )
+        ends = np.cumsum([x.numel() for x in xs]).tolist()
+        return [
+            None if body is None else (body, ks[end - x.numel() : end])
+            for x, body, end in zip(xs, bodies, ends, strict=True)
+        ]
+
+    def single(pair):
+        w, key = pair
+        return encode_nested(w, levels, rho, bucket, key) if prim.all_finite(w) else None
+
+    return prim.batched_except_split(
+        list(zip(ws, keys, strict=True)), lambda wk: wk[0].numel(), cpu.splits, batched, single
+    )
 
 
 def max_numel(body_len: int, rho: int) -> int:
@@ -123,3 +152,34 @@ def side_decode_into(
         bucket, key, out, accumulate,
         None if k_true is None else k_true.reshape(-1).contiguous(),
     )  # fmt: skip
+
+
+def decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    rho: int,
+    bucket: int,
+    keys: list[int],
+    rank: int,
+    outs: list[torch.Tensor],
+    k_trues: list[torch.Tensor | None],
+) -> tuple[np.ndarray, tuple[int, PayloadError] | None]:
+    """``decode_m`` then ``side_decode_into`` (accumulating) of each nested body
+    ``frame[starts[i]:][:lens[i]]`` into ``outs[i]`` with the gather path's side
+    information ``outs[i] / rank`` (rank >= 1), in order, one native call over a host frame
+    (the side information formed in the same pass, no tensor of it): (the aliasing count of
+    each body against ``k_trues[i]``, 0 where None; None, or (i, the PayloadError
+    ``decode_m`` raises) for the first bad body, the ones before it added, ``outs[i]``
+    untouched)."""
+    from hvdcompress.backends import cpu
+
+    aliased, failed = cpu.ndqsg_decode_segments(
+        frame, starts, lens, ns, keys, rho, m_bits(rho), bucket, rank, outs, k_trues
+    )
+    if failed is None:
+        return aliased, None
+    i = failed[0]
+    body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
+    return aliased, (i, prim.refusal(lambda: decode_m(body, int(ns[i]), rho, bucket)))

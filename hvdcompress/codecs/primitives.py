@@ -167,6 +167,17 @@ def decode_to_wrong_length(lens: np.ndarray, need: np.ndarray, decode, length_er
     return (upto, length_error(upto)) if wrong.size else None
 
 
+def refusal(decode) -> PayloadError:
+    """The PayloadError that the per-payload ``decode()`` raises for a body a bucket's
+    native decoder refused (its message names the check): the batched decoders return an
+    error code only, and this keeps one source for every message."""
+    try:
+        decode()
+    except PayloadError as err:
+        return err
+    raise RuntimeError("a native bucket decoder refused a body its per-payload decoder accepts")
+
+
 def f32_data(x: torch.Tensor) -> torch.Tensor:
     """x's values as a contiguous float32 tensor, for native calls that take only an
     address and a size (a bucket's segment tables): x itself when it is one already (no

@@ -330,7 +330,7 @@ class GatherCompressor(Compressor):
         ``decode_bucket`` of ``wire.unframe_parsed(frame, ...)``, same sums, same checks,
         same errors, without a Python round trip per payload where it can.
 
-        The fast path (a CPU frame and outputs, no side information): one native scan
+        The fast path (a CPU frame and outputs): one native scan
         of the frame checks every header's layout and checksum (``wire.scan_frame``)
         against the bucket's ``frame_layout``, ``accepts_bucket`` the codec parameters
         and body sizes, ``decode_segments`` adds the bodies. Whatever the scan or
@@ -359,6 +359,7 @@ class GatherCompressor(Compressor):
                 numels[finite],
                 [outs[i] for i in pick],
                 [names[i] for i in pick],
+                rank,
             )
         # a non-finite payload's output is all NaN, in bucket order: up to a failed body
         stop = len(outs) if failed is None else pick[failed[0]]
@@ -371,7 +372,7 @@ class GatherCompressor(Compressor):
         """decode_frame's fast-path checks: (params, body starts, body lengths, numels,
         non-finite flags) of every payload when the scan, ``accepts_bucket`` and the
         outputs' sizes accept the frame, else None (the per-payload way)."""
-        if self.uses_side_info or frame.device.type != "cpu":
+        if frame.device.type != "cpu":
             return None
         if not all(o.device.type == "cpu" for o in outs):
             return None
@@ -430,18 +431,22 @@ class GatherCompressor(Compressor):
         numels: np.ndarray,
         outs: list[torch.Tensor],
         names: list[str],
+        rank: int | None = None,
     ) -> tuple[int, PayloadError] | None:
         """Add the finite payloads' bodies ``frame[body_starts[i]:][:body_lens[i]]`` (their
         headers accepted) decoded into ``outs[i]``: None, or (i, the PayloadError) of the
         first that does not decode (``outs`` before it added to, ``outs[i]`` untouched).
-        ``decode_into`` of each by default; a codec with a batched native decoder
-        overrides this with one call for all."""
+        ``rank``: the frame's sender; a compressor that decodes with side information gets
+        ``decode_bucket``'s, ``outs[i] / rank`` for rank > 0. ``decode_into`` of each by
+        default; a codec with a batched native decoder overrides this with one call for
+        all."""
         for i, (param, start, length, numel) in enumerate(
             zip(params, body_starts.tolist(), body_lens.tolist(), numels.tolist(), strict=True)
         ):
             header = wire.Header(self.name, 0, torch.float32, (numel,), param, length)
+            side = outs[i] / rank if self.uses_side_info and rank else None
             try:
-                self.decode_into(header, frame[start : start + length], outs[i], True, None)
+                self.decode_into(header, frame[start : start + length], outs[i], True, side)
             except PayloadError as err:
                 return i, err
         return None

@@ -205,7 +205,9 @@ class DGC(GatherCompressor):
         k = sparse.topk_count(header.numel, density)
         sparse.topk_decode_into(body, header.numel, k, out, accumulate)
 
-    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+    def decode_segments(
+        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
+    ):
         # top-k's bodies: one native call (accepts_bucket checked the densities)
         ks = sparse.topk_counts(numels, (PARAMS.unpack(p)[2] for p in params))
         return sparse.topk_decode_segments(frame, body_starts, body_lens, numels, ks, outs)

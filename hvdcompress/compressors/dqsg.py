@@ -62,8 +62,8 @@ class DQSG(Stochastic):
 
     def encode_bucket(self, tensors, names):
         ws = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if self.levels == 1 or not ws or any(w.device.type != "cpu" for w in ws):
-            return super().encode_bucket(tensors, names)  # quartic codes / the CUDA path
+        if not ws or any(w.device.type != "cpu" for w in ws):
+            return super().encode_bucket(tensors, names)  # the CUDA path
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         params = [rng + PARAMS.pack(self.levels, self.bucket_size) for rng, _ in rngs]
         bodies = dqsg.encode_segments(ws, self.levels, self.bucket_size, [k for _, k in rngs])
@@ -94,11 +94,9 @@ class DQSG(Stochastic):
         key = self._stream_key(header.params)
         dqsg.decode_into(body, header.numel, self.levels, self.bucket_size, key, out, accumulate)
 
-    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
-        if self.levels == 1:  # quartic codes: decode_into of each
-            return super().decode_segments(
-                frame, params, body_starts, body_lens, numels, outs, names
-            )
+    def decode_segments(
+        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
+    ):
         keys = [self._stream_key(p) for p in params]  # accepts_bucket checked the fields
         return dqsg.decode_segments(
             frame, body_starts, body_lens, numels, self.levels, self.bucket_size, keys, outs

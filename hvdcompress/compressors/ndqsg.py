@@ -133,21 +133,25 @@ class NDQSG(Stochastic):
 
     def encode_bucket(self, tensors, names):
         ws = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        dqsg_mode = self.mode_of(self.rank) == MODE_DQSG
-        if (
-            not dqsg_mode
-            or self.fine_levels == 1
-            or not ws
-            or any(w.device.type != "cpu" for w in ws)
-        ):
-            return super().encode_bucket(tensors, names)  # nested / quartic codes / CUDA
+        if not ws or any(w.device.type != "cpu" for w in ws):
+            return super().encode_bucket(tensors, names)  # the CUDA path
+        mode = self.mode_of(self.rank)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         fields = PARAMS.pack(
-            self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction, MODE_DQSG
+            self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction, mode
         )
-        bodies = dqsg.encode_segments(
-            ws, self.fine_levels, self.bucket_size, [k for _, k in rngs]
-        )  # DQSG's one-call encoder: rank 0's payloads are DQSG's bodies
+        keys = [key for _, key in rngs]
+        if mode == MODE_DQSG:  # DQSG's one-call encoder: these ranks send DQSG's bodies
+            bodies = dqsg.encode_segments(ws, self.fine_levels, self.bucket_size, keys)
+        else:
+            coded = ndqsg.encode_nested_segments(
+                ws, self.fine_levels, self.rho, self.bucket_size, keys
+            )
+            bodies = [None if c is None else c[0] for c in coded]
+            for (rng, _), c in zip(rngs, coded, strict=True):
+                if c is not None:  # k, for this rank's own aliasing rate
+                    _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
+                    self._sent[tid] = (step, c[1])
         return [
             Encoded(0, rng + fields, body)
             if body is not None
@@ -198,7 +202,7 @@ class NDQSG(Stochastic):
 
     def decode_into(self, header, body, out, accumulate, side_info):
         key = self._stream_key(header.params)
-        _, step, tid, sender = prim.RNG_PARAMS.unpack_from(header.params, 0)
+        sender = prim.RNG_PARAMS.unpack_from(header.params, 0)[3]
         mode = self._fields(header)[4]
         n, s1, bucket = header.numel, self.fine_levels, self.bucket_size
         y = self._side_info(side_info, n, out.device)
@@ -220,12 +224,44 @@ class NDQSG(Stochastic):
             )
         if n == 0:
             return
-        sent = self._sent.get(tid) if sender == self.rank else None
-        own = sent is not None and sent[0] == step and sent[1].numel() == n
-        k_true = sent[1] if own else None  # its own payload: how many indices alias
+        k_true = self._own_k(header.params, n)  # its own payload: how many indices alias
         bad = ndqsg.side_decode_into(m, deltas, y, self.rho, bucket, key, out, accumulate, k_true)
-        if own:
+        if k_true is not None:
             self._count("own", bad, n)
+
+    def decode_segments(
+        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
+    ):
+        modes = {p[-1] for p in params}  # the mode byte ends the params (checked)
+        keys = [self._stream_key(p) for p in params]
+        if not rank and modes == {MODE_DQSG}:  # no side information: DQSG's decode
+            return dqsg.decode_segments(
+                frame, body_starts, body_lens, numels, self.fine_levels, self.bucket_size,
+                keys, outs,
+            )  # fmt: skip
+        if not rank or modes != {MODE_NESTED}:
+            # DQSG-mode payloads of ranks 1 .. D-1 (each re-decoded for the aliasing
+            # estimate), and nested ones without side information ("side_info")
+            return super().decode_segments(
+                frame, params, body_starts, body_lens, numels, outs, names, rank
+            )
+        owns = [self._own_k(p, int(n)) for p, n in zip(params, numels.tolist(), strict=True)]
+        aliased, failed = ndqsg.decode_segments(
+            frame, body_starts, body_lens, numels, self.rho, self.bucket_size, keys, rank,
+            outs, owns,
+        )  # fmt: skip
+        done = len(outs) if failed is None else failed[0]
+        for k, bad, n in zip(owns[:done], aliased.tolist(), numels.tolist(), strict=False):
+            if k is not None and n:
+                self._count("own", bad, n)
+        return failed
+
+    def _own_k(self, params: bytes, n: int) -> torch.Tensor | None:
+        """The fine indices k this rank sent in the payload with these RNG fields (its own
+        nested payload of this step), else None."""
+        _, step, tid, sender = prim.RNG_PARAMS.unpack_from(params, 0)
+        sent = self._sent.get(tid) if sender == self.rank else None
+        return sent[1] if sent is not None and sent[0] == step and sent[1].numel() == n else None
 
     # ---- metrics and state ------------------------------------------------------------------
     def _count(self, which: str, bad: int, total: int) -> None:

@@ -74,7 +74,9 @@ class QSGD(Stochastic):
     def decode_into(self, header, body, out, accumulate, side_info):
         quant.qsgd_decode_into(body, header.numel, self.levels, self.bucket_size, out, accumulate)
 
-    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+    def decode_segments(
+        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
+    ):
         # accepts_bucket checked every payload's levels and bucket size against these
         return quant.qsgd_decode_segments(
             frame, body_starts, body_lens, numels, self.levels, self.bucket_size, outs
@@ -144,7 +146,9 @@ class TernGrad(Stochastic):
         (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
         quant.terngrad_decode_into(body, header.numel, scale, out, accumulate)
 
-    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+    def decode_segments(
+        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
+    ):
         # the 3LC body layout (quartic digits, zero-run coded) with the scale M
         at = prim.RNG_PARAMS.size
         scales = np.array([TERNGRAD_PARAMS.unpack_from(p, at)[0] for p in params], np.float32)

@@ -68,7 +68,9 @@ class SignSGD(GatherCompressor):
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         return not any(params) and bool((nonfinite | (numels <= 8 * body_lens)).all())
 
-    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+    def decode_segments(
+        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
+    ):
         ones = np.ones(len(outs), dtype=np.float32)
         return sign.decode_segments(frame, body_starts, body_lens, numels, ones, outs)
 
@@ -138,7 +140,9 @@ class EFSignSGD(GatherCompressor):
             ok = np.where(nonfinite, scale == 0.0, np.isfinite(scale) & (scale >= 0.0))
         return bool((ok & (nonfinite | (numels <= 8 * body_lens))).all())
 
-    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+    def decode_segments(
+        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
+    ):
         scales = np.frombuffer(b"".join(params), dtype="<f4")
         return sign.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
 

@@ -124,7 +124,9 @@ class TopK(RatioLevels, GatherCompressor):
         k = sparse.topk_count(header.numel, ratio)
         sparse.topk_decode_into(body, header.numel, k, out, accumulate)
 
-    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+    def decode_segments(
+        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
+    ):
         ks = sparse.topk_counts(numels, (TOPK_PARAMS.unpack(p)[0] for p in params))
         return self.decode_kept_segments(frame, body_starts, body_lens, numels, ks, outs)
 
@@ -278,7 +280,9 @@ class RandomK(SeededSparseState, Stochastic):
             for g, (rng, _), body, bad in zip(gs, rngs, bodies, nonfinite, strict=True)
         ]
 
-    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+    def decode_segments(
+        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
+    ):
         keys = [self._stream_key(p) for p in params]  # accepts_bucket checked the fields
         return sparse.randomk_decode_segments(
             frame, body_starts, body_lens, numels, keys, self.ratio, self._scale, outs
@@ -391,5 +395,7 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
     def decode_into(self, header, body, out, accumulate, side_info):
         sparse.gspar_decode_into(body, header.numel, out, accumulate)
 
-    def decode_segments(self, frame, params, body_starts, body_lens, numels, outs, names):
+    def decode_segments(
+        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
+    ):
         return sparse.gspar_decode_segments(frame, body_starts, body_lens, numels, outs)

@@ -18,20 +18,27 @@ from hvdcompress import registry, wire
 from tests.fuzz.harness import field_mutations, fix_checksum, mutate, mutations
 from tests.helpers import bound
 
-CASES = [(n, p) for n, p in registry.examples() if not registry.REGISTRY[n].summable]
+# (compressor, params, the sender's rank of 2). Rank 1 decodes with the side information of
+# the ranks before it where the compressor has any (NDQSG: the per-payload path only); rank
+# 0's frame gets none, so NDQSG's takes the one-call path too.
+CASES = [(n, p, 1) for n, p in registry.examples() if not registry.REGISTRY[n].summable] + [
+    (n, p, 0)
+    for n, p in registry.examples()
+    if not registry.REGISTRY[n].summable and registry.REGISTRY[n].uses_side_info
+]
 SIZES = [(0,), (1,), (7,), (33, 17), (100,), (513,)]
 NAMES = [f"layer{i}" for i in range(len(SIZES))]
 
 
-def _frame(name: str, params: dict):
+def _frame(name: str, params: dict, sender: int):
     """A sender's frame of a mixed bucket (one tensor non-finite) and its contexts."""
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(shape, generator=gen) for shape in SIZES]
     tensors[4][3] = float("inf")
-    return bound(name, 1, 2, **params).compress_bucket(tensors, NAMES)
+    return bound(name, sender, 2, **params).compress_bucket(tensors, NAMES)
 
 
-FRAMES = {i: _frame(n, p) for i, (n, p) in enumerate(CASES)}
+FRAMES = {i: _frame(*case) for i, case in enumerate(CASES)}
 
 
 def _run(decode):
@@ -44,15 +51,18 @@ def _run(decode):
 
 
 def _agree(case: int, frame: torch.Tensor) -> None:
-    name, params = CASES[case]
+    name, params, sender = CASES[case]
     _, ctxs = FRAMES[case]
-    ref, fast = bound(name, 0, 2, **params), bound(name, 0, 2, **params)
+    ref, fast = bound(name, 1 - sender, 2, **params), bound(name, 1 - sender, 2, **params)
     want_outs, want = _run(
         lambda outs: ref.decode_bucket(
-            wire.unframe_parsed(frame, 1, NAMES, torch.device("cpu")), outs, ctxs, rank=1
+            wire.unframe_parsed(frame, sender, NAMES, torch.device("cpu")),
+            outs,
+            ctxs,
+            rank=sender,
         )
     )
-    got_outs, got = _run(lambda outs: fast.decode_frame(frame, outs, ctxs, rank=1))
+    got_outs, got = _run(lambda outs: fast.decode_frame(frame, outs, ctxs, rank=sender))
     assert got == want, f"per-payload: {want}; one call: {got}"
     for a, b in zip(got_outs, want_outs, strict=True):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
@@ -60,7 +70,7 @@ def _agree(case: int, frame: torch.Tensor) -> None:
 
 def _remade(case: int, index: int, ops, forge: bool) -> torch.Tensor:
     frame, _ = FRAMES[case]
-    payloads = wire.unframe(frame, len(NAMES), 1, NAMES)
+    payloads = wire.unframe(frame, len(NAMES), CASES[case][2], NAMES)
     buf = mutate(bytearray(payloads[index].numpy().tobytes()), ops)
     if forge:
         buf = fix_checksum(buf)
@@ -70,7 +80,7 @@ def _remade(case: int, index: int, ops, forge: bool) -> torch.Tensor:
     return wire.frame(payloads)
 
 
-CASE_IDS = [f"{n}{p}" for n, p in CASES]
+CASE_IDS = [f"{n}{p}-rank{r}" for n, p, r in CASES]
 budget = settings(max_examples=max(settings.default.max_examples // 30, 10))
 
 
