@@ -21,7 +21,7 @@
  *                        and ordered chunk sums), and the draw of the kept entries.
  *
  * The backend first bounds t from below with the k-th largest of a strided sample (tensors
- * of 16384 elements or more: every max(4, n / 65536)-th element), keeps
+ * of 16384 elements or more: every max(16, n / 65536)-th element), keeps
  * the elements at or above the bound (about 2 k of them, one pass over a), and selects
  * among those; when the bound fails (too few or too many candidates) it selects over all
  * of a. Either way t is the same exact value, so the bytes do not depend on the path.
@@ -171,7 +171,7 @@ int64_t hvdc_topk_decode_segments(int64_t count, const uint8_t *body, const int6
 
 #define TOPK_SAMPLE 65536     /* elements of the strided sample (backends/cpu.py TOPK_SAMPLE) */
 #define TOPK_MIN_SAMPLED 16384 /* tensors from this size on are sampled (TOPK_MIN_SAMPLED) */
-#define TOPK_MIN_STRIDE 4      /* every 4th element at least (TOPK_MIN_STRIDE) */
+#define TOPK_MIN_STRIDE 16     /* every 16th element at least (TOPK_MIN_STRIDE) */
 #define TOPK_ABS 0x7fffffffu
 #define TOPK_ALL 0xffffffffu
 

@@ -76,11 +76,11 @@ def stable_topk(x: np.ndarray, k: int) -> np.ndarray:
 
 @pytest.mark.parametrize("select", SELECTIONS.values(), ids=SELECTIONS.keys())
 @pytest.mark.parametrize("kind", ["gauss", "ties", "sample_heavy", "zeros_on_sample"])
-@pytest.mark.parametrize("n", [20_011, 300_007])
+@pytest.mark.parametrize("n", [20_011, 300_007, 1_200_007])
 def test_topk_selection_on_large_tensors(select, kind, n):
-    """The sampled-candidate path (n >= TOPK_MIN_SAMPLED: a stride of 4 at 20,011
-    elements, of n / TOPK_SAMPLE at 300,007) and its fallback select exactly what a stable
-    sort selects: the k largest |x|, ties by lowest index."""
+    """The sampled-candidate path (n >= TOPK_MIN_SAMPLED: a stride of TOPK_MIN_STRIDE at
+    20,011 and 300,007 elements, of n / TOPK_SAMPLE at 1,200,007) and its fallback select
+    exactly what a stable sort selects: the k largest |x|, ties by lowest index."""
     rng = np.random.default_rng(11)
     x = rng.standard_normal(n).astype(np.float32)
     stride = max(cpu_backend.TOPK_MIN_STRIDE, n // cpu_backend.TOPK_SAMPLE)
