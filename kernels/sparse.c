@@ -562,6 +562,46 @@ void hvdc_randomk_encode_segments(int64_t count, const uint64_t *as, const int64
     }
 }
 
+/* hvdc_randomk_encode with error feedback of `count` tensors: tensor p has ns[p] floats g at
+ * address gs[p], its residual e at es[p] and the stream keys[p]. nonfinite[p] = 1 when some
+ * g + e is a NaN or an Inf (e untouched, nothing written). Else e <- a = g + e (float32),
+ * the kept values of a go to out + out_starts[p] (room for caps[p] + 1 floats, 4-byte
+ * aligned) with their indices in idx (room for the largest cap + 1), ks[p] is the kept
+ * count, and the kept entries of e are zeroed (e = a - decode, the values unscaled); when
+ * ks[p] > caps[p] the room was short: e holds a, and the caller encodes it again with room
+ * (residual a itself). The kept set and values are hvdc_randomk_encode's. */
+void hvdc_randomk_ef_encode_segments(int64_t count, const uint64_t *gs, const uint64_t *es,
+                                     const int64_t *ns, const uint64_t *keys, uint32_t threshold,
+                                     uint8_t *out, const int64_t *out_starts, const int64_t *caps,
+                                     int64_t *ks, int32_t *nonfinite, int64_t *idx) {
+    uint32_t r[RANDOMK_CHUNK];
+    for (int64_t p = 0; p < count; p++) {
+        const float *g = (const float *)(uintptr_t)gs[p];
+        float *e = (float *)(uintptr_t)es[p];
+        const int64_t n = ns[p], cap = caps[p];
+        nonfinite[p] = hvdc_tlc_absmax_bits(g, e, n) >= 0x7f800000u;
+        ks[p] = 0;
+        if (nonfinite[p]) continue;
+        float *values = (float *)(void *)(out + out_starts[p]);
+        int64_t k = 0;
+        for (int64_t lo = 0; lo < n; lo += RANDOMK_CHUNK) {
+            const int64_t len = n - lo < RANDOMK_CHUNK ? n - lo : RANDOMK_CHUNK;
+            hvdc_prim_hash24(keys[p], lo, len, r);
+            float *a = e + lo;
+            for (int64_t i = 0; i < len; i++) a[i] = a[i] + g[lo + i];
+            for (int64_t i = 0; i < len; i++) { /* every element at the next slot (no branch) */
+                const int64_t slot = k < cap ? k : cap;
+                values[slot] = a[i];
+                idx[slot] = lo + i;
+                k += r[i] < threshold;
+            }
+        }
+        ks[p] = k;
+        if (k <= cap)
+            for (int64_t j = 0; j < k; j++) e[idx[j]] = 0.0f;
+    }
+}
+
 /* hvdc_randomk_decode (accumulating) of `count` bodies: body p is lens[p] bytes at
  * body + starts[p], ns[p] values, stream keys[p], added times scale into the floats at
  * outs[p]. Returns 0; or -1 - p for the first body p that does not decode (the ones before

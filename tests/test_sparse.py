@@ -383,12 +383,18 @@ def test_random_draws_call_again_when_the_room_is_short(monkeypatch, room):
     body, _ = sparse.gspar_encode(a, 300.0, key, True)
     assert torch.equal(body, _gspar_encode_reference(a, 300.0, key, True))
     # a bucket's one-call encoder: the tensors that overflow are encoded again alone
-    one, bucketed = comp("randomk", ratio=0.1, seed=2), comp("randomk", ratio=0.1, seed=2)
     tensors = [torch.randn(n, generator=gen) for n in (0, 5, 3000, 70)]
     names = [f"t{i}" for i in range(len(tensors))]
-    frame, _ = bucketed.compress_bucket(tensors, names)
-    want = wire.frame([one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])
-    assert torch.equal(frame, want)
+    for ef in (False, True):  # with error feedback the residuals must come out the same too
+        kw = {"ratio": 0.1, "seed": 2, "error_feedback": ef}
+        one, bucketed = comp("randomk", **kw), comp("randomk", **kw)
+        for _ in range(2):
+            frame, _ = bucketed.compress_bucket(tensors, names)
+            sent = [one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)]
+            assert torch.equal(frame, wire.frame(sent))
+        for name in names if ef else ():
+            got, want = bucketed.memory.residuals[name], one.memory.residuals[name]
+            assert torch.equal(got, want)
     one, bucketed = comp("gspar", ratio=0.1, seed=2), comp("gspar", ratio=0.1, seed=2)
     frame, _ = bucketed.compress_bucket(tensors, names)
     want = wire.frame([one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])

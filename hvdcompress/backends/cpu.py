@@ -97,6 +97,7 @@ _SIGNATURES = {
         None,
         [_i64, _p, _p, _p, _u32, _p, _p, _p, _p, _p],
     ),
+    "hvdc_randomk_ef_encode_segments": (None, [_i64, _p, _p, _p, _p, _u32] + [_p] * 6),
     "hvdc_randomk_decode_segments": (
         _i64,
         [_i64, _p, _p, _p, _p, _p, _u32, _f32, _p, _p, _p],
@@ -731,6 +732,42 @@ def randomk_encode_segments(
             bodies.append(buf[:0])
         elif k > cap:  # more kept than the room: again, alone, with room
             bodies.append(randomk_encode(g, key, threshold, None).view(torch.uint8))
+        else:
+            bodies.append(buf[a : a + 4 * k])
+    return bodies, flags
+
+
+def randomk_ef_encode_segments(
+    gs: list[torch.Tensor], es: list[torch.Tensor], keys: list[int], threshold: int
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """``randomk_encode`` with error feedback of each (g, e, key) of a bucket in one native
+    call, a = g + e formed in e: (bodies, views of one new buffer; non-finite flags, e
+    untouched there). e becomes a with the kept entries zeroed. A tensor that keeps more
+    than its room (mean + 8 standard deviations) is encoded again on its own (e holds a)."""
+    count = len(gs)
+    ns = _numels(gs)
+    caps = np.array([_kept_room(n, n * threshold / 2**24) for n in ns.tolist()], np.int64)
+    buf, starts = _bodies_buffer(4 * (caps + 1))
+    ks = np.zeros(count, dtype=np.int64)
+    bad = np.zeros(count, dtype=np.int32)
+    idx = np.empty(int(caps.max()) + 1 if count else 1, dtype=np.int64)
+    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
+    key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
+    LIB.hvdc_randomk_ef_encode_segments(
+        count, g_at.ctypes.data, e_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data,
+        threshold, _ptr(buf), starts.ctypes.data, caps.ctypes.data, ks.ctypes.data,
+        bad.ctypes.data, idx.ctypes.data,
+    )  # fmt: skip
+    flags = [bool(b) for b in bad.tolist()]
+    bodies = []
+    for e, key, a, k, cap, nonfinite in zip(
+        es, keys, starts.tolist(), ks.tolist(), caps.tolist(), flags, strict=True
+    ):
+        if nonfinite:
+            bodies.append(buf[:0])
+        elif k > cap:  # more kept than the room: again, alone, with room (e holds a; a
+            # copy of it, since randomk_encode's retry reads a after writing the residual)
+            bodies.append(randomk_encode(e.clone(), key, threshold, e).view(torch.uint8))
         else:
             bodies.append(buf[a : a + 4 * k])
     return bodies, flags

@@ -268,11 +268,14 @@ class RandomK(SeededSparseState, Stochastic):
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if self.error_feedback or not gs or any(g.device.type != "cpu" for g in gs):
-            return super().encode_bucket(tensors, names)  # residuals / the CUDA mask
+        if not gs or any(g.device.type != "cpu" for g in gs):
+            return super().encode_bucket(tensors, names)  # the CUDA mask
+        es = None
+        if self.error_feedback:
+            es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         fields = RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
-        bodies, nonfinite = sparse.randomk_encode_segments(gs, [k for _, k in rngs], self.ratio)
+        bodies, nonfinite = sparse.randomk_encode_segments(gs, [k for _, k in rngs], self.ratio, es)
         return [
             Encoded(wire.FLAG_NONFINITE, rng + fields, empty_body(g.device))
             if bad
