@@ -183,7 +183,8 @@ static void topk_select_into(const float *a, int64_t n, int64_t k, uint32_t *his
                              int64_t *cand_idx, uint32_t *cand_bits, int64_t *out) {
     const uint32_t *v = (const uint32_t *)(const void *)a;
     if (n >= TOPK_MIN_SAMPLED && 8 * k <= n) {
-        const int64_t stride = n / TOPK_SAMPLE > TOPK_MIN_STRIDE ? n / TOPK_SAMPLE : TOPK_MIN_STRIDE;
+        const int64_t stride =
+            n / TOPK_SAMPLE > TOPK_MIN_STRIDE ? n / TOPK_SAMPLE : TOPK_MIN_STRIDE;
         const int64_t m = (n - 1) / stride + 1;
         int64_t j = (int64_t)ceil((double)m * 2.0 * (double)k / (double)n) + 64;
         j = j < m ? j : m;
@@ -672,9 +673,12 @@ static double gspar_fsum(const double *x, int64_t m) {
     return hi;
 }
 
-/* GSpar's encode (scaled values, no error feedback) of `count` tensors: tensor p has ns[p]
- * floats at as[p], the stream keys[p] and the budget budgets[p] (ratio n). nonfinite[p] =
- * 1 when it holds a NaN or an Inf (nothing written). Else c comes from the scale
+/* GSpar's encode of `count` tensors: tensor p has ns[p] floats at as[p], the stream keys[p]
+ * and the budget budgets[p] (ratio n). Error feedback (es not NULL: tensor p's residual e
+ * at es[p]): the tensor encoded is a = g + e, formed in e once it is known finite, its
+ * values travel unscaled (scaled 0), and e = a with the kept entries zeroed afterwards
+ * (a tensor left to the caller keeps e = a). nonfinite[p] = 1 when the tensor encoded
+ * holds a NaN or an Inf (nothing written, e untouched). Else c comes from the scale
  * iteration of codecs/sparse.py's gspar_scale (the same rounds: hvdc_gspar_round with
  * chunk-element sums and their gspar_fsum), the draw (hvdc_gspar_draw, into the scratch
  * values and idx of room caps[p]) keeps ks[p] entries, and the body goes to
@@ -683,18 +687,23 @@ static double gspar_fsum(const double *x, int64_t m) {
  * that tensor again alone; ks[p] = -1: the sum of the rest came out 0 or did not fit, the
  * caller's path too (which then raises as it does). sums: scratch of the most
  * ceil(n / chunk) doubles. */
-void hvdc_gspar_encode_segments(int64_t count, const uint64_t *as, const int64_t *ns,
-                                const uint64_t *keys, const double *budgets, int64_t chunk,
-                                const int64_t *caps, const int32_t *wide, uint8_t *out,
-                                const int64_t *out_starts, int64_t *ks, int32_t *nonfinite,
-                                float *values, int64_t *idx, double *sums) {
+void hvdc_gspar_encode_segments(int64_t count, const uint64_t *as, const uint64_t *es,
+                                int scaled, const int64_t *ns, const uint64_t *keys,
+                                const double *budgets, int64_t chunk, const int64_t *caps,
+                                const int32_t *wide, uint8_t *out, const int64_t *out_starts,
+                                int64_t *ks, int32_t *nonfinite, float *values, int64_t *idx,
+                                double *sums) {
     for (int64_t p = 0; p < count; p++) {
-        const float *a = (const float *)(uintptr_t)as[p];
+        const float *g = (const float *)(uintptr_t)as[p];
+        float *e = es ? (float *)(uintptr_t)es[p] : NULL;
         const int64_t n = ns[p], chunks = (n + chunk - 1) / chunk;
         const double budget = budgets[p];
-        nonfinite[p] = hvdc_tlc_absmax_bits(a, NULL, n) >= 0x7f800000u;
+        nonfinite[p] = hvdc_tlc_absmax_bits(g, e, n) >= 0x7f800000u;
         ks[p] = 0;
         if (nonfinite[p]) continue;
+        if (e)
+            for (int64_t i = 0; i < n; i++) e[i] = e[i] + g[i];
+        const float *a = e ? e : g;
         int64_t nonzero = 0;
         for (int64_t i = 0; i < n; i++) nonzero += a[i] != 0.0f;
         const int all = budget >= (double)nonzero;
@@ -714,7 +723,7 @@ void hvdc_gspar_encode_segments(int64_t count, const uint64_t *as, const int64_t
             }
             if (ks[p] < 0) continue;
         }
-        const int64_t k = hvdc_gspar_draw(a, n, c32, all, keys[p], 1, values, idx, caps[p]);
+        const int64_t k = hvdc_gspar_draw(a, n, c32, all, keys[p], scaled, values, idx, caps[p]);
         ks[p] = k;
         if (k > caps[p]) continue;
         uint8_t *body = out + out_starts[p];
@@ -728,5 +737,7 @@ void hvdc_gspar_encode_segments(int64_t count, const uint64_t *as, const int64_t
                 memcpy(at + 4 * i, &i32, 4);
             }
         }
+        if (e)
+            for (int64_t i = 0; i < k; i++) e[idx[i]] = 0.0f;
     }
 }

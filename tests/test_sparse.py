@@ -6,6 +6,7 @@ clipping). Statistical tests use fixed seeds, so they are deterministic; their b
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -385,20 +386,17 @@ def test_random_draws_call_again_when_the_room_is_short(monkeypatch, room):
     # a bucket's one-call encoder: the tensors that overflow are encoded again alone
     tensors = [torch.randn(n, generator=gen) for n in (0, 5, 3000, 70)]
     names = [f"t{i}" for i in range(len(tensors))]
-    for ef in (False, True):  # with error feedback the residuals must come out the same too
+    for name, ef in itertools.product(("randomk", "gspar"), (False, True)):
+        # with error feedback the residuals must come out the same too
         kw = {"ratio": 0.1, "seed": 2, "error_feedback": ef}
-        one, bucketed = comp("randomk", **kw), comp("randomk", **kw)
+        one, bucketed = comp(name, **kw), comp(name, **kw)
         for _ in range(2):
             frame, _ = bucketed.compress_bucket(tensors, names)
             sent = [one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)]
-            assert torch.equal(frame, wire.frame(sent))
-        for name in names if ef else ():
-            got, want = bucketed.memory.residuals[name], one.memory.residuals[name]
-            assert torch.equal(got, want)
-    one, bucketed = comp("gspar", ratio=0.1, seed=2), comp("gspar", ratio=0.1, seed=2)
-    frame, _ = bucketed.compress_bucket(tensors, names)
-    want = wire.frame([one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])
-    assert torch.equal(frame, want)
+            assert torch.equal(frame, wire.frame(sent)), (name, ef)
+        for tensor in names if ef else ():
+            got, want = bucketed.memory.residuals[tensor], one.memory.residuals[tensor]
+            assert torch.equal(got, want), (name, tensor)
 
 
 @pytest.mark.parametrize("n", [1, 17, 5000])

@@ -102,7 +102,7 @@ _SIGNATURES = {
         _i64,
         [_i64, _p, _p, _p, _p, _p, _u32, _f32, _p, _p, _p],
     ),
-    "hvdc_gspar_encode_segments": (None, [_i64, _p, _p, _p, _p, _i64] + [_p] * 9),
+    "hvdc_gspar_encode_segments": (None, [_i64, _p, _p, _int, _p, _p, _p, _i64] + [_p] * 9),
     "hvdc_gspar_round": (_i64, [_p, _i64, _f32, _i64, _p]),
     "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, ctypes.c_uint64, _int, _p, _p, _i64]),
     "hvdc_randomk_encode": (_i64, [_p, _i64, ctypes.c_uint64, _u32, _p, _p, _i64]),
@@ -831,12 +831,18 @@ def dgc_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: floa
 
 
 def gspar_encode_segments(
-    gs: list[torch.Tensor], keys: list[int], budgets: list[float], chunk: int
+    gs: list[torch.Tensor],
+    keys: list[int],
+    budgets: list[float],
+    chunk: int,
+    es: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor | None], list[bool]]:
-    """GSpar's encode (scaled, no error feedback) of each (g, key, budget) of a bucket in
-    one native call: (bodies in top-k's layout, views of one new buffer, or None for a
-    tensor the caller encodes alone: more kept than its room, or a scale iteration the
-    native sum does not finish; non-finite flags)."""
+    """GSpar's encode of each (g, key, budget) of a bucket in one native call: scaled
+    values, or with the residuals ``es`` (error feedback) a = g + e, formed in e, with
+    unscaled values and e = a with the kept entries zeroed. Returns (bodies in top-k's
+    layout, views of one new buffer, or None for a tensor the caller encodes alone: more
+    kept than its room, or a scale iteration the native sum does not finish, its e then
+    holding a; non-finite flags, e untouched there)."""
     count = len(gs)
     ns = _numels(gs)
     caps = np.array([_kept_room(n, b) for n, b in zip(ns.tolist(), budgets, strict=True)], np.int64)
@@ -849,10 +855,12 @@ def gspar_encode_segments(
     ks = np.zeros(count, dtype=np.int64)
     bad = np.zeros(count, dtype=np.int32)
     g_at = _addresses(gs)  # locals: alive across the call
+    e_at = None if es is None else _addresses(es)
     key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
     budget_at = np.asarray(budgets, dtype=np.float64).reshape(count)
     LIB.hvdc_gspar_encode_segments(
-        count, g_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data, budget_at.ctypes.data,
+        count, g_at.ctypes.data, None if e_at is None else e_at.ctypes.data, int(es is None),
+        ns.ctypes.data, key_at.ctypes.data, budget_at.ctypes.data,
         chunk, caps.ctypes.data, wide.ctypes.data, _ptr(buf), starts.ctypes.data,
         ks.ctypes.data, bad.ctypes.data, values.ctypes.data, idx.ctypes.data, sums.ctypes.data,
     )  # fmt: skip

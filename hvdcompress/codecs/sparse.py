@@ -301,18 +301,28 @@ def gspar_encode(
 
 
 def gspar_encode_segments(
-    gs: list[torch.Tensor], keys: list[int], budgets: list[float]
+    gs: list[torch.Tensor],
+    keys: list[int],
+    budgets: list[float],
+    es: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """``gspar_encode`` (scaled, no error feedback) of a bucket's tensors (flat float32 on
-    the CPU, finite or flagged) in one native call: (bodies, non-finite flags); a tensor the
-    call leaves to its caller (more kept than its room) is encoded alone."""
+    """``gspar_encode`` of a bucket's tensors (flat float32 on the CPU, finite or flagged)
+    in one native call: (bodies, non-finite flags). Scaled; or with the residuals ``es``
+    (error feedback) of a = g + e, unscaled, each e becoming a with the kept entries zeroed
+    (untouched where a is not finite). A tensor the call leaves to its caller (more kept
+    than its room) is encoded alone."""
     from hvdcompress.backends import cpu
 
-    bodies, nonfinite = cpu.gspar_encode_segments(gs, keys, budgets, GSPAR_CHUNK)
-    return [
-        gspar_encode(g, budget, key)[0] if body is None else body
-        for g, key, budget, body in zip(gs, keys, budgets, bodies, strict=True)
-    ], nonfinite
+    bodies, nonfinite = cpu.gspar_encode_segments(gs, keys, budgets, GSPAR_CHUNK, es)
+    out = []
+    for i, (g, key, budget, body) in enumerate(zip(gs, keys, budgets, bodies, strict=True)):
+        if body is None and es is None:
+            body = gspar_encode(g, budget, key)[0]
+        elif body is None:  # e holds a: encoded from a copy, e zeroed at the kept entries
+            body, idx = gspar_encode(es[i].clone(), budget, key, scaled=False)
+            es[i][idx] = 0.0
+        out.append(body)
+    return out, nonfinite
 
 
 def gspar_decode_into(body: torch.Tensor, n: int, out: torch.Tensor, accumulate: bool) -> None:

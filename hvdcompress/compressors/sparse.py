@@ -332,7 +332,7 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
     wire_id = 12
     cat_kind = "randomk"
     params = {"ratio": RATIO, "error_feedback": FLAG, "seed": SEED, "rank": RANK}
-    examples = ({"ratio": 0.1},)
+    examples = ({"ratio": 0.1}, {"ratio": 0.2, "error_feedback": True})
     benchmarks = ({"ratio": 0.01},)
 
     def __init__(
@@ -365,12 +365,15 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if self.error_feedback or not gs or any(g.device.type != "cpu" for g in gs):
-            return super().encode_bucket(tensors, names)  # residuals / the CUDA draw
+        if not gs or any(g.device.type != "cpu" for g in gs):
+            return super().encode_bucket(tensors, names)  # the CUDA draw
+        es = None
+        if self.error_feedback:
+            es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         ratios = [self.level(name) for name in names]
         budgets = [r * g.numel() for r, g in zip(ratios, gs, strict=True)]
-        bodies, nonfinite = sparse.gspar_encode_segments(gs, [k for _, k in rngs], budgets)
+        bodies, nonfinite = sparse.gspar_encode_segments(gs, [k for _, k in rngs], budgets, es)
         return [
             Encoded(wire.FLAG_NONFINITE if bad else 0, rng + TOPK_PARAMS.pack(r), body)
             for (rng, _), r, body, bad in zip(rngs, ratios, bodies, nonfinite, strict=True)
