@@ -708,28 +708,31 @@ static int64_t digits_unpack(const uint8_t *b, int64_t len, int64_t n, int64_t b
     return 0;
 }
 
-/* NDQSG's nested decode (codecs/ndqsg.py decode_m, then side_decode_into with the gather
- * path's side information) of `count` bodies in one call: body p is lens[p] bytes at
- * body + starts[p], ns[p] values with the stream keys[p], added into the floats at outs[p]
- * with y = fl32(out / y_divisor) (the mean of the y_divisor ranks already summed in out).
- * k_trues[p]: the address of the sender's int8 fine indices (this rank's own payload) or
- * 0; aliased[p] gets how many decoded indices differ from them (0 without). rho <= 3:
- * ternary cosets (quartic + zero-run), else codes m + rho // 2 of `bits` bits. Returns
- * -1 - p for the first body p that does not decode (the ones before it added, its output
- * untouched) with its DIGITS_ERR_* in *code, else 0. Scratch: digits (the most elements),
- * quartic (the most groups). */
-QUANT_VECTOR int64_t hvdc_ndqsg_decode_segments(int64_t count, const uint8_t *body,
-                                                const int64_t *starts, const int64_t *lens,
-                                                const int64_t *ns, const uint64_t *keys,
-                                                int rho, int bits, int64_t bucket,
-                                                float y_divisor, const uint64_t *outs,
-                                                const uint64_t *k_trues, int64_t *aliased,
-                                                int8_t *digits, uint8_t *quartic,
-                                                int64_t *code) {
+/* The decoders of hvdc_digits_encode_segments' bodies, `count` in one call, accumulating:
+ * body p is lens[p] bytes at body + starts[p], ns[p] values with the stream keys[p], added
+ * into the floats at outs[p]. rho == 0: DQSG with s = 1 (codecs/dqsg.py decode_q, then
+ * delta (q - u)); rho >= 2: NDQSG's nested code (codecs/ndqsg.py decode_m, then
+ * side_decode_into with the gather path's side information y = fl32(out / y_divisor), the
+ * mean of the y_divisor ranks already summed in out, formed in the same pass), with
+ * k_trues[p] the address of the sender's int8 fine indices (this rank's own payload) or 0
+ * and aliased[p] how many decoded indices differ from them (0 without). Ternary digits
+ * (rho <= 3) are quartic + zero-run coded, larger cosets codes m + rho // 2 of `bits`
+ * bits. Returns -1 - p for the first body p that does not decode (the ones before it added,
+ * its output untouched) with its DIGITS_ERR_* in *code, else 0. Scratch: digits (the most
+ * elements), quartic (the most groups). */
+QUANT_VECTOR int64_t hvdc_digits_decode_segments(int64_t count, const uint8_t *body,
+                                                 const int64_t *starts, const int64_t *lens,
+                                                 const int64_t *ns, const uint64_t *keys,
+                                                 int rho, int bits, int64_t bucket,
+                                                 float y_divisor, const uint64_t *outs,
+                                                 const uint64_t *k_trues, int64_t *aliased,
+                                                 int8_t *digits, uint8_t *quartic,
+                                                 int64_t *code) {
     const int half = rho / 2;
     for (int64_t p = 0; p < count; p++) {
         const uint8_t *b = body + starts[p];
         const int64_t n = ns[p];
+        float *out = (float *)(uintptr_t)outs[p];
         aliased[p] = 0;
         const int64_t rc =
             digits_unpack(b, lens[p], n, bucket, rho <= 3, bits, 2 * half, half, digits, quartic);
@@ -738,35 +741,11 @@ QUANT_VECTOR int64_t hvdc_ndqsg_decode_segments(int64_t count, const uint8_t *bo
             return -1 - p;
         }
         if (n == 0) continue;
-        aliased[p] = ndqsg_side_decode(digits, n, b, NULL, y_divisor, rho, bucket, keys[p],
-                                       (float *)(uintptr_t)outs[p], 1,
-                                       (const int8_t *)(uintptr_t)k_trues[p]);
-    }
-    return 0;
-}
-
-/* DQSG's decode with s = 1 (codecs/dqsg.py decode_q, then the reconstruction added) of
- * `count` bodies in one call: body p is lens[p] bytes at body + starts[p], ns[p] values
- * with the stream keys[p], added into the floats at outs[p]. Returns -1 - p for the first
- * body p that does not decode (the ones before it added, its output untouched) with its
- * DIGITS_ERR_* in *code, else 0. Scratch: digits (the most elements), quartic (the most
- * groups). */
-int64_t hvdc_dqsg_ternary_decode_segments(int64_t count, const uint8_t *body,
-                                          const int64_t *starts, const int64_t *lens,
-                                          const int64_t *ns, const uint64_t *keys,
-                                          int64_t bucket, const uint64_t *outs, int8_t *digits,
-                                          uint8_t *quartic, int64_t *code) {
-    for (int64_t p = 0; p < count; p++) {
-        const uint8_t *b = body + starts[p];
-        const int64_t n = ns[p];
-        const int64_t rc = digits_unpack(b, lens[p], n, bucket, 1, 0, 0, 0, digits, quartic);
-        if (rc < 0) {
-            *code = rc;
-            return -1 - p;
-        }
-        if (n)
-            hvdc_dqsg_dequantize(digits, n, b, bucket, keys[p], 0, (float *)(uintptr_t)outs[p],
-                                 1);
+        if (rho == 0)
+            hvdc_dqsg_dequantize(digits, n, b, bucket, keys[p], 0, out, 1);
+        else
+            aliased[p] = ndqsg_side_decode(digits, n, b, NULL, y_divisor, rho, bucket, keys[p],
+                                           out, 1, (const int8_t *)(uintptr_t)k_trues[p]);
     }
     return 0;
 }

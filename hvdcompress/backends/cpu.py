@@ -123,11 +123,10 @@ _SIGNATURES = {
     "hvdc_dqsg_encode_segments": (None, [_i64, _p, _p, _p, _int, _int, _i64] + [_p] * 5),
     "hvdc_dqsg_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _int, _int, _i64, _p, _p, _p]),
     "hvdc_digits_encode_segments": (None, [_i64, _p, _p, _p, _int, _int, _int, _i64] + [_p] * 8),
-    "hvdc_ndqsg_decode_segments": (
+    "hvdc_digits_decode_segments": (
         _i64,
         [_i64, _p, _p, _p, _p, _p, _int, _int, _i64, _f32] + [_p] * 6,
     ),
-    "hvdc_dqsg_ternary_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _i64] + [_p] * 4),
 }
 # Negative return codes of the decoders, per source file.
 _ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
@@ -706,68 +705,46 @@ def randomk_encode(
 
 
 def randomk_encode_segments(
-    gs: list[torch.Tensor], keys: list[int], threshold: int
+    gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """``randomk_encode`` (no error feedback) of each (g, key) of a bucket in one native
-    call: (bodies, views of one new buffer; non-finite flags). A tensor that keeps more
-    than its room (mean + 8 standard deviations) is encoded again on its own."""
+    """``randomk_encode`` of each (g, key) of a bucket in one native call: (bodies, views
+    of one new buffer; non-finite flags). With the residuals ``es`` (error feedback) of
+    a = g + e, formed in e (untouched where a is not finite), each e becoming a with the
+    kept entries zeroed. A tensor that keeps more than its room (mean + 8 standard
+    deviations) is encoded again on its own."""
     count = len(gs)
     ns = _numels(gs)
     caps = np.array([_kept_room(n, n * threshold / 2**24) for n in ns.tolist()], np.int64)
     buf, starts = _bodies_buffer(4 * (caps + 1))
     ks = np.zeros(count, dtype=np.int64)
     bad = np.zeros(count, dtype=np.int32)
-    g_at = _addresses(gs)  # a local: alive across the call
+    g_at = _addresses(gs)  # locals: alive across the call
     key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
-    LIB.hvdc_randomk_encode_segments(
-        count, g_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data, threshold, _ptr(buf),
-        starts.ctypes.data, caps.ctypes.data, ks.ctypes.data, bad.ctypes.data,
-    )  # fmt: skip
+    tail = (_ptr(buf), starts.ctypes.data, caps.ctypes.data, ks.ctypes.data, bad.ctypes.data)
+    if es is None:
+        LIB.hvdc_randomk_encode_segments(
+            count, g_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data, threshold, *tail
+        )
+    else:
+        idx = np.empty(int(caps.max()) + 1 if count else 1, dtype=np.int64)
+        e_at = _addresses(es)
+        LIB.hvdc_randomk_ef_encode_segments(
+            count, g_at.ctypes.data, e_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data,
+            threshold, *tail, idx.ctypes.data,
+        )  # fmt: skip
     flags = [bool(b) for b in bad.tolist()]
     bodies = []
-    for g, key, a, k, cap, nonfinite in zip(
-        gs, keys, starts.tolist(), ks.tolist(), caps.tolist(), flags, strict=True
+    for i, (a, k, cap, nonfinite) in enumerate(
+        zip(starts.tolist(), ks.tolist(), caps.tolist(), flags, strict=True)
     ):
         if nonfinite:
             bodies.append(buf[:0])
-        elif k > cap:  # more kept than the room: again, alone, with room
-            bodies.append(randomk_encode(g, key, threshold, None).view(torch.uint8))
-        else:
-            bodies.append(buf[a : a + 4 * k])
-    return bodies, flags
-
-
-def randomk_ef_encode_segments(
-    gs: list[torch.Tensor], es: list[torch.Tensor], keys: list[int], threshold: int
-) -> tuple[list[torch.Tensor], list[bool]]:
-    """``randomk_encode`` with error feedback of each (g, e, key) of a bucket in one native
-    call, a = g + e formed in e: (bodies, views of one new buffer; non-finite flags, e
-    untouched there). e becomes a with the kept entries zeroed. A tensor that keeps more
-    than its room (mean + 8 standard deviations) is encoded again on its own (e holds a)."""
-    count = len(gs)
-    ns = _numels(gs)
-    caps = np.array([_kept_room(n, n * threshold / 2**24) for n in ns.tolist()], np.int64)
-    buf, starts = _bodies_buffer(4 * (caps + 1))
-    ks = np.zeros(count, dtype=np.int64)
-    bad = np.zeros(count, dtype=np.int32)
-    idx = np.empty(int(caps.max()) + 1 if count else 1, dtype=np.int64)
-    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
-    key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
-    LIB.hvdc_randomk_ef_encode_segments(
-        count, g_at.ctypes.data, e_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data,
-        threshold, _ptr(buf), starts.ctypes.data, caps.ctypes.data, ks.ctypes.data,
-        bad.ctypes.data, idx.ctypes.data,
-    )  # fmt: skip
-    flags = [bool(b) for b in bad.tolist()]
-    bodies = []
-    for e, key, a, k, cap, nonfinite in zip(
-        es, keys, starts.tolist(), ks.tolist(), caps.tolist(), flags, strict=True
-    ):
-        if nonfinite:
-            bodies.append(buf[:0])
-        elif k > cap:  # more kept than the room: again, alone, with room (e holds a; a
-            # copy of it, since randomk_encode's retry reads a after writing the residual)
-            bodies.append(randomk_encode(e.clone(), key, threshold, e).view(torch.uint8))
+        elif k > cap and es is None:  # more kept than the room: again, alone, with room
+            bodies.append(randomk_encode(gs[i], keys[i], threshold, None).view(torch.uint8))
+        elif k > cap:  # e holds a: from a copy (randomk_encode's retry reads a after it
+            # wrote the residual), e <- a with the kept entries zeroed
+            values = randomk_encode(es[i].clone(), keys[i], threshold, es[i])
+            bodies.append(values.view(torch.uint8))
         else:
             bodies.append(buf[a : a + 4 * k])
     return bodies, flags
@@ -1479,24 +1456,25 @@ def digits_encode_segments(
     return bodies, ks
 
 
-def ndqsg_decode_segments(
+def digits_decode_segments(
     frame: torch.Tensor,
     starts: np.ndarray,
     lens: np.ndarray,
     ns: np.ndarray,
     keys: list[int],
-    rho: int,
-    bits: int,
     bucket: int,
-    divisor: int,
     outs: list[torch.Tensor],
-    k_trues: list[torch.Tensor | None],
+    rho: int = 0,
+    bits: int = 0,
+    divisor: int = 1,
+    k_trues: list[torch.Tensor | None] | None = None,
 ) -> tuple[np.ndarray, tuple[int, int] | None]:
-    """NDQSG's nested decode of each body ``frame[starts[p]:][:lens[p]]``, added into
-    ``outs[p]`` with the side information ``outs[p] / divisor`` formed in the same pass,
-    one native call: (the aliasing count of each body against ``k_trues[p]``, 0 where None;
-    None, or (p, error code) of the first body that does not decode, the ones before it
-    added, its output untouched)."""
+    """The decode, accumulating, of each body ``frame[starts[p]:][:lens[p]]`` of
+    ``digits_encode_segments`` into ``outs[p]``, one native call: DQSG with s = 1 (rho 0),
+    or NDQSG's nested code (rho >= 2) with the side information ``outs[p] / divisor``
+    formed in the same pass. Returns (the aliasing count of each body against
+    ``k_trues[p]``, 0 where None or not given; None, or (p, error code) of the first body
+    that does not decode, the ones before it added, its output untouched)."""
     count = len(outs)
     code = ctypes.c_int64(0)
     key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
@@ -1506,40 +1484,14 @@ def ndqsg_decode_segments(
     aliased = np.zeros(count, dtype=np.int64)
     out_at = _addresses(outs)  # locals: alive across the call
     k_at = np.fromiter(
-        (0 if k is None else k.data_ptr() for k in k_trues), dtype=np.uint64, count=count
+        (0 if k is None else k.data_ptr() for k in k_trues or [None] * count),
+        dtype=np.uint64,
+        count=count,
     )
-    rc = LIB.hvdc_ndqsg_decode_segments(
+    rc = LIB.hvdc_digits_decode_segments(
         count, _ptr(frame), _i64_array(starts), _i64_array(lens), _i64_array(ns),
         key_array.ctypes.data, rho, bits, bucket, float(divisor), out_at.ctypes.data,
         k_at.ctypes.data, aliased.ctypes.data, digits.ctypes.data, quartic.ctypes.data,
         ctypes.byref(code),
     )  # fmt: skip
     return aliased, None if rc == 0 else (-1 - rc, int(code.value))
-
-
-def dqsg_ternary_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    lens: np.ndarray,
-    ns: np.ndarray,
-    keys: list[int],
-    bucket: int,
-    outs: list[torch.Tensor],
-) -> tuple[int, int] | None:
-    """DQSG's decode with s = 1 (quartic + zero-run codes), accumulating, of each body
-    ``frame[starts[p]:][:lens[p]]`` into ``outs[p]``, one native call: None, or (p, error
-    code) of the first body that does not decode (the ones before it added, its output
-    untouched)."""
-    count = len(outs)
-    code = ctypes.c_int64(0)
-    key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
-    most = max(int(ns.max()) if count else 0, 1)
-    digits = np.empty(most, dtype=np.int8)
-    quartic = np.empty((most + 4) // 5, dtype=np.uint8)
-    out_at = _addresses(outs)  # a local: alive across the call
-    rc = LIB.hvdc_dqsg_ternary_decode_segments(
-        count, _ptr(frame), _i64_array(starts), _i64_array(lens), _i64_array(ns),
-        key_array.ctypes.data, bucket, out_at.ctypes.data, digits.ctypes.data,
-        quartic.ctypes.data, ctypes.byref(code),
-    )  # fmt: skip
-    return None if rc == 0 else (-1 - rc, int(code.value))

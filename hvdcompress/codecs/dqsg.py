@@ -158,7 +158,7 @@ def decode_segments(
     from hvdcompress.backends import cpu
 
     if levels == 1:  # ternary q: quartic + zero-run codes
-        failed = cpu.dqsg_ternary_decode_segments(frame, starts, lens, ns, keys, bucket, outs)
+        failed = cpu.digits_decode_segments(frame, starts, lens, ns, keys, bucket, outs)[1]
         if failed is None:
             return None
         i = failed[0]

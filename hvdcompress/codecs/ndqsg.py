@@ -175,8 +175,8 @@ def decode_segments(
     untouched)."""
     from hvdcompress.backends import cpu
 
-    aliased, failed = cpu.ndqsg_decode_segments(
-        frame, starts, lens, ns, keys, rho, m_bits(rho), bucket, rank, outs, k_trues
+    aliased, failed = cpu.digits_decode_segments(
+        frame, starts, lens, ns, keys, bucket, outs, rho, m_bits(rho), rank, k_trues
     )
     if failed is None:
         return aliased, None

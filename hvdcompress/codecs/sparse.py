@@ -171,9 +171,7 @@ def randomk_encode_segments(
     finite)."""
     from hvdcompress.backends import cpu
 
-    if es is None:
-        return cpu.randomk_encode_segments(gs, keys, randomk_threshold(ratio))
-    return cpu.randomk_ef_encode_segments(gs, es, keys, randomk_threshold(ratio))
+    return cpu.randomk_encode_segments(gs, keys, randomk_threshold(ratio), es)
 
 
 def randomk_decode_segments(
