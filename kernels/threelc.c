@@ -400,10 +400,25 @@ int64_t hvdc_tlc_encode(const float *g, float *e, float S, int64_t n, uint8_t *o
     return zre_finish(&st);
 }
 
-/* Length that zero-run decoding of in[0..len) produces (no writes). */
+/* Length that zero-run decoding of in[0..len) produces (no writes): the sum over the bytes
+ * of max(b, 242) - 241 (a literal stands for 1 group, a run byte for b - 241). On x86-64
+ * sixteen bytes a step: an unsigned byte max, then a sum of absolute differences against
+ * zero adds each eight into a 64-bit lane (SSE2; a scalar loop with a compare ran at
+ * 0.4 ns a byte, 0.65 ms of a 1e7-value 3LC decode). */
 int64_t hvdc_tlc_zre_decoded_len(const uint8_t *in, int64_t len) {
-    int64_t total = 0;
-    for (int64_t i = 0; i < len; i++) total += in[i] > TLC_MAX_QUARTIC ? in[i] - TLC_RUN_BASE : 1;
+    int64_t total = 0, i = 0;
+#ifdef TLC_X86_PATHS
+    const __m128i floor = _mm_set1_epi8((char)TLC_MAX_QUARTIC), zero = _mm_setzero_si128();
+    __m128i sums = zero;
+    for (; i + 16 <= len; i += 16) {
+        const __m128i b = _mm_max_epu8(_mm_loadu_si128((const __m128i *)(const void *)(in + i)),
+                                       floor);
+        sums = _mm_add_epi64(sums, _mm_sad_epu8(b, zero));
+    }
+    total = _mm_cvtsi128_si64(sums) + _mm_cvtsi128_si64(_mm_unpackhi_epi64(sums, sums)) -
+            i * TLC_RUN_BASE;
+#endif
+    for (; i < len; i++) total += in[i] > TLC_MAX_QUARTIC ? in[i] - TLC_RUN_BASE : 1;
     return total;
 }
 
@@ -611,39 +626,49 @@ TLC_VECTOR static uint32_t checksum_lanes64(const uint8_t *buf, int64_t len, int
 /* The AVX2 checksum: eight positions per vector with the 64-bit product kept as two 32-bit
  * lanes (low, high) and the carry of the low add taken by an unsigned compare, so that
  * every multiply is a 32-bit one (AVX2 has no 64-bit lane multiply, and 64-bit lanes hold
- * only four positions). Integer math mod 2^32: the same sum as checksum_lanes64. */
+ * only four positions). Two vectors of positions (sixteen bytes) a step, each stepping by
+ * 16 golden, so that the two chains of the product's update (add, compare, subtract) run
+ * side by side (one vector a step: 0.77 ms for 1.56 MB). Integer math mod 2^32: the same
+ * sum as checksum_lanes64. */
 __attribute__((target("avx2"))) static uint32_t checksum_avx2(const uint8_t *buf, int64_t len,
                                                               int64_t offset) {
-    const int64_t vec = len / 8 * 8;
+    const int64_t vec = len / 16 * 16;
     uint32_t sum = 0;
     if (vec > 0) {
-        uint32_t lo0[8], hi0[8];
-        for (int k = 0; k < 8; k++) {
+        uint32_t lo0[16], hi0[16];
+        for (int k = 0; k < 16; k++) {
             const uint64_t p = (uint64_t)(offset + k) * TLC_GOLDEN;
             lo0[k] = (uint32_t)p;
             hi0[k] = (uint32_t)(p >> 32);
         }
-        const uint64_t step = 8 * TLC_GOLDEN;
+        const uint64_t step = 16 * TLC_GOLDEN;
         const __m256i step_lo = _mm256_set1_epi32((int)(uint32_t)step);
         const __m256i step_hi = _mm256_set1_epi32((int)(uint32_t)(step >> 32));
         const __m256i flip = _mm256_set1_epi32((int)0x80000000u); /* unsigned compare */
         const __m256i step_lo_flipped = _mm256_xor_si256(step_lo, flip);
         const __m256i one = _mm256_set1_epi32(1);
-        __m256i lo = _mm256_loadu_si256((const __m256i *)lo0);
-        __m256i hi = _mm256_loadu_si256((const __m256i *)hi0);
-        __m256i acc = _mm256_setzero_si256();
-        for (int64_t j = 0; j < vec; j += 8) {
-            const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(buf + j)));
-            const __m256i weight = _mm256_or_si256(hi, one);
-            acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(_mm256_add_epi32(b, one), weight));
-            /* product += 8 golden: low add, carry = (new low < step low) unsigned */
-            lo = _mm256_add_epi32(lo, step_lo);
-            const __m256i carry =
-                _mm256_cmpgt_epi32(step_lo_flipped, _mm256_xor_si256(lo, flip)); /* -1 or 0 */
-            hi = _mm256_sub_epi32(_mm256_add_epi32(hi, step_hi), carry);
+        __m256i lo[2], hi[2], acc[2];
+        for (int h = 0; h < 2; h++) {
+            lo[h] = _mm256_loadu_si256((const __m256i *)(const void *)(lo0 + 8 * h));
+            hi[h] = _mm256_loadu_si256((const __m256i *)(const void *)(hi0 + 8 * h));
+            acc[h] = _mm256_setzero_si256();
+        }
+        for (int64_t j = 0; j < vec; j += 16) {
+            for (int h = 0; h < 2; h++) {
+                const __m256i b = _mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(const void *)(buf + j + 8 * h)));
+                const __m256i weight = _mm256_or_si256(hi[h], one);
+                acc[h] = _mm256_add_epi32(acc[h],
+                                          _mm256_mullo_epi32(_mm256_add_epi32(b, one), weight));
+                /* product += 16 golden: low add, carry = (new low < step low) unsigned */
+                lo[h] = _mm256_add_epi32(lo[h], step_lo);
+                const __m256i carry = _mm256_cmpgt_epi32(
+                    step_lo_flipped, _mm256_xor_si256(lo[h], flip)); /* -1 or 0 */
+                hi[h] = _mm256_sub_epi32(_mm256_add_epi32(hi[h], step_hi), carry);
+            }
         }
         uint32_t lanes[8];
-        _mm256_storeu_si256((__m256i *)lanes, acc);
+        _mm256_storeu_si256((__m256i *)(void *)lanes, _mm256_add_epi32(acc[0], acc[1]));
         for (int k = 0; k < 8; k++) sum += lanes[k];
     }
     return sum + checksum_lanes64(buf + vec, len - vec, offset + vec);

@@ -255,6 +255,19 @@ def test_size_math_is_64_bit():
     assert lib.hvdc_tlc_zre_decoded_len(run.data_ptr(), 1) == 14
 
 
+def test_zero_run_decoded_length_counts_every_byte():
+    """The length a body expands to (sixteen bytes a step on x86-64, then a scalar tail):
+    one group per literal, b - 241 per run byte, at every length around the step."""
+    lib = __import__("hvdcompress.backends.cpu", fromlist=["LIB"]).LIB
+    rng = np.random.default_rng(5)
+    for length in [*range(0, 40), 255, 256, 257, 4099]:
+        body = rng.integers(0, 256, length, dtype=np.uint8)
+        body[rng.random(length) < 0.5] = 255  # runs and literals both common
+        want = int(np.where(body > 242, body.astype(np.int64) - 241, 1).sum())
+        got = lib.hvdc_tlc_zre_decoded_len(body.ctypes.data, length)
+        assert got == want, length
+
+
 def test_decode_indexes_past_2_to_the_31_groups():
     """A body describing 14 k + 1 > 2^31 groups (10.7e9 values): only the last group is real.
 

@@ -505,7 +505,7 @@ def test_zre_roundtrip_random(shaped):
 # ---- checksum ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 31, 32, 33, 1000, 65537])
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 1000, 65537])
 def test_checksum_matches(shaped, size):
     rng = np.random.default_rng(size)
     buf = rng.integers(0, 256, size, dtype=np.uint8)
