@@ -180,7 +180,15 @@ class TopKSign(TopK):
 
 
 class SeededSparseState:
-    """state_dict of the seeded sparsifiers: ratio, residuals, RNG step counters."""
+    """state_dict of the seeded sparsifiers: ratio, residuals, RNG step counters; their
+    bucket encoders' residuals."""
+
+    def bucket_residuals(self, gs: list[torch.Tensor], names: list[str]):
+        """Each tensor's residual (created as zeros on first use) with error feedback, else
+        None: what the one-call bucket encoders take."""
+        if not self.error_feedback:
+            return None
+        return [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
 
     def state_dict(self) -> dict:
         return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **self._rng_state()}
@@ -270,9 +278,7 @@ class RandomK(SeededSparseState, Stochastic):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if not gs or any(g.device.type != "cpu" for g in gs):
             return super().encode_bucket(tensors, names)  # the CUDA mask
-        es = None
-        if self.error_feedback:
-            es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
+        es = self.bucket_residuals(gs, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         fields = RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
         bodies, nonfinite = sparse.randomk_encode_segments(gs, [k for _, k in rngs], self.ratio, es)
@@ -367,9 +373,7 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if not gs or any(g.device.type != "cpu" for g in gs):
             return super().encode_bucket(tensors, names)  # the CUDA draw
-        es = None
-        if self.error_feedback:
-            es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
+        es = self.bucket_residuals(gs, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         ratios = [self.level(name) for name in names]
         budgets = [r * g.numel() for r, g in zip(ratios, gs, strict=True)]
