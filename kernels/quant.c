@@ -11,7 +11,11 @@
  *                        +-((l / s) * norm) (as l * (1 / s) * norm in vector lanes when
  *                        that rounds to l / s at every level, else from a table);
  *   hvdc_terngrad_quartic  q = (u < |x| / M) ? sign(x) : 0 as 3LC quartic bytes (the
- *                        caller zero-run encodes them with hvdc_tlc_zre_encode).
+ *                        caller zero-run encodes them with hvdc_tlc_zre_encode);
+ *   hvdc_dqsg_quantize / _dequantize, hvdc_ndqsg_coset / _side_decode  DQSG and NDQSG
+ *                        (codecs/dqsg.py, ndqsg.py); hvdc_digits_encode_segments /
+ *                        _decode_segments  a bucket of DQSG with s = 1 or of NDQSG's nested
+ *                        code in one call (its side information formed in the decode pass).
  *
  * u is the counter-based uniform of hvdc_prim_uniform (kernels/primitives.c) for the
  * element's index in the whole tensor: the encoders take `offset`, the index of x[0], so a

@@ -16,7 +16,9 @@
  *   hvdc_topk_encode_segments  a bucket's top-k with error feedback, one call;
  *   hvdc_topk_decode_segments  a bucket's top-k bodies checked and added, one call;
  *   hvdc_randomk_encode / _decode  random-k: kept values from one pass of hashed
- *                        counters (no mask, no uniforms in float), and their scatter;
+ *                        counters (no mask, no uniforms in float), and their scatter
+ *                        (a bucket: _encode_segments, _ef_encode_segments with error
+ *                        feedback, _decode_segments);
  *   hvdc_gspar_round / _draw  GSpar: one round of the scale iteration (saturated count
  *                        and ordered chunk sums), and the draw of the kept entries.
  *
