@@ -457,3 +457,298 @@ extern "C" __global__ void hvd_checksum(const unsigned char* __restrict__ buf, l
     }
     hvd_warp_atomic_add(state + HVD_ST_SUM, acc);
 }
+
+// ---------------------------------------------------------------------------------------
+// 7. Buckets: one launch sequence for all the tensors of a bucket (docs/design.md section
+// 1.6, "One call per bucket"). The host passes a segment table, nseg rows of
+// HVD_SEG_COLS int64 (one host-to-device copy per call), and a per-segment state array,
+// nseg rows of HVD_STATE_WORDS words (one device-to-host copy per call). Every segment
+// has at least one element (the host leaves empty tensors out).
+//
+// Work is cut into tiles of `tile` units (groups of 5 elements for the 3LC kernels, bytes
+// for the checksum) that never straddle two segments; row s's tiles are numbered from
+// seg[s][HVD_SEG_TILE] (the host's exclusive prefix sum of ceil(units / tile)). A block
+// takes tiles blockIdx.x, blockIdx.x + gridDim.x, ...; the tile loop is the same for
+// every thread of a block, so the warp reductions after a tile see all 32 lanes of one
+// segment. A tile's segment is found by binary search over the table (log2 nseg steps a
+// tile, the table stays in cache).
+#define HVD_SEG_COLS 8
+#define HVD_SEG_IN 0    // pointer: g (encode) / the payload's first byte (checksum)
+#define HVD_SEG_AUX 1   // pointer: e, 0 for none (encode) / out (decode)
+#define HVD_SEG_N 2     // elements (3LC) / bytes (checksum)
+#define HVD_SEG_QOFF 3  // the segment's first byte in the bucket's quartic buffer
+#define HVD_SEG_BOFF 4  // decode: the body's first byte in the bucket's concatenated bodies
+#define HVD_SEG_BLEN 5  // decode: body bytes
+#define HVD_SEG_TILE 6  // the segment's first tile
+#define HVD_SEG_F32 7   // float32 bits: the sparsity (encode) / the scale S (decode)
+
+// The segment of tile t: the last row whose first tile is <= t.
+__device__ __forceinline__ long long hvd_tile_segment(const long long* seg, long long nseg,
+                                                      long long t)
+{
+    long long lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        const long long mid = (lo + hi + 1) >> 1;
+        if (seg[mid * HVD_SEG_COLS + HVD_SEG_TILE] <= t) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
+__device__ __forceinline__ long long hvd_min64(long long a, long long b) { return a < b ? a : b; }
+
+// Segment form of threelc_absmax: M_s = max |g + e| of each segment into its state.
+// grid: blocks loop over the tiles of `tile` groups (5 * tile elements), 256 threads.
+// bytes: reads 4n (8n with e) over all segments; one atomic per warp and tile.
+extern "C" __global__ void threelc_absmax_segments(const long long* __restrict__ seg,
+                                                   long long nseg, long long ntiles,
+                                                   long long tile,
+                                                   unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SEG_COLS;
+        const float* g = (const float*)row[HVD_SEG_IN];
+        const float* e = (const float*)row[HVD_SEG_AUX];
+        const long long n = row[HVD_SEG_N];
+        const long long first = (t - row[HVD_SEG_TILE]) * tile * 5;
+        const long long end = hvd_min64(first + tile * 5, n);
+        unsigned int m = 0u;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            unsigned int b = __float_as_uint(hvd_load_a(g, e, i)) & 0x7fffffffu;
+            m = b > m ? b : m;
+        }
+        hvd_warp_atomic_max(states + s * HVD_STATE_WORDS + HVD_ST_ABSMAX, m);
+    }
+}
+
+// Segment form of threelc_quantize_quartic (no q_out): segment s's quartic bytes go to
+// quartic[qoff_s ..], its S and non-finite flag to its state (by the thread of its first
+// group). M_s comes from threelc_absmax_segments earlier on the stream.
+// grid: blocks loop over the tiles of `tile` groups. bytes: reads 4n (+4n e), writes
+// ceil(n / 5) (+4n e) over all segments.
+extern "C" __global__ void threelc_quantize_quartic_segments(
+    const long long* __restrict__ seg, long long nseg, long long ntiles, long long tile,
+    unsigned int* __restrict__ states, unsigned char* __restrict__ quartic)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SEG_COLS;
+        const float* g = (const float*)row[HVD_SEG_IN];
+        float* e = (float*)row[HVD_SEG_AUX];
+        const long long n = row[HVD_SEG_N];
+        unsigned int* state = states + s * HVD_STATE_WORDS;
+        const float sparsity = __uint_as_float((unsigned int)row[HVD_SEG_F32]);
+        const unsigned int mbits = state[HVD_ST_ABSMAX];
+        const float S = __fmul_rn(sparsity, __uint_as_float(mbits));
+        const bool nonfinite =
+            hvd_nonfinite_bits(mbits) || hvd_nonfinite_bits(__float_as_uint(S));
+        const long long first = (t - row[HVD_SEG_TILE]) * tile;
+        const long long end = hvd_min64(first + tile, (n + 4) / 5);
+        unsigned char* qb = quartic + row[HVD_SEG_QOFF];
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            if (j == 0) {
+                state[HVD_ST_SCALE] = __float_as_uint(S);
+                state[HVD_ST_NONFINITE] = nonfinite ? 1u : 0u;
+            }
+            const long long base = j * 5;
+            int byte = 0;
+            for (int k = 0; k < 5; ++k) {
+                const long long i = base + k;
+                int d = 1;
+                if (i < n && !nonfinite) {
+                    const float a = hvd_load_a(g, e, i);
+                    int q = 0;
+                    if (S != 0.0f) q = (int)fminf(fmaxf(rintf(__fdiv_rn(a, S)), -1.0f), 1.0f);
+                    if (e) e[i] = __fsub_rn(a, __fmul_rn(S, (float)q));  // as above
+                    d = q + 1;
+                }
+                byte = byte * 3 + d;
+            }
+            qb[j] = (unsigned char)byte;
+        }
+    }
+}
+
+// Segment form of threelc_zre_run_starts over the bucket's quartic buffer: a run of 121
+// also starts at a segment's first byte, so no run crosses two segments and one cummax
+// over the whole buffer gives every byte its own segment's run start.
+// grid: blocks loop over the tiles of `tile` bytes. bytes: reads m, writes 8m.
+extern "C" __global__ void threelc_zre_run_starts_segments(const long long* __restrict__ seg,
+                                                           long long nseg, long long ntiles,
+                                                           long long tile,
+                                                           const unsigned char* __restrict__ qb,
+                                                           long long* __restrict__ start)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SEG_COLS;
+        const long long qoff = row[HVD_SEG_QOFF];
+        const long long first = (t - row[HVD_SEG_TILE]) * tile;
+        const long long end = hvd_min64(first + tile, (row[HVD_SEG_N] + 4) / 5);
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            const long long i = qoff + j;
+            const bool begins =
+                qb[i] == HVD_ZERO_GROUP && (j == 0 || qb[i - 1] != HVD_ZERO_GROUP);
+            start[i] = begins ? i : -1;
+        }
+    }
+}
+
+// Segment form of threelc_zre_scatter: a chunk's look-ahead stops at its segment's end,
+// and the thread of a segment's last byte stores the segment's output length (incl at its
+// last byte minus incl before its first) in its state. Segment s's body is then
+// out[sum of the lengths before s ..][: its length].
+// grid: blocks loop over the tiles of `tile` bytes. bytes: reads m (+14 look-ahead) + 16m
+// (+8 a segment), writes the output (<= m).
+extern "C" __global__ void threelc_zre_scatter_segments(
+    const long long* __restrict__ seg, long long nseg, long long ntiles, long long tile,
+    const unsigned char* __restrict__ qb, const long long* __restrict__ run_start,
+    const long long* __restrict__ incl, unsigned char* __restrict__ out, long long cap,
+    unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SEG_COLS;
+        const long long qoff = row[HVD_SEG_QOFF];
+        const long long m = (row[HVD_SEG_N] + 4) / 5;
+        const long long first = (t - row[HVD_SEG_TILE]) * tile;
+        const long long end = hvd_min64(first + tile, m);
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            const long long i = qoff + j;
+            if (j == m - 1) {
+                const long long before = qoff > 0 ? incl[qoff - 1] : 0;
+                *(long long*)(states + s * HVD_STATE_WORDS + HVD_ST_COUNT) = incl[i] - before;
+            }
+            if (!hvd_zre_emits(qb, run_start, i)) continue;
+            unsigned char code = qb[i];
+            if (code == HVD_ZERO_GROUP) {
+                const long long stop = hvd_min64(i + HVD_MAX_RUN, qoff + m);
+                long long k = i + 1;
+                while (k < stop && qb[k] == HVD_ZERO_GROUP) ++k;
+                const int c = (int)(k - i);
+                code = c == 1 ? (unsigned char)HVD_ZERO_GROUP : (unsigned char)(HVD_RUN_BASE + c);
+            }
+            const long long pos = incl[i] - 1;
+            if (pos >= 0 && pos < cap) {
+                out[pos] = code;
+            } else {
+                atomicOr(states + s * HVD_STATE_WORDS + HVD_ST_ERROR, HVD_ERR_OVERFLOW);
+            }
+        }
+    }
+}
+
+// Segment form of threelc_zre_decode_check, one thread a segment: with the expansion
+// lengths of the bucket's concatenated bodies scanned into incl, segment s's total is
+// incl at its last body byte minus incl before its first; it must be ceil(n / 5), and the
+// padding digits of its last byte must be 1. Writes the total and the error bits into
+// its state. When every segment before s passed, incl before s's body equals qoff_s, so
+// threelc_zre_expand over those bodies writes each segment's quartic bytes in place.
+// grid: grid-stride over nseg segments. bytes: reads 17 a segment.
+extern "C" __global__ void threelc_zre_decode_check_segments(
+    const long long* __restrict__ seg, long long nseg, const unsigned char* __restrict__ body,
+    const long long* __restrict__ incl, unsigned int* __restrict__ states)
+{
+    const long long stride = hvd_grid_stride();
+    for (long long s = hvd_first_index(); s < nseg; s += stride) {
+        const long long* row = seg + s * HVD_SEG_COLS;
+        const long long boff = row[HVD_SEG_BOFF];
+        const long long blen = row[HVD_SEG_BLEN];
+        const long long n = row[HVD_SEG_N];
+        unsigned int* state = states + s * HVD_STATE_WORDS;
+        const long long before = boff > 0 ? incl[boff - 1] : 0;
+        const long long total = incl[boff + blen - 1] - before;
+        const unsigned int last = body[boff + blen - 1];
+        *(long long*)(state + HVD_ST_COUNT) = total;
+        state[HVD_ST_LAST] = last;
+        const long long m = (n + 4) / 5;
+        unsigned int err = 0u;
+        if (total != m) err |= HVD_ERR_LENGTH;
+        const int pad = (int)(5 * m - n);
+        if (err == 0u && pad > 0 && last <= HVD_MAX_QUARTIC) {
+            unsigned int p = 1u;
+            for (int k = 0; k < pad; ++k) p *= 3u;
+            if (last % p != (p - 1u) / 2u) err |= HVD_ERR_PADDING;
+        }
+        state[HVD_ST_ERROR] |= err;
+    }
+}
+
+// Segment form of threelc_quartic_decode_scale with accumulate: out_s[i] += S_s * q_i from
+// the bucket's expanded quartic buffer (zero groups of run codes, HVD_RUN_GROUP, leave out
+// as it is, exactly like the single-tensor kernel and the CPU backend).
+// grid: blocks loop over the tiles of `tile` groups. bytes: reads m + 4n, writes 4n over
+// all segments.
+extern "C" __global__ void threelc_quartic_decode_add_segments(
+    const long long* __restrict__ seg, long long nseg, long long ntiles, long long tile,
+    const unsigned char* __restrict__ quartic, unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SEG_COLS;
+        float* out = (float*)row[HVD_SEG_AUX];
+        const long long n = row[HVD_SEG_N];
+        const float S = __uint_as_float((unsigned int)row[HVD_SEG_F32]);
+        const unsigned char* qb = quartic + row[HVD_SEG_QOFF];
+        const long long first = (t - row[HVD_SEG_TILE]) * tile;
+        const long long end = hvd_min64(first + tile, (n + 4) / 5);
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            const unsigned int b = qb[j];
+            if (b == HVD_RUN_GROUP) continue;
+            const long long base = j * 5;
+            int d[5];
+            if (!hvd_quartic_digits(b, base, n, d)) {
+                atomicOr(states + s * HVD_STATE_WORDS + HVD_ST_ERROR,
+                         b > HVD_MAX_QUARTIC ? HVD_ERR_BYTE : HVD_ERR_PADDING);
+            }
+            for (int k = 0; k < 5; ++k) {
+                const long long i = base + k;
+                if (i >= n) break;
+                out[i] = __fadd_rn(out[i], __fmul_rn(S, (float)(d[k] - 1)));
+            }
+        }
+    }
+}
+
+// Segment form of hvd_checksum (offset 0): each segment's sum into its state.
+// grid: blocks loop over the tiles of `tile` bytes. bytes: reads every segment's bytes;
+// one atomic per warp and tile.
+extern "C" __global__ void hvd_checksum_segments(const long long* __restrict__ seg,
+                                                 long long nseg, long long ntiles,
+                                                 long long tile,
+                                                 unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SEG_COLS;
+        const unsigned char* buf = (const unsigned char*)row[HVD_SEG_IN];
+        const long long first = (t - row[HVD_SEG_TILE]) * tile;
+        const long long end = hvd_min64(first + tile, row[HVD_SEG_N]);
+        unsigned int acc = 0u;
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            const unsigned long long p = (unsigned long long)j;
+            const unsigned int w = (unsigned int)((p * 0x9E3779B97F4A7C15ull) >> 32) | 1u;
+            acc += ((unsigned int)buf[j] + 1u) * w;
+        }
+        hvd_warp_atomic_add(states + s * HVD_STATE_WORDS + HVD_ST_SUM, acc);
+    }
+}
+
+// Writes each segment's checksum (from hvd_checksum_segments) little-endian into the 4
+// bytes at its first byte + field: a frame's checksum fields, with no host round trip.
+// grid: grid-stride over nseg segments. bytes: reads 4, writes 4 a segment.
+extern "C" __global__ void hvd_checksum_store(const long long* __restrict__ seg,
+                                              long long nseg, long long field,
+                                              const unsigned int* __restrict__ states)
+{
+    const long long stride = hvd_grid_stride();
+    for (long long s = hvd_first_index(); s < nseg; s += stride) {
+        unsigned char* at = (unsigned char*)seg[s * HVD_SEG_COLS + HVD_SEG_IN] + field;
+        const unsigned int sum = states[s * HVD_STATE_WORDS + HVD_ST_SUM];
+        for (int k = 0; k < 4; ++k) at[k] = (unsigned char)(sum >> (8 * k));
+    }
+}

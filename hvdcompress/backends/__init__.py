@@ -18,6 +18,15 @@ Backend protocol (all tensors contiguous, on the backend's device):
     Raises ``hvdcompress.wire.PayloadError`` (field "body") on a corrupt body.
 ``checksum(buf, offset) -> int``
     sum over j of (buf[j] + 1) * mix(offset + j) mod 2**32, see ``wire.checksum``.
+``checksum_segments(buf, starts, lengths) -> list[int]``,
+``store_checksums(buf, starts, lengths, field)``
+    ``checksum`` (offset 0) of each segment of buf; the second writes each little-endian
+    into the segment's 4 bytes at ``field`` (a frame's checksum fields).
+``threelc_encode_segments(gs, es, sparsities)``, ``threelc_decode_segments(frame, starts,
+lens, ns, scales, outs)``
+    A bucket's ``threelc_encode`` / accumulating ``threelc_decode`` in one native call
+    (CPU) or one launch sequence (CUDA); the decode returns None or (index, message) of
+    the first body it refuses, the ones before it added.
 Building blocks (public API of ``hvdcompress.codecs.threelc``):
 ``quantize(x, sparsity) -> (q int8, scale float32 0-dim tensor)``,
 ``quartic_encode(q) -> uint8``, ``quartic_decode(buf, numel) -> int8``,

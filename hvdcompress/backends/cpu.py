@@ -272,6 +272,14 @@ def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) 
     return out.tolist()
 
 
+def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
+    """Write each segment's ``checksum`` (offset 0, computed with its 4 bytes at ``start +
+    field`` zero) little-endian into those 4 bytes: a frame's checksum fields."""
+    sums = np.asarray(checksum_segments(buf, starts, lengths), dtype="<u4")
+    at = np.asarray(starts, dtype=np.int64)[:, None] + field + np.arange(4)
+    buf.numpy()[at.reshape(-1)] = sums.view(np.uint8)
+
+
 # ---- building blocks --------------------------------------------------------------------
 
 

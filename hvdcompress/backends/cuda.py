@@ -16,7 +16,10 @@ stream-ordered reuse is safe). The scans of the zero-run coder are ``torch.cumma
 two levels: ``_running_max``) and ``torch.cumsum`` on that stream. Each call makes one
 small device-to-host copy (the handful of integers a call needs: output length, error
 bits, scale, non-finite flag or checksum); the fused decode makes it before writing
-anything, so a corrupt body raises ``PayloadError`` with ``out`` untouched.
+anything, so a corrupt body raises ``PayloadError`` with ``out`` untouched. A bucket's
+calls (``threelc_encode_segments``, ``threelc_decode_segments``, ``checksum_segments``)
+make that one copy for the whole bucket, after one launch sequence over a segment table
+(kernels/threelc.cu section 7); ``store_checksums`` makes none.
 """
 
 from __future__ import annotations
@@ -56,6 +59,14 @@ THREELC = KernelFamily(
         "threelc_quartic_decode_scale",
         "threelc_quartic_decode",
         "hvd_checksum",
+        "threelc_absmax_segments",
+        "threelc_quantize_quartic_segments",
+        "threelc_zre_run_starts_segments",
+        "threelc_zre_scatter_segments",
+        "threelc_zre_decode_check_segments",
+        "threelc_quartic_decode_add_segments",
+        "hvd_checksum_segments",
+        "hvd_checksum_store",
     ),
 )
 # The shared primitives of hvdcompress.codecs.primitives (C twin: kernels/primitives.c).
@@ -95,6 +106,35 @@ _QUANT_ERR_NORM, _QUANT_ERR_CODE = 32, 64  # HVD_QUANT_ERR_* of quant.cu
 _ZERO_GROUP, _RUN_GROUP = 121, 243  # quartic byte of five zeros; decode-internal run marker
 _MAX_RUN = 14
 _NULL = np.uint64(0)
+
+# Segment tables of a bucket's launch sequence (HVD_SEG_* of kernels/threelc.cu section 7).
+_SEG_COLS = 8
+_SEG_IN, _SEG_AUX, _SEG_N, _SEG_QOFF, _SEG_BOFF, _SEG_BLEN, _SEG_TILE, _SEG_F32 = range(8)
+SEGMENT_TILE = 2048  # work units (5-value groups, or bytes) a tile; tests use smaller ones
+
+
+class _Segments(NamedTuple):
+    """A segment table on the device and its tiling (kernels/threelc.cu section 7)."""
+
+    rows: torch.Tensor  # int64 (count, _SEG_COLS), on the device
+    count: int
+    tiles: int  # tiles of all rows together
+    tile: int  # units a tile
+
+
+def _segments(table: np.ndarray, units: np.ndarray, device: torch.device) -> _Segments:
+    """Fill ``table``'s tile column from each row's work ``units`` (>= 1 each) and copy the
+    table to the device (one host-to-device copy)."""
+    tile = SEGMENT_TILE
+    per_row = -(-units // tile)
+    table[:, _SEG_TILE] = np.cumsum(per_row) - per_row
+    rows = torch.from_numpy(table).to(device)
+    return _Segments(rows, len(table), int(per_row.sum()), tile)
+
+
+def _f32_bits(values) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.int64)
+
 
 # Seams for tests/host_kernels/, which run this module's code on CPU tensors with the
 # kernels compiled for the host behind a stand-in for CuPy (checking every kernel
@@ -259,8 +299,26 @@ class _Launcher:
         blocks = min(-(-work // BLOCK), mod.max_blocks)
         mod.functions[name]((blocks,), (BLOCK,), args)
 
+    def tiles(self, name: str, table: _Segments, *args) -> None:
+        """Launch a segment kernel of kernels/threelc.cu section 7 over ``table``'s tiles
+        (one block a tile, capped: blocks loop over tiles): arguments (table, rows, tiles,
+        tile size, *args)."""
+        self(
+            name,
+            table.tiles * BLOCK,
+            _ptr(table.rows),
+            np.int64(table.count),
+            np.int64(table.tiles),
+            np.int64(table.tile),
+            *args,
+        )
+
     def state(self) -> torch.Tensor:
         return torch.zeros(_STATE_WORDS, dtype=torch.int32, device=self.device)
+
+    def states(self, count: int) -> torch.Tensor:
+        """Zeroed per-segment state rows (HVD_STATE_WORDS words each)."""
+        return torch.zeros((count, _STATE_WORDS), dtype=torch.int32, device=self.device)
 
     def empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(n, dtype=dtype, device=self.device)
@@ -517,25 +575,147 @@ def checksum(buf: torch.Tensor, offset: int) -> int:
         return int(_read_state(state)[_ST_SUM])
 
 
+def _checksum_table(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> np.ndarray:
+    table = np.zeros((len(starts), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = buf.data_ptr() + np.asarray(starts, dtype=np.int64)
+    table[:, _SEG_N] = lengths
+    return table
+
+
 def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
-    """``checksum`` (offset 0) of each segment [start, start + length) of buf: one kernel
-    launch per segment, one device-to-host copy for all."""
+    """``checksum`` (offset 0) of each segment [start, start + length) of buf (each at
+    least one byte): one launch, one device-to-host copy for all."""
     _check_tensor(buf, "buf", torch.uint8)
     if not starts:
         return []
+    table = _checksum_table(buf, starts, lengths)
     with _Launcher(buf.device) as k:
-        states = torch.zeros((len(starts), _STATE_WORDS), dtype=torch.int32, device=buf.device)
-        for p, (start, length) in enumerate(zip(starts, lengths, strict=True)):
-            k(
-                "hvd_checksum",
-                length,
-                np.uint64(buf.data_ptr() + start),
-                np.int64(length),
-                np.uint64(0),
-                _ptr(states[p]),
-            )
-        host = states.cpu().numpy().view(np.uint32)
+        seg = _segments(table, table[:, _SEG_N], buf.device)
+        states = k.states(seg.count)
+        k.tiles("hvd_checksum_segments", seg, _ptr(states))
+        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
     return [int(w) for w in host[:, _ST_SUM]]
+
+
+def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
+    """Write each segment's ``checksum`` (offset 0, computed with its 4 bytes at ``start +
+    field`` zero) little-endian into those 4 bytes: a frame's checksum fields, with no
+    host round trip (two launches)."""
+    _check_tensor(buf, "buf", torch.uint8)
+    if not starts:
+        return
+    table = _checksum_table(buf, starts, lengths)
+    with _Launcher(buf.device) as k:
+        seg = _segments(table, table[:, _SEG_N], buf.device)
+        states = k.states(seg.count)
+        k.tiles("hvd_checksum_segments", seg, _ptr(states))
+        k(
+            "hvd_checksum_store",
+            seg.count,
+            _ptr(seg.rows),
+            np.int64(seg.count),
+            np.int64(field),
+            _ptr(states),
+        )
+
+
+def threelc_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    scales: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """``threelc_decode`` (accumulating) of each body ``frame[starts[p]:][:lens[p]]`` into
+    ``outs[p]`` (float32, on one CUDA device; the frame on the host or that device), as one
+    launch sequence: the bodies copied into one device buffer (one host-to-device copy for
+    a host frame), their expansion lengths, one scan, the per-body checks (total and
+    padding, kernels/threelc.cu section 7), one read of the states, then the expansion and
+    the scaled add of every body that precedes the first refused one. None, or (p, message)
+    of the first body that does not decode (the ones before it added, its output and those
+    after it untouched), with ``threelc_decode``'s messages."""
+    count = len(outs)
+    if not count:
+        return None
+    device = outs[0].device
+    for out in outs:
+        _check_tensor(out, "out", torch.float32)
+        if out.device != device:
+            raise ValueError(f"a bucket's outputs are on {device} and {out.device}")
+    starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
+    ms = (ns + 4) // 5
+    # the host-side bounds of threelc_decode: each body byte expands to 1..14 quartic bytes
+    bad = np.flatnonzero((lens > ms) | (lens * _MAX_RUN < ms))
+    stop = int(bad[0]) if len(bad) else count
+    failed = None if stop == count else (stop, _body_error(ERR_LENGTH).detail)
+    live = np.flatnonzero(ms[:stop] > 0)
+    if not len(live):
+        return failed
+    blens, lms = lens[live], ms[live]
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    table[:, _SEG_QOFF] = np.cumsum(lms) - lms
+    table[:, _SEG_BOFF] = np.cumsum(blens) - blens
+    table[:, _SEG_BLEN] = blens
+    table[:, _SEG_F32] = _f32_bits(np.asarray(scales, dtype=np.float32)[live])
+    pieces = [(int(starts[p]), int(lens[p])) for p in live.tolist()]
+    if frame.device.type == "cpu":
+        view = frame.numpy()
+        body = torch.from_numpy(np.concatenate([view[a : a + n] for a, n in pieces]))
+        body = body.to(device)
+    else:
+        flat = frame.reshape(-1)
+        body = torch.cat([flat[a : a + n] for a, n in pieces]).to(device)
+    length = body.numel()
+    with _Launcher(device) as k:
+        seg = _segments(table, lms, device)
+        states = k.states(seg.count)
+        lengths = k.empty(length, torch.uint8)
+        k("threelc_zre_lengths", length, _ptr(body), np.int64(length), _ptr(lengths))
+        incl = torch.cumsum(lengths, 0, dtype=torch.int64)
+        del lengths
+        k(
+            "threelc_zre_decode_check_segments",
+            seg.count,
+            _ptr(seg.rows),
+            np.int64(seg.count),
+            _ptr(body),
+            _ptr(incl),
+            _ptr(states),
+        )
+        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
+        refused = np.flatnonzero(host[:, _ST_ERROR])
+        good = seg.count
+        if len(refused):
+            row = int(refused[0])
+            good, p = row, int(live[row])
+            total = int(host[row, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64)[0])
+            failed = (p, _body_error(int(host[row, _ST_ERROR]), total, int(ms[p])).detail)
+        if good == 0:
+            return failed
+        # decode the rows before the first refused one: their bodies and quartic bytes are
+        # prefixes of the bucket's, and their tiles the first ones
+        used = table[:good]
+        used_len = int(used[-1, _SEG_BOFF] + used[-1, _SEG_BLEN])
+        used_m = int(used[-1, _SEG_QOFF] + lms[good - 1])
+        used_tiles = int(used[-1, _SEG_TILE] + -(-lms[good - 1] // seg.tile))
+        quartic = k.empty(used_m, torch.uint8)
+        k(
+            "threelc_zre_expand",
+            used_len,
+            _ptr(body),
+            _ptr(incl),
+            np.int64(used_len),
+            np.uint8(_RUN_GROUP),
+            _ptr(quartic),
+            np.int64(used_m),
+            _ptr(states),
+        )
+        part = _Segments(seg.rows, good, used_tiles, seg.tile)
+        k.tiles("threelc_quartic_decode_add_segments", part, _ptr(quartic), _ptr(states))
+    return failed
 
 
 # ---- building blocks -----------------------------------------------------------------------
@@ -744,10 +924,89 @@ def splits(n: int) -> bool:
 
 
 def threelc_encode_segments(
-    gs: list[torch.Tensor], es: list[torch.Tensor], sparsities: list[float]
+    gs: list[torch.Tensor], es: list[torch.Tensor | None], sparsities: list[float]
 ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
-    encoded = [threelc_encode(g.view(-1), e, s) for g, e, s in zip(gs, es, sparsities, strict=True)]
-    return [x.body for x in encoded], [x.scale for x in encoded], [x.nonfinite for x in encoded]
+    """``threelc_encode`` of each (g, e, sparsity) of a bucket as one launch sequence
+    (kernels/threelc.cu section 7): a segment table (one host copy in), max|g + e| and the
+    quantise + quartic pass of every tensor, one zero-run encode of the bucket's quartic
+    bytes (runs stop at tensor ends), and one read of the per-tensor states (S, non-finite
+    flag, body length). Bodies are views of one device buffer, in order."""
+    if not gs:
+        return [], [], []
+    device = gs[0].device
+    for g, e in zip(gs, es, strict=True):
+        _check_tensor(g, "g", torch.float32)
+        if g.device != device:
+            raise ValueError(f"a bucket's tensors are on {device} and {g.device}")
+        if e is not None:
+            _check_tensor(e, "e", torch.float32)
+            if e.numel() != g.numel() or e.device != device:
+                raise ValueError(
+                    f"residual has {e.numel()} elements on {e.device}, "
+                    f"gradient {g.numel()} on {device}"
+                )
+    ss = [_sparsity(s) for s in sparsities]
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=len(gs))
+    live = np.flatnonzero(ns > 0)
+    bodies = [torch.empty(0, dtype=torch.uint8, device=device)] * len(gs)
+    scales, nonfinite = [0.0] * len(gs), [False] * len(gs)
+    if not len(live):
+        return bodies, scales, nonfinite
+    ms = (ns[live] + 4) // 5
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = [gs[i].data_ptr() for i in live.tolist()]
+    table[:, _SEG_AUX] = [0 if es[i] is None else es[i].data_ptr() for i in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    table[:, _SEG_QOFF] = np.cumsum(ms) - ms
+    table[:, _SEG_F32] = _f32_bits([ss[i] for i in live.tolist()])
+    total = int(ms.sum())
+    with _Launcher(device) as k:
+        seg = _segments(table, ms, device)
+        states = k.states(seg.count)
+        k.tiles("threelc_absmax_segments", seg, _ptr(states))
+        quartic = k.empty(total, torch.uint8)
+        k.tiles("threelc_quantize_quartic_segments", seg, _ptr(states), _ptr(quartic))
+        start = k.empty(total, torch.int64)
+        k.tiles("threelc_zre_run_starts_segments", seg, _ptr(quartic), _ptr(start))
+        run_start = _running_max(start)
+        del start
+        emit = k.empty(total, torch.uint8)
+        state = k.state()  # input errors cannot happen here: quartic bytes are <= 242
+        k(
+            "threelc_zre_flags",
+            total,
+            _ptr(quartic),
+            _ptr(run_start),
+            np.int64(total),
+            _ptr(emit),
+            _ptr(state),
+        )
+        incl = torch.cumsum(emit, 0, dtype=torch.int64)
+        del emit
+        out = k.empty(total, torch.uint8)
+        k.tiles(
+            "threelc_zre_scatter_segments",
+            seg,
+            _ptr(quartic),
+            _ptr(run_start),
+            _ptr(incl),
+            _ptr(out),
+            np.int64(total),
+            _ptr(states),
+        )
+        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
+    if host[:, _ST_ERROR].any():
+        raise RuntimeError("3LC bucket encode: a zero-run write past the buffer was refused")
+    lengths = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+    firsts = (np.cumsum(lengths) - lengths).tolist()
+    words = host[:, _ST_SCALE].copy().view(np.float32)
+    for row, i in enumerate(live.tolist()):
+        if host[row, _ST_NONFINITE]:  # no body, scale 0, the residual untouched
+            nonfinite[i] = True
+        else:
+            bodies[i] = out[firsts[row] : firsts[row] + int(lengths[row])]
+            scales[i] = float(words[row])
+    return bodies, scales, nonfinite
 
 
 def efsign_sums_segments(gs, es) -> tuple[list[torch.Tensor], list[bool]]:

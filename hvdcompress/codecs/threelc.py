@@ -135,10 +135,10 @@ def decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` of ``ns[i]``
-    values with scale ``scales[i]`` into ``outs[i]``, in order, one native call over a host
-    frame: None, or (i, the PayloadError ``decode_into`` raises) for the first body that
-    does not decode, the ones before it added, ``outs[i]`` untouched."""
-    from hvdcompress.backends import cpu
-
-    failed = cpu.threelc_decode_segments(frame, starts, lens, ns, scales, outs)
+    values with scale ``scales[i]`` into ``outs[i]``, in order, as one native call (CPU
+    outputs, host frame) or one launch sequence (outputs on one CUDA device, the frame on
+    the host or that device): None, or (i, the PayloadError ``decode_into`` raises) for the
+    first body that does not decode, the ones before it added, ``outs[i]`` untouched."""
+    backend = for_device(outs[0].device) if outs else for_device(frame.device)
+    failed = backend.threelc_decode_segments(frame, starts, lens, ns, scales, outs)
     return None if failed is None else (failed[0], PayloadError("body", failed[1]))

@@ -196,6 +196,9 @@ class GatherCompressor(Compressor):
 
     summable: ClassVar[bool] = False
     uses_side_info: ClassVar[bool] = False  # decode_into gets side_info (NDQSG)
+    # decode_segments also adds into outputs on a CUDA device (one launch sequence a
+    # frame): decode_frame's fast path then takes GPU outputs, else only CPU ones.
+    cuda_decode_segments: ClassVar[bool] = False
     supported_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = tuple(wire.DTYPE_IDS)
     # The two-stage exchange (hvdcompress.exchange.TwoStageExchange) has the owner of a
     # shard re-compress the average of the decoded shards with this compressor: False
@@ -372,11 +375,16 @@ class GatherCompressor(Compressor):
         """decode_frame's fast-path checks: (params, body starts, body lengths, numels,
         non-finite flags) of every payload when the scan, ``accepts_bucket`` and the
         outputs' sizes accept the frame, else None (the per-payload way)."""
-        if frame.device.type != "cpu":
+        devices = {o.device for o in outs}
+        if len(devices) > 1:
             return None
-        if not all(o.device.type == "cpu" for o in outs):
+        device = devices.pop() if devices else torch.device("cpu")
+        if device.type != "cpu" and not (device.type == "cuda" and self.cuda_decode_segments):
             return None
-        fields = wire.scan_frame(frame, self.frame_layout(ctxs))
+        if device.type == "cpu" and frame.device.type != "cpu":
+            return None  # the per-payload path moves each payload
+        host = frame if frame.device.type == "cpu" else frame.cpu()  # headers are checked here
+        fields = wire.scan_frame(host, self.frame_layout(ctxs))
         if fields is None:
             return None
         col = wire.SCAN
@@ -388,7 +396,7 @@ class GatherCompressor(Compressor):
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         if not np.array_equal(sizes, numels) or not bool((lens[nonfinite] == 0).all()):
             return None  # decode_parsed names the mismatch ("numel", "body_len")
-        view = frame.numpy()
+        view = host.numpy()
         params = [
             view[a - n : a].tobytes()
             for a, n in zip(starts.tolist(), fields[:, col["params_len"]].tolist(), strict=True)
@@ -590,32 +598,23 @@ class GatherCompressor(Compressor):
 def wire_bucket_frame(heads: list[bytes], bodies: list[torch.Tensor]) -> torch.Tensor:
     """``wire.frame`` of the payloads ``wire.assemble`` makes of each packed header (checksum
     field zero) and body, built as one buffer on the bodies' device: the length table and
-    the headers written from the host, the bodies copied in, then every payload's checksum
-    from one backend call (``checksum_segments``)."""
+    the headers staged in one host buffer (one copy to the device), the frame one
+    ``torch.cat`` of them and the bodies, then every payload's checksum written in place by
+    one backend call (``store_checksums``; on CUDA without a host round trip)."""
     from hvdcompress.backends import for_device
 
     device = bodies[0].device if bodies else torch.device("cpu")
     lengths = [len(h) + b.numel() for h, b in zip(heads, bodies, strict=True)]
     table = struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths)
     starts = np.cumsum([len(table), *lengths[:-1]]).tolist() if lengths else []
-    frame = torch.empty(len(table) + sum(lengths), dtype=torch.uint8, device=device)
-    # the table and headers: on the host (a view of the frame on the CPU), then copied
-    host = frame.numpy() if device.type == "cpu" else np.zeros(frame.numel(), np.uint8)
-    host[: len(table)] = np.frombuffer(table, np.uint8)
-    for start, head in zip(starts, heads, strict=True):
-        host[start : start + len(head)] = np.frombuffer(head, np.uint8)
-    if device.type != "cpu":
-        frame.copy_(torch.from_numpy(host))
-    for start, head, body in zip(starts, heads, bodies, strict=True):
-        if body.numel():
-            frame[start + len(head) : start + len(head) + body.numel()].copy_(body.reshape(-1))
-    sums = for_device(device).checksum_segments(frame, starts, lengths)
-    fields = np.frombuffer(np.asarray(sums, dtype="<u4").tobytes(), np.uint8)
-    at = (np.asarray(starts, np.int64)[:, None] + wire.CHECKSUM_OFFSET + np.arange(4)).reshape(-1)
-    if device.type == "cpu":
-        host[at] = fields
-    else:
-        frame[torch.from_numpy(at).to(device)] = torch.from_numpy(fields.copy()).to(device)
+    staged = torch.frombuffer(bytearray(table + b"".join(heads)), dtype=torch.uint8)
+    staged = staged.to(device)
+    pieces, at = [staged[: len(table)]], len(table)
+    for head, body in zip(heads, bodies, strict=True):
+        pieces += [staged[at : at + len(head)], body.reshape(-1).to(device)]
+        at += len(head)
+    frame = torch.cat(pieces)
+    for_device(device).store_checksums(frame, starts, lengths, wire.CHECKSUM_OFFSET)
     return frame
 
 

@@ -101,6 +101,7 @@ class TernGrad(Stochastic):
     wire_id = 8
     params = {"seed": SEED, "rank": RANK}
     error_feedback = False
+    cuda_decode_segments = True  # 3LC's body layout: threelc.decode_segments
 
     def __init__(self, seed: int = 0, rank: int = 0) -> None:
         self._init_rng(seed, rank)

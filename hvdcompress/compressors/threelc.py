@@ -34,6 +34,7 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
     benchmarks = ({"sparsity": 1.0}, {"sparsity": 1.75})
     error_feedback = True
     level_param = "sparsity"
+    cuda_decode_segments = True  # threelc.decode_segments: one launch sequence a frame
 
     def shard_alignment(self) -> int:
         return 5  # a quartic byte holds 5 values (docs/design.md section 2.2)

@@ -12,12 +12,14 @@ on a GPU machine: ``python -m pytest -m gpu tests/gpu``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
 import pytest
 import torch
 
+from hvdcompress import wire
 from hvdcompress.backends import cuda as cuda_backend
 from hvdcompress.wire import PayloadError
 from tests.gpu.conftest import Setup, bits, check_kernel_source_found, check_nvrtc_compiles
@@ -224,6 +226,200 @@ def check_checksum(s: Setup, size: int) -> None:
         assert s.backend.checksum(buf.to(s.dev, copy=True), offset) == s.cpu.checksum(buf, offset)
 
 
+# A bucket: empty tensors, every input kind, sizes around a group and a run, a non-finite
+# tensor, tensors of zeros side by side (their runs must stop at each tensor's end).
+BUCKET_SIZES = [0, 1, 4, 5, 6, 7, 13, 69, 70, 71, 0, 1000, 7001, 100003]
+
+
+def make_bucket(gen: torch.Generator, sizes=BUCKET_SIZES) -> list[torch.Tensor]:
+    bucket = [make_input(n, KINDS[i % len(KINDS)], gen) for i, n in enumerate(sizes)]
+    bucket += [torch.zeros(71), torch.zeros(1403), make_input(333, "runs", gen)]
+    bucket[3][2] = float("nan")
+    return bucket
+
+
+def check_encode_segments(s: Setup, sizes=BUCKET_SIZES, steps: int = 3) -> list[torch.Tensor]:
+    """A bucket's one launch sequence (``threelc_encode_segments``) gives the CPU backend's
+    bodies, scales, flags and residuals, step after step (error feedback built up).
+    Returns the last step's CPU bodies."""
+    gen = torch.Generator().manual_seed(21)
+    grads = make_bucket(gen, sizes)
+    sparsities = [SPARSITIES[i % len(SPARSITIES)] for i in range(len(grads))]
+    es_cpu = [make_input(g.numel(), "dense", gen) * 0.01 for g in grads]
+    es_dev = [e.to(s.dev, copy=True) for e in es_cpu]
+    flagged = []
+    for step in range(steps):
+        gs = grads if step == 0 else [make_input(g.numel(), "sparse90", gen) for g in grads]
+        if step == 1:
+            gs[5][0] = float("inf")
+        ref = s.cpu.threelc_encode_segments(gs, es_cpu, sparsities)
+        got = s.backend.threelc_encode_segments(
+            [g.to(s.dev, copy=True) for g in gs], es_dev, sparsities
+        )
+        assert got[1] == ref[1] and got[2] == ref[2], f"step {step}: scales or flags"
+        flagged.append(sum(ref[2]))
+        for i, (body, want) in enumerate(zip(got[0], ref[0], strict=True)):
+            assert body.device == s.dev or body.numel() == 0
+            assert_same_bytes(body, want, f"step {step} tensor {i}")
+        for i, (e, want) in enumerate(zip(es_dev, es_cpu, strict=True)):
+            np.testing.assert_array_equal(bits(e), bits(want), f"step {step} residual {i}")
+    assert flagged[:2] == [1, 1], flagged  # the NaN of step 0, the Inf of step 1
+    return ref[0]
+
+
+def check_decode_segments(s: Setup, frame_on_device: bool) -> None:
+    """A bucket's bodies at gaps in one frame, added into outputs by one launch sequence
+    (``threelc_decode_segments``), equal the CPU backend's sums; a refused body stops at
+    its index with ``threelc_decode``'s message, the ones before it added, it and the ones
+    after it untouched."""
+    gen = torch.Generator().manual_seed(22)
+    grads = make_bucket(gen)
+    encoded = [s.cpu.threelc_encode(g, None, 1.5) for g in grads]
+    keep = [i for i, enc in enumerate(encoded) if not enc.nonfinite]
+    rng = np.random.default_rng(22)
+    pieces, starts = [], []
+    at = 0
+    for i in keep:
+        gap = rng.integers(0, 256, int(rng.integers(0, 40)), dtype=np.uint8)
+        pieces += [gap, encoded[i].body.numpy()]
+        starts.append(at + gap.size)
+        at += gap.size + encoded[i].body.numel()
+    frame = torch.from_numpy(np.concatenate(pieces))
+    starts = np.array(starts, np.int64)
+    lens = np.array([encoded[i].body.numel() for i in keep], np.int64)
+    ns = np.array([grads[i].numel() for i in keep], np.int64)
+    scales = np.array([encoded[i].scale for i in keep], np.float32)
+    bases = [make_input(int(n), "dense", gen) for n in ns]
+
+    def run(frame, lens):
+        outs = [b.to(s.dev, copy=True) for b in bases]
+        src = frame.to(s.dev, copy=True) if frame_on_device else frame
+        failed = s.backend.threelc_decode_segments(src, starts, lens, ns, scales, outs)
+        couts = [b.clone() for b in bases]
+        cfailed = s.cpu.threelc_decode_segments(frame, starts, lens, ns, scales, couts)
+        assert (failed is None) == (cfailed is None), (failed, cfailed)
+        if failed is not None:
+            assert failed[0] == cfailed[0], (failed, cfailed)
+        for p, (out, cout) in enumerate(zip(outs, couts, strict=True)):
+            np.testing.assert_array_equal(bits(out), bits(cout), f"output {p}")
+        return failed
+
+    assert run(frame, lens) is None
+    big = int(np.argmax(ns))
+    seven = int(np.flatnonzero(ns == 7)[0])
+    literal = int(np.flatnonzero(encoded[keep[big]].body.numpy() <= 242)[0])
+    for what, target in (("short", big), ("run", big), ("padding", seven), ("bound", big)):
+        bad_frame, bad_lens = frame.clone(), lens.copy()
+        where = int(starts[target])
+        if what == "short":  # one quartic byte too few: the device check refuses it
+            bad_lens[target] -= 1
+        elif what == "run":  # a literal byte made a run of 14: 13 quartic bytes too many
+            bad_frame[where + literal] = 255
+        elif what == "padding":  # 7 values: the last byte's padding digits must be 1
+            bad_frame[where + lens[target] - 1] = 0
+        else:  # more quartic bytes than a body of this length can hold: the host bound
+            bad_lens[target] = 1
+        failed = run(bad_frame, bad_lens)
+        assert failed is not None and failed[0] == target, (what, failed)
+        body = bad_frame[where:][: int(bad_lens[target])]
+        out = torch.zeros(int(ns[target]), device=s.dev)
+        with pytest.raises(PayloadError) as exc:  # the per-payload decoder's message
+            s.backend.threelc_decode(body.to(s.dev, copy=True), int(ns[target]), 1.0, out, True)
+        assert failed[1] == exc.value.detail, what
+
+
+def check_checksum_segments(s: Setup) -> None:
+    """One launch for a frame's checksums (``checksum_segments``) and the checksum fields
+    written in place (``store_checksums``) equal the CPU backend's."""
+    gen = torch.Generator().manual_seed(23)
+    buf = torch.randint(0, 256, (70001,), dtype=torch.uint8, generator=gen)
+    starts = [0, 5, 5, 100, 4096, 20000, 69000]
+    lengths = [5, 0, 95, 3996, 15904, 49000, 1001]
+    want = s.cpu.checksum_segments(buf, starts, lengths)
+    assert s.backend.checksum_segments(buf.to(s.dev, copy=True), starts, lengths) == want
+    field = 12
+    dev = buf.to(s.dev, copy=True)
+    ref = buf.clone()
+    fields = (np.array(starts)[:, None] + field + np.arange(4)).reshape(-1)
+    dev[torch.from_numpy(fields).to(s.dev)] = 0
+    ref[torch.from_numpy(fields)] = 0
+    s.backend.store_checksums(dev, starts[2:], lengths[2:], field)
+    s.cpu.store_checksums(ref, starts[2:], lengths[2:], field)
+    assert_same_bytes(dev, ref)
+    assert s.cpu.checksum_segments(ref, starts[2:], lengths[2:]) != [0] * 5
+
+
+def check_bucket_frames(s: Setup, name: str, use_backend=contextlib.nullcontext) -> None:
+    """A compressor's bucket on the device: ``compress_bucket`` gives the CPU's frame byte
+    for byte (state carried over steps), and ``decode_frame`` of a host or device frame
+    into device outputs takes the one-launch-sequence path and adds what the CPU adds; a
+    corrupt body (checksum recomputed) raises for the same tensor, with the same outputs.
+    ``use_backend``: a context in which the backend under test serves the device."""
+    import hvdcompress
+    from hvdcompress.backends import cpu
+
+    gen = torch.Generator().manual_seed(24)
+    on_dev, on_cpu = hvdcompress.get_compressor(name), hvdcompress.get_compressor(name)
+    decoded = []
+    real = s.backend.threelc_decode_segments
+
+    def counted(*args):
+        decoded.append(1)
+        return real(*args)
+
+    for step in range(3):
+        grads = make_bucket(gen)
+        grads[4] = grads[4].half()
+        if step == 1:
+            grads[9][3] = float("nan")
+        names = [f"layer{i}" for i in range(len(grads))]
+        frame_cpu, ctxs = on_cpu.compress_bucket(grads, names)
+        with use_backend():
+            frame_dev, ctxs_dev = on_dev.compress_bucket(
+                [g.to(s.dev, copy=True) for g in grads], names
+            )
+        assert_same_bytes(frame_dev, frame_cpu, f"{name} step {step}")
+        bases = [torch.linspace(-1, 1, g.numel()) for g in grads]
+        couts = [b.clone() for b in bases]
+        on_cpu.decode_frame(frame_cpu, couts, ctxs, rank=1)
+        for src in (frame_cpu, frame_dev):
+            outs = [b.to(s.dev, copy=True) for b in bases]
+            s.backend.threelc_decode_segments = counted
+            try:
+                with use_backend():
+                    on_dev.decode_frame(src, outs, ctxs_dev, rank=1)
+            finally:
+                s.backend.threelc_decode_segments = real
+            for i, (out, cout) in enumerate(zip(outs, couts, strict=True)):
+                np.testing.assert_array_equal(bits(out), bits(cout), f"{name} output {i}")
+    assert len(decoded) == 6, "decode_frame did not take the one-call path"
+    # a corrupt body with a valid checksum: the same tensor refused, the same sums
+    parsed = wire.unframe_parsed(frame_cpu, 0, names, torch.device("cpu"))
+    target = max(range(len(parsed)), key=lambda i: parsed[i][0].body_len)
+    lengths = [p.numel() for _, p in parsed]
+    starts = (8 * (len(lengths) + 1) + np.cumsum([0, *lengths[:-1]])).tolist()
+    body_at = starts[target] + lengths[target] - parsed[target][0].body_len
+    bad = frame_cpu.clone()
+    body = bad[body_at : starts[target] + lengths[target]]
+    body[int(np.flatnonzero(body.numpy() <= 242)[0])] = 255  # 13 quartic bytes too many
+    bad[starts[target] + wire.CHECKSUM_OFFSET :][:4] = 0
+    cpu.store_checksums(bad, [starts[target]], [lengths[target]], wire.CHECKSUM_OFFSET)
+    couts = [b.clone() for b in bases]
+    with pytest.raises(PayloadError) as want:
+        on_cpu.decode_frame(bad, couts, ctxs, rank=2)
+    outs = [b.to(s.dev, copy=True) for b in bases]
+    with pytest.raises(PayloadError) as got, use_backend():
+        on_dev.decode_frame(bad, outs, ctxs_dev, rank=2)
+    assert (got.value.field, got.value.rank, got.value.tensor) == (
+        want.value.field,
+        want.value.rank,
+        want.value.tensor,
+    )
+    assert got.value.tensor == names[target]
+    for i, (out, cout) in enumerate(zip(outs, couts, strict=True)):
+        np.testing.assert_array_equal(bits(out), bits(cout), f"corrupt: output {i}")
+
+
 # ---- on the GPU ----------------------------------------------------------------------------
 
 
@@ -269,6 +465,28 @@ def test_corrupt_bodies_raise_and_leave_out_untouched(gpu):
 @pytest.mark.parametrize("size", [0, 1, 31, 33, 1000, 65537, 1 << 24 | 5])
 def test_checksum_matches_cpu(gpu, size):
     check_checksum(gpu, size)
+
+
+@pytest.mark.gpu
+def test_encode_segments_match_cpu(gpu):
+    check_encode_segments(gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("frame_on_device", [False, True], ids=["host_frame", "device_frame"])
+def test_decode_segments_match_cpu(gpu, frame_on_device):
+    check_decode_segments(gpu, frame_on_device)
+
+
+@pytest.mark.gpu
+def test_checksum_segments_match_cpu(gpu):
+    check_checksum_segments(gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["3lc", "terngrad"])
+def test_bucket_frames_match_cpu(gpu, name):
+    check_bucket_frames(gpu, name)
 
 
 @pytest.mark.gpu

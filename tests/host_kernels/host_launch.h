@@ -66,7 +66,15 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(threelc_zre_expand)           \
     HOST_KERNEL(threelc_quartic_decode_scale) \
     HOST_KERNEL(threelc_quartic_decode)       \
-    HOST_KERNEL(hvd_checksum)
+    HOST_KERNEL(hvd_checksum)                 \
+    HOST_KERNEL(threelc_absmax_segments)      \
+    HOST_KERNEL(threelc_quantize_quartic_segments) \
+    HOST_KERNEL(threelc_zre_run_starts_segments)   \
+    HOST_KERNEL(threelc_zre_scatter_segments)      \
+    HOST_KERNEL(threelc_zre_decode_check_segments) \
+    HOST_KERNEL(threelc_quartic_decode_add_segments) \
+    HOST_KERNEL(hvd_checksum_segments)        \
+    HOST_KERNEL(hvd_checksum_store)
 #define HOST_PRIMITIVES_KERNELS        \
     HOST_KERNEL(primitives_uniform)    \
     HOST_KERNEL(primitives_bitpack)    \

@@ -11,6 +11,7 @@ than 2^32 elements. Last, hvdcompress/backends/cuda.py itself runs on the host k
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import subprocess
 from typing import NamedTuple
@@ -674,3 +675,103 @@ def test_running_max_equals_cummax(n):
     assert torch.equal(_running_max(starts), torch.cummax(starts, 0).values)
     values = torch.randint(-(2**40), 2**40, (n,), generator=gen)  # any int64 sequence
     assert torch.equal(_running_max(values), torch.cummax(values, 0).values)
+
+
+# ---- a bucket as one launch sequence (kernels/threelc.cu section 7) -------------------------
+
+
+@pytest.fixture(params=[64, 2048], ids=lambda t: f"tile{t}")
+def bucketed(emulated, monkeypatch, request):
+    """``emulated`` with segment tiles of 64 units (segments of many tiles, blocks looping
+    over tiles of several segments) or the backend's default."""
+    monkeypatch.setattr(emulated.setup.backend, "SEGMENT_TILE", request.param)
+    return emulated
+
+
+@contextlib.contextmanager
+def serving_cpu_tensors(backend):
+    """Within: ``for_device`` gives the emulated CUDA backend for CPU tensors, so that the
+    compressors and codecs call it."""
+    from hvdcompress import backends
+
+    saved = backends._BACKENDS.get("cpu")
+    backends._BACKENDS["cpu"] = backend
+    try:
+        yield
+    finally:
+        if saved is None:
+            backends._BACKENDS.pop("cpu", None)
+        else:
+            backends._BACKENDS["cpu"] = saved
+
+
+def test_emulated_encode_segments(bucketed):
+    test_threelc_gpu.check_encode_segments(bucketed.setup)
+
+
+@pytest.mark.parametrize("frame_on_device", [False, True], ids=["host_frame", "device_frame"])
+def test_emulated_decode_segments(bucketed, frame_on_device):
+    test_threelc_gpu.check_decode_segments(bucketed.setup, frame_on_device)
+
+
+def test_emulated_checksum_segments(bucketed):
+    test_threelc_gpu.check_checksum_segments(bucketed.setup)
+
+
+def test_emulated_bucket_frames(bucketed):
+    cuda = bucketed.setup.backend
+    test_threelc_gpu.check_bucket_frames(bucketed.setup, "3lc", lambda: serving_cpu_tensors(cuda))
+
+
+def test_emulated_wire_bucket_frame(emulated):
+    """The device frame writer (headers staged once, one cat, checksums stored by the
+    backend) gives ``wire.frame`` of the assembled payloads."""
+    from hvdcompress.compressors.base import wire_bucket_frame
+
+    gen = torch.Generator().manual_seed(5)
+    heads, bodies, payloads = [], [], []
+    for i, n in enumerate([0, 3, 700, 1, 64]):
+        body = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        header = wire.Header("3lc", 0, torch.float32, (5 * n + i,), bytes(8), n)
+        heads.append(header.pack())
+        bodies.append(body)
+        payloads.append(wire.assemble(header, body))
+    emulated.calls.clear()
+    with serving_cpu_tensors(emulated.setup.backend):
+        frame = wire_bucket_frame(heads, bodies)
+    assert torch.equal(frame, wire.frame(payloads))
+    assert emulated.calls == ["hvd_checksum_segments", "hvd_checksum_store"]
+    assert emulated.reads == []  # no host round trip
+
+
+def test_emulated_bucket_launches_do_not_grow_with_tensors(emulated):
+    """A bucket of 40 tensors: the launches and state reads of one tensor's call, not 40
+    times them."""
+    cuda, calls, reads = emulated.setup.backend, emulated.calls, emulated.reads
+    gen = torch.Generator().manual_seed(6)
+    gs = [make_input(int(n), "sparse90", np.random.default_rng(n)) for n in range(1, 41)]
+    gs = [torch.from_numpy(g) for g in gs]
+    es = [torch.zeros_like(g) for g in gs]
+    bodies, scales, _ = cuda.threelc_encode_segments(gs, es, [1.0] * len(gs))
+    assert calls == [
+        "threelc_absmax_segments",
+        "threelc_quantize_quartic_segments",
+        "threelc_zre_run_starts_segments",
+        "threelc_zre_flags",
+        "threelc_zre_scatter_segments",
+    ]
+    assert len(reads) == 1
+    calls.clear()
+    frame = torch.cat(bodies)
+    lens = np.array([b.numel() for b in bodies], np.int64)
+    starts = np.cumsum(lens) - lens
+    ns = np.array([g.numel() for g in gs], np.int64)
+    outs = [torch.randn(g.numel(), generator=gen) for g in gs]
+    assert cuda.threelc_decode_segments(frame, starts, lens, ns, np.array(scales), outs) is None
+    assert calls == [
+        "threelc_zre_lengths",
+        "threelc_zre_decode_check_segments",
+        "threelc_zre_expand",
+        "threelc_quartic_decode_add_segments",
+    ]
+    assert len(reads) == 2
