@@ -139,3 +139,193 @@ extern "C" __global__ void sign_decode(const unsigned char* __restrict__ body, l
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// 5. Buckets: one launch for all the tensors of a bucket (docs/design.md section 1.6, "The
+// CUDA path"). The host passes a segment table, nseg rows of HVD_SIGN_SEG_COLS int64 (the
+// layout of kernels/threelc.cu section 7, with absolute pointers), and per-segment state
+// rows of 8 words. Work is cut into tiles of `tile` units (output bytes, or chunks) that
+// never straddle two segments; row s's tiles are numbered from its HVD_SIGN_SEG_TILE, and
+// a block takes tiles blockIdx.x, blockIdx.x + gridDim.x, ... Every segment has at least
+// one element (the host leaves empty tensors out).
+#define HVD_SIGN_SEG_COLS 8
+#define HVD_SIGN_SEG_IN 0    // pointer: x or g (encode), the body (decode)
+#define HVD_SIGN_SEG_AUX 1   // pointer: e (EF-signSGD), out (decode)
+#define HVD_SIGN_SEG_N 2     // elements
+#define HVD_SIGN_SEG_OUT 3   // pointer: the body (encode), the first chunk sum (sums)
+#define HVD_SIGN_SEG_TILE 6  // the segment's first tile
+#define HVD_SIGN_SEG_F32 7   // float32 bits: the scale
+#define HVD_SIGN_STATE_WORDS 8
+
+// The segment of tile t: the last row whose first tile is <= t.
+__device__ __forceinline__ long long hvd_sign_tile_segment(const long long* seg,
+                                                           long long nseg, long long t)
+{
+    long long lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        const long long mid = (lo + hi + 1) >> 1;
+        const bool after = seg[mid * HVD_SIGN_SEG_COLS + HVD_SIGN_SEG_TILE] > t;
+        lo = after ? lo : mid;
+        hi = after ? mid - 1 : hi;
+    }
+    return lo;
+}
+
+// Units [first, end) of tile t of segment s with `units` units.
+__device__ __forceinline__ long long hvd_sign_tile_end(long long first, long long tile,
+                                                       long long units)
+{
+    return first + tile < units ? first + tile : units;
+}
+
+// sign_encode of each segment: the bits to its body, the non-finite flag to its state.
+// grid: blocks loop over tiles of `tile` output bytes, 256 threads. bytes: reads 4n, writes
+// n / 8 over all segments.
+extern "C" __global__ void sign_encode_segments(const long long* __restrict__ seg,
+                                                long long nseg, long long ntiles,
+                                                long long tile,
+                                                unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sign_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SIGN_SEG_COLS;
+        const float* x = (const float*)row[HVD_SIGN_SEG_IN];
+        unsigned char* out = (unsigned char*)row[HVD_SIGN_SEG_OUT];
+        const long long n = row[HVD_SIGN_SEG_N];
+        const long long first = (t - row[HVD_SIGN_SEG_TILE]) * tile;
+        const long long end = hvd_sign_tile_end(first, tile, (n + 7) / 8);
+        unsigned int worst = 0u;
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            const long long lo = 8ll * j;
+            const long long hi = lo + 8 < n ? lo + 8 : n;
+            unsigned int byte = 0u;
+            for (long long i = lo; i < hi; ++i) {
+                const float v = x[i];
+                const unsigned int a = __float_as_uint(v) & 0x7fffffffu;
+                worst = a > worst ? a : worst;
+                byte |= (v < 0.0f ? 1u : 0u) << (unsigned int)(i - lo);
+            }
+            out[j] = (unsigned char)byte;
+        }
+        if (worst >= HVD_SIGN_NONFINITE_BITS) {
+            atomicOr(states + s * HVD_SIGN_STATE_WORDS + HVD_SIGN_ST_NONFINITE, 1u);
+        }
+    }
+}
+
+// sign_ef_sums of each segment: its chunk sums from its HVD_SIGN_SEG_OUT on, one thread a
+// chunk (the CPU's order), the non-finite flag to its state.
+// grid: blocks loop over tiles of `tile` chunks. bytes: reads 8n, writes 8 a chunk.
+extern "C" __global__ void sign_ef_sums_segments(const long long* __restrict__ seg,
+                                                 long long nseg, long long ntiles,
+                                                 long long tile, long long chunk,
+                                                 unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sign_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SIGN_SEG_COLS;
+        const float* g = (const float*)row[HVD_SIGN_SEG_IN];
+        const float* e = (const float*)row[HVD_SIGN_SEG_AUX];
+        double* sums = (double*)row[HVD_SIGN_SEG_OUT];
+        const long long n = row[HVD_SIGN_SEG_N];
+        const long long first = (t - row[HVD_SIGN_SEG_TILE]) * tile;
+        const long long end = hvd_sign_tile_end(first, tile, (n + chunk - 1) / chunk);
+        unsigned int worst = 0u;
+        for (long long c = first + threadIdx.x; c < end; c += blockDim.x) {
+            const long long lo = c * chunk;
+            const long long hi = lo + chunk < n ? lo + chunk : n;
+            double sum = 0.0;
+            for (long long i = lo; i < hi; ++i) {
+                const float a = __fadd_rn(g[i], e[i]);
+                const unsigned int b = __float_as_uint(a) & 0x7fffffffu;
+                worst = b > worst ? b : worst;
+#ifdef __CUDACC__
+                sum = __dadd_rn(sum, fabs((double)a));
+#else
+                sum = sum + fabs((double)a);
+#endif
+            }
+            sums[c] = sum;
+        }
+        if (worst >= HVD_SIGN_NONFINITE_BITS) {
+            atomicOr(states + s * HVD_SIGN_STATE_WORDS + HVD_SIGN_ST_NONFINITE, 1u);
+        }
+    }
+}
+
+// sign_ef_encode of each segment with its scale (the host leaves non-finite ones out).
+// grid: blocks loop over tiles of `tile` output bytes. bytes: reads 8n, writes 4n + n / 8.
+extern "C" __global__ void sign_ef_encode_segments(const long long* __restrict__ seg,
+                                                   long long nseg, long long ntiles,
+                                                   long long tile)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sign_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SIGN_SEG_COLS;
+        const float* g = (const float*)row[HVD_SIGN_SEG_IN];
+        float* e = (float*)row[HVD_SIGN_SEG_AUX];
+        unsigned char* out = (unsigned char*)row[HVD_SIGN_SEG_OUT];
+        const long long n = row[HVD_SIGN_SEG_N];
+        const float scale = __uint_as_float((unsigned int)row[HVD_SIGN_SEG_F32]);
+        const long long first = (t - row[HVD_SIGN_SEG_TILE]) * tile;
+        const long long end = hvd_sign_tile_end(first, tile, (n + 7) / 8);
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            const long long lo = 8ll * j;
+            const long long hi = lo + 8 < n ? lo + 8 : n;
+            unsigned int byte = 0u;
+            for (long long i = lo; i < hi; ++i) {
+                const float a = __fadd_rn(g[i], e[i]);
+                const bool minus = a < 0.0f;
+                byte |= (minus ? 1u : 0u) << (unsigned int)(i - lo);
+                e[i] = __fsub_rn(a, minus ? -scale : scale);
+            }
+            out[j] = (unsigned char)byte;
+        }
+    }
+}
+
+// The padding bits of each segment's last body byte, one thread a segment: a set one
+// sets HVD_SIGN_ERR_PADDING in its state (the host reads the states before any decode).
+// grid: grid-stride over nseg. bytes: reads 1 a segment.
+extern "C" __global__ void sign_decode_check_segments(const long long* __restrict__ seg,
+                                                      long long nseg,
+                                                      unsigned int* __restrict__ states)
+{
+    const long long stride = hvd_sign_grid_stride();
+    for (long long s = hvd_sign_first_index(); s < nseg; s += stride) {
+        const long long* row = seg + s * HVD_SIGN_SEG_COLS;
+        const unsigned char* body = (const unsigned char*)row[HVD_SIGN_SEG_IN];
+        const long long n = row[HVD_SIGN_SEG_N];
+        if ((n & 7ll) && ((unsigned int)body[(n + 7) / 8 - 1] >> (unsigned int)(n & 7ll))) {
+            states[s * HVD_SIGN_STATE_WORDS + HVD_SIGN_ST_ERROR] |= HVD_SIGN_ERR_PADDING;
+        }
+    }
+}
+
+// sign_decode with accumulate of each segment: out += (bit ? -scale : scale). The host
+// launches it for the segments before the first refused one only.
+// grid: blocks loop over tiles of `tile` body bytes. bytes: reads n / 8 + 4n, writes 4n.
+extern "C" __global__ void sign_decode_add_segments(const long long* __restrict__ seg,
+                                                    long long nseg, long long ntiles,
+                                                    long long tile)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sign_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SIGN_SEG_COLS;
+        const unsigned char* body = (const unsigned char*)row[HVD_SIGN_SEG_IN];
+        float* out = (float*)row[HVD_SIGN_SEG_AUX];
+        const long long n = row[HVD_SIGN_SEG_N];
+        const float scale = __uint_as_float((unsigned int)row[HVD_SIGN_SEG_F32]);
+        const long long first = (t - row[HVD_SIGN_SEG_TILE]) * tile;
+        const long long end = hvd_sign_tile_end(first, tile, (n + 7) / 8);
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            const unsigned int byte = body[j];
+            const long long lo = 8ll * j;
+            const long long hi = lo + 8 < n ? lo + 8 : n;
+            for (long long i = lo; i < hi; ++i) {
+                const float v = ((byte >> (unsigned int)(i - lo)) & 1u) ? -scale : scale;
+                out[i] = __fadd_rn(out[i], v);
+            }
+        }
+    }
+}

@@ -75,7 +75,20 @@ PRIMITIVES = KernelFamily(
     ("primitives_uniform", "primitives_bitpack", "primitives_bitunpack", "primitives_chunk_sums"),
 )
 # Single-pass sign and stochastic-quantiser codecs (C twins: kernels/sign.c, kernels/quant.c).
-SIGN = KernelFamily("sign.cu", ("sign_encode", "sign_ef_sums", "sign_ef_encode", "sign_decode"))
+SIGN = KernelFamily(
+    "sign.cu",
+    (
+        "sign_encode",
+        "sign_ef_sums",
+        "sign_ef_encode",
+        "sign_decode",
+        "sign_encode_segments",
+        "sign_ef_sums_segments",
+        "sign_ef_encode_segments",
+        "sign_decode_check_segments",
+        "sign_decode_add_segments",
+    ),
+)
 QUANT = KernelFamily(
     "quant.cu",
     (
@@ -110,6 +123,7 @@ _NULL = np.uint64(0)
 # Segment tables of a bucket's launch sequence (HVD_SEG_* of kernels/threelc.cu section 7).
 _SEG_COLS = 8
 _SEG_IN, _SEG_AUX, _SEG_N, _SEG_QOFF, _SEG_BOFF, _SEG_BLEN, _SEG_TILE, _SEG_F32 = range(8)
+_SIGN_SEG_OUT = 3  # HVD_SIGN_SEG_OUT of kernels/sign.cu: an output pointer
 SEGMENT_TILE = 2048  # work units (5-value groups, or bytes) a tile; tests use smaller ones
 
 
@@ -910,8 +924,52 @@ def sign_encode(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """``sign_encode`` of each tensor of a bucket (a launch each)."""
-    return [sign_encode(x.view(-1)) for x in xs]
+    """``sign_encode`` of each tensor of a bucket: one launch over a segment table
+    (kernels/sign.cu section 5), one read of the per-tensor non-finite flags; the bodies
+    are views of one buffer."""
+    if not xs:
+        return []
+    device = _bucket_device(xs, "x")
+    ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
+    nbytes = (ns + 7) // 8
+    buf = torch.empty(int(nbytes.sum()), dtype=torch.uint8, device=device)
+    bodies: list[torch.Tensor | None] = list(torch.split(buf, nbytes.tolist()))
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return bodies
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = [xs[i].data_ptr() for i in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    table[:, _SIGN_SEG_OUT] = [bodies[i].data_ptr() for i in live.tolist()]
+    with _Launcher(device) as k:
+        seg = _segments(table, nbytes[live], device)
+        states = k.states(seg.count)
+        k.tiles("sign_encode_segments", seg, _ptr(states))
+        bad = _read_state(states).reshape(seg.count, _STATE_WORDS)[:, _ST_NONFINITE]
+    for row, i in enumerate(live.tolist()):
+        if bad[row]:
+            bodies[i] = None
+    return bodies
+
+
+def _check_residuals(gs: list[torch.Tensor], es: list[torch.Tensor]) -> None:
+    for g, e in zip(gs, es, strict=True):
+        _check_tensor(e, "e", torch.float32)
+        if e.numel() != g.numel() or e.device != g.device:
+            raise ValueError(
+                f"residual has {e.numel()} elements on {e.device}, "
+                f"gradient {g.numel()} on {g.device}"
+            )
+
+
+def _bucket_device(ts: list[torch.Tensor], name: str) -> torch.device:
+    """The one device of a bucket's float32 tensors (checked)."""
+    device = ts[0].device
+    for t in ts:
+        _check_tensor(t, name, torch.float32)
+        if t.device != device:
+            raise ValueError(f"a bucket's tensors are on {device} and {t.device}")
+    return device
 
 
 # ---- a bucket's segment calls: the CPU backend's one-call signatures, a launch sequence
@@ -1009,18 +1067,62 @@ def threelc_encode_segments(
     return bodies, scales, nonfinite
 
 
-def efsign_sums_segments(gs, es) -> tuple[list[torch.Tensor], list[bool]]:
-    sums = [efsign_sums(g.view(-1), e) for g, e in zip(gs, es, strict=True)]
-    return [torch.zeros(0) if s is None else s for s in sums], [s is None for s in sums]
+def efsign_sums_segments(gs, es) -> tuple[list[np.ndarray], list[bool]]:
+    """``efsign_sums`` of each (g, e) of a bucket: one launch over a segment table, one read
+    of every tensor's chunk sums and non-finite flag (sums as host arrays)."""
+    if not gs:
+        return [], []
+    device = _bucket_device(gs, "g")
+    _check_residuals(gs, es)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=len(gs))
+    chunks = (ns + EF_CHUNK - 1) // EF_CHUNK
+    first = np.cumsum(chunks) - chunks
+    live = np.flatnonzero(ns > 0)
+    total = int(chunks.sum())
+    # the chunk sums, then the state rows (4 doubles = 8 words each): one read for both
+    scratch = torch.zeros(total + 4 * len(live), dtype=torch.float64, device=device)
+    if len(live):
+        states = scratch[total:].view(torch.int32)
+        table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+        table[:, _SEG_IN] = [gs[i].data_ptr() for i in live.tolist()]
+        table[:, _SEG_AUX] = [es[i].data_ptr() for i in live.tolist()]
+        table[:, _SEG_N] = ns[live]
+        table[:, _SIGN_SEG_OUT] = scratch.data_ptr() + 8 * first[live]
+        with _Launcher(device) as k:
+            seg = _segments(table, chunks[live], device)
+            k.tiles("sign_ef_sums_segments", seg, np.int64(EF_CHUNK), _ptr(states))
+    host = _read_state(scratch)
+    sums = host[: 2 * total].view(np.float64)
+    words = host[2 * total :].reshape(-1, _STATE_WORDS)
+    bad = [False] * len(gs)
+    for row, i in enumerate(live.tolist()):
+        bad[i] = bool(words[row, _ST_NONFINITE])
+    return [sums[a : a + c] for a, c in zip(first.tolist(), chunks.tolist(), strict=True)], bad
 
 
 def efsign_encode_segments(gs, es, scales, skip) -> list[torch.Tensor]:
-    return [
-        torch.empty(0, dtype=torch.uint8, device=g.device)
-        if bad
-        else efsign_encode(g.view(-1), e, s)
-        for g, e, s, bad in zip(gs, es, scales, skip, strict=True)
-    ]
+    """``efsign_encode`` of each (g, e, scale) of a bucket whose ``skip`` is False: one
+    launch over a segment table, no host copy; the bodies (empty where skipped) are views
+    of one buffer."""
+    if not gs:
+        return []
+    device = _bucket_device(gs, "g")
+    _check_residuals(gs, es)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=len(gs))
+    nbytes = np.where(np.asarray(skip, dtype=bool), 0, (ns + 7) // 8)
+    buf = torch.empty(int(nbytes.sum()), dtype=torch.uint8, device=device)
+    bodies = list(torch.split(buf, nbytes.tolist()))
+    live = np.flatnonzero(nbytes > 0)
+    if len(live):
+        table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+        table[:, _SEG_IN] = [gs[i].data_ptr() for i in live.tolist()]
+        table[:, _SEG_AUX] = [es[i].data_ptr() for i in live.tolist()]
+        table[:, _SEG_N] = ns[live]
+        table[:, _SIGN_SEG_OUT] = [bodies[i].data_ptr() for i in live.tolist()]
+        table[:, _SEG_F32] = _f32_bits(np.asarray(scales, dtype=np.float32)[live])
+        with _Launcher(device) as k:
+            k.tiles("sign_ef_encode_segments", _segments(table, nbytes[live], device))
+    return bodies
 
 
 def efsign_sums(g: torch.Tensor, e: torch.Tensor) -> torch.Tensor | None:
@@ -1086,6 +1188,71 @@ def sign_decode(
         )
         if int(_read_state(state)[_ST_ERROR]) & _PRIM_ERR_PADDING:
             raise PayloadError("body", "a padding bit after the last packed value is set")
+
+
+def sign_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ns: np.ndarray,
+    scales: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """``sign_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    checked the lengths) into ``outs[p]`` (on one CUDA device; the frame on the host or
+    that device): the padding check of every body, one read, then one launch that adds
+    the bodies before the first refused one. None, or (p, message) of that body."""
+    if not outs:
+        return None
+    device = _bucket_device(outs, "out")
+    ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+    nbytes = (ns + 7) // 8
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return None
+    body, at = _bodies_on(frame, np.asarray(starts, dtype=np.int64)[live], nbytes[live], device)
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = at
+    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    table[:, _SEG_F32] = _f32_bits(np.asarray(scales, dtype=np.float32)[live])
+    with _Launcher(device) as k:
+        seg = _segments(table, nbytes[live], device)
+        states = k.states(seg.count)
+        k(
+            "sign_decode_check_segments",
+            seg.count,
+            _ptr(seg.rows),
+            np.int64(seg.count),
+            _ptr(states),
+        )
+        refused = np.flatnonzero(_read_state(states).reshape(seg.count, _STATE_WORDS)[:, _ST_ERROR])
+        good = int(refused[0]) if len(refused) else seg.count
+        if good:
+            k.tiles("sign_decode_add_segments", _first_rows(seg, nbytes[live], good))
+        del body  # stream-ordered: the launches above are queued before its reuse
+    if len(refused):
+        return int(live[good]), "a padding bit after the last packed value is set"
+    return None
+
+
+def _bodies_on(
+    frame: torch.Tensor, starts: np.ndarray, lens: np.ndarray, device: torch.device
+) -> tuple[torch.Tensor, np.ndarray]:
+    """Device addresses of the bodies ``frame[starts[p]:][:lens[p]]``: in the frame itself
+    when it is on ``device``, else in one buffer copied there (one host-to-device copy)
+    from the host frame. Returns (the tensor that holds them, the addresses)."""
+    if frame.device == device:
+        return frame, frame.data_ptr() + starts
+    view = frame.cpu().numpy()
+    pieces = [view[a : a + n] for a, n in zip(starts.tolist(), lens.tolist(), strict=True)]
+    buf = torch.from_numpy(np.concatenate(pieces)).to(device)
+    return buf, buf.data_ptr() + (np.cumsum(lens) - lens)
+
+
+def _first_rows(seg: _Segments, units: np.ndarray, count: int) -> _Segments:
+    """The first ``count`` rows of a segment table (their tiles are the first ones)."""
+    tiles = int(-(-units[:count] // seg.tile).sum())
+    return _Segments(seg.rows, count, tiles, seg.tile)
 
 
 # ---- stochastic quantisers (kernels/quant.cu; see hvdcompress.codecs.quant) -----------------

@@ -110,14 +110,15 @@ def decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """The bucket form of ``decode_into`` (accumulating), one native call over a host
-    frame: body i, ``ns[i]`` signs of magnitude ``scales[i]``, is ``frame[starts[i]:][:lens[i]]``
-    and goes into ``outs[i]``. Returns None, or (i, the error ``decode_into`` would raise)
-    for the first bad body: the bodies before it are added, ``outs[i]`` is untouched."""
-    from hvdcompress.backends import cpu
+    """The bucket form of ``decode_into`` (accumulating), one native call (CPU outputs, host
+    frame) or one launch sequence (outputs on one CUDA device): body i, ``ns[i]`` signs of
+    magnitude ``scales[i]``, is ``frame[starts[i]:][:lens[i]]`` and goes into ``outs[i]``.
+    Returns None, or (i, the error ``decode_into`` would raise) for the first bad body: the
+    bodies before it are added, ``outs[i]`` is untouched."""
+    backend = for_device(outs[0].device) if outs else for_device(frame.device)
 
     def decode(upto: int):
-        failed = cpu.sign_decode_segments(
+        failed = backend.sign_decode_segments(
             frame, starts[:upto].copy(), ns[:upto].copy(), scales[:upto], outs[:upto]
         )
         return None if failed is None else (failed[0], PayloadError("body", failed[1]))

@@ -68,6 +68,8 @@ class SignSGD(GatherCompressor):
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         return not any(params) and bool((nonfinite | (numels <= 8 * body_lens)).all())
 
+    cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
+
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
     ):
@@ -139,6 +141,8 @@ class EFSignSGD(GatherCompressor):
         with np.errstate(invalid="ignore"):
             ok = np.where(nonfinite, scale == 0.0, np.isfinite(scale) & (scale >= 0.0))
         return bool((ok & (nonfinite | (numels <= 8 * body_lens))).all())
+
+    cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
 
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None

@@ -12,14 +12,12 @@ on a GPU machine: ``python -m pytest -m gpu tests/gpu``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from hvdcompress import wire
 from hvdcompress.backends import cuda as cuda_backend
 from hvdcompress.wire import PayloadError
 from tests.gpu.conftest import Setup, bits, check_kernel_source_found, check_nvrtc_compiles
@@ -349,77 +347,6 @@ def check_checksum_segments(s: Setup) -> None:
     assert s.cpu.checksum_segments(ref, starts[2:], lengths[2:]) != [0] * 5
 
 
-def check_bucket_frames(s: Setup, name: str, use_backend=contextlib.nullcontext) -> None:
-    """A compressor's bucket on the device: ``compress_bucket`` gives the CPU's frame byte
-    for byte (state carried over steps), and ``decode_frame`` of a host or device frame
-    into device outputs takes the one-launch-sequence path and adds what the CPU adds; a
-    corrupt body (checksum recomputed) raises for the same tensor, with the same outputs.
-    ``use_backend``: a context in which the backend under test serves the device."""
-    import hvdcompress
-    from hvdcompress.backends import cpu
-
-    gen = torch.Generator().manual_seed(24)
-    on_dev, on_cpu = hvdcompress.get_compressor(name), hvdcompress.get_compressor(name)
-    decoded = []
-    real = s.backend.threelc_decode_segments
-
-    def counted(*args):
-        decoded.append(1)
-        return real(*args)
-
-    for step in range(3):
-        grads = make_bucket(gen)
-        grads[4] = grads[4].half()
-        if step == 1:
-            grads[9][3] = float("nan")
-        names = [f"layer{i}" for i in range(len(grads))]
-        frame_cpu, ctxs = on_cpu.compress_bucket(grads, names)
-        with use_backend():
-            frame_dev, ctxs_dev = on_dev.compress_bucket(
-                [g.to(s.dev, copy=True) for g in grads], names
-            )
-        assert_same_bytes(frame_dev, frame_cpu, f"{name} step {step}")
-        bases = [torch.linspace(-1, 1, g.numel()) for g in grads]
-        couts = [b.clone() for b in bases]
-        on_cpu.decode_frame(frame_cpu, couts, ctxs, rank=1)
-        for src in (frame_cpu, frame_dev):
-            outs = [b.to(s.dev, copy=True) for b in bases]
-            s.backend.threelc_decode_segments = counted
-            try:
-                with use_backend():
-                    on_dev.decode_frame(src, outs, ctxs_dev, rank=1)
-            finally:
-                s.backend.threelc_decode_segments = real
-            for i, (out, cout) in enumerate(zip(outs, couts, strict=True)):
-                np.testing.assert_array_equal(bits(out), bits(cout), f"{name} output {i}")
-    assert len(decoded) == 6, "decode_frame did not take the one-call path"
-    # a corrupt body with a valid checksum: the same tensor refused, the same sums
-    parsed = wire.unframe_parsed(frame_cpu, 0, names, torch.device("cpu"))
-    target = max(range(len(parsed)), key=lambda i: parsed[i][0].body_len)
-    lengths = [p.numel() for _, p in parsed]
-    starts = (8 * (len(lengths) + 1) + np.cumsum([0, *lengths[:-1]])).tolist()
-    body_at = starts[target] + lengths[target] - parsed[target][0].body_len
-    bad = frame_cpu.clone()
-    body = bad[body_at : starts[target] + lengths[target]]
-    body[int(np.flatnonzero(body.numpy() <= 242)[0])] = 255  # 13 quartic bytes too many
-    bad[starts[target] + wire.CHECKSUM_OFFSET :][:4] = 0
-    cpu.store_checksums(bad, [starts[target]], [lengths[target]], wire.CHECKSUM_OFFSET)
-    couts = [b.clone() for b in bases]
-    with pytest.raises(PayloadError) as want:
-        on_cpu.decode_frame(bad, couts, ctxs, rank=2)
-    outs = [b.to(s.dev, copy=True) for b in bases]
-    with pytest.raises(PayloadError) as got, use_backend():
-        on_dev.decode_frame(bad, outs, ctxs_dev, rank=2)
-    assert (got.value.field, got.value.rank, got.value.tensor) == (
-        want.value.field,
-        want.value.rank,
-        want.value.tensor,
-    )
-    assert got.value.tensor == names[target]
-    for i, (out, cout) in enumerate(zip(outs, couts, strict=True)):
-        np.testing.assert_array_equal(bits(out), bits(cout), f"corrupt: output {i}")
-
-
 # ---- on the GPU ----------------------------------------------------------------------------
 
 
@@ -481,12 +408,6 @@ def test_decode_segments_match_cpu(gpu, frame_on_device):
 @pytest.mark.gpu
 def test_checksum_segments_match_cpu(gpu):
     check_checksum_segments(gpu)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["3lc", "terngrad"])
-def test_bucket_frames_match_cpu(gpu, name):
-    check_bucket_frames(gpu, name)
 
 
 @pytest.mark.gpu

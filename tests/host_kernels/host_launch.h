@@ -81,11 +81,16 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(primitives_bitunpack)  \
     HOST_KERNEL(primitives_chunk_sums)
 
-#define HOST_SIGN_KERNELS      \
-    HOST_KERNEL(sign_encode)    \
-    HOST_KERNEL(sign_ef_sums)   \
-    HOST_KERNEL(sign_ef_encode) \
-    HOST_KERNEL(sign_decode)
+#define HOST_SIGN_KERNELS                     \
+    HOST_KERNEL(sign_encode)                   \
+    HOST_KERNEL(sign_ef_sums)                  \
+    HOST_KERNEL(sign_ef_encode)                \
+    HOST_KERNEL(sign_decode)                   \
+    HOST_KERNEL(sign_encode_segments)          \
+    HOST_KERNEL(sign_ef_sums_segments)         \
+    HOST_KERNEL(sign_ef_encode_segments)       \
+    HOST_KERNEL(sign_decode_check_segments)    \
+    HOST_KERNEL(sign_decode_add_segments)
 #define HOST_QUANT_KERNELS              \
     HOST_KERNEL(quant_qsgd_norms)       \
     HOST_KERNEL(quant_qsgd_encode)      \

@@ -4,10 +4,14 @@ host with g++ (kernels/cuda_host.h) and run through hvdcompress/backends/cuda.py
 (kernels/sign.c, kernels/quant.c) under several launch shapes: signSGD and EF-signSGD
 bodies, residuals and decodes, QSGD bodies and decodes, TernGrad bodies, and the same
 PayloadErrors (output untouched) on corrupt bodies. Also the CUDA module's torch forms of
-random-k, GSpar, DGC and NDQSG (native passes on the CPU) against the CPU backend.
+random-k, GSpar, DGC and NDQSG (native passes on the CPU) against the CPU backend, and a
+bucket's segment calls (kernels/sign.cu section 5; whole compressors through
+tests/gpu/test_buckets_gpu.py's checks).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -21,6 +25,8 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant
 from hvdcompress.wire import PayloadError
 from tests.codec_inputs import special_tensor
+from tests.gpu import test_buckets_gpu
+from tests.gpu.conftest import Setup
 from tests.host_kernels.conftest import (
     KERNELS,
     HostLibrary,
@@ -178,9 +184,9 @@ def test_dqsg_kernels_match_cpu(emulated, levels, bucket, code_offset):
 
 @pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "qsgd", "terngrad", "dqsg", "3lc"])
 def test_emulated_bucket_frames_match_cpu(emulated, monkeypatch, name):
-    """compress_bucket through the CUDA backend's code (segment encoders, per-payload
-    checksum kernels) gives the CPU backend's frame, step after step, and decode_frame (the
-    host's segment decoders: frames are host memory) the CPU backend's sums."""
+    """compress_bucket through the CUDA backend's code (segment encoders) gives the CPU
+    backend's frame, step after step, and decode_frame (the backend's segment decoders
+    where it has them) the CPU backend's sums."""
     gen = torch.Generator().manual_seed(2)
     tensors = [torch.randn(n, generator=gen) for n in (1, 9, 700, 5003)]
     names = [f"t{i}" for i in range(len(tensors))]
@@ -259,3 +265,61 @@ def test_emulated_randomk_keeps_strictly_below_the_threshold(emulated):
         want = cpu_backend.randomk_encode(a, key, int(hashes[j]), None)
         got = emulated.randomk_encode(a, key, int(hashes[j]), None)
         assert torch.equal(got, want) and float(a[j]) not in got.tolist()
+
+
+# ---- a bucket as one launch sequence (kernels/sign.cu section 5) ---------------------------
+
+
+@pytest.fixture(params=[16, 2048], ids=lambda t: f"tile{t}")
+def setup(emulated, monkeypatch, request):
+    """A ``tests.gpu.conftest.Setup`` of the emulated backend, segment tiles of 16 units
+    (tensors of many tiles) or the default."""
+    monkeypatch.setattr(emulated, "SEGMENT_TILE", request.param)
+    return Setup(emulated, cpu_backend, torch.device("cpu"))
+
+
+def test_emulated_sign_segments(setup):
+    test_buckets_gpu.check_sign_segments(setup)
+
+
+@pytest.mark.parametrize("name", sorted(test_buckets_gpu.SEGMENT_DECODER))
+def test_emulated_bucket_frames_on_segment_calls(setup, monkeypatch, name):
+    """Whole compressors through the emulated backend's segment calls: frames and sums
+    as on the CPU, the fast decode path taken, a corrupt body refused alike."""
+
+    @contextlib.contextmanager
+    def serving():
+        with monkeypatch.context() as patch:
+            patch.setitem(backends._BACKENDS, "cpu", setup.backend)
+            yield
+
+    test_buckets_gpu.check_bucket_frames(setup, name, serving)
+
+
+def test_emulated_sign_bucket_launches(cuda_on_host):
+    """A bucket of 30 tensors: one launch and one read to encode, two launches and one
+    read for EF-signSGD, two launches and one read to decode."""
+    cuda, calls = cuda_on_host.backend, cuda_on_host.calls
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(n, generator=gen) for n in range(1, 301, 10)]
+    es = [torch.zeros_like(x) for x in xs]
+    reads = []
+    read_state = cuda._read_state
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda, "_read_state", lambda st: reads.append(1) or read_state(st))
+        bodies = cuda.sign_encode_segments(xs)
+        assert calls == ["sign_encode_segments"] and len(reads) == 1
+        sums, bad = cuda.efsign_sums_segments(xs, es)
+        cuda.efsign_encode_segments(xs, es, [0.5] * len(xs), bad)
+        assert calls[1:] == ["sign_ef_sums_segments", "sign_ef_encode_segments"]
+        assert len(reads) == 2
+        frame = torch.cat(bodies)
+        lens = np.array([b.numel() for b in bodies], np.int64)
+        ns = np.array([x.numel() for x in xs], np.int64)
+        outs = [torch.zeros_like(x) for x in xs]
+        starts = np.cumsum(lens) - lens
+        assert cuda.sign_decode_segments(frame, starts, ns, np.ones(len(xs)), outs) is None
+        assert calls[3:] == ["sign_decode_check_segments", "sign_decode_add_segments"]
+        assert len(reads) == 3
+    for x, out in zip(xs, outs, strict=True):
+        assert torch.equal(out, torch.where(x < 0, -1.0, 1.0))

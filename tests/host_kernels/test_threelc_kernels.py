@@ -24,7 +24,7 @@ from hvdcompress import wire
 from hvdcompress.backends.cuda import THREELC
 from hvdcompress.wire import PayloadError
 from tests import reference
-from tests.gpu import test_threelc_gpu
+from tests.gpu import test_buckets_gpu, test_threelc_gpu
 from tests.gpu.conftest import Setup
 from tests.host_kernels.conftest import (
     ARG_DTYPES,
@@ -720,7 +720,7 @@ def test_emulated_checksum_segments(bucketed):
 
 def test_emulated_bucket_frames(bucketed):
     cuda = bucketed.setup.backend
-    test_threelc_gpu.check_bucket_frames(bucketed.setup, "3lc", lambda: serving_cpu_tensors(cuda))
+    test_buckets_gpu.check_bucket_frames(bucketed.setup, "3lc", lambda: serving_cpu_tensors(cuda))
 
 
 def test_emulated_wire_bucket_frame(emulated):

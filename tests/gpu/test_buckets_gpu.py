@@ -1,0 +1,189 @@
+"""A bucket on the CUDA backend as one launch sequence (kernels/threelc.cu section 7,
+kernels/sign.cu section 5), against the CPU backend byte for byte: the sign codecs'
+segment calls, and whole compressors' frames and ``decode_frame`` sums. The ``check_*``
+functions take a ``Setup`` so that tests/host_kernels run them on the host-built kernels;
+here they run on a GPU (``gpu`` fixture: skips with the reason where CUDA kernels cannot
+run)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+import hvdcompress
+from hvdcompress import wire
+from hvdcompress.errors import PayloadError
+from tests.gpu.conftest import Setup, bits
+from tests.gpu.test_threelc_gpu import assert_same_bytes, make_bucket, make_input
+
+# The backend call that decode_frame's fast path reaches for each compressor.
+SEGMENT_DECODER = {
+    "3lc": "threelc_decode_segments",
+    "terngrad": "threelc_decode_segments",
+    "signsgd": "sign_decode_segments",
+    "efsignsgd": "sign_decode_segments",
+}
+
+
+def _corrupt(name: str, body: torch.Tensor, numel: int) -> bool:
+    """Make a body its decoder refuses (in place); False when this one cannot be."""
+    if name in ("signsgd", "efsignsgd"):
+        if numel % 8 == 0:
+            return False
+        body[-1] |= 0x80  # a padding bit
+        return True
+    literal = np.flatnonzero(body.numpy() <= 242)
+    if not len(literal):
+        return False
+    body[int(literal[0])] = 255  # a literal byte made a run of 14: too many quartic bytes
+    return True
+
+
+def check_bucket_frames(s: Setup, name: str, use_backend=contextlib.nullcontext) -> None:
+    """A compressor's bucket on the device: ``compress_bucket`` gives the CPU's frame byte
+    for byte (state carried over steps), and ``decode_frame`` of a host or device frame
+    into device outputs takes the one-launch-sequence path and adds what the CPU adds; a
+    corrupt body (checksum recomputed) raises for the same tensor, with the same outputs.
+    ``use_backend``: a context in which the backend under test serves the device."""
+    from hvdcompress.backends import cpu
+
+    gen = torch.Generator().manual_seed(24)
+    on_dev, on_cpu = hvdcompress.get_compressor(name), hvdcompress.get_compressor(name)
+    decoder = SEGMENT_DECODER[name]
+    real = getattr(s.backend, decoder)
+    decoded = []
+
+    def counted(*args):
+        decoded.append(1)
+        return real(*args)
+
+    for step in range(3):
+        grads = make_bucket(gen)
+        grads[4] = grads[4].half()
+        if step == 1:
+            grads[9][3] = float("nan")
+        names = [f"layer{i}" for i in range(len(grads))]
+        frame_cpu, ctxs = on_cpu.compress_bucket(grads, names)
+        with use_backend():
+            frame_dev, ctxs_dev = on_dev.compress_bucket(
+                [g.to(s.dev, copy=True) for g in grads], names
+            )
+        assert_same_bytes(frame_dev, frame_cpu, f"{name} step {step}")
+        bases = [torch.linspace(-1, 1, g.numel()) for g in grads]
+        couts = [b.clone() for b in bases]
+        on_cpu.decode_frame(frame_cpu, couts, ctxs, rank=1)
+        for src in (frame_cpu, frame_dev):
+            outs = [b.to(s.dev, copy=True) for b in bases]
+            setattr(s.backend, decoder, counted)
+            try:
+                with use_backend():
+                    on_dev.decode_frame(src, outs, ctxs_dev, rank=1)
+            finally:
+                setattr(s.backend, decoder, real)
+            for i, (out, cout) in enumerate(zip(outs, couts, strict=True)):
+                np.testing.assert_array_equal(bits(out), bits(cout), f"{name} output {i}")
+    assert len(decoded) == 6, "decode_frame did not take the one-call path"
+    # a corrupt body with a valid checksum: the same tensor refused, the same sums
+    parsed = wire.unframe_parsed(frame_cpu, 0, names, torch.device("cpu"))
+    lengths = [p.numel() for _, p in parsed]
+    starts = (8 * (len(lengths) + 1) + np.cumsum([0, *lengths[:-1]])).tolist()
+    bad = frame_cpu.clone()
+    order = sorted(range(len(parsed)), key=lambda i: -parsed[i][0].body_len)
+    for target in order:
+        end = starts[target] + lengths[target]
+        body = bad[end - parsed[target][0].body_len : end]
+        if body.numel() and _corrupt(name, body, parsed[target][0].numel):
+            break
+    bad[starts[target] + wire.CHECKSUM_OFFSET :][:4] = 0
+    cpu.store_checksums(bad, [starts[target]], [lengths[target]], wire.CHECKSUM_OFFSET)
+    couts = [b.clone() for b in bases]
+    with pytest.raises(PayloadError) as want:
+        on_cpu.decode_frame(bad, couts, ctxs, rank=2)
+    outs = [b.to(s.dev, copy=True) for b in bases]
+    with pytest.raises(PayloadError) as got, use_backend():
+        on_dev.decode_frame(bad, outs, ctxs_dev, rank=2)
+    where = (got.value.field, got.value.rank, got.value.tensor)
+    assert where == (want.value.field, want.value.rank, want.value.tensor)
+    assert got.value.tensor == names[target]
+    for i, (out, cout) in enumerate(zip(outs, couts, strict=True)):
+        np.testing.assert_array_equal(bits(out), bits(cout), f"corrupt: output {i}")
+
+
+def check_sign_segments(s: Setup) -> None:
+    """signSGD's and EF-signSGD's bucket calls (encode, chunk sums, EF encode, decode)
+    give the CPU backend's bodies, flags, sums, residuals and sums of outputs; a set
+    padding bit stops the decode at its body, the ones before it added."""
+    gen = torch.Generator().manual_seed(25)
+    xs = make_bucket(gen)
+    xs[6][1] = float("-inf")
+    want = s.cpu.sign_encode_segments(xs)
+    got = s.backend.sign_encode_segments([x.to(s.dev, copy=True) for x in xs])
+    assert [b is None for b in got] == [b is None for b in want]
+    assert sum(b is None for b in want) == 2
+    for i, (b, w) in enumerate(zip(got, want, strict=True)):
+        if w is not None:
+            assert_same_bytes(b, w, f"sign body {i}")
+    es = [make_input(x.numel(), "dense", gen) * 0.1 for x in xs]
+    es_dev = [e.to(s.dev, copy=True) for e in es]
+    xs_dev = [x.to(s.dev, copy=True) for x in xs]
+    sums, bad = s.cpu.efsign_sums_segments(xs, es)
+    sums_dev, bad_dev = s.backend.efsign_sums_segments(xs_dev, es_dev)
+    assert bad_dev == bad and sum(bad) == 2
+    for i, (a, b) in enumerate(zip(sums_dev, sums, strict=True)):
+        if bad[i]:
+            continue  # a non-finite tensor's sums are not used
+        np.testing.assert_array_equal(
+            np.asarray(a, np.float64).view(np.uint64),
+            np.asarray(b, np.float64).view(np.uint64),
+            f"chunk sums {i}",
+        )
+    scales = [0.0 if b else 0.25 + i / 64 for i, b in enumerate(bad)]
+    bodies = s.cpu.efsign_encode_segments(xs, es, scales, bad)
+    bodies_dev = s.backend.efsign_encode_segments(xs_dev, es_dev, scales, bad)
+    for i, (b, w) in enumerate(zip(bodies_dev, bodies, strict=True)):
+        assert_same_bytes(b, w, f"EF body {i}")
+        np.testing.assert_array_equal(bits(es_dev[i]), bits(es[i]), f"residual {i}")
+    # decode: the EF bodies at gaps in a frame, one of them with a padding bit set
+    keep = [i for i, b in enumerate(bad) if not b]
+    rng = np.random.default_rng(25)
+    pieces, starts, at = [], [], 0
+    for i in keep:
+        gap = rng.integers(0, 256, int(rng.integers(0, 9)), dtype=np.uint8)
+        pieces += [gap, bodies[i].numpy()]
+        starts.append(at + gap.size)
+        at += gap.size + bodies[i].numel()
+    frame = torch.from_numpy(np.concatenate(pieces))
+    starts = np.array(starts, np.int64)
+    ns = np.array([xs[i].numel() for i in keep], np.int64)
+    sc = np.array([scales[i] for i in keep], np.float32)
+    bases = [make_input(int(n), "dense", gen) for n in ns]
+    padded = int(np.flatnonzero((ns % 8 != 0) & (ns > 100))[0])
+    for corrupt in (False, True):
+        src = frame.clone()
+        if corrupt:
+            src[int(starts[padded] + (ns[padded] + 7) // 8 - 1)] |= 0x80
+        for on_device in (False, True):
+            outs = [b.to(s.dev, copy=True) for b in bases]
+            couts = [b.clone() for b in bases]
+            where = src.to(s.dev, copy=True) if on_device else src
+            failed = s.backend.sign_decode_segments(where, starts, ns, sc, outs)
+            cfailed = s.cpu.sign_decode_segments(src, starts, ns, sc, couts)
+            assert (failed is None) == (cfailed is None) == (not corrupt)
+            if corrupt:
+                assert failed[0] == cfailed[0] == padded and "padding" in failed[1]
+            for p, (o, c) in enumerate(zip(outs, couts, strict=True)):
+                np.testing.assert_array_equal(bits(o), bits(c), f"decode output {p}")
+
+
+@pytest.mark.gpu
+def test_sign_segments_match_cpu(gpu):
+    check_sign_segments(gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(SEGMENT_DECODER))
+def test_bucket_frames_match_cpu(gpu, name):
+    check_bucket_frames(gpu, name)
