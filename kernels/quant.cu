@@ -291,3 +291,71 @@ extern "C" __global__ void quant_dqsg_dequantize(const signed char* __restrict__
         out[i] = accumulate ? __fadd_rn(out[i], v) : v;
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// 9. Buckets (docs/design.md section 1.6, "The CUDA path"): TernGrad's quartic bytes of
+// every tensor of a bucket in one launch, between threelc.cu's threelc_absmax_segments
+// (M_s into word 0 of each state row) and its bucket zero-run encoder. The segment table
+// is threelc.cu's (section 7: x, n, first quartic byte, first tile), with the uniforms'
+// key in column 5. A non-finite M_s gives bytes of 121 (all digits 1): the host drops
+// that tensor's body.
+#define HVD_QUANT_SEG_COLS 8
+#define HVD_QUANT_SEG_IN 0
+#define HVD_QUANT_SEG_N 2
+#define HVD_QUANT_SEG_QOFF 3
+#define HVD_QUANT_SEG_KEY 5
+#define HVD_QUANT_SEG_TILE 6
+#define HVD_QUANT_STATE_WORDS 8
+
+// The segment of tile t: the last row whose first tile is <= t.
+__device__ __forceinline__ long long hvd_quant_tile_segment(const long long* seg,
+                                                            long long nseg, long long t)
+{
+    long long lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        const long long mid = (lo + hi + 1) >> 1;
+        if (seg[mid * HVD_QUANT_SEG_COLS + HVD_QUANT_SEG_TILE] > t) {
+            hi = mid - 1;
+        } else {
+            lo = mid;
+        }
+    }
+    return lo;
+}
+
+// grid: blocks loop over tiles of `tile` quartic bytes, 256 threads. bytes: reads 4n,
+// writes n / 5 over all segments.
+extern "C" __global__ void quant_terngrad_quartic_segments(const long long* __restrict__ seg,
+                                                           long long nseg, long long ntiles,
+                                                           long long tile,
+                                                           const unsigned int* __restrict__ states,
+                                                           unsigned char* __restrict__ quartic)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const float* x = (const float*)row[HVD_QUANT_SEG_IN];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
+        const unsigned int mbits = states[s * HVD_QUANT_STATE_WORDS];
+        const float scale = mbits >= HVD_QUANT_NONFINITE_BITS ? 0.0f : __uint_as_float(mbits);
+        unsigned char* qb = quartic + row[HVD_QUANT_SEG_QOFF];
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        const long long m = (n + 4) / 5;
+        const long long end = first + tile < m ? first + tile : m;
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            unsigned int byte = 0u;
+            for (long long k = 0; k < 5; ++k) {
+                const long long i = 5ll * j + k;
+                unsigned int d = 1u;
+                if (i < n && scale != 0.0f) {
+                    const float v = x[i];
+                    if (hvd_quant_uniform(key, i) < __fdiv_rn(fabsf(v), scale))
+                        d = v < 0.0f ? 0u : 2u;
+                }
+                byte = byte * 3u + d;
+            }
+            qb[j] = (unsigned char)byte;
+        }
+    }
+}

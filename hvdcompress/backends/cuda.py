@@ -100,6 +100,7 @@ QUANT = KernelFamily(
         "quant_dqsg_deltas",
         "quant_dqsg_quantize",
         "quant_dqsg_dequantize",
+        "quant_terngrad_quartic_segments",
     ),
 )
 FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT)
@@ -991,80 +992,90 @@ def threelc_encode_segments(
     flag, body length). Bodies are views of one device buffer, in order."""
     if not gs:
         return [], [], []
-    device = gs[0].device
-    for g, e in zip(gs, es, strict=True):
-        _check_tensor(g, "g", torch.float32)
-        if g.device != device:
-            raise ValueError(f"a bucket's tensors are on {device} and {g.device}")
-        if e is not None:
-            _check_tensor(e, "e", torch.float32)
-            if e.numel() != g.numel() or e.device != device:
-                raise ValueError(
-                    f"residual has {e.numel()} elements on {e.device}, "
-                    f"gradient {g.numel()} on {device}"
-                )
+    device = _bucket_device(gs, "g")
+    _check_residuals(gs, [g if e is None else e for g, e in zip(gs, es, strict=True)])
     ss = [_sparsity(s) for s in sparsities]
-    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=len(gs))
-    live = np.flatnonzero(ns > 0)
+    ns, live, table = _quartic_table(gs)
+    table[:, _SEG_AUX] = [0 if es[i] is None else es[i].data_ptr() for i in live.tolist()]
+    table[:, _SEG_F32] = _f32_bits([ss[i] for i in live.tolist()])
     bodies = [torch.empty(0, dtype=torch.uint8, device=device)] * len(gs)
     scales, nonfinite = [0.0] * len(gs), [False] * len(gs)
     if not len(live):
         return bodies, scales, nonfinite
-    ms = (ns[live] + 4) // 5
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = [gs[i].data_ptr() for i in live.tolist()]
-    table[:, _SEG_AUX] = [0 if es[i] is None else es[i].data_ptr() for i in live.tolist()]
-    table[:, _SEG_N] = ns[live]
-    table[:, _SEG_QOFF] = np.cumsum(ms) - ms
-    table[:, _SEG_F32] = _f32_bits([ss[i] for i in live.tolist()])
-    total = int(ms.sum())
     with _Launcher(device) as k:
-        seg = _segments(table, ms, device)
+        seg = _segments(table, (ns[live] + 4) // 5, device)
         states = k.states(seg.count)
         k.tiles("threelc_absmax_segments", seg, _ptr(states))
-        quartic = k.empty(total, torch.uint8)
+        quartic = k.empty(int(((ns + 4) // 5).sum()), torch.uint8)
         k.tiles("threelc_quantize_quartic_segments", seg, _ptr(states), _ptr(quartic))
-        start = k.empty(total, torch.int64)
-        k.tiles("threelc_zre_run_starts_segments", seg, _ptr(quartic), _ptr(start))
-        run_start = _running_max(start)
-        del start
-        emit = k.empty(total, torch.uint8)
-        state = k.state()  # input errors cannot happen here: quartic bytes are <= 242
-        k(
-            "threelc_zre_flags",
-            total,
-            _ptr(quartic),
-            _ptr(run_start),
-            np.int64(total),
-            _ptr(emit),
-            _ptr(state),
-        )
-        incl = torch.cumsum(emit, 0, dtype=torch.int64)
-        del emit
-        out = k.empty(total, torch.uint8)
-        k.tiles(
-            "threelc_zre_scatter_segments",
-            seg,
-            _ptr(quartic),
-            _ptr(run_start),
-            _ptr(incl),
-            _ptr(out),
-            np.int64(total),
-            _ptr(states),
-        )
+        out = _zre_encode_segments(k, seg, quartic, states)
         host = _read_state(states).reshape(seg.count, _STATE_WORDS)
-    if host[:, _ST_ERROR].any():
-        raise RuntimeError("3LC bucket encode: a zero-run write past the buffer was refused")
-    lengths = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
-    firsts = (np.cumsum(lengths) - lengths).tolist()
     words = host[:, _ST_SCALE].copy().view(np.float32)
-    for row, i in enumerate(live.tolist()):
+    for row, (i, body) in enumerate(zip(live.tolist(), _segment_bodies(out, host), strict=True)):
         if host[row, _ST_NONFINITE]:  # no body, scale 0, the residual untouched
             nonfinite[i] = True
         else:
-            bodies[i] = out[firsts[row] : firsts[row] + int(lengths[row])]
-            scales[i] = float(words[row])
+            bodies[i], scales[i] = body, float(words[row])
     return bodies, scales, nonfinite
+
+
+def _quartic_table(xs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(numels, the non-empty tensors' indices, their segment table with the input, size
+    and first quartic byte filled in)."""
+    ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
+    live = np.flatnonzero(ns > 0)
+    ms = (ns[live] + 4) // 5
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = [xs[i].data_ptr() for i in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    table[:, _SEG_QOFF] = np.cumsum(ms) - ms
+    return ns, live, table
+
+
+def _zre_encode_segments(
+    k: _Launcher, seg: _Segments, quartic: torch.Tensor, states: torch.Tensor
+) -> torch.Tensor:
+    """Zero-run encode a bucket's quartic bytes, each tensor's on its own (runs stop at
+    its end), into one new buffer; each tensor's body length goes to its state row."""
+    total = quartic.numel()
+    start = k.empty(total, torch.int64)
+    k.tiles("threelc_zre_run_starts_segments", seg, _ptr(quartic), _ptr(start))
+    run_start = _running_max(start)
+    del start
+    emit = k.empty(total, torch.uint8)
+    state = k.state()  # input errors cannot happen here: quartic bytes are <= 242
+    k(
+        "threelc_zre_flags",
+        total,
+        _ptr(quartic),
+        _ptr(run_start),
+        np.int64(total),
+        _ptr(emit),
+        _ptr(state),
+    )
+    incl = torch.cumsum(emit, 0, dtype=torch.int64)
+    del emit
+    out = k.empty(total, torch.uint8)
+    k.tiles(
+        "threelc_zre_scatter_segments",
+        seg,
+        _ptr(quartic),
+        _ptr(run_start),
+        _ptr(incl),
+        _ptr(out),
+        np.int64(total),
+        _ptr(states),
+    )
+    return out
+
+
+def _segment_bodies(out: torch.Tensor, host: np.ndarray) -> list[torch.Tensor]:
+    """Each tensor's body, in order, from the state rows' lengths (a view of ``out``)."""
+    if host[:, _ST_ERROR].any():
+        raise RuntimeError("bucket zero-run encode: a write past the buffer was refused")
+    lengths = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+    firsts = np.cumsum(lengths) - lengths
+    return [out[a : a + n] for a, n in zip(firsts.tolist(), lengths.tolist(), strict=True)]
 
 
 def efsign_sums_segments(gs, es) -> tuple[list[np.ndarray], list[bool]]:
@@ -1343,6 +1354,38 @@ def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | N
         out = _zre_encode(k, quartic, state)
         length = _count(_read_state(state))
     return out[:length], scale
+
+
+def terngrad_encode_segments(
+    xs: list[torch.Tensor], keys: list[int]
+) -> list[tuple[torch.Tensor, float] | None]:
+    """``terngrad_encode`` of each (x, key) of a bucket as one launch sequence: every
+    tensor's max|x| (threelc_absmax_segments), its quartic digits
+    (quant_terngrad_quartic_segments, M read on the device), the bucket's zero-run encode,
+    then one read of the states (M, body length). (body, a view of one buffer; M), or None
+    for a non-finite x."""
+    if not xs:
+        return []
+    device = _bucket_device(xs, "x")
+    ns, live, table = _quartic_table(xs)
+    table[:, _SEG_BLEN] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)  # the key
+    encoded: list[tuple[torch.Tensor, float] | None] = [
+        (torch.empty(0, dtype=torch.uint8, device=device), 0.0)
+    ] * len(xs)
+    if not len(live):
+        return encoded
+    with _Launcher(device) as k:
+        seg = _segments(table, (ns[live] + 4) // 5, device)
+        states = k.states(seg.count)
+        k.tiles("threelc_absmax_segments", seg, _ptr(states))
+        quartic = k.empty(int(((ns + 4) // 5).sum()), torch.uint8)
+        k.tiles("quant_terngrad_quartic_segments", seg, _ptr(states), _ptr(quartic))
+        out = _zre_encode_segments(k, seg, quartic, states)
+        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
+    for row, (i, body) in enumerate(zip(live.tolist(), _segment_bodies(out, host), strict=True)):
+        max_bits = int(host[row, _ST_ABSMAX])
+        encoded[i] = None if max_bits >= 0x7F800000 else (body, _f32(max_bits))
+    return encoded
 
 
 def dqsg_quantize(

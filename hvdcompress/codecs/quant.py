@@ -104,16 +104,17 @@ def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | N
 def terngrad_encode_segments(
     xs: list[torch.Tensor], keys: list[int]
 ) -> list[tuple[torch.Tensor, float] | None]:
-    """``terngrad_encode`` of each (x, key) of a bucket (contiguous float32 on the CPU): one
-    native call for the tensors that the codec threads do not cut into parts
-    (``cpu.splits``), ``terngrad_encode`` for those."""
-    from hvdcompress.backends import cpu
-
+    """``terngrad_encode`` of each (x, key) of a bucket (contiguous float32 on one device):
+    one native call (CPU) or launch sequence (CUDA) for the tensors that the codec threads
+    do not cut into parts (``splits``), ``terngrad_encode`` for those."""
+    backend = for_device(xs[0].device)
     return prim.batched_except_split(
         list(zip(xs, keys, strict=True)),
         lambda xk: xk[0].numel(),
-        cpu.splits,
-        lambda pairs: cpu.terngrad_encode_segments([x for x, _ in pairs], [k for _, k in pairs]),
+        backend.splits,
+        lambda pairs: backend.terngrad_encode_segments(
+            [x for x, _ in pairs], [k for _, k in pairs]
+        ),
         lambda xk: terngrad_encode(*xk),
     )
 

@@ -123,7 +123,7 @@ class TernGrad(Stochastic):
 
     def encode_bucket(self, tensors, names):
         xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if not xs or any(x.device.type != "cpu" for x in xs):
+        if len({x.device for x in xs}) != 1:  # none, or on several devices
             return super().encode_bucket(tensors, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         encoded = quant.terngrad_encode_segments(xs, [key for _, key in rngs])

@@ -178,6 +178,23 @@ def check_sign_segments(s: Setup) -> None:
                 np.testing.assert_array_equal(bits(o), bits(c), f"decode output {p}")
 
 
+def check_terngrad_segments(s: Setup) -> None:
+    """TernGrad's bucket encode (one launch sequence) gives the CPU backend's bodies and
+    scales, None for the non-finite tensors, over a bucket with runs at tensor ends."""
+    gen = torch.Generator().manual_seed(26)
+    xs = make_bucket(gen)
+    xs[8][0] = float("inf")
+    keys = [(2**64 - 1 - 977 * i) % 2**64 for i in range(len(xs))]
+    want = s.cpu.terngrad_encode_segments(xs, keys)
+    got = s.backend.terngrad_encode_segments([x.to(s.dev, copy=True) for x in xs], keys)
+    assert [g is None for g in got] == [w is None for w in want]
+    assert sum(w is None for w in want) == 2
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is not None:
+            assert g[1] == w[1], f"scale {i}"
+            assert_same_bytes(g[0], w[0], f"body {i}")
+
+
 @pytest.mark.gpu
 def test_sign_segments_match_cpu(gpu):
     check_sign_segments(gpu)
@@ -187,3 +204,8 @@ def test_sign_segments_match_cpu(gpu):
 @pytest.mark.parametrize("name", sorted(SEGMENT_DECODER))
 def test_bucket_frames_match_cpu(gpu, name):
     check_bucket_frames(gpu, name)
+
+
+@pytest.mark.gpu
+def test_terngrad_segments_match_cpu(gpu):
+    check_terngrad_segments(gpu)

@@ -99,7 +99,8 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(quant_terngrad_quartic) \
     HOST_KERNEL(quant_dqsg_deltas)      \
     HOST_KERNEL(quant_dqsg_quantize)    \
-    HOST_KERNEL(quant_dqsg_dequantize)
+    HOST_KERNEL(quant_dqsg_dequantize)          \
+    HOST_KERNEL(quant_terngrad_quartic_segments)
 
 #define HOST_KERNEL(k)                         \
     if (strcmp(name, #k) == 0) {               \

@@ -282,6 +282,10 @@ def test_emulated_sign_segments(setup):
     test_buckets_gpu.check_sign_segments(setup)
 
 
+def test_emulated_terngrad_segments(setup):
+    test_buckets_gpu.check_terngrad_segments(setup)
+
+
 @pytest.mark.parametrize("name", sorted(test_buckets_gpu.SEGMENT_DECODER))
 def test_emulated_bucket_frames_on_segment_calls(setup, monkeypatch, name):
     """Whole compressors through the emulated backend's segment calls: frames and sums
@@ -297,8 +301,9 @@ def test_emulated_bucket_frames_on_segment_calls(setup, monkeypatch, name):
 
 
 def test_emulated_sign_bucket_launches(cuda_on_host):
-    """A bucket of 30 tensors: one launch and one read to encode, two launches and one
-    read for EF-signSGD, two launches and one read to decode."""
+    """A bucket of 30 tensors: signSGD takes one launch and one read to encode, two
+    launches and one read for EF-signSGD, two launches and one read to decode; TernGrad
+    the 3LC bucket encoder's five launches."""
     cuda, calls = cuda_on_host.backend, cuda_on_host.calls
     gen = torch.Generator().manual_seed(7)
     xs = [torch.randn(n, generator=gen) for n in range(1, 301, 10)]
@@ -323,3 +328,13 @@ def test_emulated_sign_bucket_launches(cuda_on_host):
         assert len(reads) == 3
     for x, out in zip(xs, outs, strict=True):
         assert torch.equal(out, torch.where(x < 0, -1.0, 1.0))
+    calls.clear()
+    encoded = cuda.terngrad_encode_segments(xs, list(range(len(xs))))
+    assert all(e is not None for e in encoded)
+    assert calls == [
+        "threelc_absmax_segments",
+        "quant_terngrad_quartic_segments",
+        "threelc_zre_run_starts_segments",
+        "threelc_zre_flags",
+        "threelc_zre_scatter_segments",
+    ]
