@@ -293,8 +293,9 @@ extern "C" __global__ void quant_dqsg_dequantize(const signed char* __restrict__
 }
 
 // ---------------------------------------------------------------------------------------
-// 9. Buckets (docs/design.md section 1.6, "The CUDA path"): TernGrad's quartic bytes of
-// every tensor of a bucket in one launch, between threelc.cu's threelc_absmax_segments
+// 9. Buckets (docs/design.md section 1.6, "The CUDA path"): QSGD's norms, codes, checks and
+// decode, and TernGrad's quartic bytes, of every tensor of a bucket in one launch each.
+// TernGrad's kernel runs between threelc.cu's threelc_absmax_segments
 // (M_s into word 0 of each state row) and its bucket zero-run encoder. The segment table
 // is threelc.cu's (section 7: x, n, first quartic byte, first tile), with the uniforms'
 // key in column 5. A non-finite M_s gives bytes of 121 (all digits 1): the host drops
@@ -307,14 +308,15 @@ extern "C" __global__ void quant_dqsg_dequantize(const signed char* __restrict__
 #define HVD_QUANT_SEG_TILE 6
 #define HVD_QUANT_STATE_WORDS 8
 
-// The segment of tile t: the last row whose first tile is <= t.
+// The segment of tile t: the last row whose first tile (in column `col`) is <= t.
 __device__ __forceinline__ long long hvd_quant_tile_segment(const long long* seg,
-                                                            long long nseg, long long t)
+                                                            long long nseg, long long t,
+                                                            int col)
 {
     long long lo = 0, hi = nseg - 1;
     while (lo < hi) {
         const long long mid = (lo + hi + 1) >> 1;
-        if (seg[mid * HVD_QUANT_SEG_COLS + HVD_QUANT_SEG_TILE] > t) {
+        if (seg[mid * HVD_QUANT_SEG_COLS + col] > t) {
             hi = mid - 1;
         } else {
             lo = mid;
@@ -332,7 +334,7 @@ extern "C" __global__ void quant_terngrad_quartic_segments(const long long* __re
                                                            unsigned char* __restrict__ quartic)
 {
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
-        const long long s = hvd_quant_tile_segment(seg, nseg, t);
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
         const long long* row = seg + s * HVD_QUANT_SEG_COLS;
         const float* x = (const float*)row[HVD_QUANT_SEG_IN];
         const long long n = row[HVD_QUANT_SEG_N];
@@ -356,6 +358,187 @@ extern "C" __global__ void quant_terngrad_quartic_segments(const long long* __re
                 byte = byte * 3u + d;
             }
             qb[j] = (unsigned char)byte;
+        }
+    }
+}
+
+// QSGD's bucket calls: the table's input is x (encode) or the body (decode), column 1 the
+// output (decode), column 3 the body (encode: 4-byte aligned, norms first), column 5 the
+// uniforms' key. Each kernel takes the tile column it loops over (`tiles_at`): the host
+// fills two, one per unit (norm buckets, groups of eight elements, or the larger of the
+// two for the check).
+#define HVD_QUANT_SEG_AUX 1
+#define HVD_QUANT_SEG_OUT 3
+
+// quant_qsgd_norms of each segment into its body's first 4 nb bytes, the non-finite flag to
+// its state. grid: blocks loop over tiles of `tile` norm buckets. bytes: reads 4n, writes 4
+// per bucket.
+extern "C" __global__ void quant_qsgd_norms_segments(const long long* __restrict__ seg,
+                                                     long long nseg, long long ntiles,
+                                                     long long tile, int tiles_at,
+                                                     long long bucket,
+                                                     unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const float* x = (const float*)row[HVD_QUANT_SEG_IN];
+        float* norms = (float*)row[HVD_QUANT_SEG_OUT];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const long long nb = (n + bucket - 1) / bucket;
+        const long long first = (t - row[tiles_at]) * tile;
+        const long long end = first + tile < nb ? first + tile : nb;
+        bool bad = false;
+        for (long long b = first + threadIdx.x; b < end; b += blockDim.x) {
+            const long long lo = b * bucket;
+            const long long hi = lo + bucket < n ? lo + bucket : n;
+            double sum = 0.0;
+            for (long long i = lo; i < hi; ++i) {
+                const double v = (double)x[i];
+                sum = hvd_quant_dadd(sum, hvd_quant_dmul(v, v));
+            }
+            const float norm = (float)hvd_quant_dsqrt(sum);
+            bad = bad || (__float_as_uint(norm) & 0x7fffffffu) >= HVD_QUANT_NONFINITE_BITS;
+            norms[b] = norm;
+        }
+        if (bad) atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_NONFINITE, 1u);
+    }
+}
+
+// quant_qsgd_encode of each segment (its norms from its body). grid: blocks loop over tiles
+// of `tile` groups of eight elements. bytes: reads 4n (+ the norms), writes n bits / 8.
+extern "C" __global__ void quant_qsgd_encode_segments(const long long* __restrict__ seg,
+                                                      long long nseg, long long ntiles,
+                                                      long long tile, int tiles_at,
+                                                      int levels, int bits, long long bucket)
+{
+    const float levels_f = (float)levels;
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const float* x = (const float*)row[HVD_QUANT_SEG_IN];
+        const float* norms = (const float*)row[HVD_QUANT_SEG_OUT];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
+        const long long nb = (n + bucket - 1) / bucket;
+        unsigned char* packed = (unsigned char*)row[HVD_QUANT_SEG_OUT] + 4ll * nb;
+        const long long groups = (n + 7) / 8;
+        const long long nbytes = (n * (long long)bits + 7) / 8;
+        const long long first = (t - row[tiles_at]) * tile;
+        const long long end = first + tile < groups ? first + tile : groups;
+        for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
+            const long long lo = 8ll * g;
+            const long long hi = lo + 8 < n ? lo + 8 : n;
+            unsigned long long acc = 0ull;
+            for (long long i = lo; i < hi; ++i) {
+                const float norm = norms[i / bucket];
+                const float safe = norm > 0.0f ? norm : 1.0f;
+                const float v = x[i];
+                const float r = __fadd_rn(__fmul_rn(__fdiv_rn(fabsf(v), safe), levels_f),
+                                          hvd_quant_uniform(key, i));
+                int l = (int)r;  // r >= 0: truncation is floor
+                l = l > levels ? levels : l;
+                const unsigned long long code =
+                    (unsigned long long)(2 * l + ((v < 0.0f && l > 0) ? 1 : 0));
+                acc |= code << (unsigned int)((i - lo) * bits);
+            }
+            const long long first_byte = g * (long long)bits;
+            for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
+                packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
+        }
+    }
+}
+
+// quant_qsgd_check of each segment's body into its state (norms, padding, codes), before
+// any decode writes. grid: blocks loop over tiles of `tile` units, a unit being a group of
+// eight elements and a norm bucket at once (max(groups, buckets) units a segment).
+// bytes: reads n bits / 8 + 4 per bucket.
+extern "C" __global__ void quant_qsgd_check_segments(const long long* __restrict__ seg,
+                                                     long long nseg, long long ntiles,
+                                                     long long tile, int tiles_at,
+                                                     int levels, int bits, long long bucket,
+                                                     unsigned int* __restrict__ states)
+{
+    const unsigned long long mask = (1ull << bits) - 1ull;
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const unsigned char* body = (const unsigned char*)row[HVD_QUANT_SEG_IN];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const long long nb = (n + bucket - 1) / bucket;
+        const long long groups = (n + 7) / 8;
+        const unsigned char* packed = body + 4ll * nb;
+        const long long used = n * (long long)bits;
+        const long long nbytes = (used + 7) / 8;
+        const long long units = groups > nb ? groups : nb;
+        const long long first = (t - row[tiles_at]) * tile;
+        const long long end = first + tile < units ? first + tile : units;
+        unsigned int err = 0u;
+        for (long long u = first + threadIdx.x; u < end; u += blockDim.x) {
+            if (u == 0 && (used & 7ll) &&
+                ((unsigned int)packed[nbytes - 1] >> (unsigned int)(used & 7ll)))
+                err |= HVD_QUANT_ERR_PADDING;
+            if (u < nb) {
+                const float norm = hvd_quant_load_f32(body + 4ll * u);
+                if (!(norm >= 0.0f) ||
+                    (__float_as_uint(norm) & 0x7fffffffu) >= HVD_QUANT_NONFINITE_BITS)
+                    err |= HVD_QUANT_ERR_NORM;
+            }
+            if (u < groups) {
+                const long long lo = 8ll * u;
+                const long long hi = lo + 8 < n ? lo + 8 : n;
+                unsigned long long acc = 0ull;
+                const long long first_byte = u * (long long)bits;
+                for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
+                    acc |= (unsigned long long)packed[first_byte + k] << (8 * k);
+                for (long long i = lo; i < hi; ++i) {
+                    const unsigned int code =
+                        (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
+                    if ((int)(code >> 1) > levels || code == 1u) err |= HVD_QUANT_ERR_CODE;
+                }
+            }
+        }
+        if (err) atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_ERROR, err);
+    }
+}
+
+// quant_qsgd_decode with accumulate of each checked segment: out += +-((l / s) * norm).
+// The host launches it for the segments before the first refused one only. grid: blocks
+// loop over tiles of `tile` groups of eight elements. bytes: reads n bits / 8 + the norms
+// + 4n, writes 4n.
+extern "C" __global__ void quant_qsgd_decode_add_segments(const long long* __restrict__ seg,
+                                                          long long nseg, long long ntiles,
+                                                          long long tile, int tiles_at,
+                                                          int levels, int bits,
+                                                          long long bucket)
+{
+    const float levels_f = (float)levels;
+    const unsigned long long mask = (1ull << bits) - 1ull;
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const unsigned char* body = (const unsigned char*)row[HVD_QUANT_SEG_IN];
+        float* out = (float*)row[HVD_QUANT_SEG_AUX];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const unsigned char* packed = body + 4ll * ((n + bucket - 1) / bucket);
+        const long long groups = (n + 7) / 8;
+        const long long nbytes = (n * (long long)bits + 7) / 8;
+        const long long first = (t - row[tiles_at]) * tile;
+        const long long end = first + tile < groups ? first + tile : groups;
+        for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
+            const long long lo = 8ll * g;
+            const long long hi = lo + 8 < n ? lo + 8 : n;
+            unsigned long long acc = 0ull;
+            const long long first_byte = g * (long long)bits;
+            for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
+                acc |= (unsigned long long)packed[first_byte + k] << (8 * k);
+            for (long long i = lo; i < hi; ++i) {
+                const unsigned int code =
+                    (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
+                const float norm = hvd_quant_load_f32(body + 4ll * (i / bucket));
+                const float mag = __fmul_rn(__fdiv_rn((float)(code >> 1), levels_f), norm);
+                out[i] = __fadd_rn(out[i], (code & 1u) ? -mag : mag);
+            }
         }
     }
 }

@@ -1145,6 +1145,15 @@ def _kept_decode_segments(fn, frame, starts, ks, ns, outs) -> tuple[int, int] | 
     return None if rc == 0 else (-1 - rc, int(code.value))
 
 
+def qsgd_encode_segments(
+    xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
+) -> list[torch.Tensor | None]:
+    """``qsgd_encode`` of each (x, key) of a bucket. A call each: QSGD's encode is bound by
+    its codec (norms, uniforms, codes) rather than by the call, so no native bucket
+    encoder; the CUDA backend's saves a launch sequence and a read per tensor."""
+    return [qsgd_encode(x, levels, bits, bucket, k) for x, k in zip(xs, keys, strict=True)]
+
+
 def qsgd_decode_segments(
     frame: torch.Tensor,
     starts: np.ndarray,

@@ -101,6 +101,10 @@ QUANT = KernelFamily(
         "quant_dqsg_quantize",
         "quant_dqsg_dequantize",
         "quant_terngrad_quartic_segments",
+        "quant_qsgd_norms_segments",
+        "quant_qsgd_encode_segments",
+        "quant_qsgd_check_segments",
+        "quant_qsgd_decode_add_segments",
     ),
 )
 FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT)
@@ -125,6 +129,7 @@ _NULL = np.uint64(0)
 _SEG_COLS = 8
 _SEG_IN, _SEG_AUX, _SEG_N, _SEG_QOFF, _SEG_BOFF, _SEG_BLEN, _SEG_TILE, _SEG_F32 = range(8)
 _SIGN_SEG_OUT = 3  # HVD_SIGN_SEG_OUT of kernels/sign.cu: an output pointer
+_QUANT_SEG_KEY = 5  # HVD_QUANT_SEG_KEY of kernels/quant.cu: the uniforms' key
 SEGMENT_TILE = 2048  # work units (5-value groups, or bytes) a tile; tests use smaller ones
 
 
@@ -138,13 +143,23 @@ class _Segments(NamedTuple):
 
 
 def _segments(table: np.ndarray, units: np.ndarray, device: torch.device) -> _Segments:
-    """Fill ``table``'s tile column from each row's work ``units`` (>= 1 each) and copy the
-    table to the device (one host-to-device copy)."""
+    """Fill ``table``'s tile column from each row's work ``units`` and copy the table to
+    the device (one host-to-device copy)."""
+    return _tilings(table, device, {_SEG_TILE: units})[0]
+
+
+def _tilings(table: np.ndarray, device: torch.device, units: dict) -> list[_Segments]:
+    """``_segments`` for kernels that loop over different units of the same rows: each
+    column of ``units`` (column -> each row's units) gets its tile numbers, then one copy
+    of the table; one ``_Segments`` per column, in order."""
     tile = SEGMENT_TILE
-    per_row = -(-units // tile)
-    table[:, _SEG_TILE] = np.cumsum(per_row) - per_row
+    counts = []
+    for col, per in units.items():
+        per_row = -(-np.asarray(per, dtype=np.int64) // tile)
+        table[:, col] = np.cumsum(per_row) - per_row
+        counts.append(int(per_row.sum()))
     rows = torch.from_numpy(table).to(device)
-    return _Segments(rows, len(table), int(per_row.sum()), tile)
+    return [_Segments(rows, len(table), count, tile) for count in counts]
 
 
 def _f32_bits(values) -> np.ndarray:
@@ -1317,13 +1332,106 @@ def qsgd_decode(
         state = k.state()
         k("quant_qsgd_check", max((n + 7) // 8, nb), *args, _ptr(state))
         err = int(_read_state(state)[_ST_ERROR])
-        if err & _QUANT_ERR_NORM:
-            raise PayloadError("body", "a QSGD norm is negative or not finite")
-        if err & _PRIM_ERR_PADDING:
-            raise PayloadError("body", "a padding bit after the last packed value is set")
-        if err & _QUANT_ERR_CODE:
-            raise PayloadError("body", "a QSGD level is above the levels or a zero is signed")
+        if err & (_QUANT_ERR_NORM | _PRIM_ERR_PADDING | _QUANT_ERR_CODE):
+            raise PayloadError("body", _qsgd_refusal(err))
         k("quant_qsgd_decode", (n + 7) // 8, *args, _ptr(out), np.int32(bool(accumulate)))
+
+
+def qsgd_encode_segments(
+    xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
+) -> list[torch.Tensor | None]:
+    """``qsgd_encode`` of each (x, key) of a bucket: two launches over a segment table
+    (every norm, then every code; kernels/quant.cu section 9) and one read of the
+    non-finite flags. The bodies are views of one buffer, each 4-byte aligned (norms
+    first); None for a non-finite x."""
+    if not xs:
+        return []
+    device = _bucket_device(xs, "x")
+    ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
+    nb = (ns + bucket - 1) // bucket
+    sizes = 4 * nb + (ns * bits + 7) // 8
+    room = (sizes + 3) // 4 * 4  # the next body's norms stay 4-byte aligned
+    firsts = np.cumsum(room) - room
+    buf = torch.empty(int(room.sum()), dtype=torch.uint8, device=device)
+    bodies: list[torch.Tensor | None] = [
+        buf[a : a + n] for a, n in zip(firsts.tolist(), sizes.tolist(), strict=True)
+    ]
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return bodies
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = [xs[i].data_ptr() for i in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    table[:, _SIGN_SEG_OUT] = buf.data_ptr() + firsts[live]
+    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    tilings = {_SEG_BOFF: nb[live], _SEG_TILE: (ns[live] + 7) // 8}
+    norms, groups = _tilings(table, device, tilings)
+    with _Launcher(device) as k:
+        states = k.states(norms.count)
+        at_norms, at_groups = np.int32(_SEG_BOFF), np.int32(_SEG_TILE)
+        k.tiles("quant_qsgd_norms_segments", norms, at_norms, np.int64(bucket), _ptr(states))
+        args = (np.int32(levels), np.int32(bits), np.int64(bucket))
+        k.tiles("quant_qsgd_encode_segments", groups, at_groups, *args)
+        bad = _read_state(states).reshape(norms.count, _STATE_WORDS)[:, _ST_NONFINITE]
+    for row, i in enumerate(live.tolist()):
+        if bad[row]:
+            bodies[i] = None
+    return bodies
+
+
+def qsgd_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ns: np.ndarray,
+    levels: int,
+    bits: int,
+    bucket: int,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """``qsgd_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    checked its length) into ``outs[p]`` (on one CUDA device; the frame on the host or that
+    device): every body checked (one launch, one read), then one launch that adds the
+    bodies before the first refused one. None, or (p, ``qsgd_decode``'s message)."""
+    if not outs:
+        return None
+    device = _bucket_device(outs, "out")
+    ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+    nb = (ns + bucket - 1) // bucket
+    groups = (ns + 7) // 8
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return None
+    sizes = 4 * nb + (ns * bits + 7) // 8
+    body, at = _bodies_on(frame, np.asarray(starts, dtype=np.int64)[live], sizes[live], device)
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = at
+    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    units = np.maximum(groups, nb)[live]
+    check, decode = _tilings(table, device, {_SEG_TILE: units, _SEG_BOFF: groups[live]})
+    args = (np.int32(levels), np.int32(bits), np.int64(bucket))
+    with _Launcher(device) as k:
+        states = k.states(check.count)
+        k.tiles("quant_qsgd_check_segments", check, np.int32(_SEG_TILE), *args, _ptr(states))
+        errors = _read_state(states).reshape(check.count, _STATE_WORDS)[:, _ST_ERROR]
+        refused = np.flatnonzero(errors)
+        good = int(refused[0]) if len(refused) else check.count
+        if good:
+            part = _first_rows(decode, groups[live], good)
+            k.tiles("quant_qsgd_decode_add_segments", part, np.int32(_SEG_BOFF), *args)
+        del body  # stream-ordered: the launches above are queued before its reuse
+    if not len(refused):
+        return None
+    return int(live[good]), _qsgd_refusal(int(errors[good]))
+
+
+def _qsgd_refusal(err: int) -> str:
+    """``qsgd_decode``'s message for the check's error bits (the same order)."""
+    if err & _QUANT_ERR_NORM:
+        return "a QSGD norm is negative or not finite"
+    if err & _PRIM_ERR_PADDING:
+        return "a padding bit after the last packed value is set"
+    return "a QSGD level is above the levels or a zero is signed"
 
 
 def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:

@@ -101,6 +101,17 @@ def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | N
     return for_device(x.device).terngrad_encode(x, key)
 
 
+def qsgd_encode_segments(
+    xs: list[torch.Tensor], levels: int, bucket: int, keys: list[int]
+) -> list[torch.Tensor | None]:
+    """``qsgd_encode`` of each (x, key) of a bucket (contiguous float32 on one device): on
+    CUDA one launch sequence for the bucket."""
+    levels = check_levels(levels, "QSGD")
+    return for_device(xs[0].device).qsgd_encode_segments(
+        xs, levels, qsgd_bits(levels), bucket, keys
+    )
+
+
 def terngrad_encode_segments(
     xs: list[torch.Tensor], keys: list[int]
 ) -> list[tuple[torch.Tensor, float] | None]:
@@ -135,17 +146,17 @@ def qsgd_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``qsgd_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` of
-    ``ns[i]`` values into ``outs[i]``, in order, one native call over a host frame
-    (kernels/quant.c): None, or (i, the PayloadError ``qsgd_decode_into`` raises) for the
-    first body that does not decode, the ones before it added, ``outs[i]`` untouched."""
-    from hvdcompress.backends import cpu
-
+    ``ns[i]`` values into ``outs[i]``, in order, one native call (CPU outputs, host frame;
+    kernels/quant.c) or launch sequence (outputs on one CUDA device): None, or (i, the
+    PayloadError ``qsgd_decode_into`` raises) for the first body that does not decode, the
+    ones before it added, ``outs[i]`` untouched."""
+    backend = for_device(outs[0].device) if outs else for_device(frame.device)
     levels = check_levels(levels, "QSGD")
     bits = qsgd_bits(levels)
     need = 4 * ((ns + bucket - 1) // bucket) + (ns * bits + 7) // 8
 
     def decode(upto: int):
-        failed = cpu.qsgd_decode_segments(
+        failed = backend.qsgd_decode_segments(
             frame, starts[:upto].copy(), ns[:upto].copy(), levels, bits, bucket, outs[:upto]
         )
         return None if failed is None else (failed[0], PayloadError("body", failed[1]))

@@ -34,6 +34,7 @@ class QSGD(Stochastic):
     examples = ({"levels": 16, "bucket_size": 64}, {"levels": 1})
     benchmarks = ({"levels": 16},)
     error_feedback = False
+    cuda_decode_segments = True  # quant.qsgd_decode_segments: one launch sequence a frame
 
     def shard_alignment(self) -> int:
         return self.bucket_size  # one norm per bucket (docs/design.md section 3.3)
@@ -56,6 +57,22 @@ class QSGD(Stochastic):
         if body is None:
             return wire.FLAG_NONFINITE, params, empty_body(x.device)
         return 0, params, body
+
+    def encode_bucket(self, tensors, names):
+        xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
+        if len({x.device for x in xs}) != 1:  # none, or on several devices
+            return super().encode_bucket(tensors, names)
+        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
+        bodies = quant.qsgd_encode_segments(
+            xs, self.levels, self.bucket_size, [key for _, key in rngs]
+        )
+        params = [rng + QSGD_PARAMS.pack(self.levels, self.bucket_size) for rng, _ in rngs]
+        return [
+            Encoded(0, param, body)
+            if body is not None
+            else Encoded(wire.FLAG_NONFINITE, param, empty_body(x.device))
+            for x, param, body in zip(xs, params, bodies, strict=True)
+        ]
 
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + QSGD_PARAMS.size)

@@ -17,6 +17,7 @@ import hvdcompress
 from hvdcompress import wire
 from hvdcompress.errors import PayloadError
 from tests.gpu.conftest import Setup, bits
+from tests.gpu.conftest import bits as bits_of
 from tests.gpu.test_threelc_gpu import assert_same_bytes, make_bucket, make_input
 
 # The backend call that decode_frame's fast path reaches for each compressor.
@@ -25,11 +26,15 @@ SEGMENT_DECODER = {
     "terngrad": "threelc_decode_segments",
     "signsgd": "sign_decode_segments",
     "efsignsgd": "sign_decode_segments",
+    "qsgd": "qsgd_decode_segments",
 }
 
 
 def _corrupt(name: str, body: torch.Tensor, numel: int) -> bool:
     """Make a body its decoder refuses (in place); False when this one cannot be."""
+    if name == "qsgd":
+        body[:4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)  # a norm of -1.0
+        return True
     if name in ("signsgd", "efsignsgd"):
         if numel % 8 == 0:
             return False
@@ -195,6 +200,73 @@ def check_terngrad_segments(s: Setup) -> None:
             assert_same_bytes(g[0], w[0], f"body {i}")
 
 
+def check_qsgd_segments(s: Setup, levels: int = 16, bucket: int = 64) -> None:
+    """QSGD's bucket calls give the CPU backend's bodies (None for non-finite tensors) and
+    sums; a refused body (a negative norm, a set padding bit, a level above the levels)
+    stops the decode at its index with ``qsgd_decode``'s message, the ones before it
+    added, it and the ones after it untouched."""
+    from hvdcompress.codecs import quant
+
+    bits = quant.qsgd_bits(levels)
+    gen = torch.Generator().manual_seed(27)
+    xs = make_bucket(gen)
+    keys = [(12345 + 7919 * i) % 2**64 for i in range(len(xs))]
+    want = s.cpu.qsgd_encode_segments(xs, levels, bits, bucket, keys)
+    got = s.backend.qsgd_encode_segments(
+        [x.to(s.dev, copy=True) for x in xs], levels, bits, bucket, keys
+    )
+    assert [g is None for g in got] == [w is None for w in want]
+    assert sum(w is None for w in want) == 1
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is not None:
+            assert_same_bytes(g, w, f"QSGD body {i}")
+    keep = [i for i, w in enumerate(want) if w is not None and xs[i].numel()]
+    rng = np.random.default_rng(27)
+    pieces, starts, at = [], [], 0
+    for i in keep:
+        gap = rng.integers(0, 256, int(rng.integers(0, 9)), dtype=np.uint8)
+        pieces += [gap, want[i].numpy()]
+        starts.append(at + gap.size)
+        at += gap.size + want[i].numel()
+    frame = torch.from_numpy(np.concatenate(pieces))
+    starts = np.array(starts, np.int64)
+    ns = np.array([xs[i].numel() for i in keep], np.int64)
+    bases = [make_input(int(n), "dense", gen) for n in ns]
+    padded = np.flatnonzero((ns * bits) % 8 != 0)  # none when bits == 8
+    target = int(padded[-1]) if len(padded) else int(np.argmax(ns))
+    nb = (int(ns[target]) + bucket - 1) // bucket
+    cases = ("none", "norm", "padding", "code") if len(padded) else ("none", "norm", "code")
+    for what in cases:
+        src = frame.clone()
+        at = int(starts[target])
+        if what == "norm":  # the last norm -1.0 (past the groups when bucket < 8)
+            last = at + 4 * (nb - 1)
+            src[last : last + 4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)
+        elif what == "padding":
+            src[at + len(want[keep[target]]) - 1] |= 0x80
+        elif what == "code":  # a zero level with the sign bit: code 1
+            src[at + 4 * nb] = (int(src[at + 4 * nb]) & ~((1 << bits) - 1)) | 1
+        for on_device in (False, True):
+            outs = [b.to(s.dev, copy=True) for b in bases]
+            couts = [b.clone() for b in bases]
+            where = src.to(s.dev, copy=True) if on_device else src
+            failed = s.backend.qsgd_decode_segments(where, starts, ns, levels, bits, bucket, outs)
+            cfailed = s.cpu.qsgd_decode_segments(src, starts, ns, levels, bits, bucket, couts)
+            assert (failed is None) == (cfailed is None) == (what == "none"), what
+            for p, (o, c) in enumerate(zip(outs, couts, strict=True)):
+                np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
+            if failed is None:
+                continue
+            assert failed[0] == cfailed[0] == target, what
+            body = src[at:][: len(want[keep[target]])]
+            out = torch.zeros(int(ns[target]), device=s.dev)
+            with pytest.raises(PayloadError) as exc:  # the per-payload decoder's message
+                s.backend.qsgd_decode(
+                    body.to(s.dev, copy=True), int(ns[target]), levels, bits, bucket, out, True
+                )
+            assert failed[1] == exc.value.detail, what
+
+
 @pytest.mark.gpu
 def test_sign_segments_match_cpu(gpu):
     check_sign_segments(gpu)
@@ -209,3 +281,8 @@ def test_bucket_frames_match_cpu(gpu, name):
 @pytest.mark.gpu
 def test_terngrad_segments_match_cpu(gpu):
     check_terngrad_segments(gpu)
+
+
+@pytest.mark.gpu
+def test_qsgd_segments_match_cpu(gpu):
+    check_qsgd_segments(gpu)

@@ -286,6 +286,11 @@ def test_emulated_terngrad_segments(setup):
     test_buckets_gpu.check_terngrad_segments(setup)
 
 
+@pytest.mark.parametrize("levels,bucket", [(16, 64), (1, 7), (127, 512)])
+def test_emulated_qsgd_segments(setup, levels, bucket):
+    test_buckets_gpu.check_qsgd_segments(setup, levels, bucket)
+
+
 @pytest.mark.parametrize("name", sorted(test_buckets_gpu.SEGMENT_DECODER))
 def test_emulated_bucket_frames_on_segment_calls(setup, monkeypatch, name):
     """Whole compressors through the emulated backend's segment calls: frames and sums
