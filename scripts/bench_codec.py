@@ -12,6 +12,7 @@ to memcpy are what to compare across machines; absolute GB/s are noisy.
     python scripts/bench_codec.py --sizes 1e6 1e7 --json results/bench_codec.json
     python scripts/bench_codec.py --targets            # issue 11's targets, 1e7, one thread
     python scripts/bench_codec.py --overhead           # 160 tensors vs one of the same size
+    python scripts/bench_codec.py --overhead --device cuda   # the same on a GPU
 
 ``--threads`` sets torch's threads and the CPU codecs' (``HVDC_NUM_THREADS``; default 1).
 ``--targets`` times the target cases at 1e7 and prints each target as a multiple of the
@@ -295,10 +296,12 @@ def bucket_sizes(total: int, count: int, seed: int = 0) -> list[int]:
 def _overhead_case(comp_for, tensors, names, run, min_time: float, rank: int = 0) -> dict:
     """Seconds per step of compress + decode-accumulate: the bucket as one tensor, as
     ``count`` payloads one by one, and through the bucket API. ``rank``: the sender, whose
-    frame a compressor with side information decodes with the gather path's (acc / rank)."""
+    frame a compressor with side information decodes with the gather path's (acc / rank).
+    Everything on the tensors' device (frames too: what a transport that moves device
+    tensors hands back)."""
     whole = torch.cat(tensors)
-    accs = [torch.zeros(t.numel()) for t in tensors]
-    acc_one = torch.zeros(whole.numel())
+    accs = [torch.zeros_like(t) for t in tensors]
+    acc_one = torch.zeros_like(whole)
     one_c, loop_c, bucket_c = comp_for(), comp_for(), comp_for()
 
     def side(acc):
@@ -344,11 +347,13 @@ def _overhead_row(label: str, count: int, total: int, t: dict) -> dict:
     }
 
 
-def bench_overhead(cases: list[str], total: int, count: int, run, min_time: float) -> list:
+def bench_overhead(
+    cases: list[str], total: int, count: int, run, min_time: float, device: torch.device
+) -> list:
     """compress + decode of one tensor vs ``count`` tensors of the same total size."""
     sizes = bucket_sizes(total, count)
     gen = torch.Generator().manual_seed(1)
-    tensors = [torch.randn(n, generator=gen) for n in sizes]
+    tensors = [torch.randn(n, generator=gen).to(device) for n in sizes]
     names = [f"layer{i}" for i in range(count)]
     rows = []
     for case in cases:
@@ -381,8 +386,9 @@ def bench_overhead(cases: list[str], total: int, count: int, run, min_time: floa
             f"{r['bucket_ms']:>7.2f}ms {r['loop_vs_one']:>7.2f}x {r['bucket_vs_one']:>7.2f}x "
             f"{r['per_tensor_us_loop']:>9.0f} {r['per_tensor_us_bucket']:>9.0f}"
         )
+    where = "one thread" if device.type == "cpu" else str(device)
     print(
-        f"compress + decode-accumulate per step, one thread: {count} tensors (sizes "
+        f"compress + decode-accumulate per step, {where}: {count} tensors (sizes "
         f"log-uniform, seeded, total {total:.0e}) one by one (loop) and through the bucket "
         "API (bucket), vs one tensor of that size; target: bucket/one <= 1.3x"
     )
@@ -425,9 +431,10 @@ def main(argv=None) -> int:
             return 2
     run = timer(device)
     if args.overhead:
-        rows = bench_overhead(args.cases, int(args.total), args.tensors, run, args.min_time)
+        rows = bench_overhead(args.cases, int(args.total), args.tensors, run, args.min_time, device)
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=2))
+        meta = {"threads": args.threads, "device": str(device)}
+        json_path.write_text(json.dumps({**meta, "rows": rows}, indent=2))
         print(f"wrote {json_path}")
         return 0
     rows = []

@@ -3,15 +3,18 @@
 #   1. the environment (GPU, torch, CuPy, NVRTC) and a kernel compile/load probe;
 #   2. python -m pytest -m gpu tests/gpu -v   (CUDA backend vs CPU backend: 3LC and the
 #      shared primitives, whole payloads of every compressor that uses them);
-#   3. python scripts/bench_codec.py --device cuda     (codec throughput vs memcpy).
+#   3. python scripts/bench_codec.py --device cuda     (codec throughput vs memcpy);
+#   4. python scripts/bench_codec.py --overhead --device cuda  (a 160-tensor bucket's
+#      launch sequences against one tensor of the same size).
 # The package is used from this checkout (PYTHONPATH=<repo>, kernels from kernels/), the
 # CPU backend's C library compiled on first use into $HVDC_CACHE. Logs, the pytest JUnit
 # XML and the benchmark JSON go to $OUT when set (the device tool's output folder), else
-# to results/gpu_check/ in the repo. Stays well under 8 minutes: pytest is limited to
+# to results/gpu_check/ in the repo. Stays under 8 minutes: pytest is limited to
 # HVDC_GPU_TEST_TIMEOUT s (default 300), the benchmark to HVDC_GPU_BENCH_TIMEOUT s
-# (default 120). Exit status: non-zero if a stage failed.
+# (default 120), the overhead benchmark to HVDC_GPU_OVERHEAD_TIMEOUT s (default 60).
+# Exit status: non-zero if a stage failed.
 #
-# Environment: PYTHON (default python3), OUT, HVDC_GPU_TEST_TIMEOUT,
+# Environment: PYTHON (default python3), OUT, HVDC_GPU_TEST_TIMEOUT, HVDC_GPU_OVERHEAD_TIMEOUT,
 # HVDC_GPU_BENCH_TIMEOUT, HVDC_BENCH_SIZES (default "1e5 1e6 1e7 1e8").
 set -uo pipefail
 
@@ -81,6 +84,12 @@ if [[ -f scripts/bench_codec.py ]]; then
         "$PY" scripts/bench_codec.py --device cuda --sizes "${SIZES[@]}" \
         --json "$DEST/bench_codec_cuda.json" 2>&1 | tee "$DEST/bench_codec_cuda.log"
     record "bench cuda" "${PIPESTATUS[0]}"
+    stage "bench_codec --overhead --device cuda"
+    timeout -k 10 "${HVDC_GPU_OVERHEAD_TIMEOUT:-60}" \
+        "$PY" scripts/bench_codec.py --overhead --device cuda \
+        --cases 3lc terngrad signsgd efsignsgd qsgd \
+        --json "$DEST/bench_overhead_cuda.json" 2>&1 | tee "$DEST/bench_overhead_cuda.log"
+    record "bench overhead cuda" "${PIPESTATUS[0]}"
 else
     echo "scripts/bench_codec.py not present: skipped"
     STATUS+=("bench cuda: not present")
