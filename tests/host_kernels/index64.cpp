@@ -1,5 +1,5 @@
-// 64-bit index check of kernels/threelc.cu, kernels/primitives.cu and the element-wise
-// kernels of kernels/sign.cu and kernels/quant.cu, run on the host
+// 64-bit index check of kernels/threelc.cu (its bucket kernels too), kernels/primitives.cu
+// and the element-wise kernels of kernels/sign.cu and kernels/quant.cu, run on the host
 // (tests/host_kernels/test_threelc_kernels.py).
 //
 // Tensors of more than 2^32 elements are mapped with mmap(MAP_NORESERVE): pages that are
@@ -569,6 +569,91 @@ void test_sign_and_dqsg(float* x, unsigned char* bytes, float* deltas, unsigned 
     CHECK(low_changed(out, -5.0f, 0) == 0, "dqsg dequantize wrote low elements");
 }
 
+
+// A bucket's segment kernels (threelc.cu section 7): a tiny segment, then one of n > 2^32
+// elements; only the block of the last tile runs, so every index it forms is past 2^32
+// (a tile's first element is (t - first tile) * tile * 5, formed in 64 bits).
+void test_segments(float* g, float* e, unsigned char* quartic, unsigned char* bytes, long long n)
+{
+    const long long tile = 4096;
+    const long long m = (n + 4) / 5;
+    const long long tiles1 = (m + tile - 1) / tile;
+    const long long ntiles = 1 + tiles1;
+    float g0[7] = {1, 2, 3, 4, 5, 6, 7};
+    long long seg[2 * HVD_SEG_COLS] = {0};
+    seg[HVD_SEG_IN] = (long long)g0;
+    seg[HVD_SEG_N] = 7;
+    seg[HVD_SEG_QOFF] = m;  // after the big one's bytes
+    seg[HVD_SEG_F32] = bits(1.0f);
+    long long* big = seg + HVD_SEG_COLS;
+    big[HVD_SEG_IN] = (long long)g;
+    big[HVD_SEG_AUX] = (long long)e;
+    big[HVD_SEG_N] = n;
+    big[HVD_SEG_TILE] = 1;
+    big[HVD_SEG_F32] = bits(1.5f);
+    const long long j_lo = (tiles1 - 1) * tile;  // the last tile's first group
+    for (long long i = 5 * j_lo; i < n; ++i) {
+        g[i] = pattern(i) * 0.25f;
+        e[i] = (i % 3 == 0) ? 0.125f : 0.0f;
+    }
+    g[n - 7] = 5.0f;
+    std::vector<float> e_before(e + 5 * j_lo, e + n);
+    unsigned int states[2 * HVD_STATE_WORDS] = {0};
+    const unsigned int grid = (unsigned int)ntiles;
+    launch_blocks(threelc_absmax_segments, grid, BLOCK, (unsigned long long)ntiles - 1, 1ull,
+                  (const long long*)seg, 2ll, ntiles, tile, states);
+    unsigned int want = 0;
+    for (long long i = 5 * j_lo; i < n; ++i) want = std::max(want, bits(g[i] + e[i]) & 0x7fffffffu);
+    CHECK(states[HVD_STATE_WORDS + HVD_ST_ABSMAX] == want, "absmax_segments: got %g want %g",
+          f_of(states[HVD_STATE_WORDS + HVD_ST_ABSMAX]), f_of(want));
+    CHECK(states[HVD_ST_ABSMAX] == 0, "absmax_segments wrote the small segment's state");
+    fill_low(quartic, (unsigned char)0xEE);
+    launch_blocks(threelc_quantize_quartic_segments, grid, BLOCK, (unsigned long long)ntiles - 1,
+                  1ull, (const long long*)seg, 2ll, ntiles, tile, states, quartic);
+    const float S = 1.5f * f_of(want);
+    for (long long j = j_lo; j < m; ++j) {
+        int byte = 0;
+        for (int t = 0; t < 5; ++t) {
+            const long long i = 5 * j + t;
+            int d = 1;
+            if (i < n) {
+                const float a = g[i] + e_before[i - 5 * j_lo];
+                const int qi = ref_q(a, S);
+                d = qi + 1;
+                CHECK(bits(e[i]) == bits(a - S * (float)qi), "quantize_segments e[%lld]", i);
+            }
+            byte = 3 * byte + d;
+        }
+        CHECK(quartic[j] == byte, "quantize_segments quartic[%lld] = %d, want %d", j, quartic[j],
+              byte);
+    }
+    CHECK(low_changed(quartic, (unsigned char)0xEE, 0) == 0, "quantize_segments wrote low bytes");
+
+    // checksum of a segment of K32 + 5000 bytes: the last tile's positions are past 2^32
+    const long long len = K32 + 5000;
+    long long cseg[2 * HVD_SEG_COLS] = {0};
+    unsigned char small[3] = {1, 2, 3};
+    cseg[HVD_SEG_IN] = (long long)small;
+    cseg[HVD_SEG_N] = 3;
+    cseg[HVD_SEG_COLS + HVD_SEG_IN] = (long long)bytes;
+    cseg[HVD_SEG_COLS + HVD_SEG_N] = len;
+    cseg[HVD_SEG_COLS + HVD_SEG_TILE] = 1;
+    const long long ctiles = 1 + (len + tile - 1) / tile;
+    const long long b_lo = (ctiles - 2) * tile;
+    for (long long j = b_lo; j < len; ++j) bytes[j] = (unsigned char)(j * 131 % 251);
+    unsigned int cstates[2 * HVD_STATE_WORDS] = {0};
+    launch_blocks(hvd_checksum_segments, (unsigned int)ctiles, BLOCK,
+                  (unsigned long long)ctiles - 1, 1ull, (const long long*)cseg, 2ll, ctiles, tile,
+                  cstates);
+    unsigned int sum = 0u;
+    for (long long j = b_lo; j < len; ++j) {
+        const unsigned long long p = (unsigned long long)j;
+        sum += ((unsigned int)bytes[j] + 1u) * ((unsigned int)((p * 0x9E3779B97F4A7C15ull) >> 32) | 1u);
+    }
+    CHECK(cstates[HVD_STATE_WORDS + HVD_ST_SUM] == sum, "checksum_segments: got %u want %u",
+          cstates[HVD_STATE_WORDS + HVD_ST_SUM], sum);
+}
+
 }  // namespace
 
 int main()
@@ -591,6 +676,7 @@ int main()
     test_zre_encode(qb, start, emit, incl, out, m);
     test_zre_decode(out, emit, incl, expanded, dec, m);
     test_checksum(out, m);
+    test_segments(g, e, vmap<unsigned char>(m + 8), vmap<unsigned char>(K32 + 5000), n);
 
     const long long nu = K32 + 600;  // uniforms and chunk sums
     float* x = vmap<float>(nu);
