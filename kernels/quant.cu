@@ -65,6 +65,147 @@ __device__ __forceinline__ float hvd_quant_load_f32(const unsigned char* p)
     return __uint_as_float(u);
 }
 
+// The per-bucket and per-group math, shared by the one-tensor kernels and the bucket
+// kernels of section 9. A group is eight consecutive elements, whose `bits`-bit codes
+// fill exactly `bits` bytes from byte g * bits of the packed codes.
+
+// QSGD's norm of bucket b: float32(sqrt(sum of x_i^2)), the sum in double left to right.
+__device__ __forceinline__ float hvd_qsgd_norm(const float* x, long long n, long long b,
+                                               long long bucket)
+{
+    const long long lo = b * bucket;
+    const long long hi = lo + bucket < n ? lo + bucket : n;
+    double sum = 0.0;
+    for (long long i = lo; i < hi; ++i) {
+        const double v = (double)x[i];
+        sum = hvd_quant_dadd(sum, hvd_quant_dmul(v, v));
+    }
+    return (float)hvd_quant_dsqrt(sum);
+}
+
+__device__ __forceinline__ bool hvd_quant_nonfinite(float v)
+{
+    return (__float_as_uint(v) & 0x7fffffffu) >= HVD_QUANT_NONFINITE_BITS;
+}
+
+// Group g's packed codes, the low `bits` bits of each a code (up to 64 bits).
+__device__ __forceinline__ unsigned long long hvd_qsgd_load_group(const unsigned char* packed,
+                                                                  long long g, int bits,
+                                                                  long long nbytes)
+{
+    unsigned long long acc = 0ull;
+    const long long first_byte = g * (long long)bits;
+    for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
+        acc |= (unsigned long long)packed[first_byte + k] << (8 * k);
+    return acc;
+}
+
+// QSGD's codes of group g: r = (|x| / norm) * s + u (norm 1 where it is 0),
+// l = min(floor(r), s), code = 2 l + (x < 0 and l > 0), packed LSB first.
+__device__ __forceinline__ void hvd_qsgd_encode_group(const float* x, long long n, long long g,
+                                                      int levels, int bits, long long bucket,
+                                                      unsigned long long key,
+                                                      const float* norms,
+                                                      unsigned char* packed)
+{
+    const long long lo = 8ll * g;
+    const long long hi = lo + 8 < n ? lo + 8 : n;
+    const float levels_f = (float)levels;
+    unsigned long long acc = 0ull;
+    for (long long i = lo; i < hi; ++i) {
+        const float norm = norms[i / bucket];
+        const float safe = norm > 0.0f ? norm : 1.0f;
+        const float v = x[i];
+        const float r = __fadd_rn(__fmul_rn(__fdiv_rn(fabsf(v), safe), levels_f),
+                                  hvd_quant_uniform(key, i));
+        int l = (int)r;  // r >= 0: truncation is floor
+        l = l > levels ? levels : l;
+        const unsigned long long code =
+            (unsigned long long)(2 * l + ((v < 0.0f && l > 0) ? 1 : 0));
+        acc |= code << (unsigned int)((i - lo) * bits);
+    }
+    const long long nbytes = (n * (long long)bits + 7) / 8;
+    const long long first_byte = g * (long long)bits;
+    for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
+        packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
+}
+
+// QSGD body check of unit u (norm u when u < nb, group u when u < groups; unit 0 also
+// the padding bits): HVD_QUANT_ERR_* bits.
+__device__ __forceinline__ unsigned int hvd_qsgd_check_unit(const unsigned char* body,
+                                                            long long n, long long u,
+                                                            int levels, int bits,
+                                                            long long bucket)
+{
+    const long long nb = (n + bucket - 1) / bucket;
+    const long long groups = (n + 7) / 8;
+    const unsigned char* packed = body + 4ll * nb;
+    const long long used = n * (long long)bits;
+    const long long nbytes = (used + 7) / 8;
+    unsigned int err = 0u;
+    if (u == 0 && (used & 7ll) &&
+        ((unsigned int)packed[nbytes - 1] >> (unsigned int)(used & 7ll)))
+        err |= HVD_QUANT_ERR_PADDING;
+    if (u < nb) {
+        const float norm = hvd_quant_load_f32(body + 4ll * u);
+        if (!(norm >= 0.0f) || hvd_quant_nonfinite(norm)) err |= HVD_QUANT_ERR_NORM;
+    }
+    if (u < groups) {
+        const long long lo = 8ll * u;
+        const long long hi = lo + 8 < n ? lo + 8 : n;
+        const unsigned long long acc = hvd_qsgd_load_group(packed, u, bits, nbytes);
+        const unsigned long long mask = (1ull << bits) - 1ull;
+        for (long long i = lo; i < hi; ++i) {
+            const unsigned int code =
+                (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
+            if ((int)(code >> 1) > levels || code == 1u) err |= HVD_QUANT_ERR_CODE;
+        }
+    }
+    return err;
+}
+
+// QSGD decode of group g of a checked body: out = +-((l / s) * norm), or out += that.
+__device__ __forceinline__ void hvd_qsgd_decode_group(const unsigned char* body, long long n,
+                                                      long long g, int levels, int bits,
+                                                      long long bucket, float* out,
+                                                      int accumulate)
+{
+    const long long nb = (n + bucket - 1) / bucket;
+    const long long nbytes = (n * (long long)bits + 7) / 8;
+    const unsigned long long acc = hvd_qsgd_load_group(body + 4ll * nb, g, bits, nbytes);
+    const unsigned long long mask = (1ull << bits) - 1ull;
+    const float levels_f = (float)levels;
+    const long long lo = 8ll * g;
+    const long long hi = lo + 8 < n ? lo + 8 : n;
+    for (long long i = lo; i < hi; ++i) {
+        const unsigned int code =
+            (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
+        const float norm = hvd_quant_load_f32(body + 4ll * (i / bucket));
+        const float mag = __fmul_rn(__fdiv_rn((float)(code >> 1), levels_f), norm);
+        const float v = (code & 1u) ? -mag : mag;
+        out[i] = accumulate ? __fadd_rn(out[i], v) : v;
+    }
+}
+
+// TernGrad's quartic byte of group j: digit d_i = q_i + 1, q_i = (u_i < |x_i| / M) ?
+// sign(x_i) : 0 (0 everywhere when M == 0), padding digits 1.
+__device__ __forceinline__ unsigned char hvd_terngrad_byte(const float* x, long long n,
+                                                           long long j, float scale,
+                                                           unsigned long long key)
+{
+    unsigned int byte = 0u;
+    for (long long k = 0; k < 5; ++k) {
+        const long long i = 5ll * j + k;
+        unsigned int d = 1u;
+        if (i < n && scale != 0.0f) {
+            const float v = x[i];
+            if (hvd_quant_uniform(key, i) < __fdiv_rn(fabsf(v), scale)) d = v < 0.0f ? 0u : 2u;
+        }
+        byte = byte * 3u + d;
+    }
+    return (unsigned char)byte;
+}
+
 // 1. QSGD norms: norms[b] = float32(sqrt(sum over bucket b of x_i^2)), the sum in double
 // strictly left to right (one thread per bucket: the CPU's order). A NaN / Inf norm (NaN or
 // Inf input, or float32 overflow) sets the non-finite word. grid: grid-stride over
@@ -77,16 +218,8 @@ extern "C" __global__ void quant_qsgd_norms(const float* __restrict__ x, long lo
     const long long stride = hvd_quant_grid_stride();
     bool bad = false;
     for (long long b = hvd_quant_first_index(); b < nb; b += stride) {
-        const long long lo = b * bucket;
-        const long long hi = lo + bucket < n ? lo + bucket : n;
-        double s = 0.0;
-        for (long long i = lo; i < hi; ++i) {
-            const double v = (double)x[i];
-            s = hvd_quant_dadd(s, hvd_quant_dmul(v, v));
-        }
-        const float norm = (float)hvd_quant_dsqrt(s);
-        bad = bad || (__float_as_uint(norm) & 0x7fffffffu) >= HVD_QUANT_NONFINITE_BITS;
-        norms[b] = norm;
+        norms[b] = hvd_qsgd_norm(x, n, b, bucket);
+        bad = bad || hvd_quant_nonfinite(norms[b]);
     }
     if (bad) atomicOr(state + HVD_QUANT_ST_NONFINITE, 1u);
 }
@@ -102,29 +235,9 @@ extern "C" __global__ void quant_qsgd_encode(const float* __restrict__ x, long l
                                              unsigned char* __restrict__ packed)
 {
     const long long groups = (n + 7) / 8;
-    const long long nbytes = (n * (long long)bits + 7) / 8;
     const long long stride = hvd_quant_grid_stride();
-    const float levels_f = (float)levels;
-    for (long long g = hvd_quant_first_index(); g < groups; g += stride) {
-        const long long lo = 8ll * g;
-        const long long hi = lo + 8 < n ? lo + 8 : n;
-        unsigned long long acc = 0ull;
-        for (long long i = lo; i < hi; ++i) {
-            const float norm = norms[i / bucket];
-            const float safe = norm > 0.0f ? norm : 1.0f;
-            const float v = x[i];
-            const float r = __fadd_rn(__fmul_rn(__fdiv_rn(fabsf(v), safe), levels_f),
-                                      hvd_quant_uniform(key, i));
-            int l = (int)r;  // r >= 0: truncation is floor
-            l = l > levels ? levels : l;
-            const unsigned long long code =
-                (unsigned long long)(2 * l + ((v < 0.0f && l > 0) ? 1 : 0));
-            acc |= code << (unsigned int)((i - lo) * bits);
-        }
-        const long long first_byte = g * (long long)bits;
-        for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
-            packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
-    }
+    for (long long g = hvd_quant_first_index(); g < groups; g += stride)
+        hvd_qsgd_encode_group(x, n, g, levels, bits, bucket, key, norms, packed);
 }
 
 // 3. QSGD body check, before any decode writes: norms finite and >= 0 (one float per
@@ -138,35 +251,10 @@ extern "C" __global__ void quant_qsgd_check(const unsigned char* __restrict__ bo
     const long long nb = (n + bucket - 1) / bucket;
     const long long groups = (n + 7) / 8;
     const long long work = groups > nb ? groups : nb;
-    const unsigned char* packed = body + 4ll * nb;
-    const long long used = n * (long long)bits;
-    const long long nbytes = (used + 7) / 8;
     const long long stride = hvd_quant_grid_stride();
-    const long long first = hvd_quant_first_index();
     unsigned int err = 0u;
-    if (first == 0 && (used & 7ll) &&
-        ((unsigned int)packed[nbytes - 1] >> (unsigned int)(used & 7ll)))
-        err |= HVD_QUANT_ERR_PADDING;
-    for (long long t = first; t < work; t += stride) {
-        if (t < nb) {
-            const float norm = hvd_quant_load_f32(body + 4ll * t);
-            if (!(norm >= 0.0f) || (__float_as_uint(norm) & 0x7fffffffu) >= HVD_QUANT_NONFINITE_BITS)
-                err |= HVD_QUANT_ERR_NORM;
-        }
-        if (t < groups) {
-            const long long lo = 8ll * t;
-            const long long hi = lo + 8 < n ? lo + 8 : n;
-            unsigned long long acc = 0ull;
-            const long long first_byte = t * (long long)bits;
-            for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
-                acc |= (unsigned long long)packed[first_byte + k] << (8 * k);
-            const unsigned long long mask = (1ull << bits) - 1ull;
-            for (long long i = lo; i < hi; ++i) {
-                const unsigned int code = (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
-                if ((int)(code >> 1) > levels || code == 1u) err |= HVD_QUANT_ERR_CODE;
-            }
-        }
-    }
+    for (long long u = hvd_quant_first_index(); u < work; u += stride)
+        err |= hvd_qsgd_check_unit(body, n, u, levels, bits, bucket);
     if (err) atomicOr(state + HVD_QUANT_ST_ERROR, err);
 }
 
@@ -177,28 +265,10 @@ extern "C" __global__ void quant_qsgd_decode(const unsigned char* __restrict__ b
                                              int levels, int bits, long long bucket,
                                              float* __restrict__ out, int accumulate)
 {
-    const long long nb = (n + bucket - 1) / bucket;
     const long long groups = (n + 7) / 8;
-    const unsigned char* packed = body + 4ll * nb;
-    const long long nbytes = (n * (long long)bits + 7) / 8;
     const long long stride = hvd_quant_grid_stride();
-    const float levels_f = (float)levels;
-    const unsigned long long mask = (1ull << bits) - 1ull;
-    for (long long g = hvd_quant_first_index(); g < groups; g += stride) {
-        const long long lo = 8ll * g;
-        const long long hi = lo + 8 < n ? lo + 8 : n;
-        unsigned long long acc = 0ull;
-        const long long first_byte = g * (long long)bits;
-        for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
-            acc |= (unsigned long long)packed[first_byte + k] << (8 * k);
-        for (long long i = lo; i < hi; ++i) {
-            const unsigned int code = (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
-            const float norm = hvd_quant_load_f32(body + 4ll * (i / bucket));
-            const float mag = __fmul_rn(__fdiv_rn((float)(code >> 1), levels_f), norm);
-            const float v = (code & 1u) ? -mag : mag;
-            out[i] = accumulate ? __fadd_rn(out[i], v) : v;
-        }
-    }
+    for (long long g = hvd_quant_first_index(); g < groups; g += stride)
+        hvd_qsgd_decode_group(body, n, g, levels, bits, bucket, out, accumulate);
 }
 
 // 5. TernGrad quartic bytes: digit d_i = q_i + 1, q_i = (u_i < |x_i| / M) ? sign(x_i) : 0
@@ -212,20 +282,8 @@ extern "C" __global__ void quant_terngrad_quartic(const float* __restrict__ x, l
 {
     const long long m = (n + 4) / 5;
     const long long stride = hvd_quant_grid_stride();
-    for (long long j = hvd_quant_first_index(); j < m; j += stride) {
-        unsigned int byte = 0u;
-        for (long long k = 0; k < 5; ++k) {
-            const long long i = 5ll * j + k;
-            unsigned int d = 1u;
-            if (i < n && scale != 0.0f) {
-                const float v = x[i];
-                if (hvd_quant_uniform(key, i) < __fdiv_rn(fabsf(v), scale))
-                    d = v < 0.0f ? 0u : 2u;
-            }
-            byte = byte * 3u + d;
-        }
-        quartic[j] = (unsigned char)byte;
-    }
+    for (long long j = hvd_quant_first_index(); j < m; j += stride)
+        quartic[j] = hvd_terngrad_byte(x, n, j, scale, key);
 }
 
 // 6. DQSG deltas: deltas[b] = max|w| over bucket b / s (the max exact, one float32
@@ -345,20 +403,8 @@ extern "C" __global__ void quant_terngrad_quartic_segments(const long long* __re
         const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
         const long long m = (n + 4) / 5;
         const long long end = first + tile < m ? first + tile : m;
-        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
-            unsigned int byte = 0u;
-            for (long long k = 0; k < 5; ++k) {
-                const long long i = 5ll * j + k;
-                unsigned int d = 1u;
-                if (i < n && scale != 0.0f) {
-                    const float v = x[i];
-                    if (hvd_quant_uniform(key, i) < __fdiv_rn(fabsf(v), scale))
-                        d = v < 0.0f ? 0u : 2u;
-                }
-                byte = byte * 3u + d;
-            }
-            qb[j] = (unsigned char)byte;
-        }
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x)
+            qb[j] = hvd_terngrad_byte(x, n, j, scale, key);
     }
 }
 
@@ -390,16 +436,8 @@ extern "C" __global__ void quant_qsgd_norms_segments(const long long* __restrict
         const long long end = first + tile < nb ? first + tile : nb;
         bool bad = false;
         for (long long b = first + threadIdx.x; b < end; b += blockDim.x) {
-            const long long lo = b * bucket;
-            const long long hi = lo + bucket < n ? lo + bucket : n;
-            double sum = 0.0;
-            for (long long i = lo; i < hi; ++i) {
-                const double v = (double)x[i];
-                sum = hvd_quant_dadd(sum, hvd_quant_dmul(v, v));
-            }
-            const float norm = (float)hvd_quant_dsqrt(sum);
-            bad = bad || (__float_as_uint(norm) & 0x7fffffffu) >= HVD_QUANT_NONFINITE_BITS;
-            norms[b] = norm;
+            norms[b] = hvd_qsgd_norm(x, n, b, bucket);
+            bad = bad || hvd_quant_nonfinite(norms[b]);
         }
         if (bad) atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_NONFINITE, 1u);
     }
@@ -412,40 +450,20 @@ extern "C" __global__ void quant_qsgd_encode_segments(const long long* __restric
                                                       long long tile, int tiles_at,
                                                       int levels, int bits, long long bucket)
 {
-    const float levels_f = (float)levels;
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
         const long long* row = seg + s * HVD_QUANT_SEG_COLS;
         const float* x = (const float*)row[HVD_QUANT_SEG_IN];
-        const float* norms = (const float*)row[HVD_QUANT_SEG_OUT];
         const long long n = row[HVD_QUANT_SEG_N];
         const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
+        const float* norms = (const float*)row[HVD_QUANT_SEG_OUT];
         const long long nb = (n + bucket - 1) / bucket;
         unsigned char* packed = (unsigned char*)row[HVD_QUANT_SEG_OUT] + 4ll * nb;
         const long long groups = (n + 7) / 8;
-        const long long nbytes = (n * (long long)bits + 7) / 8;
         const long long first = (t - row[tiles_at]) * tile;
         const long long end = first + tile < groups ? first + tile : groups;
-        for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
-            const long long lo = 8ll * g;
-            const long long hi = lo + 8 < n ? lo + 8 : n;
-            unsigned long long acc = 0ull;
-            for (long long i = lo; i < hi; ++i) {
-                const float norm = norms[i / bucket];
-                const float safe = norm > 0.0f ? norm : 1.0f;
-                const float v = x[i];
-                const float r = __fadd_rn(__fmul_rn(__fdiv_rn(fabsf(v), safe), levels_f),
-                                          hvd_quant_uniform(key, i));
-                int l = (int)r;  // r >= 0: truncation is floor
-                l = l > levels ? levels : l;
-                const unsigned long long code =
-                    (unsigned long long)(2 * l + ((v < 0.0f && l > 0) ? 1 : 0));
-                acc |= code << (unsigned int)((i - lo) * bits);
-            }
-            const long long first_byte = g * (long long)bits;
-            for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
-                packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
-        }
+        for (long long g = first + threadIdx.x; g < end; g += blockDim.x)
+            hvd_qsgd_encode_group(x, n, g, levels, bits, bucket, key, norms, packed);
     }
 }
 
@@ -459,7 +477,6 @@ extern "C" __global__ void quant_qsgd_check_segments(const long long* __restrict
                                                      int levels, int bits, long long bucket,
                                                      unsigned int* __restrict__ states)
 {
-    const unsigned long long mask = (1ull << bits) - 1ull;
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
         const long long* row = seg + s * HVD_QUANT_SEG_COLS;
@@ -467,37 +484,12 @@ extern "C" __global__ void quant_qsgd_check_segments(const long long* __restrict
         const long long n = row[HVD_QUANT_SEG_N];
         const long long nb = (n + bucket - 1) / bucket;
         const long long groups = (n + 7) / 8;
-        const unsigned char* packed = body + 4ll * nb;
-        const long long used = n * (long long)bits;
-        const long long nbytes = (used + 7) / 8;
         const long long units = groups > nb ? groups : nb;
         const long long first = (t - row[tiles_at]) * tile;
         const long long end = first + tile < units ? first + tile : units;
         unsigned int err = 0u;
-        for (long long u = first + threadIdx.x; u < end; u += blockDim.x) {
-            if (u == 0 && (used & 7ll) &&
-                ((unsigned int)packed[nbytes - 1] >> (unsigned int)(used & 7ll)))
-                err |= HVD_QUANT_ERR_PADDING;
-            if (u < nb) {
-                const float norm = hvd_quant_load_f32(body + 4ll * u);
-                if (!(norm >= 0.0f) ||
-                    (__float_as_uint(norm) & 0x7fffffffu) >= HVD_QUANT_NONFINITE_BITS)
-                    err |= HVD_QUANT_ERR_NORM;
-            }
-            if (u < groups) {
-                const long long lo = 8ll * u;
-                const long long hi = lo + 8 < n ? lo + 8 : n;
-                unsigned long long acc = 0ull;
-                const long long first_byte = u * (long long)bits;
-                for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
-                    acc |= (unsigned long long)packed[first_byte + k] << (8 * k);
-                for (long long i = lo; i < hi; ++i) {
-                    const unsigned int code =
-                        (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
-                    if ((int)(code >> 1) > levels || code == 1u) err |= HVD_QUANT_ERR_CODE;
-                }
-            }
-        }
+        for (long long u = first + threadIdx.x; u < end; u += blockDim.x)
+            err |= hvd_qsgd_check_unit(body, n, u, levels, bits, bucket);
         if (err) atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_ERROR, err);
     }
 }
@@ -512,33 +504,16 @@ extern "C" __global__ void quant_qsgd_decode_add_segments(const long long* __res
                                                           int levels, int bits,
                                                           long long bucket)
 {
-    const float levels_f = (float)levels;
-    const unsigned long long mask = (1ull << bits) - 1ull;
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
         const long long* row = seg + s * HVD_QUANT_SEG_COLS;
         const unsigned char* body = (const unsigned char*)row[HVD_QUANT_SEG_IN];
         float* out = (float*)row[HVD_QUANT_SEG_AUX];
         const long long n = row[HVD_QUANT_SEG_N];
-        const unsigned char* packed = body + 4ll * ((n + bucket - 1) / bucket);
         const long long groups = (n + 7) / 8;
-        const long long nbytes = (n * (long long)bits + 7) / 8;
         const long long first = (t - row[tiles_at]) * tile;
         const long long end = first + tile < groups ? first + tile : groups;
-        for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
-            const long long lo = 8ll * g;
-            const long long hi = lo + 8 < n ? lo + 8 : n;
-            unsigned long long acc = 0ull;
-            const long long first_byte = g * (long long)bits;
-            for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
-                acc |= (unsigned long long)packed[first_byte + k] << (8 * k);
-            for (long long i = lo; i < hi; ++i) {
-                const unsigned int code =
-                    (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
-                const float norm = hvd_quant_load_f32(body + 4ll * (i / bucket));
-                const float mag = __fmul_rn(__fdiv_rn((float)(code >> 1), levels_f), norm);
-                out[i] = __fadd_rn(out[i], (code & 1u) ? -mag : mag);
-            }
-        }
+        for (long long g = first + threadIdx.x; g < end; g += blockDim.x)
+            hvd_qsgd_decode_group(body, n, g, levels, bits, bucket, out, 1);
     }
 }

@@ -34,6 +34,83 @@ __device__ __forceinline__ long long hvd_sign_grid_stride()
     return (long long)gridDim.x * (long long)blockDim.x;
 }
 
+// The per-byte and per-chunk math, shared by the one-tensor kernels and the bucket kernels
+// of section 5.
+
+// Byte j of signSGD's body (bit i - 8j = x_i < 0); the largest |x| bits into *worst.
+__device__ __forceinline__ unsigned char hvd_sign_encode_byte(const float* x, long long n,
+                                                              long long j,
+                                                              unsigned int* worst)
+{
+    const long long lo = 8ll * j;
+    const long long hi = lo + 8 < n ? lo + 8 : n;
+    unsigned int byte = 0u;
+    for (long long i = lo; i < hi; ++i) {
+        const float v = x[i];
+        const unsigned int a = __float_as_uint(v) & 0x7fffffffu;
+        *worst = a > *worst ? a : *worst;
+        byte |= (v < 0.0f ? 1u : 0u) << (unsigned int)(i - lo);
+    }
+    return (unsigned char)byte;
+}
+
+// Chunk c's sum of |g + e| (float32 sum, |.| in double, added in double left to right);
+// the largest |g + e| bits into *worst.
+__device__ __forceinline__ double hvd_sign_chunk_sum(const float* g, const float* e, long long n,
+                                                     long long c, long long chunk,
+                                                     unsigned int* worst)
+{
+    const long long lo = c * chunk;
+    const long long hi = lo + chunk < n ? lo + chunk : n;
+    double sum = 0.0;
+    for (long long i = lo; i < hi; ++i) {
+        const float a = __fadd_rn(g[i], e[i]);
+        const unsigned int b = __float_as_uint(a) & 0x7fffffffu;
+        *worst = b > *worst ? b : *worst;
+#ifdef __CUDACC__
+        sum = __dadd_rn(sum, fabs((double)a));
+#else
+        sum = sum + fabs((double)a);
+#endif
+    }
+    return sum;
+}
+
+// Byte j of EF-signSGD's body (the signs of a = g + e), e <- a - (a < 0 ? -scale : scale).
+__device__ __forceinline__ unsigned char hvd_sign_ef_encode_byte(const float* g, float* e,
+                                                                 long long n, long long j,
+                                                                 float scale)
+{
+    const long long lo = 8ll * j;
+    const long long hi = lo + 8 < n ? lo + 8 : n;
+    unsigned int byte = 0u;
+    for (long long i = lo; i < hi; ++i) {
+        const float a = __fadd_rn(g[i], e[i]);
+        const bool minus = a < 0.0f;
+        byte |= (minus ? 1u : 0u) << (unsigned int)(i - lo);
+        e[i] = __fsub_rn(a, minus ? -scale : scale);
+    }
+    return (unsigned char)byte;
+}
+
+// True when a padding bit after the last of n packed signs is set.
+__device__ __forceinline__ bool hvd_sign_padding_set(const unsigned char* body, long long n)
+{
+    return (n & 7ll) && ((unsigned int)body[(n + 7) / 8 - 1] >> (unsigned int)(n & 7ll));
+}
+
+// The elements of body byte j: out = (bit ? -scale : scale), or out += that.
+__device__ __forceinline__ void hvd_sign_decode_byte(unsigned int byte, long long n, long long j,
+                                                     float scale, float* out, int accumulate)
+{
+    const long long lo = 8ll * j;
+    const long long hi = lo + 8 < n ? lo + 8 : n;
+    for (long long i = lo; i < hi; ++i) {
+        const float v = ((byte >> (unsigned int)(i - lo)) & 1u) ? -scale : scale;
+        out[i] = accumulate ? __fadd_rn(out[i], v) : v;
+    }
+}
+
 // 1. signSGD encode: one thread per output byte j (elements 8j .. 8j + 7), so no two
 // threads write the same byte; any |x| with Inf / NaN bits sets the non-finite word.
 // grid: grid-stride over nbytes = ceil(n / 8). bytes: reads 4n, writes n / 8.
@@ -44,18 +121,8 @@ extern "C" __global__ void sign_encode(const float* __restrict__ x, long long n,
     const long long nbytes = (n + 7) / 8;
     const long long stride = hvd_sign_grid_stride();
     unsigned int worst = 0u;
-    for (long long j = hvd_sign_first_index(); j < nbytes; j += stride) {
-        const long long lo = 8ll * j;
-        const long long hi = lo + 8 < n ? lo + 8 : n;
-        unsigned int byte = 0u;
-        for (long long i = lo; i < hi; ++i) {
-            const float v = x[i];
-            const unsigned int a = __float_as_uint(v) & 0x7fffffffu;
-            worst = a > worst ? a : worst;
-            byte |= (v < 0.0f ? 1u : 0u) << (unsigned int)(i - lo);
-        }
-        out[j] = (unsigned char)byte;
-    }
+    for (long long j = hvd_sign_first_index(); j < nbytes; j += stride)
+        out[j] = hvd_sign_encode_byte(x, n, j, &worst);
     if (worst >= HVD_SIGN_NONFINITE_BITS) atomicOr(state + HVD_SIGN_ST_NONFINITE, 1u);
 }
 
@@ -71,22 +138,8 @@ extern "C" __global__ void sign_ef_sums(const float* __restrict__ g, const float
     const long long chunks = (n + chunk - 1) / chunk;
     const long long stride = hvd_sign_grid_stride();
     unsigned int worst = 0u;
-    for (long long c = hvd_sign_first_index(); c < chunks; c += stride) {
-        const long long lo = c * chunk;
-        const long long hi = lo + chunk < n ? lo + chunk : n;
-        double s = 0.0;
-        for (long long i = lo; i < hi; ++i) {
-            const float a = __fadd_rn(g[i], e[i]);
-            const unsigned int b = __float_as_uint(a) & 0x7fffffffu;
-            worst = b > worst ? b : worst;
-#ifdef __CUDACC__
-            s = __dadd_rn(s, fabs((double)a));
-#else
-            s = s + fabs((double)a);
-#endif
-        }
-        sums[c] = s;
-    }
+    for (long long c = hvd_sign_first_index(); c < chunks; c += stride)
+        sums[c] = hvd_sign_chunk_sum(g, e, n, c, chunk, &worst);
     if (worst >= HVD_SIGN_NONFINITE_BITS) atomicOr(state + HVD_SIGN_ST_NONFINITE, 1u);
 }
 
@@ -99,18 +152,8 @@ extern "C" __global__ void sign_ef_encode(const float* __restrict__ g, float* __
 {
     const long long nbytes = (n + 7) / 8;
     const long long stride = hvd_sign_grid_stride();
-    for (long long j = hvd_sign_first_index(); j < nbytes; j += stride) {
-        const long long lo = 8ll * j;
-        const long long hi = lo + 8 < n ? lo + 8 : n;
-        unsigned int byte = 0u;
-        for (long long i = lo; i < hi; ++i) {
-            const float a = __fadd_rn(g[i], e[i]);
-            const bool minus = a < 0.0f;
-            byte |= (minus ? 1u : 0u) << (unsigned int)(i - lo);
-            e[i] = __fsub_rn(a, minus ? -scale : scale);
-        }
-        out[j] = (unsigned char)byte;
-    }
+    for (long long j = hvd_sign_first_index(); j < nbytes; j += stride)
+        out[j] = hvd_sign_ef_encode_byte(g, e, n, j, scale);
 }
 
 // 4. Decode: out[i] = (bit i ? -scale : scale), or out[i] += that with accumulate. Every
@@ -124,20 +167,13 @@ extern "C" __global__ void sign_decode(const unsigned char* __restrict__ body, l
 {
     const long long nbytes = (n + 7) / 8;
     const long long first = hvd_sign_first_index();
-    if ((n & 7ll) && ((unsigned int)body[nbytes - 1] >> (unsigned int)(n & 7ll))) {
+    if (hvd_sign_padding_set(body, n)) {
         if (first == 0) atomicOr(state + HVD_SIGN_ST_ERROR, HVD_SIGN_ERR_PADDING);
         return;
     }
     const long long stride = hvd_sign_grid_stride();
-    for (long long j = first; j < nbytes; j += stride) {
-        const unsigned int byte = body[j];
-        const long long lo = 8ll * j;
-        const long long hi = lo + 8 < n ? lo + 8 : n;
-        for (long long i = lo; i < hi; ++i) {
-            const float v = ((byte >> (unsigned int)(i - lo)) & 1u) ? -scale : scale;
-            out[i] = accumulate ? __fadd_rn(out[i], v) : v;
-        }
-    }
+    for (long long j = first; j < nbytes; j += stride)
+        hvd_sign_decode_byte(body[j], n, j, scale, out, accumulate);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -195,18 +231,8 @@ extern "C" __global__ void sign_encode_segments(const long long* __restrict__ se
         const long long first = (t - row[HVD_SIGN_SEG_TILE]) * tile;
         const long long end = hvd_sign_tile_end(first, tile, (n + 7) / 8);
         unsigned int worst = 0u;
-        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
-            const long long lo = 8ll * j;
-            const long long hi = lo + 8 < n ? lo + 8 : n;
-            unsigned int byte = 0u;
-            for (long long i = lo; i < hi; ++i) {
-                const float v = x[i];
-                const unsigned int a = __float_as_uint(v) & 0x7fffffffu;
-                worst = a > worst ? a : worst;
-                byte |= (v < 0.0f ? 1u : 0u) << (unsigned int)(i - lo);
-            }
-            out[j] = (unsigned char)byte;
-        }
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x)
+            out[j] = hvd_sign_encode_byte(x, n, j, &worst);
         if (worst >= HVD_SIGN_NONFINITE_BITS) {
             atomicOr(states + s * HVD_SIGN_STATE_WORDS + HVD_SIGN_ST_NONFINITE, 1u);
         }
@@ -231,22 +257,8 @@ extern "C" __global__ void sign_ef_sums_segments(const long long* __restrict__ s
         const long long first = (t - row[HVD_SIGN_SEG_TILE]) * tile;
         const long long end = hvd_sign_tile_end(first, tile, (n + chunk - 1) / chunk);
         unsigned int worst = 0u;
-        for (long long c = first + threadIdx.x; c < end; c += blockDim.x) {
-            const long long lo = c * chunk;
-            const long long hi = lo + chunk < n ? lo + chunk : n;
-            double sum = 0.0;
-            for (long long i = lo; i < hi; ++i) {
-                const float a = __fadd_rn(g[i], e[i]);
-                const unsigned int b = __float_as_uint(a) & 0x7fffffffu;
-                worst = b > worst ? b : worst;
-#ifdef __CUDACC__
-                sum = __dadd_rn(sum, fabs((double)a));
-#else
-                sum = sum + fabs((double)a);
-#endif
-            }
-            sums[c] = sum;
-        }
+        for (long long c = first + threadIdx.x; c < end; c += blockDim.x)
+            sums[c] = hvd_sign_chunk_sum(g, e, n, c, chunk, &worst);
         if (worst >= HVD_SIGN_NONFINITE_BITS) {
             atomicOr(states + s * HVD_SIGN_STATE_WORDS + HVD_SIGN_ST_NONFINITE, 1u);
         }
@@ -269,18 +281,8 @@ extern "C" __global__ void sign_ef_encode_segments(const long long* __restrict__
         const float scale = __uint_as_float((unsigned int)row[HVD_SIGN_SEG_F32]);
         const long long first = (t - row[HVD_SIGN_SEG_TILE]) * tile;
         const long long end = hvd_sign_tile_end(first, tile, (n + 7) / 8);
-        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
-            const long long lo = 8ll * j;
-            const long long hi = lo + 8 < n ? lo + 8 : n;
-            unsigned int byte = 0u;
-            for (long long i = lo; i < hi; ++i) {
-                const float a = __fadd_rn(g[i], e[i]);
-                const bool minus = a < 0.0f;
-                byte |= (minus ? 1u : 0u) << (unsigned int)(i - lo);
-                e[i] = __fsub_rn(a, minus ? -scale : scale);
-            }
-            out[j] = (unsigned char)byte;
-        }
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x)
+            out[j] = hvd_sign_ef_encode_byte(g, e, n, j, scale);
     }
 }
 
@@ -295,10 +297,8 @@ extern "C" __global__ void sign_decode_check_segments(const long long* __restric
     for (long long s = hvd_sign_first_index(); s < nseg; s += stride) {
         const long long* row = seg + s * HVD_SIGN_SEG_COLS;
         const unsigned char* body = (const unsigned char*)row[HVD_SIGN_SEG_IN];
-        const long long n = row[HVD_SIGN_SEG_N];
-        if ((n & 7ll) && ((unsigned int)body[(n + 7) / 8 - 1] >> (unsigned int)(n & 7ll))) {
+        if (hvd_sign_padding_set(body, row[HVD_SIGN_SEG_N]))
             states[s * HVD_SIGN_STATE_WORDS + HVD_SIGN_ST_ERROR] |= HVD_SIGN_ERR_PADDING;
-        }
     }
 }
 
@@ -318,14 +318,7 @@ extern "C" __global__ void sign_decode_add_segments(const long long* __restrict_
         const float scale = __uint_as_float((unsigned int)row[HVD_SIGN_SEG_F32]);
         const long long first = (t - row[HVD_SIGN_SEG_TILE]) * tile;
         const long long end = hvd_sign_tile_end(first, tile, (n + 7) / 8);
-        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
-            const unsigned int byte = body[j];
-            const long long lo = 8ll * j;
-            const long long hi = lo + 8 < n ? lo + 8 : n;
-            for (long long i = lo; i < hi; ++i) {
-                const float v = ((byte >> (unsigned int)(i - lo)) & 1u) ? -scale : scale;
-                out[i] = __fadd_rn(out[i], v);
-            }
-        }
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x)
+            hvd_sign_decode_byte(body[j], n, j, scale, out, 1);
     }
 }

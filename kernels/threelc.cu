@@ -141,6 +141,33 @@ extern "C" __global__ void threelc_absmax(const float* __restrict__ g,
 // q_out (int8, may be null) is for the public quantize() building block.
 // grid: grid-stride over m = ceil(n / 5) groups, 256 threads per block.
 // bytes: reads 4n (+4n e), writes m (quartic) (+4n e) (+n q_out).
+// hvd_quantize_group is one group's byte (also for threelc_quantize_quartic_segments).
+__device__ __forceinline__ unsigned char hvd_quantize_group(const float* g, float* e,
+                                                            long long n, long long j, float S,
+                                                            bool nonfinite, signed char* q_out)
+{
+    const long long base = j * 5;
+    int byte = 0;
+    for (int t = 0; t < 5; ++t) {
+        const long long i = base + t;
+        int d = 1;
+        if (i < n) {
+            if (!nonfinite) {
+                const float a = hvd_load_a(g, e, i);
+                int q = 0;
+                if (S != 0.0f) q = (int)fminf(fmaxf(rintf(__fdiv_rn(a, S)), -1.0f), 1.0f);
+                // S * q with q an integer (+0.0f for q == 0, never -0.0f): the residual
+                // of a == -0.0f stays -0.0f, as in the CPU backend.
+                if (e) e[i] = __fsub_rn(a, __fmul_rn(S, (float)q));
+                d = q + 1;
+            }
+            if (q_out) q_out[i] = (signed char)(d - 1);
+        }
+        byte = byte * 3 + d;
+    }
+    return (unsigned char)byte;
+}
+
 extern "C" __global__ void threelc_quantize_quartic(const float* __restrict__ g,
                                                     float* __restrict__ e, long long n,
                                                     float sparsity,
@@ -157,28 +184,8 @@ extern "C" __global__ void threelc_quantize_quartic(const float* __restrict__ g,
         state[HVD_ST_NONFINITE] = nonfinite ? 1u : 0u;
     }
     const long long stride = hvd_grid_stride();
-    for (long long j = hvd_first_index(); j < m; j += stride) {
-        const long long base = j * 5;
-        int byte = 0;
-        for (int t = 0; t < 5; ++t) {
-            const long long i = base + t;
-            int d = 1;
-            if (i < n) {
-                if (!nonfinite) {
-                    const float a = hvd_load_a(g, e, i);
-                    int q = 0;
-                    if (S != 0.0f) q = (int)fminf(fmaxf(rintf(__fdiv_rn(a, S)), -1.0f), 1.0f);
-                    // S * q with q an integer (+0.0f for q == 0, never -0.0f): the residual
-                    // of a == -0.0f stays -0.0f, as in the CPU backend.
-                    if (e) e[i] = __fsub_rn(a, __fmul_rn(S, (float)q));
-                    d = q + 1;
-                }
-                if (q_out) q_out[i] = (signed char)(d - 1);
-            }
-            byte = byte * 3 + d;
-        }
-        quartic[j] = (unsigned char)byte;
-    }
+    for (long long j = hvd_first_index(); j < m; j += stride)
+        quartic[j] = hvd_quantize_group(g, e, n, j, S, nonfinite, q_out);
 }
 
 // Quartic encode of an int8 q in {-1, 0, 1} (building block). Out-of-range q sets
@@ -253,6 +260,30 @@ extern "C" __global__ void threelc_zre_flags(const unsigned char* __restrict__ q
     }
 }
 
+// Writes the code of emitting position i to out[incl[i] - 1]: qb[i], or for a zero group
+// its chunk of c zero groups (up to 14, none at or past `stop`, the end of its tensor's
+// bytes) as 121 (c == 1) or 241 + c. A write at or past cap sets HVD_ERR_OVERFLOW in *err.
+__device__ __forceinline__ void hvd_zre_write(const unsigned char* qb, const long long* incl,
+                                              long long i, long long stop,
+                                              unsigned char* out, long long cap,
+                                              unsigned int* err)
+{
+    unsigned char code = qb[i];
+    if (code == HVD_ZERO_GROUP) {
+        const long long end = i + HVD_MAX_RUN < stop ? i + HVD_MAX_RUN : stop;
+        long long k = i + 1;
+        while (k < end && qb[k] == HVD_ZERO_GROUP) ++k;
+        const int c = (int)(k - i);
+        code = c == 1 ? (unsigned char)HVD_ZERO_GROUP : (unsigned char)(HVD_RUN_BASE + c);
+    }
+    const long long pos = incl[i] - 1;
+    if (pos >= 0 && pos < cap) {
+        out[pos] = code;
+    } else {
+        atomicOr(err, HVD_ERR_OVERFLOW);
+    }
+}
+
 // out[incl[i] - 1] = code of position i for every emitting i; the thread of i = m - 1
 // stores the output length incl[m - 1] in state. A chunk's length is found by looking
 // ahead at most 14 bytes. cap is out's size (m suffices); writes past it are refused.
@@ -267,21 +298,8 @@ extern "C" __global__ void threelc_zre_scatter(const unsigned char* __restrict__
     const long long stride = hvd_grid_stride();
     for (long long i = hvd_first_index(); i < m; i += stride) {
         if (i == m - 1) *(long long*)(state + HVD_ST_COUNT) = incl[i];
-        if (!hvd_zre_emits(qb, run_start, i)) continue;
-        unsigned char code = qb[i];
-        if (code == HVD_ZERO_GROUP) {
-            long long end = i + HVD_MAX_RUN < m ? i + HVD_MAX_RUN : m;
-            long long k = i + 1;
-            while (k < end && qb[k] == HVD_ZERO_GROUP) ++k;
-            const int c = (int)(k - i);
-            code = c == 1 ? (unsigned char)HVD_ZERO_GROUP : (unsigned char)(HVD_RUN_BASE + c);
-        }
-        const long long pos = incl[i] - 1;
-        if (pos >= 0 && pos < cap) {
-            out[pos] = code;
-        } else {
-            atomicOr(state + HVD_ST_ERROR, HVD_ERR_OVERFLOW);
-        }
+        if (hvd_zre_emits(qb, run_start, i))
+            hvd_zre_write(qb, incl, i, m, out, cap, state + HVD_ST_ERROR);
     }
 }
 
@@ -304,6 +322,23 @@ extern "C" __global__ void threelc_zre_lengths(const unsigned char* __restrict__
     }
 }
 
+// The error bits of a zero-run body of n values that expands to `total` quartic bytes and
+// ends with byte `last`: total must be ceil(n / 5), and the padding digits of the last
+// quartic byte must be 1 (a run code expands to 121, whose digits all are).
+__device__ __forceinline__ unsigned int hvd_zre_check(long long total, unsigned int last,
+                                                      long long n)
+{
+    const long long m = (n + 4) / 5;
+    if (total != m) return HVD_ERR_LENGTH;
+    const int pad = (int)(5 * m - n);
+    if (pad > 0 && last <= HVD_MAX_QUARTIC) {
+        unsigned int p = 1u;
+        for (int t = 0; t < pad; ++t) p *= 3u;
+        if (last % p != (p - 1u) / 2u) return HVD_ERR_PADDING;
+    }
+    return 0u;
+}
+
 // One thread: total = incl[len - 1] (len >= 1) into state; with an expected n >= 0 (so
 // m = ceil(n / 5)) checks total == m and that the padding digits of the last quartic byte
 // are 1 (a run code expands to 121, whose digits all are). Bytes <= 242 are copied and
@@ -321,15 +356,7 @@ extern "C" __global__ void threelc_zre_decode_check(const unsigned char* __restr
     *(long long*)(state + HVD_ST_COUNT) = total;
     state[HVD_ST_LAST] = last;
     if (n < 0) return;
-    const long long m = (n + 4) / 5;
-    unsigned int err = 0u;
-    if (total != m) err |= HVD_ERR_LENGTH;
-    const int pad = (int)(5 * m - n);
-    if (err == 0u && pad > 0 && last <= HVD_MAX_QUARTIC) {
-        unsigned int p = 1u;
-        for (int t = 0; t < pad; ++t) p *= 3u;
-        if (last % p != (p - 1u) / 2u) err |= HVD_ERR_PADDING;
-    }
+    const unsigned int err = hvd_zre_check(total, last, n);
     if (err) atomicOr(state + HVD_ST_ERROR, err);
 }
 
@@ -380,6 +407,29 @@ __device__ __forceinline__ bool hvd_quartic_digits(unsigned int b, long long bas
     return ok;
 }
 
+// S * q of quartic byte b (the group of elements base .. base + 4) written into out, or
+// added with accumulate; HVD_RUN_GROUP writes +0.0f, or with accumulate leaves out as it
+// is. Returns HVD_ERR_BYTE / HVD_ERR_PADDING for an invalid byte (its digits still used).
+__device__ __forceinline__ unsigned int hvd_decode_group(unsigned int b, long long base,
+                                                         long long n, float S, float* out,
+                                                         int accumulate)
+{
+    if (b == HVD_RUN_GROUP) {
+        if (!accumulate)
+            for (int t = 0; t < 5 && base + t < n; ++t) out[base + t] = 0.0f;
+        return 0u;
+    }
+    int d[5];
+    unsigned int err = 0u;
+    if (!hvd_quartic_digits(b, base, n, d))
+        err = b > HVD_MAX_QUARTIC ? HVD_ERR_BYTE : HVD_ERR_PADDING;
+    for (int t = 0; t < 5 && base + t < n; ++t) {
+        const float v = __fmul_rn(S, (float)(d[t] - 1));
+        out[base + t] = accumulate ? __fadd_rn(out[base + t], v) : v;
+    }
+    return err;
+}
+
 // out[i] = S * q_i, or with accumulate out[i] = out[i] + S * q_i (the allgather path
 // sums every rank's payload in rank order, one call per payload on one stream).
 // Byte HVD_RUN_GROUP (a zero group from a run code, see threelc_zre_expand) writes +0.0f,
@@ -396,23 +446,8 @@ extern "C" __global__ void threelc_quartic_decode_scale(const unsigned char* __r
     const long long m = (n + 4) / 5;
     const long long stride = hvd_grid_stride();
     for (long long j = hvd_first_index(); j < m; j += stride) {
-        const long long base = j * 5;
-        const unsigned int b = qb[j];
-        if (b == HVD_RUN_GROUP) {
-            if (accumulate) continue;
-            for (int t = 0; t < 5 && base + t < n; ++t) out[base + t] = 0.0f;
-            continue;
-        }
-        int d[5];
-        if (!hvd_quartic_digits(b, base, n, d)) {
-            atomicOr(state + HVD_ST_ERROR, b > HVD_MAX_QUARTIC ? HVD_ERR_BYTE : HVD_ERR_PADDING);
-        }
-        for (int t = 0; t < 5; ++t) {
-            const long long i = base + t;
-            if (i >= n) break;
-            const float v = __fmul_rn(S, (float)(d[t] - 1));
-            out[i] = accumulate ? __fadd_rn(out[i], v) : v;
-        }
+        const unsigned int err = hvd_decode_group(qb[j], j * 5, n, S, out, accumulate);
+        if (err) atomicOr(state + HVD_ST_ERROR, err);
     }
 }
 
@@ -444,6 +479,12 @@ extern "C" __global__ void threelc_quartic_decode(const unsigned char* __restric
 // mix(p) = (uint32)((uint64)p * 0x9E3779B97F4A7C15 >> 32) | 1 (see hvdcompress/wire.py).
 // Addition mod 2^32 is order-independent, so the atomic reduction equals the CPU's sum.
 // grid: grid-stride over len bytes. bytes: reads len; one atomic per warp.
+__device__ __forceinline__ unsigned int hvd_checksum_term(unsigned char b, unsigned long long p)
+{
+    const unsigned int w = (unsigned int)((p * 0x9E3779B97F4A7C15ull) >> 32) | 1u;
+    return ((unsigned int)b + 1u) * w;
+}
+
 extern "C" __global__ void hvd_checksum(const unsigned char* __restrict__ buf, long long len,
                                         unsigned long long offset,
                                         unsigned int* __restrict__ state)
@@ -451,9 +492,7 @@ extern "C" __global__ void hvd_checksum(const unsigned char* __restrict__ buf, l
     unsigned int acc = 0u;
     const long long stride = hvd_grid_stride();
     for (long long j = hvd_first_index(); j < len; j += stride) {
-        const unsigned long long p = offset + (unsigned long long)j;
-        const unsigned int w = (unsigned int)((p * 0x9E3779B97F4A7C15ull) >> 32) | 1u;
-        acc += ((unsigned int)buf[j] + 1u) * w;
+        acc += hvd_checksum_term(buf[j], offset + (unsigned long long)j);
     }
     hvd_warp_atomic_add(state + HVD_ST_SUM, acc);
 }
@@ -554,21 +593,7 @@ extern "C" __global__ void threelc_quantize_quartic_segments(
                 state[HVD_ST_SCALE] = __float_as_uint(S);
                 state[HVD_ST_NONFINITE] = nonfinite ? 1u : 0u;
             }
-            const long long base = j * 5;
-            int byte = 0;
-            for (int k = 0; k < 5; ++k) {
-                const long long i = base + k;
-                int d = 1;
-                if (i < n && !nonfinite) {
-                    const float a = hvd_load_a(g, e, i);
-                    int q = 0;
-                    if (S != 0.0f) q = (int)fminf(fmaxf(rintf(__fdiv_rn(a, S)), -1.0f), 1.0f);
-                    if (e) e[i] = __fsub_rn(a, __fmul_rn(S, (float)q));  // as above
-                    d = q + 1;
-                }
-                byte = byte * 3 + d;
-            }
-            qb[j] = (unsigned char)byte;
+            qb[j] = hvd_quantize_group(g, e, n, j, S, nonfinite, (signed char*)0);
         }
     }
 }
@@ -623,20 +648,9 @@ extern "C" __global__ void threelc_zre_scatter_segments(
                 const long long before = qoff > 0 ? incl[qoff - 1] : 0;
                 *(long long*)(states + s * HVD_STATE_WORDS + HVD_ST_COUNT) = incl[i] - before;
             }
-            if (!hvd_zre_emits(qb, run_start, i)) continue;
-            unsigned char code = qb[i];
-            if (code == HVD_ZERO_GROUP) {
-                const long long stop = hvd_min64(i + HVD_MAX_RUN, qoff + m);
-                long long k = i + 1;
-                while (k < stop && qb[k] == HVD_ZERO_GROUP) ++k;
-                const int c = (int)(k - i);
-                code = c == 1 ? (unsigned char)HVD_ZERO_GROUP : (unsigned char)(HVD_RUN_BASE + c);
-            }
-            const long long pos = incl[i] - 1;
-            if (pos >= 0 && pos < cap) {
-                out[pos] = code;
-            } else {
-                atomicOr(states + s * HVD_STATE_WORDS + HVD_ST_ERROR, HVD_ERR_OVERFLOW);
+            if (hvd_zre_emits(qb, run_start, i)) {
+                hvd_zre_write(qb, incl, i, qoff + m, out, cap,
+                              states + s * HVD_STATE_WORDS + HVD_ST_ERROR);
             }
         }
     }
@@ -665,16 +679,7 @@ extern "C" __global__ void threelc_zre_decode_check_segments(
         const unsigned int last = body[boff + blen - 1];
         *(long long*)(state + HVD_ST_COUNT) = total;
         state[HVD_ST_LAST] = last;
-        const long long m = (n + 4) / 5;
-        unsigned int err = 0u;
-        if (total != m) err |= HVD_ERR_LENGTH;
-        const int pad = (int)(5 * m - n);
-        if (err == 0u && pad > 0 && last <= HVD_MAX_QUARTIC) {
-            unsigned int p = 1u;
-            for (int k = 0; k < pad; ++k) p *= 3u;
-            if (last % p != (p - 1u) / 2u) err |= HVD_ERR_PADDING;
-        }
-        state[HVD_ST_ERROR] |= err;
+        state[HVD_ST_ERROR] |= hvd_zre_check(total, last, n);
     }
 }
 
@@ -697,19 +702,8 @@ extern "C" __global__ void threelc_quartic_decode_add_segments(
         const long long first = (t - row[HVD_SEG_TILE]) * tile;
         const long long end = hvd_min64(first + tile, (n + 4) / 5);
         for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
-            const unsigned int b = qb[j];
-            if (b == HVD_RUN_GROUP) continue;
-            const long long base = j * 5;
-            int d[5];
-            if (!hvd_quartic_digits(b, base, n, d)) {
-                atomicOr(states + s * HVD_STATE_WORDS + HVD_ST_ERROR,
-                         b > HVD_MAX_QUARTIC ? HVD_ERR_BYTE : HVD_ERR_PADDING);
-            }
-            for (int k = 0; k < 5; ++k) {
-                const long long i = base + k;
-                if (i >= n) break;
-                out[i] = __fadd_rn(out[i], __fmul_rn(S, (float)(d[k] - 1)));
-            }
+            const unsigned int err = hvd_decode_group(qb[j], j * 5, n, S, out, 1);
+            if (err) atomicOr(states + s * HVD_STATE_WORDS + HVD_ST_ERROR, err);
         }
     }
 }
@@ -730,9 +724,7 @@ extern "C" __global__ void hvd_checksum_segments(const long long* __restrict__ s
         const long long end = hvd_min64(first + tile, row[HVD_SEG_N]);
         unsigned int acc = 0u;
         for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
-            const unsigned long long p = (unsigned long long)j;
-            const unsigned int w = (unsigned int)((p * 0x9E3779B97F4A7C15ull) >> 32) | 1u;
-            acc += ((unsigned int)buf[j] + 1u) * w;
+            acc += hvd_checksum_term(buf[j], (unsigned long long)j);
         }
         hvd_warp_atomic_add(states + s * HVD_STATE_WORDS + HVD_ST_SUM, acc);
     }

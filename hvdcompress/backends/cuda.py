@@ -1017,16 +1017,9 @@ def threelc_encode_segments(
     scales, nonfinite = [0.0] * len(gs), [False] * len(gs)
     if not len(live):
         return bodies, scales, nonfinite
-    with _Launcher(device) as k:
-        seg = _segments(table, (ns[live] + 4) // 5, device)
-        states = k.states(seg.count)
-        k.tiles("threelc_absmax_segments", seg, _ptr(states))
-        quartic = k.empty(int(((ns + 4) // 5).sum()), torch.uint8)
-        k.tiles("threelc_quantize_quartic_segments", seg, _ptr(states), _ptr(quartic))
-        out = _zre_encode_segments(k, seg, quartic, states)
-        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
+    host, encoded = _quartic_bucket(device, table, ns, "threelc_quantize_quartic_segments")
     words = host[:, _ST_SCALE].copy().view(np.float32)
-    for row, (i, body) in enumerate(zip(live.tolist(), _segment_bodies(out, host), strict=True)):
+    for row, (i, body) in enumerate(zip(live.tolist(), encoded, strict=True)):
         if host[row, _ST_NONFINITE]:  # no body, scale 0, the residual untouched
             nonfinite[i] = True
         else:
@@ -1045,6 +1038,25 @@ def _quartic_table(xs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.n
     table[:, _SEG_N] = ns[live]
     table[:, _SEG_QOFF] = np.cumsum(ms) - ms
     return ns, live, table
+
+
+def _quartic_bucket(
+    device: torch.device, table: np.ndarray, ns: np.ndarray, digits: str
+) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """The launch sequence of a bucket of quartic + zero-run coded tensors (3LC, TernGrad):
+    every tensor's max|g + e| into its state row, the ``digits`` kernel (which reads it)
+    writing the bucket's quartic bytes, the bucket's zero-run encode, one read. Returns
+    the state rows and each table row's body."""
+    live_ms = (table[:, _SEG_N] + 4) // 5
+    with _Launcher(device) as k:
+        seg = _segments(table, live_ms, device)
+        states = k.states(seg.count)
+        k.tiles("threelc_absmax_segments", seg, _ptr(states))
+        quartic = k.empty(int(((ns + 4) // 5).sum()), torch.uint8)
+        k.tiles(digits, seg, _ptr(states), _ptr(quartic))
+        out = _zre_encode_segments(k, seg, quartic, states)
+        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
+    return host, _segment_bodies(out, host)
 
 
 def _zre_encode_segments(
@@ -1482,15 +1494,8 @@ def terngrad_encode_segments(
     ] * len(xs)
     if not len(live):
         return encoded
-    with _Launcher(device) as k:
-        seg = _segments(table, (ns[live] + 4) // 5, device)
-        states = k.states(seg.count)
-        k.tiles("threelc_absmax_segments", seg, _ptr(states))
-        quartic = k.empty(int(((ns + 4) // 5).sum()), torch.uint8)
-        k.tiles("quant_terngrad_quartic_segments", seg, _ptr(states), _ptr(quartic))
-        out = _zre_encode_segments(k, seg, quartic, states)
-        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
-    for row, (i, body) in enumerate(zip(live.tolist(), _segment_bodies(out, host), strict=True)):
+    host, bodies = _quartic_bucket(device, table, ns, "quant_terngrad_quartic_segments")
+    for row, (i, body) in enumerate(zip(live.tolist(), bodies, strict=True)):
         max_bits = int(host[row, _ST_ABSMAX])
         encoded[i] = None if max_bits >= 0x7F800000 else (body, _f32(max_bits))
     return encoded

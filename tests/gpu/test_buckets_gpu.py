@@ -18,7 +18,7 @@ from hvdcompress import wire
 from hvdcompress.errors import PayloadError
 from tests.gpu.conftest import Setup, bits
 from tests.gpu.conftest import bits as bits_of
-from tests.gpu.test_threelc_gpu import assert_same_bytes, make_bucket, make_input
+from tests.gpu.test_threelc_gpu import assert_same_bytes, gapped_frame, make_bucket, make_input
 
 # The backend call that decode_frame's fast path reaches for each compressor.
 SEGMENT_DECODER = {
@@ -153,15 +153,7 @@ def check_sign_segments(s: Setup) -> None:
         np.testing.assert_array_equal(bits(es_dev[i]), bits(es[i]), f"residual {i}")
     # decode: the EF bodies at gaps in a frame, one of them with a padding bit set
     keep = [i for i, b in enumerate(bad) if not b]
-    rng = np.random.default_rng(25)
-    pieces, starts, at = [], [], 0
-    for i in keep:
-        gap = rng.integers(0, 256, int(rng.integers(0, 9)), dtype=np.uint8)
-        pieces += [gap, bodies[i].numpy()]
-        starts.append(at + gap.size)
-        at += gap.size + bodies[i].numel()
-    frame = torch.from_numpy(np.concatenate(pieces))
-    starts = np.array(starts, np.int64)
+    frame, starts = gapped_frame([bodies[i] for i in keep], 25, 9)
     ns = np.array([xs[i].numel() for i in keep], np.int64)
     sc = np.array([scales[i] for i in keep], np.float32)
     bases = [make_input(int(n), "dense", gen) for n in ns]
@@ -221,15 +213,7 @@ def check_qsgd_segments(s: Setup, levels: int = 16, bucket: int = 64) -> None:
         if w is not None:
             assert_same_bytes(g, w, f"QSGD body {i}")
     keep = [i for i, w in enumerate(want) if w is not None and xs[i].numel()]
-    rng = np.random.default_rng(27)
-    pieces, starts, at = [], [], 0
-    for i in keep:
-        gap = rng.integers(0, 256, int(rng.integers(0, 9)), dtype=np.uint8)
-        pieces += [gap, want[i].numpy()]
-        starts.append(at + gap.size)
-        at += gap.size + want[i].numel()
-    frame = torch.from_numpy(np.concatenate(pieces))
-    starts = np.array(starts, np.int64)
+    frame, starts = gapped_frame([want[i] for i in keep], 27, 9)
     ns = np.array([xs[i].numel() for i in keep], np.int64)
     bases = [make_input(int(n), "dense", gen) for n in ns]
     padded = np.flatnonzero((ns * bits) % 8 != 0)  # none when bits == 8

@@ -236,6 +236,21 @@ def make_bucket(gen: torch.Generator, sizes=BUCKET_SIZES) -> list[torch.Tensor]:
     return bucket
 
 
+def gapped_frame(
+    bodies: list[torch.Tensor], seed: int, most: int
+) -> tuple[torch.Tensor, np.ndarray]:
+    """The host bodies one after another in one uint8 tensor, each after 0 .. most - 1
+    random bytes (a frame's headers stand there); returns it and where each body starts."""
+    rng = np.random.default_rng(seed)
+    pieces, starts, at = [], [], 0
+    for body in bodies:
+        gap = rng.integers(0, 256, int(rng.integers(0, most)), dtype=np.uint8)
+        pieces += [gap, body.numpy()]
+        starts.append(at + gap.size)
+        at += gap.size + body.numel()
+    return torch.from_numpy(np.concatenate(pieces)), np.array(starts, np.int64)
+
+
 def check_encode_segments(s: Setup, sizes=BUCKET_SIZES, steps: int = 3) -> list[torch.Tensor]:
     """A bucket's one launch sequence (``threelc_encode_segments``) gives the CPU backend's
     bodies, scales, flags and residuals, step after step (error feedback built up).
@@ -274,16 +289,7 @@ def check_decode_segments(s: Setup, frame_on_device: bool) -> None:
     grads = make_bucket(gen)
     encoded = [s.cpu.threelc_encode(g, None, 1.5) for g in grads]
     keep = [i for i, enc in enumerate(encoded) if not enc.nonfinite]
-    rng = np.random.default_rng(22)
-    pieces, starts = [], []
-    at = 0
-    for i in keep:
-        gap = rng.integers(0, 256, int(rng.integers(0, 40)), dtype=np.uint8)
-        pieces += [gap, encoded[i].body.numpy()]
-        starts.append(at + gap.size)
-        at += gap.size + encoded[i].body.numel()
-    frame = torch.from_numpy(np.concatenate(pieces))
-    starts = np.array(starts, np.int64)
+    frame, starts = gapped_frame([encoded[i].body for i in keep], 22, 40)
     lens = np.array([encoded[i].body.numel() for i in keep], np.int64)
     ns = np.array([grads[i].numel() for i in keep], np.int64)
     scales = np.array([encoded[i].scale for i in keep], np.float32)
