@@ -206,6 +206,44 @@ __device__ __forceinline__ unsigned char hvd_terngrad_byte(const float* x, long 
     return (unsigned char)byte;
 }
 
+// DQSG's delta of bucket b: max|w| / s (the max exact, one float32 division); the max's
+// bits also into *worst (NaN / Inf when they are >= HVD_QUANT_NONFINITE_BITS).
+__device__ __forceinline__ float hvd_dqsg_delta(const float* w, long long n, long long b,
+                                                long long bucket, int levels,
+                                                unsigned int* worst)
+{
+    const long long lo = b * bucket;
+    const long long hi = lo + bucket < n ? lo + bucket : n;
+    unsigned int m = 0u;
+    for (long long i = lo; i < hi; ++i) {
+        const unsigned int a = __float_as_uint(w[i]) & 0x7fffffffu;
+        m = a > m ? a : m;
+    }
+    *worst = m > *worst ? m : *worst;
+    return __fdiv_rn(__uint_as_float(m), (float)levels);
+}
+
+// DQSG's q of element i: clamp(rint(w / safe + (v - 1/2)), -s, s), safe = delta, or 1
+// where delta == 0 (rint half to even).
+__device__ __forceinline__ int hvd_dqsg_q(float w, float delta, int levels,
+                                          unsigned long long key, long long i)
+{
+    const float levels_f = (float)levels;
+    const float safe = delta > 0.0f ? delta : 1.0f;
+    const float u = __fsub_rn(hvd_quant_uniform(key, i), 0.5f);
+    float q = rintf(__fadd_rn(__fdiv_rn(w, safe), u));
+    q = q > levels_f ? levels_f : (q < -levels_f ? -levels_f : q);
+    return (int)q;
+}
+
+// DQSG's reconstruction of element i: delta * (q - (v - 1/2)).
+__device__ __forceinline__ float hvd_dqsg_value(int q, float delta, unsigned long long key,
+                                                long long i)
+{
+    const float u = __fsub_rn(hvd_quant_uniform(key, i), 0.5f);
+    return __fmul_rn(delta, __fsub_rn((float)q, u));
+}
+
 // 1. QSGD norms: norms[b] = float32(sqrt(sum over bucket b of x_i^2)), the sum in double
 // strictly left to right (one thread per bucket: the CPU's order). A NaN / Inf norm (NaN or
 // Inf input, or float32 overflow) sets the non-finite word. grid: grid-stride over
@@ -296,19 +334,10 @@ extern "C" __global__ void quant_dqsg_deltas(const float* __restrict__ w, long l
 {
     const long long nb = (n + bucket - 1) / bucket;
     const long long stride = hvd_quant_grid_stride();
-    bool bad = false;
-    for (long long b = hvd_quant_first_index(); b < nb; b += stride) {
-        const long long lo = b * bucket;
-        const long long hi = lo + bucket < n ? lo + bucket : n;
-        unsigned int worst = 0u;
-        for (long long i = lo; i < hi; ++i) {
-            const unsigned int a = __float_as_uint(w[i]) & 0x7fffffffu;
-            worst = a > worst ? a : worst;
-        }
-        bad = bad || worst >= HVD_QUANT_NONFINITE_BITS;
-        deltas[b] = __fdiv_rn(__uint_as_float(worst), (float)levels);
-    }
-    if (bad) atomicOr(state + HVD_QUANT_ST_NONFINITE, 1u);
+    unsigned int worst = 0u;
+    for (long long b = hvd_quant_first_index(); b < nb; b += stride)
+        deltas[b] = hvd_dqsg_delta(w, n, b, bucket, levels, &worst);
+    if (worst >= HVD_QUANT_NONFINITE_BITS) atomicOr(state + HVD_QUANT_ST_NONFINITE, 1u);
 }
 
 // 7. DQSG quantiser: q = clamp(rint(w / safe + (v - 1/2)), -s, s) (safe = delta, or 1
@@ -321,14 +350,9 @@ extern "C" __global__ void quant_dqsg_quantize(const float* __restrict__ w, long
                                                unsigned char* __restrict__ out)
 {
     const long long stride = hvd_quant_grid_stride();
-    const float levels_f = (float)levels;
     for (long long i = hvd_quant_first_index(); i < n; i += stride) {
-        const float delta = deltas[i / bucket];
-        const float safe = delta > 0.0f ? delta : 1.0f;
-        const float u = __fsub_rn(hvd_quant_uniform(key, i), 0.5f);
-        float q = rintf(__fadd_rn(__fdiv_rn(w[i], safe), u));
-        q = q > levels_f ? levels_f : (q < -levels_f ? -levels_f : q);
-        out[i] = (unsigned char)((int)q + code_offset);
+        const int q = hvd_dqsg_q(w[i], deltas[i / bucket], levels, key, i);
+        out[i] = (unsigned char)(q + code_offset);
     }
 }
 
@@ -344,8 +368,7 @@ extern "C" __global__ void quant_dqsg_dequantize(const signed char* __restrict__
     const long long stride = hvd_quant_grid_stride();
     for (long long i = hvd_quant_first_index(); i < n; i += stride) {
         const float delta = hvd_quant_load_f32(deltas + 4ll * (i / bucket));
-        const float u = __fsub_rn(hvd_quant_uniform(key, i), 0.5f);
-        const float v = __fmul_rn(delta, __fsub_rn((float)q[i], u));
+        const float v = hvd_dqsg_value((int)q[i], delta, key, i);
         out[i] = accumulate ? __fadd_rn(out[i], v) : v;
     }
 }
@@ -515,5 +538,151 @@ extern "C" __global__ void quant_qsgd_decode_add_segments(const long long* __res
         const long long end = first + tile < groups ? first + tile : groups;
         for (long long g = first + threadIdx.x; g < end; g += blockDim.x)
             hvd_qsgd_decode_group(body, n, g, levels, bits, bucket, out, 1);
+    }
+}
+
+// DQSG's bucket calls for s > 1 (codes q + s in `bits` bits, bit-packed after the deltas;
+// s = 1 bodies, quartic + zero-run coded, take the one-tensor kernels): the table of the
+// QSGD calls above (body 4-byte aligned, deltas first; the key in column 5).
+
+// quant_dqsg_deltas of each segment into its body's first 4 nb bytes, the non-finite flag
+// to its state. grid: blocks loop over tiles of `tile` buckets. bytes: reads 4n, writes 4
+// per bucket.
+extern "C" __global__ void quant_dqsg_deltas_segments(const long long* __restrict__ seg,
+                                                      long long nseg, long long ntiles,
+                                                      long long tile, int tiles_at, int levels,
+                                                      long long bucket,
+                                                      unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const float* w = (const float*)row[HVD_QUANT_SEG_IN];
+        float* deltas = (float*)row[HVD_QUANT_SEG_OUT];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const long long nb = (n + bucket - 1) / bucket;
+        const long long first = (t - row[tiles_at]) * tile;
+        const long long end = first + tile < nb ? first + tile : nb;
+        unsigned int worst = 0u;
+        for (long long b = first + threadIdx.x; b < end; b += blockDim.x)
+            deltas[b] = hvd_dqsg_delta(w, n, b, bucket, levels, &worst);
+        if (worst >= HVD_QUANT_NONFINITE_BITS)
+            atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_NONFINITE, 1u);
+    }
+}
+
+// The codes q + s of each segment, packed after its deltas. grid: blocks loop over tiles
+// of `tile` groups of eight elements. bytes: reads 4n (+ the deltas), writes n bits / 8.
+extern "C" __global__ void quant_dqsg_encode_segments(const long long* __restrict__ seg,
+                                                      long long nseg, long long ntiles,
+                                                      long long tile, int tiles_at, int levels,
+                                                      int bits, long long bucket)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const float* w = (const float*)row[HVD_QUANT_SEG_IN];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
+        const float* deltas = (const float*)row[HVD_QUANT_SEG_OUT];
+        const long long nb = (n + bucket - 1) / bucket;
+        unsigned char* packed = (unsigned char*)row[HVD_QUANT_SEG_OUT] + 4ll * nb;
+        const long long nbytes = (n * (long long)bits + 7) / 8;
+        const long long groups = (n + 7) / 8;
+        const long long first = (t - row[tiles_at]) * tile;
+        const long long end = first + tile < groups ? first + tile : groups;
+        for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
+            const long long lo = 8ll * g;
+            const long long hi = lo + 8 < n ? lo + 8 : n;
+            unsigned long long acc = 0ull;
+            for (long long i = lo; i < hi; ++i) {
+                const int q = hvd_dqsg_q(w[i], deltas[i / bucket], levels, key, i);
+                acc |= (unsigned long long)(q + levels) << (unsigned int)((i - lo) * bits);
+            }
+            const long long first_byte = g * (long long)bits;
+            for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
+                packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
+        }
+    }
+}
+
+// The check of each segment's body before any decode writes: deltas finite and >= 0
+// (HVD_QUANT_ERR_NORM), padding bits zero (HVD_QUANT_ERR_PADDING), codes <= 2 s
+// (HVD_QUANT_ERR_CODE). grid: blocks loop over tiles of `tile` units (max(groups, nb) a
+// segment, as quant_qsgd_check_segments). bytes: reads n bits / 8 + 4 per bucket.
+extern "C" __global__ void quant_dqsg_check_segments(const long long* __restrict__ seg,
+                                                     long long nseg, long long ntiles,
+                                                     long long tile, int tiles_at, int levels,
+                                                     int bits, long long bucket,
+                                                     unsigned int* __restrict__ states)
+{
+    const unsigned long long mask = (1ull << bits) - 1ull;
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const unsigned char* body = (const unsigned char*)row[HVD_QUANT_SEG_IN];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const long long nb = (n + bucket - 1) / bucket;
+        const long long groups = (n + 7) / 8;
+        const unsigned char* packed = body + 4ll * nb;
+        const long long used = n * (long long)bits;
+        const long long nbytes = (used + 7) / 8;
+        const long long units = groups > nb ? groups : nb;
+        const long long first = (t - row[tiles_at]) * tile;
+        const long long end = first + tile < units ? first + tile : units;
+        unsigned int err = 0u;
+        for (long long u = first + threadIdx.x; u < end; u += blockDim.x) {
+            if (u == 0 && (used & 7ll) &&
+                ((unsigned int)packed[nbytes - 1] >> (unsigned int)(used & 7ll)))
+                err |= HVD_QUANT_ERR_PADDING;
+            if (u < nb) {
+                const float delta = hvd_quant_load_f32(body + 4ll * u);
+                if (!(delta >= 0.0f) || hvd_quant_nonfinite(delta)) err |= HVD_QUANT_ERR_NORM;
+            }
+            if (u < groups) {
+                const unsigned long long acc = hvd_qsgd_load_group(packed, u, bits, nbytes);
+                const long long hi = 8ll * u + 8 < n ? 8ll * u + 8 : n;
+                for (long long i = 8ll * u; i < hi; ++i) {
+                    const unsigned int shift = (unsigned int)((i - 8ll * u) * bits);
+                    const long long code = (long long)((acc >> shift) & mask);
+                    if (code > 2ll * levels) err |= HVD_QUANT_ERR_CODE;
+                }
+            }
+        }
+        if (err) atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_ERROR, err);
+    }
+}
+
+// out += delta * ((code - s) - (v - 1/2)) of each checked segment; the host launches it
+// for the segments before the first refused one only. grid: blocks loop over tiles of
+// `tile` groups of eight elements. bytes: reads n bits / 8 + the deltas + 4n, writes 4n.
+extern "C" __global__ void quant_dqsg_decode_add_segments(const long long* __restrict__ seg,
+                                                          long long nseg, long long ntiles,
+                                                          long long tile, int tiles_at,
+                                                          int levels, int bits,
+                                                          long long bucket)
+{
+    const unsigned long long mask = (1ull << bits) - 1ull;
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const unsigned char* body = (const unsigned char*)row[HVD_QUANT_SEG_IN];
+        float* out = (float*)row[HVD_QUANT_SEG_AUX];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
+        const long long nb = (n + bucket - 1) / bucket;
+        const long long nbytes = (n * (long long)bits + 7) / 8;
+        const long long groups = (n + 7) / 8;
+        const long long first = (t - row[tiles_at]) * tile;
+        const long long end = first + tile < groups ? first + tile : groups;
+        for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
+            const unsigned long long acc = hvd_qsgd_load_group(body + 4ll * nb, g, bits, nbytes);
+            const long long hi = 8ll * g + 8 < n ? 8ll * g + 8 : n;
+            for (long long i = 8ll * g; i < hi; ++i) {
+                const int code = (int)((acc >> (unsigned int)((i - 8ll * g) * bits)) & mask);
+                const float delta = hvd_quant_load_f32(body + 4ll * (i / bucket));
+                out[i] = __fadd_rn(out[i], hvd_dqsg_value(code - levels, delta, key, i));
+            }
+        }
     }
 }

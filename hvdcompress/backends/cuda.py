@@ -105,6 +105,10 @@ QUANT = KernelFamily(
         "quant_qsgd_encode_segments",
         "quant_qsgd_check_segments",
         "quant_qsgd_decode_add_segments",
+        "quant_dqsg_deltas_segments",
+        "quant_dqsg_encode_segments",
+        "quant_dqsg_check_segments",
+        "quant_dqsg_decode_add_segments",
     ),
 )
 FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT)
@@ -1352,17 +1356,37 @@ def qsgd_decode(
 def qsgd_encode_segments(
     xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """``qsgd_encode`` of each (x, key) of a bucket: two launches over a segment table
-    (every norm, then every code; kernels/quant.cu section 9) and one read of the
-    non-finite flags. The bodies are views of one buffer, each 4-byte aligned (norms
-    first); None for a non-finite x."""
+    """``qsgd_encode`` of each (x, key) of a bucket: every norm, then every code, one
+    launch each (kernels/quant.cu section 9), one read of the non-finite flags. The bodies
+    are views of one buffer, each 4-byte aligned (norms first); None for a non-finite x."""
+    first = ("quant_qsgd_norms_segments", (np.int64(bucket),))
+    codes = ("quant_qsgd_encode_segments", (np.int32(levels), np.int32(bits), np.int64(bucket)))
+    return _packed_bucket_encode(xs, keys, bits, bucket, first, codes)
+
+
+def dqsg_encode_segments(
+    xs: list[torch.Tensor], keys: list[int], levels: int, bits: int, bucket: int
+) -> list[torch.Tensor | None]:
+    """DQSG's body (s = levels > 1: deltas, then the bit-packed codes q + s) of each
+    (x, key) of a bucket: every delta, then every code, one launch each, one read of the
+    non-finite flags; views of one buffer (4-byte aligned), None for a non-finite x."""
+    first = ("quant_dqsg_deltas_segments", (np.int32(levels), np.int64(bucket)))
+    codes = ("quant_dqsg_encode_segments", (np.int32(levels), np.int32(bits), np.int64(bucket)))
+    return _packed_bucket_encode(xs, keys, bits, bucket, first, codes)
+
+
+def _packed_bucket_encode(xs, keys, bits: int, bucket: int, first, codes):
+    """A bucket of bodies made of one float32 per ``bucket`` elements (QSGD's norms,
+    DQSG's deltas: ``first`` = (kernel, its arguments), one thread a bucket, non-finite
+    flags into the state rows), then ``bits``-bit codes (``codes``, one thread a group of
+    eight)."""
     if not xs:
         return []
     device = _bucket_device(xs, "x")
     ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
     nb = (ns + bucket - 1) // bucket
     sizes = 4 * nb + (ns * bits + 7) // 8
-    room = (sizes + 3) // 4 * 4  # the next body's norms stay 4-byte aligned
+    room = (sizes + 3) // 4 * 4  # the next body's floats stay 4-byte aligned
     firsts = np.cumsum(room) - room
     buf = torch.empty(int(room.sum()), dtype=torch.uint8, device=device)
     bodies: list[torch.Tensor | None] = [
@@ -1377,14 +1401,12 @@ def qsgd_encode_segments(
     table[:, _SIGN_SEG_OUT] = buf.data_ptr() + firsts[live]
     table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     tilings = {_SEG_BOFF: nb[live], _SEG_TILE: (ns[live] + 7) // 8}
-    norms, groups = _tilings(table, device, tilings)
+    per_bucket, groups = _tilings(table, device, tilings)
     with _Launcher(device) as k:
-        states = k.states(norms.count)
-        at_norms, at_groups = np.int32(_SEG_BOFF), np.int32(_SEG_TILE)
-        k.tiles("quant_qsgd_norms_segments", norms, at_norms, np.int64(bucket), _ptr(states))
-        args = (np.int32(levels), np.int32(bits), np.int64(bucket))
-        k.tiles("quant_qsgd_encode_segments", groups, at_groups, *args)
-        bad = _read_state(states).reshape(norms.count, _STATE_WORDS)[:, _ST_NONFINITE]
+        states = k.states(per_bucket.count)
+        k.tiles(first[0], per_bucket, np.int32(_SEG_BOFF), *first[1], _ptr(states))
+        k.tiles(codes[0], groups, np.int32(_SEG_TILE), *codes[1])
+        bad = _read_state(states).reshape(per_bucket.count, _STATE_WORDS)[:, _ST_NONFINITE]
     for row, i in enumerate(live.tolist()):
         if bad[row]:
             bodies[i] = None
@@ -1404,6 +1426,47 @@ def qsgd_decode_segments(
     checked its length) into ``outs[p]`` (on one CUDA device; the frame on the host or that
     device): every body checked (one launch, one read), then one launch that adds the
     bodies before the first refused one. None, or (p, ``qsgd_decode``'s message)."""
+    failed = _packed_bucket_decode(
+        frame, starts, ns, None, bits, bucket, outs, "quant_qsgd", np.int32(levels)
+    )
+    return None if failed is None else (failed[0], _qsgd_refusal(failed[1]))
+
+
+_DQSG_ERRORS = ((_QUANT_ERR_NORM, -12), (_PRIM_ERR_PADDING, -14), (_QUANT_ERR_CODE, -15))
+
+
+def dqsg_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    levels: int,
+    bits: int,
+    bucket: int,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """DQSG's decode (s = levels > 1, accumulating) of each body ``frame[starts[p]:][:lens[p]]``
+    into ``outs[p]`` (on one CUDA device): the lengths on the host, every body checked
+    (one launch, one read), then one launch that adds the bodies before the first refused
+    one. None, or (p, the CPU backend's error code for it: kernels/quant.c DQSG_ERR_*)."""
+    ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+    lens = np.asarray(lens, dtype=np.int64).reshape(-1)
+    nb = (ns + bucket - 1) // bucket
+    short, wrong = lens < 4 * nb, lens - 4 * nb != (ns * bits + 7) // 8
+    bad = np.flatnonzero(short | wrong)
+    stop = int(bad[0]) if len(bad) else len(outs)
+    head = (frame, np.asarray(starts)[:stop], ns[:stop], list(keys)[:stop], bits, bucket)
+    failed = _packed_bucket_decode(*head, outs[:stop], "quant_dqsg", np.int32(levels))
+    if failed is not None:
+        return failed[0], next(code for bit, code in _DQSG_ERRORS if failed[1] & bit)
+    return None if stop == len(outs) else (stop, -11 if short[stop] else -13)
+
+
+def _packed_bucket_decode(frame, starts, ns, keys, bits, bucket, outs, family, levels):
+    """The decode of ``_packed_bucket_encode``'s bodies (lengths checked by the caller):
+    ``{family}_check_segments`` (one launch, one read), then ``{family}_decode_add_segments``
+    for the bodies before the first refused one. None, or (p, its error bits)."""
     if not outs:
         return None
     device = _bucket_device(outs, "out")
@@ -1419,22 +1482,22 @@ def qsgd_decode_segments(
     table[:, _SEG_IN] = at
     table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
     table[:, _SEG_N] = ns[live]
+    if keys is not None:
+        table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     units = np.maximum(groups, nb)[live]
     check, decode = _tilings(table, device, {_SEG_TILE: units, _SEG_BOFF: groups[live]})
-    args = (np.int32(levels), np.int32(bits), np.int64(bucket))
+    args = (levels, np.int32(bits), np.int64(bucket))
     with _Launcher(device) as k:
         states = k.states(check.count)
-        k.tiles("quant_qsgd_check_segments", check, np.int32(_SEG_TILE), *args, _ptr(states))
+        k.tiles(f"{family}_check_segments", check, np.int32(_SEG_TILE), *args, _ptr(states))
         errors = _read_state(states).reshape(check.count, _STATE_WORDS)[:, _ST_ERROR]
         refused = np.flatnonzero(errors)
         good = int(refused[0]) if len(refused) else check.count
         if good:
             part = _first_rows(decode, groups[live], good)
-            k.tiles("quant_qsgd_decode_add_segments", part, np.int32(_SEG_BOFF), *args)
+            k.tiles(f"{family}_decode_add_segments", part, np.int32(_SEG_BOFF), *args)
         del body  # stream-ordered: the launches above are queued before its reuse
-    if not len(refused):
-        return None
-    return int(live[good]), _qsgd_refusal(int(errors[good]))
+    return None if not len(refused) else (int(live[good]), int(errors[good]))
 
 
 def _qsgd_refusal(err: int) -> str:

@@ -119,23 +119,25 @@ def dequantize_into(
 def encode_segments(
     ws: list[torch.Tensor], levels: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """``encode`` of each (w, key) of a bucket (contiguous float32 on the CPU), one native
-    call for the tensors the codec threads do not cut into parts (``cpu.splits``),
-    ``encode`` for those."""
+    """``encode`` of each (w, key) of a bucket (contiguous float32 on one device), one
+    native call (CPU) or launch sequence (CUDA, s > 1 only: the compressor sends s = 1 on
+    a GPU tensor by tensor) for the tensors the codec threads do not cut into parts
+    (``splits``), ``encode`` for those."""
     from hvdcompress.backends import cpu
 
+    backend = for_device(ws[0].device)
     bits = dqsg_bits(levels)
 
     def batched(pairs):
         xs, ks = [w for w, _ in pairs], [k for _, k in pairs]
-        if levels == 1:  # ternary q: quartic + zero-run codes
+        if levels == 1:  # ternary q: quartic + zero-run codes (the CPU's digit coder)
             return cpu.digits_encode_segments(xs, ks, 1, 0, 0, bucket)[0]
-        return cpu.dqsg_encode_segments(xs, ks, levels, bits, bucket)
+        return backend.dqsg_encode_segments(xs, ks, levels, bits, bucket)
 
     return prim.batched_except_split(
         list(zip(ws, keys, strict=True)),
         lambda wk: wk[0].numel(),
-        cpu.splits,
+        backend.splits,
         batched,
         lambda wk: encode(wk[0], levels, bucket, wk[1]),
     )
@@ -152,9 +154,10 @@ def decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
-    ``outs[i]``, in order, one native call over a host frame: None, or (i, the
-    PayloadError ``decode_into`` raises) for the first bad body, the ones before it added,
-    ``outs[i]`` untouched."""
+    ``outs[i]``, in order, one native call (CPU outputs, host frame) or launch sequence
+    (outputs on one CUDA device, s > 1 only): None, or (i, the PayloadError
+    ``decode_into`` raises) for the first bad body, the ones before it added, ``outs[i]``
+    untouched."""
     from hvdcompress.backends import cpu
 
     if levels == 1:  # ternary q: quartic + zero-run codes
@@ -165,7 +168,8 @@ def decode_segments(
         body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
         return i, prim.refusal(lambda: decode_q(body, int(ns[i]), levels, bucket))
     bits = dqsg_bits(levels)
-    failed = cpu.dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs)
+    backend = for_device(outs[0].device) if outs else cpu
+    failed = backend.dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs)
     if failed is None:
         return None
     i, code = failed

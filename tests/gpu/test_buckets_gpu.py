@@ -27,13 +27,14 @@ SEGMENT_DECODER = {
     "signsgd": "sign_decode_segments",
     "efsignsgd": "sign_decode_segments",
     "qsgd": "qsgd_decode_segments",
+    "dqsg": "dqsg_decode_segments",
 }
 
 
 def _corrupt(name: str, body: torch.Tensor, numel: int) -> bool:
     """Make a body its decoder refuses (in place); False when this one cannot be."""
-    if name == "qsgd":
-        body[:4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)  # a norm of -1.0
+    if name in ("qsgd", "dqsg"):
+        body[:4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)  # a norm / delta -1.0
         return True
     if name in ("signsgd", "efsignsgd"):
         if numel % 8 == 0:
@@ -251,6 +252,63 @@ def check_qsgd_segments(s: Setup, levels: int = 16, bucket: int = 64) -> None:
             assert failed[1] == exc.value.detail, what
 
 
+def check_dqsg_segments(s: Setup, levels: int = 3, bucket: int = 64) -> None:
+    """DQSG's bucket calls (s > 1) give the CPU backend's bodies and sums; a refused body
+    (a short or long body, a negative delta, a set padding bit, a code above 2 s) stops
+    the decode at its index with the CPU backend's error code, the ones before it added."""
+    from hvdcompress.codecs import dqsg
+
+    bits = dqsg.dqsg_bits(levels)
+    gen = torch.Generator().manual_seed(28)
+    xs = make_bucket(gen)
+    keys = [(99991 * i + 5) % 2**64 for i in range(len(xs))]
+    want = s.cpu.dqsg_encode_segments(xs, keys, levels, bits, bucket)
+    got = s.backend.dqsg_encode_segments(
+        [x.to(s.dev, copy=True) for x in xs], keys, levels, bits, bucket
+    )
+    assert [g is None for g in got] == [w is None for w in want]
+    assert sum(w is None for w in want) == 1
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is not None:
+            assert_same_bytes(g, w, f"DQSG body {i}")
+    keep = [i for i, w in enumerate(want) if w is not None]
+    frame, starts = gapped_frame([want[i] for i in keep], 28, 9)
+    lens = np.array([want[i].numel() for i in keep], np.int64)
+    ns = np.array([xs[i].numel() for i in keep], np.int64)
+    ks = [keys[i] for i in keep]
+    bases = [make_input(int(n), "dense", gen) for n in ns]
+    padded = np.flatnonzero((ns * bits) % 8 != 0)
+    target = int(padded[-1]) if len(padded) else int(np.argmax(ns))
+    nb = (int(ns[target]) + bucket - 1) // bucket
+    cases = ["none", "short", "long", "delta", "code"] + (["padding"] if len(padded) else [])
+    for what in cases:
+        src, src_lens = frame.clone(), lens.copy()
+        at = int(starts[target])
+        if what == "short":
+            src_lens[target] = 4 * nb - 1
+        elif what == "long":
+            src_lens[target] += 1
+        elif what == "delta":  # the last delta -1.0
+            last = at + 4 * (nb - 1)
+            src[last : last + 4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)
+        elif what == "padding":
+            src[at + int(lens[target]) - 1] |= 0x80
+        elif what == "code":  # the first code all ones: above 2 s unless 2 s + 1 = 2^bits
+            src[at + 4 * nb] |= (1 << bits) - 1
+        for on_device in (False, True):
+            outs = [b.to(s.dev, copy=True) for b in bases]
+            couts = [b.clone() for b in bases]
+            where = src.to(s.dev, copy=True) if on_device else src
+            args = (starts, src_lens, ns, ks, levels, bits, bucket)
+            failed = s.backend.dqsg_decode_segments(where, *args, outs)
+            cfailed = s.cpu.dqsg_decode_segments(src, *args, couts)
+            assert failed == cfailed, (what, failed, cfailed)
+            if what != "none" and (what != "code" or 2 * levels + 1 < 1 << bits):
+                assert failed is not None and failed[0] == target, (what, failed)
+            for p, (o, c) in enumerate(zip(outs, couts, strict=True)):
+                np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
+
+
 @pytest.mark.gpu
 def test_sign_segments_match_cpu(gpu):
     check_sign_segments(gpu)
@@ -270,3 +328,8 @@ def test_terngrad_segments_match_cpu(gpu):
 @pytest.mark.gpu
 def test_qsgd_segments_match_cpu(gpu):
     check_qsgd_segments(gpu)
+
+
+@pytest.mark.gpu
+def test_dqsg_segments_match_cpu(gpu):
+    check_dqsg_segments(gpu)

@@ -291,6 +291,11 @@ def test_emulated_qsgd_segments(setup, levels, bucket):
     test_buckets_gpu.check_qsgd_segments(setup, levels, bucket)
 
 
+@pytest.mark.parametrize("levels,bucket", [(3, 64), (2, 5), (127, 512)])
+def test_emulated_dqsg_segments(setup, levels, bucket):
+    test_buckets_gpu.check_dqsg_segments(setup, levels, bucket)
+
+
 @pytest.mark.parametrize("name", sorted(test_buckets_gpu.SEGMENT_DECODER))
 def test_emulated_bucket_frames_on_segment_calls(setup, monkeypatch, name):
     """Whole compressors through the emulated backend's segment calls: frames and sums
