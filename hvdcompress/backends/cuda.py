@@ -17,9 +17,10 @@ two levels: ``_running_max``) and ``torch.cumsum`` on that stream. Each call mak
 small device-to-host copy (the handful of integers a call needs: output length, error
 bits, scale, non-finite flag or checksum); the fused decode makes it before writing
 anything, so a corrupt body raises ``PayloadError`` with ``out`` untouched. A bucket's
-calls (``threelc_encode_segments``, ``threelc_decode_segments``, ``checksum_segments``)
-make that one copy for the whole bucket, after one launch sequence over a segment table
-(kernels/threelc.cu section 7); ``store_checksums`` makes none.
+calls (the ``*_segments`` functions: 3LC, TernGrad, signSGD, EF-signSGD, QSGD, DQSG with
+s > 1, checksums) make at most that one copy for the whole bucket, after one launch
+sequence over a segment table (kernels/threelc.cu section 7, sign.cu section 5, quant.cu
+section 9); ``store_checksums`` and ``efsign_encode_segments`` make none.
 """
 
 from __future__ import annotations
@@ -617,8 +618,8 @@ def _checksum_table(buf: torch.Tensor, starts: list[int], lengths: list[int]) ->
 
 
 def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
-    """``checksum`` (offset 0) of each segment [start, start + length) of buf (each at
-    least one byte): one launch, one device-to-host copy for all."""
+    """``checksum`` (offset 0) of each segment [start, start + length) of buf: one launch,
+    one device-to-host copy for all."""
     _check_tensor(buf, "buf", torch.uint8)
     if not starts:
         return []
@@ -672,11 +673,7 @@ def threelc_decode_segments(
     count = len(outs)
     if not count:
         return None
-    device = outs[0].device
-    for out in outs:
-        _check_tensor(out, "out", torch.float32)
-        if out.device != device:
-            raise ValueError(f"a bucket's outputs are on {device} and {out.device}")
+    device = _bucket_device(outs, "out")
     starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
     ms = (ns + 4) // 5
     # the host-side bounds of threelc_decode: each body byte expands to 1..14 quartic bytes
@@ -731,10 +728,8 @@ def threelc_decode_segments(
             return failed
         # decode the rows before the first refused one: their bodies and quartic bytes are
         # prefixes of the bucket's, and their tiles the first ones
-        used = table[:good]
-        used_len = int(used[-1, _SEG_BOFF] + used[-1, _SEG_BLEN])
-        used_m = int(used[-1, _SEG_QOFF] + lms[good - 1])
-        used_tiles = int(used[-1, _SEG_TILE] + -(-lms[good - 1] // seg.tile))
+        used_len = int(table[good - 1, _SEG_BOFF] + table[good - 1, _SEG_BLEN])
+        used_m = int(table[good - 1, _SEG_QOFF] + lms[good - 1])
         quartic = k.empty(used_m, torch.uint8)
         k(
             "threelc_zre_expand",
@@ -747,7 +742,7 @@ def threelc_decode_segments(
             np.int64(used_m),
             _ptr(states),
         )
-        part = _Segments(seg.rows, good, used_tiles, seg.tile)
+        part = _first_rows(seg, lms, good)
         k.tiles("threelc_quartic_decode_add_segments", part, _ptr(quartic), _ptr(states))
     return failed
 
