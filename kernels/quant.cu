@@ -130,12 +130,15 @@ __device__ __forceinline__ void hvd_qsgd_encode_group(const float* x, long long 
         packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
 }
 
-// QSGD body check of unit u (norm u when u < nb, group u when u < groups; unit 0 also
-// the padding bits): HVD_QUANT_ERR_* bits.
-__device__ __forceinline__ unsigned int hvd_qsgd_check_unit(const unsigned char* body,
-                                                            long long n, long long u,
-                                                            int levels, int bits,
-                                                            long long bucket)
+// The check of unit u of a body of float32s per bucket, then `bits`-bit codes (QSGD's
+// norms and codes, or with `dqsg` DQSG's deltas and codes q + s): float u (u < nb) finite
+// and >= 0 (HVD_QUANT_ERR_NORM), the codes of group u (u < groups) valid
+// (HVD_QUANT_ERR_CODE: QSGD, a level above s or a signed zero; DQSG, a code above 2 s),
+// and for unit 0 the padding bits zero (HVD_QUANT_ERR_PADDING).
+__device__ __forceinline__ unsigned int hvd_packed_check_unit(const unsigned char* body,
+                                                              long long n, long long u,
+                                                              int levels, int bits,
+                                                              long long bucket, int dqsg)
 {
     const long long nb = (n + bucket - 1) / bucket;
     const long long groups = (n + 7) / 8;
@@ -158,7 +161,9 @@ __device__ __forceinline__ unsigned int hvd_qsgd_check_unit(const unsigned char*
         for (long long i = lo; i < hi; ++i) {
             const unsigned int code =
                 (unsigned int)((acc >> (unsigned int)((i - lo) * bits)) & mask);
-            if ((int)(code >> 1) > levels || code == 1u) err |= HVD_QUANT_ERR_CODE;
+            const bool bad = dqsg ? (long long)code > 2ll * levels
+                                  : ((int)(code >> 1) > levels || code == 1u);
+            if (bad) err |= HVD_QUANT_ERR_CODE;
         }
     }
     return err;
@@ -292,7 +297,7 @@ extern "C" __global__ void quant_qsgd_check(const unsigned char* __restrict__ bo
     const long long stride = hvd_quant_grid_stride();
     unsigned int err = 0u;
     for (long long u = hvd_quant_first_index(); u < work; u += stride)
-        err |= hvd_qsgd_check_unit(body, n, u, levels, bits, bucket);
+        err |= hvd_packed_check_unit(body, n, u, levels, bits, bucket, 0);
     if (err) atomicOr(state + HVD_QUANT_ST_ERROR, err);
 }
 
@@ -439,30 +444,36 @@ extern "C" __global__ void quant_terngrad_quartic_segments(const long long* __re
 #define HVD_QUANT_SEG_AUX 1
 #define HVD_QUANT_SEG_OUT 3
 
-// quant_qsgd_norms of each segment into its body's first 4 nb bytes, the non-finite flag to
-// its state. grid: blocks loop over tiles of `tile` norm buckets. bytes: reads 4n, writes 4
-// per bucket.
-extern "C" __global__ void quant_qsgd_norms_segments(const long long* __restrict__ seg,
-                                                     long long nseg, long long ntiles,
-                                                     long long tile, int tiles_at,
-                                                     long long bucket,
-                                                     unsigned int* __restrict__ states)
+// The float32 per bucket of each segment into its body's first 4 nb bytes: QSGD's norms,
+// or with `dqsg` DQSG's deltas; a NaN / Inf one sets the segment's non-finite flag.
+// grid: blocks loop over tiles of `tile` buckets. bytes: reads 4n, writes 4 per bucket.
+extern "C" __global__ void quant_bucket_floats_segments(const long long* __restrict__ seg,
+                                                        long long nseg, long long ntiles,
+                                                        long long tile, int tiles_at,
+                                                        int levels, long long bucket, int dqsg,
+                                                        unsigned int* __restrict__ states)
 {
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
         const long long* row = seg + s * HVD_QUANT_SEG_COLS;
         const float* x = (const float*)row[HVD_QUANT_SEG_IN];
-        float* norms = (float*)row[HVD_QUANT_SEG_OUT];
+        float* floats = (float*)row[HVD_QUANT_SEG_OUT];
         const long long n = row[HVD_QUANT_SEG_N];
         const long long nb = (n + bucket - 1) / bucket;
         const long long first = (t - row[tiles_at]) * tile;
         const long long end = first + tile < nb ? first + tile : nb;
-        bool bad = false;
+        unsigned int worst = 0u;
         for (long long b = first + threadIdx.x; b < end; b += blockDim.x) {
-            norms[b] = hvd_qsgd_norm(x, n, b, bucket);
-            bad = bad || hvd_quant_nonfinite(norms[b]);
+            if (dqsg) {
+                floats[b] = hvd_dqsg_delta(x, n, b, bucket, levels, &worst);
+            } else {
+                floats[b] = hvd_qsgd_norm(x, n, b, bucket);
+                const unsigned int a = __float_as_uint(floats[b]) & 0x7fffffffu;
+                worst = a > worst ? a : worst;
+            }
         }
-        if (bad) atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_NONFINITE, 1u);
+        if (worst >= HVD_QUANT_NONFINITE_BITS)
+            atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_NONFINITE, 1u);
     }
 }
 
@@ -490,15 +501,16 @@ extern "C" __global__ void quant_qsgd_encode_segments(const long long* __restric
     }
 }
 
-// quant_qsgd_check of each segment's body into its state (norms, padding, codes), before
-// any decode writes. grid: blocks loop over tiles of `tile` units, a unit being a group of
-// eight elements and a norm bucket at once (max(groups, buckets) units a segment).
-// bytes: reads n bits / 8 + 4 per bucket.
-extern "C" __global__ void quant_qsgd_check_segments(const long long* __restrict__ seg,
-                                                     long long nseg, long long ntiles,
-                                                     long long tile, int tiles_at,
-                                                     int levels, int bits, long long bucket,
-                                                     unsigned int* __restrict__ states)
+// The check of each segment's body (hvd_packed_check_unit; `dqsg` picks DQSG's code rule)
+// into its state, before any decode writes. grid: blocks loop over tiles of `tile` units,
+// a unit being a group of eight elements and a bucket at once (max(groups, buckets) units
+// a segment). bytes: reads n bits / 8 + 4 per bucket.
+extern "C" __global__ void quant_packed_check_segments(const long long* __restrict__ seg,
+                                                       long long nseg, long long ntiles,
+                                                       long long tile, int tiles_at,
+                                                       int levels, int bits, long long bucket,
+                                                       int dqsg,
+                                                       unsigned int* __restrict__ states)
 {
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
@@ -512,7 +524,7 @@ extern "C" __global__ void quant_qsgd_check_segments(const long long* __restrict
         const long long end = first + tile < units ? first + tile : units;
         unsigned int err = 0u;
         for (long long u = first + threadIdx.x; u < end; u += blockDim.x)
-            err |= hvd_qsgd_check_unit(body, n, u, levels, bits, bucket);
+            err |= hvd_packed_check_unit(body, n, u, levels, bits, bucket, dqsg);
         if (err) atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_ERROR, err);
     }
 }
@@ -544,32 +556,6 @@ extern "C" __global__ void quant_qsgd_decode_add_segments(const long long* __res
 // DQSG's bucket calls for s > 1 (codes q + s in `bits` bits, bit-packed after the deltas;
 // s = 1 bodies, quartic + zero-run coded, take the one-tensor kernels): the table of the
 // QSGD calls above (body 4-byte aligned, deltas first; the key in column 5).
-
-// quant_dqsg_deltas of each segment into its body's first 4 nb bytes, the non-finite flag
-// to its state. grid: blocks loop over tiles of `tile` buckets. bytes: reads 4n, writes 4
-// per bucket.
-extern "C" __global__ void quant_dqsg_deltas_segments(const long long* __restrict__ seg,
-                                                      long long nseg, long long ntiles,
-                                                      long long tile, int tiles_at, int levels,
-                                                      long long bucket,
-                                                      unsigned int* __restrict__ states)
-{
-    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
-        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
-        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
-        const float* w = (const float*)row[HVD_QUANT_SEG_IN];
-        float* deltas = (float*)row[HVD_QUANT_SEG_OUT];
-        const long long n = row[HVD_QUANT_SEG_N];
-        const long long nb = (n + bucket - 1) / bucket;
-        const long long first = (t - row[tiles_at]) * tile;
-        const long long end = first + tile < nb ? first + tile : nb;
-        unsigned int worst = 0u;
-        for (long long b = first + threadIdx.x; b < end; b += blockDim.x)
-            deltas[b] = hvd_dqsg_delta(w, n, b, bucket, levels, &worst);
-        if (worst >= HVD_QUANT_NONFINITE_BITS)
-            atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_NONFINITE, 1u);
-    }
-}
 
 // The codes q + s of each segment, packed after its deltas. grid: blocks loop over tiles
 // of `tile` groups of eight elements. bytes: reads 4n (+ the deltas), writes n bits / 8.
@@ -603,53 +589,6 @@ extern "C" __global__ void quant_dqsg_encode_segments(const long long* __restric
             for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
                 packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
         }
-    }
-}
-
-// The check of each segment's body before any decode writes: deltas finite and >= 0
-// (HVD_QUANT_ERR_NORM), padding bits zero (HVD_QUANT_ERR_PADDING), codes <= 2 s
-// (HVD_QUANT_ERR_CODE). grid: blocks loop over tiles of `tile` units (max(groups, nb) a
-// segment, as quant_qsgd_check_segments). bytes: reads n bits / 8 + 4 per bucket.
-extern "C" __global__ void quant_dqsg_check_segments(const long long* __restrict__ seg,
-                                                     long long nseg, long long ntiles,
-                                                     long long tile, int tiles_at, int levels,
-                                                     int bits, long long bucket,
-                                                     unsigned int* __restrict__ states)
-{
-    const unsigned long long mask = (1ull << bits) - 1ull;
-    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
-        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
-        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
-        const unsigned char* body = (const unsigned char*)row[HVD_QUANT_SEG_IN];
-        const long long n = row[HVD_QUANT_SEG_N];
-        const long long nb = (n + bucket - 1) / bucket;
-        const long long groups = (n + 7) / 8;
-        const unsigned char* packed = body + 4ll * nb;
-        const long long used = n * (long long)bits;
-        const long long nbytes = (used + 7) / 8;
-        const long long units = groups > nb ? groups : nb;
-        const long long first = (t - row[tiles_at]) * tile;
-        const long long end = first + tile < units ? first + tile : units;
-        unsigned int err = 0u;
-        for (long long u = first + threadIdx.x; u < end; u += blockDim.x) {
-            if (u == 0 && (used & 7ll) &&
-                ((unsigned int)packed[nbytes - 1] >> (unsigned int)(used & 7ll)))
-                err |= HVD_QUANT_ERR_PADDING;
-            if (u < nb) {
-                const float delta = hvd_quant_load_f32(body + 4ll * u);
-                if (!(delta >= 0.0f) || hvd_quant_nonfinite(delta)) err |= HVD_QUANT_ERR_NORM;
-            }
-            if (u < groups) {
-                const unsigned long long acc = hvd_qsgd_load_group(packed, u, bits, nbytes);
-                const long long hi = 8ll * u + 8 < n ? 8ll * u + 8 : n;
-                for (long long i = 8ll * u; i < hi; ++i) {
-                    const unsigned int shift = (unsigned int)((i - 8ll * u) * bits);
-                    const long long code = (long long)((acc >> shift) & mask);
-                    if (code > 2ll * levels) err |= HVD_QUANT_ERR_CODE;
-                }
-            }
-        }
-        if (err) atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_ERROR, err);
     }
 }
 

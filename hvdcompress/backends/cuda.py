@@ -102,13 +102,11 @@ QUANT = KernelFamily(
         "quant_dqsg_quantize",
         "quant_dqsg_dequantize",
         "quant_terngrad_quartic_segments",
-        "quant_qsgd_norms_segments",
+        "quant_bucket_floats_segments",
         "quant_qsgd_encode_segments",
-        "quant_qsgd_check_segments",
+        "quant_packed_check_segments",
         "quant_qsgd_decode_add_segments",
-        "quant_dqsg_deltas_segments",
         "quant_dqsg_encode_segments",
-        "quant_dqsg_check_segments",
         "quant_dqsg_decode_add_segments",
     ),
 )
@@ -496,18 +494,7 @@ def _zre_encode(k: _Launcher, qb: torch.Tensor, state: torch.Tensor) -> torch.Te
     k("threelc_zre_run_starts", m, _ptr(qb), np.int64(m), _ptr(start))
     run_start = _running_max(start)
     del start  # stream-ordered: reused only by later work on this stream
-    emit = k.empty(m, torch.uint8)
-    k(
-        "threelc_zre_flags",
-        m,
-        _ptr(qb),
-        _ptr(run_start),
-        np.int64(m),
-        _ptr(emit),
-        _ptr(state),
-    )
-    incl = torch.cumsum(emit, 0, dtype=torch.int64)
-    del emit
+    incl = _zre_emit_scan(k, qb, run_start, state)
     out = k.empty(m, torch.uint8)
     k(
         "threelc_zre_scatter",
@@ -521,6 +508,25 @@ def _zre_encode(k: _Launcher, qb: torch.Tensor, state: torch.Tensor) -> torch.Te
         _ptr(state),
     )
     return out
+
+
+def _zre_emit_scan(
+    k: _Launcher, qb: torch.Tensor, run_start: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """The inclusive scan of the zero-run encoder's emit flags (which position writes an
+    output byte): each emitting position's output index + 1."""
+    m = qb.numel()
+    emit = k.empty(m, torch.uint8)
+    k(
+        "threelc_zre_flags",
+        m,
+        _ptr(qb),
+        _ptr(run_start),
+        np.int64(m),
+        _ptr(emit),
+        _ptr(state),
+    )
+    return torch.cumsum(emit, 0, dtype=torch.int64)
 
 
 def _zre_prepare(k: _Launcher, body: torch.Tensor, numel: int, state: torch.Tensor):
@@ -1061,19 +1067,8 @@ def _zre_encode_segments(
     k.tiles("threelc_zre_run_starts_segments", seg, _ptr(quartic), _ptr(start))
     run_start = _running_max(start)
     del start
-    emit = k.empty(total, torch.uint8)
-    state = k.state()  # input errors cannot happen here: quartic bytes are <= 242
-    k(
-        "threelc_zre_flags",
-        total,
-        _ptr(quartic),
-        _ptr(run_start),
-        np.int64(total),
-        _ptr(emit),
-        _ptr(state),
-    )
-    incl = torch.cumsum(emit, 0, dtype=torch.int64)
-    del emit
+    # input errors cannot happen here (quartic bytes are <= 242): a scratch state
+    incl = _zre_emit_scan(k, quartic, run_start, k.state())
     out = k.empty(total, torch.uint8)
     k.tiles(
         "threelc_zre_scatter_segments",
@@ -1352,7 +1347,7 @@ def qsgd_encode_segments(
     """``qsgd_encode`` of each (x, key) of a bucket: every norm, then every code, one
     launch each (kernels/quant.cu section 9), one read of the non-finite flags. The bodies
     are views of one buffer, each 4-byte aligned (norms first); None for a non-finite x."""
-    first = ("quant_qsgd_norms_segments", (np.int64(bucket),))
+    first = (np.int32(levels), np.int64(bucket), np.int32(0))  # norms
     codes = ("quant_qsgd_encode_segments", (np.int32(levels), np.int32(bits), np.int64(bucket)))
     return _packed_bucket_encode(xs, keys, bits, bucket, first, codes)
 
@@ -1363,16 +1358,16 @@ def dqsg_encode_segments(
     """DQSG's body (s = levels > 1: deltas, then the bit-packed codes q + s) of each
     (x, key) of a bucket: every delta, then every code, one launch each, one read of the
     non-finite flags; views of one buffer (4-byte aligned), None for a non-finite x."""
-    first = ("quant_dqsg_deltas_segments", (np.int32(levels), np.int64(bucket)))
+    first = (np.int32(levels), np.int64(bucket), np.int32(1))  # deltas
     codes = ("quant_dqsg_encode_segments", (np.int32(levels), np.int32(bits), np.int64(bucket)))
     return _packed_bucket_encode(xs, keys, bits, bucket, first, codes)
 
 
 def _packed_bucket_encode(xs, keys, bits: int, bucket: int, first, codes):
     """A bucket of bodies made of one float32 per ``bucket`` elements (QSGD's norms,
-    DQSG's deltas: ``first`` = (kernel, its arguments), one thread a bucket, non-finite
-    flags into the state rows), then ``bits``-bit codes (``codes``, one thread a group of
-    eight)."""
+    DQSG's deltas: quant_bucket_floats_segments with the arguments ``first``, one thread a
+    bucket, non-finite flags into the state rows), then ``bits``-bit codes (``codes`` =
+    (kernel, its arguments), one thread a group of eight)."""
     if not xs:
         return []
     device = _bucket_device(xs, "x")
@@ -1397,7 +1392,8 @@ def _packed_bucket_encode(xs, keys, bits: int, bucket: int, first, codes):
     per_bucket, groups = _tilings(table, device, tilings)
     with _Launcher(device) as k:
         states = k.states(per_bucket.count)
-        k.tiles(first[0], per_bucket, np.int32(_SEG_BOFF), *first[1], _ptr(states))
+        at = np.int32(_SEG_BOFF)
+        k.tiles("quant_bucket_floats_segments", per_bucket, at, *first, _ptr(states))
         k.tiles(codes[0], groups, np.int32(_SEG_TILE), *codes[1])
         bad = _read_state(states).reshape(per_bucket.count, _STATE_WORDS)[:, _ST_NONFINITE]
     for row, i in enumerate(live.tolist()):
@@ -1419,9 +1415,7 @@ def qsgd_decode_segments(
     checked its length) into ``outs[p]`` (on one CUDA device; the frame on the host or that
     device): every body checked (one launch, one read), then one launch that adds the
     bodies before the first refused one. None, or (p, ``qsgd_decode``'s message)."""
-    failed = _packed_bucket_decode(
-        frame, starts, ns, None, bits, bucket, outs, "quant_qsgd", np.int32(levels)
-    )
+    failed = _packed_bucket_decode(frame, starts, ns, None, bits, bucket, outs, "qsgd", levels)
     return None if failed is None else (failed[0], _qsgd_refusal(failed[1]))
 
 
@@ -1450,16 +1444,17 @@ def dqsg_decode_segments(
     bad = np.flatnonzero(short | wrong)
     stop = int(bad[0]) if len(bad) else len(outs)
     head = (frame, np.asarray(starts)[:stop], ns[:stop], list(keys)[:stop], bits, bucket)
-    failed = _packed_bucket_decode(*head, outs[:stop], "quant_dqsg", np.int32(levels))
+    failed = _packed_bucket_decode(*head, outs[:stop], "dqsg", levels)
     if failed is not None:
         return failed[0], next(code for bit, code in _DQSG_ERRORS if failed[1] & bit)
     return None if stop == len(outs) else (stop, -11 if short[stop] else -13)
 
 
-def _packed_bucket_decode(frame, starts, ns, keys, bits, bucket, outs, family, levels):
-    """The decode of ``_packed_bucket_encode``'s bodies (lengths checked by the caller):
-    ``{family}_check_segments`` (one launch, one read), then ``{family}_decode_add_segments``
-    for the bodies before the first refused one. None, or (p, its error bits)."""
+def _packed_bucket_decode(frame, starts, ns, keys, bits, bucket, outs, codec: str, levels):
+    """The decode of ``_packed_bucket_encode``'s bodies (lengths checked by the caller) of
+    ``codec`` ("qsgd" or "dqsg"): ``quant_packed_check_segments`` (one launch, one read),
+    then ``quant_{codec}_decode_add_segments`` for the bodies before the first refused one.
+    None, or (p, its error bits)."""
     if not outs:
         return None
     device = _bucket_device(outs, "out")
@@ -1479,16 +1474,18 @@ def _packed_bucket_decode(frame, starts, ns, keys, bits, bucket, outs, family, l
         table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     units = np.maximum(groups, nb)[live]
     check, decode = _tilings(table, device, {_SEG_TILE: units, _SEG_BOFF: groups[live]})
-    args = (levels, np.int32(bits), np.int64(bucket))
+    args = (np.int32(levels), np.int32(bits), np.int64(bucket))
     with _Launcher(device) as k:
         states = k.states(check.count)
-        k.tiles(f"{family}_check_segments", check, np.int32(_SEG_TILE), *args, _ptr(states))
+        rule = np.int32(codec == "dqsg")
+        at = np.int32(_SEG_TILE)
+        k.tiles("quant_packed_check_segments", check, at, *args, rule, _ptr(states))
         errors = _read_state(states).reshape(check.count, _STATE_WORDS)[:, _ST_ERROR]
         refused = np.flatnonzero(errors)
         good = int(refused[0]) if len(refused) else check.count
         if good:
             part = _first_rows(decode, groups[live], good)
-            k.tiles(f"{family}_decode_add_segments", part, np.int32(_SEG_BOFF), *args)
+            k.tiles(f"quant_{codec}_decode_add_segments", part, np.int32(_SEG_BOFF), *args)
         del body  # stream-ordered: the launches above are queued before its reuse
     return None if not len(refused) else (int(live[good]), int(errors[good]))
 
