@@ -986,8 +986,8 @@ def _bucket_device(ts: list[torch.Tensor], name: str) -> torch.device:
     return device
 
 
-# ---- a bucket's segment calls: the CPU backend's one-call signatures, a launch sequence
-# per tensor here (docs/design.md section 1.6, "One call per bucket") ---------------------
+# ---- a bucket's segment calls: the CPU backend's one-call signatures, one launch sequence
+# for the bucket here (docs/design.md section 1.6, "The CUDA path") -----------------------
 
 
 def splits(n: int) -> bool:
