@@ -349,9 +349,10 @@ def verify_checksum(header: Header, payload: torch.Tensor) -> None:
 # ---- frames: one rank's payloads of one bucket ---------------------------------------------
 def frame(payloads: list[torch.Tensor]) -> torch.Tensor:
     """``n``, ``n`` payload lengths (uint64 little-endian), then the ``n`` payloads: the
-    bytes one rank contributes to a bucket's allgather."""
+    bytes one rank contributes to a bucket's allgather, on the payloads' device."""
     head = struct.pack(f"<Q{len(payloads)}Q", len(payloads), *(p.numel() for p in payloads))
-    return torch.cat([torch.frombuffer(bytearray(head), dtype=torch.uint8), *payloads])
+    table = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    return torch.cat([table.to(payloads[0].device) if payloads else table, *payloads])
 
 
 def unframe(frame: torch.Tensor, count: int, rank: int, names: list[str]) -> list[torch.Tensor]:

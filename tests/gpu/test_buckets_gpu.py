@@ -1,6 +1,8 @@
 """A bucket on the CUDA backend as one launch sequence (kernels/threelc.cu section 7,
-kernels/sign.cu section 5), against the CPU backend byte for byte: the sign codecs'
-segment calls, and whole compressors' frames and ``decode_frame`` sums. The ``check_*``
+kernels/sign.cu section 5, kernels/quant.cu section 9), against the CPU backend byte for
+byte: the segment calls of signSGD, EF-signSGD, TernGrad, QSGD and DQSG, and whole
+compressors' frames and ``decode_frame`` sums (3LC's own calls: test_threelc_gpu.py). The
+``check_*``
 functions take a ``Setup`` so that tests/host_kernels run them on the host-built kernels;
 here they run on a GPU (``gpu`` fixture: skips with the reason where CUDA kernels cannot
 run)."""
@@ -333,3 +335,14 @@ def test_qsgd_segments_match_cpu(gpu):
 @pytest.mark.gpu
 def test_dqsg_segments_match_cpu(gpu):
     check_dqsg_segments(gpu)
+
+
+@pytest.mark.gpu
+def test_frame_of_device_payloads(gpu):
+    """``wire.frame`` of payloads on the device (what ``bench_codec.py --overhead --device
+    cuda`` builds one by one) is the host frame's bytes, on the device."""
+    gen = torch.Generator().manual_seed(29)
+    payloads = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (3, 0, 70)]
+    framed = wire.frame([p.to(gpu.dev) for p in payloads])
+    assert framed.device == gpu.dev
+    assert_same_bytes(framed, wire.frame(payloads))
