@@ -249,6 +249,44 @@ __device__ __forceinline__ float hvd_dqsg_value(int q, float delta, unsigned lon
     return __fmul_rn(delta, __fsub_rn((float)q, u));
 }
 
+// DQSG's codes q + s of group g, packed `bits` bits each after the deltas.
+__device__ __forceinline__ void hvd_dqsg_encode_group(const float* w, long long n, long long g,
+                                                      int levels, int bits, long long bucket,
+                                                      unsigned long long key,
+                                                      const float* deltas,
+                                                      unsigned char* packed)
+{
+    const long long lo = 8ll * g;
+    const long long hi = lo + 8 < n ? lo + 8 : n;
+    unsigned long long acc = 0ull;
+    for (long long i = lo; i < hi; ++i) {
+        const int q = hvd_dqsg_q(w[i], deltas[i / bucket], levels, key, i);
+        acc |= (unsigned long long)(q + levels) << (unsigned int)((i - lo) * bits);
+    }
+    const long long nbytes = (n * (long long)bits + 7) / 8;
+    const long long first_byte = g * (long long)bits;
+    for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
+        packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
+}
+
+// DQSG decode of group g of a checked body: out += delta * ((code - s) - (v - 1/2)).
+__device__ __forceinline__ void hvd_dqsg_decode_add_group(const unsigned char* body, long long n,
+                                                          long long g, int levels, int bits,
+                                                          long long bucket,
+                                                          unsigned long long key, float* out)
+{
+    const long long nb = (n + bucket - 1) / bucket;
+    const long long nbytes = (n * (long long)bits + 7) / 8;
+    const unsigned long long acc = hvd_qsgd_load_group(body + 4ll * nb, g, bits, nbytes);
+    const unsigned long long mask = (1ull << bits) - 1ull;
+    const long long hi = 8ll * g + 8 < n ? 8ll * g + 8 : n;
+    for (long long i = 8ll * g; i < hi; ++i) {
+        const int code = (int)((acc >> (unsigned int)((i - 8ll * g) * bits)) & mask);
+        const float delta = hvd_quant_load_f32(body + 4ll * (i / bucket));
+        out[i] = __fadd_rn(out[i], hvd_dqsg_value(code - levels, delta, key, i));
+    }
+}
+
 // 1. QSGD norms: norms[b] = float32(sqrt(sum over bucket b of x_i^2)), the sum in double
 // strictly left to right (one thread per bucket: the CPU's order). A NaN / Inf norm (NaN or
 // Inf input, or float32 overflow) sets the non-finite word. grid: grid-stride over
@@ -444,6 +482,10 @@ extern "C" __global__ void quant_terngrad_quartic_segments(const long long* __re
 #define HVD_QUANT_SEG_AUX 1
 #define HVD_QUANT_SEG_OUT 3
 
+// QSGD and DQSG with s > 1 (DQSG's s = 1 bodies, quartic + zero-run coded, take the
+// one-tensor kernels) share the next four kernels, `dqsg` picking the codec: a body is
+// 4-byte aligned, one float32 per bucket first (norms or deltas), then the `bits`-bit codes.
+
 // The float32 per bucket of each segment into its body's first 4 nb bytes: QSGD's norms,
 // or with `dqsg` DQSG's deltas; a NaN / Inf one sets the segment's non-finite flag.
 // grid: blocks loop over tiles of `tile` buckets. bytes: reads 4n, writes 4 per bucket.
@@ -477,12 +519,14 @@ extern "C" __global__ void quant_bucket_floats_segments(const long long* __restr
     }
 }
 
-// quant_qsgd_encode of each segment (its norms from its body). grid: blocks loop over tiles
-// of `tile` groups of eight elements. bytes: reads 4n (+ the norms), writes n bits / 8.
-extern "C" __global__ void quant_qsgd_encode_segments(const long long* __restrict__ seg,
-                                                      long long nseg, long long ntiles,
-                                                      long long tile, int tiles_at,
-                                                      int levels, int bits, long long bucket)
+// The codes of each segment, packed after its float32s (QSGD's, or with `dqsg` DQSG's
+// codes q + s). grid: blocks loop over tiles of `tile` groups of eight elements. bytes:
+// reads 4n (+ the floats), writes n bits / 8.
+extern "C" __global__ void quant_packed_encode_segments(const long long* __restrict__ seg,
+                                                        long long nseg, long long ntiles,
+                                                        long long tile, int tiles_at,
+                                                        int levels, int bits, long long bucket,
+                                                        int dqsg)
 {
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
@@ -490,14 +534,19 @@ extern "C" __global__ void quant_qsgd_encode_segments(const long long* __restric
         const float* x = (const float*)row[HVD_QUANT_SEG_IN];
         const long long n = row[HVD_QUANT_SEG_N];
         const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
-        const float* norms = (const float*)row[HVD_QUANT_SEG_OUT];
+        const float* floats = (const float*)row[HVD_QUANT_SEG_OUT];
         const long long nb = (n + bucket - 1) / bucket;
         unsigned char* packed = (unsigned char*)row[HVD_QUANT_SEG_OUT] + 4ll * nb;
         const long long groups = (n + 7) / 8;
         const long long first = (t - row[tiles_at]) * tile;
         const long long end = first + tile < groups ? first + tile : groups;
-        for (long long g = first + threadIdx.x; g < end; g += blockDim.x)
-            hvd_qsgd_encode_group(x, n, g, levels, bits, bucket, key, norms, packed);
+        for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
+            if (dqsg) {
+                hvd_dqsg_encode_group(x, n, g, levels, bits, bucket, key, floats, packed);
+            } else {
+                hvd_qsgd_encode_group(x, n, g, levels, bits, bucket, key, floats, packed);
+            }
+        }
     }
 }
 
@@ -529,15 +578,15 @@ extern "C" __global__ void quant_packed_check_segments(const long long* __restri
     }
 }
 
-// quant_qsgd_decode with accumulate of each checked segment: out += +-((l / s) * norm).
-// The host launches it for the segments before the first refused one only. grid: blocks
-// loop over tiles of `tile` groups of eight elements. bytes: reads n bits / 8 + the norms
-// + 4n, writes 4n.
-extern "C" __global__ void quant_qsgd_decode_add_segments(const long long* __restrict__ seg,
-                                                          long long nseg, long long ntiles,
-                                                          long long tile, int tiles_at,
-                                                          int levels, int bits,
-                                                          long long bucket)
+// The decode with accumulate of each checked segment (QSGD's, or with `dqsg` DQSG's
+// reconstruction); the host launches it for the segments before the first refused one
+// only. grid: blocks loop over tiles of `tile` groups of eight elements. bytes: reads
+// n bits / 8 + the floats + 4n, writes 4n.
+extern "C" __global__ void quant_packed_decode_add_segments(const long long* __restrict__ seg,
+                                                            long long nseg, long long ntiles,
+                                                            long long tile, int tiles_at,
+                                                            int levels, int bits,
+                                                            long long bucket, int dqsg)
 {
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
@@ -545,82 +594,15 @@ extern "C" __global__ void quant_qsgd_decode_add_segments(const long long* __res
         const unsigned char* body = (const unsigned char*)row[HVD_QUANT_SEG_IN];
         float* out = (float*)row[HVD_QUANT_SEG_AUX];
         const long long n = row[HVD_QUANT_SEG_N];
-        const long long groups = (n + 7) / 8;
-        const long long first = (t - row[tiles_at]) * tile;
-        const long long end = first + tile < groups ? first + tile : groups;
-        for (long long g = first + threadIdx.x; g < end; g += blockDim.x)
-            hvd_qsgd_decode_group(body, n, g, levels, bits, bucket, out, 1);
-    }
-}
-
-// DQSG's bucket calls for s > 1 (codes q + s in `bits` bits, bit-packed after the deltas;
-// s = 1 bodies, quartic + zero-run coded, take the one-tensor kernels): the table of the
-// QSGD calls above (body 4-byte aligned, deltas first; the key in column 5).
-
-// The codes q + s of each segment, packed after its deltas. grid: blocks loop over tiles
-// of `tile` groups of eight elements. bytes: reads 4n (+ the deltas), writes n bits / 8.
-extern "C" __global__ void quant_dqsg_encode_segments(const long long* __restrict__ seg,
-                                                      long long nseg, long long ntiles,
-                                                      long long tile, int tiles_at, int levels,
-                                                      int bits, long long bucket)
-{
-    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
-        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
-        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
-        const float* w = (const float*)row[HVD_QUANT_SEG_IN];
-        const long long n = row[HVD_QUANT_SEG_N];
         const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
-        const float* deltas = (const float*)row[HVD_QUANT_SEG_OUT];
-        const long long nb = (n + bucket - 1) / bucket;
-        unsigned char* packed = (unsigned char*)row[HVD_QUANT_SEG_OUT] + 4ll * nb;
-        const long long nbytes = (n * (long long)bits + 7) / 8;
         const long long groups = (n + 7) / 8;
         const long long first = (t - row[tiles_at]) * tile;
         const long long end = first + tile < groups ? first + tile : groups;
         for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
-            const long long lo = 8ll * g;
-            const long long hi = lo + 8 < n ? lo + 8 : n;
-            unsigned long long acc = 0ull;
-            for (long long i = lo; i < hi; ++i) {
-                const int q = hvd_dqsg_q(w[i], deltas[i / bucket], levels, key, i);
-                acc |= (unsigned long long)(q + levels) << (unsigned int)((i - lo) * bits);
-            }
-            const long long first_byte = g * (long long)bits;
-            for (int k = 0; k < bits && first_byte + k < nbytes; ++k)
-                packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
-        }
-    }
-}
-
-// out += delta * ((code - s) - (v - 1/2)) of each checked segment; the host launches it
-// for the segments before the first refused one only. grid: blocks loop over tiles of
-// `tile` groups of eight elements. bytes: reads n bits / 8 + the deltas + 4n, writes 4n.
-extern "C" __global__ void quant_dqsg_decode_add_segments(const long long* __restrict__ seg,
-                                                          long long nseg, long long ntiles,
-                                                          long long tile, int tiles_at,
-                                                          int levels, int bits,
-                                                          long long bucket)
-{
-    const unsigned long long mask = (1ull << bits) - 1ull;
-    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
-        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
-        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
-        const unsigned char* body = (const unsigned char*)row[HVD_QUANT_SEG_IN];
-        float* out = (float*)row[HVD_QUANT_SEG_AUX];
-        const long long n = row[HVD_QUANT_SEG_N];
-        const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
-        const long long nb = (n + bucket - 1) / bucket;
-        const long long nbytes = (n * (long long)bits + 7) / 8;
-        const long long groups = (n + 7) / 8;
-        const long long first = (t - row[tiles_at]) * tile;
-        const long long end = first + tile < groups ? first + tile : groups;
-        for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
-            const unsigned long long acc = hvd_qsgd_load_group(body + 4ll * nb, g, bits, nbytes);
-            const long long hi = 8ll * g + 8 < n ? 8ll * g + 8 : n;
-            for (long long i = 8ll * g; i < hi; ++i) {
-                const int code = (int)((acc >> (unsigned int)((i - 8ll * g) * bits)) & mask);
-                const float delta = hvd_quant_load_f32(body + 4ll * (i / bucket));
-                out[i] = __fadd_rn(out[i], hvd_dqsg_value(code - levels, delta, key, i));
+            if (dqsg) {
+                hvd_dqsg_decode_add_group(body, n, g, levels, bits, bucket, key, out);
+            } else {
+                hvd_qsgd_decode_group(body, n, g, levels, bits, bucket, out, 1);
             }
         }
     }

@@ -103,11 +103,9 @@ QUANT = KernelFamily(
         "quant_dqsg_dequantize",
         "quant_terngrad_quartic_segments",
         "quant_bucket_floats_segments",
-        "quant_qsgd_encode_segments",
+        "quant_packed_encode_segments",
         "quant_packed_check_segments",
-        "quant_qsgd_decode_add_segments",
-        "quant_dqsg_encode_segments",
-        "quant_dqsg_decode_add_segments",
+        "quant_packed_decode_add_segments",
     ),
 )
 FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT)
@@ -1347,9 +1345,7 @@ def qsgd_encode_segments(
     """``qsgd_encode`` of each (x, key) of a bucket: every norm, then every code, one
     launch each (kernels/quant.cu section 9), one read of the non-finite flags. The bodies
     are views of one buffer, each 4-byte aligned (norms first); None for a non-finite x."""
-    first = (np.int32(levels), np.int64(bucket), np.int32(0))  # norms
-    codes = ("quant_qsgd_encode_segments", (np.int32(levels), np.int32(bits), np.int64(bucket)))
-    return _packed_bucket_encode(xs, keys, bits, bucket, first, codes)
+    return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=False)
 
 
 def dqsg_encode_segments(
@@ -1358,16 +1354,14 @@ def dqsg_encode_segments(
     """DQSG's body (s = levels > 1: deltas, then the bit-packed codes q + s) of each
     (x, key) of a bucket: every delta, then every code, one launch each, one read of the
     non-finite flags; views of one buffer (4-byte aligned), None for a non-finite x."""
-    first = (np.int32(levels), np.int64(bucket), np.int32(1))  # deltas
-    codes = ("quant_dqsg_encode_segments", (np.int32(levels), np.int32(bits), np.int64(bucket)))
-    return _packed_bucket_encode(xs, keys, bits, bucket, first, codes)
+    return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=True)
 
 
-def _packed_bucket_encode(xs, keys, bits: int, bucket: int, first, codes):
-    """A bucket of bodies made of one float32 per ``bucket`` elements (QSGD's norms,
-    DQSG's deltas: quant_bucket_floats_segments with the arguments ``first``, one thread a
-    bucket, non-finite flags into the state rows), then ``bits``-bit codes (``codes`` =
-    (kernel, its arguments), one thread a group of eight)."""
+def _packed_bucket_encode(xs, keys, levels: int, bits: int, bucket: int, dqsg: bool):
+    """A bucket of bodies made of one float32 per ``bucket`` elements (QSGD's norms, or
+    with ``dqsg`` DQSG's deltas: quant_bucket_floats_segments, one thread a bucket,
+    non-finite flags into the state rows), then ``bits``-bit codes
+    (quant_packed_encode_segments, one thread a group of eight)."""
     if not xs:
         return []
     device = _bucket_device(xs, "x")
@@ -1392,9 +1386,11 @@ def _packed_bucket_encode(xs, keys, bits: int, bucket: int, first, codes):
     per_bucket, groups = _tilings(table, device, tilings)
     with _Launcher(device) as k:
         states = k.states(per_bucket.count)
-        at = np.int32(_SEG_BOFF)
-        k.tiles("quant_bucket_floats_segments", per_bucket, at, *first, _ptr(states))
-        k.tiles(codes[0], groups, np.int32(_SEG_TILE), *codes[1])
+        at, flag = np.int32(_SEG_BOFF), np.int32(dqsg)
+        args = (np.int32(levels), np.int64(bucket), flag, _ptr(states))
+        k.tiles("quant_bucket_floats_segments", per_bucket, at, *args)
+        args = (np.int32(levels), np.int32(bits), np.int64(bucket), flag)
+        k.tiles("quant_packed_encode_segments", groups, np.int32(_SEG_TILE), *args)
         bad = _read_state(states).reshape(per_bucket.count, _STATE_WORDS)[:, _ST_NONFINITE]
     for row, i in enumerate(live.tolist()):
         if bad[row]:
@@ -1453,7 +1449,7 @@ def dqsg_decode_segments(
 def _packed_bucket_decode(frame, starts, ns, keys, bits, bucket, outs, codec: str, levels):
     """The decode of ``_packed_bucket_encode``'s bodies (lengths checked by the caller) of
     ``codec`` ("qsgd" or "dqsg"): ``quant_packed_check_segments`` (one launch, one read),
-    then ``quant_{codec}_decode_add_segments`` for the bodies before the first refused one.
+    then ``quant_packed_decode_add_segments`` for the bodies before the first refused one.
     None, or (p, its error bits)."""
     if not outs:
         return None
@@ -1485,7 +1481,8 @@ def _packed_bucket_decode(frame, starts, ns, keys, bits, bucket, outs, codec: st
         good = int(refused[0]) if len(refused) else check.count
         if good:
             part = _first_rows(decode, groups[live], good)
-            k.tiles(f"quant_{codec}_decode_add_segments", part, np.int32(_SEG_BOFF), *args)
+            at = np.int32(_SEG_BOFF)
+            k.tiles("quant_packed_decode_add_segments", part, at, *args, rule)
         del body  # stream-ordered: the launches above are queued before its reuse
     return None if not len(refused) else (int(live[good]), int(errors[good]))
 

@@ -102,11 +102,9 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(quant_dqsg_dequantize)          \
     HOST_KERNEL(quant_terngrad_quartic_segments) \
     HOST_KERNEL(quant_bucket_floats_segments)   \
-    HOST_KERNEL(quant_qsgd_encode_segments)     \
+    HOST_KERNEL(quant_packed_encode_segments)     \
     HOST_KERNEL(quant_packed_check_segments)    \
-    HOST_KERNEL(quant_qsgd_decode_add_segments) \
-    HOST_KERNEL(quant_dqsg_encode_segments)     \
-    HOST_KERNEL(quant_dqsg_decode_add_segments)
+    HOST_KERNEL(quant_packed_decode_add_segments)
 
 #define HOST_KERNEL(k)                         \
     if (strcmp(name, #k) == 0) {               \
