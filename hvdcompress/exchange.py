@@ -226,7 +226,8 @@ class GatheredExchange(_Exchange):
         # One call per bucket (compressors/base.py, compress_bucket): the frame of the
         # bucket's payloads, one checksum pass over all of them.
         frame, ctxs = comp.compress_bucket(grads, list(bucket.names))
-        frame = frame.cpu()
+        if not self.transport.gathers_on(frame.device):
+            frame = frame.cpu()
         handle = self.transport.start_allgatherv(frame)
         wire_bytes = float((self.transport.size - 1) * frame.numel())
         return InFlight(ctxs, [Collective(handle, frame.numel(), wire_bytes)])

@@ -363,7 +363,7 @@ def unframe(frame: torch.Tensor, count: int, rank: int, names: list[str]) -> lis
         raise PayloadError(
             "frame", f"{frame.numel()} bytes cannot hold a table of {count} lengths", rank=rank
         )
-    table = np.frombuffer(frame[:head_len].numpy().tobytes(), dtype="<u8")
+    table = np.frombuffer(frame[:head_len].cpu().numpy().tobytes(), dtype="<u8")  # any device
     if int(table[0]) != count:
         raise PayloadError(
             "frame", f"{int(table[0])} payloads in the bucket, expected {count}", rank=rank
@@ -399,7 +399,7 @@ def unframe_parsed(
     return out
 
 
-# ---- frames in one native call (kernels/frame.c; docs/design.md section 8.7) -------------------
+# ---- frames in one native call (kernels/frame.c, threelc.cu section 8; design.md section 8.7) ---
 # What hvdc_frame_scan reports per payload, in its column order.
 SCAN_FIELDS = (
     "ok",
@@ -464,18 +464,20 @@ def write_frame(
     )
 
 
-def scan_frame(frame: torch.Tensor, layout: FrameLayout) -> np.ndarray | None:
-    """The scanned fields (``SCAN_FIELDS`` columns, a row per payload) of one rank's frame
-    on the CPU when it holds ``layout.count`` payloads each of which ``parse`` accepts
-    (checksum included) and whose codec, dtype and shape are the layout's, and whose flags
-    are known; else None (the caller then takes ``unframe_parsed``, whose errors name the
-    field). Codec parameters and bodies are the compressor's to check."""
-    from hvdcompress.backends import cpu
+def scan_frame(frame: torch.Tensor, layout: FrameLayout) -> tuple[np.ndarray, list[bytes]] | None:
+    """The scanned fields (``SCAN_FIELDS`` columns, a row per payload) and codec parameters
+    of one rank's frame when it holds ``layout.count`` payloads each of which ``parse``
+    accepts (checksum included) and whose codec, dtype and shape are the layout's, and
+    whose flags are known; else None (the caller then takes ``unframe_parsed``, whose
+    errors name the field). The frame's own device scans it: a frame on a GPU is not
+    copied to the host (kernels/threelc.cu section 8). Codec parameters and bodies are the
+    compressor's to check."""
+    from hvdcompress import backends
 
-    scanned = cpu.frame_scan(frame, layout.count)
+    scanned = backends.for_device(frame.device).frame_scan(frame, layout.count)
     if scanned is None:
         return None
-    fields, shapes = scanned
+    fields, shapes = scanned.fields, scanned.shapes
     good = (
         (fields[:, SCAN["ok"]] == 1)
         & (fields[:, SCAN["codec"]] == layout.codec_id)
@@ -484,4 +486,4 @@ def scan_frame(frame: torch.Tensor, layout: FrameLayout) -> np.ndarray | None:
         & (fields[:, SCAN["ndim"]] == layout.ndims)
         & (shapes == layout.shapes).all(axis=1)
     )
-    return fields if bool(good.all()) else None
+    return (fields, scanned.params) if bool(good.all()) else None

@@ -80,6 +80,12 @@ inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 
+// The high 64 bits of the 128-bit product (CUDA's integer intrinsic).
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b)
+{
+    return (unsigned long long)(((unsigned __int128)a * b) >> 64);
+}
+
 inline unsigned int __float_as_uint(float f)
 {
     unsigned int u;

@@ -5,8 +5,10 @@
  * tests/fuzz/test_frame_mutations.py check the two against each
  * other byte for byte (writing) and verdict for verdict (scanning, fuzzed).
  *
- * Frames live in host memory on every backend (they are what the allgather moves), so
- * this family has no CUDA twin. Pure functions over caller-owned buffers.
+ * The scan's CUDA twin, for frames gathered on a GPU, is kernels/threelc.cu section 8
+ * (tests/gpu/test_buckets_gpu.py compares the two report for report); frames are written
+ * on the device by the bucket encoders and hvd_checksum_store. Pure functions over
+ * caller-owned buffers.
  *
  * Memory traffic: write copies each body once and reads it once more for the checksum
  * (2 B per body byte, header bytes negligible); scan reads each payload once (1 B per

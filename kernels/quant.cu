@@ -417,8 +417,9 @@ extern "C" __global__ void quant_dqsg_dequantize(const signed char* __restrict__
 }
 
 // ---------------------------------------------------------------------------------------
-// 9. Buckets (docs/design.md section 1.6, "The CUDA path"): QSGD's norms, codes, checks and
-// decode, and TernGrad's quartic bytes, of every tensor of a bucket in one launch each.
+// 9. Buckets (docs/design.md section 1.6, "The CUDA path"): QSGD's and DQSG's norms or
+// deltas, codes, checks and decode, and TernGrad's quartic bytes, of every tensor of a
+// bucket in one launch each.
 // TernGrad's kernel runs between threelc.cu's threelc_absmax_segments
 // (M_s into word 0 of each state row) and its bucket zero-run encoder. The segment table
 // is threelc.cu's (section 7: x, n, first quartic byte, first tile), with the uniforms'
@@ -482,9 +483,10 @@ extern "C" __global__ void quant_terngrad_quartic_segments(const long long* __re
 #define HVD_QUANT_SEG_AUX 1
 #define HVD_QUANT_SEG_OUT 3
 
-// QSGD and DQSG with s > 1 (DQSG's s = 1 bodies, quartic + zero-run coded, take the
-// one-tensor kernels) share the next four kernels, `dqsg` picking the codec: a body is
-// 4-byte aligned, one float32 per bucket first (norms or deltas), then the `bits`-bit codes.
+// QSGD and DQSG with s > 1 share the next four kernels, `dqsg` picking the codec: a body
+// is 4-byte aligned, one float32 per bucket first (norms or deltas), then the `bits`-bit
+// codes. DQSG's s = 1 bodies (deltas, then quartic + zero-run coded digits) take the
+// deltas kernel and the three after these.
 
 // The float32 per bucket of each segment into its body's first 4 nb bytes: QSGD's norms,
 // or with `dqsg` DQSG's deltas; a NaN / Inf one sets the segment's non-finite flag.
@@ -603,6 +605,122 @@ extern "C" __global__ void quant_packed_decode_add_segments(const long long* __r
                 hvd_dqsg_decode_add_group(body, n, g, levels, bits, bucket, key, out);
             } else {
                 hvd_qsgd_decode_group(body, n, g, levels, bits, bucket, out, 1);
+            }
+        }
+    }
+}
+
+// DQSG with s = 1: the deltas as above (quant_bucket_floats_segments), then the digits
+// q + 1 five to a quartic byte (3LC's layout, most significant first, padding digits 1),
+// which threelc.cu's bucket zero-run encoder then codes. The digit kernel's table is a
+// second copy of the rows (threelc.cu's zero-run kernels read column 3 as the quartic
+// offset): column 0 w, 1 the first quartic byte, 2 n, 3 the deltas, 5 the key.
+#define HVD_QUANT_SEG_DELTAS 3
+#define HVD_QUANT_SEG_QUARTIC 1
+#define HVD_QUANT_SEG_DECODE_KEY 7  // the decode-add's key (threelc.cu's F32 column)
+#define HVD_QUANT_ZERO_GROUP 121  // quartic byte of five zero digits (q = 0)
+
+// The quartic byte of group j of w: digits hvd_dqsg_q(w_i, delta, 1) + 1.
+__device__ __forceinline__ unsigned char hvd_dqsg_ternary_byte(const float* w, long long n,
+                                                               long long j, long long bucket,
+                                                               unsigned long long key,
+                                                               const float* deltas)
+{
+    unsigned int byte = 0u;
+    for (long long k = 0; k < 5; ++k) {
+        const long long i = 5ll * j + k;
+        const int q = i < n ? hvd_dqsg_q(w[i], deltas[i / bucket], 1, key, i) : 0;
+        byte = byte * 3u + (unsigned int)(q + 1);
+    }
+    return (unsigned char)byte;
+}
+
+// Each segment's quartic bytes; a segment flagged non-finite (by the deltas kernel) gets
+// zero groups, and the host drops its body. grid: blocks loop over tiles of `tile`
+// quartic bytes. bytes: reads 4n (+ the deltas), writes n / 5 over all segments.
+extern "C" __global__ void quant_dqsg_quartic_segments(const long long* __restrict__ seg,
+                                                       long long nseg, long long ntiles,
+                                                       long long tile, long long bucket,
+                                                       const unsigned int* __restrict__ states,
+                                                       unsigned char* __restrict__ quartic)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const float* w = (const float*)row[HVD_QUANT_SEG_IN];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
+        const float* deltas = (const float*)row[HVD_QUANT_SEG_DELTAS];
+        const bool skip = states[s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_NONFINITE] != 0u;
+        unsigned char* qb = quartic + row[HVD_QUANT_SEG_QUARTIC];
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        const long long m = (n + 4) / 5;
+        const long long end = first + tile < m ? first + tile : m;
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x)
+            qb[j] = skip ? (unsigned char)HVD_QUANT_ZERO_GROUP
+                         : hvd_dqsg_ternary_byte(w, n, j, bucket, key, deltas);
+    }
+}
+
+// The decode side's deltas check: every delta of a segment (column 0: its nb
+// little-endian float32, at any byte offset) finite and >= 0, else HVD_QUANT_ERR_NORM
+// into its state, before any decode writes. grid: blocks loop over tiles of `tile`
+// deltas (tile column `tiles_at`). bytes: reads 4 per bucket.
+extern "C" __global__ void quant_dqsg_deltas_check_segments(const long long* __restrict__ seg,
+                                                            long long nseg, long long ntiles,
+                                                            long long tile, int tiles_at,
+                                                            long long bucket,
+                                                            unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const unsigned char* deltas = (const unsigned char*)row[HVD_QUANT_SEG_IN];
+        const long long nb = (row[HVD_QUANT_SEG_N] + bucket - 1) / bucket;
+        const long long first = (t - row[tiles_at]) * tile;
+        const long long end = first + tile < nb ? first + tile : nb;
+        bool bad = false;
+        for (long long b = first + threadIdx.x; b < end; b += blockDim.x) {
+            const float d = hvd_quant_load_f32(deltas + 4ll * b);
+            bad |= !(d >= 0.0f) || hvd_quant_nonfinite(d);
+        }
+        if (bad) atomicOr(states + s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_ERROR,
+                          HVD_QUANT_ERR_NORM);
+    }
+}
+
+// out += delta * (q - (v - 1/2)) for every element of each checked segment, from the
+// bucket's expanded quartic bytes (threelc_zre_expand with run groups written as zero
+// groups: unlike 3LC, a zero q still adds the dither's -delta * u). Table: threelc.cu's
+// decode layout (column 1 out, 2 n, 3 the first quartic byte, 6 the first tile) with
+// column 0 the deltas (any byte offset) and column 7 the key. grid: blocks loop over tiles
+// of `tile` quartic bytes. bytes: reads m + 4n (+ the deltas), writes 4n.
+extern "C" __global__ void quant_dqsg_quartic_decode_add_segments(
+    const long long* __restrict__ seg, long long nseg, long long ntiles, long long tile,
+    long long bucket, const unsigned char* __restrict__ quartic)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const unsigned char* deltas = (const unsigned char*)row[HVD_QUANT_SEG_IN];
+        float* out = (float*)row[HVD_QUANT_SEG_AUX];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_DECODE_KEY];
+        const unsigned char* qb = quartic + row[HVD_QUANT_SEG_QOFF];
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        const long long m = (n + 4) / 5;
+        const long long end = first + tile < m ? first + tile : m;
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            unsigned int v = qb[j];
+            int d[5];
+            for (int k = 4; k >= 0; --k) {
+                d[k] = (int)(v % 3u);
+                v /= 3u;
+            }
+            for (long long k = 0; k < 5 && 5ll * j + k < n; ++k) {
+                const long long i = 5ll * j + k;
+                const float delta = hvd_quant_load_f32(deltas + 4ll * (i / bucket));
+                out[i] = __fadd_rn(out[i], hvd_dqsg_value(d[k] - 1, delta, key, i));
             }
         }
     }

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hvdcompress import _native
-from hvdcompress.backends import ThreeLCEncoded
+from hvdcompress import _native, wire
+from hvdcompress.backends import FrameScan, ThreeLCEncoded
 from hvdcompress.errors import PayloadError
 
 _SOURCES = [_native.kernel_dir() / name for name in _native.C_SOURCES]
@@ -1001,15 +1001,29 @@ def _i64_array(a: np.ndarray) -> int:
 SCAN_FIELDS = 10  # kernels/frame.c (FRAME_FIELDS); their names: wire.SCAN_FIELDS
 
 
-def frame_scan(frame: torch.Tensor, count: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(fields, count x SCAN_FIELDS int64; shapes, count x 8 uint64, zero past ndim) of a
-    frame of ``count`` payloads, or None when its length table does not describe it."""
+def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
+    """The scan of a frame of ``count`` payloads (``FrameScan``: SCAN_FIELDS int64 fields
+    and the shape of each, the parameters of each accepted one), or None when its length
+    table does not describe it."""
     fields = np.empty((count, SCAN_FIELDS), dtype=np.int64)
     shapes = np.zeros((count, 8), dtype=np.uint64)
     rc = LIB.hvdc_frame_scan(
         _ptr(frame), frame.numel(), count, fields.ctypes.data, shapes.ctypes.data
     )
-    return None if rc < 0 else (fields, shapes)
+    if rc < 0:
+        return None
+    view, col = frame.numpy(), wire.SCAN
+    at = fields[:, col["start"]] + wire.FIXED_HEADER.size + 8 * fields[:, col["ndim"]]
+    params = [
+        view[a:][:n].tobytes() if ok else b""
+        for ok, a, n in zip(
+            fields[:, col["ok"]].tolist(),
+            at.tolist(),
+            fields[:, col["params_len"]].tolist(),
+            strict=True,
+        )
+    ]
+    return FrameScan(fields, shapes, params)
 
 
 def frame_write(

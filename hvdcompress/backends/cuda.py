@@ -17,10 +17,12 @@ two levels: ``_running_max``) and ``torch.cumsum`` on that stream. Each call mak
 small device-to-host copy (the handful of integers a call needs: output length, error
 bits, scale, non-finite flag or checksum); the fused decode makes it before writing
 anything, so a corrupt body raises ``PayloadError`` with ``out`` untouched. A bucket's
-calls (the ``*_segments`` functions: 3LC, TernGrad, signSGD, EF-signSGD, QSGD, DQSG with
-s > 1, checksums) make at most that one copy for the whole bucket, after one launch
+calls (the ``*_segments`` functions: 3LC, TernGrad, signSGD, EF-signSGD, QSGD, DQSG,
+checksums) make at most that one copy for the whole bucket, after one launch
 sequence over a segment table (kernels/threelc.cu section 7, sign.cu section 5, quant.cu
-section 9); ``store_checksums`` and ``efsign_encode_segments`` make none.
+section 9); ``store_checksums`` and ``efsign_encode_segments`` make none. A frame
+gathered on the device is scanned there (``frame_scan``, kernels/threelc.cu section 8:
+one read of a row per payload, not a copy of the frame).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from hvdcompress import wire
 from hvdcompress._native import NVRTC_OPTIONS, kernel_dir
-from hvdcompress.backends import ThreeLCEncoded
+from hvdcompress.backends import FrameScan, ThreeLCEncoded
 from hvdcompress.errors import PayloadError
 
 
@@ -68,6 +71,9 @@ THREELC = KernelFamily(
         "threelc_quartic_decode_add_segments",
         "hvd_checksum_segments",
         "hvd_checksum_store",
+        "hvd_frame_table",
+        "hvd_frame_headers",
+        "hvd_length_prefixes",
     ),
 )
 # The shared primitives of hvdcompress.codecs.primitives (C twin: kernels/primitives.c).
@@ -106,6 +112,9 @@ QUANT = KernelFamily(
         "quant_packed_encode_segments",
         "quant_packed_check_segments",
         "quant_packed_decode_add_segments",
+        "quant_dqsg_quartic_segments",
+        "quant_dqsg_deltas_check_segments",
+        "quant_dqsg_quartic_decode_add_segments",
     ),
 )
 FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT)
@@ -131,6 +140,9 @@ _SEG_COLS = 8
 _SEG_IN, _SEG_AUX, _SEG_N, _SEG_QOFF, _SEG_BOFF, _SEG_BLEN, _SEG_TILE, _SEG_F32 = range(8)
 _SIGN_SEG_OUT = 3  # HVD_SIGN_SEG_OUT of kernels/sign.cu: an output pointer
 _QUANT_SEG_KEY = 5  # HVD_QUANT_SEG_KEY of kernels/quant.cu: the uniforms' key
+# HVD_QUANT_SEG_* of quant.cu's DQSG s = 1 kernels: the digit kernel's quartic offset and
+# deltas, the decode-add's key.
+_QUANT_SEG_QUARTIC, _QUANT_SEG_DELTAS, _QUANT_SEG_DECODE_KEY = 1, 3, 7
 SEGMENT_TILE = 2048  # work units (5-value groups, or bytes) a tile; tests use smaller ones
 
 
@@ -153,14 +165,27 @@ def _tilings(table: np.ndarray, device: torch.device, units: dict) -> list[_Segm
     """``_segments`` for kernels that loop over different units of the same rows: each
     column of ``units`` (column -> each row's units) gets its tile numbers, then one copy
     of the table; one ``_Segments`` per column, in order."""
+    return _stacked_tilings([(table, units)], device)[0]
+
+
+def _stacked_tilings(parts: list[tuple[np.ndarray, dict]], device) -> list[list[_Segments]]:
+    """``_tilings`` of several tables (each with its own rows' columns and tile numbers:
+    kernels that read one column differently) in one host-to-device copy."""
     tile = SEGMENT_TILE
     counts = []
-    for col, per in units.items():
-        per_row = -(-np.asarray(per, dtype=np.int64) // tile)
-        table[:, col] = np.cumsum(per_row) - per_row
-        counts.append(int(per_row.sum()))
-    rows = torch.from_numpy(table).to(device)
-    return [_Segments(rows, len(table), count, tile) for count in counts]
+    for table, units in parts:
+        counts.append([])
+        for col, per in units.items():
+            per_row = -(-np.asarray(per, dtype=np.int64) // tile)
+            table[:, col] = np.cumsum(per_row) - per_row
+            counts[-1].append(int(per_row.sum()))
+    rows = torch.from_numpy(np.concatenate([table for table, _ in parts])).to(device)
+    out, at = [], 0
+    for (table, _), tiles in zip(parts, counts, strict=True):
+        view = rows[at : at + len(table)]
+        out.append([_Segments(view, len(table), count, tile) for count in tiles])
+        at += len(table)
+    return out
 
 
 def _f32_bits(values) -> np.ndarray:
@@ -656,6 +681,81 @@ def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], fi
             np.int64(field),
             _ptr(states),
         )
+
+
+# A frame scan's rows (HVD_FRAME_* of kernels/threelc.cu section 8): the fields, the shape,
+# the stored checksum, the codec parameters.
+_FRAME_FIELDS, _FRAME_SHAPE, _FRAME_STORED, _FRAME_PARAMS = 10, 10, 18, 19
+_FRAME_OK, _FRAME_PARAMS_LEN = wire.SCAN["ok"], wire.SCAN["params_len"]
+_FRAME_ROW = _FRAME_PARAMS + 256 // 8
+
+
+def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
+    """The CPU backend's ``frame_scan`` (the same ``FrameScan``) of a frame on the device,
+    without copying it to the host: three launches (the length table, every payload's
+    checksum, every header) and one device-to-host read of 440 bytes a payload."""
+    _check_tensor(frame, "frame", torch.uint8)
+    length = frame.numel()
+    words = 1 + count * _FRAME_ROW
+    with _Launcher(frame.device) as k:
+        # the scan's rows and the checksum states, one buffer: one read
+        out = torch.zeros(words + count * _STATE_WORDS // 2, dtype=torch.int64, device=k.device)
+        states = out[words:].view(torch.int32)
+        rows = torch.zeros((max(count, 1), _SEG_COLS), dtype=torch.int64, device=k.device)
+        k(
+            "hvd_frame_table",
+            1,
+            _ptr(frame),
+            np.int64(length),
+            np.int64(count),
+            np.int64(SEGMENT_TILE),
+            _ptr(out),
+            _ptr(rows),
+        )
+        if count:
+            # the table's tiles are counted on the device: launch for the most a frame of
+            # this length can have (a payload adds at most one partial tile); the surplus
+            # tiles sum no bytes
+            tiles = -(-length // SEGMENT_TILE) + count
+            k.tiles(
+                "hvd_checksum_segments", _Segments(rows, count, tiles, SEGMENT_TILE), _ptr(states)
+            )
+            k("hvd_frame_headers", count, _ptr(frame), np.int64(count), _ptr(out))
+        host = _read_state(out)
+    scan = host[: 2 * words].view(np.int64)
+    if scan[0] != 1:
+        return None
+    table = scan[1:].reshape(count, _FRAME_ROW)
+    fields = table[:, :_FRAME_FIELDS].copy()
+    shapes = table[:, _FRAME_SHAPE : _FRAME_SHAPE + 8].view(np.uint64).copy()
+    stored = table[:, _FRAME_STORED].astype(np.uint64)
+    # The device summed the checksum field's own bytes; frame.c sums them as zeros.
+    field = wire.CHECKSUM_OFFSET + np.arange(4, dtype=np.uint64)
+    stored_bytes = (stored[:, None] >> (np.uint64(8) * np.arange(4, dtype=np.uint64))) & 0xFF
+    extra = (stored_bytes * wire.mix(field)[None, :]).sum(axis=1)
+    sums = host[2 * words :].reshape(count, _STATE_WORDS)[:, _ST_SUM].astype(np.uint64)
+    zeroed = (sums - extra) & np.uint64(0xFFFFFFFF)
+    ok = (fields[:, _FRAME_OK] == 1) & (zeroed == stored)
+    fields[:, _FRAME_OK] = ok
+    block = table[:, _FRAME_PARAMS:].view(np.uint8)
+    params = [
+        block[i, :n].tobytes() if good else b""
+        for i, (good, n) in enumerate(
+            zip(ok.tolist(), fields[:, _FRAME_PARAMS_LEN].tolist(), strict=True)
+        )
+    ]
+    return FrameScan(fields, shapes, params)
+
+
+def length_prefixes(buf: torch.Tensor, size: int) -> np.ndarray:
+    """The verdict on a device allgather's framing (``size`` x (8-byte length, bytes);
+    kernels/threelc.cu, hvd_length_prefixes): int64 [verdict, where, each rank's count],
+    one launch and one read of 8 (size + 2) bytes."""
+    _check_tensor(buf, "buf", torch.uint8)
+    with _Launcher(buf.device) as k:
+        out = torch.zeros(size + 2, dtype=torch.int64, device=k.device)
+        k("hvd_length_prefixes", 1, _ptr(buf), np.int64(buf.numel()), np.int64(size), _ptr(out))
+        return _read_state(out).view(np.int64)
 
 
 def threelc_decode_segments(
@@ -1351,10 +1451,64 @@ def qsgd_encode_segments(
 def dqsg_encode_segments(
     xs: list[torch.Tensor], keys: list[int], levels: int, bits: int, bucket: int
 ) -> list[torch.Tensor | None]:
-    """DQSG's body (s = levels > 1: deltas, then the bit-packed codes q + s) of each
-    (x, key) of a bucket: every delta, then every code, one launch each, one read of the
-    non-finite flags; views of one buffer (4-byte aligned), None for a non-finite x."""
+    """DQSG's body of each (x, key) of a bucket, None for a non-finite x. s = levels > 1:
+    deltas, then the bit-packed codes q + s: every delta, then every code, one launch
+    each, one read of the non-finite flags; views of one buffer (4-byte aligned). s = 1:
+    ``_dqsg_ternary_encode``."""
+    if levels == 1:
+        return _dqsg_ternary_encode(xs, keys, bucket)
     return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=True)
+
+
+def _dqsg_ternary_encode(xs, keys, bucket: int) -> list[torch.Tensor | None]:
+    """DQSG's s = 1 bodies (deltas, then the digits q + 1 quartic + zero-run coded; the
+    CPU's ``digits_encode_segments``): every delta (quant_bucket_floats_segments), every
+    quartic byte (quant_dqsg_quartic_segments), the bucket's zero-run encode (threelc.cu
+    section 7), one read of the states; then one ``cat`` puts each tensor's deltas before
+    its zero-run bytes."""
+    if not xs:
+        return []
+    device = _bucket_device(xs, "x")
+    ns, live, zre = _quartic_table(xs)
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
+    bodies: list[torch.Tensor | None] = [empty] * len(xs)
+    if not len(live):
+        return bodies
+    nb = (ns[live] + bucket - 1) // bucket
+    ms = (ns[live] + 4) // 5
+    deltas = torch.empty(int(nb.sum()), dtype=torch.float32, device=device)
+    dfirst = np.cumsum(nb) - nb
+    digits = zre.copy()  # the digit kernel reads column 3 as the deltas, 1 as the quartic
+    digits[:, _QUANT_SEG_QUARTIC] = zre[:, _SEG_QOFF]
+    digits[:, _QUANT_SEG_DELTAS] = deltas.data_ptr() + 4 * dfirst
+    digits[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    (per_bucket, groups), (runs,) = _stacked_tilings(
+        [(digits, {_SEG_BOFF: nb, _SEG_TILE: ms}), (zre, {_SEG_TILE: ms})], device
+    )
+    with _Launcher(device) as k:
+        states = k.states(len(live))
+        args = (np.int32(1), np.int64(bucket), np.int32(1), _ptr(states))
+        k.tiles("quant_bucket_floats_segments", per_bucket, np.int32(_SEG_BOFF), *args)
+        quartic = k.empty(int(ms.sum()), torch.uint8)
+        k.tiles("quant_dqsg_quartic_segments", groups, np.int64(bucket), _ptr(states),
+                _ptr(quartic))  # fmt: skip
+        out = _zre_encode_segments(k, runs, quartic, states)
+        host = _read_state(states).reshape(len(live), _STATE_WORDS)
+    coded = _segment_bodies(out, host)
+    keep = [r for r in range(len(live)) if not host[r, _ST_NONFINITE]]
+    delta_bytes = deltas.view(torch.uint8)
+    pieces = []
+    for r in keep:
+        pieces += [delta_bytes[4 * dfirst[r] :][: 4 * nb[r]], coded[r]]
+    joined = torch.cat(pieces) if pieces else delta_bytes[:0]
+    at = 0
+    for r, i in enumerate(live.tolist()):
+        if host[r, _ST_NONFINITE]:
+            bodies[i] = None
+            continue
+        size = 4 * int(nb[r]) + coded[r].numel()
+        bodies[i], at = joined[at : at + size], at + size
+    return bodies
 
 
 def _packed_bucket_encode(xs, keys, levels: int, bits: int, bucket: int, dqsg: bool):
@@ -1429,10 +1583,14 @@ def dqsg_decode_segments(
     bucket: int,
     outs: list[torch.Tensor],
 ) -> tuple[int, int] | None:
-    """DQSG's decode (s = levels > 1, accumulating) of each body ``frame[starts[p]:][:lens[p]]``
-    into ``outs[p]`` (on one CUDA device): the lengths on the host, every body checked
-    (one launch, one read), then one launch that adds the bodies before the first refused
-    one. None, or (p, the CPU backend's error code for it: kernels/quant.c DQSG_ERR_*)."""
+    """DQSG's decode (accumulating) of each body ``frame[starts[p]:][:lens[p]]`` into
+    ``outs[p]`` (on one CUDA device). s = levels > 1: the lengths on the host, every body
+    checked (one launch, one read), then one launch that adds the bodies before the first
+    refused one. None, or (p, the CPU backend's error code for it: kernels/quant.c
+    DQSG_ERR_*). s = 1: ``_dqsg_ternary_decode``, whose refusal (p, error bits) the codec
+    words from the per-payload decoder."""
+    if levels == 1:
+        return _dqsg_ternary_decode(frame, starts, lens, ns, keys, bucket, outs)
     ns = np.asarray(ns, dtype=np.int64).reshape(-1)
     lens = np.asarray(lens, dtype=np.int64).reshape(-1)
     nb = (ns + bucket - 1) // bucket
@@ -1444,6 +1602,96 @@ def dqsg_decode_segments(
     if failed is not None:
         return failed[0], next(code for bit, code in _DQSG_ERRORS if failed[1] & bit)
     return None if stop == len(outs) else (stop, -11 if short[stop] else -13)
+
+
+def _dqsg_ternary_decode(frame, starts, lens, ns, keys, bucket: int, outs):
+    """The decode of ``_dqsg_ternary_encode``'s bodies, accumulating: the lengths on the
+    host (the deltas fit, and 1 .. 14 quartic bytes a zero-run byte), the bodies' zero-run
+    parts and deltas gathered into one device buffer (one host-to-device copy for a host
+    frame), the zero-run lengths and one scan, every body's zero-run total and padding
+    (threelc.cu) and deltas (quant_dqsg_deltas_check_segments), one read, then the
+    expansion (run groups as zero groups) and quant_dqsg_quartic_decode_add_segments for
+    the bodies before the first refused one. None, or (p, its error bits; -1 for a length
+    the host refused)."""
+    count = len(outs)
+    if not count:
+        return None
+    device = _bucket_device(outs, "out")
+    starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
+    nb, ms = (ns + bucket - 1) // bucket, (ns + 4) // 5
+    zlens = lens - 4 * nb
+    bad = np.flatnonzero((zlens < 0) | (zlens > ms) | (zlens * _MAX_RUN < ms))
+    stop = int(bad[0]) if len(bad) else count
+    failed = None if stop == count else (stop, -1)
+    live = np.flatnonzero(ms[:stop] > 0)
+    if not len(live):
+        return failed
+    zl, lms, lnb = zlens[live], ms[live], nb[live]
+    flat = frame.reshape(-1)
+    first = starts[live] + 4 * lnb
+    pieces = [flat[a : a + n] for a, n in zip(first.tolist(), zl.tolist(), strict=True)]
+    pieces += [
+        flat[a : a + 4 * n] for a, n in zip(starts[live].tolist(), lnb.tolist(), strict=True)
+    ]
+    body = torch.cat(pieces).to(device)  # the zero-run parts, then the deltas
+    length = int(zl.sum())
+    deltas_at = body.data_ptr() + length + 4 * (np.cumsum(lnb) - lnb)
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = deltas_at
+    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    table[:, _SEG_QOFF] = np.cumsum(lms) - lms
+    table[:, _SEG_BOFF] = np.cumsum(zl) - zl
+    table[:, _SEG_BLEN] = zl
+    table[:, _QUANT_SEG_DECODE_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    check = np.zeros_like(table)
+    check[:, _SEG_IN], check[:, _SEG_N] = deltas_at, ns[live]
+    (seg,), (per_bucket,) = _stacked_tilings(
+        [(table, {_SEG_TILE: lms}), (check, {_SEG_TILE: lnb})], device
+    )
+    with _Launcher(device) as k:
+        states = k.states(seg.count)
+        lengths = k.empty(length, torch.uint8)
+        k("threelc_zre_lengths", length, _ptr(body), np.int64(length), _ptr(lengths))
+        incl = torch.cumsum(lengths, 0, dtype=torch.int64)
+        del lengths
+        k(
+            "threelc_zre_decode_check_segments",
+            seg.count,
+            _ptr(seg.rows),
+            np.int64(seg.count),
+            _ptr(body),
+            _ptr(incl),
+            _ptr(states),
+        )
+        at = np.int32(_SEG_TILE)
+        k.tiles("quant_dqsg_deltas_check_segments", per_bucket, at, np.int64(bucket),
+                _ptr(states))  # fmt: skip
+        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
+        refused = np.flatnonzero(host[:, _ST_ERROR])
+        good = int(refused[0]) if len(refused) else seg.count
+        if len(refused):
+            failed = (int(live[good]), int(host[good, _ST_ERROR]))
+        if good:
+            used_len = int(table[good - 1, _SEG_BOFF] + zl[good - 1])
+            used_m = int(table[good - 1, _SEG_QOFF] + lms[good - 1])
+            quartic = k.empty(used_m, torch.uint8)
+            k(
+                "threelc_zre_expand",
+                used_len,
+                _ptr(body),
+                _ptr(incl),
+                np.int64(used_len),
+                np.uint8(_ZERO_GROUP),  # a zero q adds its dither term too
+                _ptr(quartic),
+                np.int64(used_m),
+                _ptr(states),
+            )
+            part = _first_rows(seg, lms, good)
+            k.tiles("quant_dqsg_quartic_decode_add_segments", part, np.int64(bucket),
+                    _ptr(quartic))  # fmt: skip
+        del body  # stream-ordered: the launches above are queued before its reuse
+    return failed
 
 
 def _packed_bucket_decode(frame, starts, ns, keys, bits, bucket, outs, codec: str, levels):

@@ -120,9 +120,8 @@ def encode_segments(
     ws: list[torch.Tensor], levels: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
     """``encode`` of each (w, key) of a bucket (contiguous float32 on one device), one
-    native call (CPU) or launch sequence (CUDA, s > 1 only: the compressor sends s = 1 on
-    a GPU tensor by tensor) for the tensors the codec threads do not cut into parts
-    (``splits``), ``encode`` for those."""
+    native call (CPU) or launch sequence (CUDA) for the tensors the codec threads do not
+    cut into parts (``splits``), ``encode`` for those."""
     from hvdcompress.backends import cpu
 
     backend = for_device(ws[0].device)
@@ -130,7 +129,7 @@ def encode_segments(
 
     def batched(pairs):
         xs, ks = [w for w, _ in pairs], [k for _, k in pairs]
-        if levels == 1:  # ternary q: quartic + zero-run codes (the CPU's digit coder)
+        if levels == 1 and backend is cpu:  # ternary q: quartic + zero-run codes
             return cpu.digits_encode_segments(xs, ks, 1, 0, 0, bucket)[0]
         return backend.dqsg_encode_segments(xs, ks, levels, bits, bucket)
 
@@ -155,20 +154,24 @@ def decode_segments(
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
     ``outs[i]``, in order, one native call (CPU outputs, host frame) or launch sequence
-    (outputs on one CUDA device, s > 1 only): None, or (i, the PayloadError
-    ``decode_into`` raises) for the first bad body, the ones before it added, ``outs[i]``
-    untouched."""
+    (outputs on one CUDA device): None, or (i, the PayloadError ``decode_into`` raises)
+    for the first bad body, the ones before it added, ``outs[i]`` untouched."""
     from hvdcompress.backends import cpu
 
+    bits = dqsg_bits(levels)
+    backend = for_device(outs[0].device) if outs else cpu
     if levels == 1:  # ternary q: quartic + zero-run codes
-        failed = cpu.digits_decode_segments(frame, starts, lens, ns, keys, bucket, outs)[1]
+        if backend is cpu:
+            failed = cpu.digits_decode_segments(frame, starts, lens, ns, keys, bucket, outs)[1]
+        else:
+            failed = backend.dqsg_decode_segments(
+                frame, starts, lens, ns, keys, levels, bits, bucket, outs
+            )
         if failed is None:
             return None
         i = failed[0]
         body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
         return i, prim.refusal(lambda: decode_q(body, int(ns[i]), levels, bucket))
-    bits = dqsg_bits(levels)
-    backend = for_device(outs[0].device) if outs else cpu
     failed = backend.dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs)
     if failed is None:
         return None

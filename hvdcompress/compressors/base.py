@@ -333,8 +333,9 @@ class GatherCompressor(Compressor):
         ``decode_bucket`` of ``wire.unframe_parsed(frame, ...)``, same sums, same checks,
         same errors, without a Python round trip per payload where it can.
 
-        The fast path (a CPU frame and outputs): one native scan
-        of the frame checks every header's layout and checksum (``wire.scan_frame``)
+        The fast path (outputs on the CPU, or on a GPU for ``cuda_decode_segments``): one
+        native scan of the frame, on the frame's device, checks every header's layout and
+        checksum (``wire.scan_frame``)
         against the bucket's ``frame_layout``, ``accepts_bucket`` the codec parameters
         and body sizes, ``decode_segments`` adds the bodies. Whatever the scan or
         ``accepts_bucket`` does not accept goes the per-payload way, which raises the
@@ -383,10 +384,10 @@ class GatherCompressor(Compressor):
             return None
         if device.type == "cpu" and frame.device.type != "cpu":
             return None  # the per-payload path moves each payload
-        host = frame if frame.device.type == "cpu" else frame.cpu()  # headers are checked here
-        fields = wire.scan_frame(host, self.frame_layout(ctxs))
-        if fields is None:
+        scanned = wire.scan_frame(frame, self.frame_layout(ctxs))  # on the frame's device
+        if scanned is None:
             return None
+        fields, params = scanned
         col = wire.SCAN
         flags = fields[:, col["flags"]]
         lens = np.ascontiguousarray(fields[:, col["body_len"]])
@@ -396,11 +397,6 @@ class GatherCompressor(Compressor):
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         if not np.array_equal(sizes, numels) or not bool((lens[nonfinite] == 0).all()):
             return None  # decode_parsed names the mismatch ("numel", "body_len")
-        view = host.numpy()
-        params = [
-            view[a - n : a].tobytes()
-            for a, n in zip(starts.tolist(), fields[:, col["params_len"]].tolist(), strict=True)
-        ]
         if not self.accepts_bucket(names, flags, params, lens, numels):
             return None
         return params, starts, lens, numels, nonfinite

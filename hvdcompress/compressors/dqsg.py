@@ -62,8 +62,7 @@ class DQSG(Stochastic):
 
     def encode_bucket(self, tensors, names):
         ws = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if len({w.device for w in ws}) != 1 or (self.levels == 1 and not ws[0].is_cpu):
-            # none, several devices, or s = 1 on a GPU (no bucket digit coder there)
+        if len({w.device for w in ws}) != 1:  # none, or several devices
             return super().encode_bucket(tensors, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         params = [rng + PARAMS.pack(self.levels, self.bucket_size) for rng, _ in rngs]
@@ -75,9 +74,7 @@ class DQSG(Stochastic):
             for w, p, body in zip(ws, params, bodies, strict=True)
         ]
 
-    @property
-    def cuda_decode_segments(self) -> bool:  # s > 1: dqsg.decode_segments' launch sequence
-        return self.levels > 1
+    cuda_decode_segments = True  # dqsg.decode_segments' launch sequence
 
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)

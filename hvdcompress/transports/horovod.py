@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 
+import numpy as np
 import torch
 
 from hvdcompress.transports import Handle, Transport, _DoneHandle, check_alltoallv_parts
@@ -74,18 +75,26 @@ class HorovodTransport(Transport):
         local = local.detach().reshape(-1).to(torch.uint8)
         prefix = torch.frombuffer(bytearray(_LEN.pack(local.numel())), dtype=torch.uint8)
         framed = torch.cat([prefix.to(local.device), local])
-        if framed.is_cuda and not hvd.gpu_available("torch"):
+        if not self.gathers_on(framed.device):
             framed = framed.cpu()
         name = self._name("allgatherv")
         handle = hvd.allgather_async(framed, name=name, process_set=self._set)
         self._track(name, handle)
-        size = self.size
+        size, device = self.size, framed.device
 
         def finish():
-            gathered = hvd.synchronize(handle).cpu()
-            return _strip_length_prefixes(gathered, size)
+            return _strip_length_prefixes(hvd.synchronize(handle).to(device), size)
 
         return _DoneHandle(finish)
+
+    def gathers_on(self, device: torch.device) -> bool:
+        """The host, and a CUDA device when Horovod was built with GPU support
+        (``hvd.cuda_built()`` or ``hvd.rocm_built()``): horovod.torch then allgathers
+        device tensors (with NCCL or MPI GPU operations, or through its own host copy) and
+        returns the result on the device."""
+        if device.type == "cuda":
+            return bool(self.hvd.cuda_built() or self.hvd.rocm_built())
+        return device.type == "cpu"
 
     def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
         check_alltoallv_parts(parts, self.size)
@@ -158,22 +167,54 @@ class HorovodTransport(Transport):
 
 
 def _strip_length_prefixes(gathered: torch.Tensor, size: int) -> tuple[torch.Tensor, list[int]]:
-    """Undo HorovodTransport's framing: ``size`` x (8-byte length, bytes) -> (bytes, sizes)."""
-    raw = gathered.numpy()
-    parts, sizes, offset = [], [], 0
+    """Undo HorovodTransport's framing: ``size`` x (8-byte length, bytes) -> (bytes, sizes),
+    on the gathered bytes' device (a device's lengths are read by one small kernel,
+    kernels/threelc.cu hvd_length_prefixes, not by copying the bytes to the host)."""
+    if gathered.device.type == "cpu":
+        verdict = length_prefix_verdict(gathered.numpy(), size)
+    else:
+        from hvdcompress import backends
+
+        verdict = backends.for_device(gathered.device).length_prefixes(gathered, size)
+    status, where = int(verdict[0]), int(verdict[1])
+    if status == -1:
+        raise RuntimeError(f"allgather: rank {where}'s length prefix is missing")
+    if status == -2:
+        n = int(verdict[2 + where]) % 2**64  # the prefix as sent: uint64
+        raise RuntimeError(f"allgather: rank {where} announced {n} bytes, fewer arrived")
+    if status == -3:
+        raise RuntimeError(f"allgather: {where} unexpected trailing bytes")
+    sizes = [int(n) for n in verdict[2:]]
+    parts, offset = [], 0
+    for n in sizes:
+        parts.append(gathered[offset + _LEN.size : offset + _LEN.size + n])
+        offset += _LEN.size + n
+    return torch.cat(parts) if parts else gathered[:0], sizes
+
+
+def length_prefix_verdict(raw: np.ndarray, size: int) -> np.ndarray:
+    """The host's verdict on ``size`` x (8-byte length, bytes) in ``raw`` (uint8), in the
+    form of the CUDA backend's ``length_prefixes``: int64 [1, 0, each rank's count], or
+    [-1, rank] (its prefix is missing), [-2, rank, counts up to it] (it announced more
+    bytes than arrived), [-3, trailing bytes]."""
+    out = np.zeros(size + 2, dtype=np.int64)
+    offset = 0
     for rank in range(size):
         if offset + _LEN.size > raw.size:
-            raise RuntimeError(f"allgather: rank {rank}'s length prefix is missing")
+            out[:2] = -1, rank
+            return out
         (n,) = _LEN.unpack_from(raw, offset)
         offset += _LEN.size
-        if offset + n > raw.size:
-            raise RuntimeError(f"allgather: rank {rank} announced {n} bytes, fewer arrived")
-        parts.append(gathered[offset : offset + n])
-        sizes.append(int(n))
+        out[2 + rank] = np.uint64(n).astype(np.int64)
+        if n > raw.size - offset:
+            out[:2] = -2, rank
+            return out
         offset += n
     if offset != raw.size:
-        raise RuntimeError(f"allgather: {raw.size - offset} unexpected trailing bytes")
-    return torch.cat(parts) if parts else gathered[:0], sizes
+        out[:2] = -3, raw.size - offset
+        return out
+    out[0] = 1
+    return out
 
 
 class _GlooStallWatch:

@@ -1,6 +1,6 @@
 """A bucket on the CUDA backend as one launch sequence (kernels/threelc.cu section 7,
 kernels/sign.cu section 5, kernels/quant.cu section 9), against the CPU backend byte for
-byte: the segment calls of signSGD, EF-signSGD, TernGrad, QSGD and DQSG, and whole
+byte: the segment calls of signSGD, EF-signSGD, TernGrad, QSGD and DQSG (s = 1 too), and whole
 compressors' frames and ``decode_frame`` sums (3LC's own calls: test_threelc_gpu.py). The
 ``check_*``
 functions take a ``Setup`` so that tests/host_kernels run them on the host-built kernels;
@@ -16,11 +16,12 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import wire
+from hvdcompress import registry, wire
 from hvdcompress.errors import PayloadError
 from tests.gpu.conftest import Setup, bits
 from tests.gpu.conftest import bits as bits_of
 from tests.gpu.test_threelc_gpu import assert_same_bytes, gapped_frame, make_bucket, make_input
+from tests.helpers import bound
 
 # The backend call that decode_frame's fast path reaches for each compressor.
 SEGMENT_DECODER = {
@@ -50,16 +51,21 @@ def _corrupt(name: str, body: torch.Tensor, numel: int) -> bool:
     return True
 
 
-def check_bucket_frames(s: Setup, name: str, use_backend=contextlib.nullcontext) -> None:
+def check_bucket_frames(
+    s: Setup, name: str, use_backend=contextlib.nullcontext, params: dict | None = None
+) -> None:
     """A compressor's bucket on the device: ``compress_bucket`` gives the CPU's frame byte
     for byte (state carried over steps), and ``decode_frame`` of a host or device frame
     into device outputs takes the one-launch-sequence path and adds what the CPU adds; a
     corrupt body (checksum recomputed) raises for the same tensor, with the same outputs.
-    ``use_backend``: a context in which the backend under test serves the device."""
+    ``use_backend``: a context in which the backend under test serves the device;
+    ``params``: the compressor's."""
     from hvdcompress.backends import cpu
 
     gen = torch.Generator().manual_seed(24)
-    on_dev, on_cpu = hvdcompress.get_compressor(name), hvdcompress.get_compressor(name)
+    params = params or {}
+    on_dev = hvdcompress.get_compressor(name, **params)
+    on_cpu = hvdcompress.get_compressor(name, **params)
     decoder = SEGMENT_DECODER[name]
     real = getattr(s.backend, decoder)
     decoded = []
@@ -311,15 +317,215 @@ def check_dqsg_segments(s: Setup, levels: int = 3, bucket: int = 64) -> None:
                 np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
 
 
+def check_dqsg_ternary_segments(s: Setup, bucket: int = 64) -> None:
+    """DQSG's bucket calls with s = 1 (deltas, then quartic + zero-run coded digits) give
+    the CPU's digit coder's bodies and sums; a refused body (short, long, a negative delta,
+    a literal byte made a run code, a run code past the end) stops the decode at the same
+    index as the CPU's, the ones before it added, alike."""
+    from hvdcompress.codecs import dqsg
+
+    gen = torch.Generator().manual_seed(29)
+    xs = make_bucket(gen)
+    keys = [(7919 * i + 3) % 2**64 for i in range(len(xs))]
+    want = s.cpu.digits_encode_segments(xs, keys, 1, 0, 0, bucket)[0]
+    got = s.backend.dqsg_encode_segments(
+        [x.to(s.dev, copy=True) for x in xs], keys, 1, dqsg.dqsg_bits(1), bucket
+    )
+    assert [g is None for g in got] == [w is None for w in want]
+    assert sum(w is None for w in want) == 1
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is not None:
+            assert_same_bytes(g, w, f"DQSG s=1 body {i}")
+    keep = [i for i, w in enumerate(want) if w is not None]
+    frame, starts = gapped_frame([want[i] for i in keep], 29, 9)
+    lens = np.array([want[i].numel() for i in keep], np.int64)
+    ns = np.array([xs[i].numel() for i in keep], np.int64)
+    ks = [keys[i] for i in keep]
+    bases = [make_input(int(n), "dense", gen) for n in ns]
+    target = int(np.argmax(ns))
+    nb = (int(ns[target]) + bucket - 1) // bucket
+    at, zre_at = int(starts[target]), int(starts[target]) + 4 * nb
+    coded = frame[zre_at : at + int(lens[target])].numpy()
+    literal = zre_at + int(np.flatnonzero(coded <= 242)[0])
+    cases = ["none", "short", "long", "delta", "run", "last run"]
+    for what in cases:
+        src, src_lens = frame.clone(), lens.copy()
+        if what == "short":
+            src_lens[target] = 4 * nb - 1
+        elif what == "long":
+            src_lens[target] += 1
+        elif what == "delta":  # the last delta -1.0
+            last = at + 4 * (nb - 1)
+            src[last : last + 4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)
+        elif what == "run":  # a literal made a run of 14 zero groups: too many bytes
+            src[literal] = 255
+        elif what == "last run":
+            src[at + int(lens[target]) - 1] = 255
+        args = (starts, src_lens, ns, ks)
+        for on_device in (False, True):
+            outs = [b.to(s.dev, copy=True) for b in bases]
+            couts = [b.clone() for b in bases]
+            where = src.to(s.dev, copy=True) if on_device else src
+            failed = s.backend.dqsg_decode_segments(where, *args, 1, 2, bucket, outs)
+            cfailed = s.cpu.digits_decode_segments(src, *args, bucket, couts)[1]
+            assert (failed is None) == (cfailed is None), (what, failed, cfailed)
+            if what != "none":
+                assert failed[0] == cfailed[0] == target, (what, failed, cfailed)
+            for p, (o, c) in enumerate(zip(outs, couts, strict=True)):
+                np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
+
+
+def _with_checksum(buf: bytearray) -> bytearray:
+    """``buf`` with its checksum field recomputed whatever its header says: a layout the
+    scan must refuse on its own, not for the checksum."""
+    buf[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4] = bytes(4)
+    csum = wire.checksum_numpy(np.frombuffer(bytes(buf), dtype=np.uint8), 0)
+    buf[wire.CHECKSUM_OFFSET : wire.CHECKSUM_OFFSET + 4] = csum.to_bytes(4, "little")
+    return buf
+
+
+_WRAPS = (6148914591020613667, 8589934595, 1)  # product = 2863311485 * 2^64 + 105
+# Header edits (offset, little-endian bytes) that each break one rule of the layout (of a
+# payload of shape (3, 5, 7)).
+_LAYOUT_BREAKS = {
+    "magic": (0, b"HVDX"),
+    "version": (4, b"\x02"),
+    "reserved": (9, b"\x01"),
+    "ndim 9": (8, b"\x09"),
+    "params_len 257": (10, (257).to_bytes(2, "little")),
+    "params past the end": (10, (60000).to_bytes(2, "little")),
+    "numel": (16, (12345).to_bytes(8, "little")),
+    "body_len": (24, (2**64 - 1).to_bytes(8, "little")),
+    "shape past 2^63": (32, (2**63).to_bytes(8, "little")),
+    # dimensions whose product passes 2^64 and wraps to the payload's numel, 3 * 5 * 7
+    "shape wraps 2^64": (32, b"".join(d.to_bytes(8, "little") for d in _WRAPS)),
+}
+
+
+def frame_scan_cases() -> list[tuple[str, torch.Tensor, int]]:
+    """(what, frame, count): a 3LC bucket's frame and frames each broken in one way the
+    scan must see (a payload's body byte or checksum, each header rule, the length table),
+    among payloads of one, two and three dimensions."""
+    gen = torch.Generator().manual_seed(31)
+    grads = make_bucket(gen) + [torch.randn(3, 5, 7, generator=gen), torch.zeros(0)]
+    names = [f"layer{i}" for i in range(len(grads))]
+    comp = hvdcompress.get_compressor("3lc")
+    comp.compress_bucket(grads, names)  # a second step: error feedback built up
+    frame, _ = comp.compress_bucket(grads, names)
+    count = len(grads)
+    payloads = wire.unframe(frame, count, 0, names)
+    cases = [("good", frame, count)]
+
+    def remade(i: int, buf: bytearray) -> torch.Tensor:
+        parts = list(payloads)
+        parts[i] = torch.frombuffer(bytearray(buf) or bytearray(1), dtype=torch.uint8)[: len(buf)]
+        return wire.frame(parts)
+
+    last = count - 2  # the payload of shape (3, 5, 7)
+    body = bytearray(payloads[1].numpy().tobytes())
+    body[-1] ^= 0x10
+    cases.append(("a body byte", remade(1, body), count))
+    stored = bytearray(payloads[2].numpy().tobytes())
+    stored[wire.CHECKSUM_OFFSET + 3] ^= 0x80
+    cases.append(("the checksum field", remade(2, stored), count))
+    for what, (offset, value) in _LAYOUT_BREAKS.items():
+        buf = bytearray(payloads[last].numpy().tobytes())
+        buf[offset : offset + len(value)] = value
+        cases.append((what, remade(last, _with_checksum(buf)), count))
+    short = bytearray(payloads[0].numpy().tobytes()[:20])
+    cases.append(("a 20-byte payload", remade(0, short), count))
+    cases.append(("an empty payload", remade(0, bytearray()), count))
+    raw = frame.numpy().tobytes()
+    cases.append(("count word", frame, count - 1))
+    cases.append(
+        ("a trailing byte", torch.frombuffer(bytearray(raw + b"\0"), dtype=torch.uint8), count)
+    )
+    cases.append(("truncated", frame[:-1].clone(), count))
+    long_len = bytearray(raw)
+    long_len[8:16] = (2**63 + 5).to_bytes(8, "little")
+    cases.append(("a length past the frame", torch.frombuffer(long_len, dtype=torch.uint8), count))
+    cases.append(("empty frame", torch.zeros(0, dtype=torch.uint8), 0))
+    cases.append(("no payloads", torch.zeros(8, dtype=torch.uint8), 0))
+    return cases
+
+
+def check_frame_scan(s: Setup, cases=None) -> None:
+    """The backend's ``frame_scan`` of a frame on its device, at an aligned address and at
+    an odd one (a rank's frame is a slice of the gathered bytes), reports what the CPU's
+    reports of the same bytes: None for a refused length table, else every payload's
+    fields, shape and (where accepted) codec parameters."""
+    for what, frame, count in cases if cases is not None else frame_scan_cases():
+        want = s.cpu.frame_scan(frame, count)
+        if what == "good":
+            assert bool(want.fields[:, wire.SCAN["ok"]].all())
+        elif what not in ("no payloads", "fuzzed"):  # each named break is refused
+            assert want is None or not bool(want.fields[:, wire.SCAN["ok"]].all()), what
+        lead = torch.full((3,), 0x55, dtype=torch.uint8)
+        odd = torch.cat([lead, frame]).to(s.dev)[3:]
+        for where in (frame.to(s.dev, copy=True), odd):
+            got = s.backend.frame_scan(where, count)
+            assert (got is None) == (want is None), what
+            if want is None:
+                continue
+            np.testing.assert_array_equal(got.fields, want.fields, what)
+            np.testing.assert_array_equal(got.shapes, want.shapes, what)
+            assert got.params == want.params, what
+
+
+def length_prefix_cases() -> list[tuple[str, torch.Tensor, int]]:
+    """(what, gathered bytes, ranks): HorovodTransport's allgather framing, whole and
+    broken (a missing prefix, a short part, trailing bytes, a prefix past 2^63)."""
+    from hvdcompress.transports.horovod import _LEN
+
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (5, 0, 300)]
+    good = torch.cat(
+        [
+            torch.cat([torch.frombuffer(bytearray(_LEN.pack(p.numel())), dtype=torch.uint8), p])
+            for p in parts
+        ]
+    )
+    huge = good.clone()
+    huge[:8] = torch.frombuffer(bytearray(_LEN.pack(2**63 + 1)), dtype=torch.uint8)
+    return [
+        ("good", good, 3),
+        ("one rank", good[:13].clone(), 1),
+        ("a prefix missing", good, 4),
+        ("a short part", good[:-1].clone(), 3),
+        ("trailing bytes", good, 2),
+        ("a prefix past 2^63", huge, 3),
+        ("nothing", good[:0].clone(), 0),
+        ("nothing, one rank", good[:0].clone(), 1),
+    ]
+
+
+def check_length_prefixes(s: Setup) -> None:
+    """The backend's ``length_prefixes`` of gathered bytes on its device gives the host's
+    verdict (``length_prefix_verdict``) on the same bytes."""
+    from hvdcompress.transports.horovod import length_prefix_verdict
+
+    for what, buf, size in length_prefix_cases():
+        want = length_prefix_verdict(buf.numpy(), size)
+        got = s.backend.length_prefixes(buf.to(s.dev, copy=True), size)
+        np.testing.assert_array_equal(got, want, what)
+        assert (want[0] == 1) == (what in ("good", "one rank", "nothing")), what
+
+
 @pytest.mark.gpu
 def test_sign_segments_match_cpu(gpu):
     check_sign_segments(gpu)
 
 
+# (compressor, params) of the bucket frame checks: each of SEGMENT_DECODER, and DQSG
+# with s = 1 (its digit coder).
+BUCKET_FRAME_CASES = [(name, {}) for name in sorted(SEGMENT_DECODER)] + [("dqsg", {"levels": 1})]
+BUCKET_FRAME_IDS = [f"{n}{p}" for n, p in BUCKET_FRAME_CASES]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(SEGMENT_DECODER))
-def test_bucket_frames_match_cpu(gpu, name):
-    check_bucket_frames(gpu, name)
+@pytest.mark.parametrize("name,params", BUCKET_FRAME_CASES, ids=BUCKET_FRAME_IDS)
+def test_bucket_frames_match_cpu(gpu, name, params):
+    check_bucket_frames(gpu, name, params=params)
 
 
 @pytest.mark.gpu
@@ -338,6 +544,11 @@ def test_dqsg_segments_match_cpu(gpu):
 
 
 @pytest.mark.gpu
+def test_dqsg_ternary_segments_match_cpu(gpu):
+    check_dqsg_ternary_segments(gpu)
+
+
+@pytest.mark.gpu
 def test_frame_of_device_payloads(gpu):
     """``wire.frame`` of payloads on the device (what ``bench_codec.py --overhead --device
     cuda`` builds one by one) is the host frame's bytes, on the device."""
@@ -346,3 +557,42 @@ def test_frame_of_device_payloads(gpu):
     framed = wire.frame([p.to(gpu.dev) for p in payloads])
     assert framed.device == gpu.dev
     assert_same_bytes(framed, wire.frame(payloads))
+
+
+@pytest.mark.gpu
+def test_frame_scan_matches_cpu(gpu):
+    check_frame_scan(gpu)
+
+
+@pytest.mark.gpu
+def test_length_prefixes_match_host(gpu):
+    check_length_prefixes(gpu)
+
+
+_GATHER_EXAMPLES = [(n, p) for n, p in registry.examples() if not registry.REGISTRY[n].summable]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "name,params", _GATHER_EXAMPLES, ids=[f"{n}{p}" for n, p in _GATHER_EXAMPLES]
+)
+def test_frames_gathered_on_the_device_decode_as_on_the_host(gpu, name, params):
+    """What a rank receives when the transport gathers on the GPU: a frame on the device,
+    decoded into device outputs (on the device scan and the one-call decode where the
+    compressor has them, else payload by payload), adds what the same bytes add on the
+    host, for every gather-only compressor (rank 1's frame: side information too)."""
+    gen = torch.Generator().manual_seed(41)
+    shapes = [(5,), (33, 17), (0,), (513,), (4, 4, 4)]
+    grads = [torch.randn(sh, generator=gen) for sh in shapes]
+    names = [f"layer{i}" for i in range(len(grads))]
+    sender = bound(name, 1, 2, **params)
+    frame, ctxs = sender.compress_bucket([g.to(gpu.dev) for g in grads], names)
+    assert frame.device == gpu.dev
+    bases = [torch.linspace(-1, 1, g.numel()) for g in grads]
+    want = [b.clone() for b in bases]
+    host_ctxs = [c._replace(device=torch.device("cpu")) for c in ctxs]
+    bound(name, 0, 2, **params).decode_frame(frame.cpu(), want, host_ctxs, rank=1)
+    outs = [b.to(gpu.dev) for b in bases]
+    bound(name, 0, 2, **params).decode_frame(frame, outs, ctxs, rank=1)
+    for i, (out, ref) in enumerate(zip(outs, want, strict=True)):
+        np.testing.assert_array_equal(bits(out), bits(ref), f"{name} output {i}")

@@ -74,7 +74,10 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(threelc_zre_decode_check_segments) \
     HOST_KERNEL(threelc_quartic_decode_add_segments) \
     HOST_KERNEL(hvd_checksum_segments)        \
-    HOST_KERNEL(hvd_checksum_store)
+    HOST_KERNEL(hvd_checksum_store)           \
+    HOST_KERNEL(hvd_frame_table)              \
+    HOST_KERNEL(hvd_frame_headers)            \
+    HOST_KERNEL(hvd_length_prefixes)
 #define HOST_PRIMITIVES_KERNELS        \
     HOST_KERNEL(primitives_uniform)    \
     HOST_KERNEL(primitives_bitpack)    \
@@ -104,7 +107,10 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(quant_bucket_floats_segments)   \
     HOST_KERNEL(quant_packed_encode_segments)     \
     HOST_KERNEL(quant_packed_check_segments)    \
-    HOST_KERNEL(quant_packed_decode_add_segments)
+    HOST_KERNEL(quant_packed_decode_add_segments) \
+    HOST_KERNEL(quant_dqsg_quartic_segments)      \
+    HOST_KERNEL(quant_dqsg_deltas_check_segments) \
+    HOST_KERNEL(quant_dqsg_quartic_decode_add_segments)
 
 #define HOST_KERNEL(k)                         \
     if (strcmp(name, #k) == 0) {               \

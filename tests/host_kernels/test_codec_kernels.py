@@ -296,8 +296,15 @@ def test_emulated_dqsg_segments(setup, levels, bucket):
     test_buckets_gpu.check_dqsg_segments(setup, levels, bucket)
 
 
-@pytest.mark.parametrize("name", sorted(test_buckets_gpu.SEGMENT_DECODER))
-def test_emulated_bucket_frames_on_segment_calls(setup, monkeypatch, name):
+@pytest.mark.parametrize("bucket", [64, 5, 512])
+def test_emulated_dqsg_ternary_segments(setup, bucket):
+    test_buckets_gpu.check_dqsg_ternary_segments(setup, bucket)
+
+
+@pytest.mark.parametrize(
+    "name,params", test_buckets_gpu.BUCKET_FRAME_CASES, ids=test_buckets_gpu.BUCKET_FRAME_IDS
+)
+def test_emulated_bucket_frames_on_segment_calls(setup, monkeypatch, name, params):
     """Whole compressors through the emulated backend's segment calls: frames and sums
     as on the CPU, the fast decode path taken, a corrupt body refused alike."""
 
@@ -307,7 +314,7 @@ def test_emulated_bucket_frames_on_segment_calls(setup, monkeypatch, name):
             patch.setitem(backends._BACKENDS, "cpu", setup.backend)
             yield
 
-    test_buckets_gpu.check_bucket_frames(setup, name, serving)
+    test_buckets_gpu.check_bucket_frames(setup, name, serving, params)
 
 
 def test_emulated_sign_bucket_launches(cuda_on_host):

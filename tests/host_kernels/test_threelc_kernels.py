@@ -19,11 +19,15 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+import hvdcompress
 from hvdcompress import wire
 from hvdcompress.backends.cuda import THREELC
 from hvdcompress.wire import PayloadError
 from tests import reference
+from tests.fuzz.harness import field_mutations, fix_checksum, mutate, mutations
 from tests.gpu import test_buckets_gpu, test_threelc_gpu
 from tests.gpu.conftest import Setup
 from tests.host_kernels.conftest import (
@@ -775,3 +779,108 @@ def test_emulated_bucket_launches_do_not_grow_with_tensors(emulated):
         "threelc_quartic_decode_add_segments",
     ]
     assert len(reads) == 2
+
+
+# ---- frames on the device (kernels/threelc.cu section 8) ---------------------------------
+
+
+def test_emulated_frame_scan(bucketed):
+    test_buckets_gpu.check_frame_scan(bucketed.setup)
+
+
+def test_emulated_length_prefixes(emulated):
+    test_buckets_gpu.check_length_prefixes(emulated.setup)
+
+
+_FUZZ_FRAME = test_buckets_gpu.frame_scan_cases()[0][1]
+_FUZZ_COUNT = test_buckets_gpu.frame_scan_cases()[0][2]
+
+
+@settings(
+    max_examples=max(settings.default.max_examples // 5, 20),
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    deadline=None,
+)
+@given(
+    index=st.integers(0, _FUZZ_COUNT - 1),
+    ops=st.one_of(mutations, field_mutations),
+    forge=st.booleans(),
+    whole=st.booleans(),
+)
+def test_emulated_frame_scan_fuzzed(emulated, index, ops, forge, whole):
+    """Mutated frames (one payload's bytes or header fields, checksum recomputed or not;
+    or the frame's own bytes, its length table included): the device scan's verdict and
+    fields are the CPU scan's."""
+    if whole:
+        buf = mutate(bytearray(_FUZZ_FRAME.numpy().tobytes()), ops)
+    else:
+        names = [str(i) for i in range(_FUZZ_COUNT)]
+        payloads = wire.unframe(_FUZZ_FRAME, _FUZZ_COUNT, 0, names)
+        one = mutate(bytearray(payloads[index].numpy().tobytes()), ops)
+        one = fix_checksum(one) if forge else one
+        payloads[index] = torch.frombuffer(bytearray(one) or bytearray(1), dtype=torch.uint8)
+        payloads[index] = payloads[index][: len(one)]
+        buf = bytearray(wire.frame(payloads).numpy().tobytes())
+    frame = torch.frombuffer(bytearray(buf) or bytearray(1), dtype=torch.uint8)[: len(buf)]
+    test_buckets_gpu.check_frame_scan(emulated.setup, [("fuzzed", frame, _FUZZ_COUNT)])
+
+
+def test_emulated_frame_scan_is_three_launches_and_one_read(emulated):
+    """A frame of 40 payloads is scanned by three launches and one read, not by a launch
+    or a read per payload."""
+    gen = torch.Generator().manual_seed(8)
+    grads = [torch.randn(n, generator=gen) for n in range(1, 41)]
+    frame, _ = hvdcompress.get_compressor("3lc").compress_bucket(grads, [str(i) for i in range(40)])
+    emulated.calls.clear()
+    scanned = emulated.setup.backend.frame_scan(frame, 40)
+    assert bool(scanned.fields[:, wire.SCAN["ok"]].all())
+    assert emulated.calls == ["hvd_frame_table", "hvd_checksum_segments", "hvd_frame_headers"]
+    assert len(emulated.reads) == 1
+
+
+def test_emulated_decode_frame_scans_on_the_device(emulated):
+    """``decode_frame`` of a frame where the CUDA backend serves it: the scan runs on the
+    device (its three kernels, no host scan), then the bucket decode; two reads in all,
+    and the sums are the CPU backend's. A payload whose checksum does not hold is refused
+    with the per-payload path's error and the outputs before it added."""
+    from hvdcompress.backends import cpu as cpu_module
+
+    gen = torch.Generator().manual_seed(9)
+    grads = test_threelc_gpu.make_bucket(gen)
+    names = [f"layer{i}" for i in range(len(grads))]
+    sender, receiver = hvdcompress.get_compressor("3lc"), hvdcompress.get_compressor("3lc")
+    frame, ctxs = sender.compress_bucket(grads, names)
+    bases = [torch.linspace(-1, 1, g.numel()) for g in grads]
+    want = [b.clone() for b in bases]
+    receiver.decode_frame(frame, want, ctxs, rank=1)
+    host_scans = []
+    real_scan = cpu_module.frame_scan
+
+    def counted_scan(*args):
+        host_scans.append(1)
+        return real_scan(*args)
+
+    outs = [b.clone() for b in bases]
+    emulated.calls.clear()
+    with serving_cpu_tensors(emulated.setup.backend), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_module, "frame_scan", counted_scan)
+        receiver.decode_frame(frame, outs, ctxs, rank=1)
+    assert host_scans == []
+    assert emulated.calls[:3] == ["hvd_frame_table", "hvd_checksum_segments", "hvd_frame_headers"]
+    assert "threelc_quartic_decode_add_segments" in emulated.calls
+    assert len(emulated.reads) == 2
+    for out, ref in zip(outs, want, strict=True):
+        np.testing.assert_array_equal(test_threelc_gpu.bits(out), test_threelc_gpu.bits(ref))
+    bad = frame.clone()
+    payloads = wire.unframe(frame, len(names), 1, names)
+    at = 8 * (len(names) + 1) + sum(p.numel() for p in payloads[:5])
+    bad[at + payloads[5].numel() - 1] ^= 1  # payload 5's last byte: its checksum fails
+    want_outs, outs = [b.clone() for b in bases], [b.clone() for b in bases]
+    with pytest.raises(PayloadError) as want_err:
+        receiver.decode_frame(bad, want_outs, ctxs, rank=1)
+    with serving_cpu_tensors(emulated.setup.backend), pytest.raises(PayloadError) as got_err:
+        receiver.decode_frame(bad, outs, ctxs, rank=1)
+    assert str(got_err.value) == str(want_err.value)
+    assert got_err.value.tensor == "layer5"
+    for out, ref in zip(outs, want_outs, strict=True):
+        np.testing.assert_array_equal(test_threelc_gpu.bits(out), test_threelc_gpu.bits(ref))

@@ -243,3 +243,26 @@ def test_backward_passes_per_step_accumulates_before_communicating(comm):
     with pytest.raises(RuntimeError, match="backward_passes_per_step"):
         torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.synchronize()  # every rank made the same calls: ends the round cleanly
+
+
+@pytest.mark.skipif(not HAVE_HOROVOD, reason="horovod is not installed")
+def test_horovod_transport_gathers_where_horovod_moves_the_bytes():
+    """HorovodTransport's allgatherv of a different number of bytes on each rank (none on
+    rank 1) gives every rank's bytes and counts; it gathers host bytes, and device bytes
+    exactly when Horovod was built with GPU support."""
+    import horovod.torch as hvd
+
+    from hvdcompress.transports.horovod import HorovodTransport
+
+    hvd.init()
+    t = HorovodTransport()
+    rank, size = t.rank, t.size
+    counts = [0 if r == 1 else 7 * r + 3 for r in range(size)]
+    mine = torch.full((counts[rank],), rank + 1, dtype=torch.uint8)
+    gathered, sizes = t.start_allgatherv(mine).wait()
+    gpu_built = bool(hvd.cuda_built() or hvd.rocm_built())
+    assert sizes == counts
+    want = torch.cat([torch.full((n,), r + 1, dtype=torch.uint8) for r, n in enumerate(counts)])
+    assert torch.equal(gathered, want)
+    assert t.gathers_on(torch.device("cpu"))
+    assert t.gathers_on(torch.device("cuda", 0)) == gpu_built
