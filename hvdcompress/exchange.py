@@ -37,6 +37,7 @@ rank: an owner that cannot decode a stage-1 payload reports it in its stage-2 me
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import time
@@ -226,7 +227,7 @@ class GatheredExchange(_Exchange):
         # One call per bucket (compressors/base.py, compress_bucket): the frame of the
         # bucket's payloads, one checksum pass over all of them.
         frame, ctxs = comp.compress_bucket(grads, list(bucket.names))
-        if not self.transport.gathers_on(frame.device):
+        if not self.transport.moves_on(frame.device):
             frame = frame.cpu()
         handle = self.transport.start_allgatherv(frame)
         wire_bytes = float((self.transport.size - 1) * frame.numel())
@@ -388,7 +389,7 @@ class TwoStageExchange(_Exchange):
                 [flats[pc.tensor][pc.start : pc.stop] for pc in pieces],
                 [pc.sender_key for pc in pieces],
             )
-            parts.append(frame.cpu())
+            parts.append(frame.to(self._bytes_device(frame.device)))
         ctxs = [
             Ctx(name, tuple(g.shape), g.dtype, g.device)
             for name, g in zip(bucket.names, grads, strict=True)
@@ -409,10 +410,11 @@ class TwoStageExchange(_Exchange):
         t1 = time.perf_counter()
         flight.wait_s += t1 - t0
         local_error = None  # raised after stage 2, which every rank must take part in
-        message = torch.tensor([STATUS_DRAINING], dtype=torch.uint8)
+        device = self._bytes_device(flight.ctxs[0].device if flight.ctxs else None)
+        message = torch.tensor([STATUS_DRAINING], dtype=torch.uint8, device=device)
         if decode:
             try:
-                message = self._owner_message(comp, flight, received, scale)
+                message = self._owner_message(comp, flight, received, scale).to(device)
             except Exception as err:  # noqa: BLE001 - the others learn of it from the status
                 local_error = err
         t2 = time.perf_counter()
@@ -430,6 +432,13 @@ class TwoStageExchange(_Exchange):
         if decode:
             self._complete(bucket, comp, flight, result, scale)
             flight.decode_s += time.perf_counter() - t3
+
+    def _bytes_device(self, device: torch.device | None) -> torch.device:
+        """Where this rank's stage messages go: the tensors' device where the transport
+        moves bytes there (``Transport.moves_on``), else the host."""
+        if device is not None and self.transport.moves_on(device):
+            return device
+        return torch.device("cpu")
 
     def _owner_message(self, comp, flight: InFlight, received, scale: float) -> torch.Tensor:
         """Decode the N stage-1 frames of this rank's shard in rank order into float32,
@@ -452,15 +461,20 @@ class TwoStageExchange(_Exchange):
         for acc, pc in zip(accs, mine, strict=True):
             if scale != 1.0:
                 acc.mul_(scale)
-            payloads.append(comp.compress(acc, pc.owner_key)[0].cpu())
-        return torch.cat([torch.tensor([STATUS_OK], dtype=torch.uint8), wire.frame(payloads)])
+            payloads.append(comp.compress(acc, pc.owner_key)[0])
+        ok = torch.tensor([STATUS_OK], dtype=torch.uint8, device=device)
+        return torch.cat([ok, wire.frame(payloads).to(device)])
 
     # ---- stage 2 ----------------------------------------------------------------------------
     def _complete(self, bucket: Bucket, comp, flight: InFlight, result, scale: float) -> None:
         gathered, sizes = result
         messages = gathered.split(sizes)
+        # every owner's status byte in one read (the messages may be on a GPU)
+        starts = [0, *itertools.accumulate(sizes)][: len(sizes)]
+        firsts = gathered[[a for a, n in zip(starts, sizes, strict=True) if n]].tolist()
+        statuses = iter(firsts)
         for owner, message in enumerate(messages):  # the same checks on every rank
-            status = int(message[0]) if message.numel() else None
+            status = next(statuses) if message.numel() else None
             if status == STATUS_FAILED:
                 raise _reported_error(message, owner)
             if status == STATUS_DRAINING:

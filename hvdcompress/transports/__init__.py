@@ -4,8 +4,9 @@ Four operations, the first three started asynchronously and finished with ``Hand
 
 * ``start_allgatherv(local_uint8)`` -> ``(gathered_uint8, sizes)``: every rank's bytes
   concatenated in rank order, plus each rank's byte count (the gather path of
-  gather-only codecs such as 3LC); on the host, unless ``gathers_on(local.device)``:
-  then on that device, and nothing reaches the host but the byte counts;
+  gather-only codecs such as 3LC); on the host, unless ``moves_on(local.device)``:
+  then on that device, and nothing reaches the host but the byte counts (alltoallv
+  likewise);
 * ``start_allreduce_sum(dense)`` -> the elementwise sum over ranks (summable codecs);
 * ``start_alltoallv(parts)`` -> list of ``size`` uint8 tensors: ``parts[j]`` (1-D
   uint8, may be empty) goes to rank j, and entry i of the result is what rank i sent to
@@ -138,10 +139,10 @@ class Transport:
     def start_allgatherv(self, local: torch.Tensor) -> Handle:
         raise NotImplementedError
 
-    def gathers_on(self, device: torch.device) -> bool:
-        """True when ``start_allgatherv`` takes bytes on ``device`` as they are and gives
-        the gathered bytes on that device (no host copy by the caller); else the caller
-        gives host bytes. The host only, by default."""
+    def moves_on(self, device: torch.device) -> bool:
+        """True when ``start_allgatherv`` and ``start_alltoallv`` take bytes on ``device``
+        as they are and give what they receive on that device (no host copy by the
+        caller); else the caller gives host bytes. The host only, by default."""
         return device.type == "cpu"
 
     def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:

@@ -75,7 +75,7 @@ class HorovodTransport(Transport):
         local = local.detach().reshape(-1).to(torch.uint8)
         prefix = torch.frombuffer(bytearray(_LEN.pack(local.numel())), dtype=torch.uint8)
         framed = torch.cat([prefix.to(local.device), local])
-        if not self.gathers_on(framed.device):
+        if not self.moves_on(framed.device):
             framed = framed.cpu()
         name = self._name("allgatherv")
         handle = hvd.allgather_async(framed, name=name, process_set=self._set)
@@ -87,7 +87,7 @@ class HorovodTransport(Transport):
 
         return _DoneHandle(finish)
 
-    def gathers_on(self, device: torch.device) -> bool:
+    def moves_on(self, device: torch.device) -> bool:
         """The host, and a CUDA device when Horovod was built with GPU support
         (``hvd.cuda_built()`` or ``hvd.rocm_built()``): horovod.torch then allgathers
         device tensors (with NCCL or MPI GPU operations, or through its own host copy) and
@@ -99,15 +99,19 @@ class HorovodTransport(Transport):
     def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
         check_alltoallv_parts(parts, self.size)
         hvd = self.hvd
-        send = torch.cat([p.detach().cpu() for p in parts])
-        splits = torch.tensor([p.numel() for p in parts], dtype=torch.int32)
+        devices = {p.device for p in parts}
+        device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        if not self.moves_on(device):
+            device = torch.device("cpu")
+        send = torch.cat([p.detach().to(device) for p in parts])
+        splits = torch.tensor([p.numel() for p in parts], dtype=torch.int32)  # on the host
         name = self._name("alltoallv")
         handle = hvd.alltoall_async(send, splits=splits, name=name, process_set=self._set)
         self._track(name, handle)
 
         def finish():
             received, received_splits = hvd.synchronize(handle)
-            return list(received.cpu().split(received_splits.tolist()))
+            return list(received.to(device).split(received_splits.tolist()))
 
         return _DoneHandle(finish)
 

@@ -264,5 +264,5 @@ def test_horovod_transport_gathers_where_horovod_moves_the_bytes():
     assert sizes == counts
     want = torch.cat([torch.full((n,), r + 1, dtype=torch.uint8) for r, n in enumerate(counts)])
     assert torch.equal(gathered, want)
-    assert t.gathers_on(torch.device("cpu"))
-    assert t.gathers_on(torch.device("cuda", 0)) == gpu_built
+    assert t.moves_on(torch.device("cpu"))
+    assert t.moves_on(torch.device("cuda", 0)) == gpu_built
