@@ -14,11 +14,12 @@ pair, C for the CPU backend and CUDA for the GPU backend, byte for byte the same
                                                     unpacking, order-fixed chunk sums
     kernels/sign.c        + kernels/sign.cu         signSGD and EF-signSGD, single pass
     kernels/quant.c       + kernels/quant.cu        QSGD, TernGrad, DQSG's quantiser
-    kernels/sparse.c                                top-k selection (radix select; the
-                                                    CUDA backend uses torch.topk)
-    kernels/frame.c                                 one rank's frame of a bucket, written
-                                                    and scanned in one call (host memory
-                                                    on every backend: no CUDA twin)
+    kernels/sparse.c      + kernels/sparse.cu       top-k selection (radix select; the
+                                                    CUDA backend uses torch.topk) and
+                                                    decode (a bucket's on CUDA), random-k
+    kernels/frame.c       (threelc.cu section 8)    one rank's frame of a bucket, written
+                                                    and scanned in one call (the scan's
+                                                    CUDA twin: frames gathered on a GPU)
     kernels/cuda_host.h                             g++ shim: the .cu files on the host
 
 ``setup.py`` builds the ``.c`` files into ``hvdcompress._codec_cpu`` and copies the whole

@@ -2,7 +2,7 @@
 
 Same protocol and the same bytes as the CPU backend (``hvdcompress.backends``). Each .cu
 file is one kernel family (``KernelFamily``: ``THREELC``, ``PRIMITIVES``, ``SIGN``,
-``QUANT``), compiled into its
+``QUANT``, ``SPARSE``), compiled into its
 own module once per process and device, on the first launch of one of its kernels, with
 exactly ``NVRTC_OPTIONS`` (``hvdcompress._native``: FMA contraction, flush to zero and
 approximate division turned off; ``_compile`` says why not through ``RawModule``). The
@@ -117,7 +117,9 @@ QUANT = KernelFamily(
         "quant_dqsg_quartic_decode_add_segments",
     ),
 )
-FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT)
+# The sparse codecs' bucket decode (C twin: kernels/sparse.c, hvdc_topk_decode_segments).
+SPARSE = KernelFamily("sparse.cu", ("sparse_topk_check_segments", "sparse_topk_add_segments"))
+FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT, SPARSE)
 _FAMILY_OF = {name: family for family in FAMILIES for name in family.names}
 
 BLOCK = 256  # threads per block; a multiple of 32 (the kernels' warp reductions need it)
@@ -143,6 +145,10 @@ _QUANT_SEG_KEY = 5  # HVD_QUANT_SEG_KEY of kernels/quant.cu: the uniforms' key
 # HVD_QUANT_SEG_* of quant.cu's DQSG s = 1 kernels: the digit kernel's quartic offset and
 # deltas, the decode-add's key.
 _QUANT_SEG_QUARTIC, _QUANT_SEG_DELTAS, _QUANT_SEG_DECODE_KEY = 1, 3, 7
+TOPK_INDEX32_LIMIT = 2**31  # codecs/sparse.py INDEX32_LIMIT: int64 indices from n on
+# HVD_SPARSE_SEG_* of kernels/sparse.cu.
+_SPARSE_SEG_VALUES, _SPARSE_SEG_OUT, _SPARSE_SEG_N, _SPARSE_SEG_INDICES = 0, 1, 2, 3
+_SPARSE_SEG_K, _SPARSE_SEG_WIDE = 5, 7
 SEGMENT_TILE = 2048  # work units (5-value groups, or bytes) a tile; tests use smaller ones
 
 
@@ -1904,6 +1910,45 @@ def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
 
 
 # ---- random-k: the mask from the uniforms, torch ops on the device ---------------------------
+
+
+def topk_decode_segments(
+    frame: torch.Tensor, starts: np.ndarray, ks: np.ndarray, ns: np.ndarray, outs
+) -> tuple[int, int] | None:
+    """The top-k decode (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    checked its length: ``ks[p]`` values and indices) into ``outs[p]`` (float32 on one CUDA
+    device; the frame on the host or that device): the bodies gathered into one device
+    buffer, every entry checked (kernels/sparse.cu, one launch, one read), then one launch
+    that adds the bodies before the first refused one. None, or (p, its error bits), the
+    ones before it added and its output untouched."""
+    if not outs:
+        return None
+    device = _bucket_device(outs, "out")
+    starts, ks, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, ks, ns))
+    live = np.flatnonzero(ks > 0)
+    if not len(live):
+        return None
+    wide = (ns[live] >= TOPK_INDEX32_LIMIT).astype(np.int64)
+    lks = ks[live]
+    body, at = _bodies_on(frame, starts[live], lks * (8 + 4 * wide), device)
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SPARSE_SEG_VALUES] = at
+    table[:, _SPARSE_SEG_OUT] = [outs[p].data_ptr() for p in live.tolist()]
+    table[:, _SPARSE_SEG_N] = ns[live]
+    table[:, _SPARSE_SEG_INDICES] = at + 4 * lks
+    table[:, _SPARSE_SEG_K] = lks
+    table[:, _SPARSE_SEG_WIDE] = wide
+    seg = _segments(table, lks, device)
+    with _Launcher(device) as k:
+        states = k.states(seg.count)
+        k.tiles("sparse_topk_check_segments", seg, _ptr(states))
+        errors = _read_state(states).reshape(seg.count, _STATE_WORDS)[:, _ST_ERROR]
+        refused = np.flatnonzero(errors)
+        good = int(refused[0]) if len(refused) else seg.count
+        if good:
+            k.tiles("sparse_topk_add_segments", _first_rows(seg, lks, good))
+        del body  # stream-ordered: the launches above are queued before its reuse
+    return None if not len(refused) else (int(live[good]), int(errors[good]))
 
 
 def _randomk_mask(key: int, n: int, threshold: int, device: torch.device) -> torch.Tensor:

@@ -46,6 +46,7 @@ from hvdcompress.codecs.primitives import (
     bitunpack,
     decode_to_wrong_length,
     packed_len,
+    refusal,
 )
 from hvdcompress.errors import PayloadError
 
@@ -104,6 +105,13 @@ def topk_encode(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def topk_decode_into(
     body: torch.Tensor, n: int, k: int, out: torch.Tensor, accumulate: bool
 ) -> None:
+    idx, values = topk_kept(body, n, k)
+    _scatter(out, idx, values, accumulate)
+
+
+def topk_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices int64, values float32) of a top-k body of k of n values, checked: its
+    length, the indices ascending in [0, n), the values finite. Raises PayloadError."""
     isz = 4 if index_dtype(n) == torch.int32 else 8
     if body.numel() != k * (4 + isz):
         raise PayloadError(
@@ -114,7 +122,7 @@ def topk_decode_into(
     _check_indices(idx, n)
     if k and not bool(torch.isfinite(values).all()):
         raise PayloadError("body", "a top-k value is not finite")
-    _scatter(out, idx, values, accumulate)
+    return idx, values
 
 
 def randomk_threshold(ratio: float) -> int:
@@ -342,18 +350,26 @@ def topk_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``topk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` (``ks[i]``
-    of ``ns[i]`` values) into ``outs[i]``, in order, one native call over a host frame
-    (kernels/sparse.c): None, or (i, the PayloadError ``topk_decode_into`` raises) for the
+    of ``ns[i]`` values) into ``outs[i]``, in order, one native call (CPU outputs, host
+    frame; kernels/sparse.c) or launch sequence (outputs on one CUDA device;
+    kernels/sparse.cu): None, or (i, the PayloadError ``topk_decode_into`` raises) for the
     first body that does not decode, the ones before it added, ``outs[i]`` untouched."""
     from hvdcompress.backends import cpu
 
     need = ks * np.where(ns >= INDEX32_LIMIT, 12, 8)
+    backend = for_device(outs[0].device) if outs else cpu
 
     def decode(upto: int):
-        failed = cpu.topk_decode_segments(
-            frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto]
-        )
-        return None if failed is None else (failed[0], PayloadError("body", failed[1]))
+        args = (frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto])
+        if backend is cpu:
+            failed = cpu.topk_decode_segments(*args)
+            return None if failed is None else (failed[0], PayloadError("body", failed[1]))
+        failed = backend.topk_decode_segments(*args)
+        if failed is None:
+            return None
+        i = failed[0]
+        body = frame[int(starts[i]) : int(starts[i]) + int(need[i])]
+        return i, refusal(lambda: topk_kept(body, int(ns[i]), int(ks[i])))
 
     def length_error(i: int) -> PayloadError:
         k, got = int(ks[i]), int(lens[i])

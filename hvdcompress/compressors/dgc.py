@@ -53,6 +53,7 @@ class DGC(GatherCompressor):
 
     name = "dgc"
     wire_id = 6
+    cuda_decode_segments = True  # top-k's layout: sparse.topk_decode_segments
     params = {
         "ratio": Param(0.0, 1.0, low_open=True),
         "momentum": Param(0.0, 1.0, high_open=True),

@@ -84,6 +84,7 @@ class TopK(RatioLevels, GatherCompressor):
     # the bucket forms of the codec (kernels/sparse.c): TopKSign sets its own
     encode_segments = staticmethod(sparse.topk_encode_segments)
     decode_kept_segments = staticmethod(sparse.topk_decode_segments)
+    cuda_decode_segments = True  # sparse.topk_decode_segments: kernels/sparse.cu
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
@@ -155,6 +156,7 @@ class TopKSign(TopK):
 
     encode_segments = staticmethod(sparse.topk_sign_encode_segments)
     decode_kept_segments = staticmethod(sparse.topk_sign_decode_segments)
+    cuda_decode_segments = False  # its bucket decoder is the CPU's only
 
     def __repr__(self) -> str:
         return f"TopKSign(ratio={self.ratio})"
@@ -336,6 +338,7 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
 
     name = "gspar"
     wire_id = 12
+    cuda_decode_segments = True  # top-k's layout: sparse.topk_decode_segments
     cat_kind = "randomk"
     params = {"ratio": RATIO, "error_feedback": FLAG, "seed": SEED, "rank": RANK}
     examples = ({"ratio": 0.1}, {"ratio": 0.2, "error_feedback": True})

@@ -1,6 +1,7 @@
 """A bucket on the CUDA backend as one launch sequence (kernels/threelc.cu section 7,
 kernels/sign.cu section 5, kernels/quant.cu section 9), against the CPU backend byte for
-byte: the segment calls of signSGD, EF-signSGD, TernGrad, QSGD and DQSG (s = 1 too), and whole
+byte: the segment calls of signSGD, EF-signSGD, TernGrad, QSGD, DQSG (s = 1 too) and
+top-k's decode (kernels/sparse.cu), and whole
 compressors' frames and ``decode_frame`` sums (3LC's own calls: test_threelc_gpu.py). The
 ``check_*``
 functions take a ``Setup`` so that tests/host_kernels run them on the host-built kernels;
@@ -31,11 +32,17 @@ SEGMENT_DECODER = {
     "efsignsgd": "sign_decode_segments",
     "qsgd": "qsgd_decode_segments",
     "dqsg": "dqsg_decode_segments",
+    "topk": "topk_decode_segments",
+    "dgc": "topk_decode_segments",
+    "gspar": "topk_decode_segments",
 }
 
 
 def _corrupt(name: str, body: torch.Tensor, numel: int) -> bool:
     """Make a body its decoder refuses (in place); False when this one cannot be."""
+    if name in ("topk", "dgc", "gspar"):  # the first value NaN
+        body[:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+        return True
     if name in ("qsgd", "dqsg"):
         body[:4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)  # a norm / delta -1.0
         return True
@@ -375,6 +382,53 @@ def check_dqsg_ternary_segments(s: Setup, bucket: int = 64) -> None:
                 np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
 
 
+def check_topk_segments(s: Setup, ratio: float = 0.05, reference=None) -> None:
+    """Top-k bodies (top-k's, DGC's and GSpar's layout) decoded as one launch sequence add
+    what the CPU's bucket decoder adds; a refused body (an index outside [0, n), one out of
+    order, one with a high byte set, a value not finite) stops the decode at the same index,
+    the ones before it added, alike. ``reference(frame, starts, ks, ns, outs)``: the
+    decoder to compare with (the CPU backend's by default)."""
+    from hvdcompress.codecs import sparse
+
+    gen = torch.Generator().manual_seed(33)
+    xs = [x.nan_to_num(0.0) for x in make_bucket(gen)]
+    ns = np.array([x.numel() for x in xs], np.int64)
+    ks = np.array([sparse.topk_count(int(n), ratio) for n in ns], np.int64)
+    bodies = [sparse.topk_encode(x, int(k))[0] for x, k in zip(xs, ks, strict=True)]
+    frame, starts = gapped_frame(bodies, 33, 9)
+    reference = reference or s.cpu.topk_decode_segments
+    bases = [make_input(int(n), "dense", gen) for n in ns]
+    target = int(np.argmax(ks))
+    k, n = int(ks[target]), int(ns[target])
+    isz = sparse.index_dtype(n).itemsize
+    at, idx_at = int(starts[target]), int(starts[target]) + 4 * k
+    for what in ["none", "index", "high", "negative", "order", "value"]:
+        src = frame.clone()
+        if what == "high":  # the first index plus 2^32 (int64) or 2^24 (int32): outside
+            src[idx_at + (4 if isz == 8 else 3)] += 1
+        elif what == "index":  # the last index n
+            src[idx_at + isz * (k - 1) :][:isz] = torch.tensor(
+                list(n.to_bytes(isz, "little")), dtype=torch.uint8
+            )
+        elif what == "negative":  # the first index -1
+            src[idx_at:][:isz] = 255
+        elif what == "order":  # the second index the first's
+            src[idx_at + isz :][:isz] = src[idx_at:][:isz].clone()
+        elif what == "value":  # a value NaN
+            src[at + 4 * (k // 2) :][:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+        for on_device in (False, True):
+            outs = [b.to(s.dev, copy=True) for b in bases]
+            couts = [b.clone() for b in bases]
+            where = src.to(s.dev, copy=True) if on_device else src
+            failed = s.backend.topk_decode_segments(where, starts, ks, ns, outs)
+            cfailed = reference(src, starts, ks, ns, couts)
+            assert (failed is None) == (cfailed is None), (what, failed, cfailed)
+            if what != "none":
+                assert failed[0] == cfailed[0] == target, (what, failed, cfailed)
+            for p, (o, c) in enumerate(zip(outs, couts, strict=True)):
+                np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
+
+
 def _with_checksum(buf: bytearray) -> bytearray:
     """``buf`` with its checksum field recomputed whatever its header says: a layout the
     scan must refuse on its own, not for the checksum."""
@@ -546,6 +600,11 @@ def test_dqsg_segments_match_cpu(gpu):
 @pytest.mark.gpu
 def test_dqsg_ternary_segments_match_cpu(gpu):
     check_dqsg_ternary_segments(gpu)
+
+
+@pytest.mark.gpu
+def test_topk_segments_match_cpu(gpu):
+    check_topk_segments(gpu)
 
 
 @pytest.mark.gpu

@@ -13,10 +13,9 @@ import torch
 
 import hvdcompress
 from hvdcompress import wire
-from hvdcompress.backends import cuda as cuda_backend
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.wire import PayloadError
-from tests.gpu.conftest import bits, check_kernel_source_found, check_nvrtc_compiles
+from tests.gpu.conftest import bits
 
 SIZES = [0, 1, 7, 9, 513, 100003, 1 << 22 | 3]
 CONFIGS = [
@@ -112,15 +111,6 @@ def test_beyond_2_pow_31_elements(gpu):
 
 
 # ---- without a GPU -------------------------------------------------------------------------
-
-
-def test_nvrtc_compiles_primitive_kernels():
-    """NVRTC accepts kernels/primitives.cu with the backend's options (see conftest.py)."""
-    check_nvrtc_compiles(cuda_backend.PRIMITIVES)
-
-
-def test_primitive_kernel_source_found():
-    check_kernel_source_found(cuda_backend.PRIMITIVES)
 
 
 @pytest.mark.gpu

@@ -521,10 +521,15 @@ def test_unavailable_reason_explains():
     assert isinstance(reason, str) and len(reason) > 10
 
 
-def test_nvrtc_compiles_kernels():
-    """NVRTC accepts kernels/threelc.cu with the backend's options (see conftest.py)."""
-    check_nvrtc_compiles(cuda_backend.THREELC)
+@pytest.mark.parametrize("family", cuda_backend.FAMILIES, ids=lambda f: f.file)
+def test_nvrtc_compiles_every_kernel_family(family):
+    """NVRTC accepts each kernels/*.cu file with the backend's options (see conftest.py),
+    and the file defines every kernel the backend launches from it."""
+    check_kernel_source_found(family)
+    check_nvrtc_compiles(family)
 
 
-def test_kernel_source_found():
-    check_kernel_source_found(cuda_backend.THREELC)
+def test_every_kernel_source_is_a_family():
+    """Each kernels/*.cu file is a family the backend loads."""
+    sources = {p.name for p in cuda_backend.kernel_dir().glob("*.cu")}
+    assert sources == {f.file for f in cuda_backend.FAMILIES}

@@ -53,7 +53,7 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
 }  // namespace
 
 // The kernels of each family (hvdcompress/backends/cuda.py: THREELC, PRIMITIVES, SIGN,
-// QUANT).
+// QUANT, SPARSE).
 #define HOST_THREELC_KERNELS                  \
     HOST_KERNEL(threelc_absmax)               \
     HOST_KERNEL(threelc_quantize_quartic)     \
@@ -111,6 +111,9 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(quant_dqsg_quartic_segments)      \
     HOST_KERNEL(quant_dqsg_deltas_check_segments) \
     HOST_KERNEL(quant_dqsg_quartic_decode_add_segments)
+#define HOST_SPARSE_KERNELS                \
+    HOST_KERNEL(sparse_topk_check_segments) \
+    HOST_KERNEL(sparse_topk_add_segments)
 
 #define HOST_KERNEL(k)                         \
     if (strcmp(name, #k) == 0) {               \

@@ -1,7 +1,7 @@
 // Host build of kernels/primitives.cu (with kernels/threelc.cu, whose quartic and zero-run
-// kernels terngrad and dqsg reuse, and whose checksum kernel every payload uses, and the
-// single-pass codec families kernels/sign.cu and kernels/quant.cu) through
-// kernels/cuda_host.h, behind a small C ABI for ctypes, used by
+// kernels terngrad and dqsg reuse, and whose checksum kernel every payload uses, the
+// single-pass codec families kernels/sign.cu and kernels/quant.cu, and kernels/sparse.cu)
+// through kernels/cuda_host.h, behind a small C ABI for ctypes, used by
 // tests/host_kernels/test_primitive_kernels.py: direct wrappers of each primitive kernel,
 // and host_launch (host_launch.h), a cuLaunchKernel-style entry for the stand-in for CuPy
 // that runs hvdcompress/backends/cuda.py on the host.
@@ -12,6 +12,7 @@
 #include "primitives.cu"
 #include "sign.cu"
 #include "quant.cu"
+#include "sparse.cu"
 
 #include "host_launch.h"
 
@@ -24,6 +25,7 @@ int host_launch(const char* name, unsigned int grid, unsigned int block, void** 
     HOST_PRIMITIVES_KERNELS
     HOST_SIGN_KERNELS
     HOST_QUANT_KERNELS
+    HOST_SPARSE_KERNELS
     return -1;
 }
 

@@ -21,7 +21,7 @@ import torch
 import hvdcompress
 from hvdcompress import backends, wire
 from hvdcompress.backends import cpu as cpu_backend
-from hvdcompress.backends.cuda import QUANT, SIGN
+from hvdcompress.backends.cuda import QUANT, SIGN, SPARSE
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant
 from hvdcompress.wire import PayloadError
@@ -156,7 +156,7 @@ def test_terngrad_kernels_match_cpu(emulated):
 
 
 def test_kernel_signatures_parse():
-    for family in (SIGN, QUANT):
+    for family in (SIGN, QUANT, SPARSE):
         sigs = kernel_signatures((KERNELS / family.file).read_text())
         assert set(sigs) == set(family.names)
     sigs = kernel_signatures((KERNELS / QUANT.file).read_text())
@@ -297,6 +297,32 @@ def test_emulated_dqsg_segments(setup, levels, bucket):
     test_buckets_gpu.check_dqsg_segments(setup, levels, bucket)
 
 
+@pytest.mark.parametrize("ratio", [0.05, 1.0])
+def test_emulated_topk_segments(setup, ratio):
+    test_buckets_gpu.check_topk_segments(setup, ratio)
+
+
+def test_emulated_topk_segments_of_int64_indices(setup, monkeypatch):
+    """The int64 index layout (tensors of 2^31 elements or more), with the limit lowered
+    to 64 elements in the codec and the backend: the per-payload decoder is the reference
+    (the CPU's native decoder keeps the real limit)."""
+    from hvdcompress.codecs import sparse
+
+    monkeypatch.setattr(sparse, "INDEX32_LIMIT", 64)
+    monkeypatch.setattr(setup.backend, "TOPK_INDEX32_LIMIT", 64)
+
+    def per_payload(frame, starts, ks, ns, outs):
+        for i, (a, k, n) in enumerate(zip(starts.tolist(), ks.tolist(), ns.tolist(), strict=True)):
+            size = k * (4 + sparse.index_dtype(n).itemsize)
+            try:
+                sparse.topk_decode_into(frame[a : a + size], n, k, outs[i], True)
+            except PayloadError:
+                return i, "refused"
+        return None
+
+    test_buckets_gpu.check_topk_segments(setup, 0.05, per_payload)
+
+
 @pytest.mark.parametrize("bucket", [64, 5, 512])
 def test_emulated_dqsg_ternary_segments(setup, bucket):
     test_buckets_gpu.check_dqsg_ternary_segments(setup, bucket)
@@ -360,7 +386,13 @@ def test_emulated_sign_bucket_launches(cuda_on_host):
 
 # ---- the whole training path on the emulated CUDA backend ------------------------------------
 
-TRAINING_CASES = [("3lc", {}), ("dqsg", {"levels": 1}), ("qsgd", {}), ("efsignsgd", {})]
+TRAINING_CASES = [
+    ("3lc", {}),
+    ("dqsg", {"levels": 1}),
+    ("qsgd", {}),
+    ("efsignsgd", {}),
+    ("topk", {"ratio": 0.05}),
+]
 
 
 @pytest.mark.parametrize("exchange", ["allgather", "auto"])
