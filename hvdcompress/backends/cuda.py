@@ -148,7 +148,7 @@ _QUANT_SEG_QUARTIC, _QUANT_SEG_DELTAS, _QUANT_SEG_DECODE_KEY = 1, 3, 7
 TOPK_INDEX32_LIMIT = 2**31  # codecs/sparse.py INDEX32_LIMIT: int64 indices from n on
 # HVD_SPARSE_SEG_* of kernels/sparse.cu.
 _SPARSE_SEG_VALUES, _SPARSE_SEG_OUT, _SPARSE_SEG_N, _SPARSE_SEG_INDICES = 0, 1, 2, 3
-_SPARSE_SEG_K, _SPARSE_SEG_WIDE = 5, 7
+_SPARSE_SEG_SIGNS, _SPARSE_SEG_K, _SPARSE_SEG_WIDE = 4, 5, 7
 SEGMENT_TILE = 2048  # work units (5-value groups, or bytes) a tile; tests use smaller ones
 
 
@@ -1921,34 +1921,50 @@ def topk_decode_segments(
     buffer, every entry checked (kernels/sparse.cu, one launch, one read), then one launch
     that adds the bodies before the first refused one. None, or (p, its error bits), the
     ones before it added and its output untouched."""
+    return _kept_decode_segments(frame, starts, ks, ns, outs, signs=False)
+
+
+def topkq_decode_segments(
+    frame: torch.Tensor, starts: np.ndarray, ks: np.ndarray, ns: np.ndarray, outs
+) -> tuple[int, int] | None:
+    """``topk_decode_segments`` of top-k + sign bodies (m, the indices, the sign bits)."""
+    return _kept_decode_segments(frame, starts, ks, ns, outs, signs=True)
+
+
+def _kept_decode_segments(frame, starts, ks, ns, outs, signs: bool) -> tuple[int, int] | None:
     if not outs:
         return None
     device = _bucket_device(outs, "out")
     starts, ks, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, ks, ns))
-    live = np.flatnonzero(ks > 0)
-    if not len(live):
-        return None
-    wide = (ns[live] >= TOPK_INDEX32_LIMIT).astype(np.int64)
-    lks = ks[live]
-    body, at = _bodies_on(frame, starts[live], lks * (8 + 4 * wide), device)
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    isz = np.where(ns >= TOPK_INDEX32_LIMIT, 8, 4)
+    if signs:  # m, the indices, the sign bits
+        sizes = 4 + ks * isz + (ks + 7) // 8
+        first_index = 4
+    else:  # the values, the indices
+        sizes = ks * (4 + isz)
+        first_index = 4 * ks
+    body, at = _bodies_on(frame, starts, sizes, device)
+    table = np.zeros((len(outs), _SEG_COLS), dtype=np.int64)
     table[:, _SPARSE_SEG_VALUES] = at
-    table[:, _SPARSE_SEG_OUT] = [outs[p].data_ptr() for p in live.tolist()]
-    table[:, _SPARSE_SEG_N] = ns[live]
-    table[:, _SPARSE_SEG_INDICES] = at + 4 * lks
-    table[:, _SPARSE_SEG_K] = lks
-    table[:, _SPARSE_SEG_WIDE] = wide
-    seg = _segments(table, lks, device)
+    table[:, _SPARSE_SEG_OUT] = [out.data_ptr() for out in outs]
+    table[:, _SPARSE_SEG_N] = ns
+    table[:, _SPARSE_SEG_INDICES] = at + first_index
+    table[:, _SPARSE_SEG_SIGNS] = at + 4 + ks * isz
+    table[:, _SPARSE_SEG_K] = ks
+    table[:, _SPARSE_SEG_WIDE] = isz == 8
+    units = np.maximum(ks, 1)  # a tile for every body: top-k + sign checks m even at k = 0
+    seg = _segments(table, units, device)
+    flag = np.int32(signs)
     with _Launcher(device) as k:
         states = k.states(seg.count)
-        k.tiles("sparse_topk_check_segments", seg, _ptr(states))
+        k.tiles("sparse_topk_check_segments", seg, flag, _ptr(states))
         errors = _read_state(states).reshape(seg.count, _STATE_WORDS)[:, _ST_ERROR]
         refused = np.flatnonzero(errors)
         good = int(refused[0]) if len(refused) else seg.count
         if good:
-            k.tiles("sparse_topk_add_segments", _first_rows(seg, lks, good))
+            k.tiles("sparse_topk_add_segments", _first_rows(seg, units, good), flag)
         del body  # stream-ordered: the launches above are queued before its reuse
-    return None if not len(refused) else (int(live[good]), int(errors[good]))
+    return None if not len(refused) else (good, int(errors[good]))
 
 
 def _randomk_mask(key: int, n: int, threshold: int, device: torch.device) -> torch.Tensor:

@@ -230,6 +230,14 @@ def topk_sign_values(m: float, negative: torch.Tensor) -> torch.Tensor:
 def topk_sign_decode_into(
     body: torch.Tensor, n: int, k: int, out: torch.Tensor, accumulate: bool
 ) -> None:
+    idx, values = topk_sign_kept(body, n, k)
+    _scatter(out, idx, values, accumulate)
+
+
+def topk_sign_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices int64, values float32) of a top-k + sign body of k of n values, checked:
+    its length, m finite and >= 0, the indices ascending in [0, n), the padding bits
+    zero. Raises PayloadError."""
     isz = 4 if index_dtype(n) == torch.int32 else 8
     need = 4 + k * isz + packed_len(k, 1)
     if body.numel() != need:
@@ -241,8 +249,7 @@ def topk_sign_decode_into(
         raise PayloadError("body", f"top-k + sign magnitude {m} is not finite and >= 0")
     idx = body[4 : 4 + k * isz].clone().view(index_dtype(n)).to(torch.int64)
     _check_indices(idx, n)
-    values = topk_sign_values(m, bitunpack(body[4 + k * isz :], k, 1))
-    _scatter(out, idx, values, accumulate)
+    return idx, topk_sign_values(m, bitunpack(body[4 + k * isz :], k, 1))
 
 
 def _check_indices(idx: torch.Tensor, n: int) -> None:
@@ -447,17 +454,25 @@ def topk_sign_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``topk_sign_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``
-    into ``outs[i]``, in order, one native call over a host frame: None, or (i, the
+    into ``outs[i]``, in order, one native call (CPU outputs, host frame) or launch
+    sequence (outputs on one CUDA device; kernels/sparse.cu): None, or (i, the
     PayloadError ``topk_sign_decode_into`` raises) for the first bad body, the ones
     before it added, ``outs[i]`` untouched."""
     from hvdcompress.backends import cpu
 
     need = 4 + ks * np.where(ns >= INDEX32_LIMIT, 8, 4) + (ks + 7) // 8
+    backend = for_device(outs[0].device) if outs else cpu
 
     def decode(upto: int):
-        failed = cpu.topkq_decode_segments(
-            frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto]
-        )
+        args = (frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto])
+        if backend is not cpu:
+            failed = backend.topkq_decode_segments(*args)
+            if failed is None:
+                return None
+            i = failed[0]
+            body = frame[int(starts[i]) : int(starts[i]) + int(need[i])]
+            return i, refusal(lambda: topk_sign_kept(body, int(ns[i]), int(ks[i])))
+        failed = cpu.topkq_decode_segments(*args)
         if failed is None:
             return None
         i, code = failed

@@ -156,7 +156,6 @@ class TopKSign(TopK):
 
     encode_segments = staticmethod(sparse.topk_sign_encode_segments)
     decode_kept_segments = staticmethod(sparse.topk_sign_decode_segments)
-    cuda_decode_segments = False  # its bucket decoder is the CPU's only
 
     def __repr__(self) -> str:
         return f"TopKSign(ratio={self.ratio})"

@@ -35,12 +35,13 @@ SEGMENT_DECODER = {
     "topk": "topk_decode_segments",
     "dgc": "topk_decode_segments",
     "gspar": "topk_decode_segments",
+    "topkq": "topkq_decode_segments",
 }
 
 
 def _corrupt(name: str, body: torch.Tensor, numel: int) -> bool:
     """Make a body its decoder refuses (in place); False when this one cannot be."""
-    if name in ("topk", "dgc", "gspar"):  # the first value NaN
+    if name in ("topk", "dgc", "gspar", "topkq"):  # the first value (topkq: m) NaN
         body[:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
         return True
     if name in ("qsgd", "dqsg"):
@@ -382,29 +383,39 @@ def check_dqsg_ternary_segments(s: Setup, bucket: int = 64) -> None:
                 np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
 
 
-def check_topk_segments(s: Setup, ratio: float = 0.05, reference=None) -> None:
-    """Top-k bodies (top-k's, DGC's and GSpar's layout) decoded as one launch sequence add
-    what the CPU's bucket decoder adds; a refused body (an index outside [0, n), one out of
-    order, one with a high byte set, a value not finite) stops the decode at the same index,
-    the ones before it added, alike. ``reference(frame, starts, ks, ns, outs)``: the
-    decoder to compare with (the CPU backend's by default)."""
+def check_topk_segments(s: Setup, ratio: float = 0.05, reference=None, signs: bool = False) -> None:
+    """Top-k bodies (top-k's, DGC's and GSpar's layout; with ``signs`` top-k + sign's)
+    decoded as one launch sequence add what the CPU's bucket decoder adds; a refused body
+    (an index outside [0, n), one out of order, one with a high byte set, a value or m
+    not finite, m negative, a sign padding bit) stops the decode at the same index, the
+    ones before it added, alike. ``reference(frame, starts, ks, ns, outs)``: the decoder
+    to compare with (the CPU backend's by default)."""
     from hvdcompress.codecs import sparse
 
     gen = torch.Generator().manual_seed(33)
     xs = [x.nan_to_num(0.0) for x in make_bucket(gen)]
     ns = np.array([x.numel() for x in xs], np.int64)
     ks = np.array([sparse.topk_count(int(n), ratio) for n in ns], np.int64)
-    bodies = [sparse.topk_encode(x, int(k))[0] for x, k in zip(xs, ks, strict=True)]
+    encode = sparse.topk_sign_encode if signs else sparse.topk_encode
+    bodies = [encode(x, int(k))[0] for x, k in zip(xs, ks, strict=True)]
     frame, starts = gapped_frame(bodies, 33, 9)
-    reference = reference or s.cpu.topk_decode_segments
+    decoder = "topkq_decode_segments" if signs else "topk_decode_segments"
+    reference = reference or getattr(s.cpu, decoder)
     bases = [make_input(int(n), "dense", gen) for n in ns]
-    target = int(np.argmax(ks))
+    target = int(np.argmax(ks * (ks % 8 != 0)))  # the most values, with sign padding
     k, n = int(ks[target]), int(ns[target])
     isz = sparse.index_dtype(n).itemsize
-    at, idx_at = int(starts[target]), int(starts[target]) + 4 * k
-    for what in ["none", "index", "high", "negative", "order", "value"]:
-        src = frame.clone()
-        if what == "high":  # the first index plus 2^32 (int64) or 2^24 (int32): outside
+    at = int(starts[target])
+    idx_at = at + (4 if signs else 4 * k)
+    nan = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+    cases = ["none", "index", "high", "negative", "order", "value"]
+    cases += ["negative m", "padding", "m of no values"] if signs else []
+    for what in cases:
+        src, expect = frame.clone(), target
+        if what == "m of no values":  # checked even where k = 0
+            expect = int(np.flatnonzero(ks == 0)[0])
+            src[int(starts[expect]) :][:4] = nan
+        elif what == "high":  # the first index plus 2^32 (int64) or 2^24 (int32): outside
             src[idx_at + (4 if isz == 8 else 3)] += 1
         elif what == "index":  # the last index n
             src[idx_at + isz * (k - 1) :][:isz] = torch.tensor(
@@ -414,17 +425,21 @@ def check_topk_segments(s: Setup, ratio: float = 0.05, reference=None) -> None:
             src[idx_at:][:isz] = 255
         elif what == "order":  # the second index the first's
             src[idx_at + isz :][:isz] = src[idx_at:][:isz].clone()
-        elif what == "value":  # a value NaN
-            src[at + 4 * (k // 2) :][:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+        elif what == "value":  # a value NaN (top-k + sign: m)
+            src[at + (0 if signs else 4 * (k // 2)) :][:4] = nan
+        elif what == "negative m":
+            src[at + 3] |= 0x80
+        elif what == "padding":  # the last sign byte's top bit
+            src[at + int(bodies[target].numel()) - 1] |= 0x80
         for on_device in (False, True):
             outs = [b.to(s.dev, copy=True) for b in bases]
             couts = [b.clone() for b in bases]
             where = src.to(s.dev, copy=True) if on_device else src
-            failed = s.backend.topk_decode_segments(where, starts, ks, ns, outs)
+            failed = getattr(s.backend, decoder)(where, starts, ks, ns, outs)
             cfailed = reference(src, starts, ks, ns, couts)
             assert (failed is None) == (cfailed is None), (what, failed, cfailed)
             if what != "none":
-                assert failed[0] == cfailed[0] == target, (what, failed, cfailed)
+                assert failed[0] == cfailed[0] == expect, (what, failed, cfailed)
             for p, (o, c) in enumerate(zip(outs, couts, strict=True)):
                 np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
 
@@ -603,8 +618,9 @@ def test_dqsg_ternary_segments_match_cpu(gpu):
 
 
 @pytest.mark.gpu
-def test_topk_segments_match_cpu(gpu):
-    check_topk_segments(gpu)
+@pytest.mark.parametrize("signs", [False, True], ids=["topk", "topkq"])
+def test_topk_segments_match_cpu(gpu, signs):
+    check_topk_segments(gpu, signs=signs)
 
 
 @pytest.mark.gpu

@@ -297,9 +297,10 @@ def test_emulated_dqsg_segments(setup, levels, bucket):
     test_buckets_gpu.check_dqsg_segments(setup, levels, bucket)
 
 
+@pytest.mark.parametrize("signs", [False, True], ids=["topk", "topkq"])
 @pytest.mark.parametrize("ratio", [0.05, 1.0])
-def test_emulated_topk_segments(setup, ratio):
-    test_buckets_gpu.check_topk_segments(setup, ratio)
+def test_emulated_topk_segments(setup, ratio, signs):
+    test_buckets_gpu.check_topk_segments(setup, ratio, signs=signs)
 
 
 def test_emulated_topk_segments_of_int64_indices(setup, monkeypatch):
@@ -321,6 +322,17 @@ def test_emulated_topk_segments_of_int64_indices(setup, monkeypatch):
         return None
 
     test_buckets_gpu.check_topk_segments(setup, 0.05, per_payload)
+
+    def per_payload_signs(frame, starts, ks, ns, outs):
+        for i, (a, k, n) in enumerate(zip(starts.tolist(), ks.tolist(), ns.tolist(), strict=True)):
+            size = 4 + k * sparse.index_dtype(n).itemsize + (k + 7) // 8
+            try:
+                sparse.topk_sign_decode_into(frame[a : a + size], n, k, outs[i], True)
+            except PayloadError:
+                return i, "refused"
+        return None
+
+    test_buckets_gpu.check_topk_segments(setup, 0.05, per_payload_signs, signs=True)
 
 
 @pytest.mark.parametrize("bucket", [64, 5, 512])
