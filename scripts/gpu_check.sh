@@ -11,7 +11,7 @@
 # XML and the benchmark JSON go to $OUT when set (the device tool's output folder), else
 # to results/gpu_check/ in the repo. Stays under 8 minutes: pytest is limited to
 # HVDC_GPU_TEST_TIMEOUT s (default 300), the benchmark to HVDC_GPU_BENCH_TIMEOUT s
-# (default 120), the overhead benchmark to HVDC_GPU_OVERHEAD_TIMEOUT s (default 120).
+# (default 120), the overhead benchmark to HVDC_GPU_OVERHEAD_TIMEOUT s (default 60).
 # Exit status: non-zero if a stage failed.
 #
 # Environment: PYTHON (default python3), OUT, HVDC_GPU_TEST_TIMEOUT, HVDC_GPU_OVERHEAD_TIMEOUT,
@@ -85,7 +85,7 @@ if [[ -f scripts/bench_codec.py ]]; then
         --json "$DEST/bench_codec_cuda.json" 2>&1 | tee "$DEST/bench_codec_cuda.log"
     record "bench cuda" "${PIPESTATUS[0]}"
     stage "bench_codec --overhead --device cuda"
-    timeout -k 10 "${HVDC_GPU_OVERHEAD_TIMEOUT:-120}" \
+    timeout -k 10 "${HVDC_GPU_OVERHEAD_TIMEOUT:-60}" \
         "$PY" scripts/bench_codec.py --overhead --device cuda \
         --cases 3lc terngrad signsgd efsignsgd qsgd dqsg dqsg:levels=1 topk:ratio=0.01 \
         --json "$DEST/bench_overhead_cuda.json" 2>&1 | tee "$DEST/bench_overhead_cuda.log"
