@@ -802,23 +802,10 @@ def threelc_decode_segments(
     table[:, _SEG_BLEN] = blens
     table[:, _SEG_F32] = _f32_bits(np.asarray(scales, dtype=np.float32)[live])
     body = _gather_bodies(frame, starts[live], blens, device)  # one host copy in, at most
-    length = body.numel()
     with _Launcher(device) as k:
         seg = _segments(table, lms, device)
         states = k.states(seg.count)
-        lengths = k.empty(length, torch.uint8)
-        k("threelc_zre_lengths", length, _ptr(body), np.int64(length), _ptr(lengths))
-        incl = torch.cumsum(lengths, 0, dtype=torch.int64)
-        del lengths
-        k(
-            "threelc_zre_decode_check_segments",
-            seg.count,
-            _ptr(seg.rows),
-            np.int64(seg.count),
-            _ptr(body),
-            _ptr(incl),
-            _ptr(states),
-        )
+        incl = _zre_check_segments(k, seg, body, states)
         host = _read_state(states).reshape(seg.count, _STATE_WORDS)
         refused = np.flatnonzero(host[:, _ST_ERROR])
         good = seg.count
@@ -829,25 +816,54 @@ def threelc_decode_segments(
             failed = (p, _body_error(int(host[row, _ST_ERROR]), total, int(ms[p])).detail)
         if good == 0:
             return failed
-        # decode the rows before the first refused one: their bodies and quartic bytes are
-        # prefixes of the bucket's, and their tiles the first ones
-        used_len = int(table[good - 1, _SEG_BOFF] + table[good - 1, _SEG_BLEN])
-        used_m = int(table[good - 1, _SEG_QOFF] + lms[good - 1])
-        quartic = k.empty(used_m, torch.uint8)
-        k(
-            "threelc_zre_expand",
-            used_len,
-            _ptr(body),
-            _ptr(incl),
-            np.int64(used_len),
-            np.uint8(_RUN_GROUP),
-            _ptr(quartic),
-            np.int64(used_m),
-            _ptr(states),
-        )
+        quartic = _zre_expand_rows(k, table, lms, good, body, incl, _RUN_GROUP, states)
         part = _first_rows(seg, lms, good)
         k.tiles("threelc_quartic_decode_add_segments", part, _ptr(quartic), _ptr(states))
     return failed
+
+
+def _zre_check_segments(
+    k: _Launcher, seg: _Segments, body: torch.Tensor, states: torch.Tensor
+) -> torch.Tensor:
+    """The zero-run bodies of a bucket (side by side in ``body``; the table's BOFF / BLEN
+    columns): their expansion lengths, one scan, each body's total and padding checked
+    into its state row (kernels/threelc.cu section 7). Returns the inclusive scan."""
+    length = body.numel()
+    lengths = k.empty(length, torch.uint8)
+    k("threelc_zre_lengths", length, _ptr(body), np.int64(length), _ptr(lengths))
+    incl = torch.cumsum(lengths, 0, dtype=torch.int64)
+    del lengths
+    k(
+        "threelc_zre_decode_check_segments",
+        seg.count,
+        _ptr(seg.rows),
+        np.int64(seg.count),
+        _ptr(body),
+        _ptr(incl),
+        _ptr(states),
+    )
+    return incl
+
+
+def _zre_expand_rows(k, table, ms, rows: int, body, incl, run_byte: int, states) -> torch.Tensor:
+    """The quartic bytes of the first ``rows`` checked bodies (their bodies and quartic
+    bytes are prefixes of the bucket's, and their tiles the first ones), a zero group from
+    a run code written as ``run_byte``."""
+    used_len = int(table[rows - 1, _SEG_BOFF] + table[rows - 1, _SEG_BLEN])
+    used_m = int(table[rows - 1, _SEG_QOFF] + ms[rows - 1])
+    quartic = k.empty(used_m, torch.uint8)
+    k(
+        "threelc_zre_expand",
+        used_len,
+        _ptr(body),
+        _ptr(incl),
+        np.int64(used_len),
+        np.uint8(run_byte),
+        _ptr(quartic),
+        np.int64(used_m),
+        _ptr(states),
+    )
+    return quartic
 
 
 # ---- building blocks -----------------------------------------------------------------------
@@ -1657,19 +1673,7 @@ def _dqsg_ternary_decode(frame, starts, lens, ns, keys, bucket: int, outs):
     )
     with _Launcher(device) as k:
         states = k.states(seg.count)
-        lengths = k.empty(length, torch.uint8)
-        k("threelc_zre_lengths", length, _ptr(body), np.int64(length), _ptr(lengths))
-        incl = torch.cumsum(lengths, 0, dtype=torch.int64)
-        del lengths
-        k(
-            "threelc_zre_decode_check_segments",
-            seg.count,
-            _ptr(seg.rows),
-            np.int64(seg.count),
-            _ptr(body),
-            _ptr(incl),
-            _ptr(states),
-        )
+        incl = _zre_check_segments(k, seg, body[:length], states)
         at = np.int32(_SEG_TILE)
         k.tiles("quant_dqsg_deltas_check_segments", per_bucket, at, np.int64(bucket),
                 _ptr(states))  # fmt: skip
@@ -1679,20 +1683,8 @@ def _dqsg_ternary_decode(frame, starts, lens, ns, keys, bucket: int, outs):
         if len(refused):
             failed = (int(live[good]), int(host[good, _ST_ERROR]))
         if good:
-            used_len = int(table[good - 1, _SEG_BOFF] + zl[good - 1])
-            used_m = int(table[good - 1, _SEG_QOFF] + lms[good - 1])
-            quartic = k.empty(used_m, torch.uint8)
-            k(
-                "threelc_zre_expand",
-                used_len,
-                _ptr(body),
-                _ptr(incl),
-                np.int64(used_len),
-                np.uint8(_ZERO_GROUP),  # a zero q adds its dither term too
-                _ptr(quartic),
-                np.int64(used_m),
-                _ptr(states),
-            )
+            # run groups expanded as plain zero groups: a zero q adds its dither term too
+            quartic = _zre_expand_rows(k, table, lms, good, body, incl, _ZERO_GROUP, states)
             part = _first_rows(seg, lms, good)
             k.tiles("quant_dqsg_quartic_decode_add_segments", part, np.int64(bucket),
                     _ptr(quartic))  # fmt: skip

@@ -268,6 +268,34 @@ def check_qsgd_segments(s: Setup, levels: int = 16, bucket: int = 64) -> None:
             assert failed[1] == exc.value.detail, what
 
 
+def _dqsg_bodies(got, want, xs, keys, gen, seed: int):
+    """The device's DQSG bodies equal the CPU's (None for the one non-finite tensor); the
+    finite ones in a gapped frame: (frame, starts, lens, ns, keys, bases to add into)."""
+    assert [g is None for g in got] == [w is None for w in want]
+    assert sum(w is None for w in want) == 1
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is not None:
+            assert_same_bytes(g, w, f"DQSG body {i}")
+    keep = [i for i, w in enumerate(want) if w is not None]
+    frame, starts = gapped_frame([want[i] for i in keep], seed, 9)
+    lens = np.array([want[i].numel() for i in keep], np.int64)
+    ns = np.array([xs[i].numel() for i in keep], np.int64)
+    bases = [make_input(int(n), "dense", gen) for n in ns]
+    return frame, starts, lens, ns, [keys[i] for i in keep], bases
+
+
+def _dqsg_break(what: str, src, src_lens, target: int, at: int, nb: int) -> None:
+    """The breaks of both DQSG body forms (in place): a body one byte short of its deltas
+    ("short") or one byte long ("long"), its last delta -1.0 ("delta")."""
+    if what == "short":
+        src_lens[target] = 4 * nb - 1
+    elif what == "long":
+        src_lens[target] += 1
+    elif what == "delta":
+        last = at + 4 * (nb - 1)
+        src[last : last + 4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)
+
+
 def check_dqsg_segments(s: Setup, levels: int = 3, bucket: int = 64) -> None:
     """DQSG's bucket calls (s > 1) give the CPU backend's bodies and sums; a refused body
     (a short or long body, a negative delta, a set padding bit, a code above 2 s) stops
@@ -282,17 +310,7 @@ def check_dqsg_segments(s: Setup, levels: int = 3, bucket: int = 64) -> None:
     got = s.backend.dqsg_encode_segments(
         [x.to(s.dev, copy=True) for x in xs], keys, levels, bits, bucket
     )
-    assert [g is None for g in got] == [w is None for w in want]
-    assert sum(w is None for w in want) == 1
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        if w is not None:
-            assert_same_bytes(g, w, f"DQSG body {i}")
-    keep = [i for i, w in enumerate(want) if w is not None]
-    frame, starts = gapped_frame([want[i] for i in keep], 28, 9)
-    lens = np.array([want[i].numel() for i in keep], np.int64)
-    ns = np.array([xs[i].numel() for i in keep], np.int64)
-    ks = [keys[i] for i in keep]
-    bases = [make_input(int(n), "dense", gen) for n in ns]
+    frame, starts, lens, ns, ks, bases = _dqsg_bodies(got, want, xs, keys, gen, 28)
     padded = np.flatnonzero((ns * bits) % 8 != 0)
     target = int(padded[-1]) if len(padded) else int(np.argmax(ns))
     nb = (int(ns[target]) + bucket - 1) // bucket
@@ -300,14 +318,8 @@ def check_dqsg_segments(s: Setup, levels: int = 3, bucket: int = 64) -> None:
     for what in cases:
         src, src_lens = frame.clone(), lens.copy()
         at = int(starts[target])
-        if what == "short":
-            src_lens[target] = 4 * nb - 1
-        elif what == "long":
-            src_lens[target] += 1
-        elif what == "delta":  # the last delta -1.0
-            last = at + 4 * (nb - 1)
-            src[last : last + 4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)
-        elif what == "padding":
+        _dqsg_break(what, src, src_lens, target, at, nb)
+        if what == "padding":
             src[at + int(lens[target]) - 1] |= 0x80
         elif what == "code":  # the first code all ones: above 2 s unless 2 s + 1 = 2^bits
             src[at + 4 * nb] |= (1 << bits) - 1
@@ -339,17 +351,7 @@ def check_dqsg_ternary_segments(s: Setup, bucket: int = 64) -> None:
     got = s.backend.dqsg_encode_segments(
         [x.to(s.dev, copy=True) for x in xs], keys, 1, dqsg.dqsg_bits(1), bucket
     )
-    assert [g is None for g in got] == [w is None for w in want]
-    assert sum(w is None for w in want) == 1
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        if w is not None:
-            assert_same_bytes(g, w, f"DQSG s=1 body {i}")
-    keep = [i for i, w in enumerate(want) if w is not None]
-    frame, starts = gapped_frame([want[i] for i in keep], 29, 9)
-    lens = np.array([want[i].numel() for i in keep], np.int64)
-    ns = np.array([xs[i].numel() for i in keep], np.int64)
-    ks = [keys[i] for i in keep]
-    bases = [make_input(int(n), "dense", gen) for n in ns]
+    frame, starts, lens, ns, ks, bases = _dqsg_bodies(got, want, xs, keys, gen, 29)
     target = int(np.argmax(ns))
     nb = (int(ns[target]) + bucket - 1) // bucket
     at, zre_at = int(starts[target]), int(starts[target]) + 4 * nb
@@ -358,14 +360,8 @@ def check_dqsg_ternary_segments(s: Setup, bucket: int = 64) -> None:
     cases = ["none", "short", "long", "delta", "run", "last run"]
     for what in cases:
         src, src_lens = frame.clone(), lens.copy()
-        if what == "short":
-            src_lens[target] = 4 * nb - 1
-        elif what == "long":
-            src_lens[target] += 1
-        elif what == "delta":  # the last delta -1.0
-            last = at + 4 * (nb - 1)
-            src[last : last + 4] = torch.tensor([0, 0, 128, 191], dtype=torch.uint8)
-        elif what == "run":  # a literal made a run of 14 zero groups: too many bytes
+        _dqsg_break(what, src, src_lens, target, at, nb)
+        if what == "run":  # a literal made a run of 14 zero groups: too many bytes
             src[literal] = 255
         elif what == "last run":
             src[at + int(lens[target]) - 1] = 255
