@@ -1,5 +1,6 @@
-// Stochastic quantisers QSGD and TernGrad (docs/design.md section 4): the CUDA twin of
-// kernels/quant.c (CPU backend), byte for byte the same; formulas in
+// Stochastic quantisers QSGD, TernGrad and DQSG, and random-k's bucket decode (docs/design.md
+// sections 3 and 4): the CUDA twin of kernels/quant.c and of random-k's part of
+// kernels/sparse.c (CPU backend), byte for byte the same; formulas in
 // hvdcompress/codecs/quant.py's module docstring, one IEEE float32 operation each
 // (__fdiv_rn & co., never contracted).
 //
@@ -24,6 +25,7 @@
 #define HVD_QUANT_ERR_PADDING 4u  // a padding bit after the last packed value is set
 #define HVD_QUANT_ERR_NORM 32u    // a norm is negative or not finite
 #define HVD_QUANT_ERR_CODE 64u    // a level above s, or a zero level with the sign bit
+#define HVD_QUANT_ERR_VALUE 128u  // a random-k value is not finite
 #define HVD_QUANT_NONFINITE_BITS 0x7f800000u
 
 #ifndef __CUDACC__
@@ -722,6 +724,97 @@ extern "C" __global__ void quant_dqsg_quartic_decode_add_segments(
                 const float delta = hvd_quant_load_f32(deltas + 4ll * (i / bucket));
                 out[i] = __fadd_rn(out[i], hvd_dqsg_value(d[k] - 1, delta, key, i));
             }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 10. Random-k's bucket decode (docs/design.md section 4; the CPU's
+// hvdc_randomk_decode_segments): every segment's kept flags (element i kept iff its
+// uniform < T 2^-24, the sender's mask regenerated), one scan of the bucket's flags on the
+// host's stream, every segment's kept count and values checked, one read, then the scaled
+// values added at the kept elements of the segments before the first refused one.
+// Table: column 0 the values (little-endian float32, any byte offset), 1 out, 2 n, 3 the
+// segment's first flag in the bucket, 4 its first value tile (max(values, 1) a segment),
+// 5 the key, 6 its first element tile, 7 the body's bytes.
+#define HVD_QUANT_SEG_FLAGS 3
+#define HVD_QUANT_SEG_VALUE_TILE 4
+#define HVD_QUANT_SEG_BODY_LEN 7
+#define HVD_QUANT_ST_COUNT 4  // int64 at words 4-5 (threelc.cu's HVD_ST_COUNT)
+
+// grid: blocks loop over tiles of `tile` elements. bytes: writes n over all segments.
+extern "C" __global__ void quant_randomk_flags_segments(const long long* __restrict__ seg,
+                                                        long long nseg, long long ntiles,
+                                                        long long tile, float limit,
+                                                        unsigned char* __restrict__ flags)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const long long n = row[HVD_QUANT_SEG_N];
+        const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
+        unsigned char* f = flags + row[HVD_QUANT_SEG_FLAGS];
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x)
+            f[i] = hvd_quant_uniform(key, i) < limit ? 1 : 0;
+    }
+}
+
+// Each segment's kept count (from the inclusive scan `incl` of the flags) into its state's
+// count words, and HVD_QUANT_ERR_VALUE for a value (of the body's whole float32s) that is
+// not finite. grid: blocks loop over tiles of `tile` values (tile column 4). bytes: reads
+// the bodies and 16 bytes of the scan a segment.
+extern "C" __global__ void quant_randomk_check_segments(const long long* __restrict__ seg,
+                                                        long long nseg, long long ntiles,
+                                                        long long tile,
+                                                        const long long* __restrict__ incl,
+                                                        unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_VALUE_TILE);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const unsigned char* values = (const unsigned char*)row[HVD_QUANT_SEG_IN];
+        const long long n = row[HVD_QUANT_SEG_N], off = row[HVD_QUANT_SEG_FLAGS];
+        const long long count = row[HVD_QUANT_SEG_BODY_LEN] / 4;
+        unsigned int* state = states + s * HVD_QUANT_STATE_WORDS;
+        const long long first = (t - row[HVD_QUANT_SEG_VALUE_TILE]) * tile;
+        if (first == 0 && threadIdx.x == 0) {  // once a segment
+            const long long before = off > 0 ? incl[off - 1] : 0;
+            *(long long*)(state + HVD_QUANT_ST_COUNT) = n > 0 ? incl[off + n - 1] - before : 0;
+        }
+        const long long end = first + tile < count ? first + tile : count;
+        bool bad = false;
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x)
+            bad |= hvd_quant_nonfinite(hvd_quant_load_f32(values + 4 * j));
+        if (bad) atomicOr(state + HVD_QUANT_ST_ERROR, HVD_QUANT_ERR_VALUE);
+    }
+}
+
+// out[i] += value_j * scale at the kept elements (value j: element i's rank among the
+// segment's kept ones, from the scan), for the checked segments the host launches it
+// over. grid: blocks loop over tiles of `tile` elements. bytes: reads n + 8n + the values
+// + 4 per kept element, writes 4 per kept element.
+extern "C" __global__ void quant_randomk_add_segments(const long long* __restrict__ seg,
+                                                      long long nseg, long long ntiles,
+                                                      long long tile,
+                                                      const unsigned char* __restrict__ flags,
+                                                      const long long* __restrict__ incl,
+                                                      float scale)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const unsigned char* values = (const unsigned char*)row[HVD_QUANT_SEG_IN];
+        float* out = (float*)row[HVD_QUANT_SEG_AUX];
+        const long long n = row[HVD_QUANT_SEG_N], off = row[HVD_QUANT_SEG_FLAGS];
+        const long long before = off > 0 ? incl[off - 1] : 0;
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            if (!flags[off + i]) continue;
+            const float v = hvd_quant_load_f32(values + 4 * (incl[off + i] - 1 - before));
+            out[i] = __fadd_rn(out[i], __fmul_rn(v, scale));
         }
     }
 }

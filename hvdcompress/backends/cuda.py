@@ -115,6 +115,9 @@ QUANT = KernelFamily(
         "quant_dqsg_quartic_segments",
         "quant_dqsg_deltas_check_segments",
         "quant_dqsg_quartic_decode_add_segments",
+        "quant_randomk_flags_segments",
+        "quant_randomk_check_segments",
+        "quant_randomk_add_segments",
     ),
 )
 # The sparse codecs' bucket decode (C twin: kernels/sparse.c, hvdc_topk_decode_segments).
@@ -145,6 +148,8 @@ _QUANT_SEG_KEY = 5  # HVD_QUANT_SEG_KEY of kernels/quant.cu: the uniforms' key
 # HVD_QUANT_SEG_* of quant.cu's DQSG s = 1 kernels: the digit kernel's quartic offset and
 # deltas, the decode-add's key.
 _QUANT_SEG_QUARTIC, _QUANT_SEG_DELTAS, _QUANT_SEG_DECODE_KEY = 1, 3, 7
+# ... and of its random-k decode (section 10): the flags' offset, the value tiles, the body
+_QUANT_SEG_FLAGS, _QUANT_SEG_VALUE_TILE, _QUANT_SEG_BODY_LEN = 3, 4, 7
 TOPK_INDEX32_LIMIT = 2**31  # codecs/sparse.py INDEX32_LIMIT: int64 indices from n on
 # HVD_SPARSE_SEG_* of kernels/sparse.cu.
 _SPARSE_SEG_VALUES, _SPARSE_SEG_OUT, _SPARSE_SEG_N, _SPARSE_SEG_INDICES = 0, 1, 2, 3
@@ -1962,6 +1967,60 @@ def _kept_decode_segments(frame, starts, ks, ns, outs, signs: bool) -> tuple[int
 def _randomk_mask(key: int, n: int, threshold: int, device: torch.device) -> torch.Tensor:
     # u < T 2^-24 (exact in float32): the CPU compares the uniforms' 24-bit integers with T
     return uniform(key, n, device) < threshold * 2.0**-24
+
+
+def randomk_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    threshold: int,
+    scale: float,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """The CPU backend's ``randomk_decode_segments`` (accumulating; same result, same
+    codes) on one CUDA device: the bodies gathered into one device buffer, every tensor's
+    kept flags regenerated, one scan of the bucket's flags, every kept count and value
+    checked (kernels/quant.cu section 10), one read, then one launch that adds the
+    scaled values of the bodies before the first refused one. None, or (p, -1 for a value
+    that is not finite, else the regenerated kept count the body does not hold)."""
+    count = len(outs)
+    if not count:
+        return None
+    device = _bucket_device(outs, "out")
+    starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
+    body, at = _bodies_on(frame, starts, lens, device)
+    total = int(ns.sum())
+    table = np.zeros((count, _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = at
+    table[:, _SEG_AUX] = [out.data_ptr() for out in outs]
+    table[:, _SEG_N] = ns
+    table[:, _QUANT_SEG_FLAGS] = np.cumsum(ns) - ns
+    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64).view(np.int64)
+    table[:, _QUANT_SEG_BODY_LEN] = lens
+    elements, values = _tilings(
+        table, device, {_SEG_TILE: ns, _QUANT_SEG_VALUE_TILE: np.maximum(lens // 4, 1)}
+    )
+    with _Launcher(device) as k:
+        states = k.states(count)
+        flags = k.empty(max(total, 1), torch.uint8)
+        limit = np.float32(threshold * 2.0**-24)  # exact: T <= 2^24
+        k.tiles("quant_randomk_flags_segments", elements, limit, _ptr(flags))
+        incl = torch.cumsum(flags[:total], 0, dtype=torch.int64) if total else flags.long()
+        k.tiles("quant_randomk_check_segments", values, _ptr(incl), _ptr(states))
+        host = _read_state(states).reshape(count, _STATE_WORDS)
+        kept = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        wrong = 4 * kept != lens
+        refused = np.flatnonzero(wrong | (host[:, _ST_ERROR] != 0))
+        good = int(refused[0]) if len(refused) else count
+        if good:
+            part = _first_rows(elements, ns, good)
+            k.tiles("quant_randomk_add_segments", part, _ptr(flags), _ptr(incl), np.float32(scale))
+        del body  # stream-ordered: the launches above are queued before its reuse
+    if not len(refused):
+        return None
+    return good, int(kept[good]) if wrong[good] else -1
 
 
 def randomk_encode(

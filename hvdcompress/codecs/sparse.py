@@ -193,12 +193,14 @@ def randomk_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``randomk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``
-    into ``outs[i]``, in order, one native call over a host frame: None, or (i, the
+    into ``outs[i]``, in order, one native call (CPU outputs, host frame) or launch
+    sequence (outputs on one CUDA device; kernels/quant.cu section 10): None, or (i, the
     PayloadError ``randomk_decode_into`` raises) for the first bad body, the ones before
     it added, ``outs[i]`` untouched."""
     from hvdcompress.backends import cpu
 
-    failed = cpu.randomk_decode_segments(
+    backend = for_device(outs[0].device) if outs else cpu
+    failed = backend.randomk_decode_segments(
         frame, starts, lens, ns, keys, randomk_threshold(ratio), scale, outs
     )
     if failed is None:

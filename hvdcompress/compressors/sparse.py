@@ -227,6 +227,7 @@ class RandomK(SeededSparseState, Stochastic):
 
     name = "randomk"
     wire_id = 5
+    cuda_decode_segments = True  # sparse.randomk_decode_segments: kernels/quant.cu
     params = {
         "ratio": RATIO,
         "unbiased": Param(kind="bool", optional=True, doc="None: not error_feedback"),

@@ -36,12 +36,13 @@ SEGMENT_DECODER = {
     "dgc": "topk_decode_segments",
     "gspar": "topk_decode_segments",
     "topkq": "topkq_decode_segments",
+    "randomk": "randomk_decode_segments",
 }
 
 
 def _corrupt(name: str, body: torch.Tensor, numel: int) -> bool:
     """Make a body its decoder refuses (in place); False when this one cannot be."""
-    if name in ("topk", "dgc", "gspar", "topkq"):  # the first value (topkq: m) NaN
+    if name in ("topk", "dgc", "gspar", "topkq", "randomk"):  # the first value (topkq: m) NaN
         body[:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
         return True
     if name in ("qsgd", "dqsg"):
@@ -440,6 +441,52 @@ def check_topk_segments(s: Setup, ratio: float = 0.05, reference=None, signs: bo
                 np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
 
 
+def check_randomk_segments(s: Setup, ratio: float = 0.1, scale: float = 1.0) -> None:
+    """Random-k bodies decoded as one launch sequence (kept flags regenerated, one scan,
+    counts and values checked, one read, one add) add what the CPU's bucket decoder adds;
+    a refused body (one value short or long, a NaN value, a body of an empty tensor)
+    stops the decode at the same index with the same code, the ones before it added."""
+    from hvdcompress.codecs import sparse
+
+    gen = torch.Generator().manual_seed(35)
+    xs = [x.nan_to_num(0.0) for x in make_bucket(gen)]
+    ns = np.array([x.numel() for x in xs], np.int64)
+    keys = [(104729 * i + 11) % 2**64 for i in range(len(xs))]
+    threshold = sparse.randomk_threshold(ratio)
+    bodies = [
+        s.cpu.randomk_encode(x, key, threshold, None).view(torch.uint8)
+        for x, key in zip(xs, keys, strict=True)
+    ]
+    frame, starts = gapped_frame(bodies, 35, 9)
+    lens = np.array([b.numel() for b in bodies], np.int64)
+    bases = [make_input(int(n), "dense", gen) for n in ns]
+    target = int(np.argmax(lens))
+    empty = int(np.flatnonzero(ns == 0)[0])
+    for what in ["none", "short", "long", "value", "empty"]:
+        src, src_lens, expect = frame.clone(), lens.copy(), target
+        if what == "short":
+            src_lens[target] -= 4
+        elif what == "long":
+            src_lens[target] += 4
+        elif what == "value":
+            at = int(starts[target]) + 4 * (int(lens[target]) // 8)
+            src[at : at + 4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+        elif what == "empty":  # four bytes for a tensor of no elements
+            src_lens[empty], expect = 4, empty
+        for on_device in (False, True):
+            outs = [b.to(s.dev, copy=True) for b in bases]
+            couts = [b.clone() for b in bases]
+            where = src.to(s.dev, copy=True) if on_device else src
+            args = (starts, src_lens, ns, keys, threshold, scale)
+            failed = s.backend.randomk_decode_segments(where, *args, outs)
+            cfailed = s.cpu.randomk_decode_segments(src, *args, couts)
+            assert failed == cfailed, (what, failed, cfailed)
+            if what != "none":
+                assert failed[0] == expect, (what, failed)
+            for p, (o, c) in enumerate(zip(outs, couts, strict=True)):
+                np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
+
+
 def _with_checksum(buf: bytearray) -> bytearray:
     """``buf`` with its checksum field recomputed whatever its header says: a layout the
     scan must refuse on its own, not for the checksum."""
@@ -611,6 +658,11 @@ def test_dqsg_segments_match_cpu(gpu):
 @pytest.mark.gpu
 def test_dqsg_ternary_segments_match_cpu(gpu):
     check_dqsg_ternary_segments(gpu)
+
+
+@pytest.mark.gpu
+def test_randomk_segments_match_cpu(gpu):
+    check_randomk_segments(gpu)
 
 
 @pytest.mark.gpu

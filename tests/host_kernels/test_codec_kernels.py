@@ -297,6 +297,11 @@ def test_emulated_dqsg_segments(setup, levels, bucket):
     test_buckets_gpu.check_dqsg_segments(setup, levels, bucket)
 
 
+@pytest.mark.parametrize("ratio,scale", [(0.1, 1.0), (0.01, 100.0), (1.0, 1.0)])
+def test_emulated_randomk_segments(setup, ratio, scale):
+    test_buckets_gpu.check_randomk_segments(setup, ratio, scale)
+
+
 @pytest.mark.parametrize("signs", [False, True], ids=["topk", "topkq"])
 @pytest.mark.parametrize("ratio", [0.05, 1.0])
 def test_emulated_topk_segments(setup, ratio, signs):
@@ -404,6 +409,7 @@ TRAINING_CASES = [
     ("qsgd", {}),
     ("efsignsgd", {}),
     ("topk", {"ratio": 0.05}),
+    ("randomk", {"ratio": 0.1}),
 ]
 
 
