@@ -729,14 +729,18 @@ extern "C" __global__ void quant_dqsg_quartic_decode_add_segments(
 }
 
 // ---------------------------------------------------------------------------------------
-// 10. Random-k's bucket decode (docs/design.md section 4; the CPU's
-// hvdc_randomk_decode_segments): every segment's kept flags (element i kept iff its
-// uniform < T 2^-24, the sender's mask regenerated), one scan of the bucket's flags on the
-// host's stream, every segment's kept count and values checked, one read, then the scaled
-// values added at the kept elements of the segments before the first refused one.
-// Table: column 0 the values (little-endian float32, any byte offset), 1 out, 2 n, 3 the
-// segment's first flag in the bucket, 4 its first value tile (max(values, 1) a segment),
-// 5 the key, 6 its first element tile, 7 the body's bytes.
+// 10. Random-k's buckets (docs/design.md section 4; the CPU's hvdc_randomk_*_segments).
+// Both sides start with every segment's kept flags (element i kept iff its uniform
+// < T 2^-24) and one scan of the bucket's flags on the host's stream, which gives a kept
+// element its slot in the body.
+// Encode: every segment's kept count and non-finite flag, one read, then the kept values
+// into the bodies (and with error feedback e = a with the kept entries zeroed).
+// Decode: every segment's kept count and values checked, one read, then the scaled values
+// added at the kept elements of the segments before the first refused one.
+// Table: column 0 g (encode) or the values (decode: little-endian float32, any byte
+// offset), 1 e (encode; 0 for none) or out (decode), 2 n, 3 the segment's first flag in
+// the bucket, 4 its first value tile (decode: max(values, 1) a segment), 5 the key, 6 its
+// first element tile, 7 the body's bytes (decode).
 #define HVD_QUANT_SEG_FLAGS 3
 #define HVD_QUANT_SEG_VALUE_TILE 4
 #define HVD_QUANT_SEG_BODY_LEN 7
@@ -815,6 +819,72 @@ extern "C" __global__ void quant_randomk_add_segments(const long long* __restric
             if (!flags[off + i]) continue;
             const float v = hvd_quant_load_f32(values + 4 * (incl[off + i] - 1 - before));
             out[i] = __fadd_rn(out[i], __fmul_rn(v, scale));
+        }
+    }
+}
+
+// a_i of the encode: g_i + e_i (e's address in column 1; 0 for none: g_i).
+__device__ __forceinline__ float hvd_randomk_a(const long long* row, long long i)
+{
+    const float* g = (const float*)row[HVD_QUANT_SEG_IN];
+    const float* e = (const float*)row[HVD_QUANT_SEG_AUX];
+    return e ? __fadd_rn(e[i], g[i]) : g[i];
+}
+
+// The encode's kept count of each segment into its state's count words, and its
+// non-finite flag when some a_i is a NaN or an Inf. grid: blocks loop over tiles of
+// `tile` elements. bytes: reads 4n (8n with e) and 16 bytes of the scan a segment.
+extern "C" __global__ void quant_randomk_count_segments(const long long* __restrict__ seg,
+                                                        long long nseg, long long ntiles,
+                                                        long long tile,
+                                                        const long long* __restrict__ incl,
+                                                        unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const long long n = row[HVD_QUANT_SEG_N], off = row[HVD_QUANT_SEG_FLAGS];
+        unsigned int* state = states + s * HVD_QUANT_STATE_WORDS;
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        if (first == 0 && threadIdx.x == 0) {  // once a segment (each has n >= 1)
+            const long long before = off > 0 ? incl[off - 1] : 0;
+            *(long long*)(state + HVD_QUANT_ST_COUNT) = incl[off + n - 1] - before;
+        }
+        const long long end = first + tile < n ? first + tile : n;
+        bool bad = false;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x)
+            bad |= hvd_quant_nonfinite(hvd_randomk_a(row, i));
+        if (bad) atomicOr(state + HVD_QUANT_ST_NONFINITE, 1u);
+    }
+}
+
+// The kept a_i of each finite segment into its body (bodies[s], float32, slot: the
+// element's rank among the kept ones) and, with e, e_i = kept ? 0 : a_i; a non-finite
+// segment is left as it is. grid: blocks loop over tiles of `tile` elements. bytes:
+// reads 4n (8n with e) + n + 8n, writes 4 per kept element (+ 4n with e).
+extern "C" __global__ void quant_randomk_gather_segments(const long long* __restrict__ seg,
+                                                         long long nseg, long long ntiles,
+                                                         long long tile,
+                                                         const unsigned char* __restrict__ flags,
+                                                         const long long* __restrict__ incl,
+                                                         const long long* __restrict__ bodies,
+                                                         const unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
+        if (states[s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_NONFINITE]) continue;
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        float* e = (float*)row[HVD_QUANT_SEG_AUX];
+        float* values = (float*)bodies[s];
+        const long long n = row[HVD_QUANT_SEG_N], off = row[HVD_QUANT_SEG_FLAGS];
+        const long long before = off > 0 ? incl[off - 1] : 0;
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            const float a = hvd_randomk_a(row, i);
+            const bool kept = flags[off + i] != 0;
+            if (kept) values[incl[off + i] - 1 - before] = a;
+            if (e) e[i] = kept ? 0.0f : a;
         }
     }
 }

@@ -118,6 +118,8 @@ QUANT = KernelFamily(
         "quant_randomk_flags_segments",
         "quant_randomk_check_segments",
         "quant_randomk_add_segments",
+        "quant_randomk_count_segments",
+        "quant_randomk_gather_segments",
     ),
 )
 # The sparse codecs' bucket decode (C twin: kernels/sparse.c, hvdc_topk_decode_segments).
@@ -1967,6 +1969,65 @@ def _kept_decode_segments(frame, starts, ks, ns, outs, signs: bool) -> tuple[int
 def _randomk_mask(key: int, n: int, threshold: int, device: torch.device) -> torch.Tensor:
     # u < T 2^-24 (exact in float32): the CPU compares the uniforms' 24-bit integers with T
     return uniform(key, n, device) < threshold * 2.0**-24
+
+
+def randomk_encode_segments(
+    gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """The CPU backend's ``randomk_encode_segments`` (the same bodies, flags and residuals)
+    on one CUDA device: every tensor's kept flags, one scan of the bucket's, every kept
+    count and non-finite flag (kernels/quant.cu section 10), one read, then one launch
+    that writes the kept values of a = g (+ e) into the bodies (views of one buffer) and,
+    with the residuals ``es``, e = a with the kept entries zeroed (untouched where a is not
+    finite)."""
+    count = len(gs)
+    if not count:
+        return [], []
+    device = _bucket_device(gs, "g")
+    if es is not None:
+        _check_residuals(gs, es)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    bodies = [torch.empty(0, dtype=torch.uint8, device=device)] * count
+    nonfinite = [False] * count
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return bodies, nonfinite
+    lns = ns[live]
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = [gs[i].data_ptr() for i in live.tolist()]
+    if es is not None:
+        table[:, _SEG_AUX] = [es[i].data_ptr() for i in live.tolist()]
+    table[:, _SEG_N] = lns
+    table[:, _QUANT_SEG_FLAGS] = np.cumsum(lns) - lns
+    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    elements = _segments(table, lns, device)
+    total = int(lns.sum())
+    with _Launcher(device) as k:
+        states = k.states(elements.count)
+        flags = k.empty(total, torch.uint8)
+        limit = np.float32(threshold * 2.0**-24)  # exact: T <= 2^24
+        k.tiles("quant_randomk_flags_segments", elements, limit, _ptr(flags))
+        incl = torch.cumsum(flags, 0, dtype=torch.int64)
+        k.tiles("quant_randomk_count_segments", elements, _ptr(incl), _ptr(states))
+        host = _read_state(states).reshape(elements.count, _STATE_WORDS)
+        kept = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        bad = host[:, _ST_NONFINITE] != 0
+        sizes = np.where(bad, 0, 4 * kept)
+        firsts = np.cumsum(sizes) - sizes
+        buf = k.empty(max(int(sizes.sum()), 4), torch.uint8)
+        at = torch.from_numpy(buf.data_ptr() + firsts).to(device)
+        k.tiles(
+            "quant_randomk_gather_segments",
+            elements,
+            _ptr(flags),
+            _ptr(incl),
+            _ptr(at),
+            _ptr(states),
+        )
+    for row, i in enumerate(live.tolist()):
+        nonfinite[i] = bool(bad[row])
+        bodies[i] = buf[int(firsts[row]) :][: int(sizes[row])]
+    return bodies, nonfinite
 
 
 def randomk_decode_segments(

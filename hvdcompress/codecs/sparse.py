@@ -173,13 +173,11 @@ def _randomk_count_error(kept: int, body_len: int) -> PayloadError:
 def randomk_encode_segments(
     gs: list[torch.Tensor], keys: list[int], ratio: float, es: list[torch.Tensor] | None = None
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """``randomk_encode`` of a bucket's tensors (flat float32 on the CPU) in one native
-    call: (bodies, non-finite flags). With the residuals ``es`` (error feedback), of
-    a = g + e, and each e becomes a with the kept entries zeroed (untouched where a is not
-    finite)."""
-    from hvdcompress.backends import cpu
-
-    return cpu.randomk_encode_segments(gs, keys, randomk_threshold(ratio), es)
+    """``randomk_encode`` of a bucket's tensors (flat float32 on one device) in one native
+    call (CPU) or launch sequence (CUDA): (bodies, non-finite flags). With the residuals
+    ``es`` (error feedback), of a = g + e, and each e becomes a with the kept entries
+    zeroed (untouched where a is not finite)."""
+    return for_device(gs[0].device).randomk_encode_segments(gs, keys, randomk_threshold(ratio), es)
 
 
 def randomk_decode_segments(

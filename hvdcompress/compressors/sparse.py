@@ -278,8 +278,8 @@ class RandomK(SeededSparseState, Stochastic):
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if not gs or any(g.device.type != "cpu" for g in gs):
-            return super().encode_bucket(tensors, names)  # the CUDA mask
+        if len({g.device for g in gs}) != 1:  # none, or several devices
+            return super().encode_bucket(tensors, names)
         es = self.bucket_residuals(gs, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         fields = RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))

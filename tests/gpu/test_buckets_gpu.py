@@ -441,6 +441,30 @@ def check_topk_segments(s: Setup, ratio: float = 0.05, reference=None, signs: bo
                 np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
 
 
+def check_randomk_encode_segments(s: Setup, ratio: float = 0.1, ef: bool = True) -> None:
+    """Random-k's bucket encode as one launch sequence gives the CPU's bodies and
+    non-finite flags and, with error feedback, its residuals, step after step."""
+    from hvdcompress.codecs import sparse
+
+    gen = torch.Generator().manual_seed(36)
+    threshold = sparse.randomk_threshold(ratio)
+    xs = make_bucket(gen)
+    es = [torch.zeros_like(x) for x in xs] if ef else None
+    des = [e.to(s.dev, copy=True) for e in es] if ef else None
+    for step in range(3):
+        gs = [x * (step + 1) for x in xs]
+        keys = [(7 * step + 104723 * i) % 2**64 for i in range(len(gs))]
+        want, wbad = s.cpu.randomk_encode_segments(gs, keys, threshold, es)
+        got, gbad = s.backend.randomk_encode_segments(
+            [g.to(s.dev, copy=True) for g in gs], keys, threshold, des
+        )
+        assert gbad == wbad and sum(wbad) == 1, (gbad, wbad)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bytes(g, w, f"step {step} body {i}")
+        for i, (de, e) in enumerate(zip(des or [], es or [], strict=True)):
+            np.testing.assert_array_equal(bits(de), bits(e), f"step {step} residual {i}")
+
+
 def check_randomk_segments(s: Setup, ratio: float = 0.1, scale: float = 1.0) -> None:
     """Random-k bodies decoded as one launch sequence (kept flags regenerated, one scan,
     counts and values checked, one read, one add) add what the CPU's bucket decoder adds;
@@ -663,6 +687,12 @@ def test_dqsg_ternary_segments_match_cpu(gpu):
 @pytest.mark.gpu
 def test_randomk_segments_match_cpu(gpu):
     check_randomk_segments(gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ef", [False, True], ids=["plain", "error_feedback"])
+def test_randomk_encode_segments_match_cpu(gpu, ef):
+    check_randomk_encode_segments(gpu, ef=ef)
 
 
 @pytest.mark.gpu

@@ -113,7 +113,9 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(quant_dqsg_quartic_decode_add_segments) \
     HOST_KERNEL(quant_randomk_flags_segments)     \
     HOST_KERNEL(quant_randomk_check_segments)     \
-    HOST_KERNEL(quant_randomk_add_segments)
+    HOST_KERNEL(quant_randomk_add_segments)       \
+    HOST_KERNEL(quant_randomk_count_segments)     \
+    HOST_KERNEL(quant_randomk_gather_segments)
 #define HOST_SPARSE_KERNELS                \
     HOST_KERNEL(sparse_topk_check_segments) \
     HOST_KERNEL(sparse_topk_add_segments)

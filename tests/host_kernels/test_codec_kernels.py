@@ -297,6 +297,12 @@ def test_emulated_dqsg_segments(setup, levels, bucket):
     test_buckets_gpu.check_dqsg_segments(setup, levels, bucket)
 
 
+@pytest.mark.parametrize("ef", [False, True], ids=["plain", "error_feedback"])
+@pytest.mark.parametrize("ratio", [0.1, 0.01, 1.0])
+def test_emulated_randomk_encode_segments(setup, ratio, ef):
+    test_buckets_gpu.check_randomk_encode_segments(setup, ratio, ef)
+
+
 @pytest.mark.parametrize("ratio,scale", [(0.1, 1.0), (0.01, 100.0), (1.0, 1.0)])
 def test_emulated_randomk_segments(setup, ratio, scale):
     test_buckets_gpu.check_randomk_segments(setup, ratio, scale)
@@ -410,6 +416,7 @@ TRAINING_CASES = [
     ("efsignsgd", {}),
     ("topk", {"ratio": 0.05}),
     ("randomk", {"ratio": 0.1}),
+    ("randomk", {"ratio": 0.2, "unbiased": False, "error_feedback": True}),
 ]
 
 
