@@ -417,6 +417,7 @@ TRAINING_CASES = [
     ("topk", {"ratio": 0.05}),
     ("randomk", {"ratio": 0.1}),
     ("randomk", {"ratio": 0.2, "unbiased": False, "error_feedback": True}),
+    ("ndqsg", {"bucket_size": 64}),
 ]
 
 
