@@ -1078,9 +1078,7 @@ def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
     live = np.flatnonzero(ns > 0)
     if not len(live):
         return bodies
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = [xs[i].data_ptr() for i in live.tolist()]
-    table[:, _SEG_N] = ns[live]
+    table = _rows(xs, live)
     table[:, _SIGN_SEG_OUT] = [bodies[i].data_ptr() for i in live.tolist()]
     with _Launcher(device) as k:
         seg = _segments(table, nbytes[live], device)
@@ -1152,15 +1150,24 @@ def threelc_encode_segments(
     return bodies, scales, nonfinite
 
 
+def _rows(xs: list[torch.Tensor], live: np.ndarray, es=None) -> np.ndarray:
+    """A segment table of the tensors ``xs[i]`` for i in ``live``: each row's input,
+    residual (``es``; none: column 1 stays 0) and size filled in."""
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = [xs[i].data_ptr() for i in live.tolist()]
+    if es is not None:
+        table[:, _SEG_AUX] = [es[i].data_ptr() for i in live.tolist()]
+    table[:, _SEG_N] = [xs[i].numel() for i in live.tolist()]
+    return table
+
+
 def _quartic_table(xs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(numels, the non-empty tensors' indices, their segment table with the input, size
     and first quartic byte filled in)."""
     ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
     live = np.flatnonzero(ns > 0)
     ms = (ns[live] + 4) // 5
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = [xs[i].data_ptr() for i in live.tolist()]
-    table[:, _SEG_N] = ns[live]
+    table = _rows(xs, live)
     table[:, _SEG_QOFF] = np.cumsum(ms) - ms
     return ns, live, table
 
@@ -1235,10 +1242,7 @@ def efsign_sums_segments(gs, es) -> tuple[list[np.ndarray], list[bool]]:
     scratch = torch.zeros(total + 4 * len(live), dtype=torch.float64, device=device)
     if len(live):
         states = scratch[total:].view(torch.int32)
-        table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-        table[:, _SEG_IN] = [gs[i].data_ptr() for i in live.tolist()]
-        table[:, _SEG_AUX] = [es[i].data_ptr() for i in live.tolist()]
-        table[:, _SEG_N] = ns[live]
+        table = _rows(gs, live, es)
         table[:, _SIGN_SEG_OUT] = scratch.data_ptr() + 8 * first[live]
         with _Launcher(device) as k:
             seg = _segments(table, chunks[live], device)
@@ -1266,10 +1270,7 @@ def efsign_encode_segments(gs, es, scales, skip) -> list[torch.Tensor]:
     bodies = list(torch.split(buf, nbytes.tolist()))
     live = np.flatnonzero(nbytes > 0)
     if len(live):
-        table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-        table[:, _SEG_IN] = [gs[i].data_ptr() for i in live.tolist()]
-        table[:, _SEG_AUX] = [es[i].data_ptr() for i in live.tolist()]
-        table[:, _SEG_N] = ns[live]
+        table = _rows(gs, live, es)
         table[:, _SIGN_SEG_OUT] = [bodies[i].data_ptr() for i in live.tolist()]
         table[:, _SEG_F32] = _f32_bits(np.asarray(scales, dtype=np.float32)[live])
         with _Launcher(device) as k:
@@ -1560,9 +1561,7 @@ def _packed_bucket_encode(xs, keys, levels: int, bits: int, bucket: int, dqsg: b
     live = np.flatnonzero(ns > 0)
     if not len(live):
         return bodies
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = [xs[i].data_ptr() for i in live.tolist()]
-    table[:, _SEG_N] = ns[live]
+    table = _rows(xs, live)
     table[:, _SIGN_SEG_OUT] = buf.data_ptr() + firsts[live]
     table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     tilings = {_SEG_BOFF: nb[live], _SEG_TILE: (ns[live] + 7) // 8}
@@ -1993,11 +1992,7 @@ def randomk_encode_segments(
     if not len(live):
         return bodies, nonfinite
     lns = ns[live]
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = [gs[i].data_ptr() for i in live.tolist()]
-    if es is not None:
-        table[:, _SEG_AUX] = [es[i].data_ptr() for i in live.tolist()]
-    table[:, _SEG_N] = lns
+    table = _rows(gs, live, es)
     table[:, _QUANT_SEG_FLAGS] = np.cumsum(lns) - lns
     table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     elements = _segments(table, lns, device)
