@@ -323,27 +323,26 @@ def test_emulated_topk_segments_of_int64_indices(setup, monkeypatch):
     monkeypatch.setattr(sparse, "INDEX32_LIMIT", 64)
     monkeypatch.setattr(setup.backend, "TOPK_INDEX32_LIMIT", 64)
 
-    def per_payload(frame, starts, ks, ns, outs):
-        for i, (a, k, n) in enumerate(zip(starts.tolist(), ks.tolist(), ns.tolist(), strict=True)):
-            size = k * (4 + sparse.index_dtype(n).itemsize)
-            try:
-                sparse.topk_decode_into(frame[a : a + size], n, k, outs[i], True)
-            except PayloadError:
-                return i, "refused"
-        return None
+    def per_payload(decode_into, size):
+        """A bucket decoder that calls ``decode_into`` payload by payload."""
 
-    test_buckets_gpu.check_topk_segments(setup, 0.05, per_payload)
+        def decode(frame, starts, ks, ns, outs):
+            for i, (a, k, n) in enumerate(
+                zip(starts.tolist(), ks.tolist(), ns.tolist(), strict=True)
+            ):
+                try:
+                    decode_into(frame[a : a + size(k, sparse.index_dtype(n).itemsize)], n, k,
+                                outs[i], True)  # fmt: skip
+                except PayloadError:
+                    return i, "refused"
+            return None
 
-    def per_payload_signs(frame, starts, ks, ns, outs):
-        for i, (a, k, n) in enumerate(zip(starts.tolist(), ks.tolist(), ns.tolist(), strict=True)):
-            size = 4 + k * sparse.index_dtype(n).itemsize + (k + 7) // 8
-            try:
-                sparse.topk_sign_decode_into(frame[a : a + size], n, k, outs[i], True)
-            except PayloadError:
-                return i, "refused"
-        return None
+        return decode
 
-    test_buckets_gpu.check_topk_segments(setup, 0.05, per_payload_signs, signs=True)
+    topk = per_payload(sparse.topk_decode_into, lambda k, isz: k * (4 + isz))
+    test_buckets_gpu.check_topk_segments(setup, 0.05, topk)
+    topkq = per_payload(sparse.topk_sign_decode_into, lambda k, isz: 4 + k * isz + (k + 7) // 8)
+    test_buckets_gpu.check_topk_segments(setup, 0.05, topkq, signs=True)
 
 
 @pytest.mark.parametrize("bucket", [64, 5, 512])
