@@ -1,8 +1,11 @@
-// Sparse codecs on CUDA: a bucket of top-k bodies (top-k, DGC and GSpar send this layout;
-// docs/design.md section 4), or of top-k + sign bodies, checked and added in one launch
-// each: the decode of kernels/sparse.c's hvdc_topk_decode_segments and
-// hvdc_topkq_decode_segments. Top-k's selection itself runs on torch
-// (hvdcompress/backends/cuda.py, topk_select), tensor by tensor.
+// Sparse codecs on CUDA (docs/design.md section 4), a bucket at a time:
+//   decode: top-k bodies (top-k, DGC and GSpar send this layout) or top-k + sign bodies,
+//           checked and added in one launch each (kernels/sparse.c's
+//           hvdc_topk_decode_segments and hvdc_topkq_decode_segments);
+//   encode: top-k with error feedback and DGC's momentum-corrected form, selected by a
+//           radix select of every segment at once (hvdc_topk_encode_segments; section
+//           "Top-k's bucket encode" below). Top-k + sign and GSpar still select tensor by
+//           tensor on torch (hvdcompress/backends/cuda.py, topk_select).
 //
 // Top-k body: k float32 values, then k indices in ascending order (int32 when n < 2^31,
 // else int64), little-endian. Top-k + sign (`signs` set): one float32 magnitude m, the k
@@ -144,6 +147,291 @@ extern "C" __global__ void sparse_topk_add_segments(const long long* __restrict_
         for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
             const long long i = hvd_sparse_index(indices, j, wide);
             out[i] = __fadd_rn(out[i], hvd_sparse_entry(row, j, signs));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Top-k's bucket encode: kernels/sparse.c's hvdc_topk_encode_segments, the same kept set
+// (t = the k-th largest |a|, exact; every |a_i| > t, then the |a_i| == t in index order
+// until there are k), bodies, residuals and velocities, as one launch sequence with no
+// read before the last launch:
+//   sparse_topk_finite_segments     which segments' a holds a NaN or an Inf
+//   sparse_topk_update_segments     a into e (DGC: u and v) where finite, the first digit's
+//                                   histogram
+//   sparse_topk_pick_segments       the digit of the k-th largest |a| (three digits of 11,
+//   sparse_topk_histogram_segments  11 and 10 bits from the top, as sparse.c's radix select)
+//   sparse_topk_ties_segments       1 where |a| == t; the host's stream scans them
+//   sparse_topk_keep_segments       the kept flags; the host's stream scans them
+//   sparse_topk_gather_segments     the kept values and indices into the bodies, and the
+//                                   residual (DGC: also the velocity) zeroed there
+// a = g + e for top-k; for DGC (column 3 set) u' = m u + g (g itself when m == 0: -0.0
+// stays -0.0) and a = v + u', v the residual; each one float32 operation. Magnitudes are
+// the bits of |a| (finite non-negative floats order like their bits), so the select is
+// integer work. Histograms: HVD_TOPK_BINS words a segment, zeroed by the host once; the
+// pick kernel zeroes the bins it has read for the next digit.
+// Table (rows of 8 int64): 0 g, 1 e (v for DGC; a is written there), 2 n (>= 1), 3 u (DGC's
+// velocity, 0 for top-k), 4 k (0 <= k <= n), 5 the segment's first flag in the bucket,
+// 6 its first element tile, 7 its body's address (8-byte aligned: k float32 values, then
+// k indices, int32, or int64 from `wide_from` elements on). State rows: word 0 the
+// threshold's bits found so far, 2 the non-finite flag, 4-5 the rank left (int64).
+#define HVD_TOPK_SEG_G 0
+#define HVD_TOPK_SEG_A 1
+#define HVD_TOPK_SEG_N 2
+#define HVD_TOPK_SEG_U 3
+#define HVD_TOPK_SEG_K 4
+#define HVD_TOPK_SEG_FLAGS 5
+#define HVD_TOPK_SEG_BODY 7
+#define HVD_TOPK_ST_PREFIX 0
+#define HVD_TOPK_ST_NONFINITE 2
+#define HVD_TOPK_ST_RANK 4
+#define HVD_TOPK_BINS 2048
+#define HVD_TOPK_ABS 0x7fffffffu
+
+// u' of DGC's element i: m u_i + g_i, or g_i when m == 0.
+__device__ __forceinline__ float hvd_topk_velocity(const long long* row, long long i,
+                                                   float momentum)
+{
+    const float g = ((const float*)row[HVD_TOPK_SEG_G])[i];
+    if (momentum == 0.0f) return g;
+    return __fadd_rn(__fmul_rn(((const float*)row[HVD_TOPK_SEG_U])[i], momentum), g);
+}
+
+// a_i before the update: e_i + g_i (top-k), or v_i + u'_i (DGC).
+__device__ __forceinline__ float hvd_topk_a(const long long* row, long long i, float momentum)
+{
+    const float e = ((const float*)row[HVD_TOPK_SEG_A])[i];
+    if (row[HVD_TOPK_SEG_U]) return __fadd_rn(e, hvd_topk_velocity(row, i, momentum));
+    return __fadd_rn(e, ((const float*)row[HVD_TOPK_SEG_G])[i]);
+}
+
+// Whether segment s selects: a finite a and k > 0.
+__device__ __forceinline__ bool hvd_topk_active(const long long* row,
+                                                const unsigned int* state)
+{
+    return !state[HVD_TOPK_ST_NONFINITE] && row[HVD_TOPK_SEG_K] > 0;
+}
+
+// The radix digits: shift and width of digit `pass` (0, 1, 2), and the mask of the bits
+// above it (the prefix found so far).
+__device__ __forceinline__ int hvd_topk_shift(int pass)
+{
+    return pass == 0 ? 21 : pass == 1 ? 10 : 0;
+}
+__device__ __forceinline__ unsigned int hvd_topk_width(int pass)
+{
+    return pass == 2 ? 0x3ffu : 0x7ffu;
+}
+__device__ __forceinline__ unsigned int hvd_topk_above_mask(int pass)
+{
+    return pass == 0 ? 0u : pass == 1 ? 0xffe00000u : 0xfffffc00u;
+}
+
+// The non-finite flag of each segment whose a holds a NaN or an Inf (nothing written).
+// grid: blocks loop over tiles of `tile` elements. bytes: reads 8n (DGC 12n).
+extern "C" __global__ void sparse_topk_finite_segments(const long long* __restrict__ seg,
+                                                       long long nseg, long long ntiles,
+                                                       long long tile, float momentum,
+                                                       unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const long long n = row[HVD_TOPK_SEG_N];
+        const long long first = (t - row[HVD_SPARSE_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        bool bad = false;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x)
+            bad |= (__float_as_uint(hvd_topk_a(row, i, momentum)) & HVD_TOPK_ABS) >= 0x7f800000u;
+        if (bad) atomicOr(states + s * HVD_SPARSE_STATE_WORDS + HVD_TOPK_ST_NONFINITE, 1u);
+    }
+}
+
+// For each finite segment: e <- a (DGC: u <- u', v <- a), and with k > 0 the histogram of
+// the first digit of |a|. grid: blocks loop over tiles of `tile` elements. bytes: reads 8n,
+// writes 4n (DGC: reads 12n, writes 8n), one atomic add an element.
+extern "C" __global__ void sparse_topk_update_segments(const long long* __restrict__ seg,
+                                                       long long nseg, long long ntiles,
+                                                       long long tile, float momentum,
+                                                       const unsigned int* __restrict__ states,
+                                                       unsigned int* __restrict__ hist)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment(seg, nseg, t);
+        const unsigned int* state = states + s * HVD_SPARSE_STATE_WORDS;
+        if (state[HVD_TOPK_ST_NONFINITE]) continue;
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        float* e = (float*)row[HVD_TOPK_SEG_A];
+        float* u = (float*)row[HVD_TOPK_SEG_U];
+        const float* g = (const float*)row[HVD_TOPK_SEG_G];
+        unsigned int* h = hist + s * HVD_TOPK_BINS;
+        const bool select = row[HVD_TOPK_SEG_K] > 0;
+        const long long n = row[HVD_TOPK_SEG_N];
+        const long long first = (t - row[HVD_SPARSE_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            float a;
+            if (u) {
+                const float un = hvd_topk_velocity(row, i, momentum);
+                u[i] = un;
+                a = __fadd_rn(e[i], un);
+            } else {
+                a = __fadd_rn(e[i], g[i]);
+            }
+            e[i] = a;
+            if (select) atomicAdd(h + ((__float_as_uint(a) & HVD_TOPK_ABS) >> 21), 1u);
+        }
+    }
+}
+
+// Digit `pass` of each selecting segment's threshold t: walking the histogram down from
+// the top bin, the bin where the count of |a| above reaches the rank left (k at pass 0);
+// the rank becomes the rank within that bin, the digit joins the prefix, and the bins are
+// zeroed for the next pass. After pass 2 the prefix is t and the rank left is how many
+// |a_i| == t are kept. grid: one thread a segment (grid-stride). bytes: reads and zeroes
+// up to 8 KiB a segment.
+extern "C" __global__ void sparse_topk_pick_segments(const long long* __restrict__ seg,
+                                                     long long nseg, int pass,
+                                                     unsigned int* __restrict__ hist,
+                                                     unsigned int* __restrict__ states)
+{
+    const long long stride = (long long)blockDim.x * gridDim.x;
+    for (long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x; s < nseg; s += stride) {
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        unsigned int* state = states + s * HVD_SPARSE_STATE_WORDS;
+        if (!hvd_topk_active(row, state)) continue;
+        unsigned int* h = hist + s * HVD_TOPK_BINS;
+        long long* rank = (long long*)(state + HVD_TOPK_ST_RANK);
+        const long long want = pass == 0 ? row[HVD_TOPK_SEG_K] : *rank;
+        const unsigned int width = hvd_topk_width(pass);
+        unsigned int d = width;
+        long long above = 0;
+        for (; d > 0 && above + (long long)h[d] < want; --d) above += h[d];
+        *rank = want - above;
+        state[HVD_TOPK_ST_PREFIX] |= d << hvd_topk_shift(pass);
+        for (unsigned int b = 0; b <= width; ++b) h[b] = 0u;
+    }
+}
+
+// The histogram of digit `pass` (1 or 2) of the |a_i| whose higher digits are the prefix.
+// grid: blocks loop over tiles of `tile` elements. bytes: reads 4n, an atomic add for each
+// element in the prefix's bin.
+extern "C" __global__ void sparse_topk_histogram_segments(const long long* __restrict__ seg,
+                                                          long long nseg, long long ntiles,
+                                                          long long tile, int pass,
+                                                          const unsigned int* __restrict__ states,
+                                                          unsigned int* __restrict__ hist)
+{
+    const unsigned int mask = hvd_topk_above_mask(pass), width = hvd_topk_width(pass);
+    const int shift = hvd_topk_shift(pass);
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const unsigned int* state = states + s * HVD_SPARSE_STATE_WORDS;
+        if (!hvd_topk_active(row, state)) continue;
+        const unsigned int prefix = state[HVD_TOPK_ST_PREFIX];
+        const float* a = (const float*)row[HVD_TOPK_SEG_A];
+        unsigned int* h = hist + s * HVD_TOPK_BINS;
+        const long long n = row[HVD_TOPK_SEG_N];
+        const long long first = (t - row[HVD_SPARSE_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            const unsigned int w = __float_as_uint(a[i]) & HVD_TOPK_ABS;
+            if ((w & mask) == prefix) atomicAdd(h + ((w >> shift) & width), 1u);
+        }
+    }
+}
+
+// ties[i] = 1 where |a_i| == t in a selecting segment, else 0 (every element of the
+// bucket). grid: blocks loop over tiles of `tile` elements. bytes: reads 4n, writes n.
+extern "C" __global__ void sparse_topk_ties_segments(const long long* __restrict__ seg,
+                                                     long long nseg, long long ntiles,
+                                                     long long tile,
+                                                     const unsigned int* __restrict__ states,
+                                                     unsigned char* __restrict__ ties)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const unsigned int* state = states + s * HVD_SPARSE_STATE_WORDS;
+        const bool active = hvd_topk_active(row, state);
+        const unsigned int thr = state[HVD_TOPK_ST_PREFIX];
+        const float* a = (const float*)row[HVD_TOPK_SEG_A];
+        unsigned char* f = ties + row[HVD_TOPK_SEG_FLAGS];
+        const long long n = row[HVD_TOPK_SEG_N];
+        const long long first = (t - row[HVD_SPARSE_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x)
+            f[i] = active && (__float_as_uint(a[i]) & HVD_TOPK_ABS) == thr ? 1 : 0;
+    }
+}
+
+// keep[i] = 1 where |a_i| > t, or |a_i| == t and at most `rank left` ties come before or
+// at i (from `ties_incl`, the inclusive scan of the ties), in a selecting segment; else 0.
+// grid: blocks loop over tiles of `tile` elements. bytes: reads 4n + 8n, writes n.
+extern "C" __global__ void sparse_topk_keep_segments(const long long* __restrict__ seg,
+                                                     long long nseg, long long ntiles,
+                                                     long long tile,
+                                                     const unsigned int* __restrict__ states,
+                                                     const long long* __restrict__ ties_incl,
+                                                     unsigned char* __restrict__ keep)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const unsigned int* state = states + s * HVD_SPARSE_STATE_WORDS;
+        const bool active = hvd_topk_active(row, state);
+        const unsigned int thr = state[HVD_TOPK_ST_PREFIX];
+        const long long need = *(const long long*)(state + HVD_TOPK_ST_RANK);
+        const float* a = (const float*)row[HVD_TOPK_SEG_A];
+        const long long off = row[HVD_TOPK_SEG_FLAGS];
+        const long long before = off > 0 ? ties_incl[off - 1] : 0;
+        const long long n = row[HVD_TOPK_SEG_N];
+        const long long first = (t - row[HVD_SPARSE_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            const unsigned int w = __float_as_uint(a[i]) & HVD_TOPK_ABS;
+            const bool kept = w > thr || (w == thr && ties_incl[off + i] - before <= need);
+            keep[off + i] = active && kept ? 1 : 0;
+        }
+    }
+}
+
+// For each kept element (slot j: its rank among the segment's kept ones, from `incl`, the
+// inclusive scan of the kept flags): value j of the body = a_i, index j = i, then a_i = 0
+// (DGC: u_i = 0 too). grid: blocks loop over tiles of `tile` elements. bytes: reads n + 8n,
+// and for each kept element reads 4, writes 8 or 12 (+ 4, DGC + 8).
+extern "C" __global__ void sparse_topk_gather_segments(const long long* __restrict__ seg,
+                                                       long long nseg, long long ntiles,
+                                                       long long tile, long long wide_from,
+                                                       const unsigned char* __restrict__ keep,
+                                                       const long long* __restrict__ incl)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment(seg, nseg, t);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        float* a = (float*)row[HVD_TOPK_SEG_A];
+        float* u = (float*)row[HVD_TOPK_SEG_U];
+        float* values = (float*)row[HVD_TOPK_SEG_BODY];
+        const long long n = row[HVD_TOPK_SEG_N], k = row[HVD_TOPK_SEG_K];
+        unsigned int* indices = (unsigned int*)(values + k);  // 4-byte aligned words
+        const bool wide = n >= wide_from;
+        const long long off = row[HVD_TOPK_SEG_FLAGS];
+        const long long before = off > 0 ? incl[off - 1] : 0;
+        const long long first = (t - row[HVD_SPARSE_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            if (!keep[off + i]) continue;
+            const long long j = incl[off + i] - 1 - before;
+            values[j] = a[i];
+            if (wide) {  // little-endian int64 as two words (j odd: not 8-byte aligned)
+                indices[2 * j] = (unsigned int)((unsigned long long)i & 0xffffffffull);
+                indices[2 * j + 1] = (unsigned int)((unsigned long long)i >> 32);
+            } else {
+                indices[j] = (unsigned int)i;
+            }
+            a[i] = 0.0f;
+            if (u) u[i] = 0.0f;
         }
     }
 }

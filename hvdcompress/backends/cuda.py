@@ -123,7 +123,20 @@ QUANT = KernelFamily(
     ),
 )
 # The sparse codecs' bucket decode (C twin: kernels/sparse.c, hvdc_topk_decode_segments).
-SPARSE = KernelFamily("sparse.cu", ("sparse_topk_check_segments", "sparse_topk_add_segments"))
+SPARSE = KernelFamily(
+    "sparse.cu",
+    (
+        "sparse_topk_check_segments",
+        "sparse_topk_add_segments",
+        "sparse_topk_finite_segments",
+        "sparse_topk_update_segments",
+        "sparse_topk_pick_segments",
+        "sparse_topk_histogram_segments",
+        "sparse_topk_ties_segments",
+        "sparse_topk_keep_segments",
+        "sparse_topk_gather_segments",
+    ),
+)
 FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT, SPARSE)
 _FAMILY_OF = {name: family for family in FAMILIES for name in family.names}
 
@@ -1905,6 +1918,91 @@ def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
     keep = above | (equal & (torch.cumsum(equal, 0, dtype=torch.int64) <= need))
     idx = torch.nonzero(keep).reshape(-1)
     return cand[idx] if cand is not None else idx
+
+
+_TOPK_SEG_U, _TOPK_SEG_K, _TOPK_SEG_FLAGS, _TOPK_SEG_BODY = 3, 4, 5, 7  # HVD_TOPK_SEG_*
+_TOPK_BINS = 2048  # HVD_TOPK_BINS: one histogram of 11-bit digits a segment
+
+
+def topk_encode_segments(
+    gs: list[torch.Tensor],
+    es: list[torch.Tensor],
+    ks: list[int],
+    us: list[torch.Tensor] | None = None,
+    momentum: float = 0.0,
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """The CPU backend's ``topk_encode_segments`` (the same bodies, non-finite flags,
+    residuals and, for DGC, velocities) on one CUDA device, as one launch sequence
+    (kernels/sparse.cu, "Top-k's bucket encode"): every segment's finite flag; a into e
+    (and u) and the first digit's histogram; three picks of the threshold's digits with the
+    next digits' histograms between; the ties flagged and scanned; the kept flags and their
+    scan; the values and indices into the bodies (views of one buffer) and e (u) zeroed
+    there. The one read is the flags, after the last launch."""
+    count = len(gs)
+    if not count:
+        return [], []
+    device = _bucket_device(gs, "g")
+    _check_residuals(gs, es)
+    if us is not None:
+        _check_residuals(gs, us)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    kept = np.asarray(ks, dtype=np.int64).reshape(count)
+    if np.any((kept < 0) | (kept > ns)):
+        raise ValueError(f"top-k needs 0 <= k <= n for every tensor, got k {ks} for n {ns}")
+    bodies = [torch.empty(0, dtype=torch.uint8, device=device)] * count
+    nonfinite = [False] * count
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return bodies, nonfinite
+    lns, lks = ns[live], kept[live]
+    sizes = lks * np.where(lns >= TOPK_INDEX32_LIMIT, 12, 8)
+    rooms = -(-sizes // 8) * 8  # every body 8-byte aligned
+    firsts = np.cumsum(rooms) - rooms
+    total = int(lns.sum())
+    table = _rows(gs, live, es)
+    if us is not None:
+        table[:, _TOPK_SEG_U] = [us[i].data_ptr() for i in live.tolist()]
+    table[:, _TOPK_SEG_K] = lks
+    table[:, _TOPK_SEG_FLAGS] = np.cumsum(lns) - lns
+    with _Launcher(device) as k:
+        buf = k.empty(max(int(rooms.sum()), 8), torch.uint8)
+        table[:, _TOPK_SEG_BODY] = buf.data_ptr() + firsts
+        elements = _segments(table, lns, device)
+        rows, nrows = _ptr(elements.rows), np.int64(elements.count)
+        m = np.float32(momentum)
+        states = k.states(elements.count)
+        hist = torch.zeros(elements.count * _TOPK_BINS, dtype=torch.int32, device=device)
+        k.tiles("sparse_topk_finite_segments", elements, m, _ptr(states))
+        k.tiles("sparse_topk_update_segments", elements, m, _ptr(states), _ptr(hist))
+        for digit in range(3):
+            if digit:
+                k.tiles(
+                    "sparse_topk_histogram_segments",
+                    elements,
+                    np.int32(digit),
+                    _ptr(states),
+                    _ptr(hist),
+                )
+            pick = (rows, nrows, np.int32(digit), _ptr(hist), _ptr(states))
+            k("sparse_topk_pick_segments", elements.count, *pick)
+        flags = k.empty(total, torch.uint8)
+        k.tiles("sparse_topk_ties_segments", elements, _ptr(states), _ptr(flags))
+        ties = torch.cumsum(flags, 0, dtype=torch.int64)
+        k.tiles("sparse_topk_keep_segments", elements, _ptr(states), _ptr(ties), _ptr(flags))
+        incl = torch.cumsum(flags, 0, dtype=torch.int64)
+        k.tiles(
+            "sparse_topk_gather_segments",
+            elements,
+            np.int64(TOPK_INDEX32_LIMIT),
+            _ptr(flags),
+            _ptr(incl),
+        )
+        bad = _read_state(states).reshape(elements.count, _STATE_WORDS)[:, _ST_NONFINITE] != 0
+    for row, i in enumerate(live.tolist()):
+        nonfinite[i] = bool(bad[row])
+        if not bad[row]:
+            bodies[i] = buf[int(firsts[row]) :][: int(sizes[row])]
+    return bodies, nonfinite
 
 
 # ---- random-k: the mask from the uniforms, torch ops on the device ---------------------------

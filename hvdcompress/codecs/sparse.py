@@ -417,14 +417,15 @@ def topk_encode_segments(
     us: list[torch.Tensor] | None = None,
     momentum: float = 0.0,
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """Top-k with error feedback of a bucket's tensors (flat float32 on the CPU) in one
-    native call: for each (g, e, k), unless g + e is not finite (flagged, e untouched),
-    e = g + e, the body of ``topk_encode(e, k)``, then e[kept] = 0 (the compressor's
-    ``TopK.encode``, byte for byte). With the velocities ``us`` (DGC): ``momentum_update``
-    (g, u, e) instead of e = g + e, and u[kept] = 0 too (``DGC.encode``, byte for byte)."""
-    from hvdcompress.backends import cpu
-
-    return cpu.topk_encode_segments(gs, es, ks, us, momentum)
+    """Top-k with error feedback of a bucket's tensors (flat float32 on one device) in one
+    native call (kernels/sparse.c; on CUDA one launch sequence of kernels/sparse.cu): for
+    each (g, e, k), unless g + e is not finite (flagged, e untouched), e = g + e, the body
+    of ``topk_encode(e, k)``, then e[kept] = 0 (the compressor's ``TopK.encode``, byte for
+    byte). With the velocities ``us`` (DGC): ``momentum_update`` (g, u, e) instead of
+    e = g + e, and u[kept] = 0 too (``DGC.encode``, byte for byte)."""
+    if not gs:
+        return [], []
+    return for_device(gs[0].device).topk_encode_segments(gs, es, ks, us, momentum)
 
 
 def topk_sign_encode_segments(

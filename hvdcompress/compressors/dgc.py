@@ -163,8 +163,8 @@ class DGC(GatherCompressor):
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if self.clip_norm > 0.0 or not gs or any(g.device.type != "cpu" for g in gs):
-            return super().encode_bucket(tensors, names)  # clipping / the CUDA selection
+        if self.clip_norm > 0.0 or len({g.device for g in gs}) != 1:
+            return super().encode_bucket(tensors, names)  # clipping: tensor by tensor
         us = [self.velocity.residual(name, g) for g, name in zip(gs, names, strict=True)]
         vs = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
         params, ks = [], []

@@ -441,6 +441,69 @@ def check_topk_segments(s: Setup, ratio: float = 0.05, reference=None, signs: bo
                 np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
 
 
+def topk_encode_per_tensor(gs, es, ks, us=None, momentum: float = 0.0):
+    """``topk_encode_segments``' reference: ``TopK.encode``'s (``DGC.encode``'s with the
+    velocities ``us``) steps on each tensor, the codec's per-tensor calls."""
+    from hvdcompress.codecs import primitives as prim
+    from hvdcompress.codecs import sparse
+
+    bodies, nonfinite = [], []
+    for i, (g, e, k) in enumerate(zip(gs, es, ks, strict=True)):
+        u = None if us is None else us[i]
+        if u is not None:
+            bad = sparse.momentum_update(g, u, e, momentum)
+        else:
+            bad = g.numel() > 0 and not prim.sum_finite(g, e)
+            if not bad:
+                e.add_(g)
+        nonfinite.append(bool(bad))
+        if bad:
+            bodies.append(torch.empty(0, dtype=torch.uint8))
+            continue
+        body, idx = sparse.topk_encode(e, k)
+        e[idx] = 0.0
+        if u is not None:
+            u[idx] = 0.0
+        bodies.append(body)
+    return bodies, nonfinite
+
+
+def check_topk_encode_segments(
+    s: Setup, ratio: float = 0.05, momentum: float | None = None, reference=None
+) -> None:
+    """Top-k's bucket encode as one launch sequence (kernels/sparse.cu: every segment's
+    radix select at once, no read before the last launch) gives the CPU's bodies,
+    non-finite flags and residuals (DGC, ``momentum`` set: and velocities), step after
+    step with error feedback built up. The bucket has empty tensors, a NaN, all-zero
+    tensors and repeated values (ties at the threshold), a tensor with k = 0, and k = n
+    at ratio 1. ``reference(gs, es, ks, us, momentum)``: the encoder to compare with (the
+    CPU backend's by default)."""
+    from hvdcompress.codecs import sparse
+
+    gen = torch.Generator().manual_seed(37)
+    xs = make_bucket(gen)
+    ks = [sparse.topk_count(x.numel(), ratio) for x in xs]
+    ks[6] = 0  # a tensor of 7 elements that sends nothing: its a still becomes g + e
+    reference = reference or s.cpu.topk_encode_segments
+    es = [torch.zeros_like(x) for x in xs]
+    us = None if momentum is None else [torch.zeros_like(x) for x in xs]
+    des = [e.to(s.dev, copy=True) for e in es]
+    dus = None if us is None else [u.to(s.dev, copy=True) for u in us]
+    m = 0.0 if momentum is None else momentum
+    for step in range(3):
+        gs = [x * (step + 1) for x in xs]
+        want, wbad = reference(gs, es, ks, us, m)
+        got, gbad = s.backend.topk_encode_segments(
+            [g.to(s.dev, copy=True) for g in gs], des, ks, dus, m
+        )
+        assert gbad == wbad and sum(wbad) == 1, (gbad, wbad)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bytes(g, w, f"step {step} body {i}")
+        for what, dev_side, host_side in (("residual", des, es), ("velocity", dus, us)):
+            for i, (d, h) in enumerate(zip(dev_side or [], host_side or [], strict=True)):
+                np.testing.assert_array_equal(bits(d), bits(h), f"step {step} {what} {i}")
+
+
 def check_randomk_encode_segments(s: Setup, ratio: float = 0.1, ef: bool = True) -> None:
     """Random-k's bucket encode as one launch sequence gives the CPU's bodies and
     non-finite flags and, with error feedback, its residuals, step after step."""
@@ -693,6 +756,13 @@ def test_randomk_segments_match_cpu(gpu):
 @pytest.mark.parametrize("ef", [False, True], ids=["plain", "error_feedback"])
 def test_randomk_encode_segments_match_cpu(gpu, ef):
     check_randomk_encode_segments(gpu, ef=ef)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [0.05, 1.0])
+@pytest.mark.parametrize("momentum", [None, 0.9, 0.0], ids=["topk", "dgc", "dgc_no_momentum"])
+def test_topk_encode_segments_match_cpu(gpu, ratio, momentum):
+    check_topk_encode_segments(gpu, ratio, momentum)
 
 
 @pytest.mark.gpu

@@ -118,7 +118,14 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(quant_randomk_gather_segments)
 #define HOST_SPARSE_KERNELS                \
     HOST_KERNEL(sparse_topk_check_segments) \
-    HOST_KERNEL(sparse_topk_add_segments)
+    HOST_KERNEL(sparse_topk_add_segments)   \
+    HOST_KERNEL(sparse_topk_finite_segments) \
+    HOST_KERNEL(sparse_topk_update_segments) \
+    HOST_KERNEL(sparse_topk_pick_segments)  \
+    HOST_KERNEL(sparse_topk_histogram_segments) \
+    HOST_KERNEL(sparse_topk_ties_segments)  \
+    HOST_KERNEL(sparse_topk_keep_segments)  \
+    HOST_KERNEL(sparse_topk_gather_segments)
 
 #define HOST_KERNEL(k)                         \
     if (strcmp(name, #k) == 0) {               \

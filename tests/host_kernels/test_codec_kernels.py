@@ -314,6 +314,58 @@ def test_emulated_topk_segments(setup, ratio, signs):
     test_buckets_gpu.check_topk_segments(setup, ratio, signs=signs)
 
 
+@pytest.mark.parametrize("ratio", [0.05, 0.3, 1.0])
+@pytest.mark.parametrize("momentum", [None, 0.9, 0.0], ids=["topk", "dgc", "dgc_no_momentum"])
+def test_emulated_topk_encode_segments(setup, ratio, momentum):
+    test_buckets_gpu.check_topk_encode_segments(setup, ratio, momentum)
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9], ids=["topk", "dgc"])
+def test_emulated_topk_encode_segments_of_int64_indices(setup, monkeypatch, momentum):
+    """The int64 index layout, with the limit lowered to 64 elements in the codec and the
+    backend: the codec's per-tensor encode is the reference (the CPU's native encoder keeps
+    the real limit). Bodies at odd k put int64 indices at 4-byte offsets."""
+    from hvdcompress.codecs import sparse
+
+    monkeypatch.setattr(sparse, "INDEX32_LIMIT", 64)
+    monkeypatch.setattr(setup.backend, "TOPK_INDEX32_LIMIT", 64)
+    test_buckets_gpu.check_topk_encode_segments(
+        setup, 0.05, momentum, test_buckets_gpu.topk_encode_per_tensor
+    )
+
+
+def test_topk_gather_writes_indices_above_2_to_the_32(host):
+    """sparse_topk_gather_segments on the elements [2^32, 2^32 + 5) of a segment of
+    2^32 + 5 (its one tile starts there; the pointers are offset so that only those
+    elements exist): the int64 indices keep their high words, the second at a 4-byte
+    offset, and the kept elements are zeroed."""
+    import ctypes
+
+    base = 2**32
+    a = np.array([1.5, -2.5, 3.5, 4.5, -5.5], np.float32)
+    keep = np.array([0, 1, 1, 0, 1], np.uint8)
+    incl = np.cumsum(keep).astype(np.int64)
+    body = np.zeros(3 * 4 + 3 * 8, np.uint8)
+    row = np.array(
+        [0, a.ctypes.data - 4 * base, base + 5, 0, 3, 0, -1, body.ctypes.data], np.int64
+    )  # column 6: the one tile is tile 1 of the segment, so it starts at 2^32
+    args = [
+        np.uint64(row.ctypes.data),
+        np.int64(1),  # segments
+        np.int64(1),  # tiles
+        np.int64(base),  # tile size
+        np.int64(2**31),  # int64 indices from 2^31 elements on
+        np.uint64(keep.ctypes.data - base),
+        np.uint64(incl.ctypes.data - 8 * base),
+    ]
+    values = [np.array(v) for v in args]
+    params = (ctypes.c_void_p * len(values))(*[v.ctypes.data for v in values])
+    assert host.lib.host_launch(b"sparse_topk_gather_segments", 1, 32, params) == 0
+    np.testing.assert_array_equal(body[:12].view(np.float32), [-2.5, 3.5, -5.5])
+    np.testing.assert_array_equal(body[12:].view(np.int64), [base + 1, base + 2, base + 4])
+    np.testing.assert_array_equal(a, [1.5, 0.0, 0.0, 4.5, 0.0])
+
+
 def test_emulated_topk_segments_of_int64_indices(setup, monkeypatch):
     """The int64 index layout (tensors of 2^31 elements or more), with the limit lowered
     to 64 elements in the codec and the backend: the per-payload decoder is the reference
@@ -406,6 +458,38 @@ def test_emulated_sign_bucket_launches(cuda_on_host):
     ]
 
 
+def test_emulated_topk_bucket_encode_launches(cuda_on_host):
+    """A bucket of 30 tensors: top-k's (and DGC's) encode is one launch sequence of ten
+    kernels (two scans on torch between) and one read, after the last launch."""
+    cuda, calls = cuda_on_host.backend, cuda_on_host.calls
+    gen = torch.Generator().manual_seed(8)
+    gs = [torch.randn(n, generator=gen) for n in range(1, 301, 10)]
+    es = [torch.zeros_like(g) for g in gs]
+    us = [torch.zeros_like(g) for g in gs]
+    ks = [max(1, g.numel() // 10) for g in gs]
+    reads = []
+    read_state = cuda._read_state
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda, "_read_state", lambda st: reads.append(list(calls)) or read_state(st))
+        for velocities in (None, us):
+            calls.clear()
+            reads.clear()
+            cuda.topk_encode_segments(gs, es, ks, velocities, 0.9)
+            assert calls == [
+                "sparse_topk_finite_segments",
+                "sparse_topk_update_segments",
+                "sparse_topk_pick_segments",
+                "sparse_topk_histogram_segments",
+                "sparse_topk_pick_segments",
+                "sparse_topk_histogram_segments",
+                "sparse_topk_pick_segments",
+                "sparse_topk_ties_segments",
+                "sparse_topk_keep_segments",
+                "sparse_topk_gather_segments",
+            ]
+            assert reads == [calls]  # one read, after every launch
+
+
 # ---- the whole training path on the emulated CUDA backend ------------------------------------
 
 TRAINING_CASES = [
@@ -414,6 +498,7 @@ TRAINING_CASES = [
     ("qsgd", {}),
     ("efsignsgd", {}),
     ("topk", {"ratio": 0.05}),
+    ("dgc", {"ratio": 0.05, "momentum": 0.0}),  # the helpers' optimizer has momentum
     ("randomk", {"ratio": 0.1}),
     ("randomk", {"ratio": 0.2, "unbiased": False, "error_feedback": True}),
     ("ndqsg", {"bucket_size": 64}),
@@ -454,5 +539,7 @@ def test_emulated_cuda_path_trains_as_the_cpu_path(
     assert len(set(want)) == 1
     assert got == want
     assert "hvd_frame_table" in cuda_on_host.calls  # the frames were scanned as on a GPU
+    if name in ("topk", "dgc"):  # selected by the bucket encoder's radix select
+        assert "sparse_topk_gather_segments" in cuda_on_host.calls
     if exchange == "allgather":  # decoded by the bucket decoders (stage 2 of the
         assert per_payload == []  # two-stage exchange decodes payload by payload)
