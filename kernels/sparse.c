@@ -2,9 +2,9 @@
  * hvdcompress/codecs/sparse.py), loaded through ctypes (hvdcompress/backends/cpu.py).
  * Top-k's kept set is fixed by the codec, not by the algorithm: with t the k-th largest
  * |a| (exact), every |a_i| > t is kept, and the |a_i| == t are kept in index order until
- * there are k. The CUDA backend selects the same set: a bucket's top-k and DGC tensors by
- * the same radix select in kernels/sparse.cu (with its bucket decode), a single tensor
- * with torch.topk (hvdcompress/backends/cuda.py, topk_select).
+ * there are k. The CUDA backend selects the same set: a bucket's top-k, top-k + sign and
+ * DGC tensors by the same radix select in kernels/sparse.cu (with its bucket decode), a
+ * single tensor with torch.topk (hvdcompress/backends/cuda.py, topk_select).
  *
  * Magnitudes are compared as the bits of |a| (a finite float's abs bits order like its
  * magnitude), so selection is integer work:

@@ -4,8 +4,8 @@
 //           hvdc_topk_decode_segments and hvdc_topkq_decode_segments);
 //   encode: top-k with error feedback and DGC's momentum-corrected form, selected by a
 //           radix select of every segment at once (hvdc_topk_encode_segments; section
-//           "Top-k's bucket encode" below). Top-k + sign and GSpar still select tensor by
-//           tensor on torch (hvdcompress/backends/cuda.py, topk_select).
+//           "Top-k's bucket encode" below), top-k + sign too. GSpar still selects tensor
+//           by tensor on torch (hvdcompress/backends/cuda.py).
 //
 // Top-k body: k float32 values, then k indices in ascending order (int32 when n < 2^31,
 // else int64), little-endian. Top-k + sign (`signs` set): one float32 magnitude m, the k
@@ -165,12 +165,16 @@ extern "C" __global__ void sparse_topk_add_segments(const long long* __restrict_
 //   sparse_topk_keep_segments       the kept flags; the host's stream scans them
 //   sparse_topk_gather_segments     the kept values and indices into the bodies, and the
 //                                   residual (DGC: also the velocity) zeroed there
+// Top-k + sign (hvdc_topkq_select_segments and hvdc_topkq_write_segments) runs the same
+// select, gathers the kept values and indices into slots instead, sums the values' chunks
+// (primitives_chunk_sums), and after the one read, for the host's correctly rounded
+// magnitudes, sparse_topkq_write_segments writes the bodies and the residuals.
 // a = g + e for top-k; for DGC (column 3 set) u' = m u + g (g itself when m == 0: -0.0
 // stays -0.0) and a = v + u', v the residual; each one float32 operation. Magnitudes are
 // the bits of |a| (finite non-negative floats order like their bits), so the select is
 // integer work. Histograms: HVD_TOPK_BINS words a segment, zeroed by the host once; the
 // pick kernel zeroes the bins it has read for the next digit.
-// Table (rows of 8 int64): 0 g, 1 e (v for DGC; a is written there), 2 n (>= 1), 3 u (DGC's
+// Table (rows of 8 int64): 0 g, 1 e (v for DGC; a is written there), 2 n, 3 u (DGC's
 // velocity, 0 for top-k), 4 k (0 <= k <= n), 5 the segment's first flag in the bucket,
 // 6 its first element tile, 7 its body's address (8-byte aligned: k float32 values, then
 // k indices, int32, or int64 from `wide_from` elements on). State rows: word 0 the
@@ -399,13 +403,18 @@ extern "C" __global__ void sparse_topk_keep_segments(const long long* __restrict
 
 // For each kept element (slot j: its rank among the segment's kept ones, from `incl`, the
 // inclusive scan of the kept flags): value j of the body = a_i, index j = i, then a_i = 0
-// (DGC: u_i = 0 too). grid: blocks loop over tiles of `tile` elements. bytes: reads n + 8n,
-// and for each kept element reads 4, writes 8 or 12 (+ 4, DGC + 8).
+// (DGC: u_i = 0 too). Top-k + sign (`slot_indices` set): column 7 is instead the
+// segment's first slot in `slot_values`; value j goes there and index j (int64) to the
+// same slot of `slot_indices`, and a stays (sparse_topkq_write_segments subtracts +-m).
+// grid: blocks loop over tiles of `tile` elements. bytes: reads n + 8n, and for each kept
+// element reads 4, writes 8 or 12 (+ 4, DGC + 8).
 extern "C" __global__ void sparse_topk_gather_segments(const long long* __restrict__ seg,
                                                        long long nseg, long long ntiles,
                                                        long long tile, long long wide_from,
                                                        const unsigned char* __restrict__ keep,
-                                                       const long long* __restrict__ incl)
+                                                       const long long* __restrict__ incl,
+                                                       const float* __restrict__ slot_values,
+                                                       long long* __restrict__ slot_indices)
 {
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_sparse_tile_segment(seg, nseg, t);
@@ -415,6 +424,7 @@ extern "C" __global__ void sparse_topk_gather_segments(const long long* __restri
         float* values = (float*)row[HVD_TOPK_SEG_BODY];
         const long long n = row[HVD_TOPK_SEG_N], k = row[HVD_TOPK_SEG_K];
         unsigned int* indices = (unsigned int*)(values + k);  // 4-byte aligned words
+        long long* slots = slot_indices ? slot_indices + (values - slot_values) : 0;
         const bool wide = n >= wide_from;
         const long long off = row[HVD_TOPK_SEG_FLAGS];
         const long long before = off > 0 ? incl[off - 1] : 0;
@@ -424,6 +434,10 @@ extern "C" __global__ void sparse_topk_gather_segments(const long long* __restri
             if (!keep[off + i]) continue;
             const long long j = incl[off + i] - 1 - before;
             values[j] = a[i];
+            if (slots) {
+                slots[j] = i;
+                continue;
+            }
             if (wide) {  // little-endian int64 as two words (j odd: not 8-byte aligned)
                 indices[2 * j] = (unsigned int)((unsigned long long)i & 0xffffffffull);
                 indices[2 * j + 1] = (unsigned int)((unsigned long long)i >> 32);
@@ -432,6 +446,60 @@ extern "C" __global__ void sparse_topk_gather_segments(const long long* __restri
             }
             a[i] = 0.0f;
             if (u) u[i] = 0.0f;
+        }
+    }
+}
+
+// Top-k + sign's bodies, after the host has the magnitudes ms[s] (float32 of the correctly
+// rounded mean of the kept |a|, from primitives_chunk_sums over `slot_values`; 0 where
+// k = 0): m, the k indices (int32, or int64 from `wide_from` elements on), the sign bits
+// (1 for a value < 0, LSB first, padding zero), and a_i -= (value < 0 ? -m : m) at each
+// kept i; non-finite segments are skipped (kernels/sparse.c's hvdc_topkq_write_segments).
+// Table (its own rows of 8 int64): 0 a, 1 the body (4-byte aligned), 2 n, 4 k, 6 the
+// first slot tile (max(k, 1) slots a segment), 7 the first slot in `slot_values`. grid:
+// blocks loop over tiles of `tile` slots. bytes: per kept value reads 4 + 8 + 4 + 4/8,
+// writes 4 or 8 + 4 + 1/8.
+#define HVD_TOPKQ_SEG_A 0
+#define HVD_TOPKQ_SEG_BODY 1
+extern "C" __global__ void sparse_topkq_write_segments(const long long* __restrict__ seg,
+                                                       long long nseg, long long ntiles,
+                                                       long long tile, long long wide_from,
+                                                       const float* __restrict__ slot_values,
+                                                       const long long* __restrict__ slot_indices,
+                                                       const float* __restrict__ ms,
+                                                       const unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment(seg, nseg, t);
+        if (states[s * HVD_SPARSE_STATE_WORDS + HVD_TOPK_ST_NONFINITE]) continue;
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        float* a = (float*)row[HVD_TOPKQ_SEG_A];
+        unsigned char* body = (unsigned char*)row[HVD_TOPKQ_SEG_BODY];
+        const float* values = (const float*)row[HVD_TOPK_SEG_BODY];
+        const long long* slots = slot_indices + (values - slot_values);
+        const long long n = row[HVD_TOPK_SEG_N], k = row[HVD_TOPK_SEG_K];
+        const bool wide = n >= wide_from;
+        unsigned int* indices = (unsigned int*)(body + 4);
+        unsigned char* signs = body + 4 + (wide ? 8 : 4) * k;
+        const float m = ms[s];
+        const long long first = (t - row[HVD_SPARSE_SEG_TILE]) * tile;
+        if (first == 0 && threadIdx.x == 0) *(float*)body = m;  // once a segment, k = 0 too
+        const long long end = first + tile < k ? first + tile : k;
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
+            const long long i = slots[j];
+            if (wide) {
+                indices[2 * j] = (unsigned int)((unsigned long long)i & 0xffffffffull);
+                indices[2 * j + 1] = (unsigned int)((unsigned long long)i >> 32);
+            } else {
+                indices[j] = (unsigned int)i;
+            }
+            a[i] = __fsub_rn(a[i], values[j] < 0.0f ? -m : m);
+            if ((j & 7) == 0) {  // the sign byte of slots j .. j + 7
+                unsigned int byte = 0u;
+                for (long long b = 0; b < 8 && j + b < k; ++b)
+                    byte |= (values[j + b] < 0.0f ? 1u : 0u) << b;
+                signs[j >> 3] = (unsigned char)byte;
+            }
         }
     }
 }

@@ -431,18 +431,20 @@ def topk_encode_segments(
 def topk_sign_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor], ks: list[int]
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """Top-k + sign with error feedback of a bucket's tensors (contiguous float32 on the
-    CPU), two native calls (``TopKSign.encode`` of each, byte for byte): e = g + e, the
-    kept set, m = float32(correctly rounded sum of |kept| / k) per tensor here, then the
-    bodies and e[kept] -= +-m. (bodies, non-finite flags: e untouched there.)"""
-    from hvdcompress.backends import cpu
-
-    sel = cpu.topkq_select_segments(gs, es, ks)
+    """Top-k + sign with error feedback of a bucket's tensors (contiguous float32 on one
+    device), two native calls (on CUDA two launch sequences; ``TopKSign.encode`` of each,
+    byte for byte): e = g + e, the kept set, m = float32(correctly rounded sum of |kept| /
+    k) per tensor here, then the bodies and e[kept] -= +-m. (bodies, non-finite flags: e
+    untouched there.)"""
+    if not gs:
+        return [], []
+    backend = for_device(gs[0].device)
+    sel = backend.topkq_select_segments(gs, es, ks)
     magnitudes = [
         float(np.float32(math.fsum(sums) / k)) if k else 0.0
         for sums, k in zip(sel.chunk_sums(), sel.ks.tolist(), strict=True)
     ]
-    bodies = cpu.topkq_write_segments(sel, magnitudes)
+    bodies = backend.topkq_write_segments(sel, magnitudes)
     return bodies, [bool(b) for b in sel.nonfinite.tolist()]
 
 

@@ -82,18 +82,15 @@ class TopK(RatioLevels, GatherCompressor):
         return 0, params, body  # e = a - decode(body): _select subtracted what it sent
 
     # the bucket forms of the codec (kernels/sparse.c, kernels/sparse.cu): TopKSign sets
-    # its own, and whether its encode_segments takes CUDA tensors
+    # its own
     encode_segments = staticmethod(sparse.topk_encode_segments)
     decode_kept_segments = staticmethod(sparse.topk_decode_segments)
-    cuda_encode_segments = True
     cuda_decode_segments = True
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if len({g.device for g in gs}) != 1 or (
-            gs[0].device.type == "cuda" and not self.cuda_encode_segments
-        ):
-            return super().encode_bucket(tensors, names)  # none, several devices, or top-k + sign
+        if len({g.device for g in gs}) != 1:  # none, or on several devices
+            return super().encode_bucket(tensors, names)
         es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
         ratios = [self.level(name) for name in names]
         ks = [sparse.topk_count(g.numel(), r) for g, r in zip(gs, ratios, strict=True)]
@@ -160,7 +157,6 @@ class TopKSign(TopK):
 
     encode_segments = staticmethod(sparse.topk_sign_encode_segments)
     decode_kept_segments = staticmethod(sparse.topk_sign_decode_segments)
-    cuda_encode_segments = False  # on CUDA: torch's selection (topk_select), tensor by tensor
 
     def __repr__(self) -> str:
         return f"TopKSign(ratio={self.ratio})"

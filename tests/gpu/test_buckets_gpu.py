@@ -441,9 +441,10 @@ def check_topk_segments(s: Setup, ratio: float = 0.05, reference=None, signs: bo
                 np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
 
 
-def topk_encode_per_tensor(gs, es, ks, us=None, momentum: float = 0.0):
+def topk_encode_per_tensor(gs, es, ks, us=None, momentum: float = 0.0, signs: bool = False):
     """``topk_encode_segments``' reference: ``TopK.encode``'s (``DGC.encode``'s with the
-    velocities ``us``) steps on each tensor, the codec's per-tensor calls."""
+    velocities ``us``, ``TopKSign.encode``'s with ``signs``) steps on each tensor, the
+    codec's per-tensor calls."""
     from hvdcompress.codecs import primitives as prim
     from hvdcompress.codecs import sparse
 
@@ -459,32 +460,62 @@ def topk_encode_per_tensor(gs, es, ks, us=None, momentum: float = 0.0):
         nonfinite.append(bool(bad))
         if bad:
             bodies.append(torch.empty(0, dtype=torch.uint8))
-            continue
-        body, idx = sparse.topk_encode(e, k)
-        e[idx] = 0.0
-        if u is not None:
-            u[idx] = 0.0
-        bodies.append(body)
+        elif signs:
+            body, idx, m = sparse.topk_sign_encode(e, k)
+            e[idx] -= sparse.topk_sign_values(m, e[idx] < 0)
+            bodies.append(body)
+        else:
+            body, idx = sparse.topk_encode(e, k)
+            e[idx] = 0.0
+            if u is not None:
+                u[idx] = 0.0
+            bodies.append(body)
     return bodies, nonfinite
 
 
+def topk_sign_encode_on(backend, device_type: str):
+    """The codec's ``topk_sign_encode_segments`` (two launch sequences or native calls,
+    the magnitudes rounded between on the host) with ``backend`` serving ``device_type``."""
+    from unittest import mock
+
+    from hvdcompress import backends
+    from hvdcompress.codecs import sparse
+
+    def encode(gs, es, ks, us=None, momentum=0.0):
+        assert us is None
+        with mock.patch.dict(backends._BACKENDS, {device_type: backend}):
+            return sparse.topk_sign_encode_segments(gs, es, ks)
+
+    return encode
+
+
 def check_topk_encode_segments(
-    s: Setup, ratio: float = 0.05, momentum: float | None = None, reference=None
+    s: Setup,
+    ratio: float = 0.05,
+    momentum: float | None = None,
+    reference=None,
+    signs: bool = False,
 ) -> None:
     """Top-k's bucket encode as one launch sequence (kernels/sparse.cu: every segment's
     radix select at once, no read before the last launch) gives the CPU's bodies,
-    non-finite flags and residuals (DGC, ``momentum`` set: and velocities), step after
-    step with error feedback built up. The bucket has empty tensors, a NaN, all-zero
-    tensors and repeated values (ties at the threshold), a tensor with k = 0, and k = n
-    at ratio 1. ``reference(gs, es, ks, us, momentum)``: the encoder to compare with (the
-    CPU backend's by default)."""
+    non-finite flags and residuals (DGC, ``momentum`` set: and velocities; top-k + sign
+    with ``signs``: two launch sequences, one read between), step after step with error
+    feedback built up. The bucket has empty tensors, a NaN, all-zero tensors and repeated
+    values (ties at the threshold), a tensor with k = 0, and k = n at ratio 1.
+    ``reference(gs, es, ks, us, momentum)``: the encoder to compare with (the CPU
+    backend's by default)."""
     from hvdcompress.codecs import sparse
 
     gen = torch.Generator().manual_seed(37)
     xs = make_bucket(gen)
     ks = [sparse.topk_count(x.numel(), ratio) for x in xs]
     ks[6] = 0  # a tensor of 7 elements that sends nothing: its a still becomes g + e
-    reference = reference or s.cpu.topk_encode_segments
+    if signs:
+        reference = reference or topk_sign_encode_on(s.cpu, "cpu")
+        encode = topk_sign_encode_on(s.backend, s.dev.type)
+    else:
+        reference = reference or s.cpu.topk_encode_segments
+        encode = s.backend.topk_encode_segments
     es = [torch.zeros_like(x) for x in xs]
     us = None if momentum is None else [torch.zeros_like(x) for x in xs]
     des = [e.to(s.dev, copy=True) for e in es]
@@ -493,9 +524,7 @@ def check_topk_encode_segments(
     for step in range(3):
         gs = [x * (step + 1) for x in xs]
         want, wbad = reference(gs, es, ks, us, m)
-        got, gbad = s.backend.topk_encode_segments(
-            [g.to(s.dev, copy=True) for g in gs], des, ks, dus, m
-        )
+        got, gbad = encode([g.to(s.dev, copy=True) for g in gs], des, ks, dus, m)
         assert gbad == wbad and sum(wbad) == 1, (gbad, wbad)
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_bytes(g, w, f"step {step} body {i}")
@@ -763,6 +792,12 @@ def test_randomk_encode_segments_match_cpu(gpu, ef):
 @pytest.mark.parametrize("momentum", [None, 0.9, 0.0], ids=["topk", "dgc", "dgc_no_momentum"])
 def test_topk_encode_segments_match_cpu(gpu, ratio, momentum):
     check_topk_encode_segments(gpu, ratio, momentum)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [0.05, 1.0])
+def test_topkq_encode_segments_match_cpu(gpu, ratio):
+    check_topk_encode_segments(gpu, ratio, signs=True)
 
 
 @pytest.mark.gpu

@@ -125,7 +125,8 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(sparse_topk_histogram_segments) \
     HOST_KERNEL(sparse_topk_ties_segments)  \
     HOST_KERNEL(sparse_topk_keep_segments)  \
-    HOST_KERNEL(sparse_topk_gather_segments)
+    HOST_KERNEL(sparse_topk_gather_segments) \
+    HOST_KERNEL(sparse_topkq_write_segments)
 
 #define HOST_KERNEL(k)                         \
     if (strcmp(name, #k) == 0) {               \

@@ -320,8 +320,14 @@ def test_emulated_topk_encode_segments(setup, ratio, momentum):
     test_buckets_gpu.check_topk_encode_segments(setup, ratio, momentum)
 
 
-@pytest.mark.parametrize("momentum", [None, 0.9], ids=["topk", "dgc"])
-def test_emulated_topk_encode_segments_of_int64_indices(setup, monkeypatch, momentum):
+@pytest.mark.parametrize("ratio", [0.05, 0.3, 1.0])
+def test_emulated_topkq_encode_segments(setup, ratio):
+    test_buckets_gpu.check_topk_encode_segments(setup, ratio, signs=True)
+
+
+@pytest.mark.parametrize("momentum,signs", [(None, False), (0.9, False), (None, True)],
+                         ids=["topk", "dgc", "topkq"])  # fmt: skip
+def test_emulated_topk_encode_segments_of_int64_indices(setup, monkeypatch, momentum, signs):
     """The int64 index layout, with the limit lowered to 64 elements in the codec and the
     backend: the codec's per-tensor encode is the reference (the CPU's native encoder keeps
     the real limit). Bodies at odd k put int64 indices at 4-byte offsets."""
@@ -329,9 +335,11 @@ def test_emulated_topk_encode_segments_of_int64_indices(setup, monkeypatch, mome
 
     monkeypatch.setattr(sparse, "INDEX32_LIMIT", 64)
     monkeypatch.setattr(setup.backend, "TOPK_INDEX32_LIMIT", 64)
-    test_buckets_gpu.check_topk_encode_segments(
-        setup, 0.05, momentum, test_buckets_gpu.topk_encode_per_tensor
-    )
+
+    def reference(gs, es, ks, us, m):
+        return test_buckets_gpu.topk_encode_per_tensor(gs, es, ks, us, m, signs)
+
+    test_buckets_gpu.check_topk_encode_segments(setup, 0.05, momentum, reference, signs)
 
 
 def test_topk_gather_writes_indices_above_2_to_the_32(host):
@@ -357,7 +365,11 @@ def test_topk_gather_writes_indices_above_2_to_the_32(host):
         np.int64(2**31),  # int64 indices from 2^31 elements on
         np.uint64(keep.ctypes.data - base),
         np.uint64(incl.ctypes.data - 8 * base),
+        np.uint64(0),  # no slots: top-k's bodies
+        np.uint64(0),
     ]
+    sig = kernel_signatures((KERNELS / SPARSE.file).read_text())["sparse_topk_gather_segments"]
+    assert len(args) == len(sig)  # a raw launch: a wrong count would read past the array
     values = [np.array(v) for v in args]
     params = (ctypes.c_void_p * len(values))(*[v.ctypes.data for v in values])
     assert host.lib.host_launch(b"sparse_topk_gather_segments", 1, 32, params) == 0
@@ -498,6 +510,7 @@ TRAINING_CASES = [
     ("qsgd", {}),
     ("efsignsgd", {}),
     ("topk", {"ratio": 0.05}),
+    ("topkq", {"ratio": 0.05}),
     ("dgc", {"ratio": 0.05, "momentum": 0.0}),  # the helpers' optimizer has momentum
     ("randomk", {"ratio": 0.1}),
     ("randomk", {"ratio": 0.2, "unbiased": False, "error_feedback": True}),
@@ -539,7 +552,7 @@ def test_emulated_cuda_path_trains_as_the_cpu_path(
     assert len(set(want)) == 1
     assert got == want
     assert "hvd_frame_table" in cuda_on_host.calls  # the frames were scanned as on a GPU
-    if name in ("topk", "dgc"):  # selected by the bucket encoder's radix select
+    if name in ("topk", "topkq", "dgc"):  # selected by the bucket encoder's radix select
         assert "sparse_topk_gather_segments" in cuda_on_host.calls
     if exchange == "allgather":  # decoded by the bucket decoders (stage 2 of the
         assert per_payload == []  # two-stage exchange decodes payload by payload)
