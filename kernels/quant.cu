@@ -1,6 +1,6 @@
-// Stochastic quantisers QSGD, TernGrad and DQSG, and random-k's bucket decode (docs/design.md
-// sections 3 and 4): the CUDA twin of kernels/quant.c and of random-k's part of
-// kernels/sparse.c (CPU backend), byte for byte the same; formulas in
+// Stochastic quantisers QSGD, TernGrad and DQSG, and random-k's and GSpar's buckets
+// (docs/design.md sections 3 and 4): the CUDA twin of kernels/quant.c and of random-k's
+// and GSpar's parts of kernels/sparse.c (CPU backend), byte for byte the same; formulas in
 // hvdcompress/codecs/quant.py's module docstring, one IEEE float32 operation each
 // (__fdiv_rn & co., never contracted).
 //
@@ -885,6 +885,216 @@ extern "C" __global__ void quant_randomk_gather_segments(const long long* __rest
             const bool kept = flags[off + i] != 0;
             if (kept) values[incl[off + i] - 1 - before] = a;
             if (e) e[i] = kept ? 0.0f : a;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 11. GSpar's buckets (docs/design.md section 4.9; the CPU's hvdc_gspar_encode_segments):
+// p_i = min(1, c |a_i|), c the fixed point of c = (T - |S|) / sum_{i not in S} |a_i|, S the
+// entries saturated at c, for every tensor of a bucket at once. The host reads once per
+// round of the iteration (every tensor's saturated count and chunk sums in one copy),
+// not once per tensor and round:
+//   quant_gspar_prepare_segments   the non-finite flag and the non-zero count of a
+//   quant_gspar_form_segments      a = g + e into e (error feedback), where finite
+//   quant_gspar_round_segments     a round at the scales the host sent: the saturated
+//                                  count and the ordered chunk sums of the others
+//   quant_gspar_flags_segments     kept iff u_i < p_i; then one scan of the bucket's flags
+//   quant_gspar_count_segments     each tensor's kept count, read by the host to size
+//                                  the bodies
+//   quant_gspar_gather_segments    the values (a_i / p_i, or a_i unscaled with error
+//                                  feedback) and indices into the bodies, e_i = 0 there
+// Table: column 0 g, 1 e (0: none; a = g), 2 n, 3 the segment's first flag in the
+// bucket, 4 its first chunk, 5 the key, 6 its first element tile. `scales[s]`: the float32
+// c of segment s; +inf keeps every non-zero entry (p_i = [a_i != 0]); negative: the
+// segment takes no part (non-finite, or left to the per-tensor path).
+#define HVD_GSPAR_SEG_CHUNK 4
+#define HVD_GSPAR_ST_COUNT 4  // int64 at words 4-5: the non-zero count, then the kept count
+
+// a_i of a row: e_i once formed (or g_i + e_i before), else g_i.
+__device__ __forceinline__ float hvd_gspar_a(const long long* row, long long i, bool formed)
+{
+    const float* g = (const float*)row[HVD_QUANT_SEG_IN];
+    const float* e = (const float*)row[HVD_QUANT_SEG_AUX];
+    if (!e) return g[i];
+    return formed ? e[i] : __fadd_rn(e[i], g[i]);
+}
+
+// p_i at the scale c: min(|a_i| c, 1) (one float32 product), or [a_i != 0] at c = +inf.
+__device__ __forceinline__ float hvd_gspar_p(float a, float c)
+{
+    const float m = fabsf(a);
+    if (__float_as_uint(c) == 0x7f800000u) return m > 0.0f ? 1.0f : 0.0f;  // +inf
+    const float q = __fmul_rn(m, c);
+    return q > 1.0f ? 1.0f : q;
+}
+
+// Each segment's non-finite flag (some a_i a NaN or an Inf) and non-zero count of a.
+// grid: blocks loop over tiles of `tile` elements. bytes: reads 4n (8n with e).
+extern "C" __global__ void quant_gspar_prepare_segments(const long long* __restrict__ seg,
+                                                        long long nseg, long long ntiles,
+                                                        long long tile,
+                                                        unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        unsigned int* state = states + s * HVD_QUANT_STATE_WORDS;
+        const long long n = row[HVD_QUANT_SEG_N];
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        bool bad = false;
+        unsigned long long nonzero = 0ull;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            const float a = hvd_gspar_a(row, i, false);
+            bad |= hvd_quant_nonfinite(a);
+            nonzero += a != 0.0f;
+        }
+        if (bad) atomicOr(state + HVD_QUANT_ST_NONFINITE, 1u);
+        if (nonzero) atomicAdd((unsigned long long*)(state + HVD_GSPAR_ST_COUNT), nonzero);
+    }
+}
+
+// e_i = e_i + g_i for each finite segment with a residual. grid: blocks loop over tiles of
+// `tile` elements. bytes: reads 8n, writes 4n.
+extern "C" __global__ void quant_gspar_form_segments(const long long* __restrict__ seg,
+                                                     long long nseg, long long ntiles,
+                                                     long long tile,
+                                                     const unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
+        if (states[s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_NONFINITE]) continue;
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const float* g = (const float*)row[HVD_QUANT_SEG_IN];
+        float* e = (float*)row[HVD_QUANT_SEG_AUX];
+        if (!e) continue;
+        const long long n = row[HVD_QUANT_SEG_N];
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x)
+            e[i] = __fadd_rn(e[i], g[i]);
+    }
+}
+
+// One round at scales[s] >= 0 (c = 0 saturates nothing): counts[s] += how many |a_i| c
+// >= 1 (one float32 product), sums[ch] = the sum in double, left to right, of the other
+// |a_i| of chunk ch (`chunk` elements of a segment; its last may be short), as the CPU's
+// hvdc_gspar_round. grid: one thread a chunk (grid-stride over the bucket's `nchunks`).
+// bytes: reads 4 an element, writes 8 a chunk (uncoalesced: chunks of 1024 elements).
+extern "C" __global__ void quant_gspar_round_segments(const long long* __restrict__ seg,
+                                                      long long nseg, long long nchunks,
+                                                      long long chunk,
+                                                      const float* __restrict__ scales,
+                                                      unsigned long long* __restrict__ counts,
+                                                      double* __restrict__ sums)
+{
+    const long long stride = hvd_quant_grid_stride();
+    for (long long ch = hvd_quant_first_index(); ch < nchunks; ch += stride) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, ch, HVD_GSPAR_SEG_CHUNK);
+        const float c = scales[s];
+        if (!(c >= 0.0f)) continue;
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const long long n = row[HVD_QUANT_SEG_N];
+        const long long lo = (ch - row[HVD_GSPAR_SEG_CHUNK]) * chunk;
+        const long long hi = lo + chunk < n ? lo + chunk : n;
+        unsigned long long saturated = 0ull;
+        double sum = 0.0;
+        for (long long i = lo; i < hi; ++i) {
+            const float m = fabsf(hvd_gspar_a(row, i, true));
+            const bool sat = __fmul_rn(m, c) >= 1.0f;
+            saturated += sat;
+            sum = hvd_quant_dadd(sum, sat ? 0.0 : (double)m);
+        }
+        sums[ch] = sum;
+        if (saturated) atomicAdd(counts + s, saturated);
+    }
+}
+
+// flags[off + i] = 1 iff u_i < p_i at scales[s] (0 for a segment that takes no part).
+// grid: blocks loop over tiles of `tile` elements. bytes: reads 4n, writes n.
+extern "C" __global__ void quant_gspar_flags_segments(const long long* __restrict__ seg,
+                                                      long long nseg, long long ntiles,
+                                                      long long tile,
+                                                      const float* __restrict__ scales,
+                                                      unsigned char* __restrict__ flags)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const float c = scales[s];
+        const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
+        unsigned char* f = flags + row[HVD_QUANT_SEG_FLAGS];
+        const long long n = row[HVD_QUANT_SEG_N];
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            const bool kept = c >= 0.0f &&
+                              hvd_quant_uniform(key, i) < hvd_gspar_p(hvd_gspar_a(row, i, true), c);
+            f[i] = kept ? 1 : 0;
+        }
+    }
+}
+
+// Each segment's kept count (from `incl`, the inclusive scan of the flags) into its
+// state's count words. grid: one thread a segment (grid-stride). bytes: 16 a segment.
+extern "C" __global__ void quant_gspar_count_segments(const long long* __restrict__ seg,
+                                                      long long nseg,
+                                                      const long long* __restrict__ incl,
+                                                      unsigned int* __restrict__ states)
+{
+    const long long stride = hvd_quant_grid_stride();
+    for (long long s = hvd_quant_first_index(); s < nseg; s += stride) {
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        const long long n = row[HVD_QUANT_SEG_N], off = row[HVD_QUANT_SEG_FLAGS];
+        const long long before = off > 0 ? incl[off - 1] : 0;
+        *(long long*)(states + s * HVD_QUANT_STATE_WORDS + HVD_GSPAR_ST_COUNT) =
+            incl[off + n - 1] - before;
+    }
+}
+
+// The kept entries of each segment with a body (bodies[s] != 0: k float32 values, then k
+// indices, int32, or int64 from `wide_from` elements on; k from the state's count): value
+// j = a_i / p_i (`scaled`) or a_i, index j = i (slot j: i's rank among the kept ones), and
+// with a residual e_i = 0. grid: blocks loop over tiles of `tile` elements. bytes: reads
+// n + 8n, and for each kept element reads 4, writes 8 or 12 (+ 4 with e).
+extern "C" __global__ void quant_gspar_gather_segments(const long long* __restrict__ seg,
+                                                       long long nseg, long long ntiles,
+                                                       long long tile, int scaled,
+                                                       long long wide_from,
+                                                       const float* __restrict__ scales,
+                                                       const unsigned char* __restrict__ flags,
+                                                       const long long* __restrict__ incl,
+                                                       const long long* __restrict__ bodies,
+                                                       const unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
+        float* values = (float*)bodies[s];
+        if (!values) continue;
+        const long long* row = seg + s * HVD_QUANT_SEG_COLS;
+        float* e = (float*)row[HVD_QUANT_SEG_AUX];
+        const float c = scales[s];
+        const long long n = row[HVD_QUANT_SEG_N], off = row[HVD_QUANT_SEG_FLAGS];
+        const long long k =
+            *(const long long*)(states + s * HVD_QUANT_STATE_WORDS + HVD_GSPAR_ST_COUNT);
+        unsigned int* indices = (unsigned int*)(values + k);  // 4-byte aligned words
+        const bool wide = n >= wide_from;
+        const long long before = off > 0 ? incl[off - 1] : 0;
+        const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            if (!flags[off + i]) continue;
+            const long long j = incl[off + i] - 1 - before;
+            const float a = hvd_gspar_a(row, i, true);
+            values[j] = scaled ? __fdiv_rn(a, hvd_gspar_p(a, c)) : a;
+            if (wide) {  // little-endian int64 as two words (j odd: not 8-byte aligned)
+                indices[2 * j] = (unsigned int)((unsigned long long)i & 0xffffffffull);
+                indices[2 * j + 1] = (unsigned int)((unsigned long long)i >> 32);
+            } else {
+                indices[j] = (unsigned int)i;
+            }
+            if (e) e[i] = 0.0f;
         }
     }
 }

@@ -4,8 +4,8 @@
 //           hvdc_topk_decode_segments and hvdc_topkq_decode_segments);
 //   encode: top-k with error feedback and DGC's momentum-corrected form, selected by a
 //           radix select of every segment at once (hvdc_topk_encode_segments; section
-//           "Top-k's bucket encode" below), top-k + sign too. GSpar still selects tensor
-//           by tensor on torch (hvdcompress/backends/cuda.py).
+//           "Top-k's bucket encode" below), top-k + sign too. GSpar's bucket encode
+//           is in kernels/quant.cu section 11, next to the uniforms it draws with.
 //
 // Top-k body: k float32 values, then k indices in ascending order (int32 when n < 2^31,
 // else int64), little-endian. Top-k + sign (`signs` set): one float32 magnitude m, the k

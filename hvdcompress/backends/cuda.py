@@ -120,6 +120,12 @@ QUANT = KernelFamily(
         "quant_randomk_add_segments",
         "quant_randomk_count_segments",
         "quant_randomk_gather_segments",
+        "quant_gspar_prepare_segments",
+        "quant_gspar_form_segments",
+        "quant_gspar_round_segments",
+        "quant_gspar_flags_segments",
+        "quant_gspar_count_segments",
+        "quant_gspar_gather_segments",
     ),
 )
 # The sparse codecs' bucket decode (C twin: kernels/sparse.c, hvdc_topk_decode_segments).
@@ -2362,6 +2368,113 @@ def ndqsg_side_decode(
 
 
 # ---- GSpar's scale rounds and draw: torch ops on the device ----------------------------------
+
+
+_GSPAR_SEG_CHUNK = 4  # HVD_GSPAR_SEG_CHUNK of kernels/quant.cu: a segment's first chunk
+
+
+def gspar_encode_segments(
+    gs: list[torch.Tensor],
+    keys: list[int],
+    budgets: list[float],
+    chunk: int,
+    es: list[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor | None], list[bool]]:
+    """The CPU backend's ``gspar_encode_segments`` (the same bodies, flags and residuals)
+    on one CUDA device (kernels/quant.cu section 11): every tensor's non-finite flag and
+    non-zero count, one read; with error feedback a = g + e formed in e; the scale
+    iteration of every tensor at once, one launch and one read a round (the host sums the
+    chunk sums with ``math.fsum`` as the CPU does); the draw's flags, one scan, the kept
+    counts, one read; then one launch that writes the bodies (views of one buffer). None
+    for a tensor whose sum of the rest comes out 0 (the caller's path, e holding a)."""
+    count = len(gs)
+    if not count:
+        return [], []
+    device = _bucket_device(gs, "g")
+    if es is not None:
+        _check_residuals(gs, es)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
+    bodies: list[torch.Tensor | None] = [torch.empty(0, dtype=torch.uint8, device=device)] * count
+    nonfinite = [False] * count
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return bodies, nonfinite
+    lns = ns[live]
+    chunks = -(-lns // chunk)
+    first_chunk = np.cumsum(chunks) - chunks
+    nchunks = int(chunks.sum())
+    table = _rows(gs, live, es)
+    table[:, _QUANT_SEG_FLAGS] = np.cumsum(lns) - lns
+    table[:, _GSPAR_SEG_CHUNK] = first_chunk
+    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    budget = np.asarray(budgets, dtype=np.float64).reshape(count)[live]
+    elements = _segments(table, lns, device)
+    rows, nrows = _ptr(elements.rows), np.int64(elements.count)
+    with _Launcher(device) as k:
+        states = k.states(elements.count)
+        k.tiles("quant_gspar_prepare_segments", elements, _ptr(states))
+        host = _read_state(states).reshape(elements.count, _STATE_WORDS)
+        bad = host[:, _ST_NONFINITE] != 0
+        nonzero = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        if es is not None:
+            k.tiles("quant_gspar_form_segments", elements, _ptr(states))
+        scales = np.where(budget >= nonzero, np.inf, -1.0).astype(np.float32)
+        scales[bad] = -1.0
+        iterating = ~bad & (budget < nonzero)
+        first = iterating.copy()  # the pending round is round 0 (c = 0: nothing saturated)
+        left_over = np.zeros(elements.count, dtype=bool)  # the rest summed to 0: per tensor
+        saturated = np.zeros(elements.count, dtype=np.int64)
+        c32 = np.where(iterating, np.float32(0.0), scales).astype(np.float32)
+        words = torch.empty(2 * elements.count + 2 * nchunks, dtype=torch.int32, device=device)
+        for _ in range(int(nonzero.max()) + 3):  # codecs/sparse.py gspar_scale's bound
+            if not iterating.any():
+                break
+            words.zero_()
+            counts, sums = words[: 2 * elements.count], words[2 * elements.count :]
+            at = torch.from_numpy(np.where(iterating, c32, np.float32(-1.0))).to(device)
+            args = (rows, nrows, np.int64(nchunks), np.int64(chunk), _ptr(at))
+            k("quant_gspar_round_segments", nchunks, *args, _ptr(counts), _ptr(sums))
+            read = _read_state(words)
+            now = read[: 2 * elements.count].view(np.int64)
+            totals = read[2 * elements.count :].view(np.float64)
+            for row in np.flatnonzero(iterating).tolist():
+                if not first[row] and now[row] == saturated[row]:
+                    iterating[row] = False  # converged: c32[row] is the scale
+                    continue
+                first[row] = False
+                saturated[row] = now[row]
+                lo = int(first_chunk[row])
+                rest = math.fsum(totals[lo : lo + int(chunks[row])].tolist())
+                if not rest > 0.0:
+                    iterating[row], left_over[row] = False, True
+                    continue
+                c32[row] = np.float32((budget[row] - saturated[row]) / rest)
+        else:
+            raise AssertionError("the GSpar scale iteration did not converge")
+        draw = np.where(bad | left_over, np.float32(-1.0), c32).astype(np.float32)
+        scales_at = torch.from_numpy(draw).to(device)
+        flags = k.empty(int(lns.sum()), torch.uint8)
+        k.tiles("quant_gspar_flags_segments", elements, _ptr(scales_at), _ptr(flags))
+        incl = torch.cumsum(flags, 0, dtype=torch.int64)
+        k("quant_gspar_count_segments", elements.count, rows, nrows, _ptr(incl), _ptr(states))
+        host = _read_state(states).reshape(elements.count, _STATE_WORDS)
+        kept = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        sizes = np.where(draw >= 0, kept * np.where(lns >= TOPK_INDEX32_LIMIT, 12, 8), 0)
+        rooms = -(-sizes // 8) * 8
+        firsts = np.cumsum(rooms) - rooms
+        buf = k.empty(max(int(rooms.sum()), 8), torch.uint8)
+        at = np.where(draw >= 0, buf.data_ptr() + firsts, 0).astype(np.int64)
+        body_at = torch.from_numpy(at).to(device)
+        args = (np.int32(es is None), np.int64(TOPK_INDEX32_LIMIT), _ptr(scales_at))
+        gather = (*args, _ptr(flags), _ptr(incl), _ptr(body_at), _ptr(states))
+        k.tiles("quant_gspar_gather_segments", elements, *gather)
+    for row, i in enumerate(live.tolist()):
+        nonfinite[i] = bool(bad[row])
+        if left_over[row]:
+            bodies[i] = None
+        elif not bad[row]:
+            bodies[i] = buf[int(firsts[row]) :][: int(sizes[row])]
+    return bodies, nonfinite
 
 
 def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:

@@ -319,14 +319,16 @@ def gspar_encode_segments(
     budgets: list[float],
     es: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """``gspar_encode`` of a bucket's tensors (flat float32 on the CPU, finite or flagged)
-    in one native call: (bodies, non-finite flags). Scaled; or with the residuals ``es``
-    (error feedback) of a = g + e, unscaled, each e becoming a with the kept entries zeroed
+    """``gspar_encode`` of a bucket's tensors (flat float32 on one device, finite or
+    flagged) in one native call (on CUDA one launch sequence, a read a round of the scale
+    iteration): (bodies, non-finite flags). Scaled; or with the residuals ``es`` (error
+    feedback) of a = g + e, unscaled, each e becoming a with the kept entries zeroed
     (untouched where a is not finite). A tensor the call leaves to its caller (more kept
     than its room) is encoded alone."""
-    from hvdcompress.backends import cpu
-
-    bodies, nonfinite = cpu.gspar_encode_segments(gs, keys, budgets, GSPAR_CHUNK, es)
+    if not gs:
+        return [], []
+    backend = for_device(gs[0].device)
+    bodies, nonfinite = backend.gspar_encode_segments(gs, keys, budgets, GSPAR_CHUNK, es)
     out = []
     for i, (g, key, budget, body) in enumerate(zip(gs, keys, budgets, bodies, strict=True)):
         if body is None and es is None:

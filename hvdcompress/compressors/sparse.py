@@ -375,8 +375,8 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if not gs or any(g.device.type != "cpu" for g in gs):
-            return super().encode_bucket(tensors, names)  # the CUDA draw
+        if len({g.device for g in gs}) != 1:  # none, or on several devices
+            return super().encode_bucket(tensors, names)
         es = self.bucket_residuals(gs, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         ratios = [self.level(name) for name in names]

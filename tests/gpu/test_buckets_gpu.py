@@ -557,6 +557,36 @@ def check_randomk_encode_segments(s: Setup, ratio: float = 0.1, ef: bool = True)
             np.testing.assert_array_equal(bits(de), bits(e), f"step {step} residual {i}")
 
 
+def check_gspar_encode_segments(s: Setup, ratio: float = 0.1, ef: bool = True) -> None:
+    """GSpar's bucket encode (kernels/quant.cu section 11: every tensor's scale iteration
+    at once, a read a round) gives the CPU's bodies, non-finite flags and, with error
+    feedback, residuals, step after step; at ratio 1 a tensor's budget reaches its
+    non-zero count and every non-zero entry is kept. Spikes (every 37th entry of the big
+    tensors times 1000) saturate at the first scale, so the iteration takes rounds."""
+    from hvdcompress.codecs import sparse
+
+    gen = torch.Generator().manual_seed(38)
+    xs = make_bucket(gen)
+    for x in xs[-5:-3]:
+        x[::37] *= 1000.0
+    budgets = [ratio * x.numel() for x in xs]
+    es = [torch.zeros_like(x) for x in xs] if ef else None
+    des = [e.to(s.dev, copy=True) for e in es] if ef else None
+    for step in range(3):
+        gs = [x * (step + 1) for x in xs]
+        keys = [(11 * step + 104729 * i) % 2**64 for i in range(len(gs))]
+        want, wbad = s.cpu.gspar_encode_segments(gs, keys, budgets, sparse.GSPAR_CHUNK, es)
+        got, gbad = s.backend.gspar_encode_segments(
+            [g.to(s.dev, copy=True) for g in gs], keys, budgets, sparse.GSPAR_CHUNK, des
+        )
+        assert gbad == wbad and sum(wbad) == 1, (gbad, wbad)
+        assert all(w is not None for w in want)  # no tensor left to the per-tensor path
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bytes(g, w, f"step {step} body {i}")
+        for i, (de, e) in enumerate(zip(des or [], es or [], strict=True)):
+            np.testing.assert_array_equal(bits(de), bits(e), f"step {step} residual {i}")
+
+
 def check_randomk_segments(s: Setup, ratio: float = 0.1, scale: float = 1.0) -> None:
     """Random-k bodies decoded as one launch sequence (kept flags regenerated, one scan,
     counts and values checked, one read, one add) add what the CPU's bucket decoder adds;
@@ -798,6 +828,12 @@ def test_topk_encode_segments_match_cpu(gpu, ratio, momentum):
 @pytest.mark.parametrize("ratio", [0.05, 1.0])
 def test_topkq_encode_segments_match_cpu(gpu, ratio):
     check_topk_encode_segments(gpu, ratio, signs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ef", [False, True], ids=["plain", "error_feedback"])
+def test_gspar_encode_segments_match_cpu(gpu, ef):
+    check_gspar_encode_segments(gpu, ef=ef)
 
 
 @pytest.mark.gpu

@@ -115,7 +115,13 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(quant_randomk_check_segments)     \
     HOST_KERNEL(quant_randomk_add_segments)       \
     HOST_KERNEL(quant_randomk_count_segments)     \
-    HOST_KERNEL(quant_randomk_gather_segments)
+    HOST_KERNEL(quant_randomk_gather_segments)    \
+    HOST_KERNEL(quant_gspar_prepare_segments)     \
+    HOST_KERNEL(quant_gspar_form_segments)        \
+    HOST_KERNEL(quant_gspar_round_segments)       \
+    HOST_KERNEL(quant_gspar_flags_segments)       \
+    HOST_KERNEL(quant_gspar_count_segments)       \
+    HOST_KERNEL(quant_gspar_gather_segments)
 #define HOST_SPARSE_KERNELS                \
     HOST_KERNEL(sparse_topk_check_segments) \
     HOST_KERNEL(sparse_topk_add_segments)   \

@@ -303,6 +303,12 @@ def test_emulated_randomk_encode_segments(setup, ratio, ef):
     test_buckets_gpu.check_randomk_encode_segments(setup, ratio, ef)
 
 
+@pytest.mark.parametrize("ef", [False, True], ids=["plain", "error_feedback"])
+@pytest.mark.parametrize("ratio", [0.1, 0.01, 1.0])
+def test_emulated_gspar_encode_segments(setup, ratio, ef):
+    test_buckets_gpu.check_gspar_encode_segments(setup, ratio, ef)
+
+
 @pytest.mark.parametrize("ratio,scale", [(0.1, 1.0), (0.01, 100.0), (1.0, 1.0)])
 def test_emulated_randomk_segments(setup, ratio, scale):
     test_buckets_gpu.check_randomk_segments(setup, ratio, scale)
@@ -513,6 +519,7 @@ TRAINING_CASES = [
     ("topkq", {"ratio": 0.05}),
     ("dgc", {"ratio": 0.05, "momentum": 0.0}),  # the helpers' optimizer has momentum
     ("randomk", {"ratio": 0.1}),
+    ("gspar", {"ratio": 0.1, "error_feedback": True}),
     ("randomk", {"ratio": 0.2, "unbiased": False, "error_feedback": True}),
     ("ndqsg", {"bucket_size": 64}),
 ]
@@ -554,5 +561,7 @@ def test_emulated_cuda_path_trains_as_the_cpu_path(
     assert "hvd_frame_table" in cuda_on_host.calls  # the frames were scanned as on a GPU
     if name in ("topk", "topkq", "dgc"):  # selected by the bucket encoder's radix select
         assert "sparse_topk_gather_segments" in cuda_on_host.calls
+    if name == "gspar":  # every tensor's scale iteration at once
+        assert "quant_gspar_gather_segments" in cuda_on_host.calls
     if exchange == "allgather":  # decoded by the bucket decoders (stage 2 of the
         assert per_payload == []  # two-stage exchange decodes payload by payload)
