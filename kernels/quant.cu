@@ -251,19 +251,67 @@ __device__ __forceinline__ float hvd_dqsg_value(int q, float delta, unsigned lon
     return __fmul_rn(delta, __fsub_rn((float)q, u));
 }
 
-// DQSG's codes q + s of group g, packed `bits` bits each after the deltas.
+// NDQSG's coset of the fine index k in the coarse lattice rho Z: k - rho rint(k / rho)
+// (float32 operations, rint half to even; kernels/quant.c hvdc_ndqsg_coset).
+__device__ __forceinline__ int hvd_ndqsg_coset(int k, int rho)
+{
+    const float kf = (float)k, rho_f = (float)rho;
+    return (int)__fsub_rn(kf, __fmul_rn(rho_f, rintf(__fdiv_rn(kf, rho_f))));
+}
+
+// NDQSG's side-information decode of element i (kernels/quant.c ndqsg_side_decode): with
+// u = v - 1/2 and safe = delta, or 1 where delta == 0, r = safe (m - u) - y,
+// k = m - rho rint(r / (safe rho)) (0 where delta == 0), returns w = delta (k - u); k into
+// *k_out. Each one float32 operation, in the CPU's order.
+__device__ __forceinline__ float hvd_ndqsg_side(int m, float delta, int rho, float y,
+                                                unsigned long long key, long long i,
+                                                float* k_out)
+{
+    const float rho_f = (float)rho;
+    const float safe = delta > 0.0f ? delta : 1.0f;
+    const float coarse = __fmul_rn(safe, rho_f);
+    const float u = __fsub_rn(hvd_quant_uniform(key, i), 0.5f), mf = (float)m;
+    const float r = __fsub_rn(__fmul_rn(safe, __fsub_rn(mf, u)), y);
+    float k = __fsub_rn(mf, __fmul_rn(rho_f, rintf(__fdiv_rn(r, coarse))));
+    k = delta > 0.0f ? k : 0.0f;
+    *k_out = k;
+    return __fmul_rn(delta, __fsub_rn(k, u));
+}
+
+// out_i += the decode of digit or coset m of element i: DQSG's delta (m - u) (rho 0), or
+// NDQSG's side decode with y = out_i / y_divisor; returns 1 when k_true (the sender's fine
+// indices, or 0) is given and its k_i differs from the decoded k (an aliased index).
+__device__ __forceinline__ int hvd_digits_add(float* out, long long i, int m, float delta,
+                                              unsigned long long key, int rho, float y_divisor,
+                                              const signed char* k_true)
+{
+    if (!rho) {
+        out[i] = __fadd_rn(out[i], hvd_dqsg_value(m, delta, key, i));
+        return 0;
+    }
+    float k;
+    const float w = hvd_ndqsg_side(m, delta, rho, __fdiv_rn(out[i], y_divisor), key, i, &k);
+    out[i] = __fadd_rn(out[i], w);
+    return k_true && (float)k_true[i] != k;
+}
+
+// DQSG's codes q + s of group g (with rho >= 2 NDQSG's codes coset(q) + rho / 2), packed
+// `bits` bits each after the deltas; q into k_out[i] when k_out is not 0.
 __device__ __forceinline__ void hvd_dqsg_encode_group(const float* w, long long n, long long g,
                                                       int levels, int bits, long long bucket,
                                                       unsigned long long key,
                                                       const float* deltas,
-                                                      unsigned char* packed)
+                                                      unsigned char* packed, int rho,
+                                                      signed char* k_out)
 {
     const long long lo = 8ll * g;
     const long long hi = lo + 8 < n ? lo + 8 : n;
     unsigned long long acc = 0ull;
     for (long long i = lo; i < hi; ++i) {
         const int q = hvd_dqsg_q(w[i], deltas[i / bucket], levels, key, i);
-        acc |= (unsigned long long)(q + levels) << (unsigned int)((i - lo) * bits);
+        if (k_out) k_out[i] = (signed char)q;
+        const int code = rho ? hvd_ndqsg_coset(q, rho) + rho / 2 : q + levels;
+        acc |= (unsigned long long)code << (unsigned int)((i - lo) * bits);
     }
     const long long nbytes = (n * (long long)bits + 7) / 8;
     const long long first_byte = g * (long long)bits;
@@ -271,12 +319,17 @@ __device__ __forceinline__ void hvd_dqsg_encode_group(const float* w, long long 
         packed[first_byte + k] = (unsigned char)(acc >> (8 * k));
 }
 
-// DQSG decode of group g of a checked body: out += delta * ((code - s) - (v - 1/2)).
-__device__ __forceinline__ void hvd_dqsg_decode_add_group(const unsigned char* body, long long n,
-                                                          long long g, int levels, int bits,
-                                                          long long bucket,
-                                                          unsigned long long key, float* out)
+// DQSG decode of group g of a checked body: out += delta * ((code - s) - (v - 1/2)); with
+// rho >= 2 (levels = rho / 2, the code offset) NDQSG's side decode of m = code - levels
+// (hvd_digits_add). Returns the aliased indices against k_true (0 without).
+__device__ __forceinline__ int hvd_dqsg_decode_add_group(const unsigned char* body, long long n,
+                                                         long long g, int levels, int bits,
+                                                         long long bucket,
+                                                         unsigned long long key, float* out,
+                                                         int rho, float y_divisor,
+                                                         const signed char* k_true)
 {
+    int aliased = 0;
     const long long nb = (n + bucket - 1) / bucket;
     const long long nbytes = (n * (long long)bits + 7) / 8;
     const unsigned long long acc = hvd_qsgd_load_group(body + 4ll * nb, g, bits, nbytes);
@@ -285,8 +338,9 @@ __device__ __forceinline__ void hvd_dqsg_decode_add_group(const unsigned char* b
     for (long long i = 8ll * g; i < hi; ++i) {
         const int code = (int)((acc >> (unsigned int)((i - 8ll * g) * bits)) & mask);
         const float delta = hvd_quant_load_f32(body + 4ll * (i / bucket));
-        out[i] = __fadd_rn(out[i], hvd_dqsg_value(code - levels, delta, key, i));
+        aliased += hvd_digits_add(out, i, code - levels, delta, key, rho, y_divisor, k_true);
     }
+    return aliased;
 }
 
 // 1. QSGD norms: norms[b] = float32(sqrt(sum over bucket b of x_i^2)), the sum in double
@@ -524,13 +578,14 @@ extern "C" __global__ void quant_bucket_floats_segments(const long long* __restr
 }
 
 // The codes of each segment, packed after its float32s (QSGD's, or with `dqsg` DQSG's
-// codes q + s). grid: blocks loop over tiles of `tile` groups of eight elements. bytes:
-// reads 4n (+ the floats), writes n bits / 8.
+// codes q + s, or with rho >= 2 too NDQSG's coset codes; then column 1, when not 0, is
+// where the segment's int8 fine indices q go). grid: blocks loop over tiles of `tile`
+// groups of eight elements. bytes: reads 4n (+ the floats), writes n bits / 8 (+ n).
 extern "C" __global__ void quant_packed_encode_segments(const long long* __restrict__ seg,
                                                         long long nseg, long long ntiles,
                                                         long long tile, int tiles_at,
                                                         int levels, int bits, long long bucket,
-                                                        int dqsg)
+                                                        int dqsg, int rho)
 {
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
@@ -546,7 +601,9 @@ extern "C" __global__ void quant_packed_encode_segments(const long long* __restr
         const long long end = first + tile < groups ? first + tile : groups;
         for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
             if (dqsg) {
-                hvd_dqsg_encode_group(x, n, g, levels, bits, bucket, key, floats, packed);
+                signed char* k_out = (signed char*)row[HVD_QUANT_SEG_AUX];
+                hvd_dqsg_encode_group(x, n, g, levels, bits, bucket, key, floats, packed, rho,
+                                      k_out);
             } else {
                 hvd_qsgd_encode_group(x, n, g, levels, bits, bucket, key, floats, packed);
             }
@@ -583,14 +640,15 @@ extern "C" __global__ void quant_packed_check_segments(const long long* __restri
 }
 
 // The decode with accumulate of each checked segment (QSGD's, or with `dqsg` DQSG's
-// reconstruction); the host launches it for the segments before the first refused one
-// only. grid: blocks loop over tiles of `tile` groups of eight elements. bytes: reads
-// n bits / 8 + the floats + 4n, writes 4n.
-extern "C" __global__ void quant_packed_decode_add_segments(const long long* __restrict__ seg,
-                                                            long long nseg, long long ntiles,
-                                                            long long tile, int tiles_at,
-                                                            int levels, int bits,
-                                                            long long bucket, int dqsg)
+// reconstruction, or with rho >= 2 too NDQSG's side decode: levels = rho / 2, side
+// information out / y_divisor, and per segment s the aliased count against k_trues[s]
+// into aliased[s] when k_trues is given); the host launches it for the segments before
+// the first refused one only. grid: blocks loop over tiles of `tile` groups of eight
+// elements. bytes: reads n bits / 8 + the floats + 4n (+ n), writes 4n.
+extern "C" __global__ void quant_packed_decode_add_segments(
+    const long long* __restrict__ seg, long long nseg, long long ntiles, long long tile,
+    int tiles_at, int levels, int bits, long long bucket, int dqsg, int rho, float y_divisor,
+    const long long* __restrict__ k_trues, unsigned long long* __restrict__ aliased)
 {
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_quant_tile_segment(seg, nseg, t, tiles_at);
@@ -602,37 +660,52 @@ extern "C" __global__ void quant_packed_decode_add_segments(const long long* __r
         const long long groups = (n + 7) / 8;
         const long long first = (t - row[tiles_at]) * tile;
         const long long end = first + tile < groups ? first + tile : groups;
+        const signed char* k_true = k_trues ? (const signed char*)k_trues[s] : 0;
+        unsigned long long count = 0ull;
         for (long long g = first + threadIdx.x; g < end; g += blockDim.x) {
             if (dqsg) {
-                hvd_dqsg_decode_add_group(body, n, g, levels, bits, bucket, key, out);
+                count += hvd_dqsg_decode_add_group(body, n, g, levels, bits, bucket, key, out,
+                                                   rho, y_divisor, k_true);
             } else {
                 hvd_qsgd_decode_group(body, n, g, levels, bits, bucket, out, 1);
             }
         }
+        if (count) atomicAdd(aliased + s, count);
     }
 }
 
-// DQSG with s = 1: the deltas as above (quant_bucket_floats_segments), then the digits
-// q + 1 five to a quartic byte (3LC's layout, most significant first, padding digits 1),
-// which threelc.cu's bucket zero-run encoder then codes. The digit kernel's table is a
-// second copy of the rows (threelc.cu's zero-run kernels read column 3 as the quartic
-// offset): column 0 w, 1 the first quartic byte, 2 n, 3 the deltas, 5 the key.
+// DQSG with s = 1 (and NDQSG's nested code with rho <= 3: its cosets of DQSG's q at
+// s = levels are ternary too): the deltas as above (quant_bucket_floats_segments), then the
+// digits q + 1 (coset(q) + 1) five to a quartic byte (3LC's layout, most significant
+// first, padding digits 1), which threelc.cu's bucket zero-run encoder then codes. The
+// digit kernel's table is a second copy of the rows (threelc.cu's zero-run kernels read
+// column 3 as the quartic offset): column 0 w, 1 the first quartic byte, 2 n, 3 the
+// deltas, 5 the key, 7 where the int8 q go (0: not kept).
 #define HVD_QUANT_SEG_DELTAS 3
 #define HVD_QUANT_SEG_QUARTIC 1
+#define HVD_QUANT_SEG_KS 7
 #define HVD_QUANT_SEG_DECODE_KEY 7  // the decode-add's key (threelc.cu's F32 column)
 #define HVD_QUANT_ZERO_GROUP 121  // quartic byte of five zero digits (q = 0)
 
-// The quartic byte of group j of w: digits hvd_dqsg_q(w_i, delta, 1) + 1.
+// The quartic byte of group j of w: digits q + 1, q = hvd_dqsg_q(w_i, delta, levels), or
+// with rho coset(q) + 1; q into k_out[i] when k_out is not 0.
 __device__ __forceinline__ unsigned char hvd_dqsg_ternary_byte(const float* w, long long n,
                                                                long long j, long long bucket,
                                                                unsigned long long key,
-                                                               const float* deltas)
+                                                               const float* deltas,
+                                                               int levels, int rho,
+                                                               signed char* k_out)
 {
     unsigned int byte = 0u;
     for (long long k = 0; k < 5; ++k) {
         const long long i = 5ll * j + k;
-        const int q = i < n ? hvd_dqsg_q(w[i], deltas[i / bucket], 1, key, i) : 0;
-        byte = byte * 3u + (unsigned int)(q + 1);
+        int d = 0;
+        if (i < n) {
+            const int q = hvd_dqsg_q(w[i], deltas[i / bucket], levels, key, i);
+            if (k_out) k_out[i] = (signed char)q;
+            d = rho ? hvd_ndqsg_coset(q, rho) : q;
+        }
+        byte = byte * 3u + (unsigned int)(d + 1);
     }
     return (unsigned char)byte;
 }
@@ -643,6 +716,7 @@ __device__ __forceinline__ unsigned char hvd_dqsg_ternary_byte(const float* w, l
 extern "C" __global__ void quant_dqsg_quartic_segments(const long long* __restrict__ seg,
                                                        long long nseg, long long ntiles,
                                                        long long tile, long long bucket,
+                                                       int levels, int rho,
                                                        const unsigned int* __restrict__ states,
                                                        unsigned char* __restrict__ quartic)
 {
@@ -654,13 +728,15 @@ extern "C" __global__ void quant_dqsg_quartic_segments(const long long* __restri
         const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_KEY];
         const float* deltas = (const float*)row[HVD_QUANT_SEG_DELTAS];
         const bool skip = states[s * HVD_QUANT_STATE_WORDS + HVD_QUANT_ST_NONFINITE] != 0u;
+        signed char* k_out = (signed char*)row[HVD_QUANT_SEG_KS];
         unsigned char* qb = quartic + row[HVD_QUANT_SEG_QUARTIC];
         const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
         const long long m = (n + 4) / 5;
         const long long end = first + tile < m ? first + tile : m;
         for (long long j = first + threadIdx.x; j < end; j += blockDim.x)
             qb[j] = skip ? (unsigned char)HVD_QUANT_ZERO_GROUP
-                         : hvd_dqsg_ternary_byte(w, n, j, bucket, key, deltas);
+                         : hvd_dqsg_ternary_byte(w, n, j, bucket, key, deltas, levels, rho,
+                                                 k_out);
     }
 }
 
@@ -693,13 +769,17 @@ extern "C" __global__ void quant_dqsg_deltas_check_segments(const long long* __r
 
 // out += delta * (q - (v - 1/2)) for every element of each checked segment, from the
 // bucket's expanded quartic bytes (threelc_zre_expand with run groups written as zero
-// groups: unlike 3LC, a zero q still adds the dither's -delta * u). Table: threelc.cu's
-// decode layout (column 1 out, 2 n, 3 the first quartic byte, 6 the first tile) with
-// column 0 the deltas (any byte offset) and column 7 the key. grid: blocks loop over tiles
-// of `tile` quartic bytes. bytes: reads m + 4n (+ the deltas), writes 4n.
+// groups: unlike 3LC, a zero q still adds the dither's -delta * u); with rho >= 2 the
+// digits are NDQSG cosets, side-decoded against out / y_divisor (hvd_digits_add), and
+// aliased[s] counts the indices that differ from k_trues[s] (when k_trues is given).
+// Table: threelc.cu's decode layout (column 1 out, 2 n, 3 the first quartic byte, 6 the
+// first tile) with column 0 the deltas (any byte offset) and column 7 the key. grid:
+// blocks loop over tiles of `tile` quartic bytes. bytes: reads m + 4n (+ the deltas, + n),
+// writes 4n.
 extern "C" __global__ void quant_dqsg_quartic_decode_add_segments(
     const long long* __restrict__ seg, long long nseg, long long ntiles, long long tile,
-    long long bucket, const unsigned char* __restrict__ quartic)
+    long long bucket, const unsigned char* __restrict__ quartic, int rho, float y_divisor,
+    const long long* __restrict__ k_trues, unsigned long long* __restrict__ aliased)
 {
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
         const long long s = hvd_quant_tile_segment(seg, nseg, t, HVD_QUANT_SEG_TILE);
@@ -709,9 +789,11 @@ extern "C" __global__ void quant_dqsg_quartic_decode_add_segments(
         const long long n = row[HVD_QUANT_SEG_N];
         const unsigned long long key = (unsigned long long)row[HVD_QUANT_SEG_DECODE_KEY];
         const unsigned char* qb = quartic + row[HVD_QUANT_SEG_QOFF];
+        const signed char* k_true = k_trues ? (const signed char*)k_trues[s] : 0;
         const long long first = (t - row[HVD_QUANT_SEG_TILE]) * tile;
         const long long m = (n + 4) / 5;
         const long long end = first + tile < m ? first + tile : m;
+        unsigned long long count = 0ull;
         for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
             unsigned int v = qb[j];
             int d[5];
@@ -722,9 +804,10 @@ extern "C" __global__ void quant_dqsg_quartic_decode_add_segments(
             for (long long k = 0; k < 5 && 5ll * j + k < n; ++k) {
                 const long long i = 5ll * j + k;
                 const float delta = hvd_quant_load_f32(deltas + 4ll * (i / bucket));
-                out[i] = __fadd_rn(out[i], hvd_dqsg_value(d[k] - 1, delta, key, i));
+                count += hvd_digits_add(out, i, d[k] - 1, delta, key, rho, y_divisor, k_true);
             }
         }
+        if (count) atomicAdd(aliased + s, count);
     }
 }
 

@@ -87,7 +87,8 @@ if [[ -f scripts/bench_codec.py ]]; then
     stage "bench_codec --overhead --device cuda"
     timeout -k 10 "${HVDC_GPU_OVERHEAD_TIMEOUT:-60}" \
         "$PY" scripts/bench_codec.py --overhead --device cuda \
-        --cases 3lc terngrad signsgd efsignsgd qsgd dqsg dqsg:levels=1 topk:ratio=0.01 topkq dgc gspar \
+        --cases 3lc terngrad signsgd efsignsgd qsgd dqsg dqsg:levels=1 ndqsg \
+        topk:ratio=0.01 topkq dgc gspar \
         --json "$DEST/bench_overhead_cuda.json" 2>&1 | tee "$DEST/bench_overhead_cuda.log"
     record "bench overhead cuda" "${PIPESTATUS[0]}"
 else

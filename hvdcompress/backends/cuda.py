@@ -170,6 +170,7 @@ _QUANT_SEG_KEY = 5  # HVD_QUANT_SEG_KEY of kernels/quant.cu: the uniforms' key
 # HVD_QUANT_SEG_* of quant.cu's DQSG s = 1 kernels: the digit kernel's quartic offset and
 # deltas, the decode-add's key.
 _QUANT_SEG_QUARTIC, _QUANT_SEG_DELTAS, _QUANT_SEG_DECODE_KEY = 1, 3, 7
+_QUANT_SEG_KS = 7  # HVD_QUANT_SEG_KS: where the digit kernel writes the fine indices
 # ... and of its random-k decode (section 10): the flags' offset, the value tiles, the body
 _QUANT_SEG_FLAGS, _QUANT_SEG_VALUE_TILE, _QUANT_SEG_BODY_LEN = 3, 4, 7
 TOPK_INDEX32_LIMIT = 2**31  # codecs/sparse.py INDEX32_LIMIT: int64 indices from n on
@@ -1506,16 +1507,37 @@ def dqsg_encode_segments(
     each, one read of the non-finite flags; views of one buffer (4-byte aligned). s = 1:
     ``_dqsg_ternary_encode``."""
     if levels == 1:
-        return _dqsg_ternary_encode(xs, keys, bucket)
+        return _digits_ternary_encode(xs, keys, bucket)
     return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=True)
 
 
-def _dqsg_ternary_encode(xs, keys, bucket: int) -> list[torch.Tensor | None]:
-    """DQSG's s = 1 bodies (deltas, then the digits q + 1 quartic + zero-run coded; the
-    CPU's ``digits_encode_segments``): every delta (quant_bucket_floats_segments), every
-    quartic byte (quant_dqsg_quartic_segments), the bucket's zero-run encode (threelc.cu
-    section 7), one read of the states; then one ``cat`` puts each tensor's deltas before
-    its zero-run bytes."""
+def digits_encode_segments(
+    xs: list[torch.Tensor], keys: list[int], levels: int, rho: int, bits: int, bucket: int
+) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """The CPU backend's ``digits_encode_segments`` on one CUDA device: DQSG's quantiser
+    (s = levels) of each (x, key) of a bucket, its digits (rho 0: q, DQSG with s = 1;
+    rho >= 2: NDQSG's cosets of q) coded as one launch sequence, quartic + zero-run for
+    rho <= 3 (``_digits_ternary_encode``) or packed codes coset + rho // 2 of ``bits``
+    bits (``_packed_bucket_encode``). Returns (the bodies, None for a non-finite x; the
+    int8 q of every tensor, concatenated in order, on the device)."""
+    ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
+    device = _bucket_device(xs, "x") if xs else torch.device(DEVICE_TYPE)
+    ks = torch.empty(int(ns.sum()), dtype=torch.int8, device=device)
+    if rho <= 3:
+        return _digits_ternary_encode(xs, keys, bucket, levels, rho, ks), ks
+    return _packed_bucket_encode(xs, keys, levels, bits, bucket, True, rho, ks), ks
+
+
+def _digits_ternary_encode(
+    xs, keys, bucket: int, levels: int = 1, rho: int = 0, ks: torch.Tensor | None = None
+) -> list[torch.Tensor | None]:
+    """Bodies of ternary digits (deltas, then the digits quartic + zero-run coded; the
+    CPU's ``digits_encode_segments``): DQSG's q at s = 1, or with ``rho`` (2 or 3) NDQSG's
+    cosets of q at s = ``levels``, the q into ``ks`` (the tensors' elements in order) when
+    given. Every delta (quant_bucket_floats_segments), every quartic byte
+    (quant_dqsg_quartic_segments), the bucket's zero-run encode (threelc.cu section 7),
+    one read of the states; then one ``cat`` puts each tensor's deltas before its
+    zero-run bytes."""
     if not xs:
         return []
     device = _bucket_device(xs, "x")
@@ -1532,16 +1554,18 @@ def _dqsg_ternary_encode(xs, keys, bucket: int) -> list[torch.Tensor | None]:
     digits[:, _QUANT_SEG_QUARTIC] = zre[:, _SEG_QOFF]
     digits[:, _QUANT_SEG_DELTAS] = deltas.data_ptr() + 4 * dfirst
     digits[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    if ks is not None:
+        digits[:, _QUANT_SEG_KS] = ks.data_ptr() + (np.cumsum(ns) - ns)[live]
     (per_bucket, groups), (runs,) = _stacked_tilings(
         [(digits, {_SEG_BOFF: nb, _SEG_TILE: ms}), (zre, {_SEG_TILE: ms})], device
     )
     with _Launcher(device) as k:
         states = k.states(len(live))
-        args = (np.int32(1), np.int64(bucket), np.int32(1), _ptr(states))
+        args = (np.int32(levels), np.int64(bucket), np.int32(1), _ptr(states))
         k.tiles("quant_bucket_floats_segments", per_bucket, np.int32(_SEG_BOFF), *args)
         quartic = k.empty(int(ms.sum()), torch.uint8)
-        k.tiles("quant_dqsg_quartic_segments", groups, np.int64(bucket), _ptr(states),
-                _ptr(quartic))  # fmt: skip
+        digit_args = (np.int64(bucket), np.int32(levels), np.int32(rho), _ptr(states))
+        k.tiles("quant_dqsg_quartic_segments", groups, *digit_args, _ptr(quartic))
         out = _zre_encode_segments(k, runs, quartic, states)
         host = _read_state(states).reshape(len(live), _STATE_WORDS)
     coded = _segment_bodies(out, host)
@@ -1561,11 +1585,14 @@ def _dqsg_ternary_encode(xs, keys, bucket: int) -> list[torch.Tensor | None]:
     return bodies
 
 
-def _packed_bucket_encode(xs, keys, levels: int, bits: int, bucket: int, dqsg: bool):
+def _packed_bucket_encode(
+    xs, keys, levels: int, bits: int, bucket: int, dqsg: bool, rho: int = 0, ks=None
+):
     """A bucket of bodies made of one float32 per ``bucket`` elements (QSGD's norms, or
     with ``dqsg`` DQSG's deltas: quant_bucket_floats_segments, one thread a bucket,
     non-finite flags into the state rows), then ``bits``-bit codes
-    (quant_packed_encode_segments, one thread a group of eight)."""
+    (quant_packed_encode_segments, one thread a group of eight: QSGD's, DQSG's, or with
+    ``rho`` NDQSG's cosets, the fine indices q into ``ks`` when given)."""
     if not xs:
         return []
     device = _bucket_device(xs, "x")
@@ -1584,6 +1611,8 @@ def _packed_bucket_encode(xs, keys, levels: int, bits: int, bucket: int, dqsg: b
     table = _rows(xs, live)
     table[:, _SIGN_SEG_OUT] = buf.data_ptr() + firsts[live]
     table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    if ks is not None:
+        table[:, _SEG_AUX] = ks.data_ptr() + (np.cumsum(ns) - ns)[live]
     tilings = {_SEG_BOFF: nb[live], _SEG_TILE: (ns[live] + 7) // 8}
     per_bucket, groups = _tilings(table, device, tilings)
     with _Launcher(device) as k:
@@ -1591,7 +1620,7 @@ def _packed_bucket_encode(xs, keys, levels: int, bits: int, bucket: int, dqsg: b
         at, flag = np.int32(_SEG_BOFF), np.int32(dqsg)
         args = (np.int32(levels), np.int64(bucket), flag, _ptr(states))
         k.tiles("quant_bucket_floats_segments", per_bucket, at, *args)
-        args = (np.int32(levels), np.int32(bits), np.int64(bucket), flag)
+        args = (np.int32(levels), np.int32(bits), np.int64(bucket), flag, np.int32(rho))
         k.tiles("quant_packed_encode_segments", groups, np.int32(_SEG_TILE), *args)
         bad = _read_state(states).reshape(per_bucket.count, _STATE_WORDS)[:, _ST_NONFINITE]
     for row, i in enumerate(live.tolist()):
@@ -1613,7 +1642,7 @@ def qsgd_decode_segments(
     checked its length) into ``outs[p]`` (on one CUDA device; the frame on the host or that
     device): every body checked (one launch, one read), then one launch that adds the
     bodies before the first refused one. None, or (p, ``qsgd_decode``'s message)."""
-    failed = _packed_bucket_decode(frame, starts, ns, None, bits, bucket, outs, "qsgd", levels)
+    failed, _ = _packed_bucket_decode(frame, starts, ns, None, bits, bucket, outs, "qsgd", levels)
     return None if failed is None else (failed[0], _qsgd_refusal(failed[1]))
 
 
@@ -1635,10 +1664,10 @@ def dqsg_decode_segments(
     ``outs[p]`` (on one CUDA device). s = levels > 1: the lengths on the host, every body
     checked (one launch, one read), then one launch that adds the bodies before the first
     refused one. None, or (p, the CPU backend's error code for it: kernels/quant.c
-    DQSG_ERR_*). s = 1: ``_dqsg_ternary_decode``, whose refusal (p, error bits) the codec
+    DQSG_ERR_*). s = 1: ``_digits_ternary_decode``, whose refusal (p, error bits) the codec
     words from the per-payload decoder."""
     if levels == 1:
-        return _dqsg_ternary_decode(frame, starts, lens, ns, keys, bucket, outs)
+        return _digits_ternary_decode(frame, starts, lens, ns, keys, bucket, outs)[0]
     ns = np.asarray(ns, dtype=np.int64).reshape(-1)
     lens = np.asarray(lens, dtype=np.int64).reshape(-1)
     nb = (ns + bucket - 1) // bucket
@@ -1646,24 +1675,87 @@ def dqsg_decode_segments(
     bad = np.flatnonzero(short | wrong)
     stop = int(bad[0]) if len(bad) else len(outs)
     head = (frame, np.asarray(starts)[:stop], ns[:stop], list(keys)[:stop], bits, bucket)
-    failed = _packed_bucket_decode(*head, outs[:stop], "dqsg", levels)
+    failed, _ = _packed_bucket_decode(*head, outs[:stop], "dqsg", levels)
     if failed is not None:
         return failed[0], next(code for bit, code in _DQSG_ERRORS if failed[1] & bit)
     return None if stop == len(outs) else (stop, -11 if short[stop] else -13)
 
 
-def _dqsg_ternary_decode(frame, starts, lens, ns, keys, bucket: int, outs):
-    """The decode of ``_dqsg_ternary_encode``'s bodies, accumulating: the lengths on the
+def digits_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    bucket: int,
+    outs: list[torch.Tensor],
+    rho: int = 0,
+    bits: int = 0,
+    divisor: int = 1,
+    k_trues: list[torch.Tensor | None] | None = None,
+) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """The CPU backend's ``digits_decode_segments`` on one CUDA device: the decode,
+    accumulating, of each body of ``digits_encode_segments`` (DQSG with s = 1 at rho 0, or
+    NDQSG's nested code with the side information ``outs[p] / divisor``) as one launch
+    sequence, ternary digits by ``_digits_ternary_decode``, packed codes by
+    ``_packed_bucket_decode``. Returns (the aliasing count of each body against
+    ``k_trues[p]``, 0 where None; None, or (p, error bits; -1 for a length the host
+    refused) for the first body that does not decode, the ones before it added)."""
+    nested = (rho, divisor, k_trues)
+    if rho <= 3:
+        failed, aliased = _digits_ternary_decode(frame, starts, lens, ns, keys, bucket, outs,
+                                                 *nested)  # fmt: skip
+        return aliased, failed
+    ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+    lens = np.asarray(lens, dtype=np.int64).reshape(-1)
+    nb = (ns + bucket - 1) // bucket
+    bad = np.flatnonzero(lens - 4 * nb != (ns * bits + 7) // 8)
+    stop = int(bad[0]) if len(bad) else len(outs)
+    head = (frame, np.asarray(starts)[:stop], ns[:stop], list(keys)[:stop], bits, bucket)
+    trues = None if k_trues is None else list(k_trues)[:stop]
+    failed, part = _packed_bucket_decode(*head, outs[:stop], "dqsg", rho // 2, rho, divisor, trues)
+    aliased = np.zeros(len(outs), dtype=np.int64)
+    aliased[:stop] = part
+    if failed is None and stop < len(outs):
+        failed = (stop, -1)
+    return aliased, failed
+
+
+def _aliasing_counts(k, live: np.ndarray, k_trues) -> tuple[torch.Tensor | None, ...]:
+    """(the device array of each live row's k_true address, 0 where None; the zeroed
+    int64 counts the decode kernels add into), or (None, None) when no k_true is given.
+    The caller keeps both alive until its launches are queued."""
+    if k_trues is None or all(k_trues[p] is None for p in live.tolist()):
+        return None, None
+    at = [0 if k_trues[p] is None else k_trues[p].data_ptr() for p in live.tolist()]
+    trues = torch.tensor(at, dtype=torch.int64).to(k.device)
+    return trues, torch.zeros(len(live), dtype=torch.int64, device=k.device)
+
+
+def _aliased(counts: torch.Tensor | None, live: np.ndarray, count: int) -> np.ndarray:
+    out = np.zeros(count, dtype=np.int64)
+    if counts is not None:
+        out[live] = _read_state(counts).view(np.int64)
+    return out
+
+
+def _digits_ternary_decode(
+    frame, starts, lens, ns, keys, bucket: int, outs, rho=0, divisor=1, k_trues=None
+):
+    """The decode of ``_digits_ternary_encode``'s bodies, accumulating: the lengths on the
     host (the deltas fit, and 1 .. 14 quartic bytes a zero-run byte), the bodies' zero-run
     parts and deltas gathered into one device buffer (one host-to-device copy for a host
     frame), the zero-run lengths and one scan, every body's zero-run total and padding
     (threelc.cu) and deltas (quant_dqsg_deltas_check_segments), one read, then the
     expansion (run groups as zero groups) and quant_dqsg_quartic_decode_add_segments for
-    the bodies before the first refused one. None, or (p, its error bits; -1 for a length
-    the host refused)."""
+    the bodies before the first refused one: DQSG's values, or with ``rho`` NDQSG's side
+    decode against ``outs[p] / divisor`` and the aliasing counts against ``k_trues``
+    (read after the last launch, only when some k_true is given). (None, or (p, its error
+    bits; -1 for a length the host refused); the aliasing count of each body.)"""
     count = len(outs)
+    aliased = np.zeros(count, dtype=np.int64)
     if not count:
-        return None
+        return None, aliased
     device = _bucket_device(outs, "out")
     starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
     nb, ms = (ns + bucket - 1) // bucket, (ns + 4) // 5
@@ -1673,7 +1765,7 @@ def _dqsg_ternary_decode(frame, starts, lens, ns, keys, bucket: int, outs):
     failed = None if stop == count else (stop, -1)
     live = np.flatnonzero(ms[:stop] > 0)
     if not len(live):
-        return failed
+        return failed, aliased
     zl, lms, lnb = zlens[live], ms[live], nb[live]
     flat = frame.reshape(-1)
     first = starts[live] + 4 * lnb
@@ -1699,6 +1791,7 @@ def _dqsg_ternary_decode(frame, starts, lens, ns, keys, bucket: int, outs):
     )
     with _Launcher(device) as k:
         states = k.states(seg.count)
+        trues, counts = _aliasing_counts(k, live, k_trues)
         incl = _zre_check_segments(k, seg, body[:length], states)
         at = np.int32(_SEG_TILE)
         k.tiles("quant_dqsg_deltas_check_segments", per_bucket, at, np.int64(bucket),
@@ -1712,26 +1805,34 @@ def _dqsg_ternary_decode(frame, starts, lens, ns, keys, bucket: int, outs):
             # run groups expanded as plain zero groups: a zero q adds its dither term too
             quartic = _zre_expand_rows(k, table, lms, good, body, incl, _ZERO_GROUP, states)
             part = _first_rows(seg, lms, good)
+            side = (np.int32(rho), np.float32(divisor), _ptr(trues), _ptr(counts))
             k.tiles("quant_dqsg_quartic_decode_add_segments", part, np.int64(bucket),
-                    _ptr(quartic))  # fmt: skip
+                    _ptr(quartic), *side)  # fmt: skip
+        aliased = _aliased(counts, live, count)
         del body  # stream-ordered: the launches above are queued before its reuse
-    return failed
+    return failed, aliased
 
 
-def _packed_bucket_decode(frame, starts, ns, keys, bits, bucket, outs, codec: str, levels):
+def _packed_bucket_decode(
+    frame, starts, ns, keys, bits, bucket, outs, codec: str, levels, rho=0, divisor=1,
+    k_trues=None,
+):  # fmt: skip
     """The decode of ``_packed_bucket_encode``'s bodies (lengths checked by the caller) of
-    ``codec`` ("qsgd" or "dqsg"): ``quant_packed_check_segments`` (one launch, one read),
-    then ``quant_packed_decode_add_segments`` for the bodies before the first refused one.
-    None, or (p, its error bits)."""
+    ``codec`` ("qsgd" or "dqsg"; with ``rho`` NDQSG's cosets, ``levels`` = rho // 2, side
+    information ``outs[p] / divisor``, aliasing against ``k_trues``):
+    ``quant_packed_check_segments`` (one launch, one read), then
+    ``quant_packed_decode_add_segments`` for the bodies before the first refused one.
+    (None, or (p, its error bits); the aliasing count of each body.)"""
+    aliased = np.zeros(len(outs), dtype=np.int64)
     if not outs:
-        return None
+        return None, aliased
     device = _bucket_device(outs, "out")
     ns = np.asarray(ns, dtype=np.int64).reshape(-1)
     nb = (ns + bucket - 1) // bucket
     groups = (ns + 7) // 8
     live = np.flatnonzero(ns > 0)
     if not len(live):
-        return None
+        return None, aliased
     sizes = 4 * nb + (ns * bits + 7) // 8
     body, at = _bodies_on(frame, np.asarray(starts, dtype=np.int64)[live], sizes[live], device)
     table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
@@ -1745,6 +1846,7 @@ def _packed_bucket_decode(frame, starts, ns, keys, bits, bucket, outs, codec: st
     args = (np.int32(levels), np.int32(bits), np.int64(bucket))
     with _Launcher(device) as k:
         states = k.states(check.count)
+        trues, counts = _aliasing_counts(k, live, k_trues)
         rule = np.int32(codec == "dqsg")
         at = np.int32(_SEG_TILE)
         k.tiles("quant_packed_check_segments", check, at, *args, rule, _ptr(states))
@@ -1754,9 +1856,11 @@ def _packed_bucket_decode(frame, starts, ns, keys, bits, bucket, outs, codec: st
         if good:
             part = _first_rows(decode, groups[live], good)
             at = np.int32(_SEG_BOFF)
-            k.tiles("quant_packed_decode_add_segments", part, at, *args, rule)
+            side = (np.int32(rho), np.float32(divisor), _ptr(trues), _ptr(counts))
+            k.tiles("quant_packed_decode_add_segments", part, at, *args, rule, *side)
+        aliased = _aliased(counts, live, len(outs))
         del body  # stream-ordered: the launches above are queued before its reuse
-    return None if not len(refused) else (int(live[good]), int(errors[good]))
+    return None if not len(refused) else (int(live[good]), int(errors[good])), aliased
 
 
 def _qsgd_refusal(err: int) -> str:

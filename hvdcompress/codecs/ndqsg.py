@@ -80,14 +80,17 @@ def encode_nested(w: torch.Tensor, levels: int, rho: int, bucket: int, key: int)
 def encode_nested_segments(
     ws: list[torch.Tensor], levels: int, rho: int, bucket: int, keys: list[int]
 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """``encode_nested`` of each (w, key) of a bucket (contiguous float32 on the CPU), None
-    for a w with a NaN or an Inf: one native call for the tensors the codec threads do not
-    cut into parts (``cpu.splits``), ``encode_nested`` for those."""
-    from hvdcompress.backends import cpu
+    """``encode_nested`` of each (w, key) of a bucket (contiguous float32 on one device),
+    None for a w with a NaN or an Inf: one native call (on CUDA one launch sequence) for
+    the tensors the codec threads do not cut into parts (``splits``), ``encode_nested``
+    for those."""
+    if not ws:
+        return []
+    backend = for_device(ws[0].device)
 
     def batched(pairs):
         xs = [w for w, _ in pairs]
-        bodies, ks = cpu.digits_encode_segments(
+        bodies, ks = backend.digits_encode_segments(
             xs, [key for _, key in pairs], levels, rho, m_bits(rho), bucket
         )
         ends = np.cumsum([x.numel() for x in xs]).tolist()
@@ -101,7 +104,7 @@ def encode_nested_segments(
         return encode_nested(w, levels, rho, bucket, key) if prim.all_finite(w) else None
 
     return prim.batched_except_split(
-        list(zip(ws, keys, strict=True)), lambda wk: wk[0].numel(), cpu.splits, batched, single
+        list(zip(ws, keys, strict=True)), lambda wk: wk[0].numel(), backend.splits, batched, single
     )
 
 
@@ -169,13 +172,14 @@ def decode_segments(
     """``decode_m`` then ``side_decode_into`` (accumulating) of each nested body
     ``frame[starts[i]:][:lens[i]]`` into ``outs[i]`` with the gather path's side
     information ``outs[i] / rank`` (rank >= 1), in order, one native call over a host frame
-    (the side information formed in the same pass, no tensor of it): (the aliasing count of
-    each body against ``k_trues[i]``, 0 where None; None, or (i, the PayloadError
-    ``decode_m`` raises) for the first bad body, the ones before it added, ``outs[i]``
-    untouched)."""
-    from hvdcompress.backends import cpu
-
-    aliased, failed = cpu.digits_decode_segments(
+    (on CUDA one launch sequence; the side information formed in the same pass, no tensor
+    of it): (the aliasing count of each body against ``k_trues[i]``, 0 where None; None, or
+    (i, the PayloadError ``decode_m`` raises) for the first bad body, the ones before it
+    added, ``outs[i]`` untouched)."""
+    backend = for_device(outs[0].device) if outs else None
+    if backend is None:
+        return np.zeros(0, dtype=np.int64), None
+    aliased, failed = backend.digits_decode_segments(
         frame, starts, lens, ns, keys, bucket, outs, rho, m_bits(rho), rank, k_trues
     )
     if failed is None:

@@ -134,8 +134,7 @@ class NDQSG(Stochastic):
     def encode_bucket(self, tensors, names):
         ws = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         mode = self.mode_of(self.rank)
-        if len({w.device for w in ws}) != 1 or (mode != MODE_DQSG and not ws[0].is_cpu):
-            # none, several devices, or the nested code on a GPU (no bucket form there)
+        if len({w.device for w in ws}) != 1:  # none, or on several devices
             return super().encode_bucket(tensors, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         fields = PARAMS.pack(
@@ -231,7 +230,8 @@ class NDQSG(Stochastic):
             self._count("own", bad, n)
 
     # On a GPU: DQSG's launch sequence for DQSG-mode frames without side information, the
-    # per-payload decoders (on the device) for the rest.
+    # nested bucket decoder's for nested ones with it, the per-payload decoders (on the
+    # device) for the rest.
     cuda_decode_segments = True
 
     def decode_segments(
@@ -244,10 +244,9 @@ class NDQSG(Stochastic):
                 frame, body_starts, body_lens, numels, self.fine_levels, self.bucket_size,
                 keys, outs,
             )  # fmt: skip
-        if not rank or modes != {MODE_NESTED} or (outs and not outs[0].is_cpu):
+        if not rank or modes != {MODE_NESTED}:
             # DQSG-mode payloads of ranks 1 .. D-1 (each re-decoded for the aliasing
-            # estimate), nested ones without side information ("side_info"), and nested
-            # ones on a GPU (the nested bucket decoder is the CPU's)
+            # estimate), and nested ones without side information ("side_info")
             return super().decode_segments(
                 frame, params, body_starts, body_lens, numels, outs, names, rank
             )

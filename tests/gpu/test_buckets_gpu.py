@@ -380,6 +380,63 @@ def check_dqsg_ternary_segments(s: Setup, bucket: int = 64) -> None:
                 np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
 
 
+def check_nested_segments(s: Setup, fine: int = 3, rho: int = 3, bucket: int = 64) -> None:
+    """NDQSG's nested code as bucket calls: the encode (DQSG's q at s = ``fine``, their
+    cosets in rho Z, quartic + zero-run coded for rho <= 3, else packed codes) gives the
+    CPU's bodies and fine indices; the decode with the gather path's side information
+    (outs / 2) adds what the CPU's adds and counts the same aliased indices against the
+    bodies' own k (given for every other body); a refused body (short, long, a negative
+    delta, and a code above 2 (rho // 2) for packed codes) stops the decode at the same
+    index, the ones before it added, alike."""
+    from hvdcompress.codecs import ndqsg
+
+    gen = torch.Generator().manual_seed(39)
+    xs = make_bucket(gen)
+    keys = [(7927 * i + 5) % 2**64 for i in range(len(xs))]
+    bits = ndqsg.m_bits(rho)
+    want, wks = s.cpu.digits_encode_segments(xs, keys, fine, rho, bits, bucket)
+    got, gks = s.backend.digits_encode_segments(
+        [x.to(s.dev, copy=True) for x in xs], keys, fine, rho, bits, bucket
+    )
+    frame, starts, lens, ns, ks, bases = _dqsg_bodies(got, want, xs, keys, gen, 39)
+    finite = [i for i, w in enumerate(want) if w is not None]
+    firsts = np.cumsum([x.numel() for x in xs]) - np.array([x.numel() for x in xs])
+    for i in finite:  # the fine indices of the finite tensors (the NaN one's are unused)
+        a, n = int(firsts[i]), xs[i].numel()
+        np.testing.assert_array_equal(gks[a : a + n].cpu().numpy(), wks[a : a + n].numpy())
+    own = [wks[int(firsts[i]) :][: xs[i].numel()] for i in finite]
+    k_trues = [k if p % 2 == 0 else None for p, k in enumerate(own)]
+    dk_trues = [None if k is None else k.to(s.dev, copy=True) for k in k_trues]
+    target = int(np.argmax(ns))
+    nb = (int(ns[target]) + bucket - 1) // bucket
+    at = int(starts[target])
+    cases = ["none", "short", "long", "delta"] + (["code"] if rho > 3 else [])
+    for what in cases:
+        src, src_lens = frame.clone(), lens.copy()
+        _dqsg_break(what, src, src_lens, target, at, nb)
+        if what == "code":  # the first code all ones: above 2 (rho // 2)
+            src[at + 4 * nb] |= (1 << bits) - 1
+        args = (starts, src_lens, ns, ks, bucket)
+        for on_device in (False, True):
+            outs = [b.to(s.dev, copy=True) for b in bases]
+            couts = [b.clone() for b in bases]
+            where = src.to(s.dev, copy=True) if on_device else src
+            aliased, failed = s.backend.digits_decode_segments(
+                where, *args, outs, rho, bits, 2, dk_trues
+            )
+            caliased, cfailed = s.cpu.digits_decode_segments(
+                src, *args, couts, rho, bits, 2, k_trues
+            )
+            assert (failed is None) == (cfailed is None), (what, failed, cfailed)
+            if what != "none":
+                assert failed[0] == cfailed[0] == target, (what, failed, cfailed)
+            else:
+                assert caliased.sum() > 0  # the side information is far: indices alias
+            np.testing.assert_array_equal(aliased, caliased, f"{what} aliasing counts")
+            for p, (o, c) in enumerate(zip(outs, couts, strict=True)):
+                np.testing.assert_array_equal(bits_of(o), bits_of(c), f"{what} output {p}")
+
+
 def check_topk_segments(s: Setup, ratio: float = 0.05, reference=None, signs: bool = False) -> None:
     """Top-k bodies (top-k's, DGC's and GSpar's layout; with ``signs`` top-k + sign's)
     decoded as one launch sequence add what the CPU's bucket decoder adds; a refused body
@@ -828,6 +885,12 @@ def test_topk_encode_segments_match_cpu(gpu, ratio, momentum):
 @pytest.mark.parametrize("ratio", [0.05, 1.0])
 def test_topkq_encode_segments_match_cpu(gpu, ratio):
     check_topk_encode_segments(gpu, ratio, signs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fine,rho", [(3, 3), (2, 2), (8, 8)])
+def test_nested_segments_match_cpu(gpu, fine, rho):
+    check_nested_segments(gpu, fine, rho)
 
 
 @pytest.mark.gpu

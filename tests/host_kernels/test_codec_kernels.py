@@ -415,6 +415,11 @@ def test_emulated_topk_segments_of_int64_indices(setup, monkeypatch):
     test_buckets_gpu.check_topk_segments(setup, 0.05, topkq, signs=True)
 
 
+@pytest.mark.parametrize("fine,rho,bucket", [(3, 3, 64), (2, 2, 5), (8, 8, 64), (127, 127, 512)])
+def test_emulated_nested_segments(setup, fine, rho, bucket):
+    test_buckets_gpu.check_nested_segments(setup, fine, rho, bucket)
+
+
 @pytest.mark.parametrize("bucket", [64, 5, 512])
 def test_emulated_dqsg_ternary_segments(setup, bucket):
     test_buckets_gpu.check_dqsg_ternary_segments(setup, bucket)
@@ -563,5 +568,8 @@ def test_emulated_cuda_path_trains_as_the_cpu_path(
         assert "sparse_topk_gather_segments" in cuda_on_host.calls
     if name == "gspar":  # every tensor's scale iteration at once
         assert "quant_gspar_gather_segments" in cuda_on_host.calls
+    if name == "ndqsg":  # the nested code (rho 3: ternary) encoded and decoded as buckets
+        assert "quant_dqsg_quartic_segments" in cuda_on_host.calls
+        assert "quant_dqsg_quartic_decode_add_segments" in cuda_on_host.calls
     if exchange == "allgather":  # decoded by the bucket decoders (stage 2 of the
         assert per_payload == []  # two-stage exchange decodes payload by payload)
