@@ -209,6 +209,19 @@ __device__ __forceinline__ float hvd_topk_a(const long long* row, long long i, f
     return __fadd_rn(e, ((const float*)row[HVD_TOPK_SEG_G])[i]);
 }
 
+// Index j of a body's index words (4-byte aligned): i as int32, or with `wide` as a
+// little-endian int64 in two words (an int64 index need not be 8-byte aligned: j odd).
+__device__ __forceinline__ void hvd_topk_put_index(unsigned int* words, long long j,
+                                                   long long i, bool wide)
+{
+    if (wide) {
+        words[2 * j] = (unsigned int)((unsigned long long)i & 0xffffffffull);
+        words[2 * j + 1] = (unsigned int)((unsigned long long)i >> 32);
+    } else {
+        words[j] = (unsigned int)i;
+    }
+}
+
 // Whether segment s selects: a finite a and k > 0.
 __device__ __forceinline__ bool hvd_topk_active(const long long* row,
                                                 const unsigned int* state)
@@ -438,12 +451,7 @@ extern "C" __global__ void sparse_topk_gather_segments(const long long* __restri
                 slots[j] = i;
                 continue;
             }
-            if (wide) {  // little-endian int64 as two words (j odd: not 8-byte aligned)
-                indices[2 * j] = (unsigned int)((unsigned long long)i & 0xffffffffull);
-                indices[2 * j + 1] = (unsigned int)((unsigned long long)i >> 32);
-            } else {
-                indices[j] = (unsigned int)i;
-            }
+            hvd_topk_put_index(indices, j, i, wide);
             a[i] = 0.0f;
             if (u) u[i] = 0.0f;
         }
@@ -487,12 +495,7 @@ extern "C" __global__ void sparse_topkq_write_segments(const long long* __restri
         const long long end = first + tile < k ? first + tile : k;
         for (long long j = first + threadIdx.x; j < end; j += blockDim.x) {
             const long long i = slots[j];
-            if (wide) {
-                indices[2 * j] = (unsigned int)((unsigned long long)i & 0xffffffffull);
-                indices[2 * j + 1] = (unsigned int)((unsigned long long)i >> 32);
-            } else {
-                indices[j] = (unsigned int)i;
-            }
+            hvd_topk_put_index(indices, j, i, wide);
             a[i] = __fsub_rn(a[i], values[j] < 0.0f ? -m : m);
             if ((j & 7) == 0) {  // the sign byte of slots j .. j + 7
                 unsigned int byte = 0u;

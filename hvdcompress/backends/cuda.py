@@ -1171,6 +1171,18 @@ def threelc_encode_segments(
     return bodies, scales, nonfinite
 
 
+def _encode_bucket(gs: list[torch.Tensor], es) -> tuple:
+    """What a bucket encoder starts from (gs not empty; the residuals ``es`` checked when
+    given): (the device, the numels, the non-empty tensors' indices, empty bodies, no
+    non-finite flags), the last two for the caller to fill in."""
+    device = _bucket_device(gs, "g")
+    if es is not None:
+        _check_residuals(gs, es)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=len(gs))
+    bodies: list[torch.Tensor | None] = [torch.empty(0, dtype=torch.uint8, device=device)]
+    return device, ns, np.flatnonzero(ns > 0), bodies * len(gs), [False] * len(gs)
+
+
 def _rows(xs: list[torch.Tensor], live: np.ndarray, es=None) -> np.ndarray:
     """A segment table of the tensors ``xs[i]`` for i in ``live``: each row's input,
     residual (``es``; none: column 1 stays 0) and size filled in."""
@@ -2288,16 +2300,9 @@ def randomk_encode_segments(
     that writes the kept values of a = g (+ e) into the bodies (views of one buffer) and,
     with the residuals ``es``, e = a with the kept entries zeroed (untouched where a is not
     finite)."""
-    count = len(gs)
-    if not count:
+    if not gs:
         return [], []
-    device = _bucket_device(gs, "g")
-    if es is not None:
-        _check_residuals(gs, es)
-    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
-    bodies = [torch.empty(0, dtype=torch.uint8, device=device)] * count
-    nonfinite = [False] * count
-    live = np.flatnonzero(ns > 0)
+    device, ns, live, bodies, nonfinite = _encode_bucket(gs, es)
     if not len(live):
         return bodies, nonfinite
     lns = ns[live]
@@ -2491,16 +2496,9 @@ def gspar_encode_segments(
     chunk sums with ``math.fsum`` as the CPU does); the draw's flags, one scan, the kept
     counts, one read; then one launch that writes the bodies (views of one buffer). None
     for a tensor whose sum of the rest comes out 0 (the caller's path, e holding a)."""
-    count = len(gs)
-    if not count:
+    if not gs:
         return [], []
-    device = _bucket_device(gs, "g")
-    if es is not None:
-        _check_residuals(gs, es)
-    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=count)
-    bodies: list[torch.Tensor | None] = [torch.empty(0, dtype=torch.uint8, device=device)] * count
-    nonfinite = [False] * count
-    live = np.flatnonzero(ns > 0)
+    device, ns, live, bodies, nonfinite = _encode_bucket(gs, es)
     if not len(live):
         return bodies, nonfinite
     lns = ns[live]
@@ -2511,7 +2509,7 @@ def gspar_encode_segments(
     table[:, _QUANT_SEG_FLAGS] = np.cumsum(lns) - lns
     table[:, _GSPAR_SEG_CHUNK] = first_chunk
     table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
-    budget = np.asarray(budgets, dtype=np.float64).reshape(count)[live]
+    budget = np.asarray(budgets, dtype=np.float64).reshape(len(gs))[live]
     elements = _segments(table, lns, device)
     rows, nrows = _ptr(elements.rows), np.int64(elements.count)
     with _Launcher(device) as k:
