@@ -356,21 +356,29 @@ def test_topk_gather_writes_indices_above_2_to_the_32(host):
     import ctypes
 
     base = 2**32
+
+    def before(arr: np.ndarray, elements: int) -> int:
+        """arr's address less `elements` of its items, modulo 2^64 (the kernel adds them
+        back: 64-bit address arithmetic wraps; the low address itself is never read)."""
+        return (arr.ctypes.data - elements * arr.itemsize) % 2**64
+
     a = np.array([1.5, -2.5, 3.5, 4.5, -5.5], np.float32)
     keep = np.array([0, 1, 1, 0, 1], np.uint8)
     incl = np.cumsum(keep).astype(np.int64)
     body = np.zeros(3 * 4 + 3 * 8, np.uint8)
-    row = np.array(
-        [0, a.ctypes.data - 4 * base, base + 5, 0, 3, 0, -1, body.ctypes.data], np.int64
-    )  # column 6: the one tile is tile 1 of the segment, so it starts at 2^32
+    # the row: g (unused), a, n, no velocity, k = 3, flags from 0, the first tile -1 (the
+    # one launched tile is the segment's tile 1, so it starts at element 2^32), the body
+    row = np.array([0, before(a, base), base + 5, 0, 3, 0, 0, body.ctypes.data], np.uint64)
+    row = row.view(np.int64)
+    row[6] = -1
     args = [
         np.uint64(row.ctypes.data),
         np.int64(1),  # segments
         np.int64(1),  # tiles
         np.int64(base),  # tile size
         np.int64(2**31),  # int64 indices from 2^31 elements on
-        np.uint64(keep.ctypes.data - base),
-        np.uint64(incl.ctypes.data - 8 * base),
+        np.uint64(before(keep, base)),
+        np.uint64(before(incl, base)),
         np.uint64(0),  # no slots: top-k's bodies
         np.uint64(0),
     ]
