@@ -2,7 +2,7 @@
 #
 #   make setup   set up system packages, the venv, Horovod and the package (scripts/setup.sh)
 #   make test    setup (with test extras), lint, then the whole suite (scripts/run_tests.sh)
-#   make lint    ruff check + ruff format --check
+#   make lint    ruff check + ruff format --check + the import layers (lint-imports)
 #   make bench   codec micro-benchmark (scripts/bench_codec.py)
 #   make train   setup, then the main job (TRAIN_CMD)
 
@@ -41,6 +41,7 @@ lint:
 	@test -x $(RUFF) || { echo "no $(RUFF): run 'make setup' first" >&2; exit 1; }
 	$(RUFF) check .
 	$(RUFF) format --check .
+	$(VENV)/bin/lint-imports
 
 bench: setup
 	$(PY) scripts/bench_codec.py

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hvdcompress import registry
-from hvdcompress.compressors import Compressor, get_compressor
+from hvdcompress.compressors import Compressor, get_compressor, registry
 
 
 class _CastCompression:

@@ -48,6 +48,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from hvdcompress.backends import for_device
+from hvdcompress.backends.records import (  # noqa: F401 - also wire.SCAN_FIELDS, wire.mix
+    CHECKSUM_FIELD,
+    FIXED_HEADER_BYTES,
+    SCAN,
+    SCAN_FIELDS,
+    mix,
+)
 from hvdcompress.errors import PayloadError  # noqa: F401 - also wire.PayloadError
 
 MAGIC = b"HVDC"
@@ -73,6 +81,9 @@ HEADER_FIELDS = {
     "shape": (32, 8),
 }
 CHECKSUM_OFFSET = HEADER_FIELDS["checksum"][0]
+# the backends' kernels compile this layout in (hvdcompress.backends.records)
+assert FIXED_HEADER.size == FIXED_HEADER_BYTES and CHECKSUM_OFFSET == CHECKSUM_FIELD
+assert MAX_NDIM == 8
 MAX_SHAPE_PRODUCT = 2**63 - 1  # the product of a shape's non-zero dims (torch's int64)
 
 # The most elements the public ``decode`` allocates for a payload when the caller gives
@@ -84,16 +95,14 @@ MAX_DECODE_NUMEL_ENV = "HVDCOMPRESS_MAX_DECODE_NUMEL"
 FLAG_NONFINITE = 1
 KNOWN_FLAGS = FLAG_NONFINITE
 
-# Filled by the compressor registry (hvdcompress.registry.register, from each compressor's
-# ``wire_id``). Fixed forever once released: a payload's codec id outlives the code that
-# wrote it.
+# Filled by the compressor registry (hvdcompress.compressors.registry.register, from
+# each compressor's ``wire_id``). Fixed forever once released: a payload's codec id
+# outlives the code that wrote it.
 CODEC_IDS: dict[str, int] = {}
 CODEC_NAMES: dict[int, str] = {}
 
 DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 DTYPES = {v: k for k, v in DTYPE_IDS.items()}
-
-_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 def register_codec(name: str, codec_id: int) -> None:
@@ -107,12 +116,6 @@ def register_codec(name: str, codec_id: int) -> None:
         )
     CODEC_IDS[name] = codec_id
     CODEC_NAMES[codec_id] = name
-
-
-def mix(index: np.ndarray) -> np.ndarray:
-    """Odd 32-bit weight of each byte position (uint64 array in, uint64 array out)."""
-    with np.errstate(over="ignore"):
-        return ((index.astype(np.uint64) * _MIX) >> np.uint64(32)) | np.uint64(1)
 
 
 def checksum_numpy(buf: np.ndarray, offset: int = 0) -> int:
@@ -311,8 +314,6 @@ def parse(payload: torch.Tensor) -> Header:
 def assemble(header: Header, body: torch.Tensor) -> torch.Tensor:
     """Header + body in one tensor on the body's device; the checksum is one pass over the
     whole payload by the device's backend."""
-    from hvdcompress.backends import for_device
-
     head = header.pack()  # checksum field zero
     size = len(head)
     payload = torch.empty(size + body.numel(), dtype=torch.uint8, device=body.device)
@@ -335,8 +336,6 @@ def assemble(header: Header, body: torch.Tensor) -> torch.Tensor:
 
 def verify_checksum(header: Header, payload: torch.Tensor) -> None:
     """Raise PayloadError unless the payload's bytes give the header's checksum."""
-    from hvdcompress.backends import for_device
-
     field = header.raw[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4]
     csum = checksum_without_field(for_device(payload.device).checksum(payload, 0), field)
     if csum != header.checksum:
@@ -400,20 +399,6 @@ def unframe_parsed(
 
 
 # ---- frames in one native call (kernels/frame.c, threelc.cu section 8; design.md section 8.7) ---
-# What hvdc_frame_scan reports per payload, in its column order.
-SCAN_FIELDS = (
-    "ok",
-    "start",
-    "length",
-    "codec",
-    "flags",
-    "dtype",
-    "ndim",
-    "params_len",
-    "numel",
-    "body_len",
-)
-SCAN = {name: i for i, name in enumerate(SCAN_FIELDS)}
 
 
 class FrameLayout:
@@ -425,6 +410,8 @@ class FrameLayout:
 
     def __init__(self, codec: str, shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]):
         self.codec, self.count = codec, len(shapes)
+        self.tensor_shapes = [tuple(sh) for sh in shapes]
+        self.dtypes = list(dtypes)
         heads = [
             Header(codec, 0, dt, tuple(sh), b"", 0).pack()
             for sh, dt in zip(shapes, dtypes, strict=True)
@@ -440,6 +427,48 @@ class FrameLayout:
         for row, sh in zip(self.shapes, shapes, strict=True):
             row[: len(sh)] = sh
         self.numels = np.array([int(np.prod(sh, dtype=object)) for sh in shapes], dtype=np.int64)
+
+
+def frame_bucket(
+    layout: FrameLayout, encoded: list[tuple[int, bytes, torch.Tensor]]
+) -> torch.Tensor:
+    """One rank's frame of a bucket: ``frame`` of the payloads ``assemble`` makes of each
+    tensor's header (the layout's codec, dtype and shape) and its ``(flags, params,
+    body)``, byte for byte. Bodies on the CPU: one native call (``write_frame``); on a
+    GPU: one buffer on the bodies' device (``device_frame``)."""
+    bodies = [body for _, _, body in encoded]
+    if all(b.device.type == "cpu" for b in bodies):
+        flags = [f for f, _, _ in encoded]
+        params = [p for _, p, _ in encoded]
+        return write_frame(layout, flags, params, bodies)
+    heads = [
+        Header(layout.codec, flags, dtype, shape, params, body.numel()).pack()
+        for shape, dtype, (flags, params, body) in zip(
+            layout.tensor_shapes, layout.dtypes, encoded, strict=True
+        )
+    ]
+    return device_frame(heads, bodies)
+
+
+def device_frame(heads: list[bytes], bodies: list[torch.Tensor]) -> torch.Tensor:
+    """``frame`` of the payloads ``assemble`` makes of each packed header (checksum
+    field zero) and body, built as one buffer on the bodies' device: the length table and
+    the headers staged in one host buffer (one copy to the device), the frame one
+    ``torch.cat`` of them and the bodies, then every payload's checksum written in place by
+    one backend call (``store_checksums``; on CUDA without a host round trip)."""
+    device = bodies[0].device if bodies else torch.device("cpu")
+    lengths = [len(h) + b.numel() for h, b in zip(heads, bodies, strict=True)]
+    table = struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths)
+    starts = np.cumsum([len(table), *lengths[:-1]]).tolist() if lengths else []
+    staged = torch.frombuffer(bytearray(table + b"".join(heads)), dtype=torch.uint8)
+    staged = staged.to(device)
+    pieces, at = [staged[: len(table)]], len(table)
+    for head, body in zip(heads, bodies, strict=True):
+        pieces += [staged[at : at + len(head)], body.reshape(-1).to(device)]
+        at += len(head)
+    frame = torch.cat(pieces)
+    for_device(device).store_checksums(frame, starts, lengths, CHECKSUM_OFFSET)
+    return frame
 
 
 def write_frame(
@@ -472,9 +501,7 @@ def scan_frame(frame: torch.Tensor, layout: FrameLayout) -> tuple[np.ndarray, li
     errors name the field). The frame's own device scans it: a frame on a GPU is not
     copied to the host (kernels/threelc.cu section 8). Codec parameters and bodies are the
     compressor's to check."""
-    from hvdcompress import backends
-
-    scanned = backends.for_device(frame.device).frame_scan(frame, layout.count)
+    scanned = for_device(frame.device).frame_scan(frame, layout.count)
     if scanned is None:
         return None
     fields, shapes = scanned.fields, scanned.shapes

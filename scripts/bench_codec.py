@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 import hvdcompress
-from hvdcompress import registry, wire
-from hvdcompress.compressors import GatherCompressor, SummableCompressor
+from hvdcompress import wire
+from hvdcompress.compressors import GatherCompressor, SummableCompressor, registry
 from hvdcompress.training.methods import parse_case  # "name:key=value,..." or a method
 
 

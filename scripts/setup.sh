@@ -43,7 +43,7 @@ BUILD_DIR=$ROOT/.build # git-ignored: build logs, the compiler wrapper
 
 # Tools for development and tests. ruff is pinned so that `ruff format --check` does not
 # change verdict when ruff releases a new style; the rest float.
-PY_PACKAGES=(numpy tqdm mpi4py pytest pytest-mpi hypothesis "ruff==0.17.6" tensorboard matplotlib)
+PY_PACKAGES=(numpy tqdm mpi4py pytest pytest-mpi hypothesis "ruff==0.17.6" "import-linter==2.16" tensorboard matplotlib)
 APT_PACKAGES=(openmpi-bin libopenmpi-dev dataset-fashion-mnist g++ make cmake)
 if [[ ${HVDC_TEST:-0} == 1 ]]; then
     # tests/test_slurm.py submits slurm/*.sbatch to a private single-node Slurm that

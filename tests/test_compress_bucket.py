@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import registry, wire
+from hvdcompress import wire
+from hvdcompress.compressors import registry
 from hvdcompress.errors import PayloadError
 
 GATHER_CASES = [

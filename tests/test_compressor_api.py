@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import registry
+from hvdcompress.compressors import registry
 from hvdcompress.errors import DecodeOverflowError
 from hvdcompress.wire import PayloadError
 from tests.fuzz.harness import fix_checksum
 from tests.helpers import LocalTransport, comp, small_model
 
-# Every example configuration of every gather-only compressor (hvdcompress.registry), and
-# edge cases of the baselines' parameters on top.
+# Every example configuration of every gather-only compressor
+# (hvdcompress.compressors.registry), and edge cases of the baselines' parameters on top.
 EDGE_CASES = [
     ("topk", {}),
     ("topk", {"ratio": 0.3}),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import registry
+from hvdcompress.compressors import registry
 from hvdcompress.compressors.stochastic import Stochastic
 from tests.helpers import LocalTransport, assert_error_feedback_invariant, powersgd_one_rank
 

@@ -1,7 +1,7 @@
 """The compressor registry: declarations are checked, and everything derives from them.
 
 A compressor declares its name, wire id, parameter ranges and example configurations
-(hvdcompress.registry); the names, wire ids, ``Compression`` entries, CAT's table, the
+(hvdcompress.compressors.registry); the names, wire ids, ``Compression`` entries, CAT's table, the
 fuzz and API test configurations, the MPI bit-identity test and bench_codec's cases all
 come from there. The last test registers a compressor from outside the package
 (tests/plugins/toy_compressor.py) and checks, in fresh processes, that the fuzz tests, the
@@ -19,11 +19,12 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import registry, wire
+from hvdcompress import wire
 from hvdcompress.compat import resolve_compressor
-from hvdcompress.compressors import GatherCompressor, SummableCompressor
+from hvdcompress.compressors import GatherCompressor, SummableCompressor, registry
+from hvdcompress.compressors.params import Param
+from hvdcompress.compressors.registry import register
 from hvdcompress.policies.cat import KINDS, compressor_for
-from hvdcompress.registry import Param, register
 from tests.helpers import powersgd_one_rank
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress.registry import examples, names
+from hvdcompress.compressors.registry import examples, names
 from hvdcompress.training.simulate import (
     RankMismatch,
     SimulatedAbort,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import registry
+from hvdcompress.compressors import params, registry
 from tests.helpers import LocalTransport, small_model
 
 
@@ -132,17 +132,17 @@ def test_constructors_called_directly_refuse_what_the_registry_declares_invalid(
 
 
 def test_param_accepts_exactly_its_interval_and_kind():
-    ratio = registry.Param(0.0, 1.0, low_open=True)
+    ratio = params.Param(0.0, 1.0, low_open=True)
     assert ratio.accepts(1) and ratio.accepts(0.5) and ratio.accepts(1e-300)
     for v in (0.0, 1.0 + 1e-16 * 3, math.nan, math.inf, "0.5", True, None):
         assert not ratio.accepts(v), v
-    levels = registry.Param(1, 127, kind="int")
+    levels = params.Param(1, 127, kind="int")
     assert levels.accepts(1) and levels.accepts(127.0) and not levels.accepts(127.5)
-    unbounded = registry.Param(0.0, None)
+    unbounded = params.Param(0.0, None)
     assert unbounded.accepts(1e300) and not unbounded.accepts(math.inf)
-    flag = registry.Param(kind="bool")
+    flag = params.Param(kind="bool")
     assert flag.accepts(True) and flag.accepts(0) and not flag.accepts(None)
-    assert registry.Param(kind="bool", optional=True).accepts(None)
+    assert params.Param(kind="bool", optional=True).accepts(None)
     with pytest.raises(ValueError, match=r"topk ratio must be float in \(0.0, 1.0\], got '0.5'"):
         ratio.check("topk", "ratio", "0.5")
 

@@ -40,25 +40,11 @@ device (docs/design.md section 1.6).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import numpy as np
 import torch
 
+from hvdcompress.backends.records import FrameScan, ThreeLCEncoded
 
-class ThreeLCEncoded(NamedTuple):
-    body: torch.Tensor  # uint8, zero-run-encoded quartic bytes (empty when nonfinite)
-    scale: float  # S, the float32 scale (as a Python float, exactly representable)
-    nonfinite: bool
-
-
-class FrameScan(NamedTuple):
-    """A backend's ``frame_scan`` of one rank's frame (kernels/frame.c, hvdc_frame_scan;
-    on CUDA kernels/threelc.cu section 8): a row per payload."""
-
-    fields: np.ndarray  # int64 (count, wire.SCAN_FIELDS)
-    shapes: np.ndarray  # uint64 (count, wire.MAX_NDIM), zero past ndim
-    params: list[bytes]  # each accepted payload's codec parameters; b"" for the others
+__all__ = ["FrameScan", "ThreeLCEncoded", "for_device"]
 
 
 _BACKENDS: dict[str, object] = {}

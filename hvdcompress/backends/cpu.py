@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hvdcompress import _native, wire
-from hvdcompress.backends import FrameScan, ThreeLCEncoded
+from hvdcompress import _native
+from hvdcompress.backends.records import FIXED_HEADER_BYTES, SCAN, FrameScan, ThreeLCEncoded
 from hvdcompress.errors import PayloadError
 
 _SOURCES = [_native.kernel_dir() / name for name in _native.C_SOURCES]
@@ -998,7 +998,7 @@ def _i64_array(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
-SCAN_FIELDS = 10  # kernels/frame.c (FRAME_FIELDS); their names: wire.SCAN_FIELDS
+SCAN_FIELDS = 10  # kernels/frame.c (FRAME_FIELDS); their names: records.SCAN_FIELDS
 
 
 def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
@@ -1012,8 +1012,8 @@ def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
     )
     if rc < 0:
         return None
-    view, col = frame.numpy(), wire.SCAN
-    at = fields[:, col["start"]] + wire.FIXED_HEADER.size + 8 * fields[:, col["ndim"]]
+    view, col = frame.numpy(), SCAN
+    at = fields[:, col["start"]] + FIXED_HEADER_BYTES + 8 * fields[:, col["ndim"]]
     params = [
         view[a:][:n].tobytes() if ok else b""
         for ok, a, n in zip(

@@ -35,9 +35,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hvdcompress import wire
 from hvdcompress._native import NVRTC_OPTIONS, kernel_dir
-from hvdcompress.backends import FrameScan, ThreeLCEncoded
+from hvdcompress.backends.records import CHECKSUM_FIELD, SCAN, FrameScan, ThreeLCEncoded, mix
 from hvdcompress.errors import PayloadError
 
 
@@ -720,7 +719,7 @@ def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], fi
 # A frame scan's rows (HVD_FRAME_* of kernels/threelc.cu section 8): the fields, the shape,
 # the stored checksum, the codec parameters.
 _FRAME_FIELDS, _FRAME_SHAPE, _FRAME_STORED, _FRAME_PARAMS = 10, 10, 18, 19
-_FRAME_OK, _FRAME_PARAMS_LEN = wire.SCAN["ok"], wire.SCAN["params_len"]
+_FRAME_OK, _FRAME_PARAMS_LEN = SCAN["ok"], SCAN["params_len"]
 _FRAME_ROW = _FRAME_PARAMS + 256 // 8
 
 
@@ -764,9 +763,9 @@ def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
     shapes = table[:, _FRAME_SHAPE : _FRAME_SHAPE + 8].view(np.uint64).copy()
     stored = table[:, _FRAME_STORED].astype(np.uint64)
     # The device summed the checksum field's own bytes; frame.c sums them as zeros.
-    field = wire.CHECKSUM_OFFSET + np.arange(4, dtype=np.uint64)
+    field = CHECKSUM_FIELD + np.arange(4, dtype=np.uint64)
     stored_bytes = (stored[:, None] >> (np.uint64(8) * np.arange(4, dtype=np.uint64))) & 0xFF
-    extra = (stored_bytes * wire.mix(field)[None, :]).sum(axis=1)
+    extra = (stored_bytes * mix(field)[None, :]).sum(axis=1)
     sums = host[2 * words :].reshape(count, _STATE_WORDS)[:, _ST_SUM].astype(np.uint64)
     zeroed = (sums - extra) & np.uint64(0xFFFFFFFF)
     ok = (fields[:, _FRAME_OK] == 1) & (zeroed == stored)

@@ -1,7 +1,7 @@
 """Compressors by name: ``get_compressor("3lc", sparsity=1.75)``.
 
 Every module of this package is imported here, and each compressor class registers
-itself (``@register``, hvdcompress.registry): adding a compressor is adding a module.
+itself (``@register``, hvdcompress.compressors.registry): adding a compressor is adding a module.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hvdcompress.compressors.base import (
     GatherCompressor,
     SummableCompressor,
 )
-from hvdcompress.registry import REGISTRY, available, get_compressor
+from hvdcompress.compressors.registry import REGISTRY, available, get_compressor
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

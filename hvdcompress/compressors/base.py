@@ -3,7 +3,7 @@
 A compressor is a codec (pure tensor math, ``hvdcompress.codecs``) plus per-tensor state
 (error-feedback residuals, RNG step counters, PowerSGD's Q). Every compressor declares
 its registry entry (``name``, ``wire_id``, ``params``, ``examples``: see
-``hvdcompress.registry``) and has the same life cycle in the optimizer: ``bind(rank,
+``hvdcompress.compressors.registry``) and has the same life cycle in the optimizer: ``bind(rank,
 size)`` once, ``check_optimizer(optimizer)`` once, ``compress`` per tensor and step,
 ``pop_metrics()`` per step, ``state_dict()`` in checkpoints. Defaults are declared here:
 a compressor overrides only what it needs.
@@ -24,15 +24,14 @@ a compressor overrides only what it needs.
 from __future__ import annotations
 
 import math
-import struct
 from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
 
 from hvdcompress import wire
+from hvdcompress.compressors.params import Param
 from hvdcompress.errors import DecodeOverflowError, PayloadError
-from hvdcompress.registry import Param
 
 
 def empty_body(device) -> torch.Tensor:
@@ -75,7 +74,7 @@ class Encoded(NamedTuple):
 class Compressor:
     """What both kinds share: the registry declaration, binding, metrics and state."""
 
-    # ---- registry declaration (hvdcompress.registry) -------------------------------------
+    # ---- registry declaration (hvdcompress.compressors.registry) --------------------------
     name: ClassVar[str] = ""
     wire_id: ClassVar[int | None] = None  # codec id in the payload header (gather-only)
     params: ClassVar[dict[str, Param]] = {}  # one Param per constructor parameter
@@ -251,9 +250,8 @@ class GatherCompressor(Compressor):
     ) -> tuple[torch.Tensor, list[Ctx]]:
         """One rank's frame of a bucket (``wire.frame`` of the payloads ``compress`` gives
         for each tensor in order, byte for byte, the state updated in the same order) and
-        the tensors' contexts. The bodies come from ``encode_bucket``; the frame is one
-        buffer on the bodies' device, its payloads' checksums one backend call for the
-        bucket (``checksum_segments``): per tensor, Python packs a header."""
+        the tensors' contexts. The compressor describes each payload (``encode_bucket``:
+        flags, params, body); the wire format builds the frame (``wire.frame_bucket``)."""
         if len(tensors) != len(names):
             raise ValueError(f"{len(tensors)} tensors but {len(names)} names")
         ctxs = [
@@ -261,17 +259,7 @@ class GatherCompressor(Compressor):
             for t, name in zip(tensors, names, strict=True)
         ]
         layout = self.frame_layout(ctxs)  # checks the dtypes (once per set of tensors)
-        encoded = self.encode_bucket(tensors, names)
-        bodies = [body for _, _, body in encoded]
-        if all(b.device.type == "cpu" for b in bodies):
-            flags = [f for f, _, _ in encoded]
-            params = [p for _, p, _ in encoded]
-            return wire.write_frame(layout, flags, params, bodies), ctxs
-        heads = [
-            wire.Header(self.name, flags, ctx.dtype, ctx.shape, params, body.numel()).pack()
-            for ctx, (flags, params, body) in zip(ctxs, encoded, strict=True)
-        ]
-        return wire_bucket_frame(heads, bodies), ctxs
+        return wire.frame_bucket(layout, self.encode_bucket(tensors, names)), ctxs
 
     def frame_layout(self, ctxs: list[Ctx]) -> wire.FrameLayout:
         """The ``wire.FrameLayout`` of a bucket of these tensors, made once per set of
@@ -589,29 +577,6 @@ class GatherCompressor(Compressor):
                 "numel", f"{header.numel} elements cannot come from {header.body_len} body bytes"
             )
         wire.verify_checksum(header, payload)
-
-
-def wire_bucket_frame(heads: list[bytes], bodies: list[torch.Tensor]) -> torch.Tensor:
-    """``wire.frame`` of the payloads ``wire.assemble`` makes of each packed header (checksum
-    field zero) and body, built as one buffer on the bodies' device: the length table and
-    the headers staged in one host buffer (one copy to the device), the frame one
-    ``torch.cat`` of them and the bodies, then every payload's checksum written in place by
-    one backend call (``store_checksums``; on CUDA without a host round trip)."""
-    from hvdcompress.backends import for_device
-
-    device = bodies[0].device if bodies else torch.device("cpu")
-    lengths = [len(h) + b.numel() for h, b in zip(heads, bodies, strict=True)]
-    table = struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths)
-    starts = np.cumsum([len(table), *lengths[:-1]]).tolist() if lengths else []
-    staged = torch.frombuffer(bytearray(table + b"".join(heads)), dtype=torch.uint8)
-    staged = staged.to(device)
-    pieces, at = [staged[: len(table)]], len(table)
-    for head, body in zip(heads, bodies, strict=True):
-        pieces += [staged[at : at + len(head)], body.reshape(-1).to(device)]
-        at += len(head)
-    frame = torch.cat(pieces)
-    for_device(device).store_checksums(frame, starts, lengths, wire.CHECKSUM_OFFSET)
-    return frame
 
 
 def _check_out(out: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hvdcompress.compressors.base import Ctx, SummableCompressor
-from hvdcompress.registry import register
+from hvdcompress.compressors.registry import register
 
 
 class Cast(SummableCompressor):

@@ -37,8 +37,9 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
 from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.params import Param
+from hvdcompress.compressors.registry import register
 from hvdcompress.errors import PayloadError
-from hvdcompress.registry import Param, register
 
 PARAMS = struct.Struct("<dQd")  # ratio, step, density of this step
 WARMUP_START = 0.25  # density at step 0 of the warm-up (75 % sparsity)

@@ -14,10 +14,11 @@ from hvdcompress import wire
 from hvdcompress.codecs import dqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import Encoded, empty_body
+from hvdcompress.compressors.params import RANK, SEED
 from hvdcompress.compressors.quant import BUCKET, LEVELS
+from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.errors import PayloadError
-from hvdcompress.registry import RANK, SEED, register
 
 PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields)
 

@@ -33,10 +33,11 @@ from hvdcompress import wire
 from hvdcompress.codecs import dqsg, ndqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import Encoded, empty_body
+from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.quant import BUCKET, LEVELS
+from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.errors import PayloadError
-from hvdcompress.registry import RANK, SEED, Param, register
 
 # fine levels, coarse levels, bucket size, dqsg_fraction, mode (0 DQSG, 1 nested)
 PARAMS = struct.Struct("<IIIdB")

@@ -31,7 +31,8 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import Ctx, SummableCompressor
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
-from hvdcompress.registry import SEED, Param, register
+from hvdcompress.compressors.params import SEED, Param
+from hvdcompress.compressors.registry import register
 
 MAX_RANK = 64
 RELATIVE_FLOOR = 1e-4

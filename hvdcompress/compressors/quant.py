@@ -14,9 +14,10 @@ from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant, threelc
 from hvdcompress.compressors.base import Encoded, check_scale, empty_body
+from hvdcompress.compressors.params import RANK, SEED, Param
+from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.errors import PayloadError
-from hvdcompress.registry import RANK, SEED, Param, register
 
 QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields)
 TERNGRAD_PARAMS = struct.Struct("<f")  # scale M (after the RNG fields)

@@ -14,8 +14,8 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
 from hvdcompress.compressors.base import Encoded, GatherCompressor, check_scale, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.registry import register
 from hvdcompress.errors import PayloadError
-from hvdcompress.registry import register
 
 EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
 

@@ -25,9 +25,10 @@ from hvdcompress.codecs import sparse
 from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
+from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic
 from hvdcompress.errors import PayloadError
-from hvdcompress.registry import FLAG, RANK, SEED, Param, register
 
 TOPK_PARAMS = struct.Struct("<d")  # ratio
 RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)

@@ -10,7 +10,7 @@ compress the same tensor (their random numbers are then independent); the optimi
 it through ``bind(rank, size)``. Decoding checks that the payload's seed is this
 compressor's (ranks agree on it at start-up) and, when the receiver names the tensor,
 that the payload's tensor id is that name's. ``seed`` and ``rank`` are declared once in
-``hvdcompress.registry`` (SEED, RANK).
+``hvdcompress.compressors.registry`` (SEED, RANK).
 """
 
 from __future__ import annotations

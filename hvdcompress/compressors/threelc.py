@@ -17,8 +17,9 @@ from hvdcompress.codecs import threelc
 from hvdcompress.compressors.base import Encoded, GatherCompressor, as_float32, check_scale
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.params import Param
+from hvdcompress.compressors.registry import register
 from hvdcompress.errors import PayloadError
-from hvdcompress.registry import Param, register
 
 
 @register

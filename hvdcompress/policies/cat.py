@@ -70,7 +70,7 @@ import time
 import numpy as np
 import torch
 
-from hvdcompress import registry
+from hvdcompress.compressors import registry
 from hvdcompress.policies.base import Policy
 
 HEADER_BITS = 8 * 48  # wire header of a 1-D top-k payload

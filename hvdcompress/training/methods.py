@@ -27,8 +27,8 @@ from types import MappingProxyType
 from typing import Any
 
 import hvdcompress
+from hvdcompress.compressors.params import Param
 from hvdcompress.policies.cat import KINDS, compressor_for
-from hvdcompress.registry import Param
 
 POLICIES = ("accordion", "cat")
 

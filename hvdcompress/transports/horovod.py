@@ -24,7 +24,7 @@ import weakref
 import numpy as np
 import torch
 
-from hvdcompress.transports import Handle, Transport, _DoneHandle, check_alltoallv_parts
+from hvdcompress.transports.base import Handle, Transport, _DoneHandle, check_alltoallv_parts
 
 _LEN = struct.Struct("<Q")
 

@@ -39,7 +39,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from hvdcompress.transports import Handle, Transport, check_alltoallv_parts
+from hvdcompress.transports.base import Handle, Transport, check_alltoallv_parts
 
 POLL_S = 0.1  # the watcher's polling period
 ABORT_GRACE_S = 2.0  # how long a failing rank waits for the others to acknowledge

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hvdcompress.transports import Handle, Transport, _DoneHandle, check_alltoallv_parts
+from hvdcompress.transports.base import Handle, Transport, _DoneHandle, check_alltoallv_parts
 
 SUMMABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from hvdcompress.transports import Handle, Transport
+from hvdcompress.transports.base import Handle, Transport
 
 
 class _Ready(Handle):

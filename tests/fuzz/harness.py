@@ -38,7 +38,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hvdcompress
-from hvdcompress import registry, wire
+from hvdcompress import wire
+from hvdcompress.compressors import registry
 
 # Header fields a mutation may overwrite: (offset, size) in the fixed header (all but
 # the magic, the reserved byte and the checksum, which the harness recomputes).

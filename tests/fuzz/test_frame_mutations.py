@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvdcompress import registry, wire
+from hvdcompress import wire
+from hvdcompress.compressors import registry
 from tests.fuzz.harness import field_mutations, fix_checksum, mutate, mutations
 from tests.helpers import bound
 

@@ -11,7 +11,7 @@ shape, body_len, params_len, codec id, dtype, version, flags; a consistent resiz
 dimension; the non-finite flag with the body dropped), each with and without a
 recomputed checksum, a valid header with a random body, and random bytes. Each test runs
 once per registered gather-only compressor, over its payloads: every example
-configuration it declares (``examples``, hvdcompress.registry) at every shape and dtype
+configuration it declares (``examples``, hvdcompress.compressors.registry) at every shape and dtype
 of harness.SHAPES, plus a tensor with a NaN. A newly registered compressor is fuzzed
 without an edit here. Payloads of compressors that decode with side information (NDQSG)
 are decoded with side information of the receiver's tensor size, as the optimizer's

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import registry, wire
+from hvdcompress import wire
+from hvdcompress.compressors import registry
 from hvdcompress.errors import PayloadError
 from tests.gpu.conftest import Setup, bits
 from tests.gpu.conftest import bits as bits_of

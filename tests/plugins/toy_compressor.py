@@ -16,7 +16,7 @@ import torch
 
 from hvdcompress import wire
 from hvdcompress.compressors.base import Encoded, GatherCompressor, check_scale, empty_body
-from hvdcompress.registry import register
+from hvdcompress.compressors.registry import register
 from hvdcompress.wire import PayloadError
 
 PARAMS = struct.Struct("<f")  # scale

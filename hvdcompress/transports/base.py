@@ -1,0 +1,184 @@
+"""What every transport is (``Transport``, ``Handle``) and where traffic is counted; the
+transports' package docstring (``hvdcompress.transports``) describes the operations."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from hvdcompress.stats import Traffic
+
+
+class Handle:
+    """The result of a started collective; ``wait()`` returns it or raises its error.
+
+    ``seconds`` (after ``wait``) is how long the collective took: on the mpi4py worker
+    thread exactly the MPI calls; for Horovod, whose background thread reports no
+    timing, from the enqueue to the end of ``wait`` (an upper bound: it includes time
+    queued behind other collectives and, if ``wait`` comes late, idle time).
+    """
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result = None
+        self._error: BaseException | None = None
+        self.began = time.perf_counter()
+        self.ended: float | None = None
+        self.sent_bytes = 0  # counted by Transport (module doc)
+        self.received_bytes: int | None = None  # known after the first wait()
+        self._count_received: Callable[[object], int] | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.ended is None else self.ended - self.began
+
+    def _finish(self, result=None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self.ended = time.perf_counter()
+        self._done.set()
+
+    def wait(self, timeout: float | None = None):
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"collective did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        if self.received_bytes is None and self._count_received is not None:
+            self.received_bytes = self._count_received(self._result)  # once, by the caller
+        return self._result
+
+
+class _DoneHandle(Handle):
+    def __init__(self, fn: Callable[[], object]) -> None:
+        super().__init__()
+        self._fn = fn
+
+    def wait(self, timeout: float | None = None):
+        if not self._done.is_set():
+            try:
+                self._finish(self._fn())
+            except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait
+                self._finish(error=err)
+        return super().wait(timeout)
+
+
+class Transport:
+    """Interface (see the module docstring). ``rank``, ``size`` and ``local_size`` (ranks on
+    this node) are set by subclasses."""
+
+    name = ""
+    rank: int = 0
+    size: int = 1
+    local_size: int = 1
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        # Count the traffic of every collective here, once, for every transport: each
+        # start_* a subclass defines is wrapped (see the module doc).
+        super().__init_subclass__(**kwargs)
+        for kind in _COUNTED:
+            start = cls.__dict__.get(f"start_{kind}")
+            if start is not None:
+                setattr(cls, f"start_{kind}", _counted(kind, start))
+
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes this rank sent and received in collectives so far (module doc)."""
+        return self.__dict__.setdefault("_traffic", Traffic())
+
+    def start_allgatherv(self, local: torch.Tensor) -> Handle:
+        raise NotImplementedError
+
+    def moves_on(self, device: torch.device) -> bool:
+        """True when ``start_allgatherv`` and ``start_alltoallv`` take bytes on ``device``
+        as they are and give what they receive on that device (no host copy by the
+        caller); else the caller gives host bytes. The host only, by default."""
+        return device.type == "cpu"
+
+    def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
+        """Send ``parts[j]`` (1-D uint8) to rank j; ``wait()`` gives the list of what each
+        rank sent to this one, in rank order (module doc)."""
+        raise NotImplementedError
+
+    def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
+        raise NotImplementedError
+
+    def allgather_object(self, obj) -> list:
+        raise NotImplementedError
+
+    # ---- blocking helpers; generic versions over allgather_object ------------------------
+
+    def broadcast_(self, tensors, root: int = 0) -> None:
+        """Overwrite every tensor of ``tensors`` (in place) with rank ``root``'s values."""
+        for t in tensors:
+            mine = t.detach().cpu().clone() if self.rank == root else None
+            t.data.copy_(self.allgather_object(mine)[root])
+
+    def sum_floats(self, values) -> list[float]:
+        """The elementwise sum over ranks of a few floats (float64, the same on every rank)."""
+        parts = self.allgather_object([float(v) for v in values])
+        return np.sum(np.array(parts, dtype=np.float64).reshape(len(parts), -1), axis=0).tolist()
+
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        self.allgather_object(None)
+
+
+def check_alltoallv_parts(parts, size: int) -> None:
+    """ValueError unless ``parts`` is a list of ``size`` 1-D uint8 tensors."""
+    if not isinstance(parts, (list, tuple)) or len(parts) != size:
+        raise ValueError(
+            f"alltoallv needs one part per rank ({size}), got "
+            f"{len(parts) if isinstance(parts, (list, tuple)) else type(parts).__name__}"
+        )
+    for j, part in enumerate(parts):
+        if not isinstance(part, torch.Tensor) or part.dtype != torch.uint8 or part.dim() != 1:
+            raise ValueError(f"alltoallv part {j} must be a 1-D uint8 tensor, got {part!r:.80}")
+
+
+def _sent_and_received(kind: str, data, rank: int, size: int):
+    """(bytes this rank sends, function of the result giving the bytes it received)."""
+    if kind == "allgatherv":
+        own = data.numel()
+        return (size - 1) * own, lambda result: sum(result[1]) - result[1][rank]
+    if kind == "alltoallv":
+        sent = sum(p.numel() for j, p in enumerate(data) if j != rank)
+        return sent, lambda result: sum(r.numel() for i, r in enumerate(result) if i != rank)
+    ring = (2 * (size - 1) * data.numel() * data.element_size()) // size
+    return ring, lambda result: ring
+
+
+_COUNTED = ("allgatherv", "alltoallv", "allreduce_sum")
+
+
+def _counted(kind: str, start):
+    """``start`` (a subclass's start_<kind>) counting its traffic (module doc); a subclass
+    calling its parent's start_<kind> is counted once, by the outermost call."""
+
+    @functools.wraps(start)
+    def counted(self: Transport, data) -> Handle:
+        if self.__dict__.get("_counting"):
+            return start(self, data)
+        self._counting = True
+        try:
+            handle = start(self, data)
+        finally:
+            self._counting = False
+        sent, received = _sent_and_received(kind, data, self.rank, self.size)
+        traffic = self.traffic
+        handle.sent_bytes = sent
+        traffic.sent += sent
+        traffic.collectives += 1
+
+        def count_received(result) -> int:
+            n = received(result)
+            traffic.received += n
+            return n
+
+        handle._count_received = count_received  # at the first successful wait()
+        return handle
+
+    return counted
