@@ -11,11 +11,12 @@ DDP calls the hook with each gradient bucket (a flat buffer holding its gradient
 GPUs; ``transports.torch_dist``): gather-only compressors (3LC, top-k, ...) by an
 allgather that every rank decodes in rank order, summable ones (none, fp16, bf16,
 PowerSGD) by allreduce; tensors below ``compress_min_numel`` by an uncompressed
-allreduce. It writes the average into the buffer and returns it as a completed future
-(the collectives run inside the hook, so buckets do not overlap one another's
-communication). Invariants: on the gather path every rank holds bit-identical averaged
-gradients; the state (``state_dict``: this rank's residuals) is checkpointable like the
-optimizer's, with the same rule for another rank's state.
+allreduce. The exchange averages the buffer in place (views of it, no copy) and the hook
+returns the exchange's futures, chained to the buffer (today they complete inside the
+hook, so buckets do not overlap one another's communication). Invariants: on the gather
+path every rank holds bit-identical averaged gradients; the state (``state_dict``: this
+rank's residuals) is checkpointable like the optimizer's, with the same rule for another
+rank's state.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's return annotation
@@ -137,14 +138,6 @@ def _exchange(compressor: Compressor, transport):
     return (SummedExchange if compressor.summable else GatheredExchange)(transport)
 
 
-def _slot(grad: torch.Tensor) -> torch.Tensor:
-    """A stand-in parameter whose ``.grad`` is ``grad`` (a view of DDP's bucket buffer):
-    the exchanges write the average into ``p.grad``. No memory: a broadcast scalar."""
-    slot = torch.empty((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
-    slot.grad = grad
-    return slot
-
-
 def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook (``model.register_comm_hook(state, ddp_hook)``): the
     bucket's gradients compressed with ``state.compressor``, exchanged, averaged, and
@@ -162,6 +155,7 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
         )
     stats = state.step_stats
     scale = 1.0 / state.transport.size
+    futures = []
     for compressed in (True, False):
         chosen = [
             i for i, p in enumerate(params) if (p.numel() >= state.compress_min_numel) == compressed
@@ -170,20 +164,20 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
             continue
         part = Bucket(
             bucket.index(),
-            [_slot(grads[i]) for i in chosen],
+            [params[i] for i in chosen],
             [state.name_of(params[i]) for i in chosen],
             compressed=compressed,
         )
         comp = state.compressor if compressed else state.uncompressed
         exchange = state._exchanges[compressed]
+        # the exchange averages the views of DDP's buffer in place (exchange.py)
         flight = exchange.start(part, comp, [grads[i] for i in chosen])
         exchange.finish(part, comp, flight, scale, decode=True)
         stats.numel += sum(params[i].numel() for i in chosen)
         stats.raw_bytes += sum(grads[i].numel() * grads[i].element_size() for i in chosen)
         stats.add(flight)
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(buffer)
-    return future
+        futures.append(flight.future)
+    return torch.futures.collect_all(futures).then(lambda _: buffer)
 
 
 class _HookedOptimizer(torch.optim.Optimizer):

@@ -25,7 +25,11 @@ and the optimizer's ``exchange=`` ("auto", "allgather", "twostage"):
   the shards, every rank decodes all of them. Traffic per rank about
   2 (N - 1) / N x payload, two full-size decodes per rank whatever N.
 
-All scale the sum by ``scale`` (1 / size for an average) and write it into ``p.grad``.
+All scale the sum by ``scale`` (1 / size for an average) and write it into the gradient
+tensors they were handed (in place: the optimizer hands ``p.grad``, the DDP hook views of
+its bucket buffer; no exchange touches a parameter). ``start`` returns the bucket's
+``InFlight``, whose ``future`` (a ``torch.futures.Future``) ``finish`` completes with those
+tensors, or with the error.
 Invariants: every rank starts the same collectives in the same order (bucket order,
 phase order; the two-stage exchange runs stage 2 of every bucket it started, even while
 draining after an error); on the gather paths every rank decodes the same bytes in the
@@ -65,16 +69,19 @@ class Collective:
 
 @dataclass
 class InFlight:
-    """A bucket whose collective has started; ``finish`` fills in the times."""
+    """A bucket whose collective has started; ``finish`` writes ``grads`` in place, fills
+    in the times and completes ``future`` (its value: ``grads``)."""
 
     ctxs: list[Ctx]
     collectives: list[Collective]
+    grads: list[torch.Tensor]  # the gradients handed to start: averaged in place
     sizes: list[int] = field(default_factory=list)  # summed: elements of each payload
     wait_s: float = 0.0
     decode_s: float = 0.0
-    overflow: list[str] = field(default_factory=list)  # finite sums that overflowed p.grad
+    overflow: list[str] = field(default_factory=list)  # finite sums that overflowed the gradient
     nonfinite: list[str] = field(default_factory=list)  # sums that were not finite
     shards: list = field(default_factory=list)  # two-stage: the plan_shards of this bucket
+    future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -95,7 +102,22 @@ class _Exchange:
 
     def finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
         """Wait for the bucket's collective, then (unless ``decode`` is False: draining
-        after an error) decode and write the gradients; times go into ``flight``."""
+        after an error) decode and write the gradients; times go into ``flight``. The
+        bucket's ``future`` ends with the averaged gradients, or with the error (draining:
+        a RuntimeError), which is also raised."""
+        try:
+            self._finish(bucket, comp, flight, scale, decode)
+        except BaseException as err:
+            flight.future.set_exception(err)
+            raise
+        if decode:
+            flight.future.set_result(flight.grads)
+        else:
+            flight.future.set_exception(
+                RuntimeError(f"tensors {bucket.names} were not averaged: drained after an error")
+            )
+
+    def _finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
         t0 = time.perf_counter()
         result = flight.collectives[0].handle.wait()
         t1 = time.perf_counter()
@@ -107,8 +129,10 @@ class _Exchange:
     def _complete(self, bucket, comp, flight, result, scale) -> None:
         raise NotImplementedError
 
-    def _write(self, p, name: str, value: torch.Tensor, comp, scale: float, flight) -> None:
-        """Write the sum ``value`` times ``scale`` into ``p.grad`` (docs/design.md,
+    def _write(
+        self, grad: torch.Tensor, name: str, value: torch.Tensor, comp, scale: float, flight
+    ) -> None:
+        """Write the sum ``value`` times ``scale`` into ``grad`` (docs/design.md,
         "Error feedback and low precision").
 
         Into a float16 / bfloat16 gradient: a finite float32 value that overflows the
@@ -119,7 +143,6 @@ class _Exchange:
         rank's residual, scaled so that over the ranks it adds up to the rounding: every
         rank adds ``rounding / (scale * size)`` (Average: the rounding; Sum: 1 / size of
         it), so the applied gradients plus the residuals keep tracking the true sum."""
-        grad = p.grad
         if grad.dtype not in LOW_PRECISION:
             if scale != 1.0:
                 value = value.to(torch.float32).mul_(scale)
@@ -172,7 +195,7 @@ class SummedExchange(_Exchange):
             payloads.append(payload.reshape(-1))
             ctxs.append(ctx)
         sizes = [p.numel() for p in payloads]
-        return InFlight(ctxs, [self._allreduce(torch.cat(payloads))], sizes)
+        return InFlight(ctxs, [self._allreduce(torch.cat(payloads))], list(grads), sizes)
 
     def _allreduce(self, dense: torch.Tensor) -> Collective:
         payload_bytes = dense.numel() * dense.element_size()
@@ -190,10 +213,10 @@ class SummedExchange(_Exchange):
     ) -> None:
         summed = self._next_phases(comp, flight, summed)
         offset = 0
-        for p, ctx, n in zip(bucket.params, flight.ctxs, flight.sizes, strict=True):
+        for grad, ctx, n in zip(flight.grads, flight.ctxs, flight.sizes, strict=True):
             value = comp.decompress_exact(summed[offset : offset + n], ctx)
             offset += n
-            self._write(p, ctx.name, value, comp, scale, flight)
+            self._write(grad, ctx.name, value, comp, scale, flight)
 
     def _next_phases(self, comp, flight: InFlight, summed: torch.Tensor) -> torch.Tensor:
         """Phases 2.. of a multi-phase compressor (PowerSGD: P, then Q): every rank runs
@@ -231,7 +254,7 @@ class GatheredExchange(_Exchange):
             frame = frame.cpu()
         handle = self.transport.start_allgatherv(frame)
         wire_bytes = float((self.transport.size - 1) * frame.numel())
-        return InFlight(ctxs, [Collective(handle, frame.numel(), wire_bytes)])
+        return InFlight(ctxs, [Collective(handle, frame.numel(), wire_bytes)], list(grads))
 
     def _complete(
         self,
@@ -242,16 +265,16 @@ class GatheredExchange(_Exchange):
         scale: float,
     ) -> None:
         gathered, sizes = result
-        device = bucket.params[0].device
-        accs = [torch.zeros(p.numel(), dtype=torch.float32, device=device) for p in bucket.params]
+        device = flight.grads[0].device
+        accs = [torch.zeros(g.numel(), dtype=torch.float32, device=device) for g in flight.grads]
         offset = 0
         for rank, size in enumerate(sizes):
             frame = gathered[offset : offset + size]
             offset += size
             # Rank order; NDQSG gets the mean of the lower ranks' tensors (decode_bucket).
             comp.decode_frame(frame, accs, flight.ctxs, rank=rank)
-        for p, acc, ctx in zip(bucket.params, accs, flight.ctxs, strict=True):
-            self._write(p, ctx.name, acc, comp, scale, flight)
+        for grad, acc, ctx in zip(flight.grads, accs, flight.ctxs, strict=True):
+            self._write(grad, ctx.name, acc, comp, scale, flight)
 
 
 # ---- the two-stage exchange ------------------------------------------------------------------
@@ -398,9 +421,9 @@ class TwoStageExchange(_Exchange):
         rank = self.transport.rank
         to_others = sum(p.numel() for j, p in enumerate(parts) if j != rank)
         collective = Collective(handle, sum(p.numel() for p in parts), to_others)
-        return InFlight(ctxs, [collective], shards=shards)
+        return InFlight(ctxs, [collective], list(grads), shards=shards)
 
-    def finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
+    def _finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
         """Wait for stage 1, make this rank's stage-2 message (its re-compressed shard, or
         the report of a stage-1 payload it could not decode, or with ``decode`` False only
         a placeholder), run stage 2 and decode it. Stage 2 runs on every rank in every
@@ -510,9 +533,9 @@ class TwoStageExchange(_Exchange):
                     )
             except PayloadError as err:
                 raise _staged(err, owner, 2, _piece_of(flight.shards, err.tensor)) from None
-        for p, out, ctx in zip(bucket.params, outs, flight.ctxs, strict=True):
+        for grad, out, ctx in zip(flight.grads, outs, flight.ctxs, strict=True):
             # the owners compressed the scaled sum: what is decoded is what is written
-            self._write(p, ctx.name, out, comp, 1.0, flight)
+            self._write(grad, ctx.name, out, comp, 1.0, flight)
 
     def _absorb_rounding(
         self, comp, name: str, rounding: torch.Tensor, scale: float, flight
