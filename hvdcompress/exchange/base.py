@@ -1,0 +1,137 @@
+"""What the exchanges share: a started bucket (``InFlight``), its collectives, and the
+write of an averaged gradient (``_Exchange._write``); the package docstring has the rest."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from hvdcompress.buckets import Bucket
+from hvdcompress.compressors import Ctx
+from hvdcompress.transports import Handle, Transport
+
+
+@dataclass
+class Collective:
+    """One started collective: this rank's bytes and the ring-model bytes it sends."""
+
+    handle: Handle
+    payload_bytes: int
+    wire_bytes: float
+
+
+@dataclass
+class InFlight:
+    """A bucket whose collective has started; ``finish`` writes ``grads`` in place, fills
+    in the times and completes ``future`` (its value: ``grads``)."""
+
+    ctxs: list[Ctx]
+    collectives: list[Collective]
+    grads: list[torch.Tensor]  # the gradients handed to start: averaged in place
+    sizes: list[int] = field(default_factory=list)  # summed: elements of each payload
+    wait_s: float = 0.0
+    decode_s: float = 0.0
+    overflow: list[str] = field(default_factory=list)  # finite sums that overflowed the gradient
+    nonfinite: list[str] = field(default_factory=list)  # sums that were not finite
+    shards: list = field(default_factory=list)  # two-stage: the plan_shards of this bucket
+    future: torch.futures.Future = field(default_factory=torch.futures.Future)
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class _Exchange:
+    """What the exchanges share: ``start`` a bucket, ``finish`` it (see module doc)."""
+
+    kind = ""  # "allreduce", "allgather" or "twostage"
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Compressor state names this exchange adds beyond the tensors' own, with their
+        shapes (checked when a checkpoint is loaded); none but for the two-stage one."""
+        return {}
+
+    def finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
+        """Wait for the bucket's collective, then (unless ``decode`` is False: draining
+        after an error) decode and write the gradients; times go into ``flight``. The
+        bucket's ``future`` ends with the averaged gradients, or with the error (draining:
+        a RuntimeError), which is also raised."""
+        try:
+            self._finish(bucket, comp, flight, scale, decode)
+        except BaseException as err:
+            flight.future.set_exception(err)
+            raise
+        if decode:
+            flight.future.set_result(flight.grads)
+        else:
+            flight.future.set_exception(
+                RuntimeError(f"tensors {bucket.names} were not averaged: drained after an error")
+            )
+
+    def _finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
+        t0 = time.perf_counter()
+        result = flight.collectives[0].handle.wait()
+        t1 = time.perf_counter()
+        flight.wait_s += t1 - t0
+        if decode:
+            self._complete(bucket, comp, flight, result, scale)
+            flight.decode_s += time.perf_counter() - t1
+
+    def _complete(self, bucket, comp, flight, result, scale) -> None:
+        raise NotImplementedError
+
+    def _write(
+        self, grad: torch.Tensor, name: str, value: torch.Tensor, comp, scale: float, flight
+    ) -> None:
+        """Write the sum ``value`` times ``scale`` into ``grad`` (docs/design.md,
+        "Error feedback and low precision").
+
+        Into a float16 / bfloat16 gradient: a finite float32 value that overflows the
+        dtype becomes +-Inf as a cast would (so that GradScaler skips the step and backs
+        off), and is reported: ``flight.overflow`` (``StepStats.overflow``) and a
+        RuntimeWarning naming the tensor. For an error-feedback compressor the rounding
+        of the cast (float32 value minus what was written), where finite, goes into this
+        rank's residual, scaled so that over the ranks it adds up to the rounding: every
+        rank adds ``rounding / (scale * size)`` (Average: the rounding; Sum: 1 / size of
+        it), so the applied gradients plus the residuals keep tracking the true sum."""
+        if grad.dtype not in LOW_PRECISION:
+            if scale != 1.0:
+                value = value.to(torch.float32).mul_(scale)
+            grad.copy_(value.view_as(grad))
+            return
+        value = value.to(torch.float32).reshape(grad.shape)
+        if scale != 1.0:
+            value = value.mul(scale)
+        grad.copy_(value)
+        finite = torch.isfinite(value)
+        if not bool(finite.all()):
+            flight.nonfinite.append(name)  # a real non-finite gradient: stays as it is
+            return
+        written = grad.to(torch.float32)
+        if not bool(torch.isfinite(written).all()):
+            flight.overflow.append(name)
+            warnings.warn(
+                f"hvdcompress: the averaged gradient of {name!r} exceeds the range of "
+                f"{grad.dtype} (max |value| {float(value.abs().max()):.6g}) and was written "
+                "as Inf; a GradScaler skips this step and lowers its scale",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if comp.error_feedback:
+            rounding = value - written
+            rounding = torch.where(torch.isfinite(rounding), rounding, torch.zeros_like(value))
+            self._absorb_rounding(comp, name, rounding, scale, flight)
+
+    def _absorb_rounding(
+        self, comp, name: str, rounding: torch.Tensor, scale: float, flight
+    ) -> None:
+        """This rank's share of the rounding of a low-precision write (``_write``) into
+        the residual that sends it again: every rank adds ``rounding / (scale * size)``
+        to its residual of ``name``."""
+        share = 1.0 / (scale * self.transport.size)
+        comp.absorb(name, rounding if share == 1.0 else rounding * share)

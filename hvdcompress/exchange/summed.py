@@ -1,0 +1,71 @@
+"""The allreduce of summable compressors' dense payloads, one per phase."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hvdcompress.buckets import Bucket
+from hvdcompress.compressors import SummableCompressor
+from hvdcompress.exchange.base import Collective, InFlight, _Exchange
+
+
+class SummedExchange(_Exchange):
+    """Allreduce of dense payloads, one per phase (see module doc)."""
+
+    kind = "allreduce"
+
+    def start(
+        self, bucket: Bucket, comp: SummableCompressor, grads: list[torch.Tensor]
+    ) -> InFlight:
+        payloads, ctxs = [], []
+        for name, g in zip(bucket.names, grads, strict=True):
+            payload, ctx = comp.compress(g, name)
+            payloads.append(payload.reshape(-1))
+            ctxs.append(ctx)
+        sizes = [p.numel() for p in payloads]
+        return InFlight(ctxs, [self._allreduce(torch.cat(payloads))], list(grads), sizes)
+
+    def _allreduce(self, dense: torch.Tensor) -> Collective:
+        payload_bytes = dense.numel() * dense.element_size()
+        size = self.transport.size
+        handle = self.transport.start_allreduce_sum(dense)
+        return Collective(handle, payload_bytes, 2.0 * (size - 1) / size * payload_bytes)
+
+    def _complete(
+        self,
+        bucket: Bucket,
+        comp: SummableCompressor,
+        flight: InFlight,
+        summed: torch.Tensor,
+        scale: float,
+    ) -> None:
+        summed = self._next_phases(comp, flight, summed)
+        offset = 0
+        for grad, ctx, n in zip(flight.grads, flight.ctxs, flight.sizes, strict=True):
+            value = comp.decompress_exact(summed[offset : offset + n], ctx)
+            offset += n
+            self._write(grad, ctx.name, value, comp, scale, flight)
+
+    def _next_phases(self, comp, flight: InFlight, summed: torch.Tensor) -> torch.Tensor:
+        """Phases 2.. of a multi-phase compressor (PowerSGD: P, then Q): every rank runs
+        the same phases of the buckets in bucket order, so the collectives match. A phase
+        whose payloads are all empty is not sent."""
+        for phase in range(1, comp.phases):
+            parts = summed.split(flight.sizes)
+            nxt = [
+                comp.next_phase(part, ctx, phase).reshape(-1)
+                for part, ctx in zip(parts, flight.ctxs, strict=True)
+            ]
+            flight.sizes = [t.numel() for t in nxt]
+            dense = torch.cat(nxt)
+            if dense.numel():
+                t0 = time.perf_counter()
+                collective = self._allreduce(dense)
+                flight.collectives.append(collective)
+                summed = collective.handle.wait()
+                flight.wait_s += time.perf_counter() - t0
+            else:
+                summed = dense
+        return summed
