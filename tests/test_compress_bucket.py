@@ -77,7 +77,7 @@ def test_compress_bucket_with_codec_threads(monkeypatch, name):
     from hvdcompress.backends import cpu
 
     monkeypatch.setenv("HVDC_NUM_THREADS", "3")
-    monkeypatch.setattr(cpu, "_MIN_PART", 64)
+    monkeypatch.setattr(cpu._library, "_MIN_PART", 64)
     one_by_one, bucketed = hvdcompress.get_compressor(name), hvdcompress.get_compressor(name)
     for step in range(2):
         tensors, names = bucket_tensors(step)

@@ -351,7 +351,7 @@ def test_dqsg_edge_sizes_and_specials(n, kind):
 def test_dqsg_bytes_independent_of_threads(monkeypatch, threads):
     """HVDC_NUM_THREADS splits the native passes; bytes and decoded values do not change."""
     monkeypatch.setenv("HVDC_NUM_THREADS", threads)
-    monkeypatch.setattr(cpu_backend, "_MIN_PART", 64)
+    monkeypatch.setattr(cpu_backend._library, "_MIN_PART", 64)
     gen = torch.Generator().manual_seed(4)
     for n in (1, 100, 5003, 20000):
         w = torch.randn(n, generator=gen)

@@ -142,7 +142,7 @@ def test_sign_decode_rejects_bad_bodies_out_untouched():
 def test_sign_codecs_bytes_independent_of_threads(monkeypatch, threads):
     """HVDC_NUM_THREADS splits the native passes; the bytes and residuals do not change."""
     monkeypatch.setenv("HVDC_NUM_THREADS", threads)
-    monkeypatch.setattr(cpu_backend, "_MIN_PART", 64)
+    monkeypatch.setattr(cpu_backend._library, "_MIN_PART", 64)
     gen = torch.Generator().manual_seed(11)
     for n in (1, 100, 5003, 20000):
         g, e = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
@@ -159,7 +159,7 @@ def test_ef_encode_segments_is_ef_encode_of_each(monkeypatch, threads):
     residual); with codec threads, tensors big enough to be cut into parts take the
     per-tensor path beside the others."""
     monkeypatch.setenv("HVDC_NUM_THREADS", threads)
-    monkeypatch.setattr(cpu_backend, "_MIN_PART", 64)
+    monkeypatch.setattr(cpu_backend._library, "_MIN_PART", 64)
     gen = torch.Generator().manual_seed(5)
     gs = [torch.randn(n, generator=gen) for n in (0, 1, 100, 127, 5003, 3)]
     gs[5][1] = float("nan")

@@ -373,7 +373,7 @@ def test_random_draws_call_again_when_the_room_is_short(monkeypatch, room):
     """Random-k and GSpar size their output from the mean kept count (plus 8 standard
     deviations); a draw that keeps more is drawn again with exact room: same values,
     indices and residual as the reference."""
-    monkeypatch.setattr(cpu_backend, "_kept_room", lambda n, mean: room)
+    monkeypatch.setattr(cpu_backend.sparse, "_kept_room", lambda n, mean: room)
     gen = torch.Generator().manual_seed(3)
     a = torch.randn(3000, generator=gen)
     key = prim.rng_key(1, 2, 3, 4)

@@ -1,0 +1,168 @@
+"""CPU backend: the C library of ``kernels/*.c`` (``threelc.c``, ``primitives.c``,
+``sign.c``, ``quant.c``, ``sparse.c``, ``frame.c``) called through ctypes.
+
+The library is built by ``pip install`` (setup.py) as ``hvdcompress._codec_cpu``. When
+the package runs without that build (a GPU node that only has the checkout on
+PYTHONPATH), or a source is newer than it (an edited checkout), it is compiled once with
+the system C compiler into ``$HVDC_CACHE`` (default ``~/.cache/hvdcompress``), keyed by a
+hash of the sources and flags. Sources, flags and where to find them (the repo's
+``kernels/`` or the installed package's copy) come from ``hvdcompress._native``.
+
+Each call passes raw data pointers of contiguous tensors; the C functions neither
+allocate nor keep pointers, so the GIL is released (ctypes does this) and tensors
+stay owned by torch.
+"""
+
+from hvdcompress.backends.cpu._library import (
+    LIB,
+    NONFINITE_BITS,
+    num_threads,
+    splits,
+)
+from hvdcompress.backends.cpu._library import (
+    _ptr as _ptr,
+)
+from hvdcompress.backends.cpu.frame import (
+    SCAN_FIELDS,
+    checksum,
+    checksum_segments,
+    frame_scan,
+    frame_write,
+    store_checksums,
+)
+from hvdcompress.backends.cpu.primitives import (
+    bitpack,
+    bitunpack,
+    chunk_sums,
+    uniform,
+)
+from hvdcompress.backends.cpu.quant import (
+    digits_decode_segments,
+    digits_encode_segments,
+    dqsg_decode_segments,
+    dqsg_dequantize,
+    dqsg_encode_segments,
+    dqsg_quantize,
+    ndqsg_coset,
+    ndqsg_side_decode,
+    qsgd_decode,
+    qsgd_decode_segments,
+    qsgd_encode,
+    qsgd_encode_segments,
+    terngrad_encode,
+    terngrad_encode_segments,
+)
+from hvdcompress.backends.cpu.sign import (
+    EF_CHUNK,
+    efsign_encode,
+    efsign_encode_segments,
+    efsign_sums,
+    efsign_sums_segments,
+    sign_decode,
+    sign_decode_segments,
+    sign_encode,
+    sign_encode_segments,
+)
+from hvdcompress.backends.cpu.sparse import (
+    _TOPKQ_ERRORS as _TOPKQ_ERRORS,
+)
+from hvdcompress.backends.cpu.sparse import (
+    TOPK_MIN_SAMPLED,
+    TOPK_MIN_STRIDE,
+    TOPK_SAMPLE,
+    TopKSignSelection,
+    dgc_update,
+    gspar_draw,
+    gspar_encode_segments,
+    gspar_round,
+    randomk_decode,
+    randomk_decode_segments,
+    randomk_encode,
+    randomk_encode_segments,
+    topk_decode_segments,
+    topk_encode_segments,
+    topk_select,
+    topkq_decode_segments,
+    topkq_select_segments,
+    topkq_write_segments,
+)
+from hvdcompress.backends.cpu.threelc import (
+    quantize,
+    quartic_decode,
+    quartic_encode,
+    scale_for,
+    threelc_decode,
+    threelc_decode_segments,
+    threelc_encode,
+    threelc_encode_segments,
+    zero_run_decode,
+    zero_run_encode,
+)
+
+__all__ = [
+    "EF_CHUNK",
+    "LIB",
+    "NONFINITE_BITS",
+    "SCAN_FIELDS",
+    "TOPK_MIN_SAMPLED",
+    "TOPK_MIN_STRIDE",
+    "TOPK_SAMPLE",
+    "TopKSignSelection",
+    "bitpack",
+    "bitunpack",
+    "checksum",
+    "checksum_segments",
+    "chunk_sums",
+    "dgc_update",
+    "digits_decode_segments",
+    "digits_encode_segments",
+    "dqsg_decode_segments",
+    "dqsg_dequantize",
+    "dqsg_encode_segments",
+    "dqsg_quantize",
+    "efsign_encode",
+    "efsign_encode_segments",
+    "efsign_sums",
+    "efsign_sums_segments",
+    "frame_scan",
+    "frame_write",
+    "gspar_draw",
+    "gspar_encode_segments",
+    "gspar_round",
+    "ndqsg_coset",
+    "ndqsg_side_decode",
+    "num_threads",
+    "qsgd_decode",
+    "qsgd_decode_segments",
+    "qsgd_encode",
+    "qsgd_encode_segments",
+    "quantize",
+    "quartic_decode",
+    "quartic_encode",
+    "randomk_decode",
+    "randomk_decode_segments",
+    "randomk_encode",
+    "randomk_encode_segments",
+    "scale_for",
+    "sign_decode",
+    "sign_decode_segments",
+    "sign_encode",
+    "sign_encode_segments",
+    "splits",
+    "store_checksums",
+    "terngrad_encode",
+    "terngrad_encode_segments",
+    "threelc_decode",
+    "threelc_decode_segments",
+    "threelc_encode",
+    "threelc_encode_segments",
+    "topk_decode_segments",
+    "topk_encode_segments",
+    "topk_select",
+    "topkq_decode_segments",
+    "topkq_select_segments",
+    "topkq_write_segments",
+    "uniform",
+    "zero_run_decode",
+    "zero_run_encode",
+]

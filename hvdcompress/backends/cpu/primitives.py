@@ -1,0 +1,45 @@
+"""The shared primitives on the CPU (kernels/primitives.c; see
+hvdcompress.codecs.primitives): counter-based uniforms, bit packing and chunk sums."""
+
+from __future__ import annotations
+
+import torch
+
+from hvdcompress.backends.cpu._library import (
+    _PRIM_ERRORS,
+    LIB,
+    _check,
+    _ptr,
+)
+
+# ---- shared primitives (kernels/primitives.c; see hvdcompress.codecs.primitives) ----------
+
+
+def uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
+    """n float32 uniforms in [0, 1): counter-based, element i from (key, i)."""
+    out = torch.empty(n, dtype=torch.float32)
+    if n:
+        LIB.hvdc_prim_uniform(key, 0, n, _ptr(out))
+    return out
+
+
+def bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    n = codes.numel()
+    out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
+    if n:
+        LIB.hvdc_prim_bitpack(_ptr(codes), n, bits, _ptr(out))
+    return out
+
+
+def bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    codes = torch.empty(n, dtype=torch.uint8)
+    _check(LIB.hvdc_prim_bitunpack(_ptr(buf), buf.numel(), n, bits, _ptr(codes)), _PRIM_ERRORS)
+    return codes
+
+
+def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
+    n = x.numel()
+    out = torch.empty((n + chunk - 1) // chunk, dtype=torch.float64)
+    if n:
+        LIB.hvdc_prim_chunk_sums(_ptr(x), n, chunk, int(square), _ptr(out))
+    return out

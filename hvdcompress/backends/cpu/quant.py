@@ -1,0 +1,381 @@
+"""The stochastic quantisers on the CPU (kernels/quant.c; see hvdcompress.codecs.quant):
+QSGD, TernGrad, DQSG and NDQSG, per tensor and per bucket."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+
+import numpy as np
+import torch
+
+from hvdcompress.backends.cpu._library import (
+    _F32,
+    _PRIM_ERRORS,
+    LIB,
+    NONFINITE_BITS,
+    _addresses,
+    _bodies_buffer,
+    _check,
+    _i64_array,
+    _numels,
+    _parts,
+    _ptr,
+    _run_parts,
+    _scratch,
+)
+
+# ---- stochastic quantisers (kernels/quant.c; see hvdcompress.codecs.quant) --------------------
+
+
+def qsgd_encode(
+    x: torch.Tensor, levels: int, bits: int, bucket: int, key: int
+) -> torch.Tensor | None:
+    """The QSGD body (norms, then packed codes) of x, or None when x holds a NaN or an Inf
+    or a norm overflows float32."""
+    n = x.numel()
+    nb = (n + bucket - 1) // bucket
+    body = torch.empty(4 * nb + (n * bits + 7) // 8, dtype=torch.uint8)
+    px, pb = _ptr(x), _ptr(body)
+    packed = pb + 4 * nb
+    align = bucket * 8 // math.gcd(bucket, 8)  # whole buckets and whole bytes
+
+    def part(lo: int, hi: int) -> int:
+        return LIB.hvdc_qsgd_encode(
+            px + _F32 * lo,
+            hi - lo,
+            levels,
+            bits,
+            bucket,
+            key,
+            lo,
+            pb + 4 * (lo // bucket),
+            packed + lo * bits // 8,
+        )
+
+    return None if any(_run_parts(part, _parts(n, align))) else body
+
+
+def qsgd_decode(
+    body: torch.Tensor,
+    n: int,
+    levels: int,
+    bits: int,
+    bucket: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """Decode a QSGD body of the right length into out; PayloadError, out untouched, on a
+    bad norm, padding or code."""
+    code = LIB.hvdc_qsgd_decode(_ptr(body), n, levels, bits, bucket, _ptr(out), int(accumulate))
+    _check(code, _PRIM_ERRORS)
+
+
+def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:
+    """(zero-run-encoded quartic body, M = max|x|) of x, or None when x holds a NaN or an
+    Inf."""
+    n = x.numel()
+    bits = LIB.hvdc_tlc_absmax_bits(_ptr(x), None, n)
+    if bits >= NONFINITE_BITS:
+        return None
+    scale = struct.unpack("<f", struct.pack("<I", bits))[0]
+    m = (n + 4) // 5
+    quartic = _scratch(2 * m + 2)
+    px, pq = _ptr(x), _ptr(quartic)
+
+    def part(lo: int, hi: int) -> None:
+        LIB.hvdc_terngrad_quartic(px + _F32 * lo, hi - lo, scale, key, lo, pq + lo // 5)
+
+    _run_parts(part, _parts(n, 5 * 8))
+    out = pq + m
+    length = LIB.hvdc_tlc_zre_encode(pq, m, out)
+    return quartic[m : m + length].clone(), scale
+
+
+def dqsg_quantize(
+    w: torch.Tensor, levels: int, bucket: int, key: int, code_offset: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q + code_offset as uint8, deltas float32 per bucket) of DQSG's quantiser, or None
+    when w holds a NaN or an Inf."""
+    n = w.numel()
+    nb = (n + bucket - 1) // bucket
+    deltas = torch.empty(nb, dtype=torch.float32)
+    q = torch.empty(n, dtype=torch.uint8)
+    pw, pd, pq = _ptr(w), _ptr(deltas), _ptr(q)
+
+    def part(lo: int, hi: int) -> int:
+        return LIB.hvdc_dqsg_quantize(
+            pw + _F32 * lo, hi - lo, levels, bucket, key, lo, code_offset,
+            pd + 4 * (lo // bucket), pq + lo,
+        )  # fmt: skip
+
+    return None if any(_run_parts(part, _parts(n, bucket))) else (q, deltas)
+
+
+def dqsg_dequantize(
+    q: torch.Tensor,
+    deltas: torch.Tensor,
+    bucket: int,
+    key: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """out = delta * (q - dither), or out += that (q int8, deltas validated float32 bytes)."""
+    n = q.numel()
+    pq, pd, po = _ptr(q), _ptr(deltas), _ptr(out)
+
+    def part(lo: int, hi: int) -> None:
+        LIB.hvdc_dqsg_dequantize(
+            pq + lo, hi - lo, pd + 4 * (lo // bucket), bucket, key, lo, po + _F32 * lo,
+            int(accumulate),
+        )  # fmt: skip
+
+    _run_parts(part, _parts(n, bucket))
+
+
+def ndqsg_coset(k: torch.Tensor, rho: int, code_offset: int) -> torch.Tensor:
+    """m + code_offset as uint8 for NDQSG's coset m = k - rho * rint(k / rho) of the int8 k."""
+    out = torch.empty(k.numel(), dtype=torch.uint8)
+    LIB.hvdc_ndqsg_coset(_ptr(k), k.numel(), rho, code_offset, _ptr(out))
+    return out
+
+
+def ndqsg_side_decode(
+    m: torch.Tensor,
+    deltas: torch.Tensor,
+    y: torch.Tensor,
+    rho: int,
+    bucket: int,
+    key: int,
+    out: torch.Tensor | None,
+    accumulate: bool,
+    k_true: torch.Tensor | None,
+) -> int:
+    """NDQSG's side-information decode of the int8 cosets m: out <- (or +=) w_hat (out
+    None: not formed); returns how many decoded fine indices differ from the int8 k_true
+    (None: 0). One pass."""
+    return int(
+        LIB.hvdc_ndqsg_side_decode(
+            _ptr(m), m.numel(), _ptr(deltas), _ptr(y), rho, bucket, key, _ptr(out),
+            int(accumulate), _ptr(k_true),
+        )
+    )  # fmt: skip
+
+
+def qsgd_encode_segments(
+    xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
+) -> list[torch.Tensor | None]:
+    """``qsgd_encode`` of each (x, key) of a bucket. A call each: QSGD's encode is bound by
+    its codec (norms, uniforms, codes) rather than by the call, so no native bucket
+    encoder; the CUDA backend's saves a launch sequence and a read per tensor."""
+    return [qsgd_encode(x, levels, bits, bucket, k) for x, k in zip(xs, keys, strict=True)]
+
+
+def qsgd_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ns: np.ndarray,
+    levels: int,
+    bits: int,
+    bucket: int,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """``qsgd_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    checked its length) of ``ns[p]`` values into ``outs[p]``, one native call: None, or
+    (p, message) of the first body that does not decode (the ones before it added)."""
+    code = ctypes.c_int64(0)
+    out_at = _addresses(outs)  # a local: alive across the call
+    rc = LIB.hvdc_qsgd_decode_segments(
+        len(outs),
+        _ptr(frame),
+        _i64_array(starts),
+        _i64_array(ns),
+        levels,
+        bits,
+        bucket,
+        out_at.ctypes.data,
+        ctypes.byref(code),
+    )
+    if rc == 0:
+        return None
+    return -1 - rc, _PRIM_ERRORS.get(code.value, f"error code {code.value}")
+
+
+def terngrad_encode_segments(
+    xs: list[torch.Tensor], keys: list[int]
+) -> list[tuple[torch.Tensor, float] | None]:
+    """``terngrad_encode`` of each (x, key) of a bucket in one native call: (body, a view of
+    one new buffer; M) or None for a non-finite x."""
+    count = len(xs)
+    ns = _numels(xs)
+    room = (ns + 4) // 5 + 2
+    buf, starts = _bodies_buffer(room)
+    quartic = _scratch(int(room.max()) if count else 1)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
+    scales = np.empty(count, dtype=np.float32)
+    lens = np.empty(count, dtype=np.int64)
+    x_at = _addresses(xs)  # a local: alive across the call
+    LIB.hvdc_terngrad_encode_segments(
+        count,
+        x_at.ctypes.data,
+        ns.ctypes.data,
+        key_array.ctypes.data,
+        _ptr(buf),
+        starts.ctypes.data,
+        _ptr(quartic),
+        scales.ctypes.data,
+        lens.ctypes.data,
+    )
+    return [
+        None if n < 0 else (buf[a : a + n], m)
+        for a, n, m in zip(starts.tolist(), lens.tolist(), scales.tolist(), strict=True)
+    ]
+
+
+def dqsg_encode_segments(
+    xs: list[torch.Tensor], keys: list[int], levels: int, bits: int, bucket: int
+) -> list[torch.Tensor | None]:
+    """DQSG's body (s = levels > 1: deltas, then the bit-packed codes) of each (x, key) of
+    a bucket in one native call: views of one new buffer, or None for a non-finite x."""
+    count = len(xs)
+    ns = _numels(xs)
+    nb = (ns + bucket - 1) // bucket
+    room = 4 * nb + (ns * bits + 7) // 8
+    buf, starts = _bodies_buffer(room)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
+    bad = np.zeros(count, dtype=np.int32)
+    deltas = np.empty(max(int(nb.max()) if count else 0, 1), dtype=np.float32)
+    codes = np.empty(max(int(ns.max()) if count else 0, 1), dtype=np.uint8)
+    x_at = _addresses(xs)  # a local: alive across the call
+    LIB.hvdc_dqsg_encode_segments(
+        count,
+        x_at.ctypes.data,
+        ns.ctypes.data,
+        key_array.ctypes.data,
+        levels,
+        bits,
+        bucket,
+        _ptr(buf),
+        starts.ctypes.data,
+        bad.ctypes.data,
+        deltas.ctypes.data,
+        codes.ctypes.data,
+    )
+    return [
+        None if b else buf[a : a + r]
+        for a, r, b in zip(starts.tolist(), room.tolist(), bad.tolist(), strict=True)
+    ]
+
+
+def dqsg_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    levels: int,
+    bits: int,
+    bucket: int,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """DQSG's decode (s = levels > 1, accumulating) of each body ``frame[starts[p]:][:lens[p]]``
+    into ``outs[p]``, one native call: None, or (p, error code, kernels/quant.c DQSG_ERR_*)
+    of the first body that does not decode (the ones before it added, its output
+    untouched)."""
+    code = ctypes.c_int64(0)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(len(outs))
+    codes = np.empty(max(int(ns.max()) if len(outs) else 0, 1), dtype=np.uint8)
+    out_at = _addresses(outs)  # a local: alive across the call
+    rc = LIB.hvdc_dqsg_decode_segments(
+        len(outs),
+        _ptr(frame),
+        _i64_array(starts),
+        _i64_array(lens),
+        _i64_array(ns),
+        key_array.ctypes.data,
+        levels,
+        bits,
+        bucket,
+        out_at.ctypes.data,
+        codes.ctypes.data,
+        ctypes.byref(code),
+    )
+    return None if rc == 0 else (-1 - rc, int(code.value))
+
+
+def digits_encode_segments(
+    xs: list[torch.Tensor], keys: list[int], levels: int, rho: int, bits: int, bucket: int
+) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """DQSG's quantiser (s = levels) of each (x, key) of a bucket, then its digits packed,
+    in one native call (kernels/quant.c ``hvdc_digits_encode_segments``): the digits are
+    the fine indices k (rho 0: DQSG with s = 1) or their cosets (NDQSG's nested code, rho
+    >= 2). Returns (the bodies, views of one new buffer, None for a non-finite x; the int8
+    k of every tensor, concatenated in order)."""
+    count = len(xs)
+    ns = _numels(xs)
+    nb = (ns + bucket - 1) // bucket
+    ternary = rho <= 3
+    room = 4 * nb + ((ns + 4) // 5 + 2 if ternary else (ns * bits + 7) // 8)
+    buf, starts = _bodies_buffer(room)
+    k_starts = np.zeros(count, dtype=np.int64)
+    np.cumsum(ns[:-1], out=k_starts[1:])
+    ks = torch.empty(int(ns.sum()), dtype=torch.int8)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
+    lens = np.zeros(count, dtype=np.int64)
+    most = max(int(ns.max()) if count else 0, 1)
+    deltas = np.empty(max(int(nb.max()) if count else 0, 1), dtype=np.float32)
+    codes = np.empty(most, dtype=np.uint8)
+    quartic = np.empty((most + 4) // 5, dtype=np.uint8)
+    x_at = _addresses(xs)  # a local: alive across the call
+    LIB.hvdc_digits_encode_segments(
+        count, x_at.ctypes.data, ns.ctypes.data, key_array.ctypes.data, levels, rho, bits,
+        bucket, _ptr(ks), k_starts.ctypes.data, _ptr(buf), starts.ctypes.data,
+        lens.ctypes.data, deltas.ctypes.data, codes.ctypes.data, quartic.ctypes.data,
+    )  # fmt: skip
+    bodies = [
+        None if n < 0 else buf[a : a + n]
+        for a, n in zip(starts.tolist(), lens.tolist(), strict=True)
+    ]
+    return bodies, ks
+
+
+def digits_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    bucket: int,
+    outs: list[torch.Tensor],
+    rho: int = 0,
+    bits: int = 0,
+    divisor: int = 1,
+    k_trues: list[torch.Tensor | None] | None = None,
+) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """The decode, accumulating, of each body ``frame[starts[p]:][:lens[p]]`` of
+    ``digits_encode_segments`` into ``outs[p]``, one native call: DQSG with s = 1 (rho 0),
+    or NDQSG's nested code (rho >= 2) with the side information ``outs[p] / divisor``
+    formed in the same pass. Returns (the aliasing count of each body against
+    ``k_trues[p]``, 0 where None or not given; None, or (p, error code) of the first body
+    that does not decode, the ones before it added, its output untouched)."""
+    count = len(outs)
+    code = ctypes.c_int64(0)
+    key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
+    most = max(int(ns.max()) if count else 0, 1)
+    digits = np.empty(most, dtype=np.int8)
+    quartic = np.empty((most + 4) // 5, dtype=np.uint8)
+    aliased = np.zeros(count, dtype=np.int64)
+    out_at = _addresses(outs)  # locals: alive across the call
+    k_at = np.fromiter(
+        (0 if k is None else k.data_ptr() for k in k_trues or [None] * count),
+        dtype=np.uint64,
+        count=count,
+    )
+    rc = LIB.hvdc_digits_decode_segments(
+        count, _ptr(frame), _i64_array(starts), _i64_array(lens), _i64_array(ns),
+        key_array.ctypes.data, rho, bits, bucket, float(divisor), out_at.ctypes.data,
+        k_at.ctypes.data, aliased.ctypes.data, digits.ctypes.data, quartic.ctypes.data,
+        ctypes.byref(code),
+    )  # fmt: skip
+    return aliased, None if rc == 0 else (-1 - rc, int(code.value))

@@ -1,0 +1,458 @@
+"""The sparsifiers on the CPU (kernels/sparse.c; see hvdcompress.codecs.sparse): top-k,
+random-k, DGC, GSpar and top-k + sign, per tensor and per bucket."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import torch
+
+from hvdcompress.backends.cpu._library import (
+    _PRIM_ERRORS,
+    LIB,
+    _addresses,
+    _bodies_buffer,
+    _i64_array,
+    _numels,
+    _ptr,
+    _scratch,
+)
+from hvdcompress.errors import PayloadError
+
+# ---- top-k selection (kernels/sparse.c; see hvdcompress.codecs.sparse) ----------------------
+
+TOPK_SAMPLE = 65536  # elements of the strided sample that bounds the threshold from below
+# Tensors from this size on are sampled (every TOPK_MIN_STRIDE-th element at least): a
+# bucket's mid-size tensors then cost one collecting pass instead of five radix passes.
+# The kept set is exact either way (kernels/sparse.c, topk_select_into, does the same).
+TOPK_MIN_SAMPLED = 16384
+TOPK_MIN_STRIDE = 16  # a sparser sample cost a 160-tensor bucket 0.3x one tensor's time
+_ABS = 0x7FFFFFFF
+_ALL = 0xFFFFFFFF
+
+
+def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the k largest |a| (0 < k < n, a finite), ties by lowest
+    index: t = the k-th largest abs bits by radix select, then one ordered pass. A strided
+    sample's bound first narrows the work to about 2 k candidates (one pass over a); the
+    candidates hold every element >= t whenever there are at least k of them, so the
+    result is the same as the selection over all of a."""
+    n = a.numel()
+    hist = _scratch(4 * 2048)
+    out = torch.empty(k, dtype=torch.int64)
+    pa, ph = _ptr(a), _ptr(hist)
+    if n >= TOPK_MIN_SAMPLED and 8 * k <= n:
+        stride = max(TOPK_MIN_STRIDE, n // TOPK_SAMPLE)
+        m = (n - 1) // stride + 1
+        j = min(m, math.ceil(m * 2.0 * k / n) + 64)  # aim at about 2 k candidates
+        bound = LIB.hvdc_topk_kth_bits(pa, m, stride, _ABS, j, ph)
+        cap = 4 * k + 4096
+        cand_idx = torch.empty(cap + 1, dtype=torch.int64)
+        cand_bits = torch.empty(cap + 1, dtype=torch.int32)
+        count = LIB.hvdc_topk_collect(pa, n, bound, _ptr(cand_idx), _ptr(cand_bits), cap)
+        if count >= k:
+            t = LIB.hvdc_topk_kth_bits(_ptr(cand_bits), count, 1, _ALL, k, ph)
+            LIB.hvdc_topk_keep(_ptr(cand_bits), count, _ALL, _ptr(cand_idx), t, k, _ptr(out))
+            return out
+    t = LIB.hvdc_topk_kth_bits(pa, n, 1, _ABS, k, ph)
+    LIB.hvdc_topk_keep(pa, n, _ABS, None, t, k, _ptr(out))
+    return out
+
+
+def _kept_room(n: int, mean: float) -> int:
+    """Room for the kept entries of a random draw with this mean count: 8 standard
+    deviations (Poisson bound) and 64 above it, at most n. The draw calls again with the
+    exact count when it keeps more (far rarer than once in 10^12 draws)."""
+    return min(n, math.ceil(mean + 8.0 * math.sqrt(mean) + 64))
+
+
+def randomk_encode(
+    a: torch.Tensor, key: int, threshold: int, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """The kept values of the finite flat float32 a (element i kept iff its 24-bit hash is
+    below threshold), in index order, from one pass of hashes; residual (not None: error
+    feedback) <- a with the kept elements zeroed."""
+    n = a.numel()
+    cap = _kept_room(n, n * threshold / 2**24)
+    while True:
+        values = torch.empty(cap + 1, dtype=torch.float32)
+        k = LIB.hvdc_randomk_encode(_ptr(a), n, key, threshold, _ptr(values), _ptr(residual), cap)
+        if k <= cap:
+            return values[:k]
+        cap = k
+
+
+def randomk_encode_segments(
+    gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """``randomk_encode`` of each (g, key) of a bucket in one native call: (bodies, views
+    of one new buffer; non-finite flags). With the residuals ``es`` (error feedback) of
+    a = g + e, formed in e (untouched where a is not finite), each e becoming a with the
+    kept entries zeroed. A tensor that keeps more than its room (mean + 8 standard
+    deviations) is encoded again on its own."""
+    count = len(gs)
+    ns = _numels(gs)
+    caps = np.array([_kept_room(n, n * threshold / 2**24) for n in ns.tolist()], np.int64)
+    buf, starts = _bodies_buffer(4 * (caps + 1))
+    ks = np.zeros(count, dtype=np.int64)
+    bad = np.zeros(count, dtype=np.int32)
+    g_at = _addresses(gs)  # locals: alive across the call
+    key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
+    tail = (_ptr(buf), starts.ctypes.data, caps.ctypes.data, ks.ctypes.data, bad.ctypes.data)
+    if es is None:
+        LIB.hvdc_randomk_encode_segments(
+            count, g_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data, threshold, *tail
+        )
+    else:
+        idx = np.empty(int(caps.max()) + 1 if count else 1, dtype=np.int64)
+        e_at = _addresses(es)
+        LIB.hvdc_randomk_ef_encode_segments(
+            count, g_at.ctypes.data, e_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data,
+            threshold, *tail, idx.ctypes.data,
+        )  # fmt: skip
+    flags = [bool(b) for b in bad.tolist()]
+    bodies = []
+    for i, (a, k, cap, nonfinite) in enumerate(
+        zip(starts.tolist(), ks.tolist(), caps.tolist(), flags, strict=True)
+    ):
+        if nonfinite:
+            bodies.append(buf[:0])
+        elif k > cap and es is None:  # more kept than the room: again, alone, with room
+            bodies.append(randomk_encode(gs[i], keys[i], threshold, None).view(torch.uint8))
+        elif k > cap:  # e holds a: from a copy (randomk_encode's retry reads a after it
+            # wrote the residual), e <- a with the kept entries zeroed
+            values = randomk_encode(es[i].clone(), keys[i], threshold, es[i])
+            bodies.append(values.view(torch.uint8))
+        else:
+            bodies.append(buf[a : a + 4 * k])
+    return bodies, flags
+
+
+def randomk_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    threshold: int,
+    scale: float,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """``randomk_decode`` (accumulating) of each body of a host frame, one native call:
+    None, or (p, code) for the first body p that does not decode (code -1: a value is not
+    finite; else the regenerated kept count, which the body does not hold)."""
+    count = len(outs)
+    most = int(np.minimum(lens // 4, ns).max()) if count else 0
+    idx = np.empty(max(most, 1), dtype=np.int64)
+    key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
+    out_at = _addresses(outs)  # a local: alive across the call
+    code = ctypes.c_int64(0)
+    rc = LIB.hvdc_randomk_decode_segments(
+        count, _ptr(frame), _i64_array(starts), _i64_array(lens), _i64_array(ns),
+        key_at.ctypes.data, threshold, scale, out_at.ctypes.data, idx.ctypes.data,
+        ctypes.byref(code),
+    )  # fmt: skip
+    return None if rc == 0 else (-1 - rc, int(code.value))
+
+
+def randomk_decode(
+    body: torch.Tensor,
+    key: int,
+    n: int,
+    threshold: int,
+    scale: float,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> int | None:
+    """Write (or add) the random-k values of body, times scale, at the regenerated kept
+    indices of out. Returns None; or the regenerated kept count, out untouched, when the
+    body does not hold exactly that many values. PayloadError, out untouched, for a value
+    that is not finite."""
+    count = body.numel() // 4 if body.numel() % 4 == 0 else -1
+    idx = torch.empty(max(0, min(count, n)), dtype=torch.int64)  # at most the body's values
+    got = LIB.hvdc_randomk_decode(
+        _ptr(body), count, n, key, threshold, scale, _ptr(out), int(accumulate), _ptr(idx)
+    )
+    if got == -1 and count != -1:
+        raise PayloadError("body", "a random-k value is not finite")
+    return None if got == count else got
+
+
+def dgc_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:
+    """u <- momentum * u + g (u <- g at momentum 0), v <- v + u in place; True, u and v
+    untouched, when the new v would hold a NaN or an Inf."""
+    n = g.numel()
+    return bool(LIB.hvdc_dgc_update(_ptr(g), _ptr(u), _ptr(v), n, momentum, int(momentum == 0)))
+
+
+def gspar_encode_segments(
+    gs: list[torch.Tensor],
+    keys: list[int],
+    budgets: list[float],
+    chunk: int,
+    es: list[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor | None], list[bool]]:
+    """GSpar's encode of each (g, key, budget) of a bucket in one native call: scaled
+    values, or with the residuals ``es`` (error feedback) a = g + e, formed in e, with
+    unscaled values and e = a with the kept entries zeroed. Returns (bodies in top-k's
+    layout, views of one new buffer, or None for a tensor the caller encodes alone: more
+    kept than its room, or a scale iteration the native sum does not finish, its e then
+    holding a; non-finite flags, e untouched there)."""
+    count = len(gs)
+    ns = _numels(gs)
+    caps = np.array([_kept_room(n, b) for n, b in zip(ns.tolist(), budgets, strict=True)], np.int64)
+    wide = (ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
+    buf, starts = _bodies_buffer(caps * np.where(wide == 1, 12, 8))
+    most = int(caps.max()) if count else 0
+    values = np.empty(max(most, 1), dtype=np.float32)
+    idx = np.empty(max(most, 1), dtype=np.int64)
+    sums = np.empty(max(int(((ns + chunk - 1) // chunk).max()) if count else 0, 1), np.float64)
+    ks = np.zeros(count, dtype=np.int64)
+    bad = np.zeros(count, dtype=np.int32)
+    g_at = _addresses(gs)  # locals: alive across the call
+    e_at = None if es is None else _addresses(es)
+    key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
+    budget_at = np.asarray(budgets, dtype=np.float64).reshape(count)
+    LIB.hvdc_gspar_encode_segments(
+        count, g_at.ctypes.data, None if e_at is None else e_at.ctypes.data, int(es is None),
+        ns.ctypes.data, key_at.ctypes.data, budget_at.ctypes.data,
+        chunk, caps.ctypes.data, wide.ctypes.data, _ptr(buf), starts.ctypes.data,
+        ks.ctypes.data, bad.ctypes.data, values.ctypes.data, idx.ctypes.data, sums.ctypes.data,
+    )  # fmt: skip
+    flags = [bool(b) for b in bad.tolist()]
+    bodies: list[torch.Tensor | None] = []
+    for a, k, cap, w, nonfinite in zip(
+        starts.tolist(), ks.tolist(), caps.tolist(), wide.tolist(), flags, strict=True
+    ):
+        if nonfinite:
+            bodies.append(buf[:0])
+        elif k < 0 or k > cap:
+            bodies.append(None)
+        else:
+            bodies.append(buf[a : a + k * (12 if w else 8)])
+    return bodies, flags
+
+
+def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:
+    """(how many |a_i| * float32(c) >= 1, the float64 sums of the other |a_i| per chunk)."""
+    sums = torch.empty((a.numel() + chunk - 1) // chunk, dtype=torch.float64)
+    count = LIB.hvdc_gspar_round(_ptr(a), a.numel(), c, chunk, _ptr(sums))
+    return int(count), sums
+
+
+def gspar_draw(
+    a: torch.Tensor, c: float, key: int, scaled: bool, budget: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept values, ascending int64 indices) of GSpar's draw at scale float32(c) (c = inf:
+    every non-zero entry), from one pass of hashed counters; budget: sum p_i, the mean
+    kept count."""
+    n = a.numel()
+    inf = math.isinf(c)
+    cap = n if inf else _kept_room(n, budget)
+    while True:
+        values = torch.empty(cap, dtype=torch.float32)
+        idx = torch.empty(cap, dtype=torch.int64)
+        k = LIB.hvdc_gspar_draw(
+            _ptr(a), n, 0.0 if inf else c, int(inf), key, int(scaled), _ptr(values), _ptr(idx),
+            cap,
+        )  # fmt: skip
+        if k <= cap:
+            return values[:k], idx[:k]
+        cap = k
+
+
+_TOPK_ERRORS = {  # kernels/sparse.c (TOPK_ERR_*): the messages of codecs/sparse.py
+    -1: "an index is outside [0, {n})",
+    -2: "indices are not strictly increasing",
+    -3: "a top-k value is not finite",
+}
+
+
+def topk_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ks: np.ndarray,
+    ns: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """The top-k decode (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    checked its length) of ``ks[p]`` kept values of ``ns[p]``, into ``outs[p]``, one native
+    call: None, or (p, message) of the first body that does not decode (the ones before it
+    added, its output untouched)."""
+    failed = _kept_decode_segments(LIB.hvdc_topk_decode_segments, frame, starts, ks, ns, outs)
+    if failed is None:
+        return None
+    p, code = failed
+    return p, _TOPK_ERRORS[code].format(n=int(ns[p]))
+
+
+def _kept_decode_segments(fn, frame, starts, ks, ns, outs) -> tuple[int, int] | None:
+    """Call a kept-set decoder of kernels/sparse.c (top-k, top-k + sign) over a bucket's
+    bodies: None, or (p, its error code) for the first body p that does not decode."""
+    code = ctypes.c_int64(0)
+    wide = (ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
+    out_at = _addresses(outs)  # a local: alive across the call
+    rc = fn(
+        len(outs),
+        _ptr(frame),
+        _i64_array(starts),
+        _i64_array(ks),
+        _i64_array(ns),
+        wide.ctypes.data,
+        out_at.ctypes.data,
+        ctypes.byref(code),
+    )
+    return None if rc == 0 else (-1 - rc, int(code.value))
+
+
+def topk_encode_segments(
+    gs: list[torch.Tensor],
+    es: list[torch.Tensor],
+    ks: list[int],
+    us: list[torch.Tensor] | None = None,
+    momentum: float = 0.0,
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """Top-k with error feedback of each (g, e, k) of a bucket in one native call
+    (kernels/sparse.c, hvdc_topk_encode_segments): (bodies: k values then k ascending
+    indices, int32 below 2**31 elements; views of one new buffer; non-finite flags, e
+    untouched there). e becomes g + e with the kept values zeroed, as TopK.encode does.
+    DGC (us: the velocities): u <- momentum * u + g, e <- e + u, then the top-k of e, and
+    u and e zeroed at the kept entries, as DGC.encode does."""
+    count = len(gs)
+    ns = _numels(gs)
+    k = np.asarray(ks, dtype=np.int64).reshape(count)
+    wide = (ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
+    room = k * np.where(wide == 1, 12, 8)
+    buf, starts = _bodies_buffer(room)
+    most = int(k.max()) if count else 0
+    sel = np.empty(max(most, 1), dtype=np.int64)
+    cand_idx = np.empty(4 * most + 4097, dtype=np.int64)
+    cand_bits = np.empty(4 * most + 4097, dtype=np.uint32)
+    hist = np.empty(2048, dtype=np.uint32)
+    bad = np.zeros(count, dtype=np.int32)
+    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
+    u_at = None if us is None else _addresses(us)
+    LIB.hvdc_topk_encode_segments(
+        count,
+        g_at.ctypes.data,
+        e_at.ctypes.data,
+        None if u_at is None else u_at.ctypes.data,
+        momentum,
+        ns.ctypes.data,
+        k.ctypes.data,
+        wide.ctypes.data,
+        _ptr(buf),
+        starts.ctypes.data,
+        bad.ctypes.data,
+        hist.ctypes.data,
+        sel.ctypes.data,
+        cand_idx.ctypes.data,
+        cand_bits.ctypes.data,
+    )
+    flags = [bool(b) for b in bad.tolist()]
+    bodies = [
+        buf[:0] if nonfinite else buf[a : a + r]
+        for a, r, nonfinite in zip(starts.tolist(), room.tolist(), flags, strict=True)
+    ]
+    return bodies, flags
+
+
+class TopKSignSelection:
+    """What the first pass of a bucket's top-k + sign leaves for the second
+    (``topkq_select_segments`` -> the caller's magnitudes -> ``topkq_write_segments``)."""
+
+    def __init__(self, gs, es, ks) -> None:
+        count = len(gs)
+        self.es, self.ns = es, _numels(gs)
+        self.ks = np.asarray(ks, dtype=np.int64).reshape(count)
+        self.starts = np.zeros(count, dtype=np.int64)
+        np.cumsum(self.ks[:-1], out=self.starts[1:])
+        chunks = (self.ks + 1023) // 1024  # primitives.abs_sum's chunks
+        self.sum_starts = np.zeros(count, dtype=np.int64)
+        np.cumsum(chunks[:-1], out=self.sum_starts[1:])
+        self.sum_ends = self.sum_starts + chunks
+        total = max(int(self.ks.sum()), 1)
+        self.sel = np.empty(total, dtype=np.int64)
+        self.kept = np.empty(total, dtype=np.float32)
+        self.sums = np.zeros(max(int(chunks.sum()), 1), dtype=np.float64)
+        self.nonfinite = np.zeros(count, dtype=np.int32)
+        self.wide = (self.ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
+
+    def chunk_sums(self) -> list[list[float]]:
+        """Each tensor's order-fixed chunk sums of |kept| (empty when none are kept)."""
+        bounds = zip(self.sum_starts.tolist(), self.sum_ends.tolist(), strict=True)
+        return [self.sums[a:b].tolist() for a, b in bounds]
+
+
+def topkq_select_segments(gs, es, ks) -> TopKSignSelection:
+    """The first pass of top-k + sign for a bucket, one native call (kernels/sparse.c,
+    hvdc_topkq_select_segments): non-finite flags, e = g + e, the kept sets and values and
+    the chunk sums of their magnitudes."""
+    sel = TopKSignSelection(gs, es, ks)
+    most = int(sel.ks.max()) if len(gs) else 0
+    cand_idx = np.empty(4 * most + 4097, dtype=np.int64)
+    cand_bits = np.empty(4 * most + 4097, dtype=np.uint32)
+    hist = np.empty(2048, dtype=np.uint32)
+    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
+    LIB.hvdc_topkq_select_segments(
+        len(gs),
+        g_at.ctypes.data,
+        e_at.ctypes.data,
+        sel.ns.ctypes.data,
+        sel.ks.ctypes.data,
+        sel.nonfinite.ctypes.data,
+        sel.sel.ctypes.data,
+        sel.kept.ctypes.data,
+        sel.starts.ctypes.data,
+        sel.sums.ctypes.data,
+        sel.sum_starts.ctypes.data,
+        hist.ctypes.data,
+        cand_idx.ctypes.data,
+        cand_bits.ctypes.data,
+    )
+    return sel
+
+
+def topkq_write_segments(sel: TopKSignSelection, magnitudes: list[float]) -> list[torch.Tensor]:
+    """The second pass, one native call: each finite tensor's body (m, indices, sign bits)
+    and its residual less what the body decodes to; the bodies are views of one new
+    buffer (empty where non-finite)."""
+    skip = sel.nonfinite
+    room = np.where(skip == 1, 0, 4 + sel.ks * np.where(sel.wide == 1, 8, 4) + (sel.ks + 7) // 8)
+    buf, out_starts = _bodies_buffer(room)
+    ms = np.asarray(magnitudes, dtype=np.float32).reshape(len(room))
+    e_at = _addresses(sel.es)  # a local: alive across the call
+    LIB.hvdc_topkq_write_segments(
+        len(room),
+        e_at.ctypes.data,
+        sel.ks.ctypes.data,
+        skip.ctypes.data,
+        ms.ctypes.data,
+        sel.sel.ctypes.data,
+        sel.kept.ctypes.data,
+        sel.starts.ctypes.data,
+        sel.wide.ctypes.data,
+        _ptr(buf),
+        out_starts.ctypes.data,
+    )
+    return [buf[a : a + r] for a, r in zip(out_starts.tolist(), room.tolist(), strict=True)]
+
+
+_TOPKQ_ERRORS = {**_TOPK_ERRORS, -5: _PRIM_ERRORS[-4]}  # -4: the magnitude (the caller's text)
+
+
+def topkq_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ks: np.ndarray,
+    ns: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """The top-k + sign decode (accumulating) of each body at ``frame[starts[p]:]`` (the
+    caller checked its length) into ``outs[p]``, one native call: None, or (p, error
+    code) of the first body that does not decode (the ones before it added, its output
+    untouched): -1 / -2 the indices (``_TOPK_ERRORS``), -4 the magnitude, -5 a sign
+    padding bit."""
+    return _kept_decode_segments(LIB.hvdc_topkq_decode_segments, frame, starts, ks, ns, outs)

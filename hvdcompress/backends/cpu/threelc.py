@@ -1,0 +1,158 @@
+"""3LC on the CPU (kernels/threelc.c): the fused encode / decode, its building blocks
+(quantise, quartic, zero-run) and the bucket encoders and decoders."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import torch
+
+from hvdcompress.backends.cpu._library import (
+    _ERRORS,
+    LIB,
+    NONFINITE_BITS,
+    _addresses,
+    _bodies_buffer,
+    _check,
+    _i64_array,
+    _numels,
+    _ptr,
+    _scratch,
+)
+from hvdcompress.backends.records import ThreeLCEncoded
+from hvdcompress.errors import PayloadError
+
+
+def scale_for(max_bits: int, sparsity: float) -> tuple[float, bool]:
+    """S = float32(sparsity) * M in float32, and whether the input (or S) is non-finite."""
+    if max_bits >= NONFINITE_BITS:
+        return 0.0, True
+    scale = LIB.hvdc_tlc_scale(max_bits, sparsity)
+    if not math.isfinite(scale):  # s * M overflowed float32
+        return 0.0, True
+    return scale, False
+
+
+# ---- fused codec path -------------------------------------------------------------------
+
+
+def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> ThreeLCEncoded:
+    n = g.numel()
+    scale, nonfinite = scale_for(LIB.hvdc_tlc_absmax_bits(_ptr(g), _ptr(e), n), sparsity)
+    if nonfinite:
+        return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8), 0.0, True)
+    scratch = _scratch((n + 4) // 5 + 2)
+    length = LIB.hvdc_tlc_encode(_ptr(g), _ptr(e), scale, n, _ptr(scratch))
+    return ThreeLCEncoded(scratch[:length].clone(), scale, False)
+
+
+def threelc_decode(
+    body: torch.Tensor, numel: int, scale: float, out: torch.Tensor, accumulate: bool
+) -> None:
+    _check(LIB.hvdc_tlc_decode(_ptr(body), body.numel(), numel, scale, _ptr(out), int(accumulate)))
+
+
+# ---- building blocks --------------------------------------------------------------------
+
+
+def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.numel()
+    scale, nonfinite = scale_for(LIB.hvdc_tlc_absmax_bits(_ptr(x), None, n), sparsity)
+    if nonfinite:
+        raise ValueError("quantize: input holds NaN or Inf (or max|x| * sparsity overflows)")
+    q = torch.empty(n, dtype=torch.int8)
+    LIB.hvdc_tlc_quantize(_ptr(x), None, None, scale, n, _ptr(q), None)
+    return q, torch.tensor(scale, dtype=torch.float32)
+
+
+def quartic_encode(q: torch.Tensor) -> torch.Tensor:
+    if q.numel() and (q.min() < -1 or q.max() > 1):
+        raise ValueError("quartic_encode: digits must be in {-1, 0, 1}")
+    out = torch.empty((q.numel() + 4) // 5, dtype=torch.uint8)
+    LIB.hvdc_tlc_quartic_encode(_ptr(q), q.numel(), _ptr(out))
+    return out
+
+
+def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
+    q = torch.empty(numel, dtype=torch.int8)
+    _check(LIB.hvdc_tlc_quartic_decode(_ptr(buf), numel, _ptr(q)))
+    return q
+
+
+def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
+    if buf.numel() and buf.max() > 242:
+        raise ValueError("zero_run_encode: quartic bytes are at most 242")
+    out = torch.empty(buf.numel() + 2, dtype=torch.uint8)  # 2 bytes of encoder slack
+    length = LIB.hvdc_tlc_zre_encode(_ptr(buf), buf.numel(), _ptr(out))
+    return out[:length].clone()
+
+
+def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch.Tensor:
+    total = LIB.hvdc_tlc_zre_decoded_len(_ptr(buf), buf.numel())
+    if expected_len is not None and total != expected_len:
+        raise PayloadError(
+            "body", f"zero-run decoding gives {total} bytes, expected {expected_len}"
+        )
+    out = torch.empty(total, dtype=torch.uint8)
+    _check(LIB.hvdc_tlc_zre_decode(_ptr(buf), buf.numel(), _ptr(out), total))
+    return out
+
+
+def threelc_encode_segments(
+    gs: list[torch.Tensor], es: list[torch.Tensor], sparsities: list[float]
+) -> tuple[list[torch.Tensor], list[float], list[bool]]:
+    """``threelc_encode`` of each (g, e, sparsity) of a bucket in one native call: (bodies,
+    views of one new buffer; scales; non-finite flags)."""
+    count = len(gs)
+    ns = _numels(gs)
+    room = (ns + 4) // 5 + 2
+    buf, starts = _bodies_buffer(room)
+    scales = np.empty(count, dtype=np.float32)
+    lens = np.empty(count, dtype=np.int64)
+    s = np.asarray(sparsities, dtype=np.float32)
+    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
+    LIB.hvdc_tlc_encode_segments(
+        count,
+        g_at.ctypes.data,
+        e_at.ctypes.data,
+        ns.ctypes.data,
+        s.ctypes.data,
+        _ptr(buf),
+        starts.ctypes.data,
+        scales.ctypes.data,
+        lens.ctypes.data,
+    )
+    bad = (lens < 0).tolist()
+    bodies = [
+        buf[a : a + n] if n >= 0 else buf[:0]
+        for a, n in zip(starts.tolist(), lens.tolist(), strict=True)
+    ]
+    return bodies, scales.tolist(), bad
+
+
+def threelc_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    scales: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """``threelc_decode`` (accumulating) of each body ``frame[starts[p]:][:lens[p]]`` into
+    ``outs[p]``, one native call: None, or (p, message) of the first body that does not
+    decode (the ones before it are added, its output untouched)."""
+    code = ctypes.c_int64(0)
+    scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
+    rc = LIB.hvdc_tlc_decode_segments(
+        len(outs),
+        _ptr(frame),
+        _i64_array(starts),
+        _i64_array(lens),
+        _i64_array(ns),
+        scales32.ctypes.data,
+        out_at.ctypes.data,
+        ctypes.byref(code),
+    )
+    return None if rc == 0 else (-1 - rc, _ERRORS.get(code.value, f"error code {code.value}"))
