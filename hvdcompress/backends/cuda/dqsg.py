@@ -1,0 +1,331 @@
+"""DQSG's and NDQSG's bucket codecs (kernels/quant.cu): the ternary digits quartic +
+zero-run coded, or packed codes (quant.py), and NDQSG's coset and side-information
+decoder (torch ops on the device)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hvdcompress.backends.cuda._bucket import _bucket_device, _first_rows
+from hvdcompress.backends.cuda._runtime import (
+    _MAX_RUN,
+    _PRIM_ERR_PADDING,
+    _QUANT_ERR_CODE,
+    _QUANT_ERR_NORM,
+    _QUANT_SEG_DECODE_KEY,
+    _QUANT_SEG_DELTAS,
+    _QUANT_SEG_KEY,
+    _QUANT_SEG_KS,
+    _QUANT_SEG_QUARTIC,
+    _SEG_AUX,
+    _SEG_BLEN,
+    _SEG_BOFF,
+    _SEG_COLS,
+    _SEG_IN,
+    _SEG_N,
+    _SEG_QOFF,
+    _SEG_TILE,
+    _ST_ERROR,
+    _ST_NONFINITE,
+    _STATE_WORDS,
+    _ZERO_GROUP,
+    DEVICE_TYPE,
+    _Launcher,
+    _ptr,
+    _read_state,
+    _stacked_tilings,
+)
+from hvdcompress.backends.cuda.primitives import uniform
+from hvdcompress.backends.cuda.quant import (
+    _aliased,
+    _aliasing_counts,
+    _packed_bucket_decode,
+    _packed_bucket_encode,
+)
+from hvdcompress.backends.cuda.threelc import (
+    _quartic_table,
+    _segment_bodies,
+    _zre_check_segments,
+    _zre_encode_segments,
+    _zre_expand_rows,
+)
+
+
+def dqsg_encode_segments(
+    xs: list[torch.Tensor], keys: list[int], levels: int, bits: int, bucket: int
+) -> list[torch.Tensor | None]:
+    """DQSG's body of each (x, key) of a bucket, None for a non-finite x. s = levels > 1:
+    deltas, then the bit-packed codes q + s: every delta, then every code, one launch
+    each, one read of the non-finite flags; views of one buffer (4-byte aligned). s = 1:
+    ``_dqsg_ternary_encode``."""
+    if levels == 1:
+        return _digits_ternary_encode(xs, keys, bucket)
+    return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=True)
+
+
+def digits_encode_segments(
+    xs: list[torch.Tensor], keys: list[int], levels: int, rho: int, bits: int, bucket: int
+) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """The CPU backend's ``digits_encode_segments`` on one CUDA device: DQSG's quantiser
+    (s = levels) of each (x, key) of a bucket, its digits (rho 0: q, DQSG with s = 1;
+    rho >= 2: NDQSG's cosets of q) coded as one launch sequence, quartic + zero-run for
+    rho <= 3 (``_digits_ternary_encode``) or packed codes coset + rho // 2 of ``bits``
+    bits (``_packed_bucket_encode``). Returns (the bodies, None for a non-finite x; the
+    int8 q of every tensor, concatenated in order, on the device)."""
+    ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
+    device = _bucket_device(xs, "x") if xs else torch.device(DEVICE_TYPE)
+    ks = torch.empty(int(ns.sum()), dtype=torch.int8, device=device)
+    if rho <= 3:
+        return _digits_ternary_encode(xs, keys, bucket, levels, rho, ks), ks
+    return _packed_bucket_encode(xs, keys, levels, bits, bucket, True, rho, ks), ks
+
+
+def _digits_ternary_encode(
+    xs, keys, bucket: int, levels: int = 1, rho: int = 0, ks: torch.Tensor | None = None
+) -> list[torch.Tensor | None]:
+    """Bodies of ternary digits (deltas, then the digits quartic + zero-run coded; the
+    CPU's ``digits_encode_segments``): DQSG's q at s = 1, or with ``rho`` (2 or 3) NDQSG's
+    cosets of q at s = ``levels``, the q into ``ks`` (the tensors' elements in order) when
+    given. Every delta (quant_bucket_floats_segments), every quartic byte
+    (quant_dqsg_quartic_segments), the bucket's zero-run encode (threelc.cu section 7),
+    one read of the states; then one ``cat`` puts each tensor's deltas before its
+    zero-run bytes."""
+    if not xs:
+        return []
+    device = _bucket_device(xs, "x")
+    ns, live, zre = _quartic_table(xs)
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
+    bodies: list[torch.Tensor | None] = [empty] * len(xs)
+    if not len(live):
+        return bodies
+    nb = (ns[live] + bucket - 1) // bucket
+    ms = (ns[live] + 4) // 5
+    deltas = torch.empty(int(nb.sum()), dtype=torch.float32, device=device)
+    dfirst = np.cumsum(nb) - nb
+    digits = zre.copy()  # the digit kernel reads column 3 as the deltas, 1 as the quartic
+    digits[:, _QUANT_SEG_QUARTIC] = zre[:, _SEG_QOFF]
+    digits[:, _QUANT_SEG_DELTAS] = deltas.data_ptr() + 4 * dfirst
+    digits[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    if ks is not None:
+        digits[:, _QUANT_SEG_KS] = ks.data_ptr() + (np.cumsum(ns) - ns)[live]
+    (per_bucket, groups), (runs,) = _stacked_tilings(
+        [(digits, {_SEG_BOFF: nb, _SEG_TILE: ms}), (zre, {_SEG_TILE: ms})], device
+    )
+    with _Launcher(device) as k:
+        states = k.states(len(live))
+        args = (np.int32(levels), np.int64(bucket), np.int32(1), _ptr(states))
+        k.tiles("quant_bucket_floats_segments", per_bucket, np.int32(_SEG_BOFF), *args)
+        quartic = k.empty(int(ms.sum()), torch.uint8)
+        digit_args = (np.int64(bucket), np.int32(levels), np.int32(rho), _ptr(states))
+        k.tiles("quant_dqsg_quartic_segments", groups, *digit_args, _ptr(quartic))
+        out = _zre_encode_segments(k, runs, quartic, states)
+        host = _read_state(states).reshape(len(live), _STATE_WORDS)
+    coded = _segment_bodies(out, host)
+    keep = [r for r in range(len(live)) if not host[r, _ST_NONFINITE]]
+    delta_bytes = deltas.view(torch.uint8)
+    pieces = []
+    for r in keep:
+        pieces += [delta_bytes[4 * dfirst[r] :][: 4 * nb[r]], coded[r]]
+    joined = torch.cat(pieces) if pieces else delta_bytes[:0]
+    at = 0
+    for r, i in enumerate(live.tolist()):
+        if host[r, _ST_NONFINITE]:
+            bodies[i] = None
+            continue
+        size = 4 * int(nb[r]) + coded[r].numel()
+        bodies[i], at = joined[at : at + size], at + size
+    return bodies
+
+
+_DQSG_ERRORS = ((_QUANT_ERR_NORM, -12), (_PRIM_ERR_PADDING, -14), (_QUANT_ERR_CODE, -15))
+
+
+def dqsg_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    levels: int,
+    bits: int,
+    bucket: int,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """DQSG's decode (accumulating) of each body ``frame[starts[p]:][:lens[p]]`` into
+    ``outs[p]`` (on one CUDA device). s = levels > 1: the lengths on the host, every body
+    checked (one launch, one read), then one launch that adds the bodies before the first
+    refused one. None, or (p, the CPU backend's error code for it: kernels/quant.c
+    DQSG_ERR_*). s = 1: ``_digits_ternary_decode``, whose refusal (p, error bits) the codec
+    words from the per-payload decoder."""
+    if levels == 1:
+        return _digits_ternary_decode(frame, starts, lens, ns, keys, bucket, outs)[0]
+    ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+    lens = np.asarray(lens, dtype=np.int64).reshape(-1)
+    nb = (ns + bucket - 1) // bucket
+    short, wrong = lens < 4 * nb, lens - 4 * nb != (ns * bits + 7) // 8
+    bad = np.flatnonzero(short | wrong)
+    stop = int(bad[0]) if len(bad) else len(outs)
+    head = (frame, np.asarray(starts)[:stop], ns[:stop], list(keys)[:stop], bits, bucket)
+    failed, _ = _packed_bucket_decode(*head, outs[:stop], "dqsg", levels)
+    if failed is not None:
+        return failed[0], next(code for bit, code in _DQSG_ERRORS if failed[1] & bit)
+    return None if stop == len(outs) else (stop, -11 if short[stop] else -13)
+
+
+def digits_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    bucket: int,
+    outs: list[torch.Tensor],
+    rho: int = 0,
+    bits: int = 0,
+    divisor: int = 1,
+    k_trues: list[torch.Tensor | None] | None = None,
+) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """The CPU backend's ``digits_decode_segments`` on one CUDA device: the decode,
+    accumulating, of each body of ``digits_encode_segments`` (DQSG with s = 1 at rho 0, or
+    NDQSG's nested code with the side information ``outs[p] / divisor``) as one launch
+    sequence, ternary digits by ``_digits_ternary_decode``, packed codes by
+    ``_packed_bucket_decode``. Returns (the aliasing count of each body against
+    ``k_trues[p]``, 0 where None; None, or (p, error bits; -1 for a length the host
+    refused) for the first body that does not decode, the ones before it added)."""
+    nested = (rho, divisor, k_trues)
+    if rho <= 3:
+        failed, aliased = _digits_ternary_decode(frame, starts, lens, ns, keys, bucket, outs,
+                                                 *nested)  # fmt: skip
+        return aliased, failed
+    ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+    lens = np.asarray(lens, dtype=np.int64).reshape(-1)
+    nb = (ns + bucket - 1) // bucket
+    bad = np.flatnonzero(lens - 4 * nb != (ns * bits + 7) // 8)
+    stop = int(bad[0]) if len(bad) else len(outs)
+    head = (frame, np.asarray(starts)[:stop], ns[:stop], list(keys)[:stop], bits, bucket)
+    trues = None if k_trues is None else list(k_trues)[:stop]
+    failed, part = _packed_bucket_decode(*head, outs[:stop], "dqsg", rho // 2, rho, divisor, trues)
+    aliased = np.zeros(len(outs), dtype=np.int64)
+    aliased[:stop] = part
+    if failed is None and stop < len(outs):
+        failed = (stop, -1)
+    return aliased, failed
+
+
+def _digits_ternary_decode(
+    frame, starts, lens, ns, keys, bucket: int, outs, rho=0, divisor=1, k_trues=None
+):
+    """The decode of ``_digits_ternary_encode``'s bodies, accumulating: the lengths on the
+    host (the deltas fit, and 1 .. 14 quartic bytes a zero-run byte), the bodies' zero-run
+    parts and deltas gathered into one device buffer (one host-to-device copy for a host
+    frame), the zero-run lengths and one scan, every body's zero-run total and padding
+    (threelc.cu) and deltas (quant_dqsg_deltas_check_segments), one read, then the
+    expansion (run groups as zero groups) and quant_dqsg_quartic_decode_add_segments for
+    the bodies before the first refused one: DQSG's values, or with ``rho`` NDQSG's side
+    decode against ``outs[p] / divisor`` and the aliasing counts against ``k_trues``
+    (read after the last launch, only when some k_true is given). (None, or (p, its error
+    bits; -1 for a length the host refused); the aliasing count of each body.)"""
+    count = len(outs)
+    aliased = np.zeros(count, dtype=np.int64)
+    if not count:
+        return None, aliased
+    device = _bucket_device(outs, "out")
+    starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
+    nb, ms = (ns + bucket - 1) // bucket, (ns + 4) // 5
+    zlens = lens - 4 * nb
+    bad = np.flatnonzero((zlens < 0) | (zlens > ms) | (zlens * _MAX_RUN < ms))
+    stop = int(bad[0]) if len(bad) else count
+    failed = None if stop == count else (stop, -1)
+    live = np.flatnonzero(ms[:stop] > 0)
+    if not len(live):
+        return failed, aliased
+    zl, lms, lnb = zlens[live], ms[live], nb[live]
+    flat = frame.reshape(-1)
+    first = starts[live] + 4 * lnb
+    pieces = [flat[a : a + n] for a, n in zip(first.tolist(), zl.tolist(), strict=True)]
+    pieces += [
+        flat[a : a + 4 * n] for a, n in zip(starts[live].tolist(), lnb.tolist(), strict=True)
+    ]
+    body = torch.cat(pieces).to(device)  # the zero-run parts, then the deltas
+    length = int(zl.sum())
+    deltas_at = body.data_ptr() + length + 4 * (np.cumsum(lnb) - lnb)
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = deltas_at
+    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    table[:, _SEG_QOFF] = np.cumsum(lms) - lms
+    table[:, _SEG_BOFF] = np.cumsum(zl) - zl
+    table[:, _SEG_BLEN] = zl
+    table[:, _QUANT_SEG_DECODE_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    check = np.zeros_like(table)
+    check[:, _SEG_IN], check[:, _SEG_N] = deltas_at, ns[live]
+    (seg,), (per_bucket,) = _stacked_tilings(
+        [(table, {_SEG_TILE: lms}), (check, {_SEG_TILE: lnb})], device
+    )
+    with _Launcher(device) as k:
+        states = k.states(seg.count)
+        trues, counts = _aliasing_counts(k, live, k_trues)
+        incl = _zre_check_segments(k, seg, body[:length], states)
+        at = np.int32(_SEG_TILE)
+        k.tiles("quant_dqsg_deltas_check_segments", per_bucket, at, np.int64(bucket),
+                _ptr(states))  # fmt: skip
+        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
+        refused = np.flatnonzero(host[:, _ST_ERROR])
+        good = int(refused[0]) if len(refused) else seg.count
+        if len(refused):
+            failed = (int(live[good]), int(host[good, _ST_ERROR]))
+        if good:
+            # run groups expanded as plain zero groups: a zero q adds its dither term too
+            quartic = _zre_expand_rows(k, table, lms, good, body, incl, _ZERO_GROUP, states)
+            part = _first_rows(seg, lms, good)
+            side = (np.int32(rho), np.float32(divisor), _ptr(trues), _ptr(counts))
+            k.tiles("quant_dqsg_quartic_decode_add_segments", part, np.int64(bucket),
+                    _ptr(quartic), *side)  # fmt: skip
+        aliased = _aliased(counts, live, count)
+        del body  # stream-ordered: the launches above are queued before its reuse
+    return failed, aliased
+
+
+# ---- NDQSG's coset and side-information decoder: torch ops on the device ---------------------
+
+
+def ndqsg_coset(k: torch.Tensor, rho: int, code_offset: int) -> torch.Tensor:
+    """m + code_offset as uint8, m = k - rho * rint(k / rho) (the CPU backend's table)."""
+    kf = k.to(torch.float32)
+    m = kf - rho * torch.round(kf / torch.full((), float(rho), device=k.device))
+    return (m.to(torch.int16) + code_offset).to(torch.uint8)
+
+
+def ndqsg_side_decode(
+    m: torch.Tensor,
+    deltas: torch.Tensor,
+    y: torch.Tensor,
+    rho: int,
+    bucket: int,
+    key: int,
+    out: torch.Tensor | None,
+    accumulate: bool,
+    k_true: torch.Tensor | None,
+) -> int:
+    """The CPU backend's ndqsg_side_decode (the same float32 operations) with torch ops."""
+    n = m.numel()
+    nb = (n + bucket - 1) // bucket
+    pad = nb * bucket - n
+    u = (uniform(key, nb * bucket, y.device) - 0.5).view(nb, bucket)
+    mf = torch.cat([m.to(torch.float32), m.new_zeros(pad, dtype=torch.float32)]).view(nb, -1)
+    y2 = torch.cat([y.to(torch.float32), y.new_zeros(pad, dtype=torch.float32)]).view(nb, -1)
+    d = deltas.to(y.device)[:, None]
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    r = safe * (mf - u) - y2
+    j = torch.round(r / (safe * float(rho)))
+    k = torch.where(d > 0, mf - float(rho) * j, torch.zeros_like(mf))
+    if out is not None:
+        w = (d * (k - u)).view(-1)[:n]
+        if accumulate:
+            out += w
+        else:
+            out.copy_(w)
+    if k_true is None:
+        return 0
+    return int((k_true.to(torch.float32) != k.view(-1)[:n]).sum())

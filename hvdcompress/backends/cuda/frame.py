@@ -1,0 +1,161 @@
+"""Checksums and frames on the device (kernels/threelc.cu sections 7 and 8): a payload's
+and a bucket's checksums, the checksum fields written in place, a frame's scan and an
+allgather's length prefixes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hvdcompress.backends.cuda._runtime import (
+    _SEG_COLS,
+    _SEG_IN,
+    _SEG_N,
+    _ST_SUM,
+    _STATE_WORDS,
+    SEGMENT_TILE,
+    _check_tensor,
+    _Launcher,
+    _ptr,
+    _read_state,
+    _Segments,
+    _segments,
+)
+from hvdcompress.backends.records import CHECKSUM_FIELD, SCAN, FrameScan, mix
+
+
+def checksum(buf: torch.Tensor, offset: int) -> int:
+    _check_tensor(buf, "buf", torch.uint8)
+    length = buf.numel()
+    if length == 0:
+        return 0
+    with _Launcher(buf.device) as k:
+        state = k.state()
+        k(
+            "hvd_checksum",
+            length,
+            _ptr(buf),
+            np.int64(length),
+            np.uint64(offset % 2**64),
+            _ptr(state),
+        )
+        return int(_read_state(state)[_ST_SUM])
+
+
+def _checksum_table(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> np.ndarray:
+    table = np.zeros((len(starts), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = buf.data_ptr() + np.asarray(starts, dtype=np.int64)
+    table[:, _SEG_N] = lengths
+    return table
+
+
+def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
+    """``checksum`` (offset 0) of each segment [start, start + length) of buf: one launch,
+    one device-to-host copy for all."""
+    _check_tensor(buf, "buf", torch.uint8)
+    if not starts:
+        return []
+    table = _checksum_table(buf, starts, lengths)
+    with _Launcher(buf.device) as k:
+        seg = _segments(table, table[:, _SEG_N], buf.device)
+        states = k.states(seg.count)
+        k.tiles("hvd_checksum_segments", seg, _ptr(states))
+        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
+    return [int(w) for w in host[:, _ST_SUM]]
+
+
+def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
+    """Write each segment's ``checksum`` (offset 0, computed with its 4 bytes at ``start +
+    field`` zero) little-endian into those 4 bytes: a frame's checksum fields, with no
+    host round trip (two launches)."""
+    _check_tensor(buf, "buf", torch.uint8)
+    if not starts:
+        return
+    table = _checksum_table(buf, starts, lengths)
+    with _Launcher(buf.device) as k:
+        seg = _segments(table, table[:, _SEG_N], buf.device)
+        states = k.states(seg.count)
+        k.tiles("hvd_checksum_segments", seg, _ptr(states))
+        k(
+            "hvd_checksum_store",
+            seg.count,
+            _ptr(seg.rows),
+            np.int64(seg.count),
+            np.int64(field),
+            _ptr(states),
+        )
+
+
+# A frame scan's rows (HVD_FRAME_* of kernels/threelc.cu section 8): the fields, the shape,
+# the stored checksum, the codec parameters.
+_FRAME_FIELDS, _FRAME_SHAPE, _FRAME_STORED, _FRAME_PARAMS = 10, 10, 18, 19
+_FRAME_OK, _FRAME_PARAMS_LEN = SCAN["ok"], SCAN["params_len"]
+_FRAME_ROW = _FRAME_PARAMS + 256 // 8
+
+
+def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
+    """The CPU backend's ``frame_scan`` (the same ``FrameScan``) of a frame on the device,
+    without copying it to the host: three launches (the length table, every payload's
+    checksum, every header) and one device-to-host read of 440 bytes a payload."""
+    _check_tensor(frame, "frame", torch.uint8)
+    length = frame.numel()
+    words = 1 + count * _FRAME_ROW
+    with _Launcher(frame.device) as k:
+        # the scan's rows and the checksum states, one buffer: one read
+        out = torch.zeros(words + count * _STATE_WORDS // 2, dtype=torch.int64, device=k.device)
+        states = out[words:].view(torch.int32)
+        rows = torch.zeros((max(count, 1), _SEG_COLS), dtype=torch.int64, device=k.device)
+        k(
+            "hvd_frame_table",
+            1,
+            _ptr(frame),
+            np.int64(length),
+            np.int64(count),
+            np.int64(SEGMENT_TILE),
+            _ptr(out),
+            _ptr(rows),
+        )
+        if count:
+            # the table's tiles are counted on the device: launch for the most a frame of
+            # this length can have (a payload adds at most one partial tile); the surplus
+            # tiles sum no bytes
+            tiles = -(-length // SEGMENT_TILE) + count
+            k.tiles(
+                "hvd_checksum_segments", _Segments(rows, count, tiles, SEGMENT_TILE), _ptr(states)
+            )
+            k("hvd_frame_headers", count, _ptr(frame), np.int64(count), _ptr(out))
+        host = _read_state(out)
+    scan = host[: 2 * words].view(np.int64)
+    if scan[0] != 1:
+        return None
+    table = scan[1:].reshape(count, _FRAME_ROW)
+    fields = table[:, :_FRAME_FIELDS].copy()
+    shapes = table[:, _FRAME_SHAPE : _FRAME_SHAPE + 8].view(np.uint64).copy()
+    stored = table[:, _FRAME_STORED].astype(np.uint64)
+    # The device summed the checksum field's own bytes; frame.c sums them as zeros.
+    field = CHECKSUM_FIELD + np.arange(4, dtype=np.uint64)
+    stored_bytes = (stored[:, None] >> (np.uint64(8) * np.arange(4, dtype=np.uint64))) & 0xFF
+    extra = (stored_bytes * mix(field)[None, :]).sum(axis=1)
+    sums = host[2 * words :].reshape(count, _STATE_WORDS)[:, _ST_SUM].astype(np.uint64)
+    zeroed = (sums - extra) & np.uint64(0xFFFFFFFF)
+    ok = (fields[:, _FRAME_OK] == 1) & (zeroed == stored)
+    fields[:, _FRAME_OK] = ok
+    block = table[:, _FRAME_PARAMS:].view(np.uint8)
+    params = [
+        block[i, :n].tobytes() if good else b""
+        for i, (good, n) in enumerate(
+            zip(ok.tolist(), fields[:, _FRAME_PARAMS_LEN].tolist(), strict=True)
+        )
+    ]
+    return FrameScan(fields, shapes, params)
+
+
+def length_prefixes(buf: torch.Tensor, size: int) -> np.ndarray:
+    """The verdict on a device allgather's framing (``size`` x (8-byte length, bytes);
+    kernels/threelc.cu, hvd_length_prefixes): int64 [verdict, where, each rank's count],
+    one launch and one read of 8 (size + 2) bytes."""
+    _check_tensor(buf, "buf", torch.uint8)
+    with _Launcher(buf.device) as k:
+        out = torch.zeros(size + 2, dtype=torch.int64, device=k.device)
+        k("hvd_length_prefixes", 1, _ptr(buf), np.int64(buf.numel()), np.int64(size), _ptr(out))
+        return _read_state(out).view(np.int64)

@@ -1,0 +1,361 @@
+"""The stochastic quantisers (kernels/quant.cu; see hvdcompress.codecs.quant): QSGD, the
+packed-code bucket encode and decode QSGD, DQSG and NDQSG share, TernGrad and DQSG's
+per-tensor quantiser."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hvdcompress.backends.cuda._bucket import _bodies_on, _bucket_device, _first_rows, _rows
+from hvdcompress.backends.cuda._runtime import (
+    _NULL,
+    _PRIM_ERR_PADDING,
+    _QUANT_ERR_CODE,
+    _QUANT_ERR_NORM,
+    _QUANT_SEG_KEY,
+    _SEG_AUX,
+    _SEG_BLEN,
+    _SEG_BOFF,
+    _SEG_COLS,
+    _SEG_IN,
+    _SEG_N,
+    _SEG_TILE,
+    _SIGN_SEG_OUT,
+    _ST_ABSMAX,
+    _ST_ERROR,
+    _ST_NONFINITE,
+    _STATE_WORDS,
+    _check_tensor,
+    _count,
+    _f32,
+    _Launcher,
+    _ptr,
+    _read_state,
+    _tilings,
+)
+from hvdcompress.backends.cuda.threelc import _quartic_bucket, _quartic_table, _zre_encode
+from hvdcompress.errors import PayloadError
+
+# ---- stochastic quantisers (kernels/quant.cu; see hvdcompress.codecs.quant) -----------------
+
+
+def qsgd_encode(
+    x: torch.Tensor, levels: int, bits: int, bucket: int, key: int
+) -> torch.Tensor | None:
+    """The QSGD body (norms, then packed codes), or None when x holds a NaN or an Inf or a
+    norm overflows float32. Two launches, one device-to-host copy."""
+    _check_tensor(x, "x", torch.float32)
+    n = x.numel()
+    nb = (n + bucket - 1) // bucket
+    body = torch.empty(4 * nb + (n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return body
+    norms = body[: 4 * nb].view(torch.float32)  # 4-byte aligned: the body starts the tensor
+    with _Launcher(x.device) as k:
+        state = k.state()
+        k("quant_qsgd_norms", nb, _ptr(x), np.int64(n), np.int64(bucket), _ptr(norms), _ptr(state))
+        k(
+            "quant_qsgd_encode",
+            (n + 7) // 8,
+            _ptr(x),
+            np.int64(n),
+            np.int32(levels),
+            np.int32(bits),
+            np.int64(bucket),
+            np.uint64(key),
+            _ptr(norms),
+            np.uint64(body.data_ptr() + 4 * nb),
+        )
+        return None if _read_state(state)[_ST_NONFINITE] else body
+
+
+def qsgd_decode(
+    body: torch.Tensor,
+    n: int,
+    levels: int,
+    bits: int,
+    bucket: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """Check the body (norms, padding, codes), then decode it into out: PayloadError with
+    out untouched on a bad body. Two launches, one device-to-host copy between them."""
+    _check_tensor(out, "out", torch.float32)
+    nb = (n + bucket - 1) // bucket
+    args = (_ptr(body), np.int64(n), np.int32(levels), np.int32(bits), np.int64(bucket))
+    with _Launcher(out.device) as k:
+        state = k.state()
+        k("quant_qsgd_check", max((n + 7) // 8, nb), *args, _ptr(state))
+        err = int(_read_state(state)[_ST_ERROR])
+        if err & (_QUANT_ERR_NORM | _PRIM_ERR_PADDING | _QUANT_ERR_CODE):
+            raise PayloadError("body", _qsgd_refusal(err))
+        k("quant_qsgd_decode", (n + 7) // 8, *args, _ptr(out), np.int32(bool(accumulate)))
+
+
+def qsgd_encode_segments(
+    xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
+) -> list[torch.Tensor | None]:
+    """``qsgd_encode`` of each (x, key) of a bucket: every norm, then every code, one
+    launch each (kernels/quant.cu section 9), one read of the non-finite flags. The bodies
+    are views of one buffer, each 4-byte aligned (norms first); None for a non-finite x."""
+    return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=False)
+
+
+def _packed_bucket_encode(
+    xs, keys, levels: int, bits: int, bucket: int, dqsg: bool, rho: int = 0, ks=None
+):
+    """A bucket of bodies made of one float32 per ``bucket`` elements (QSGD's norms, or
+    with ``dqsg`` DQSG's deltas: quant_bucket_floats_segments, one thread a bucket,
+    non-finite flags into the state rows), then ``bits``-bit codes
+    (quant_packed_encode_segments, one thread a group of eight: QSGD's, DQSG's, or with
+    ``rho`` NDQSG's cosets, the fine indices q into ``ks`` when given)."""
+    if not xs:
+        return []
+    device = _bucket_device(xs, "x")
+    ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
+    nb = (ns + bucket - 1) // bucket
+    sizes = 4 * nb + (ns * bits + 7) // 8
+    room = (sizes + 3) // 4 * 4  # the next body's floats stay 4-byte aligned
+    firsts = np.cumsum(room) - room
+    buf = torch.empty(int(room.sum()), dtype=torch.uint8, device=device)
+    bodies: list[torch.Tensor | None] = [
+        buf[a : a + n] for a, n in zip(firsts.tolist(), sizes.tolist(), strict=True)
+    ]
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return bodies
+    table = _rows(xs, live)
+    table[:, _SIGN_SEG_OUT] = buf.data_ptr() + firsts[live]
+    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    if ks is not None:
+        table[:, _SEG_AUX] = ks.data_ptr() + (np.cumsum(ns) - ns)[live]
+    tilings = {_SEG_BOFF: nb[live], _SEG_TILE: (ns[live] + 7) // 8}
+    per_bucket, groups = _tilings(table, device, tilings)
+    with _Launcher(device) as k:
+        states = k.states(per_bucket.count)
+        at, flag = np.int32(_SEG_BOFF), np.int32(dqsg)
+        args = (np.int32(levels), np.int64(bucket), flag, _ptr(states))
+        k.tiles("quant_bucket_floats_segments", per_bucket, at, *args)
+        args = (np.int32(levels), np.int32(bits), np.int64(bucket), flag, np.int32(rho))
+        k.tiles("quant_packed_encode_segments", groups, np.int32(_SEG_TILE), *args)
+        bad = _read_state(states).reshape(per_bucket.count, _STATE_WORDS)[:, _ST_NONFINITE]
+    for row, i in enumerate(live.tolist()):
+        if bad[row]:
+            bodies[i] = None
+    return bodies
+
+
+def qsgd_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ns: np.ndarray,
+    levels: int,
+    bits: int,
+    bucket: int,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """``qsgd_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    checked its length) into ``outs[p]`` (on one CUDA device; the frame on the host or that
+    device): every body checked (one launch, one read), then one launch that adds the
+    bodies before the first refused one. None, or (p, ``qsgd_decode``'s message)."""
+    failed, _ = _packed_bucket_decode(frame, starts, ns, None, bits, bucket, outs, "qsgd", levels)
+    return None if failed is None else (failed[0], _qsgd_refusal(failed[1]))
+
+
+def _aliasing_counts(k, live: np.ndarray, k_trues) -> tuple[torch.Tensor | None, ...]:
+    """(the device array of each live row's k_true address, 0 where None; the zeroed
+    int64 counts the decode kernels add into), or (None, None) when no k_true is given.
+    The caller keeps both alive until its launches are queued."""
+    if k_trues is None or all(k_trues[p] is None for p in live.tolist()):
+        return None, None
+    at = [0 if k_trues[p] is None else k_trues[p].data_ptr() for p in live.tolist()]
+    trues = torch.tensor(at, dtype=torch.int64).to(k.device)
+    return trues, torch.zeros(len(live), dtype=torch.int64, device=k.device)
+
+
+def _aliased(counts: torch.Tensor | None, live: np.ndarray, count: int) -> np.ndarray:
+    out = np.zeros(count, dtype=np.int64)
+    if counts is not None:
+        out[live] = _read_state(counts).view(np.int64)
+    return out
+
+
+def _packed_bucket_decode(
+    frame, starts, ns, keys, bits, bucket, outs, codec: str, levels, rho=0, divisor=1,
+    k_trues=None,
+):  # fmt: skip
+    """The decode of ``_packed_bucket_encode``'s bodies (lengths checked by the caller) of
+    ``codec`` ("qsgd" or "dqsg"; with ``rho`` NDQSG's cosets, ``levels`` = rho // 2, side
+    information ``outs[p] / divisor``, aliasing against ``k_trues``):
+    ``quant_packed_check_segments`` (one launch, one read), then
+    ``quant_packed_decode_add_segments`` for the bodies before the first refused one.
+    (None, or (p, its error bits); the aliasing count of each body.)"""
+    aliased = np.zeros(len(outs), dtype=np.int64)
+    if not outs:
+        return None, aliased
+    device = _bucket_device(outs, "out")
+    ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+    nb = (ns + bucket - 1) // bucket
+    groups = (ns + 7) // 8
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return None, aliased
+    sizes = 4 * nb + (ns * bits + 7) // 8
+    body, at = _bodies_on(frame, np.asarray(starts, dtype=np.int64)[live], sizes[live], device)
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = at
+    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    if keys is not None:
+        table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    units = np.maximum(groups, nb)[live]
+    check, decode = _tilings(table, device, {_SEG_TILE: units, _SEG_BOFF: groups[live]})
+    args = (np.int32(levels), np.int32(bits), np.int64(bucket))
+    with _Launcher(device) as k:
+        states = k.states(check.count)
+        trues, counts = _aliasing_counts(k, live, k_trues)
+        rule = np.int32(codec == "dqsg")
+        at = np.int32(_SEG_TILE)
+        k.tiles("quant_packed_check_segments", check, at, *args, rule, _ptr(states))
+        errors = _read_state(states).reshape(check.count, _STATE_WORDS)[:, _ST_ERROR]
+        refused = np.flatnonzero(errors)
+        good = int(refused[0]) if len(refused) else check.count
+        if good:
+            part = _first_rows(decode, groups[live], good)
+            at = np.int32(_SEG_BOFF)
+            side = (np.int32(rho), np.float32(divisor), _ptr(trues), _ptr(counts))
+            k.tiles("quant_packed_decode_add_segments", part, at, *args, rule, *side)
+        aliased = _aliased(counts, live, len(outs))
+        del body  # stream-ordered: the launches above are queued before its reuse
+    return None if not len(refused) else (int(live[good]), int(errors[good])), aliased
+
+
+def _qsgd_refusal(err: int) -> str:
+    """``qsgd_decode``'s message for the check's error bits (the same order)."""
+    if err & _QUANT_ERR_NORM:
+        return "a QSGD norm is negative or not finite"
+    if err & _PRIM_ERR_PADDING:
+        return "a padding bit after the last packed value is set"
+    return "a QSGD level is above the levels or a zero is signed"
+
+
+def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:
+    """(zero-run-encoded quartic body, M = max|x|), or None when x holds a NaN or an Inf:
+    threelc_absmax, one device-to-host copy (M goes into the header), the quartic kernel,
+    then threelc.cu's zero-run encoder."""
+    _check_tensor(x, "x", torch.float32)
+    n = x.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device), 0.0
+    with _Launcher(x.device) as k:
+        state = k.state()
+        k("threelc_absmax", n, _ptr(x), _NULL, np.int64(n), _ptr(state))
+        max_bits = int(_read_state(state)[_ST_ABSMAX])
+        if max_bits >= 0x7F800000:
+            return None
+        scale = _f32(max_bits)
+        quartic = k.empty((n + 4) // 5, torch.uint8)
+        k(
+            "quant_terngrad_quartic",
+            quartic.numel(),
+            _ptr(x),
+            np.int64(n),
+            np.float32(scale),
+            np.uint64(key),
+            _ptr(quartic),
+        )
+        out = _zre_encode(k, quartic, state)
+        length = _count(_read_state(state))
+    return out[:length], scale
+
+
+def terngrad_encode_segments(
+    xs: list[torch.Tensor], keys: list[int]
+) -> list[tuple[torch.Tensor, float] | None]:
+    """``terngrad_encode`` of each (x, key) of a bucket as one launch sequence: every
+    tensor's max|x| (threelc_absmax_segments), its quartic digits
+    (quant_terngrad_quartic_segments, M read on the device), the bucket's zero-run encode,
+    then one read of the states (M, body length). (body, a view of one buffer; M), or None
+    for a non-finite x."""
+    if not xs:
+        return []
+    device = _bucket_device(xs, "x")
+    ns, live, table = _quartic_table(xs)
+    table[:, _SEG_BLEN] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)  # the key
+    encoded: list[tuple[torch.Tensor, float] | None] = [
+        (torch.empty(0, dtype=torch.uint8, device=device), 0.0)
+    ] * len(xs)
+    if not len(live):
+        return encoded
+    host, bodies = _quartic_bucket(device, table, ns, "quant_terngrad_quartic_segments")
+    for row, (i, body) in enumerate(zip(live.tolist(), bodies, strict=True)):
+        max_bits = int(host[row, _ST_ABSMAX])
+        encoded[i] = None if max_bits >= 0x7F800000 else (body, _f32(max_bits))
+    return encoded
+
+
+def dqsg_quantize(
+    w: torch.Tensor, levels: int, bucket: int, key: int, code_offset: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q + code_offset as uint8, deltas float32 per bucket), or None when w holds a NaN or
+    an Inf. Two launches, one device-to-host copy (the non-finite flag)."""
+    _check_tensor(w, "w", torch.float32)
+    n = w.numel()
+    nb = (n + bucket - 1) // bucket
+    deltas = torch.empty(nb, dtype=torch.float32, device=w.device)
+    q = torch.empty(n, dtype=torch.uint8, device=w.device)
+    if n == 0:
+        return q, deltas
+    with _Launcher(w.device) as k:
+        state = k.state()
+        k(
+            "quant_dqsg_deltas",
+            nb,
+            _ptr(w),
+            np.int64(n),
+            np.int32(levels),
+            np.int64(bucket),
+            _ptr(deltas),
+            _ptr(state),
+        )
+        k(
+            "quant_dqsg_quantize",
+            n,
+            _ptr(w),
+            np.int64(n),
+            np.int32(levels),
+            np.int64(bucket),
+            np.uint64(key),
+            np.int32(code_offset),
+            _ptr(deltas),
+            _ptr(q),
+        )
+        return None if _read_state(state)[_ST_NONFINITE] else (q, deltas)
+
+
+def dqsg_dequantize(
+    q: torch.Tensor,
+    deltas: torch.Tensor,
+    bucket: int,
+    key: int,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> None:
+    """out = delta * (q - dither), or out += that (q int8, deltas validated float32 bytes)."""
+    _check_tensor(out, "out", torch.float32)
+    n = q.numel()
+    if n == 0:
+        return
+    with _Launcher(out.device) as k:
+        k(
+            "quant_dqsg_dequantize",
+            n,
+            _ptr(q),
+            np.int64(n),
+            _ptr(deltas),
+            np.int64(bucket),
+            np.uint64(key),
+            _ptr(out),
+            np.int32(bool(accumulate)),
+        )

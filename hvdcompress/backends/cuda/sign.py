@@ -1,0 +1,240 @@
+"""The sign codecs: signSGD and EF-signSGD (kernels/sign.cu; see hvdcompress.codecs.sign)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hvdcompress.backends.cuda._bucket import (
+    _bodies_on,
+    _bucket_device,
+    _check_residuals,
+    _first_rows,
+    _rows,
+)
+from hvdcompress.backends.cuda._runtime import (
+    _PRIM_ERR_PADDING,
+    _SEG_AUX,
+    _SEG_COLS,
+    _SEG_F32,
+    _SEG_IN,
+    _SEG_N,
+    _SIGN_SEG_OUT,
+    _ST_ERROR,
+    _ST_NONFINITE,
+    _STATE_WORDS,
+    _check_tensor,
+    _f32_bits,
+    _Launcher,
+    _ptr,
+    _read_state,
+    _segments,
+)
+from hvdcompress.errors import PayloadError
+
+# ---- sign codecs (kernels/sign.cu; see hvdcompress.codecs.sign) ----------------------------
+
+EF_CHUNK = 1024  # elements per order-fixed partial sum of EF-signSGD's mean |a| (cpu.EF_CHUNK)
+
+
+def sign_encode(x: torch.Tensor) -> torch.Tensor | None:
+    """The packed sign bits of x, or None when x holds a NaN or an Inf. One launch and one
+    device-to-host copy (the non-finite flag)."""
+    _check_tensor(x, "x", torch.float32)
+    n = x.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
+    if n == 0:
+        return out
+    with _Launcher(x.device) as k:
+        state = k.state()
+        k("sign_encode", out.numel(), _ptr(x), np.int64(n), _ptr(out), _ptr(state))
+        return None if _read_state(state)[_ST_NONFINITE] else out
+
+
+def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """``sign_encode`` of each tensor of a bucket: one launch over a segment table
+    (kernels/sign.cu section 5), one read of the per-tensor non-finite flags; the bodies
+    are views of one buffer."""
+    if not xs:
+        return []
+    device = _bucket_device(xs, "x")
+    ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
+    nbytes = (ns + 7) // 8
+    buf = torch.empty(int(nbytes.sum()), dtype=torch.uint8, device=device)
+    bodies: list[torch.Tensor | None] = list(torch.split(buf, nbytes.tolist()))
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return bodies
+    table = _rows(xs, live)
+    table[:, _SIGN_SEG_OUT] = [bodies[i].data_ptr() for i in live.tolist()]
+    with _Launcher(device) as k:
+        seg = _segments(table, nbytes[live], device)
+        states = k.states(seg.count)
+        k.tiles("sign_encode_segments", seg, _ptr(states))
+        bad = _read_state(states).reshape(seg.count, _STATE_WORDS)[:, _ST_NONFINITE]
+    for row, i in enumerate(live.tolist()):
+        if bad[row]:
+            bodies[i] = None
+    return bodies
+
+
+def efsign_sums_segments(gs, es) -> tuple[list[np.ndarray], list[bool]]:
+    """``efsign_sums`` of each (g, e) of a bucket: one launch over a segment table, one read
+    of every tensor's chunk sums and non-finite flag (sums as host arrays)."""
+    if not gs:
+        return [], []
+    device = _bucket_device(gs, "g")
+    _check_residuals(gs, es)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=len(gs))
+    chunks = (ns + EF_CHUNK - 1) // EF_CHUNK
+    first = np.cumsum(chunks) - chunks
+    live = np.flatnonzero(ns > 0)
+    total = int(chunks.sum())
+    # the chunk sums, then the state rows (4 doubles = 8 words each): one read for both
+    scratch = torch.zeros(total + 4 * len(live), dtype=torch.float64, device=device)
+    if len(live):
+        states = scratch[total:].view(torch.int32)
+        table = _rows(gs, live, es)
+        table[:, _SIGN_SEG_OUT] = scratch.data_ptr() + 8 * first[live]
+        with _Launcher(device) as k:
+            seg = _segments(table, chunks[live], device)
+            k.tiles("sign_ef_sums_segments", seg, np.int64(EF_CHUNK), _ptr(states))
+    host = _read_state(scratch)
+    sums = host[: 2 * total].view(np.float64)
+    words = host[2 * total :].reshape(-1, _STATE_WORDS)
+    bad = [False] * len(gs)
+    for row, i in enumerate(live.tolist()):
+        bad[i] = bool(words[row, _ST_NONFINITE])
+    return [sums[a : a + c] for a, c in zip(first.tolist(), chunks.tolist(), strict=True)], bad
+
+
+def efsign_encode_segments(gs, es, scales, skip) -> list[torch.Tensor]:
+    """``efsign_encode`` of each (g, e, scale) of a bucket whose ``skip`` is False: one
+    launch over a segment table, no host copy; the bodies (empty where skipped) are views
+    of one buffer."""
+    if not gs:
+        return []
+    device = _bucket_device(gs, "g")
+    _check_residuals(gs, es)
+    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=len(gs))
+    nbytes = np.where(np.asarray(skip, dtype=bool), 0, (ns + 7) // 8)
+    buf = torch.empty(int(nbytes.sum()), dtype=torch.uint8, device=device)
+    bodies = list(torch.split(buf, nbytes.tolist()))
+    live = np.flatnonzero(nbytes > 0)
+    if len(live):
+        table = _rows(gs, live, es)
+        table[:, _SIGN_SEG_OUT] = [bodies[i].data_ptr() for i in live.tolist()]
+        table[:, _SEG_F32] = _f32_bits(np.asarray(scales, dtype=np.float32)[live])
+        with _Launcher(device) as k:
+            k.tiles("sign_ef_encode_segments", _segments(table, nbytes[live], device))
+    return bodies
+
+
+def efsign_sums(g: torch.Tensor, e: torch.Tensor) -> torch.Tensor | None:
+    """float64 sums of |g + e| over EF_CHUNK-element chunks (each left to right), or None
+    when g + e holds a NaN or an Inf."""
+    _check_tensor(g, "g", torch.float32)
+    _check_tensor(e, "e", torch.float32)
+    n = g.numel()
+    chunks = (n + EF_CHUNK - 1) // EF_CHUNK
+    sums = torch.empty(chunks, dtype=torch.float64, device=g.device)
+    if n == 0:
+        return sums
+    with _Launcher(g.device) as k:
+        state = k.state()
+        k(
+            "sign_ef_sums",
+            chunks,
+            _ptr(g),
+            _ptr(e),
+            np.int64(n),
+            np.int64(EF_CHUNK),
+            _ptr(sums),
+            _ptr(state),
+        )
+        return None if _read_state(state)[_ST_NONFINITE] else sums
+
+
+def efsign_encode(g: torch.Tensor, e: torch.Tensor, scale: float) -> torch.Tensor:
+    """The sign bits of a = g + e; e <- a - (a < 0 ? -scale : scale). No host copy."""
+    n = g.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=g.device)
+    if n:
+        with _Launcher(g.device) as k:
+            k(
+                "sign_ef_encode",
+                out.numel(),
+                _ptr(g),
+                _ptr(e),
+                np.float32(scale),
+                np.int64(n),
+                _ptr(out),
+            )
+    return out
+
+
+def sign_decode(
+    body: torch.Tensor, n: int, scale: float, out: torch.Tensor, accumulate: bool
+) -> None:
+    """out = (bit ? -scale : scale), or out += that; body has ceil(n / 8) bytes. A set
+    padding bit raises PayloadError with out untouched (the kernel checks before writing)."""
+    _check_tensor(out, "out", torch.float32)
+    with _Launcher(out.device) as k:
+        state = k.state()
+        k(
+            "sign_decode",
+            body.numel(),
+            _ptr(body),
+            np.int64(n),
+            np.float32(scale),
+            _ptr(out),
+            np.int32(bool(accumulate)),
+            _ptr(state),
+        )
+        if int(_read_state(state)[_ST_ERROR]) & _PRIM_ERR_PADDING:
+            raise PayloadError("body", "a padding bit after the last packed value is set")
+
+
+def sign_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    ns: np.ndarray,
+    scales: np.ndarray,
+    outs: list[torch.Tensor],
+) -> tuple[int, str] | None:
+    """``sign_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    checked the lengths) into ``outs[p]`` (on one CUDA device; the frame on the host or
+    that device): the padding check of every body, one read, then one launch that adds
+    the bodies before the first refused one. None, or (p, message) of that body."""
+    if not outs:
+        return None
+    device = _bucket_device(outs, "out")
+    ns = np.asarray(ns, dtype=np.int64).reshape(-1)
+    nbytes = (ns + 7) // 8
+    live = np.flatnonzero(ns > 0)
+    if not len(live):
+        return None
+    body, at = _bodies_on(frame, np.asarray(starts, dtype=np.int64)[live], nbytes[live], device)
+    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = at
+    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
+    table[:, _SEG_N] = ns[live]
+    table[:, _SEG_F32] = _f32_bits(np.asarray(scales, dtype=np.float32)[live])
+    with _Launcher(device) as k:
+        seg = _segments(table, nbytes[live], device)
+        states = k.states(seg.count)
+        k(
+            "sign_decode_check_segments",
+            seg.count,
+            _ptr(seg.rows),
+            np.int64(seg.count),
+            _ptr(states),
+        )
+        refused = np.flatnonzero(_read_state(states).reshape(seg.count, _STATE_WORDS)[:, _ST_ERROR])
+        good = int(refused[0]) if len(refused) else seg.count
+        if good:
+            k.tiles("sign_decode_add_segments", _first_rows(seg, nbytes[live], good))
+        del body  # stream-ordered: the launches above are queued before its reuse
+    if len(refused):
+        return int(live[good]), "a padding bit after the last packed value is set"
+    return None

@@ -1,0 +1,317 @@
+"""Random-k and GSpar (kernels/quant.cu sections 10 and 11): the kept flags from the
+uniforms, the bucket encode and decode, and the per-tensor forms (torch ops on the device)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from hvdcompress.backends.cuda._bucket import (
+    _as_body,
+    _bodies_on,
+    _bucket_device,
+    _encode_bucket,
+    _first_rows,
+    _rows,
+)
+from hvdcompress.backends.cuda._runtime import (
+    _QUANT_SEG_BODY_LEN,
+    _QUANT_SEG_FLAGS,
+    _QUANT_SEG_KEY,
+    _QUANT_SEG_VALUE_TILE,
+    _SEG_AUX,
+    _SEG_COLS,
+    _SEG_IN,
+    _SEG_N,
+    _SEG_TILE,
+    _ST_COUNT,
+    _ST_ERROR,
+    _ST_NONFINITE,
+    _STATE_WORDS,
+    TOPK_INDEX32_LIMIT,
+    _Launcher,
+    _ptr,
+    _read_state,
+    _segments,
+    _tilings,
+)
+from hvdcompress.backends.cuda.primitives import chunk_sums, uniform
+from hvdcompress.errors import PayloadError
+
+# ---- random-k: the mask from the uniforms, torch ops on the device ---------------------------
+
+
+def _randomk_mask(key: int, n: int, threshold: int, device: torch.device) -> torch.Tensor:
+    # u < T 2^-24 (exact in float32): the CPU compares the uniforms' 24-bit integers with T
+    return uniform(key, n, device) < threshold * 2.0**-24
+
+
+def randomk_encode_segments(
+    gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """The CPU backend's ``randomk_encode_segments`` (the same bodies, flags and residuals)
+    on one CUDA device: every tensor's kept flags, one scan of the bucket's, every kept
+    count and non-finite flag (kernels/quant.cu section 10), one read, then one launch
+    that writes the kept values of a = g (+ e) into the bodies (views of one buffer) and,
+    with the residuals ``es``, e = a with the kept entries zeroed (untouched where a is not
+    finite)."""
+    if not gs:
+        return [], []
+    device, ns, live, bodies, nonfinite = _encode_bucket(gs, es)
+    if not len(live):
+        return bodies, nonfinite
+    lns = ns[live]
+    table = _rows(gs, live, es)
+    table[:, _QUANT_SEG_FLAGS] = np.cumsum(lns) - lns
+    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    elements = _segments(table, lns, device)
+    total = int(lns.sum())
+    with _Launcher(device) as k:
+        states = k.states(elements.count)
+        flags = k.empty(total, torch.uint8)
+        limit = np.float32(threshold * 2.0**-24)  # exact: T <= 2^24
+        k.tiles("quant_randomk_flags_segments", elements, limit, _ptr(flags))
+        incl = torch.cumsum(flags, 0, dtype=torch.int64)
+        k.tiles("quant_randomk_count_segments", elements, _ptr(incl), _ptr(states))
+        host = _read_state(states).reshape(elements.count, _STATE_WORDS)
+        kept = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        bad = host[:, _ST_NONFINITE] != 0
+        sizes = np.where(bad, 0, 4 * kept)
+        firsts = np.cumsum(sizes) - sizes
+        buf = k.empty(max(int(sizes.sum()), 4), torch.uint8)
+        at = torch.from_numpy(buf.data_ptr() + firsts).to(device)
+        k.tiles(
+            "quant_randomk_gather_segments",
+            elements,
+            _ptr(flags),
+            _ptr(incl),
+            _ptr(at),
+            _ptr(states),
+        )
+    for row, i in enumerate(live.tolist()):
+        nonfinite[i] = bool(bad[row])
+        bodies[i] = buf[int(firsts[row]) :][: int(sizes[row])]
+    return bodies, nonfinite
+
+
+def randomk_decode_segments(
+    frame: torch.Tensor,
+    starts: np.ndarray,
+    lens: np.ndarray,
+    ns: np.ndarray,
+    keys: list[int],
+    threshold: int,
+    scale: float,
+    outs: list[torch.Tensor],
+) -> tuple[int, int] | None:
+    """The CPU backend's ``randomk_decode_segments`` (accumulating; same result, same
+    codes) on one CUDA device: the bodies gathered into one device buffer, every tensor's
+    kept flags regenerated, one scan of the bucket's flags, every kept count and value
+    checked (kernels/quant.cu section 10), one read, then one launch that adds the
+    scaled values of the bodies before the first refused one. None, or (p, -1 for a value
+    that is not finite, else the regenerated kept count the body does not hold)."""
+    count = len(outs)
+    if not count:
+        return None
+    device = _bucket_device(outs, "out")
+    starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
+    body, at = _bodies_on(frame, starts, lens, device)
+    total = int(ns.sum())
+    table = np.zeros((count, _SEG_COLS), dtype=np.int64)
+    table[:, _SEG_IN] = at
+    table[:, _SEG_AUX] = [out.data_ptr() for out in outs]
+    table[:, _SEG_N] = ns
+    table[:, _QUANT_SEG_FLAGS] = np.cumsum(ns) - ns
+    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64).view(np.int64)
+    table[:, _QUANT_SEG_BODY_LEN] = lens
+    elements, values = _tilings(
+        table, device, {_SEG_TILE: ns, _QUANT_SEG_VALUE_TILE: np.maximum(lens // 4, 1)}
+    )
+    with _Launcher(device) as k:
+        states = k.states(count)
+        flags = k.empty(max(total, 1), torch.uint8)
+        limit = np.float32(threshold * 2.0**-24)  # exact: T <= 2^24
+        k.tiles("quant_randomk_flags_segments", elements, limit, _ptr(flags))
+        incl = torch.cumsum(flags[:total], 0, dtype=torch.int64) if total else flags.long()
+        k.tiles("quant_randomk_check_segments", values, _ptr(incl), _ptr(states))
+        host = _read_state(states).reshape(count, _STATE_WORDS)
+        kept = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        wrong = 4 * kept != lens
+        refused = np.flatnonzero(wrong | (host[:, _ST_ERROR] != 0))
+        good = int(refused[0]) if len(refused) else count
+        if good:
+            part = _first_rows(elements, ns, good)
+            k.tiles("quant_randomk_add_segments", part, _ptr(flags), _ptr(incl), np.float32(scale))
+        del body  # stream-ordered: the launches above are queued before its reuse
+    if not len(refused):
+        return None
+    return good, int(kept[good]) if wrong[good] else -1
+
+
+def randomk_encode(
+    a: torch.Tensor, key: int, threshold: int, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """The kept values of the finite flat float32 a in index order; residual <- a with
+    the kept entries zeroed (when not None)."""
+    mask = _randomk_mask(key, a.numel(), threshold, a.device)
+    values = a[mask]
+    if residual is not None:
+        residual.copy_(a)
+        residual[mask] = 0.0
+    return values
+
+
+def randomk_decode(
+    body: torch.Tensor,
+    key: int,
+    n: int,
+    threshold: int,
+    scale: float,
+    out: torch.Tensor,
+    accumulate: bool,
+) -> int | None:
+    """The CPU backend's randomk_decode (same checks, same values) with torch ops."""
+    mask = _randomk_mask(key, n, threshold, out.device)
+    kept = int(mask.sum())
+    if body.numel() != 4 * kept:
+        return kept
+    values = _as_body(body, out.device).clone().view(torch.float32)
+    if kept and not bool(torch.isfinite(values).all()):
+        raise PayloadError("body", "a random-k value is not finite")
+    values = values * scale
+    if accumulate:
+        out[mask] += values
+    else:
+        out.zero_()
+        out[mask] = values
+    return None
+
+
+# ---- GSpar's scale rounds and draw: torch ops on the device ----------------------------------
+
+
+_GSPAR_SEG_CHUNK = 4  # HVD_GSPAR_SEG_CHUNK of kernels/quant.cu: a segment's first chunk
+
+
+def gspar_encode_segments(
+    gs: list[torch.Tensor],
+    keys: list[int],
+    budgets: list[float],
+    chunk: int,
+    es: list[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor | None], list[bool]]:
+    """The CPU backend's ``gspar_encode_segments`` (the same bodies, flags and residuals)
+    on one CUDA device (kernels/quant.cu section 11): every tensor's non-finite flag and
+    non-zero count, one read; with error feedback a = g + e formed in e; the scale
+    iteration of every tensor at once, one launch and one read a round (the host sums the
+    chunk sums with ``math.fsum`` as the CPU does); the draw's flags, one scan, the kept
+    counts, one read; then one launch that writes the bodies (views of one buffer). None
+    for a tensor whose sum of the rest comes out 0 (the caller's path, e holding a)."""
+    if not gs:
+        return [], []
+    device, ns, live, bodies, nonfinite = _encode_bucket(gs, es)
+    if not len(live):
+        return bodies, nonfinite
+    lns = ns[live]
+    chunks = -(-lns // chunk)
+    first_chunk = np.cumsum(chunks) - chunks
+    nchunks = int(chunks.sum())
+    table = _rows(gs, live, es)
+    table[:, _QUANT_SEG_FLAGS] = np.cumsum(lns) - lns
+    table[:, _GSPAR_SEG_CHUNK] = first_chunk
+    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    budget = np.asarray(budgets, dtype=np.float64).reshape(len(gs))[live]
+    elements = _segments(table, lns, device)
+    rows, nrows = _ptr(elements.rows), np.int64(elements.count)
+    with _Launcher(device) as k:
+        states = k.states(elements.count)
+        k.tiles("quant_gspar_prepare_segments", elements, _ptr(states))
+        host = _read_state(states).reshape(elements.count, _STATE_WORDS)
+        bad = host[:, _ST_NONFINITE] != 0
+        nonzero = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        if es is not None:
+            k.tiles("quant_gspar_form_segments", elements, _ptr(states))
+        scales = np.where(budget >= nonzero, np.inf, -1.0).astype(np.float32)
+        scales[bad] = -1.0
+        iterating = ~bad & (budget < nonzero)
+        first = iterating.copy()  # the pending round is round 0 (c = 0: nothing saturated)
+        left_over = np.zeros(elements.count, dtype=bool)  # the rest summed to 0: per tensor
+        saturated = np.zeros(elements.count, dtype=np.int64)
+        c32 = np.where(iterating, np.float32(0.0), scales).astype(np.float32)
+        words = torch.empty(2 * elements.count + 2 * nchunks, dtype=torch.int32, device=device)
+        for _ in range(int(nonzero.max()) + 3):  # codecs/sparse.py gspar_scale's bound
+            if not iterating.any():
+                break
+            words.zero_()
+            counts, sums = words[: 2 * elements.count], words[2 * elements.count :]
+            at = torch.from_numpy(np.where(iterating, c32, np.float32(-1.0))).to(device)
+            args = (rows, nrows, np.int64(nchunks), np.int64(chunk), _ptr(at))
+            k("quant_gspar_round_segments", nchunks, *args, _ptr(counts), _ptr(sums))
+            read = _read_state(words)
+            now = read[: 2 * elements.count].view(np.int64)
+            totals = read[2 * elements.count :].view(np.float64)
+            for row in np.flatnonzero(iterating).tolist():
+                if not first[row] and now[row] == saturated[row]:
+                    iterating[row] = False  # converged: c32[row] is the scale
+                    continue
+                first[row] = False
+                saturated[row] = now[row]
+                lo = int(first_chunk[row])
+                rest = math.fsum(totals[lo : lo + int(chunks[row])].tolist())
+                if not rest > 0.0:
+                    iterating[row], left_over[row] = False, True
+                    continue
+                c32[row] = np.float32((budget[row] - saturated[row]) / rest)
+        else:
+            raise AssertionError("the GSpar scale iteration did not converge")
+        draw = np.where(bad | left_over, np.float32(-1.0), c32).astype(np.float32)
+        scales_at = torch.from_numpy(draw).to(device)
+        flags = k.empty(int(lns.sum()), torch.uint8)
+        k.tiles("quant_gspar_flags_segments", elements, _ptr(scales_at), _ptr(flags))
+        incl = torch.cumsum(flags, 0, dtype=torch.int64)
+        k("quant_gspar_count_segments", elements.count, rows, nrows, _ptr(incl), _ptr(states))
+        host = _read_state(states).reshape(elements.count, _STATE_WORDS)
+        kept = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        sizes = np.where(draw >= 0, kept * np.where(lns >= TOPK_INDEX32_LIMIT, 12, 8), 0)
+        rooms = -(-sizes // 8) * 8
+        firsts = np.cumsum(rooms) - rooms
+        buf = k.empty(max(int(rooms.sum()), 8), torch.uint8)
+        at = np.where(draw >= 0, buf.data_ptr() + firsts, 0).astype(np.int64)
+        body_at = torch.from_numpy(at).to(device)
+        args = (np.int32(es is None), np.int64(TOPK_INDEX32_LIMIT), _ptr(scales_at))
+        gather = (*args, _ptr(flags), _ptr(incl), _ptr(body_at), _ptr(states))
+        k.tiles("quant_gspar_gather_segments", elements, *gather)
+    for row, i in enumerate(live.tolist()):
+        nonfinite[i] = bool(bad[row])
+        if left_over[row]:
+            bodies[i] = None
+        elif not bad[row]:
+            bodies[i] = buf[int(firsts[row]) :][: int(sizes[row])]
+    return bodies, nonfinite
+
+
+def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:
+    """The CPU backend's gspar_round: the saturated count at float32(c) and the float64
+    chunk sums of the other magnitudes (chunk_sums' ordered sums)."""
+    mag = a.abs()
+    saturated = mag * c >= 1.0
+    rest = torch.where(saturated, torch.zeros_like(mag), mag)
+    return int(saturated.sum()), chunk_sums(rest, chunk, False)
+
+
+def gspar_draw(
+    a: torch.Tensor, c: float, key: int, scaled: bool, budget: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU backend's gspar_draw with torch ops (p from the same float32 product; the
+    budget, which sizes the CPU's output, is not needed)."""
+    mag = a.abs()
+    if math.isinf(c):
+        p = (mag > 0).to(torch.float32)
+    else:
+        p = torch.clamp(mag * torch.tensor(c, dtype=torch.float32, device=a.device), max=1.0)
+    keep = uniform(key, a.numel(), a.device) < p
+    idx = torch.nonzero(keep).reshape(-1)
+    values = a[idx] / p[idx] if scaled else a[idx]
+    return values, idx
