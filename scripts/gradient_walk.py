@@ -18,12 +18,18 @@ visiting order, the files touched and the number of reversals.
 
     python scripts/gradient_walk.py                  # 3lc
     python scripts/gradient_walk.py --compression topk --show
+    python scripts/gradient_walk.py --ddp            # the DDP hook's path (gloo, one rank)
+
+``--ddp`` traces the same step through ``torch.nn.parallel.DistributedDataParallel`` with
+``hvdcompress.ddp_hook`` registered (a gloo process group of one rank): from the hook to
+the future it returns; DDP copies the buffer into ``p.grad``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -34,14 +40,15 @@ import hvdcompress
 PACKAGE = Path(hvdcompress.__file__).resolve().parent
 LAYERS = [
     ("backends/__init__.py", 3),  # the backend protocol and device dispatch, no math
+    ("backends/records.py", 3),  # plain records, no math
     ("backends/", 4),
     ("codecs/", 3),
-    ("wire.py", 3),
+    ("wire", 3),
     ("compressors/", 2),
-    ("transports", 2),  # transports.py before the redesign, transports/ after
-    ("exchange.py", 1),
+    ("transports/", 2),
+    ("exchange", 1),
     ("policies/", 1),
-    ("", 0),  # optimizer.py, buckets.py, stats.py, registry.py, compat.py
+    ("", 0),  # optimizer, ddp.py, buckets.py, stats.py, compat.py
 ]
 
 
@@ -113,19 +120,8 @@ def reversals(layers: list[int]) -> int:
     return turns
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compression", default="3lc")
-    parser.add_argument("--numel", type=int, default=10_000)
-    parser.add_argument("--show", action="store_true", help="print every step of the walk")
-    parser.add_argument(
-        "--coarse",
-        action="store_true",
-        help="four layers: wrapper; exchange + transport; compressors; wire + codecs + backends",
-    )
-    args = parser.parse_args(argv)
-
-    torch.manual_seed(0)
+def optimizer_step(args):
+    """One step of ``DistributedOptimizer`` (an mpi4py world of one rank)."""
     weight = torch.nn.Parameter(torch.randn(args.numel))
     opt = hvdcompress.DistributedOptimizer(
         torch.optim.SGD([weight], lr=0.01),
@@ -139,6 +135,45 @@ def main(argv=None) -> int:
         (weight * torch.randn(args.numel)).sum().backward()
         opt.step()
 
+    return step
+
+
+def ddp_step(args):
+    """One step of a DDP model whose comm hook is ``hvdcompress.ddp_hook`` (gloo, one rank)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(tempfile.mkstemp(prefix="gradient_walk.")[1], 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    model = torch.nn.Linear(args.numel, 1, bias=False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = hvdcompress.DDPHookState(args.compression, named_parameters=model.named_parameters())
+    ddp.register_comm_hook(state, hvdcompress.ddp_hook)
+    opt = hvdcompress.hooked_optimizer(torch.optim.SGD(ddp.parameters(), lr=0.01), state)
+    x = torch.randn(4, args.numel)
+
+    def step():
+        opt.zero_grad()
+        ddp(x).sum().backward()
+        opt.step()
+
+    return step
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compression", default="3lc")
+    parser.add_argument("--numel", type=int, default=10_000)
+    parser.add_argument("--show", action="store_true", help="print every step of the walk")
+    parser.add_argument("--ddp", action="store_true", help="the DDP hook's path (gloo, one rank)")
+    parser.add_argument(
+        "--coarse",
+        action="store_true",
+        help="four layers: wrapper; exchange + transport; compressors; wire + codecs + backends",
+    )
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    step = ddp_step(args) if args.ddp else optimizer_step(args)
     for _ in range(2):  # warm-up: residuals and library loaded
         step()
     walk = trace_step(step)
@@ -153,7 +188,8 @@ def main(argv=None) -> int:
         for m, layer in walk:
             print(f"  {'  ' * layer}{m}")
     order = [m for i, m in enumerate(modules) if m not in modules[:i]]
-    print(f"compression {args.compression}: one tensor, one traced step")
+    path = "the DDP hook" if args.ddp else "DistributedOptimizer"
+    print(f"compression {args.compression} through {path}: one tensor, one traced step")
     print(f"modules in visiting order: {' -> '.join(order)}")
     layers = [layer for _, layer in walk]
     merged = [x for i, x in enumerate(layers) if i == 0 or layers[i - 1] != x]
