@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
-import os
 import re
 import statistics
 import subprocess
@@ -49,6 +47,11 @@ import time
 from pathlib import Path
 
 from hvdcompress.training.methods import METHODS
+
+try:  # python scripts/bench_accuracy.py: scripts/ is first on sys.path
+    from _bench import launch, report, stats
+except ModuleNotFoundError:  # loaded by file path from the repository root (the tests)
+    from scripts._bench import launch, report, stats
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,7 +127,7 @@ def run_one(method: str, seed: int, args, out: Path) -> dict:
                     "wall_s": None}  # fmt: skip
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = train_command(method, seed, args, log_dir)
-    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    env = launch.root_env()
     print(f"bench_accuracy: {method} seed {seed}: {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     with open(log_file, "w") as log:
@@ -160,10 +163,7 @@ def aggregate(runs: list[dict], methods: list[str]) -> list[dict]:
                 "method": m,
                 "about": METHODS[m].about,
                 "seeds": len(rs),
-                "acc_mean": statistics.fmean(accs),
-                "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-                "acc_min": min(accs),
-                "acc_max": max(accs),
+                **{f"acc_{k}": v for k, v in stats.spread(accs).items()},
                 "bits_per_value": statistics.fmean(r["bits_per_value_ranks"] for r in rs),
                 "train_s": statistics.fmean(r["curve"][-1]["seconds"] for r in rs),
             }
@@ -215,19 +215,19 @@ def markdown(rows: list[dict], args, wall_s: float | None) -> str:
         f"{f' (x0.1 after {milestones})' if args.lr_schedule == 'step' else ''}, seeds "
         f"{' '.join(map(str, args.seeds))}; accuracy in %, mean ± std (min-max) over seeds; "
         "bits per value: mean over ranks and over the run\n\n"
-        "| method | test accuracy | vs none (pts) | bits/value | fewer bits than none "
-        "| training s |\n|---|---|---|---|---|---|\n"
     )
-    lines = []
+    cells = []
     for r in rows:
         vs = "" if r["acc_vs_none"] is None else f"{r['acc_vs_none']:+.2f}"
         fewer = "" if r["fewer_bits"] is None else f"{r['fewer_bits']:.1f}x"
-        lines.append(
-            f"| {r['method']} | {r['acc_mean']:.2f} ± {r['acc_std']:.2f} "
-            f"({r['acc_min']:.2f}-{r['acc_max']:.2f}) | {vs} | {r['bits_per_value']:.3f} "
-            f"| {fewer} | {r['train_s']:.0f} |"
+        accuracy = (
+            f"{r['acc_mean']:.2f} ± {r['acc_std']:.2f} ({r['acc_min']:.2f}-{r['acc_max']:.2f})"
         )
-    text = head + "\n".join(lines) + "\n"
+        cells.append([r["method"], accuracy, vs, f"{r['bits_per_value']:.3f}", fewer,
+                      f"{r['train_s']:.0f}"])  # fmt: skip
+    columns = ["method", "test accuracy", "vs none (pts)", "bits/value",
+               "fewer bits than none", "training s"]  # fmt: skip
+    text = head + "\n".join(report.md_table(columns, cells)) + "\n"
     if args.train_args:
         text += f"\nMore train.py flags: {' '.join(args.train_args)}\n"
     checked = targets(rows)
@@ -245,11 +245,7 @@ def _lr_drops(run: dict) -> list[int]:
 
 
 def plot(runs: list[dict], methods: list[str], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     paths = []
     for key, ylabel, fname in (
         ("acc", "test accuracy, % (mean ± std over seeds)", "accuracy_per_epoch.png"),
@@ -271,7 +267,7 @@ def plot(runs: list[dict], methods: list[str], out: Path) -> list[Path]:
             xs = [rs[0]["curve"][i]["epoch"] + 1 for i in range(n)]
             per = [[scale * r["curve"][i][key] for r in rs] for i in range(n)]
             ys = [statistics.fmean(v) for v in per]
-            err = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in per]
+            err = [stats.stdev(v) for v in per]
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=m)
         for x in sorted(drops):
             ax.axvline(x - 0.5, color="grey", ls="--", lw=0.8)
@@ -281,10 +277,7 @@ def plot(runs: list[dict], methods: list[str], out: Path) -> list[Path]:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / fname)
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(report.save_figure(fig, out / fname))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for m in methods:
@@ -292,7 +285,7 @@ def plot(runs: list[dict], methods: list[str], out: Path) -> list[Path]:
         if rs:
             bits = statistics.fmean(r["bits_per_value_ranks"] for r in rs)
             accs = [100 * r["test_accuracy"] for r in rs]
-            err = statistics.stdev(accs) if len(accs) > 1 else 0.0
+            err = stats.stdev(accs)
             ax.errorbar([bits], [statistics.fmean(accs)], yerr=[err], marker="o", capsize=3,
                         label=m)  # fmt: skip
     ax.set_xscale("log")
@@ -300,10 +293,7 @@ def plot(runs: list[dict], methods: list[str], out: Path) -> list[Path]:
     ax.set_ylabel("final test accuracy, % (mean ± std over seeds)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "accuracy_vs_bits.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(report.save_figure(fig, out / "accuracy_vs_bits.png"))
     return paths
 
 
@@ -361,7 +351,7 @@ def main(argv=None) -> int:
         "targets": targets(rows),
         "runs": runs,
     }
-    (args.out / "bench_accuracy.json").write_text(json.dumps(record, indent=1))
+    report.write_json(args.out / "bench_accuracy.json", record, indent=1)
     for path in [*plot(runs, args.methods, args.out), *plot_policies(runs, args.methods, args.out)]:
         print(f"bench_accuracy: wrote {path}")
     return 0

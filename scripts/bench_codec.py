@@ -26,13 +26,10 @@ total size.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -41,6 +38,11 @@ import hvdcompress
 from hvdcompress import wire
 from hvdcompress.compressors import GatherCompressor, SummableCompressor, registry
 from hvdcompress.training.methods import parse_case  # "name:key=value,..." or a method
+
+try:  # python scripts/bench_codec.py: scripts/ is first on sys.path
+    from _bench import report, stats
+except ModuleNotFoundError:  # loaded by file path from the repository root
+    from scripts._bench import report, stats
 
 
 def case_text(name: str, params: dict) -> str:
@@ -61,34 +63,6 @@ def needs_matrix(name: str) -> bool:
     """Multi-phase low-rank compressors (PowerSGD) are timed on a square-ish matrix."""
     cls = registry.REGISTRY.get(name)
     return cls is not None and cls.summable and cls.phases > 1
-
-
-def timer(device: torch.device):
-    if device.type == "cuda":
-
-        def run(fn, reps):
-            times = []
-            for _ in range(reps):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            return statistics.median(times)
-
-    else:
-
-        def run(fn, reps):
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
-
-    return run
 
 
 def gradient(n: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -135,8 +109,7 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
     x = gradient(n, device, seed=n % 9973)
     dst = torch.empty_like(x)
     dst.copy_(x)
-    probe = max(run(lambda: dst.copy_(x), 1), 1e-6)
-    reps = int(min(max(min_time / probe, 3), 200))
+    reps = stats.repeats(run, lambda: dst.copy_(x), min_time, 200)
     rows = []
     gb = n * 4 / 1e9
     for case in cases:
@@ -212,17 +185,18 @@ def print_table(rows: list) -> None:
         f"{'encode':>8} {'enc/mc':>7} {'decode':>8} {'dec/mc':>7} {'dec+acc':>8} {'acc/mc':>7} "
         f"{'new/mc':>7}"
     )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
+    report.print_fixed(
+        head,
+        (
             f"{r['case']:<24} {r['numel']:>9.0e} {r['bits_per_value']:>8.3f} "
             f"{r['first_call_bits_per_value']:>8.3f} "
             f"{r['ratio']:>6.0f}x {r['memcpy_gbs']:>7.2f}G {r['encode_gbs']:>7.2f}G "
             f"{r['encode_vs_memcpy']:>6.0%} {_gbs(r['decode_gbs'])} "
             f"{_pct(r['decode_vs_memcpy'])} {_gbs(r['accumulate_gbs'])} "
             f"{_pct(r['accumulate_vs_memcpy'])} {r['decode_new_tensor_vs_memcpy']:>6.0%}"
-        )
+            for r in rows
+        ),
+    )
     print(
         f"Input: {INPUT}.\n"
         "bits/val: bits per value (header included) of the timed payloads, after the\n"
@@ -327,8 +301,7 @@ def _overhead_case(comp_for, tensors, names, run, min_time: float, rank: int = 0
     for key, fn in (("one", one), ("loop", loop), ("bucket", bucket)):
         for _ in range(3):
             fn()
-        probe = max(run(fn, 1), 1e-6)
-        times[key] = run(fn, int(min(max(min_time / probe, 3), 100)))
+        times[key] = run(fn, stats.repeats(run, fn, min_time, 100))
     return times
 
 
@@ -378,14 +351,15 @@ def bench_overhead(
         f"{'case':<24} {'tensors':>7} {'one':>9} {'loop':>9} {'bucket':>9} "
         f"{'loop/one':>8} {'bkt/one':>8} {'us/t loop':>9} {'us/t bkt':>9}"
     )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
+    report.print_fixed(
+        head,
+        (
             f"{r['case']:<24} {r['tensors']:>7} {r['one_ms']:>7.2f}ms {r['loop_ms']:>7.2f}ms "
             f"{r['bucket_ms']:>7.2f}ms {r['loop_vs_one']:>7.2f}x {r['bucket_vs_one']:>7.2f}x "
             f"{r['per_tensor_us_loop']:>9.0f} {r['per_tensor_us_bucket']:>9.0f}"
-        )
+            for r in rows
+        ),
+    )
     where = "one thread" if device.type == "cpu" else str(device)
     print(
         f"compress + decode-accumulate per step, {where}: {count} tensors (sizes "
@@ -429,12 +403,11 @@ def main(argv=None) -> int:
         if reason:
             print(f"bench_codec: no GPU benchmark: {reason}")
             return 2
-    run = timer(device)
+    run = stats.timer(device)
     if args.overhead:
         rows = bench_overhead(args.cases, int(args.total), args.tensors, run, args.min_time, device)
-        json_path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"threads": args.threads, "device": str(device)}
-        json_path.write_text(json.dumps({**meta, "rows": rows}, indent=2))
+        report.write_json(json_path, {**meta, "rows": rows}, indent=2)
         print(f"wrote {json_path}")
         return 0
     rows = []
@@ -450,11 +423,9 @@ def main(argv=None) -> int:
         if device.type == "cuda"
         else platform.processor() or platform.machine(),
         "threads": args.threads,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **report.versions(),
     }
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"meta": meta, "rows": rows, "targets": targets}, indent=2))
+    report.write_json(json_path, {"meta": meta, "rows": rows, "targets": targets}, indent=2)
     print(f"wrote {json_path}")
     return 0
 

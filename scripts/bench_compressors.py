@@ -19,7 +19,6 @@ default model) for ``--steps`` steps with that compressor and reports, averaged 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -32,6 +31,11 @@ from hvdcompress.training.data import DATA_DIR, DatasetNotFound, load_fashion_mn
 from hvdcompress.training.methods import parse_case
 from hvdcompress.training.models import SmallCNN
 
+try:  # python scripts/bench_compressors.py: scripts/ is first on sys.path
+    from _bench import report, steps
+except ModuleNotFoundError:  # loaded by file path from the repository root
+    from scripts._bench import report, steps
+
 
 def run_case(case: str, data, args) -> dict:
     name, params = parse_case(case)
@@ -42,12 +46,7 @@ def run_case(case: str, data, args) -> dict:
         params.setdefault("momentum", momentum)
         momentum = 0.0
     compressor = hvdcompress.get_compressor(name, **params)
-    opt = hvdcompress.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum),
-        model.named_parameters(),
-        compression=compressor,
-        backend="mpi4py",
-    )
+    opt = steps.distributed_sgd(model, compressor, "mpi4py", lr=args.lr, momentum=momentum)
     (x, y), _ = data
     gen = torch.Generator().manual_seed(args.seed)
     bits, enc, dec, losses = [], [], [], []
@@ -117,8 +116,7 @@ def main() -> int:
         f"SmallCNN ({rows[0]['numel']} parameters), Fashion-MNIST, 1 rank, "
         f"batch {args.batch_size}, {args.steps} steps; GB/s of float32 gradient."
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=2))
+    report.write_json(args.json, rows, indent=2)
     return 0
 
 

@@ -15,7 +15,6 @@ collective per tensor), in the same run. Rank 0 prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,20 +22,18 @@ from pathlib import Path
 
 import torch
 
-import hvdcompress
 from hvdcompress.buckets import DEFAULT_FUSION_THRESHOLD
+
+try:  # python scripts/bench_fusion.py: scripts/ is first on sys.path
+    from _bench import report, stats, steps
+except ModuleNotFoundError:  # loaded by file path from the repository root
+    from scripts._bench import report, stats, steps
 
 
 def measure(args, compression: str, threshold: int, comm) -> tuple[float, int]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(args.layers)])
-    opt = hvdcompress.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01),
-        model.named_parameters(),
-        compression=compression,
-        backend=args.backend,
-        fusion_threshold=threshold,
-    )
+    opt = steps.distributed_sgd(model, compression, args.backend, fusion_threshold=threshold)
     x = torch.randn(4, 16)
     times = []
     for i in range(args.warmup + args.steps):
@@ -51,7 +48,7 @@ def measure(args, compression: str, threshold: int, comm) -> tuple[float, int]:
         if i >= args.warmup:
             times.append(elapsed)
     # the slowest rank decides the step time
-    return max(comm.allgather(statistics.median(times))), opt.last_stats.collectives
+    return stats.slowest_rank(comm.allgather, statistics.median(times)), opt.last_stats.collectives
 
 
 def main() -> int:
@@ -101,8 +98,7 @@ def main() -> int:
                 f"{r['speedup']:>6.1f}x"
             )
         print("median synchronize() time of the slowest rank / collectives per step")
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2))
+        report.write_json(args.json, rows, indent=2)
     return 0
 
 

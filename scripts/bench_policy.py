@@ -21,10 +21,8 @@ Rank 0 prints a markdown table and writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +31,11 @@ import hvdcompress
 from hvdcompress.training.methods import METHODS, Method
 from hvdcompress.training.models import MODELS
 from hvdcompress.transports import make_transport
+
+try:  # python scripts/bench_policy.py: scripts/ is first on sys.path
+    from _bench import report, stats, steps
+except ModuleNotFoundError:  # loaded by file path from the repository root (the tests)
+    from scripts._bench import report, stats, steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,23 +58,9 @@ def make_policy(method: Method, settings: dict):
 def make(args, method: Method, policy, transport):
     torch.manual_seed(0)
     model = MODELS["cnn"](args.width)
-    opt = hvdcompress.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01),
-        model.named_parameters(),
-        compression=method.compressor(),
-        backend=transport,
-        policy=policy,
-        compress_min_numel=method.compress_min_numel,
-    )
+    opt = steps.distributed_sgd(model, method.compressor(), transport, policy=policy,
+                                compress_min_numel=method.compress_min_numel)  # fmt: skip
     return model, opt
-
-
-def step(model, opt, x, y) -> float:
-    t0 = time.perf_counter()
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-    return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
@@ -96,11 +85,12 @@ def main(argv=None) -> int:
         for i in range(args.warmup + args.steps):
             for key, (model, opt) in (("fixed", fixed), ("policy", adaptive)):
                 transport.barrier()
-                elapsed = step(model, opt, x, y)
+                elapsed = steps.train_step(model, opt, x, y)
                 if i >= args.warmup:
                     times[key].append(elapsed)
-        med = {k: max(transport.allgather_object(statistics.median(v))) for k, v in times.items()}
-        mean = {k: max(transport.allgather_object(statistics.fmean(v))) for k, v in times.items()}
+        gather = transport.allgather_object
+        med = {k: stats.slowest_rank(gather, statistics.median(v)) for k, v in times.items()}
+        mean = {k: stats.slowest_rank(gather, statistics.fmean(v)) for k, v in times.items()}
         rows.append(
             {
                 "pair": label,
@@ -117,18 +107,21 @@ def main(argv=None) -> int:
             f"{transport.size} rank(s), CNN width {args.width}, batch {args.batch_size}, "
             f"{args.steps} timed steps each (alternating)\n"
         )
-        print(
-            "| fixed vs adaptive | fixed median ms | adaptive median ms | overhead (median) "
-            "| fixed mean ms | adaptive mean ms | overhead (mean) |\n|---|---|---|---|---|---|---|"
-        )
-        for r in rows:
-            print(
-                f"| {r['pair']} | {r['fixed_median_ms']:.1f} | {r['policy_median_ms']:.1f} | "
-                f"{r['median_overhead_pct']:+.1f}% | {r['fixed_mean_ms']:.1f} | "
-                f"{r['policy_mean_ms']:.1f} | {r['mean_overhead_pct']:+.1f}% |"
-            )
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"ranks": transport.size, "rows": rows}, indent=1))
+        head = [
+            "fixed vs adaptive",
+            "fixed median ms",
+            "adaptive median ms",
+            "overhead (median)",
+            "fixed mean ms",
+            "adaptive mean ms",
+            "overhead (mean)",
+        ]
+        cells = [[r["pair"], f"{r['fixed_median_ms']:.1f}", f"{r['policy_median_ms']:.1f}",
+                  f"{r['median_overhead_pct']:+.1f}%", f"{r['fixed_mean_ms']:.1f}",
+                  f"{r['policy_mean_ms']:.1f}", f"{r['mean_overhead_pct']:+.1f}%"]
+                 for r in rows]  # fmt: skip
+        print("\n".join(report.md_table(head, cells)))
+        report.write_json(args.out, {"ranks": transport.size, "rows": rows}, indent=1)
     return 0
 
 

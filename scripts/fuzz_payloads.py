@@ -2,7 +2,7 @@
 """The long run of the payload mutation fuzzer (tests/fuzz; docs/design.md section 8.6).
 
 For every gather-only compressor in the registry, ``--per-codec`` mutated payloads
-(default 100000) drawn from its example payloads (tests/fuzz/harness.py: every example
+(default 100000) drawn from its example payloads (scripts/_bench/payloads.py: every example
 configuration at several shapes and dtypes, plus a non-finite input). Each payload gets
 one to four mutations (bit flips, byte sets, truncation, extension, zero-run bytes, and
 overwrites of numel / ndim / shape / body_len / params_len / codec id / dtype / version /
@@ -10,7 +10,7 @@ flags, consistent resizes, non-finite forgeries); 35 % keep the stale checksum, 
 it recomputed (forgeries that reach the body decoders), 10 % are a valid header with a
 random body. Every payload is decoded as the optimizer does (``expect``), without an
 expectation (``max_numel``) and into an ``out`` accumulator, under the allocation meter
-of tests/fuzz/harness.py. Per compressor the table gives:
+of scripts/_bench/payloads.py (tests/fuzz's checks). Per compressor the table gives:
 
     payloads       mutated payloads decoded
     errors         every decode raised PayloadError (clean rejection)
@@ -31,18 +31,18 @@ Exit status 1 when any payload crashed, went over the bound or hung.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fuzz.harness
-
-import torch  # noqa: E402
-
-from tests.fuzz import harness  # noqa: E402
+try:  # python scripts/fuzz_payloads.py: scripts/ is first on sys.path
+    from _bench import payloads as harness
+    from _bench import report
+except ModuleNotFoundError:  # loaded by file path from the repository root
+    from scripts._bench import payloads as harness
+    from scripts._bench import report
 
 COLUMNS = [
     "payloads",
@@ -103,11 +103,8 @@ def fuzz_codec(name, cases, described, per_codec, seed, hang_seconds, examples=5
 
 
 def table(rows: dict[str, dict]) -> str:
-    head = "| codec | " + " | ".join(COLUMNS) + " |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 1)]
-    for name, row in rows.items():
-        lines.append(f"| {name} | " + " | ".join(str(row[c]) for c in COLUMNS) + " |")
-    return "\n".join(lines)
+    cells = [[name, *(str(row[c]) for c in COLUMNS)] for name, row in rows.items()]
+    return "\n".join(report.md_table(["codec", *COLUMNS], cells))
 
 
 def main(argv=None) -> int:
@@ -139,29 +136,23 @@ def main(argv=None) -> int:
             print(f"{name}: {f}")
     bad = sum(r["crashes"] + r["over_bound"] + r["hangs"] for r in rows.values())
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "per_codec": per_codec,
-                    "seed": args.seed,
-                    "seconds": round(time.time() - t0, 1),
-                    "torch": torch.__version__,
-                    "python": platform.python_version(),
-                    "machine": platform.machine(),
-                    "bounds": {
-                        "fuzz_max_numel": harness.FUZZ_MAX_NUMEL,
-                        "refuse_bytes": harness.REFUSE_BYTES,
-                        "max_ops": harness.MAX_OPS,
-                        "alloc_bound": "largest <= 8 limit + 2 len + 64 KiB; "
-                        "total <= 64 limit + 16 len + 1 MiB",
-                    },
-                    "codecs": rows,
-                    "failures": failures,
-                },
-                indent=1,
-            )
-        )
+        result = {
+            "per_codec": per_codec,
+            "seed": args.seed,
+            "seconds": round(time.time() - t0, 1),
+            **report.versions(),
+            "machine": platform.machine(),
+            "bounds": {
+                "fuzz_max_numel": harness.FUZZ_MAX_NUMEL,
+                "refuse_bytes": harness.REFUSE_BYTES,
+                "max_ops": harness.MAX_OPS,
+                "alloc_bound": "largest <= 8 limit + 2 len + 64 KiB; "
+                "total <= 64 limit + 16 len + 1 MiB",
+            },
+            "codecs": rows,
+            "failures": failures,
+        }
+        report.write_json(args.json, result, indent=1)
     return 1 if bad else 0
 
 
