@@ -110,18 +110,7 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(quant_packed_decode_add_segments) \
     HOST_KERNEL(quant_dqsg_quartic_segments)      \
     HOST_KERNEL(quant_dqsg_deltas_check_segments) \
-    HOST_KERNEL(quant_dqsg_quartic_decode_add_segments) \
-    HOST_KERNEL(quant_randomk_flags_segments)     \
-    HOST_KERNEL(quant_randomk_check_segments)     \
-    HOST_KERNEL(quant_randomk_add_segments)       \
-    HOST_KERNEL(quant_randomk_count_segments)     \
-    HOST_KERNEL(quant_randomk_gather_segments)    \
-    HOST_KERNEL(quant_gspar_prepare_segments)     \
-    HOST_KERNEL(quant_gspar_form_segments)        \
-    HOST_KERNEL(quant_gspar_round_segments)       \
-    HOST_KERNEL(quant_gspar_flags_segments)       \
-    HOST_KERNEL(quant_gspar_count_segments)       \
-    HOST_KERNEL(quant_gspar_gather_segments)
+    HOST_KERNEL(quant_dqsg_quartic_decode_add_segments)
 #define HOST_SPARSE_KERNELS                \
     HOST_KERNEL(sparse_topk_check_segments) \
     HOST_KERNEL(sparse_topk_add_segments)   \
@@ -132,7 +121,18 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(sparse_topk_ties_segments)  \
     HOST_KERNEL(sparse_topk_keep_segments)  \
     HOST_KERNEL(sparse_topk_gather_segments) \
-    HOST_KERNEL(sparse_topkq_write_segments)
+    HOST_KERNEL(sparse_topkq_write_segments) \
+    HOST_KERNEL(quant_randomk_flags_segments) \
+    HOST_KERNEL(quant_randomk_check_segments) \
+    HOST_KERNEL(quant_randomk_add_segments)   \
+    HOST_KERNEL(quant_randomk_count_segments) \
+    HOST_KERNEL(quant_randomk_gather_segments) \
+    HOST_KERNEL(quant_gspar_prepare_segments) \
+    HOST_KERNEL(quant_gspar_form_segments)    \
+    HOST_KERNEL(quant_gspar_round_segments)   \
+    HOST_KERNEL(quant_gspar_flags_segments)   \
+    HOST_KERNEL(quant_gspar_count_segments)   \
+    HOST_KERNEL(quant_gspar_gather_segments)
 
 #define HOST_KERNEL(k)                         \
     if (strcmp(name, #k) == 0) {               \

@@ -91,20 +91,10 @@ QUANT = KernelFamily(
         "quant_dqsg_quartic_segments",
         "quant_dqsg_deltas_check_segments",
         "quant_dqsg_quartic_decode_add_segments",
-        "quant_randomk_flags_segments",
-        "quant_randomk_check_segments",
-        "quant_randomk_add_segments",
-        "quant_randomk_count_segments",
-        "quant_randomk_gather_segments",
-        "quant_gspar_prepare_segments",
-        "quant_gspar_form_segments",
-        "quant_gspar_round_segments",
-        "quant_gspar_flags_segments",
-        "quant_gspar_count_segments",
-        "quant_gspar_gather_segments",
     ),
 )
-# The sparse codecs' bucket decode (C twin: kernels/sparse.c, hvdc_topk_decode_segments).
+# The sparse codecs' bucket encode and decode: top-k, top-k + sign, DGC, random-k and GSpar
+# (C twin: kernels/sparse.c).
 SPARSE = KernelFamily(
     "sparse.cu",
     (
@@ -118,6 +108,17 @@ SPARSE = KernelFamily(
         "sparse_topk_keep_segments",
         "sparse_topk_gather_segments",
         "sparse_topkq_write_segments",
+        "quant_randomk_flags_segments",
+        "quant_randomk_check_segments",
+        "quant_randomk_add_segments",
+        "quant_randomk_count_segments",
+        "quant_randomk_gather_segments",
+        "quant_gspar_prepare_segments",
+        "quant_gspar_form_segments",
+        "quant_gspar_round_segments",
+        "quant_gspar_flags_segments",
+        "quant_gspar_count_segments",
+        "quant_gspar_gather_segments",
     ),
 )
 FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT, SPARSE)
@@ -147,7 +148,8 @@ _QUANT_SEG_KEY = 5  # HVD_QUANT_SEG_KEY of kernels/quant.cu: the uniforms' key
 # deltas, the decode-add's key.
 _QUANT_SEG_QUARTIC, _QUANT_SEG_DELTAS, _QUANT_SEG_DECODE_KEY = 1, 3, 7
 _QUANT_SEG_KS = 7  # HVD_QUANT_SEG_KS: where the digit kernel writes the fine indices
-# ... and of its random-k decode (section 10): the flags' offset, the value tiles, the body
+# HVD_RANDOMK_SEG_* of kernels/sparse.cu (random-k's and GSpar's tables; the uniforms' key
+# is column 5 as in _QUANT_SEG_KEY): the flags' offset, the value tiles, the body
 _QUANT_SEG_FLAGS, _QUANT_SEG_VALUE_TILE, _QUANT_SEG_BODY_LEN = 3, 4, 7
 TOPK_INDEX32_LIMIT = 2**31  # codecs/sparse.py INDEX32_LIMIT: int64 indices from n on
 # HVD_SPARSE_SEG_* of kernels/sparse.cu.
