@@ -5,7 +5,7 @@
  * tests/fuzz/test_frame_mutations.py check the two against each
  * other byte for byte (writing) and verdict for verdict (scanning, fuzzed).
  *
- * The scan's CUDA twin, for frames gathered on a GPU, is kernels/threelc.cu section 8
+ * The scan's CUDA twin, for frames gathered on a GPU, is kernels/frame.cu, section 3
  * (tests/gpu/test_buckets_gpu.py compares the two report for report); frames are written
  * on the device by the bucket encoders and hvd_checksum_store. Pure functions over
  * caller-owned buffers.

@@ -10,6 +10,7 @@
 //                                void** params)
 //     {
 //         HOST_THREELC_KERNELS
+//         HOST_FRAME_KERNELS
 //         return -1;  // an unknown name
 //     }
 #ifndef HVDCOMPRESS_TESTS_HOST_LAUNCH_H
@@ -52,8 +53,8 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
 
 }  // namespace
 
-// The kernels of each family (hvdcompress/backends/cuda.py: THREELC, PRIMITIVES, SIGN,
-// QUANT, SPARSE).
+// The kernels of each family (hvdcompress/backends/cuda/_runtime.py: THREELC, FRAME,
+// PRIMITIVES, SIGN, QUANT, SPARSE).
 #define HOST_THREELC_KERNELS                  \
     HOST_KERNEL(threelc_absmax)               \
     HOST_KERNEL(threelc_quantize_quartic)     \
@@ -66,13 +67,14 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(threelc_zre_expand)           \
     HOST_KERNEL(threelc_quartic_decode_scale) \
     HOST_KERNEL(threelc_quartic_decode)       \
-    HOST_KERNEL(hvd_checksum)                 \
     HOST_KERNEL(threelc_absmax_segments)      \
     HOST_KERNEL(threelc_quantize_quartic_segments) \
     HOST_KERNEL(threelc_zre_run_starts_segments)   \
     HOST_KERNEL(threelc_zre_scatter_segments)      \
     HOST_KERNEL(threelc_zre_decode_check_segments) \
-    HOST_KERNEL(threelc_quartic_decode_add_segments) \
+    HOST_KERNEL(threelc_quartic_decode_add_segments)
+#define HOST_FRAME_KERNELS                    \
+    HOST_KERNEL(hvd_checksum)                 \
     HOST_KERNEL(hvd_checksum_segments)        \
     HOST_KERNEL(hvd_checksum_store)           \
     HOST_KERNEL(hvd_frame_table)              \

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import hvdcompress
 from hvdcompress import wire
-from hvdcompress.backends.cuda import THREELC
+from hvdcompress.backends.cuda import FRAME, THREELC
 from hvdcompress.wire import PayloadError
 from tests import reference
 from tests.fuzz.harness import field_mutations, fix_checksum, mutate, mutations
@@ -591,9 +591,12 @@ def test_kernel_signatures_parse():
         "pointer",
     ]
     assert sigs["threelc_zre_expand"][3] == "unsigned char"
-    assert sigs["hvd_checksum"][2] == "unsigned long long"
     assert all(p in ARG_DTYPES for params in sigs.values() for p in params)
     assert set(THREELC.names) <= set(sigs)
+    sigs = kernel_signatures((KERNELS / FRAME.file).read_text())
+    assert sigs["hvd_checksum"][2] == "unsigned long long"
+    assert all(p in ARG_DTYPES for params in sigs.values() for p in params)
+    assert set(FRAME.names) <= set(sigs)
 
 
 def test_emulated_spec_vectors(emulated):
@@ -664,7 +667,7 @@ def test_emulated_one_device_read_per_call(emulated):
         cuda.threelc_decode(enc.body[:-1], g.numel(), enc.scale, out, False)
     assert len(reads) == 4 or calls == []  # the host-side length bound may answer first
     assert "threelc_quartic_decode_scale" not in calls
-    assert loaded_families(cuda) == {THREELC.file}
+    assert loaded_families(cuda) == {THREELC.file, FRAME.file}
 
 
 @pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 5000, 1024 * 1024 + 7, 3 * 1024 * 1024])
@@ -781,7 +784,7 @@ def test_emulated_bucket_launches_do_not_grow_with_tensors(emulated):
     assert len(reads) == 2
 
 
-# ---- frames on the device (kernels/threelc.cu section 8) ---------------------------------
+# ---- frames on the device (kernels/frame.cu) ---------------------------------
 
 
 def test_emulated_frame_scan(bucketed):

@@ -38,13 +38,20 @@ THREELC = KernelFamily(
         "threelc_zre_expand",
         "threelc_quartic_decode_scale",
         "threelc_quartic_decode",
-        "hvd_checksum",
         "threelc_absmax_segments",
         "threelc_quantize_quartic_segments",
         "threelc_zre_run_starts_segments",
         "threelc_zre_scatter_segments",
         "threelc_zre_decode_check_segments",
         "threelc_quartic_decode_add_segments",
+    ),
+)
+# Payload checksums and frames on the device (C twin: kernels/frame.c; the checksum's is
+# kernels/threelc.c's hvdc_checksum).
+FRAME = KernelFamily(
+    "frame.cu",
+    (
+        "hvd_checksum",
         "hvd_checksum_segments",
         "hvd_checksum_store",
         "hvd_frame_table",
@@ -121,7 +128,7 @@ SPARSE = KernelFamily(
         "quant_gspar_gather_segments",
     ),
 )
-FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT, SPARSE)
+FAMILIES = (THREELC, FRAME, PRIMITIVES, SIGN, QUANT, SPARSE)
 _FAMILY_OF = {name: family for family in FAMILIES for name in family.names}
 
 BLOCK = 256  # threads per block; a multiple of 32 (the kernels' warp reductions need it)
