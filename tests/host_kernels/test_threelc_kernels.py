@@ -733,8 +733,6 @@ def test_emulated_bucket_frames(bucketed):
 def test_emulated_wire_bucket_frame(emulated):
     """The device frame writer (headers staged once, one cat, checksums stored by the
     backend) gives ``wire.frame`` of the assembled payloads."""
-    from hvdcompress.compressors.base import wire_bucket_frame
-
     gen = torch.Generator().manual_seed(5)
     heads, bodies, payloads = [], [], []
     for i, n in enumerate([0, 3, 700, 1, 64]):
@@ -745,7 +743,7 @@ def test_emulated_wire_bucket_frame(emulated):
         payloads.append(wire.assemble(header, body))
     emulated.calls.clear()
     with serving_cpu_tensors(emulated.setup.backend):
-        frame = wire_bucket_frame(heads, bodies)
+        frame = wire.device_frame(heads, bodies)
     assert torch.equal(frame, wire.frame(payloads))
     assert emulated.calls == ["hvd_checksum_segments", "hvd_checksum_store"]
     assert emulated.reads == []  # no host round trip
