@@ -9,11 +9,10 @@ the package (``hvdcompress/__init__`` imports torch), and shell scripts run it:
 The sources live side by side in the repo's top-level ``kernels/``, one family per file
 pair, C for the CPU backend and CUDA for the GPU backend, byte for byte the same results:
 
-    kernels/threelc.c     + kernels/threelc.cu      the 3LC codec (threelc.c: and the
-                                                    payload checksum)
-    kernels/frame.c       + kernels/frame.cu        one rank's frame of a bucket, written
-                                                    and scanned in one call (frame.cu:
-                                                    the checksum kernels, the scan of a
+    kernels/threelc.c     + kernels/threelc.cu      the 3LC codec
+    kernels/frame.c       + kernels/frame.cu        the payload checksum, one rank's frame
+                                                    of a bucket written and scanned in
+                                                    one call (frame.cu: the scan of a
                                                     frame gathered on a GPU)
     kernels/primitives.c  + kernels/primitives.cu   counter-based uniforms, bit packing /
                                                     unpacking, order-fixed chunk sums

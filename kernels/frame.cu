@@ -1,9 +1,9 @@
 // Checksums and frames on CUDA: the payload checksum (section 1), its bucket form and the
 // checksum fields written on the device (section 2), the scan of one rank's frame gathered
 // on the device (section 3) and the length prefixes of a device allgather (section 4). The
-// CUDA twin of kernels/frame.c (the frame scan) and of the checksum of kernels/threelc.c
-// (hvdc_checksum, hvdc_checksum_segments), byte for byte the same; the checksum is
-// defined in hvdcompress/wire.py and docs/wire-format.md.
+// CUDA twin of kernels/frame.c (hvdc_checksum, hvdc_checksum_segments, hvdc_frame_scan),
+// byte for byte the same; the checksum is defined in hvdcompress/wire.py and
+// docs/wire-format.md.
 //
 // Compiled three ways from this one file, like kernels/threelc.cu: by NVRTC through
 // hvdcompress/backends/cuda (NVRTC_OPTIONS of hvdcompress/_native.py), by nvcc in

@@ -1,6 +1,6 @@
-/* CPU backend of the 3LC codec (docs/design.md section 2) and of the payload checksum,
- * loaded through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is threelc.cu next
- * to this file.
+/* CPU backend of the 3LC codec (docs/design.md section 2), loaded through ctypes
+ * (hvdcompress/backends/cpu); the CUDA twin is threelc.cu next to this file (the payload
+ * checksum is frame.c's).
  *
  * Pure functions over caller-owned buffers; no allocation, no global state.
  * Built with -O3 -ffp-contract=off and without fast-math (C_FLAGS in
@@ -21,7 +21,6 @@
 #define THREELC_MAX_QUARTIC 242
 #define THREELC_RUN_BASE 241 /* a byte b >= 243 is a run of b - 241 zero groups */
 #define THREELC_MAX_RUN 14
-#define THREELC_GOLDEN 0x9E3779B97F4A7C15ull /* the checksum's mix multiplier (wire.py) */
 
 /* Errors returned (negative) by the decoders. */
 #define THREELC_ERR_LENGTH -1  /* zero-run decoding does not give exactly the expected bytes */
@@ -265,7 +264,7 @@ typedef struct {
 } zre_word_row;
 static zre_word_row zre_rows[256];
 static uint8_t zre_row_len[256];
-static int zre_use_words, threelc_use_avx2;
+static int zre_use_words;
 
 /* The code of a pending run of r < 14 zero groups (r = 0: never committed). */
 static const uint8_t zre_run_code[14] = {0,   THREELC_ZERO_GROUP, 243, 244, 245, 246, 247,
@@ -292,7 +291,6 @@ __attribute__((constructor)) static void threelc_init_x86_paths(void) {
     }
     __builtin_cpu_init();
     zre_use_words = __builtin_cpu_supports("ssse3");
-    threelc_use_avx2 = __builtin_cpu_supports("avx2");
 }
 
 /* Emits the pending run of r <= 21 zero groups that a literal ends: 255 if r >= 14, then
@@ -608,88 +606,6 @@ int64_t hvdc_threelc_decode(const uint8_t *body, int64_t len, int64_t n, float S
         j++;
     }
     return 0;
-}
-
-/* The payload checksum in 64-bit lanes (the portable path): the 64-bit product
- * (offset + j) * golden advances by golden each byte (an induction variable, modulo 2^64
- * like the product), so no lane multiplies 64-bit numbers. */
-THREELC_VECTOR static uint32_t checksum_lanes64(const uint8_t *buf, int64_t len, int64_t offset) {
-    uint32_t sum = 0;
-    uint64_t product = (uint64_t)offset * THREELC_GOLDEN;
-    for (int64_t j = 0; j < len; j++) {
-        sum += (uint32_t)(buf[j] + 1) * ((uint32_t)(product >> 32) | 1u);
-        product += THREELC_GOLDEN;
-    }
-    return sum;
-}
-
-#ifdef THREELC_X86_PATHS
-/* The AVX2 checksum: eight positions per vector with the 64-bit product kept as two 32-bit
- * lanes (low, high) and the carry of the low add taken by an unsigned compare, so that
- * every multiply is a 32-bit one (AVX2 has no 64-bit lane multiply, and 64-bit lanes hold
- * only four positions). Two vectors of positions (sixteen bytes) a step, each stepping by
- * 16 golden, so that the two chains of the product's update (add, compare, subtract) run
- * side by side (one vector a step: 0.77 ms for 1.56 MB). Integer math mod 2^32: the same
- * sum as checksum_lanes64. */
-__attribute__((target("avx2"))) static uint32_t checksum_avx2(const uint8_t *buf, int64_t len,
-                                                              int64_t offset) {
-    const int64_t vec = len / 16 * 16;
-    uint32_t sum = 0;
-    if (vec > 0) {
-        uint32_t lo0[16], hi0[16];
-        for (int k = 0; k < 16; k++) {
-            const uint64_t p = (uint64_t)(offset + k) * THREELC_GOLDEN;
-            lo0[k] = (uint32_t)p;
-            hi0[k] = (uint32_t)(p >> 32);
-        }
-        const uint64_t step = 16 * THREELC_GOLDEN;
-        const __m256i step_lo = _mm256_set1_epi32((int)(uint32_t)step);
-        const __m256i step_hi = _mm256_set1_epi32((int)(uint32_t)(step >> 32));
-        const __m256i flip = _mm256_set1_epi32((int)0x80000000u); /* unsigned compare */
-        const __m256i step_lo_flipped = _mm256_xor_si256(step_lo, flip);
-        const __m256i one = _mm256_set1_epi32(1);
-        __m256i lo[2], hi[2], acc[2];
-        for (int h = 0; h < 2; h++) {
-            lo[h] = _mm256_loadu_si256((const __m256i *)(const void *)(lo0 + 8 * h));
-            hi[h] = _mm256_loadu_si256((const __m256i *)(const void *)(hi0 + 8 * h));
-            acc[h] = _mm256_setzero_si256();
-        }
-        for (int64_t j = 0; j < vec; j += 16) {
-            for (int h = 0; h < 2; h++) {
-                const __m256i b = _mm256_cvtepu8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(const void *)(buf + j + 8 * h)));
-                const __m256i weight = _mm256_or_si256(hi[h], one);
-                acc[h] = _mm256_add_epi32(acc[h],
-                                          _mm256_mullo_epi32(_mm256_add_epi32(b, one), weight));
-                /* product += 16 golden: low add, carry = (new low < step low) unsigned */
-                lo[h] = _mm256_add_epi32(lo[h], step_lo);
-                const __m256i carry = _mm256_cmpgt_epi32(
-                    step_lo_flipped, _mm256_xor_si256(lo[h], flip)); /* -1 or 0 */
-                hi[h] = _mm256_sub_epi32(_mm256_add_epi32(hi[h], step_hi), carry);
-            }
-        }
-        uint32_t lanes[8];
-        _mm256_storeu_si256((__m256i *)(void *)lanes, _mm256_add_epi32(acc[0], acc[1]));
-        for (int k = 0; k < 8; k++) sum += lanes[k];
-    }
-    return sum + checksum_lanes64(buf + vec, len - vec, offset + vec);
-}
-#endif
-
-/* Payload checksum of buf[0..len) placed at payload position offset (see wire.py):
- * sum of (b + 1) * mix(offset + j) modulo 2^32 (integer sums in any order: vectorised). */
-uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offset) {
-#ifdef THREELC_X86_PATHS
-    if (threelc_use_avx2) return checksum_avx2(buf, len, offset);
-#endif
-    return checksum_lanes64(buf, len, offset);
-}
-
-/* The checksums of `count` payloads inside one buffer (a bucket's frame): out[p] is
- * hvdc_checksum(buf + starts[p], lens[p], 0). One call per bucket instead of per payload. */
-void hvdc_checksum_segments(const uint8_t *buf, int64_t count, const int64_t *starts,
-                            const int64_t *lens, uint32_t *out) {
-    for (int64_t p = 0; p < count; p++) out[p] = hvdc_checksum(buf + starts[p], lens[p], 0);
 }
 
 /* hvdc_threelc_absmax_bits, hvdc_threelc_scale and hvdc_threelc_encode of `count` tensors in

@@ -44,11 +44,11 @@ _SIGNATURES = {
     "hvdc_threelc_quartic_decode": (_i64, [_p, _i64, _p]),
     "hvdc_threelc_dequantize": (_i64, [_p, _i64, _f32, _p, _int]),
     "hvdc_threelc_decode": (_i64, [_p, _i64, _i64, _f32, _p, _int]),
-    "hvdc_checksum": (_u32, [_p, _i64, _i64]),
-    "hvdc_checksum_segments": (None, [_p, _i64, _p, _p, _p]),
     "hvdc_threelc_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
     "hvdc_threelc_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
     # kernels/frame.c
+    "hvdc_checksum": (_u32, [_p, _i64, _i64]),
+    "hvdc_checksum_segments": (None, [_p, _i64, _p, _p, _p]),
     "hvdc_frame_scan": (_i64, [_p, _i64, _i64, _p, _p]),
     "hvdc_frame_write": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p]),
     # shared primitives (kernels/primitives.c)

@@ -46,8 +46,7 @@ THREELC = KernelFamily(
         "threelc_quartic_decode_add_segments",
     ),
 )
-# Payload checksums and frames on the device (C twin: kernels/frame.c; the checksum's is
-# kernels/threelc.c's hvdc_checksum).
+# Payload checksums and frames on the device (C twin: kernels/frame.c).
 FRAME = KernelFamily(
     "frame.cu",
     (
