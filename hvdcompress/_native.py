@@ -9,17 +9,18 @@ the package (``hvdcompress/__init__`` imports torch), and shell scripts run it:
 The sources live side by side in the repo's top-level ``kernels/``, one family per file
 pair, C for the CPU backend and CUDA for the GPU backend, byte for byte the same results:
 
-    kernels/threelc.c     + kernels/threelc.cu      the 3LC codec and the payload checksum
+    kernels/threelc.c     + kernels/threelc.cu      the 3LC codec
+    kernels/frame.c       + kernels/frame.cu        the payload checksum, one rank's frame
+                                                    of a bucket written and scanned in
+                                                    one call (frame.cu: the scan of a
+                                                    frame gathered on a GPU)
     kernels/primitives.c  + kernels/primitives.cu   counter-based uniforms, bit packing /
                                                     unpacking, order-fixed chunk sums
     kernels/sign.c        + kernels/sign.cu         signSGD and EF-signSGD, single pass
     kernels/quant.c       + kernels/quant.cu        QSGD, TernGrad, DQSG's quantiser
-    kernels/sparse.c      + kernels/sparse.cu       top-k selection (radix select; the
-                                                    CUDA backend uses torch.topk) and
-                                                    decode (a bucket's on CUDA), random-k
-    kernels/frame.c       (threelc.cu section 8)    one rank's frame of a bucket, written
-                                                    and scanned in one call (the scan's
-                                                    CUDA twin: frames gathered on a GPU)
+    kernels/sparse.c      + kernels/sparse.cu       top-k, top-k + sign and DGC
+                                                    (radix select), random-k and GSpar:
+                                                    a bucket's encode and decode
     kernels/cuda_host.h                             g++ shim: the .cu files on the host
 
 ``setup.py`` builds the ``.c`` files into ``hvdcompress._codec_cpu`` and copies the whole

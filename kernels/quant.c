@@ -11,7 +11,7 @@
  *                        +-((l / s) * norm) (as l * (1 / s) * norm in vector lanes when
  *                        that rounds to l / s at every level, else from a table);
  *   hvdc_terngrad_quartic  q = (u < |x| / M) ? sign(x) : 0 as 3LC quartic bytes (the
- *                        caller zero-run encodes them with hvdc_tlc_zre_encode);
+ *                        caller zero-run encodes them with hvdc_threelc_zre_encode);
  *   hvdc_dqsg_quantize / _dequantize, hvdc_ndqsg_coset / _side_decode  DQSG and NDQSG
  *                        (codecs/dqsg.py, ndqsg.py); hvdc_digits_encode_segments /
  *                        _decode_segments  a bucket of DQSG with s = 1 or of NDQSG's nested
@@ -532,12 +532,12 @@ int64_t hvdc_qsgd_decode_segments(int64_t count, const uint8_t *body, const int6
     return 0;
 }
 
-int64_t hvdc_tlc_zre_encode(const uint8_t *in, int64_t m, uint8_t *out);  /* threelc.c */
-uint32_t hvdc_tlc_absmax_bits(const float *g, const float *e, int64_t n); /* threelc.c */
+int64_t hvdc_threelc_zre_encode(const uint8_t *in, int64_t m, uint8_t *out);  /* threelc.c */
+uint32_t hvdc_threelc_absmax_bits(const float *g, const float *e, int64_t n); /* threelc.c */
 
 /* TernGrad's encode of `count` tensors in one call (a bucket): tensor p has ns[p] floats
  * at address xs[p] and the random stream keys[p]; scales[p] = M = max|x| and its body
- * (the quartic digits of hvdc_terngrad_quartic, zero-run encoded by hvdc_tlc_zre_encode)
+ * (the quartic digits of hvdc_terngrad_quartic, zero-run encoded by hvdc_threelc_zre_encode)
  * at out + out_starts[p] (room for ceil(n / 5) + 2 bytes), lens[p] its length; or
  * lens[p] = -1 when x holds a NaN or an Inf (nothing written). quartic: scratch of the
  * largest ceil(n / 5) bytes. */
@@ -546,7 +546,7 @@ void hvdc_terngrad_encode_segments(int64_t count, const uint64_t *xs, const int6
                                    uint8_t *quartic, float *scales, int64_t *lens) {
     for (int64_t p = 0; p < count; p++) {
         const float *x = (const float *)(uintptr_t)xs[p];
-        const uint32_t bits = hvdc_tlc_absmax_bits(x, NULL, ns[p]);
+        const uint32_t bits = hvdc_threelc_absmax_bits(x, NULL, ns[p]);
         if (bits >= 0x7f800000u) {
             scales[p] = 0.0f;
             lens[p] = -1;
@@ -556,7 +556,7 @@ void hvdc_terngrad_encode_segments(int64_t count, const uint64_t *xs, const int6
         memcpy(&M, &bits, sizeof M);
         scales[p] = M;
         hvdc_terngrad_quartic(x, ns[p], M, keys[p], 0, quartic);
-        lens[p] = hvdc_tlc_zre_encode(quartic, (ns[p] + 4) / 5, out + out_starts[p]);
+        lens[p] = hvdc_threelc_zre_encode(quartic, (ns[p] + 4) / 5, out + out_starts[p]);
     }
 }
 
@@ -631,10 +631,10 @@ int64_t hvdc_dqsg_decode_segments(int64_t count, const uint8_t *body, const int6
 
 /* --- a bucket's ternary DQSG (s = 1) and NDQSG nested code (codecs/dqsg.py, ndqsg.py) ---- */
 
-void hvdc_tlc_quartic_encode(const int8_t *q, int64_t n, uint8_t *quartic);       /* threelc.c */
-int64_t hvdc_tlc_zre_decoded_len(const uint8_t *in, int64_t len);                /* threelc.c */
-int64_t hvdc_tlc_zre_decode(const uint8_t *in, int64_t len, uint8_t *out, int64_t m);
-int64_t hvdc_tlc_quartic_decode(const uint8_t *quartic, int64_t n, int8_t *q); /* threelc.c */
+void hvdc_threelc_quartic_encode(const int8_t *q, int64_t n, uint8_t *quartic);   /* threelc.c */
+int64_t hvdc_threelc_zre_decoded_len(const uint8_t *in, int64_t len);             /* threelc.c */
+int64_t hvdc_threelc_zre_decode(const uint8_t *in, int64_t len, uint8_t *out, int64_t m);
+int64_t hvdc_threelc_quartic_decode(const uint8_t *quartic, int64_t n, int8_t *q); /* threelc.c */
 
 /* Errors of the two decoders below (the caller re-runs the per-payload decoder of the body
  * for its message): the deltas do not fit, a delta is negative or not finite, the packed
@@ -675,8 +675,8 @@ void hvdc_digits_encode_segments(int64_t count, const uint64_t *xs, const int64_
             digits = (const int8_t *)codes;
         }
         if (ternary) {
-            hvdc_tlc_quartic_encode(digits, n, quartic);
-            lens[p] = 4 * nb + hvdc_tlc_zre_encode(quartic, (n + 4) / 5, body + 4 * nb);
+            hvdc_threelc_quartic_encode(digits, n, quartic);
+            lens[p] = 4 * nb + hvdc_threelc_zre_encode(quartic, (n + 4) / 5, body + 4 * nb);
         } else {
             hvdc_prim_bitpack(codes, n, bits, body + 4 * nb);
             lens[p] = 4 * nb + (n * bits + 7) / 8;
@@ -699,9 +699,9 @@ static int64_t digits_unpack(const uint8_t *b, int64_t len, int64_t n, int64_t b
     const uint8_t *rest = b + 4 * nb;
     const int64_t rest_len = len - 4 * nb, m = (n + 4) / 5;
     if (ternary) {
-        if (hvdc_tlc_zre_decoded_len(rest, rest_len) != m) return DIGITS_ERR_PACKED;
-        hvdc_tlc_zre_decode(rest, rest_len, quartic, m);
-        return hvdc_tlc_quartic_decode(quartic, n, digits) ? DIGITS_ERR_PACKED : 0;
+        if (hvdc_threelc_zre_decoded_len(rest, rest_len) != m) return DIGITS_ERR_PACKED;
+        hvdc_threelc_zre_decode(rest, rest_len, quartic, m);
+        return hvdc_threelc_quartic_decode(quartic, n, digits) ? DIGITS_ERR_PACKED : 0;
     }
     uint8_t *codes = (uint8_t *)digits;
     if (hvdc_prim_bitunpack(rest, rest_len, n, bits, codes) < 0) return DIGITS_ERR_PACKED;

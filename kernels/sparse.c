@@ -178,7 +178,7 @@ int64_t hvdc_topk_decode_segments(int64_t count, const uint8_t *body, const int6
 #define TOPK_ABS 0x7fffffffu
 #define TOPK_ALL 0xffffffffu
 
-uint32_t hvdc_tlc_absmax_bits(const float *g, const float *e, int64_t n); /* threelc.c */
+uint32_t hvdc_threelc_absmax_bits(const float *g, const float *e, int64_t n); /* threelc.c */
 
 /* backends/cpu.py topk_select, step for step (0 < k < n, a finite): the ascending indices
  * of the k largest |a| into out. cand_idx / cand_bits hold 4 k + 4097 entries. */
@@ -231,7 +231,7 @@ void hvdc_topk_encode_segments(int64_t count, const uint64_t *gs, const uint64_t
             nonfinite[p] = hvdc_dgc_update(g, u, e, n, momentum, momentum == 0.0f);
             if (nonfinite[p]) continue;
         } else {
-            nonfinite[p] = hvdc_tlc_absmax_bits(g, e, n) >= 0x7f800000u;
+            nonfinite[p] = hvdc_threelc_absmax_bits(g, e, n) >= 0x7f800000u;
             if (nonfinite[p]) continue;
             for (int64_t i = 0; i < n; i++) e[i] = e[i] + g[i];
         }
@@ -283,7 +283,7 @@ void hvdc_topkq_select_segments(int64_t count, const uint64_t *gs, const uint64_
         const int64_t n = ns[p], k = ks[p];
         int64_t *s = sel + starts[p];
         float *v = kept + starts[p];
-        nonfinite[p] = hvdc_tlc_absmax_bits(g, e, n) >= 0x7f800000u;
+        nonfinite[p] = hvdc_threelc_absmax_bits(g, e, n) >= 0x7f800000u;
         if (nonfinite[p]) continue;
         for (int64_t i = 0; i < n; i++) e[i] = e[i] + g[i];
         if (k == 0) continue;
@@ -558,7 +558,7 @@ void hvdc_randomk_encode_segments(int64_t count, const uint64_t *as, const int64
                                   int32_t *nonfinite) {
     for (int64_t p = 0; p < count; p++) {
         const float *a = (const float *)(uintptr_t)as[p];
-        nonfinite[p] = hvdc_tlc_absmax_bits(a, NULL, ns[p]) >= 0x7f800000u;
+        nonfinite[p] = hvdc_threelc_absmax_bits(a, NULL, ns[p]) >= 0x7f800000u;
         ks[p] = nonfinite[p] ? 0
                              : hvdc_randomk_encode(a, ns[p], keys[p], threshold,
                                                    (float *)(void *)(out + out_starts[p]), NULL,
@@ -583,7 +583,7 @@ void hvdc_randomk_ef_encode_segments(int64_t count, const uint64_t *gs, const ui
         const float *g = (const float *)(uintptr_t)gs[p];
         float *e = (float *)(uintptr_t)es[p];
         const int64_t n = ns[p], cap = caps[p];
-        nonfinite[p] = hvdc_tlc_absmax_bits(g, e, n) >= 0x7f800000u;
+        nonfinite[p] = hvdc_threelc_absmax_bits(g, e, n) >= 0x7f800000u;
         ks[p] = 0;
         if (nonfinite[p]) continue;
         float *values = (float *)(void *)(out + out_starts[p]);
@@ -701,7 +701,7 @@ void hvdc_gspar_encode_segments(int64_t count, const uint64_t *as, const uint64_
         float *e = es ? (float *)(uintptr_t)es[p] : NULL;
         const int64_t n = ns[p], chunks = (n + chunk - 1) / chunk;
         const double budget = budgets[p];
-        nonfinite[p] = hvdc_tlc_absmax_bits(g, e, n) >= 0x7f800000u;
+        nonfinite[p] = hvdc_threelc_absmax_bits(g, e, n) >= 0x7f800000u;
         ks[p] = 0;
         if (nonfinite[p]) continue;
         if (e)

@@ -4,8 +4,11 @@
 //           hvdc_topk_decode_segments and hvdc_topkq_decode_segments);
 //   encode: top-k with error feedback and DGC's momentum-corrected form, selected by a
 //           radix select of every segment at once (hvdc_topk_encode_segments; section
-//           "Top-k's bucket encode" below), top-k + sign too. GSpar's bucket encode
-//           is in kernels/quant.cu section 11, next to the uniforms it draws with.
+//           "Top-k's bucket encode" below), top-k + sign too;
+//   random-k and GSpar: their bucket encode and (random-k's) decode, kept flags drawn from
+//           the counter-based uniforms (sections "Random-k's buckets" and "GSpar's
+//           buckets"; kernels/sparse.c's hvdc_randomk_*_segments and
+//           hvdc_gspar_encode_segments).
 //
 // Top-k body: k float32 values, then k indices in ascending order (int32 when n < 2^31,
 // else int64), little-endian. Top-k + sign (`signs` set): one float32 magnitude m, the k
@@ -16,9 +19,10 @@
 // hvdcompress/backends/cuda.py (NVRTC_OPTIONS of hvdcompress/_native.py), by nvcc in
 // scripts/check_kernels.sh, and by g++ for the host through kernels/cuda_host.h
 // (tests/host_kernels/). Hence plain C-like code, no #include under CUDA, no barriers or
-// shared memory, no code that needs two threads at once. Names: kernels sparse_<op>,
-// helpers hvd_sparse_* (the host build compiles every .cu file in one unit). Every index
-// is 64-bit.
+// shared memory, no code that needs two threads at once. Names: kernels sparse_<op>
+// (random-k's and GSpar's keep the names the backend launches them by, quant_randomk_*
+// and quant_gspar_*), helpers hvd_sparse_* (the host build compiles every .cu file in one
+// unit). Every index is 64-bit.
 //
 // Segment table (threelc.cu section 7's rows of 8 int64 and its tiles, a tile being
 // `tile` kept entries; the state rows are threelc.cu's, word 3 the error bits):
@@ -40,22 +44,61 @@
 
 #ifndef __CUDACC__
 #include "cuda_host.h"
+#define hvd_sparse_dadd(a, b) ((a) + (b))
+#else
+#define hvd_sparse_dadd(a, b) __dadd_rn((a), (b))
 #endif
 
-// The segment of tile t: the last row whose first tile is <= t.
-__device__ __forceinline__ long long hvd_sparse_tile_segment(const long long* seg,
-                                                             long long nseg, long long t)
+__device__ __forceinline__ long long hvd_sparse_first_index()
+{
+    return (long long)blockIdx.x * (long long)blockDim.x + (long long)threadIdx.x;
+}
+
+__device__ __forceinline__ long long hvd_sparse_grid_stride()
+{
+    return (long long)gridDim.x * (long long)blockDim.x;
+}
+
+// The segment of tile t: the last row whose first tile (in column `col`) is <= t.
+__device__ __forceinline__ long long hvd_sparse_tile_segment_at(const long long* seg,
+                                                                long long nseg, long long t,
+                                                                int col)
 {
     long long lo = 0, hi = nseg - 1;
     while (lo < hi) {
         const long long mid = (lo + hi + 1) >> 1;
-        if (seg[mid * HVD_SPARSE_SEG_COLS + HVD_SPARSE_SEG_TILE] <= t) {
+        if (seg[mid * HVD_SPARSE_SEG_COLS + col] <= t) {
             lo = mid;
         } else {
             hi = mid - 1;
         }
     }
     return lo;
+}
+
+// The segment of tile t in the tile column.
+__device__ __forceinline__ long long hvd_sparse_tile_segment(const long long* seg,
+                                                             long long nseg, long long t)
+{
+    return hvd_sparse_tile_segment_at(seg, nseg, t, HVD_SPARSE_SEG_TILE);
+}
+
+// The counter-based uniform of element i (kernels/primitives.cu, primitives_uniform; the
+// same as quant.cu's hvd_quant_uniform): SplitMix64 output number i + 1 of the stream
+// seeded with key, top 24 bits, times 2^-24.
+__device__ __forceinline__ float hvd_sparse_uniform(unsigned long long key, long long i)
+{
+    unsigned long long z = key + ((unsigned long long)i + 1ull) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z = z ^ (z >> 31);
+    return __fmul_rn((float)(unsigned int)(z >> 40), 5.9604644775390625e-08f);  // 2^-24
+}
+
+// True for a NaN or an Inf.
+__device__ __forceinline__ bool hvd_sparse_nonfinite(float v)
+{
+    return (__float_as_uint(v) & 0x7fffffffu) >= 0x7f800000u;
 }
 
 // Index j of a body (int32 or int64, little-endian, any byte offset), as int64.
@@ -503,6 +546,392 @@ extern "C" __global__ void sparse_topkq_write_segments(const long long* __restri
                     byte |= (values[j + b] < 0.0f ? 1u : 0u) << b;
                 signs[j >> 3] = (unsigned char)byte;
             }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Random-k's buckets (docs/design.md section 4; the CPU's hvdc_randomk_*_segments).
+// Both sides start with every segment's kept flags (element i kept iff its uniform
+// < T 2^-24) and one scan of the bucket's flags on the host's stream, which gives a kept
+// element its slot in the body.
+// Encode: every segment's kept count and non-finite flag, one read, then the kept values
+// into the bodies (and with error feedback e = a with the kept entries zeroed).
+// Decode: every segment's kept count and values checked, one read, then the scaled values
+// added at the kept elements of the segments before the first refused one.
+// Table: column 0 g (encode) or the values (decode: little-endian float32, any byte
+// offset), 1 e (encode; 0 for none) or out (decode), 2 n, 3 the segment's first flag in
+// the bucket, 4 its first value tile (decode: max(values, 1) a segment), 5 the key, 6 its
+// first element tile, 7 the body's bytes (decode).
+#define HVD_RANDOMK_SEG_IN 0
+#define HVD_RANDOMK_SEG_AUX 1
+#define HVD_RANDOMK_SEG_N 2
+#define HVD_RANDOMK_SEG_FLAGS 3
+#define HVD_RANDOMK_SEG_VALUE_TILE 4
+#define HVD_RANDOMK_SEG_KEY 5
+#define HVD_RANDOMK_SEG_TILE 6
+#define HVD_RANDOMK_SEG_BODY_LEN 7
+#define HVD_RANDOMK_ST_NONFINITE 2
+#define HVD_RANDOMK_ST_ERROR 3
+#define HVD_RANDOMK_ST_COUNT 4      // int64 at words 4-5 (threelc.cu's HVD_ST_COUNT)
+#define HVD_RANDOMK_ERR_VALUE 128u  // a value is not finite (quant.cu's error bits below it)
+
+// grid: blocks loop over tiles of `tile` elements. bytes: writes n over all segments.
+extern "C" __global__ void quant_randomk_flags_segments(const long long* __restrict__ seg,
+                                                        long long nseg, long long ntiles,
+                                                        long long tile, float limit,
+                                                        unsigned char* __restrict__ flags)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment_at(seg, nseg, t, HVD_RANDOMK_SEG_TILE);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const long long n = row[HVD_RANDOMK_SEG_N];
+        const unsigned long long key = (unsigned long long)row[HVD_RANDOMK_SEG_KEY];
+        unsigned char* f = flags + row[HVD_RANDOMK_SEG_FLAGS];
+        const long long first = (t - row[HVD_RANDOMK_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x)
+            f[i] = hvd_sparse_uniform(key, i) < limit ? 1 : 0;
+    }
+}
+
+// Each segment's kept count (from the inclusive scan `incl` of the flags) into its state's
+// count words, and HVD_RANDOMK_ERR_VALUE for a value (of the body's whole float32s) that is
+// not finite. grid: blocks loop over tiles of `tile` values (tile column 4). bytes: reads
+// the bodies and 16 bytes of the scan a segment.
+extern "C" __global__ void quant_randomk_check_segments(const long long* __restrict__ seg,
+                                                        long long nseg, long long ntiles,
+                                                        long long tile,
+                                                        const long long* __restrict__ incl,
+                                                        unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment_at(seg, nseg, t, HVD_RANDOMK_SEG_VALUE_TILE);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const unsigned char* values = (const unsigned char*)row[HVD_RANDOMK_SEG_IN];
+        const long long n = row[HVD_RANDOMK_SEG_N], off = row[HVD_RANDOMK_SEG_FLAGS];
+        const long long count = row[HVD_RANDOMK_SEG_BODY_LEN] / 4;
+        unsigned int* state = states + s * HVD_SPARSE_STATE_WORDS;
+        const long long first = (t - row[HVD_RANDOMK_SEG_VALUE_TILE]) * tile;
+        if (first == 0 && threadIdx.x == 0) {  // once a segment
+            const long long before = off > 0 ? incl[off - 1] : 0;
+            *(long long*)(state + HVD_RANDOMK_ST_COUNT) = n > 0 ? incl[off + n - 1] - before : 0;
+        }
+        const long long end = first + tile < count ? first + tile : count;
+        bool bad = false;
+        for (long long j = first + threadIdx.x; j < end; j += blockDim.x)
+            bad |= hvd_sparse_nonfinite(hvd_sparse_value(values, j));
+        if (bad) atomicOr(state + HVD_RANDOMK_ST_ERROR, HVD_RANDOMK_ERR_VALUE);
+    }
+}
+
+// out[i] += value_j * scale at the kept elements (value j: element i's rank among the
+// segment's kept ones, from the scan), for the checked segments the host launches it
+// over. grid: blocks loop over tiles of `tile` elements. bytes: reads n + 8n + the values
+// + 4 per kept element, writes 4 per kept element.
+extern "C" __global__ void quant_randomk_add_segments(const long long* __restrict__ seg,
+                                                      long long nseg, long long ntiles,
+                                                      long long tile,
+                                                      const unsigned char* __restrict__ flags,
+                                                      const long long* __restrict__ incl,
+                                                      float scale)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment_at(seg, nseg, t, HVD_RANDOMK_SEG_TILE);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const unsigned char* values = (const unsigned char*)row[HVD_RANDOMK_SEG_IN];
+        float* out = (float*)row[HVD_RANDOMK_SEG_AUX];
+        const long long n = row[HVD_RANDOMK_SEG_N], off = row[HVD_RANDOMK_SEG_FLAGS];
+        const long long before = off > 0 ? incl[off - 1] : 0;
+        const long long first = (t - row[HVD_RANDOMK_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            if (!flags[off + i]) continue;
+            const float v = hvd_sparse_value(values, incl[off + i] - 1 - before);
+            out[i] = __fadd_rn(out[i], __fmul_rn(v, scale));
+        }
+    }
+}
+
+// a_i of the encode: g_i + e_i (e's address in column 1; 0 for none: g_i).
+__device__ __forceinline__ float hvd_randomk_a(const long long* row, long long i)
+{
+    const float* g = (const float*)row[HVD_RANDOMK_SEG_IN];
+    const float* e = (const float*)row[HVD_RANDOMK_SEG_AUX];
+    return e ? __fadd_rn(e[i], g[i]) : g[i];
+}
+
+// The encode's kept count of each segment into its state's count words, and its
+// non-finite flag when some a_i is a NaN or an Inf. grid: blocks loop over tiles of
+// `tile` elements. bytes: reads 4n (8n with e) and 16 bytes of the scan a segment.
+extern "C" __global__ void quant_randomk_count_segments(const long long* __restrict__ seg,
+                                                        long long nseg, long long ntiles,
+                                                        long long tile,
+                                                        const long long* __restrict__ incl,
+                                                        unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment_at(seg, nseg, t, HVD_RANDOMK_SEG_TILE);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const long long n = row[HVD_RANDOMK_SEG_N], off = row[HVD_RANDOMK_SEG_FLAGS];
+        unsigned int* state = states + s * HVD_SPARSE_STATE_WORDS;
+        const long long first = (t - row[HVD_RANDOMK_SEG_TILE]) * tile;
+        if (first == 0 && threadIdx.x == 0) {  // once a segment (each has n >= 1)
+            const long long before = off > 0 ? incl[off - 1] : 0;
+            *(long long*)(state + HVD_RANDOMK_ST_COUNT) = incl[off + n - 1] - before;
+        }
+        const long long end = first + tile < n ? first + tile : n;
+        bool bad = false;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x)
+            bad |= hvd_sparse_nonfinite(hvd_randomk_a(row, i));
+        if (bad) atomicOr(state + HVD_RANDOMK_ST_NONFINITE, 1u);
+    }
+}
+
+// The kept a_i of each finite segment into its body (bodies[s], float32, slot: the
+// element's rank among the kept ones) and, with e, e_i = kept ? 0 : a_i; a non-finite
+// segment is left as it is. grid: blocks loop over tiles of `tile` elements. bytes:
+// reads 4n (8n with e) + n + 8n, writes 4 per kept element (+ 4n with e).
+extern "C" __global__ void quant_randomk_gather_segments(const long long* __restrict__ seg,
+                                                         long long nseg, long long ntiles,
+                                                         long long tile,
+                                                         const unsigned char* __restrict__ flags,
+                                                         const long long* __restrict__ incl,
+                                                         const long long* __restrict__ bodies,
+                                                         const unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment_at(seg, nseg, t, HVD_RANDOMK_SEG_TILE);
+        if (states[s * HVD_SPARSE_STATE_WORDS + HVD_RANDOMK_ST_NONFINITE]) continue;
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        float* e = (float*)row[HVD_RANDOMK_SEG_AUX];
+        float* values = (float*)bodies[s];
+        const long long n = row[HVD_RANDOMK_SEG_N], off = row[HVD_RANDOMK_SEG_FLAGS];
+        const long long before = off > 0 ? incl[off - 1] : 0;
+        const long long first = (t - row[HVD_RANDOMK_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            const float a = hvd_randomk_a(row, i);
+            const bool kept = flags[off + i] != 0;
+            if (kept) values[incl[off + i] - 1 - before] = a;
+            if (e) e[i] = kept ? 0.0f : a;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// GSpar's buckets (docs/design.md section 4.9; the CPU's hvdc_gspar_encode_segments):
+// p_i = min(1, c |a_i|), c the fixed point of c = (T - |S|) / sum_{i not in S} |a_i|, S the
+// entries saturated at c, for every tensor of a bucket at once. The host reads once per
+// round of the iteration (every tensor's saturated count and chunk sums in one copy),
+// not once per tensor and round:
+//   quant_gspar_prepare_segments   the non-finite flag and the non-zero count of a
+//   quant_gspar_form_segments      a = g + e into e (error feedback), where finite
+//   quant_gspar_round_segments     a round at the scales the host sent: the saturated
+//                                  count and the ordered chunk sums of the others
+//   quant_gspar_flags_segments     kept iff u_i < p_i; then one scan of the bucket's flags
+//   quant_gspar_count_segments     each tensor's kept count, read by the host to size
+//                                  the bodies
+//   quant_gspar_gather_segments    the values (a_i / p_i, or a_i unscaled with error
+//                                  feedback) and indices into the bodies, e_i = 0 there
+// Table: column 0 g, 1 e (0: none; a = g), 2 n, 3 the segment's first flag in the
+// bucket, 4 its first chunk, 5 the key, 6 its first element tile. `scales[s]`: the float32
+// c of segment s; +inf keeps every non-zero entry (p_i = [a_i != 0]); negative: the
+// segment takes no part (non-finite, or left to the per-tensor path).
+#define HVD_GSPAR_SEG_IN 0
+#define HVD_GSPAR_SEG_AUX 1
+#define HVD_GSPAR_SEG_N 2
+#define HVD_GSPAR_SEG_FLAGS 3
+#define HVD_GSPAR_SEG_CHUNK 4
+#define HVD_GSPAR_SEG_KEY 5
+#define HVD_GSPAR_SEG_TILE 6
+#define HVD_GSPAR_ST_NONFINITE 2
+#define HVD_GSPAR_ST_COUNT 4  // int64 at words 4-5: the non-zero count, then the kept count
+
+// a_i of a row: e_i once formed (or g_i + e_i before), else g_i.
+__device__ __forceinline__ float hvd_gspar_a(const long long* row, long long i, bool formed)
+{
+    const float* g = (const float*)row[HVD_GSPAR_SEG_IN];
+    const float* e = (const float*)row[HVD_GSPAR_SEG_AUX];
+    if (!e) return g[i];
+    return formed ? e[i] : __fadd_rn(e[i], g[i]);
+}
+
+// p_i at the scale c: min(|a_i| c, 1) (one float32 product), or [a_i != 0] at c = +inf.
+__device__ __forceinline__ float hvd_gspar_p(float a, float c)
+{
+    const float m = fabsf(a);
+    if (__float_as_uint(c) == 0x7f800000u) return m > 0.0f ? 1.0f : 0.0f;  // +inf
+    const float q = __fmul_rn(m, c);
+    return q > 1.0f ? 1.0f : q;
+}
+
+// Each segment's non-finite flag (some a_i a NaN or an Inf) and non-zero count of a.
+// grid: blocks loop over tiles of `tile` elements. bytes: reads 4n (8n with e).
+extern "C" __global__ void quant_gspar_prepare_segments(const long long* __restrict__ seg,
+                                                        long long nseg, long long ntiles,
+                                                        long long tile,
+                                                        unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment_at(seg, nseg, t, HVD_GSPAR_SEG_TILE);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        unsigned int* state = states + s * HVD_SPARSE_STATE_WORDS;
+        const long long n = row[HVD_GSPAR_SEG_N];
+        const long long first = (t - row[HVD_GSPAR_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        bool bad = false;
+        unsigned long long nonzero = 0ull;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            const float a = hvd_gspar_a(row, i, false);
+            bad |= hvd_sparse_nonfinite(a);
+            nonzero += a != 0.0f;
+        }
+        if (bad) atomicOr(state + HVD_GSPAR_ST_NONFINITE, 1u);
+        if (nonzero) atomicAdd((unsigned long long*)(state + HVD_GSPAR_ST_COUNT), nonzero);
+    }
+}
+
+// e_i = e_i + g_i for each finite segment with a residual. grid: blocks loop over tiles of
+// `tile` elements. bytes: reads 8n, writes 4n.
+extern "C" __global__ void quant_gspar_form_segments(const long long* __restrict__ seg,
+                                                     long long nseg, long long ntiles,
+                                                     long long tile,
+                                                     const unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment_at(seg, nseg, t, HVD_GSPAR_SEG_TILE);
+        if (states[s * HVD_SPARSE_STATE_WORDS + HVD_GSPAR_ST_NONFINITE]) continue;
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const float* g = (const float*)row[HVD_GSPAR_SEG_IN];
+        float* e = (float*)row[HVD_GSPAR_SEG_AUX];
+        if (!e) continue;
+        const long long n = row[HVD_GSPAR_SEG_N];
+        const long long first = (t - row[HVD_GSPAR_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x)
+            e[i] = __fadd_rn(e[i], g[i]);
+    }
+}
+
+// One round at scales[s] >= 0 (c = 0 saturates nothing): counts[s] += how many |a_i| c
+// >= 1 (one float32 product), sums[ch] = the sum in double, left to right, of the other
+// |a_i| of chunk ch (`chunk` elements of a segment; its last may be short), as the CPU's
+// hvdc_gspar_round. grid: one thread a chunk (grid-stride over the bucket's `nchunks`).
+// bytes: reads 4 an element, writes 8 a chunk (uncoalesced: chunks of 1024 elements).
+extern "C" __global__ void quant_gspar_round_segments(const long long* __restrict__ seg,
+                                                      long long nseg, long long nchunks,
+                                                      long long chunk,
+                                                      const float* __restrict__ scales,
+                                                      unsigned long long* __restrict__ counts,
+                                                      double* __restrict__ sums)
+{
+    const long long stride = hvd_sparse_grid_stride();
+    for (long long ch = hvd_sparse_first_index(); ch < nchunks; ch += stride) {
+        const long long s = hvd_sparse_tile_segment_at(seg, nseg, ch, HVD_GSPAR_SEG_CHUNK);
+        const float c = scales[s];
+        if (!(c >= 0.0f)) continue;
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const long long n = row[HVD_GSPAR_SEG_N];
+        const long long lo = (ch - row[HVD_GSPAR_SEG_CHUNK]) * chunk;
+        const long long hi = lo + chunk < n ? lo + chunk : n;
+        unsigned long long saturated = 0ull;
+        double sum = 0.0;
+        for (long long i = lo; i < hi; ++i) {
+            const float m = fabsf(hvd_gspar_a(row, i, true));
+            const bool sat = __fmul_rn(m, c) >= 1.0f;
+            saturated += sat;
+            sum = hvd_sparse_dadd(sum, sat ? 0.0 : (double)m);
+        }
+        sums[ch] = sum;
+        if (saturated) atomicAdd(counts + s, saturated);
+    }
+}
+
+// flags[off + i] = 1 iff u_i < p_i at scales[s] (0 for a segment that takes no part).
+// grid: blocks loop over tiles of `tile` elements. bytes: reads 4n, writes n.
+extern "C" __global__ void quant_gspar_flags_segments(const long long* __restrict__ seg,
+                                                      long long nseg, long long ntiles,
+                                                      long long tile,
+                                                      const float* __restrict__ scales,
+                                                      unsigned char* __restrict__ flags)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment_at(seg, nseg, t, HVD_GSPAR_SEG_TILE);
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const float c = scales[s];
+        const unsigned long long key = (unsigned long long)row[HVD_GSPAR_SEG_KEY];
+        unsigned char* f = flags + row[HVD_GSPAR_SEG_FLAGS];
+        const long long n = row[HVD_GSPAR_SEG_N];
+        const long long first = (t - row[HVD_GSPAR_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            const bool kept =
+                c >= 0.0f && hvd_sparse_uniform(key, i) < hvd_gspar_p(hvd_gspar_a(row, i, true), c);
+            f[i] = kept ? 1 : 0;
+        }
+    }
+}
+
+// Each segment's kept count (from `incl`, the inclusive scan of the flags) into its
+// state's count words. grid: one thread a segment (grid-stride). bytes: 16 a segment.
+extern "C" __global__ void quant_gspar_count_segments(const long long* __restrict__ seg,
+                                                      long long nseg,
+                                                      const long long* __restrict__ incl,
+                                                      unsigned int* __restrict__ states)
+{
+    const long long stride = hvd_sparse_grid_stride();
+    for (long long s = hvd_sparse_first_index(); s < nseg; s += stride) {
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        const long long n = row[HVD_GSPAR_SEG_N], off = row[HVD_GSPAR_SEG_FLAGS];
+        const long long before = off > 0 ? incl[off - 1] : 0;
+        *(long long*)(states + s * HVD_SPARSE_STATE_WORDS + HVD_GSPAR_ST_COUNT) =
+            incl[off + n - 1] - before;
+    }
+}
+
+// The kept entries of each segment with a body (bodies[s] != 0: k float32 values, then k
+// indices, int32, or int64 from `wide_from` elements on; k from the state's count): value
+// j = a_i / p_i (`scaled`) or a_i, index j = i (slot j: i's rank among the kept ones), and
+// with a residual e_i = 0. grid: blocks loop over tiles of `tile` elements. bytes: reads
+// n + 8n, and for each kept element reads 4, writes 8 or 12 (+ 4 with e).
+extern "C" __global__ void quant_gspar_gather_segments(const long long* __restrict__ seg,
+                                                       long long nseg, long long ntiles,
+                                                       long long tile, int scaled,
+                                                       long long wide_from,
+                                                       const float* __restrict__ scales,
+                                                       const unsigned char* __restrict__ flags,
+                                                       const long long* __restrict__ incl,
+                                                       const long long* __restrict__ bodies,
+                                                       const unsigned int* __restrict__ states)
+{
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+        const long long s = hvd_sparse_tile_segment_at(seg, nseg, t, HVD_GSPAR_SEG_TILE);
+        float* values = (float*)bodies[s];
+        if (!values) continue;
+        const long long* row = seg + s * HVD_SPARSE_SEG_COLS;
+        float* e = (float*)row[HVD_GSPAR_SEG_AUX];
+        const float c = scales[s];
+        const long long n = row[HVD_GSPAR_SEG_N], off = row[HVD_GSPAR_SEG_FLAGS];
+        const long long k =
+            *(const long long*)(states + s * HVD_SPARSE_STATE_WORDS + HVD_GSPAR_ST_COUNT);
+        unsigned int* indices = (unsigned int*)(values + k);  // 4-byte aligned words
+        const bool wide = n >= wide_from;
+        const long long before = off > 0 ? incl[off - 1] : 0;
+        const long long first = (t - row[HVD_GSPAR_SEG_TILE]) * tile;
+        const long long end = first + tile < n ? first + tile : n;
+        for (long long i = first + threadIdx.x; i < end; i += blockDim.x) {
+            if (!flags[off + i]) continue;
+            const long long j = incl[off + i] - 1 - before;
+            const float a = hvd_gspar_a(row, i, true);
+            values[j] = scaled ? __fdiv_rn(a, hvd_gspar_p(a, c)) : a;
+            if (wide) {  // little-endian int64 as two words (j odd: not 8-byte aligned)
+                indices[2 * j] = (unsigned int)((unsigned long long)i & 0xffffffffull);
+                indices[2 * j + 1] = (unsigned int)((unsigned long long)i >> 32);
+            } else {
+                indices[j] = (unsigned int)i;
+            }
+            if (e) e[i] = 0.0f;
         }
     }
 }

@@ -1,6 +1,6 @@
-/* CPU backend of the 3LC codec (docs/design.md section 2) and of the payload checksum,
- * loaded through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is threelc.cu next
- * to this file.
+/* CPU backend of the 3LC codec (docs/design.md section 2), loaded through ctypes
+ * (hvdcompress/backends/cpu); the CUDA twin is threelc.cu next to this file (the payload
+ * checksum is frame.c's).
  *
  * Pure functions over caller-owned buffers; no allocation, no global state.
  * Built with -O3 -ffp-contract=off and without fast-math (C_FLAGS in
@@ -17,28 +17,27 @@
 #include <stdint.h>
 #include <string.h>
 
-#define TLC_ZERO_GROUP 121 /* quartic byte of five zeros: digits (1,1,1,1,1) */
-#define TLC_MAX_QUARTIC 242
-#define TLC_RUN_BASE 241 /* a byte b >= 243 is a run of b - 241 zero groups */
-#define TLC_MAX_RUN 14
-#define TLC_GOLDEN 0x9E3779B97F4A7C15ull /* the checksum's mix multiplier (wire.py) */
+#define THREELC_ZERO_GROUP 121 /* quartic byte of five zeros: digits (1,1,1,1,1) */
+#define THREELC_MAX_QUARTIC 242
+#define THREELC_RUN_BASE 241 /* a byte b >= 243 is a run of b - 241 zero groups */
+#define THREELC_MAX_RUN 14
 
 /* Errors returned (negative) by the decoders. */
-#define TLC_ERR_LENGTH -1  /* zero-run decoding does not give exactly the expected bytes */
-#define TLC_ERR_BYTE -2    /* a quartic byte above 242 */
-#define TLC_ERR_PADDING -3 /* a padding digit of the last group is not zero (d != 1) */
+#define THREELC_ERR_LENGTH -1  /* zero-run decoding does not give exactly the expected bytes */
+#define THREELC_ERR_BYTE -2    /* a quartic byte above 242 */
+#define THREELC_ERR_PADDING -3 /* a padding digit of the last group is not zero (d != 1) */
 
 /* Blocks of whole groups keep the per-element loop vectorisable and the digit
  * scratch in L1. */
-#define TLC_BLOCK_GROUPS 256
-#define TLC_BLOCK (TLC_BLOCK_GROUPS * 5)
+#define THREELC_BLOCK_GROUPS 256
+#define THREELC_BLOCK (THREELC_BLOCK_GROUPS * 5)
 
 /* AVX-512 and AVX2 versions of the vectorised loops, picked at load time by the CPU
  * (-ffp-contract=off: no FMA contraction in any clone, so the bytes do not change). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TLC_VECTOR __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#define THREELC_VECTOR __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 #else
-#define TLC_VECTOR
+#define THREELC_VECTOR
 #endif
 
 static inline uint32_t f32_bits(float x) {
@@ -50,7 +49,7 @@ static inline uint32_t f32_bits(float x) {
 /* Max over i of the abs bits of (g[i] + e[i]) (e may be NULL). Non-negative
  * floats order like their bit patterns and NaN patterns sort above Inf, so the
  * result is the bits of max|a|, or >= 0x7f800000 iff a holds a NaN or an Inf. */
-TLC_VECTOR uint32_t hvdc_tlc_absmax_bits(const float *g, const float *e, int64_t n) {
+THREELC_VECTOR uint32_t hvdc_threelc_absmax_bits(const float *g, const float *e, int64_t n) {
     uint32_t m = 0;
     if (e) {
         for (int64_t i = 0; i < n; i++) {
@@ -86,7 +85,7 @@ static inline float rint_small(float x) {
 }
 
 /* Smallest S whose half is exact (S / 2 >= FLT_MIN, the least normal float). */
-#define TLC_HALF_EXACT_MIN 2.3509887e-38f /* 2^-125 */
+#define THREELC_HALF_EXACT_MIN 2.3509887e-38f /* 2^-125 */
 
 /* q = rint(fl(a / S)) without the division (docs/design.md 2.1). |a / S| <= 1, so q is
  * +-1 exactly when |fl(a / S)| > 1/2 (1/2 itself rounds to 0, ties to even). With S in
@@ -96,7 +95,7 @@ static inline float rint_small(float x) {
  * when S / 2 is a normal float. The quantiser compares instead of dividing (the vector
  * division cost about 1 ms of the 9.4 ms pass at 1e7 on an AVX2 machine) and takes the
  * division for the tiny scales
- * below TLC_HALF_EXACT_MIN. Same q, same residual: S * q is -S, +0.0 or +S. */
+ * below THREELC_HALF_EXACT_MIN. Same q, same residual: S * q is -S, +0.0 or +S. */
 static inline void quantize_block(const float *g, const float *e_in, float *e_out, float S,
                                   int64_t len, int8_t *d) {
     if (S == 0.0f) {
@@ -105,7 +104,7 @@ static inline void quantize_block(const float *g, const float *e_in, float *e_ou
             if (e_out) e_out[i] = a;
             d[i] = 1;
         }
-    } else if (S >= TLC_HALF_EXACT_MIN) {
+    } else if (S >= THREELC_HALF_EXACT_MIN) {
         /* in integer lanes (non-negative floats order like their bits): keep = |a| > S / 2,
          * S * q = keep ? S with a's sign : +0.0, d = 1 + q */
         const uint32_t half_bits = f32_bits(S * 0.5f), s_bits = f32_bits(S);
@@ -134,11 +133,11 @@ static inline void quantize_block(const float *g, const float *e_in, float *e_ou
  *   e_out = a - S * q (e_out may be NULL; may alias e_in),
  *   q_out[i] = q (may be NULL), quartic[j] = 81 d0 + 27 d1 + 9 d2 + 3 d3 + d4, d = q + 1,
  *   for j < ceil(n / 5), padded with d = 1 (may be NULL). */
-TLC_VECTOR void hvdc_tlc_quantize(const float *g, const float *e_in, float *e_out, float S, int64_t n,
-                       int8_t *q_out, uint8_t *quartic) {
-    int8_t d[TLC_BLOCK + 8];
-    for (int64_t base = 0; base < n; base += TLC_BLOCK) {
-        int64_t len = n - base < TLC_BLOCK ? n - base : TLC_BLOCK;
+THREELC_VECTOR void hvdc_threelc_quantize(const float *g, const float *e_in, float *e_out, float S,
+                                          int64_t n, int8_t *q_out, uint8_t *quartic) {
+    int8_t d[THREELC_BLOCK + 8];
+    for (int64_t base = 0; base < n; base += THREELC_BLOCK) {
+        int64_t len = n - base < THREELC_BLOCK ? n - base : THREELC_BLOCK;
         quantize_block(g + base, e_in ? e_in + base : NULL, e_out ? e_out + base : NULL, S, len,
                        d);
         if (q_out)
@@ -151,14 +150,14 @@ TLC_VECTOR void hvdc_tlc_quantize(const float *g, const float *e_in, float *e_ou
 }
 
 /* S = float32(sparsity) * M with M the float of max_bits: one float32 product. */
-float hvdc_tlc_scale(uint32_t max_bits, float sparsity) {
+float hvdc_threelc_scale(uint32_t max_bits, float sparsity) {
     float m;
     memcpy(&m, &max_bits, sizeof m);
     return sparsity * m;
 }
 
 /* Quartic encoding of int8 digits q in {-1, 0, 1} (the public building block). */
-void hvdc_tlc_quartic_encode(const int8_t *q, int64_t n, uint8_t *quartic) {
+void hvdc_threelc_quartic_encode(const int8_t *q, int64_t n, uint8_t *quartic) {
     int64_t full = n / 5;
     for (int64_t j = 0; j < full; j++) {
         const int8_t *p = q + 5 * j;
@@ -192,23 +191,23 @@ static inline uint64_t zero_group_mask(uint64_t x) {
 
 static inline void zre_step(uint8_t *out, int64_t *o_io, int64_t *run_io, uint8_t b) {
     int64_t o = *o_io, run = *run_io;
-    int64_t zero = b == TLC_ZERO_GROUP;
+    int64_t zero = b == THREELC_ZERO_GROUP;
 #if defined(__GNUC__)
     /* Hide zero's value from the optimiser: otherwise GCC turns the selects below into
      * branches on it, which mispredict on gradient data. */
     __asm__("" : "+r"(zero));
 #endif
     /* a literal ends a pending run: emit its code (121 for a run of one) */
-    out[o] = (uint8_t)(run >= 2 ? TLC_RUN_BASE + run : TLC_ZERO_GROUP);
+    out[o] = (uint8_t)(run >= 2 ? THREELC_RUN_BASE + run : THREELC_ZERO_GROUP);
     o += (1 - zero) & (run > 0);
     out[o] = b;
     o += 1 - zero;
     run = (run + 1) & -zero;
     /* a run of 14 is complete: emit 255 */
-    int64_t full = run == TLC_MAX_RUN;
-    out[o] = TLC_RUN_BASE + TLC_MAX_RUN;
+    int64_t full = run == THREELC_MAX_RUN;
+    out[o] = THREELC_RUN_BASE + THREELC_MAX_RUN;
     o += full;
-    run -= TLC_MAX_RUN & -full;
+    run -= THREELC_MAX_RUN & -full;
     *o_io = o;
     *run_io = run;
 }
@@ -225,16 +224,16 @@ static inline void zre_push_bytes(zre_state *st, const uint8_t *in, int64_t m) {
         uint64_t z = zero_group_mask(x);
         if (z == 0) {
             if (run > 0) {
-                out[o++] = (uint8_t)(run >= 2 ? TLC_RUN_BASE + run : TLC_ZERO_GROUP);
+                out[o++] = (uint8_t)(run >= 2 ? THREELC_RUN_BASE + run : THREELC_ZERO_GROUP);
                 run = 0;
             }
             memcpy(out + o, &x, sizeof x);
             o += 8;
         } else if (z == 0x8080808080808080ull) {
             run += 8;
-            if (run >= TLC_MAX_RUN) {
-                out[o++] = TLC_RUN_BASE + TLC_MAX_RUN;
-                run -= TLC_MAX_RUN;
+            if (run >= THREELC_MAX_RUN) {
+                out[o++] = THREELC_RUN_BASE + THREELC_MAX_RUN;
+                run -= THREELC_MAX_RUN;
             }
         } else {
             for (int k = 0; k < 8; k++) zre_step(out, &o, &run, in[i + k]);
@@ -256,8 +255,8 @@ static inline void zre_push_bytes(zre_state *st, const uint8_t *in, int64_t m) {
  * as zre_push_bytes (tests/codecs/test_threelc.py compares the two on random streams). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define TLC_X86_PATHS 1
-#define TLC_ZRE_CHUNK 256 /* input bytes encoded into the stack stage per step */
+#define THREELC_X86_PATHS 1
+#define THREELC_ZRE_CHUNK 256 /* input bytes encoded into the stack stage per step */
 
 typedef struct {
     uint8_t shuffle[16];
@@ -265,13 +264,13 @@ typedef struct {
 } zre_word_row;
 static zre_word_row zre_rows[256];
 static uint8_t zre_row_len[256];
-static int zre_use_words, tlc_use_avx2;
+static int zre_use_words;
 
 /* The code of a pending run of r < 14 zero groups (r = 0: never committed). */
-static const uint8_t zre_run_code[14] = {0,   TLC_ZERO_GROUP, 243, 244, 245, 246, 247,
-                                         248, 249,            250, 251, 252, 253, 254};
+static const uint8_t zre_run_code[14] = {0,   THREELC_ZERO_GROUP, 243, 244, 245, 246, 247,
+                                         248, 249,                250, 251, 252, 253, 254};
 
-__attribute__((constructor)) static void tlc_init_x86_paths(void) {
+__attribute__((constructor)) static void threelc_init_x86_paths(void) {
     for (int m = 0; m < 255; m++) { /* m = 255: no literal */
         zre_word_row *row = &zre_rows[m];
         int first = 0, last = 7, o = 0, run = 0;
@@ -292,16 +291,15 @@ __attribute__((constructor)) static void tlc_init_x86_paths(void) {
     }
     __builtin_cpu_init();
     zre_use_words = __builtin_cpu_supports("ssse3");
-    tlc_use_avx2 = __builtin_cpu_supports("avx2");
 }
 
 /* Emits the pending run of r <= 21 zero groups that a literal ends: 255 if r >= 14, then
  * the code of the rest (branch-free: speculative writes, commits by count). */
 static inline int64_t zre_emit_run(uint8_t *out, int64_t o, int64_t r) {
-    int64_t big = r >= TLC_MAX_RUN;
-    out[o] = TLC_RUN_BASE + TLC_MAX_RUN;
+    int64_t big = r >= THREELC_MAX_RUN;
+    out[o] = THREELC_RUN_BASE + THREELC_MAX_RUN;
     o += big;
-    r -= TLC_MAX_RUN & -big;
+    r -= THREELC_MAX_RUN & -big;
     out[o] = zre_run_code[r];
     return o + (r > 0);
 }
@@ -309,9 +307,9 @@ static inline int64_t zre_emit_run(uint8_t *out, int64_t o, int64_t r) {
 __attribute__((target("ssse3"))) static void zre_push_words(zre_state *st, const uint8_t *in,
                                                             int64_t m) {
     /* a chunk's output: at most its input plus one pending code, plus the 16-byte store */
-    uint8_t stage[TLC_ZRE_CHUNK + 32];
-    for (int64_t c = 0; c < m; c += TLC_ZRE_CHUNK) {
-        const int64_t len = m - c < TLC_ZRE_CHUNK ? m - c : TLC_ZRE_CHUNK;
+    uint8_t stage[THREELC_ZRE_CHUNK + 32];
+    for (int64_t c = 0; c < m; c += THREELC_ZRE_CHUNK) {
+        const int64_t len = m - c < THREELC_ZRE_CHUNK ? m - c : THREELC_ZRE_CHUNK;
         const uint8_t *p = in + c;
         int64_t o = 0, run = st->run, i = 0;
         for (; i + 8 <= len; i += 8) {
@@ -327,10 +325,10 @@ __attribute__((target("ssse3"))) static void zre_push_words(zre_state *st, const
                 run = 0;
             } else if (mask == 0xffu) { /* eight zero groups */
                 run += 8;
-                const int64_t big = run >= TLC_MAX_RUN;
-                stage[o] = TLC_RUN_BASE + TLC_MAX_RUN;
+                const int64_t big = run >= THREELC_MAX_RUN;
+                stage[o] = THREELC_RUN_BASE + THREELC_MAX_RUN;
                 o += big;
-                run -= TLC_MAX_RUN & -big;
+                run -= THREELC_MAX_RUN & -big;
             } else {
                 o = zre_emit_run(stage, o, run + __builtin_ctz(~mask));
                 const zre_word_row *row = &zre_rows[mask];
@@ -352,7 +350,7 @@ __attribute__((target("ssse3"))) static void zre_push_words(zre_state *st, const
 #endif
 
 static inline void zre_push(zre_state *st, const uint8_t *in, int64_t m) {
-#ifdef TLC_X86_PATHS
+#ifdef THREELC_X86_PATHS
     if (zre_use_words) {
         zre_push_words(st, in, m);
         return;
@@ -363,38 +361,39 @@ static inline void zre_push(zre_state *st, const uint8_t *in, int64_t m) {
 
 static inline int64_t zre_finish(zre_state *st) {
     if (st->run > 0)
-        st->out[st->o++] = (uint8_t)(st->run >= 2 ? TLC_RUN_BASE + st->run : TLC_ZERO_GROUP);
+        st->out[st->o++] =
+            (uint8_t)(st->run >= 2 ? THREELC_RUN_BASE + st->run : THREELC_ZERO_GROUP);
     st->run = 0;
     return st->o;
 }
 
 /* Zero-run encoding; out must hold m + 2 bytes (the output is never longer than the
  * input; the 2 bytes are the streaming encoder's slack). Returns the output length. */
-int64_t hvdc_tlc_zre_encode(const uint8_t *in, int64_t m, uint8_t *out) {
+int64_t hvdc_threelc_zre_encode(const uint8_t *in, int64_t m, uint8_t *out) {
     zre_state st = {out, 0, 0};
     zre_push(&st, in, m);
     return zre_finish(&st);
 }
 
-/* hvdc_tlc_zre_encode through the portable byte-at-a-time path (the tests compare it with
- * the word-table path that hvdc_tlc_zre_encode takes on x86-64). */
-int64_t hvdc_tlc_zre_encode_portable(const uint8_t *in, int64_t m, uint8_t *out) {
+/* hvdc_threelc_zre_encode through the portable byte-at-a-time path (the tests compare it with
+ * the word-table path that hvdc_threelc_zre_encode takes on x86-64). */
+int64_t hvdc_threelc_zre_encode_portable(const uint8_t *in, int64_t m, uint8_t *out) {
     zre_state st = {out, 0, 0};
     zre_push_bytes(&st, in, m);
     return zre_finish(&st);
 }
 
 /* The compressor's fused path: quantise with error feedback and zero-run encode,
- * one block of TLC_BLOCK_GROUPS quartic bytes at a time so that the quartic bytes
+ * one block of THREELC_BLOCK_GROUPS quartic bytes at a time so that the quartic bytes
  * never leave L1. out must hold ceil(n / 5) + 2 bytes. Returns the body length.
  * The caller has checked that S is finite (non-finite input never gets here). */
-int64_t hvdc_tlc_encode(const float *g, float *e, float S, int64_t n, uint8_t *out) {
-    uint8_t quartic[TLC_BLOCK_GROUPS];
+int64_t hvdc_threelc_encode(const float *g, float *e, float S, int64_t n, uint8_t *out) {
+    uint8_t quartic[THREELC_BLOCK_GROUPS];
     zre_state st = {out, 0, 0};
-    for (int64_t base = 0; base < n; base += TLC_BLOCK) {
-        int64_t len = n - base < TLC_BLOCK ? n - base : TLC_BLOCK;
-        hvdc_tlc_quantize(g + base, e ? e + base : NULL, e ? e + base : NULL, S, len, NULL,
-                          quartic);
+    for (int64_t base = 0; base < n; base += THREELC_BLOCK) {
+        int64_t len = n - base < THREELC_BLOCK ? n - base : THREELC_BLOCK;
+        hvdc_threelc_quantize(g + base, e ? e + base : NULL, e ? e + base : NULL, S, len, NULL,
+                              quartic);
         zre_push(&st, quartic, (len + 4) / 5);
     }
     return zre_finish(&st);
@@ -405,10 +404,10 @@ int64_t hvdc_tlc_encode(const float *g, float *e, float S, int64_t n, uint8_t *o
  * sixteen bytes a step: an unsigned byte max, then a sum of absolute differences against
  * zero adds each eight into a 64-bit lane (SSE2; a scalar loop with a compare ran at
  * 0.4 ns a byte, 0.65 ms of a 1e7-value 3LC decode). */
-int64_t hvdc_tlc_zre_decoded_len(const uint8_t *in, int64_t len) {
+int64_t hvdc_threelc_zre_decoded_len(const uint8_t *in, int64_t len) {
     int64_t total = 0, i = 0;
-#ifdef TLC_X86_PATHS
-    const __m128i floor = _mm_set1_epi8((char)TLC_MAX_QUARTIC), zero = _mm_setzero_si128();
+#ifdef THREELC_X86_PATHS
+    const __m128i floor = _mm_set1_epi8((char)THREELC_MAX_QUARTIC), zero = _mm_setzero_si128();
     __m128i sums = zero;
     for (; i + 16 <= len; i += 16) {
         const __m128i b = _mm_max_epu8(_mm_loadu_si128((const __m128i *)(const void *)(in + i)),
@@ -416,29 +415,29 @@ int64_t hvdc_tlc_zre_decoded_len(const uint8_t *in, int64_t len) {
         sums = _mm_add_epi64(sums, _mm_sad_epu8(b, zero));
     }
     total = _mm_cvtsi128_si64(sums) + _mm_cvtsi128_si64(_mm_unpackhi_epi64(sums, sums)) -
-            i * TLC_RUN_BASE;
+            i * THREELC_RUN_BASE;
 #endif
-    for (; i < len; i++) total += in[i] > TLC_MAX_QUARTIC ? in[i] - TLC_RUN_BASE : 1;
+    for (; i < len; i++) total += in[i] > THREELC_MAX_QUARTIC ? in[i] - THREELC_RUN_BASE : 1;
     return total;
 }
 
-/* Zero-run decoding into exactly m bytes. Returns m, or TLC_ERR_LENGTH (and
+/* Zero-run decoding into exactly m bytes. Returns m, or THREELC_ERR_LENGTH (and
  * writes nothing past out[m - 1]) when the input does not expand to m bytes. */
-int64_t hvdc_tlc_zre_decode(const uint8_t *in, int64_t len, uint8_t *out, int64_t m) {
+int64_t hvdc_threelc_zre_decode(const uint8_t *in, int64_t len, uint8_t *out, int64_t m) {
     int64_t o = 0;
     for (int64_t i = 0; i < len; i++) {
         uint8_t b = in[i];
-        if (b > TLC_MAX_QUARTIC) {
-            int64_t r = b - TLC_RUN_BASE;
-            if (o + r > m) return TLC_ERR_LENGTH;
-            memset(out + o, TLC_ZERO_GROUP, (size_t)r);
+        if (b > THREELC_MAX_QUARTIC) {
+            int64_t r = b - THREELC_RUN_BASE;
+            if (o + r > m) return THREELC_ERR_LENGTH;
+            memset(out + o, THREELC_ZERO_GROUP, (size_t)r);
             o += r;
         } else {
-            if (o >= m) return TLC_ERR_LENGTH;
+            if (o >= m) return THREELC_ERR_LENGTH;
             out[o++] = b;
         }
     }
-    return o == m ? m : TLC_ERR_LENGTH;
+    return o == m ? m : THREELC_ERR_LENGTH;
 }
 
 /* Checks that quartic[0..ceil(n/5)) are valid: every byte <= 242 and the padding
@@ -447,12 +446,12 @@ static int64_t check_quartic(const uint8_t *quartic, int64_t n) {
     int64_t m = (n + 4) / 5;
     uint8_t worst = 0;
     for (int64_t j = 0; j < m; j++) worst = quartic[j] > worst ? quartic[j] : worst;
-    if (worst > TLC_MAX_QUARTIC) return TLC_ERR_BYTE;
+    if (worst > THREELC_MAX_QUARTIC) return THREELC_ERR_BYTE;
     if (n % 5) {
         int b = quartic[m - 1];
         static const int pow3[5] = {81, 27, 9, 3, 1};
         for (int k = 4; k >= (int)(n % 5); k--)
-            if ((b / pow3[k]) % 3 != 1) return TLC_ERR_PADDING;
+            if ((b / pow3[k]) % 3 != 1) return THREELC_ERR_PADDING;
     }
     return 0;
 }
@@ -471,7 +470,7 @@ static void scaled_groups(float S, float table[243][5]) {
 }
 
 /* int8 digits of n elements from quartic bytes (public building block). */
-int64_t hvdc_tlc_quartic_decode(const uint8_t *quartic, int64_t n, int8_t *q) {
+int64_t hvdc_threelc_quartic_decode(const uint8_t *quartic, int64_t n, int8_t *q) {
     int64_t err = check_quartic(quartic, n);
     if (err) return err;
     int64_t full = n / 5;
@@ -495,8 +494,8 @@ int64_t hvdc_tlc_quartic_decode(const uint8_t *quartic, int64_t n, int8_t *q) {
  * A table of the 243 possible groups, already scaled, turns each byte into one
  * 20-byte copy (or five adds). Returns 0 or a negative error, with out untouched
  * on error. */
-int64_t hvdc_tlc_dequantize(const uint8_t *quartic, int64_t n, float S, float *out,
-                            int accumulate) {
+int64_t hvdc_threelc_dequantize(const uint8_t *quartic, int64_t n, float S, float *out,
+                                int accumulate) {
     int64_t err = check_quartic(quartic, n);
     if (err) return err;
     float table[243][5];
@@ -530,14 +529,14 @@ int64_t hvdc_tlc_dequantize(const uint8_t *quartic, int64_t n, float S, float *o
  * only in sparse payloads, where it comes in long streaks) is skipped by a branch without
  * touching out. Only the last group, when n is not a multiple of 5, is added element by
  * element (its row reaches past out[n - 1]). */
-static void tlc_decode_add(const uint8_t *body, int64_t len, int64_t n, const float rows[256][5],
-                           const uint8_t advance[256], float *out) {
+static void threelc_decode_add(const uint8_t *body, int64_t len, int64_t n,
+                               const float rows[256][5], const uint8_t advance[256], float *out) {
     const int64_t whole = n / 5; /* groups with five elements inside out */
     int64_t j = 0, i = 0;
     for (; i < len && j < whole; i++) {
         const uint8_t b = body[i]; /* read once: out's stores may alias it for the compiler */
-        if (b == TLC_RUN_BASE + TLC_MAX_RUN) {
-            j += TLC_MAX_RUN;
+        if (b == THREELC_RUN_BASE + THREELC_MAX_RUN) {
+            j += THREELC_MAX_RUN;
             continue;
         }
         const float *t = rows[b];
@@ -549,36 +548,36 @@ static void tlc_decode_add(const uint8_t *body, int64_t len, int64_t n, const fl
         o[4] = o[4] + t[4];
         j += advance[b];
     }
-    if (i < len && body[i] <= TLC_MAX_QUARTIC) /* the partial last group, a literal */
+    if (i < len && body[i] <= THREELC_MAX_QUARTIC) /* the partial last group, a literal */
         for (int64_t k = 0; k < n - 5 * j; k++) out[5 * j + k] += rows[body[i]][k];
 }
 
 /* Fused zero-run decode + dequantize without materialising the quartic bytes:
  * a run byte writes 5 * r zeros directly (accumulating: leaves them as they are, see
- * tlc_decode_add). Validates as
- * hvdc_tlc_zre_decode + hvdc_tlc_dequantize do, before writing anything. */
-int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, float *out,
-                        int accumulate) {
+ * threelc_decode_add). Validates as
+ * hvdc_threelc_zre_decode + hvdc_threelc_dequantize do, before writing anything. */
+int64_t hvdc_threelc_decode(const uint8_t *body, int64_t len, int64_t n, float S, float *out,
+                            int accumulate) {
     int64_t m = (n + 4) / 5;
-    if (hvdc_tlc_zre_decoded_len(body, len) != m) return TLC_ERR_LENGTH;
+    if (hvdc_threelc_zre_decoded_len(body, len) != m) return THREELC_ERR_LENGTH;
     /* The last quartic byte is either the last literal body byte or a zero group
      * (valid padding): check the padding before any write. */
-    if (n % 5 && len > 0 && body[len - 1] <= TLC_MAX_QUARTIC) {
+    if (n % 5 && len > 0 && body[len - 1] <= THREELC_MAX_QUARTIC) {
         int b = body[len - 1];
         static const int pow3[5] = {81, 27, 9, 3, 1};
         for (int k = 4; k >= (int)(n % 5); k--)
-            if ((b / pow3[k]) % 3 != 1) return TLC_ERR_PADDING;
+            if ((b / pow3[k]) % 3 != 1) return THREELC_ERR_PADDING;
     }
     if (accumulate) {
         float rows[256][5];
         uint8_t advance[256];
         scaled_groups(S, rows);
         for (int b = 0; b < 256; b++) {
-            advance[b] = (uint8_t)(b > TLC_MAX_QUARTIC ? b - TLC_RUN_BASE : 1);
-            if (b > TLC_MAX_QUARTIC) /* a run: adds -0.0, the identity */
+            advance[b] = (uint8_t)(b > THREELC_MAX_QUARTIC ? b - THREELC_RUN_BASE : 1);
+            if (b > THREELC_MAX_QUARTIC) /* a run: adds -0.0, the identity */
                 for (int k = 0; k < 5; k++) rows[b][k] = -0.0f;
         }
-        tlc_decode_add(body, len, n, rows, advance, out);
+        threelc_decode_add(body, len, n, rows, advance, out);
         return 0;
     }
     float table[243][5];
@@ -586,8 +585,8 @@ int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, fl
     int64_t j = 0; /* quartic group index */
     for (int64_t i = 0; i < len; i++) {
         uint8_t b = body[i];
-        if (b > TLC_MAX_QUARTIC) { /* a run of r zero groups: +0.0f is S * 0 */
-            int64_t r = b - TLC_RUN_BASE;
+        if (b > THREELC_MAX_QUARTIC) { /* a run of r zero groups: +0.0f is S * 0 */
+            int64_t r = b - THREELC_RUN_BASE;
             if (!accumulate) {
                 int64_t hi = 5 * (j + r) < n ? 5 * (j + r) : n;
                 memset(out + 5 * j, 0, (size_t)(hi - 5 * j) * sizeof(float));
@@ -609,121 +608,39 @@ int64_t hvdc_tlc_decode(const uint8_t *body, int64_t len, int64_t n, float S, fl
     return 0;
 }
 
-/* The payload checksum in 64-bit lanes (the portable path): the 64-bit product
- * (offset + j) * golden advances by golden each byte (an induction variable, modulo 2^64
- * like the product), so no lane multiplies 64-bit numbers. */
-TLC_VECTOR static uint32_t checksum_lanes64(const uint8_t *buf, int64_t len, int64_t offset) {
-    uint32_t sum = 0;
-    uint64_t product = (uint64_t)offset * TLC_GOLDEN;
-    for (int64_t j = 0; j < len; j++) {
-        sum += (uint32_t)(buf[j] + 1) * ((uint32_t)(product >> 32) | 1u);
-        product += TLC_GOLDEN;
-    }
-    return sum;
-}
-
-#ifdef TLC_X86_PATHS
-/* The AVX2 checksum: eight positions per vector with the 64-bit product kept as two 32-bit
- * lanes (low, high) and the carry of the low add taken by an unsigned compare, so that
- * every multiply is a 32-bit one (AVX2 has no 64-bit lane multiply, and 64-bit lanes hold
- * only four positions). Two vectors of positions (sixteen bytes) a step, each stepping by
- * 16 golden, so that the two chains of the product's update (add, compare, subtract) run
- * side by side (one vector a step: 0.77 ms for 1.56 MB). Integer math mod 2^32: the same
- * sum as checksum_lanes64. */
-__attribute__((target("avx2"))) static uint32_t checksum_avx2(const uint8_t *buf, int64_t len,
-                                                              int64_t offset) {
-    const int64_t vec = len / 16 * 16;
-    uint32_t sum = 0;
-    if (vec > 0) {
-        uint32_t lo0[16], hi0[16];
-        for (int k = 0; k < 16; k++) {
-            const uint64_t p = (uint64_t)(offset + k) * TLC_GOLDEN;
-            lo0[k] = (uint32_t)p;
-            hi0[k] = (uint32_t)(p >> 32);
-        }
-        const uint64_t step = 16 * TLC_GOLDEN;
-        const __m256i step_lo = _mm256_set1_epi32((int)(uint32_t)step);
-        const __m256i step_hi = _mm256_set1_epi32((int)(uint32_t)(step >> 32));
-        const __m256i flip = _mm256_set1_epi32((int)0x80000000u); /* unsigned compare */
-        const __m256i step_lo_flipped = _mm256_xor_si256(step_lo, flip);
-        const __m256i one = _mm256_set1_epi32(1);
-        __m256i lo[2], hi[2], acc[2];
-        for (int h = 0; h < 2; h++) {
-            lo[h] = _mm256_loadu_si256((const __m256i *)(const void *)(lo0 + 8 * h));
-            hi[h] = _mm256_loadu_si256((const __m256i *)(const void *)(hi0 + 8 * h));
-            acc[h] = _mm256_setzero_si256();
-        }
-        for (int64_t j = 0; j < vec; j += 16) {
-            for (int h = 0; h < 2; h++) {
-                const __m256i b = _mm256_cvtepu8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(const void *)(buf + j + 8 * h)));
-                const __m256i weight = _mm256_or_si256(hi[h], one);
-                acc[h] = _mm256_add_epi32(acc[h],
-                                          _mm256_mullo_epi32(_mm256_add_epi32(b, one), weight));
-                /* product += 16 golden: low add, carry = (new low < step low) unsigned */
-                lo[h] = _mm256_add_epi32(lo[h], step_lo);
-                const __m256i carry = _mm256_cmpgt_epi32(
-                    step_lo_flipped, _mm256_xor_si256(lo[h], flip)); /* -1 or 0 */
-                hi[h] = _mm256_sub_epi32(_mm256_add_epi32(hi[h], step_hi), carry);
-            }
-        }
-        uint32_t lanes[8];
-        _mm256_storeu_si256((__m256i *)(void *)lanes, _mm256_add_epi32(acc[0], acc[1]));
-        for (int k = 0; k < 8; k++) sum += lanes[k];
-    }
-    return sum + checksum_lanes64(buf + vec, len - vec, offset + vec);
-}
-#endif
-
-/* Payload checksum of buf[0..len) placed at payload position offset (see wire.py):
- * sum of (b + 1) * mix(offset + j) modulo 2^32 (integer sums in any order: vectorised). */
-uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offset) {
-#ifdef TLC_X86_PATHS
-    if (tlc_use_avx2) return checksum_avx2(buf, len, offset);
-#endif
-    return checksum_lanes64(buf, len, offset);
-}
-
-/* The checksums of `count` payloads inside one buffer (a bucket's frame): out[p] is
- * hvdc_checksum(buf + starts[p], lens[p], 0). One call per bucket instead of per payload. */
-void hvdc_checksum_segments(const uint8_t *buf, int64_t count, const int64_t *starts,
-                            const int64_t *lens, uint32_t *out) {
-    for (int64_t p = 0; p < count; p++) out[p] = hvdc_checksum(buf + starts[p], lens[p], 0);
-}
-
-/* hvdc_tlc_absmax_bits, hvdc_tlc_scale and hvdc_tlc_encode of `count` tensors in one call
- * (a bucket). Tensor p: ns[p] floats at address gs[p], its residual at es[p] (0: none),
+/* hvdc_threelc_absmax_bits, hvdc_threelc_scale and hvdc_threelc_encode of `count` tensors in
+ * one call (a bucket). Tensor p: ns[p] floats at address gs[p], its residual at es[p] (0: none),
  * sparsity sparsities[p]; its body goes to out + out_starts[p] (room for ceil(ns[p] / 5)
  * + 2 bytes). Reported per tensor: scales[p] (S) and lens[p] (the body length), or
  * lens[p] = -1 when the input or S is not finite (residual untouched, nothing written). */
-void hvdc_tlc_encode_segments(int64_t count, const uint64_t *gs, const uint64_t *es,
-                              const int64_t *ns, const float *sparsities, uint8_t *out,
-                              const int64_t *out_starts, float *scales, int64_t *lens) {
+void hvdc_threelc_encode_segments(int64_t count, const uint64_t *gs, const uint64_t *es,
+                                  const int64_t *ns, const float *sparsities, uint8_t *out,
+                                  const int64_t *out_starts, float *scales, int64_t *lens) {
     for (int64_t p = 0; p < count; p++) {
         const float *g = (const float *)(uintptr_t)gs[p];
         float *e = (float *)(uintptr_t)es[p];
-        uint32_t bits = hvdc_tlc_absmax_bits(g, e, ns[p]);
-        float S = bits >= 0x7f800000u ? INFINITY : hvdc_tlc_scale(bits, sparsities[p]);
+        uint32_t bits = hvdc_threelc_absmax_bits(g, e, ns[p]);
+        float S = bits >= 0x7f800000u ? INFINITY : hvdc_threelc_scale(bits, sparsities[p]);
         if (!isfinite(S)) {
             scales[p] = 0.0f;
             lens[p] = -1;
             continue;
         }
         scales[p] = S;
-        lens[p] = hvdc_tlc_encode(g, e, S, ns[p], out + out_starts[p]);
+        lens[p] = hvdc_threelc_encode(g, e, S, ns[p], out + out_starts[p]);
     }
 }
 
-/* hvdc_tlc_decode (accumulating) of `count` bodies in one call: body p is lens[p] bytes at
+/* hvdc_threelc_decode (accumulating) of `count` bodies in one call: body p is lens[p] bytes at
  * body + starts[p], ns[p] values with scale scales[p], added into the floats at address
  * outs[p]. Returns -1 - p for the first body p that does not decode (bodies before it are
  * added, its output is untouched) with its error code in *code, else 0. */
-int64_t hvdc_tlc_decode_segments(int64_t count, const uint8_t *body, const int64_t *starts,
-                                 const int64_t *lens, const int64_t *ns, const float *scales,
-                                 const uint64_t *outs, int64_t *code) {
+int64_t hvdc_threelc_decode_segments(int64_t count, const uint8_t *body, const int64_t *starts,
+                                     const int64_t *lens, const int64_t *ns, const float *scales,
+                                     const uint64_t *outs, int64_t *code) {
     for (int64_t p = 0; p < count; p++) {
-        int64_t rc = hvdc_tlc_decode(body + starts[p], lens[p], ns[p], scales[p],
-                                     (float *)(uintptr_t)outs[p], 1);
+        int64_t rc = hvdc_threelc_decode(body + starts[p], lens[p], ns[p], scales[p],
+                                         (float *)(uintptr_t)outs[p], 1);
         if (rc < 0) {
             *code = rc;
             return -1 - p;

@@ -74,12 +74,12 @@ def test_quick_run_measures_wire_bytes(tmp_path):
         assert r["step_s"] > 0
     n = 2
     for rate in ("1gbit", "unlimited"):
-        none, tlc = rows[(rate, "none")], rows[(rate, "3lc")]
+        none, threelc = rows[(rate, "none")], rows[(rate, "3lc")]
         # ring allreduce: each rank sends 2(n-1)/n of the float32 gradient; the loopback
         # carries every rank's sends (plus TCP/IP headers and the barriers)
         theory = 2 * (n - 1) / n * none["params"] * 4 * n
         assert 0.9 * theory < none["measured_bytes_per_step"] < 1.5 * theory, none
-        assert tlc["measured_bytes_per_step"] * 10 < none["measured_bytes_per_step"], tlc
+        assert threelc["measured_bytes_per_step"] * 10 < none["measured_bytes_per_step"], threelc
         assert none["speedup_vs_none"] == pytest.approx(1.0)
     assert "netem" in data["meta"]["latency"]
     assert (out / "bench_network.md").read_text().count("| gloo | 2 |") == 4

@@ -90,10 +90,10 @@ def test_compat_classes():
     half, ctx = hvdcompress.Compression.fp16.compress(t)
     assert half.dtype == torch.float16
     assert hvdcompress.Compression.fp16.decompress(half, ctx).dtype == torch.float32
-    tlc = hvdcompress.Compression.threelc(sparsity=1.5)
-    assert repr(tlc.make_compressor()) == "ThreeLC(sparsity=1.5)"
+    threelc = hvdcompress.Compression.threelc(sparsity=1.5)
+    assert repr(threelc.make_compressor()) == "ThreeLC(sparsity=1.5)"
     with pytest.raises(TypeError, match="hvdcompress.DistributedOptimizer"):
-        tlc.compress(t)
+        threelc.compress(t)
     with pytest.raises(ValueError):
         hvdcompress.Compression.threelc(sparsity=2.5)
     with pytest.raises(TypeError, match="not a compressor"):

@@ -16,7 +16,7 @@ from tests.helpers import comp
 from tests.reference import DESIGN_VECTORS, DESIGN_X
 
 
-def tlc(sparsity=1.0):
+def threelc_compressor(sparsity=1.0):
     return comp("3lc", sparsity=sparsity)
 
 
@@ -110,8 +110,8 @@ def test_zero_run_encode_word_path_matches_oracle_and_portable_path(zero_fractio
                 start = int(rng.integers(0, m - 40))
                 quartic[start : start + int(rng.integers(13, 40))] = threelc.ZERO_GROUP
             expected = reference.zre(quartic).tobytes()
-            assert _zre_through(LIB.hvdc_tlc_zre_encode, quartic) == expected, (m, quartic)
-            assert _zre_through(LIB.hvdc_tlc_zre_encode_portable, quartic) == expected
+            assert _zre_through(LIB.hvdc_threelc_zre_encode, quartic) == expected, (m, quartic)
+            assert _zre_through(LIB.hvdc_threelc_zre_encode_portable, quartic) == expected
 
 
 @pytest.mark.parametrize(
@@ -252,7 +252,7 @@ def test_size_math_is_64_bit():
     lib = __import__("hvdcompress.backends.cpu", fromlist=["LIB"]).LIB
     run = torch.tensor([255], dtype=torch.uint8)
     # 2^34 fake run bytes would decode to 14 * 2^34 > 2^32 groups: the length count is int64.
-    assert lib.hvdc_tlc_zre_decoded_len(run.data_ptr(), 1) == 14
+    assert lib.hvdc_threelc_zre_decoded_len(run.data_ptr(), 1) == 14
 
 
 def test_zero_run_decoded_length_counts_every_byte():
@@ -264,7 +264,7 @@ def test_zero_run_decoded_length_counts_every_byte():
         body = rng.integers(0, 256, length, dtype=np.uint8)
         body[rng.random(length) < 0.5] = 255  # runs and literals both common
         want = int(np.where(body > 242, body.astype(np.int64) - 241, 1).sum())
-        got = lib.hvdc_tlc_zre_decoded_len(body.ctypes.data, length)
+        got = lib.hvdc_threelc_zre_decoded_len(body.ctypes.data, length)
         assert got == want, length
 
 
@@ -283,7 +283,7 @@ def test_decode_indexes_past_2_to_the_31_groups():
     real = torch.zeros(5)
     fake_out = real.data_ptr() - 4 * 5 * head  # address arithmetic only; never dereferenced
     lib = __import__("hvdcompress.backends.cpu", fromlist=["LIB"]).LIB
-    assert lib.hvdc_tlc_decode(body.data_ptr(), body.numel(), n, 2.0, fake_out, 1) == 0
+    assert lib.hvdc_threelc_decode(body.data_ptr(), body.numel(), n, 2.0, fake_out, 1) == 0
     assert real.tolist() == [2.0, 0.0, 0.0, 0.0, -2.0]
 
 
@@ -302,10 +302,10 @@ def test_building_blocks_reject_values_outside_their_alphabet():
 def test_roundtrip_shape_dtype(shape, dtype):
     torch.manual_seed(0)
     x = torch.randn(shape).to(dtype)
-    c = tlc()
+    c = threelc_compressor()
     payload, ctx = c.compress(x, "t")
     assert payload.dtype == torch.uint8 and payload.dim() == 1
-    for out in (c.decompress(payload, ctx), tlc().decode(payload)):
+    for out in (c.decompress(payload, ctx), threelc_compressor().decode(payload)):
         assert out.shape == x.shape and out.dtype == dtype
     # math in float32: the decoded value plus the new residual is the float32 input
     if x.numel():
@@ -319,7 +319,7 @@ def test_roundtrip_shape_dtype(shape, dtype):
 def test_payload_bytes_match_oracle_and_header():
     rng = np.random.default_rng(1)
     g = rng.standard_normal((20, 51)).astype(np.float32)
-    c = tlc(1.75)
+    c = threelc_compressor(1.75)
     payload, _ = c.compress(torch.from_numpy(g), "w")
     zre, scale, _ = reference.encode(g.reshape(-1), np.zeros(g.size, np.float32), 1.75)
     header, raw = c.read_header(payload)
@@ -333,15 +333,15 @@ def test_non_contiguous_input():
     base = torch.randn(64, 48)
     x = base.t()[::2]
     assert not x.is_contiguous()
-    a, ctx = tlc().compress(x, "nc")
-    b, _ = tlc().compress(x.contiguous(), "nc")
+    a, ctx = threelc_compressor().compress(x, "nc")
+    b, _ = threelc_compressor().compress(x.contiguous(), "nc")
     assert torch.equal(a, b)
-    assert tlc().decompress(a, ctx).shape == x.shape
+    assert threelc_compressor().decompress(a, ctx).shape == x.shape
 
 
 def test_error_feedback_accumulates_what_was_dropped():
     torch.manual_seed(3)
-    c = tlc(1.5)
+    c = threelc_compressor(1.5)
     total_true, total_sent = torch.zeros(5000), torch.zeros(5000)
     for _ in range(30):
         g = torch.randn(5000)
@@ -356,7 +356,7 @@ def test_error_feedback_accumulates_what_was_dropped():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_nonfinite_gives_all_nan_and_keeps_residual(bad):
-    c = tlc()
+    c = threelc_compressor()
     c.compress(torch.randn(100), "g")
     before = c.memory.residuals["g"].clone()
     x = torch.randn(100)
@@ -368,14 +368,14 @@ def test_nonfinite_gives_all_nan_and_keeps_residual(bad):
     assert out.shape == x.shape and torch.isnan(out).all()
     assert torch.equal(c.memory.residuals["g"], before)
     acc = torch.zeros(100)
-    assert torch.isnan(tlc().decode(payload, out=acc, accumulate=True)).all()
+    assert torch.isnan(threelc_compressor().decode(payload, out=acc, accumulate=True)).all()
 
 
 def test_scale_overflow_is_treated_as_nonfinite():
     x = torch.tensor([3.0e38, 1.0])  # finite, but 1.9 * 3e38 overflows float32
-    payload, ctx = tlc(1.9).compress(x, "big")
-    assert tlc(1.9).read_header(payload)[0].nonfinite
-    assert torch.isnan(tlc(1.9).decompress(payload, ctx)).all()
+    payload, ctx = threelc_compressor(1.9).compress(x, "big")
+    assert threelc_compressor(1.9).read_header(payload)[0].nonfinite
+    assert torch.isnan(threelc_compressor(1.9).decompress(payload, ctx)).all()
 
 
 def test_gradscaler_skips_the_step_on_nonfinite_gradient():
@@ -383,7 +383,7 @@ def test_gradscaler_skips_the_step_on_nonfinite_gradient():
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
-    c = tlc()
+    c = threelc_compressor()
     before = [p.detach().clone() for p in model.parameters()]
     loss = model(torch.randn(3, 4)).sum()
     scaler.scale(loss).backward()
@@ -407,13 +407,13 @@ def test_gradscaler_skips_the_step_on_nonfinite_gradient():
 
 def test_state_dict_roundtrip_is_exact():
     torch.manual_seed(5)
-    a = tlc(1.25)
+    a = threelc_compressor(1.25)
     grads = [torch.randn(300) for _ in range(6)]
     for g in grads[:3]:
         a.compress(g, "p")
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
-    b = tlc(1.25)
+    b = threelc_compressor(1.25)
     buf.seek(0)
     b.load_state_dict(torch.load(buf))
     for g in grads[3:]:
@@ -421,4 +421,4 @@ def test_state_dict_roundtrip_is_exact():
         pb, _ = b.compress(g, "p")
         assert torch.equal(pa, pb)
     with pytest.raises(ValueError, match="sparsity"):
-        tlc(1.5).load_state_dict(a.state_dict())
+        threelc_compressor(1.5).load_state_dict(a.state_dict())

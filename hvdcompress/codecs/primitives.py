@@ -197,7 +197,7 @@ def absmax(x: torch.Tensor) -> float:
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
         from hvdcompress.backends import cpu
 
-        bits = cpu.LIB.hvdc_tlc_absmax_bits(x.data_ptr(), None, x.numel())
+        bits = cpu.LIB.hvdc_threelc_absmax_bits(x.data_ptr(), None, x.numel())
         return struct.unpack("<f", struct.pack("<I", bits))[0]
     return float(x.abs().amax())
 
@@ -209,7 +209,8 @@ def sum_finite(g: torch.Tensor, e: torch.Tensor) -> bool:
         from hvdcompress.backends import cpu
 
         return (
-            cpu.LIB.hvdc_tlc_absmax_bits(g.data_ptr(), e.data_ptr(), g.numel()) < cpu.NONFINITE_BITS
+            cpu.LIB.hvdc_threelc_absmax_bits(g.data_ptr(), e.data_ptr(), g.numel())
+            < cpu.NONFINITE_BITS
         )
     return bool(torch.isfinite(g + e).all())
 

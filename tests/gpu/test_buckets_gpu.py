@@ -616,7 +616,7 @@ def check_randomk_encode_segments(s: Setup, ratio: float = 0.1, ef: bool = True)
 
 
 def check_gspar_encode_segments(s: Setup, ratio: float = 0.1, ef: bool = True) -> None:
-    """GSpar's bucket encode (kernels/quant.cu section 11: every tensor's scale iteration
+    """GSpar's bucket encode (kernels/sparse.cu, "GSpar's buckets": every tensor's scale iteration
     at once, a read a round) gives the CPU's bodies, non-finite flags and, with error
     feedback, residuals, step after step; at ratio 1 a tensor's budget reaches its
     non-zero count and every non-zero entry is kept. Spikes (every 37th entry of the big

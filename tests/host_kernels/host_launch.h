@@ -10,6 +10,7 @@
 //                                void** params)
 //     {
 //         HOST_THREELC_KERNELS
+//         HOST_FRAME_KERNELS
 //         return -1;  // an unknown name
 //     }
 #ifndef HVDCOMPRESS_TESTS_HOST_LAUNCH_H
@@ -52,8 +53,8 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
 
 }  // namespace
 
-// The kernels of each family (hvdcompress/backends/cuda.py: THREELC, PRIMITIVES, SIGN,
-// QUANT, SPARSE).
+// The kernels of each family (hvdcompress/backends/cuda/_runtime.py: THREELC, FRAME,
+// PRIMITIVES, SIGN, QUANT, SPARSE).
 #define HOST_THREELC_KERNELS                  \
     HOST_KERNEL(threelc_absmax)               \
     HOST_KERNEL(threelc_quantize_quartic)     \
@@ -66,13 +67,14 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(threelc_zre_expand)           \
     HOST_KERNEL(threelc_quartic_decode_scale) \
     HOST_KERNEL(threelc_quartic_decode)       \
-    HOST_KERNEL(hvd_checksum)                 \
     HOST_KERNEL(threelc_absmax_segments)      \
     HOST_KERNEL(threelc_quantize_quartic_segments) \
     HOST_KERNEL(threelc_zre_run_starts_segments)   \
     HOST_KERNEL(threelc_zre_scatter_segments)      \
     HOST_KERNEL(threelc_zre_decode_check_segments) \
-    HOST_KERNEL(threelc_quartic_decode_add_segments) \
+    HOST_KERNEL(threelc_quartic_decode_add_segments)
+#define HOST_FRAME_KERNELS                    \
+    HOST_KERNEL(hvd_checksum)                 \
     HOST_KERNEL(hvd_checksum_segments)        \
     HOST_KERNEL(hvd_checksum_store)           \
     HOST_KERNEL(hvd_frame_table)              \
@@ -110,18 +112,7 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(quant_packed_decode_add_segments) \
     HOST_KERNEL(quant_dqsg_quartic_segments)      \
     HOST_KERNEL(quant_dqsg_deltas_check_segments) \
-    HOST_KERNEL(quant_dqsg_quartic_decode_add_segments) \
-    HOST_KERNEL(quant_randomk_flags_segments)     \
-    HOST_KERNEL(quant_randomk_check_segments)     \
-    HOST_KERNEL(quant_randomk_add_segments)       \
-    HOST_KERNEL(quant_randomk_count_segments)     \
-    HOST_KERNEL(quant_randomk_gather_segments)    \
-    HOST_KERNEL(quant_gspar_prepare_segments)     \
-    HOST_KERNEL(quant_gspar_form_segments)        \
-    HOST_KERNEL(quant_gspar_round_segments)       \
-    HOST_KERNEL(quant_gspar_flags_segments)       \
-    HOST_KERNEL(quant_gspar_count_segments)       \
-    HOST_KERNEL(quant_gspar_gather_segments)
+    HOST_KERNEL(quant_dqsg_quartic_decode_add_segments)
 #define HOST_SPARSE_KERNELS                \
     HOST_KERNEL(sparse_topk_check_segments) \
     HOST_KERNEL(sparse_topk_add_segments)   \
@@ -132,7 +123,18 @@ void launch_params(void (*k)(P...), unsigned int grid, unsigned int block, void*
     HOST_KERNEL(sparse_topk_ties_segments)  \
     HOST_KERNEL(sparse_topk_keep_segments)  \
     HOST_KERNEL(sparse_topk_gather_segments) \
-    HOST_KERNEL(sparse_topkq_write_segments)
+    HOST_KERNEL(sparse_topkq_write_segments) \
+    HOST_KERNEL(quant_randomk_flags_segments) \
+    HOST_KERNEL(quant_randomk_check_segments) \
+    HOST_KERNEL(quant_randomk_add_segments)   \
+    HOST_KERNEL(quant_randomk_count_segments) \
+    HOST_KERNEL(quant_randomk_gather_segments) \
+    HOST_KERNEL(quant_gspar_prepare_segments) \
+    HOST_KERNEL(quant_gspar_form_segments)    \
+    HOST_KERNEL(quant_gspar_round_segments)   \
+    HOST_KERNEL(quant_gspar_flags_segments)   \
+    HOST_KERNEL(quant_gspar_count_segments)   \
+    HOST_KERNEL(quant_gspar_gather_segments)
 
 #define HOST_KERNEL(k)                         \
     if (strcmp(name, #k) == 0) {               \

@@ -1,6 +1,7 @@
 // Host build of kernels/primitives.cu (with kernels/threelc.cu, whose quartic and zero-run
-// kernels terngrad and dqsg reuse, and whose checksum kernel every payload uses, the
-// single-pass codec families kernels/sign.cu and kernels/quant.cu, and kernels/sparse.cu)
+// kernels terngrad and dqsg reuse, kernels/frame.cu, whose checksum kernels every payload
+// uses, the single-pass codec families kernels/sign.cu and kernels/quant.cu, and
+// kernels/sparse.cu)
 // through kernels/cuda_host.h, behind a small C ABI for ctypes, used by
 // tests/host_kernels/test_primitive_kernels.py: direct wrappers of each primitive kernel,
 // and host_launch (host_launch.h), a cuLaunchKernel-style entry for the stand-in for CuPy
@@ -9,6 +10,7 @@
 // Build (tests/host_kernels/conftest.py): g++ with HOST_CXX_FLAGS of hvdcompress/_native.py
 //     -shared -fPIC -I kernels tests/host_kernels/host_primitives.cpp -o libhost_primitives.so
 #include "threelc.cu"
+#include "frame.cu"
 #include "primitives.cu"
 #include "sign.cu"
 #include "quant.cu"
@@ -22,6 +24,7 @@ extern "C" {
 int host_launch(const char* name, unsigned int grid, unsigned int block, void** params)
 {
     HOST_THREELC_KERNELS
+    HOST_FRAME_KERNELS
     HOST_PRIMITIVES_KERNELS
     HOST_SIGN_KERNELS
     HOST_QUANT_KERNELS

@@ -1,12 +1,13 @@
-// Host build of kernels/threelc.cu (through kernels/cuda_host.h) behind a small C ABI for
-// ctypes, used by tests/host_kernels/test_threelc_kernels.py. Each host_* function runs the
-// same kernel sequence as hvdcompress/backends/cuda.py, with the scans (torch.cummax /
-// torch.cumsum there) done sequentially here; host_launch (host_launch.h) runs one kernel
-// for the stand-in for CuPy.
+// Host build of kernels/threelc.cu and kernels/frame.cu (through kernels/cuda_host.h) behind
+// a small C ABI for ctypes, used by tests/host_kernels/test_threelc_kernels.py. Each host_*
+// function runs the same kernel sequence as hvdcompress/backends/cuda, with the scans
+// (torch.cummax / torch.cumsum there) done sequentially here; host_launch (host_launch.h)
+// runs one kernel for the stand-in for CuPy.
 //
 // Build (tests/host_kernels/conftest.py): g++ with HOST_CXX_FLAGS of hvdcompress/_native.py
 //     -shared -fPIC -I kernels tests/host_kernels/host_threelc.cpp -o libhost_threelc.so
 #include "threelc.cu"
+#include "frame.cu"
 
 #include "host_launch.h"
 
@@ -64,6 +65,7 @@ extern "C" {
 int host_launch(const char* name, unsigned int grid, unsigned int block, void** params)
 {
     HOST_THREELC_KERNELS
+    HOST_FRAME_KERNELS
     return -1;
 }
 

@@ -1,6 +1,6 @@
-// 64-bit index check of kernels/threelc.cu (its bucket kernels too), kernels/primitives.cu
-// and the element-wise kernels of kernels/sign.cu and kernels/quant.cu, run on the host
-// (tests/host_kernels/test_threelc_kernels.py).
+// 64-bit index check of kernels/threelc.cu (its bucket kernels too), kernels/frame.cu's
+// checksums, kernels/primitives.cu and the element-wise kernels of kernels/sign.cu and
+// kernels/quant.cu, run on the host (tests/host_kernels/test_threelc_kernels.py).
 //
 // Tensors of more than 2^32 elements are mapped with mmap(MAP_NORESERVE): pages that are
 // never touched cost nothing (reads of them see zeros), so a 86 GB virtual gradient costs a
@@ -14,6 +14,7 @@
 //
 // Exit status: 0 all passed, 1 a check failed, 77 the mappings were refused (skip).
 #include "threelc.cu"
+#include "frame.cu"
 #include "primitives.cu"
 #include "sign.cu"
 #include "quant.cu"

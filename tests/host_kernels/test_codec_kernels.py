@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import backends, wire
+from hvdcompress import _native, backends, wire
 from hvdcompress.backends import cpu as cpu_backend
-from hvdcompress.backends.cuda import QUANT, SIGN, SPARSE
+from hvdcompress.backends.cuda import FAMILIES, QUANT, SIGN, SPARSE
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant
 from hvdcompress.wire import PayloadError
@@ -162,6 +163,19 @@ def test_kernel_signatures_parse():
     sigs = kernel_signatures((KERNELS / QUANT.file).read_text())
     assert sigs["quant_qsgd_encode"][5] == "unsigned long long"  # the stream key
     assert sigs["quant_terngrad_quartic"][3] == "unsigned long long"
+
+
+def test_kernel_files_pair_by_family():
+    """Kernels in pairs: every kernels/<family>.c (the CPU library's sources) has its
+    kernels/<family>.cu (a CUDA kernel family) and the other way round, and each kernel
+    name belongs to one family only."""
+    c_sources = {p.stem for p in KERNELS.glob("*.c")}
+    cu_sources = {p.stem for p in KERNELS.glob("*.cu")}
+    assert c_sources == cu_sources
+    assert {Path(name).stem for name in _native.C_SOURCES} == c_sources
+    assert {Path(f.file).stem for f in FAMILIES} == cu_sources
+    names = [name for f in FAMILIES for name in f.names]
+    assert len(names) == len(set(names))
 
 
 @pytest.mark.parametrize("levels,bucket,code_offset", [(3, 512, 0), (1, 7, 0), (127, 64, 127)])

@@ -16,7 +16,7 @@ import torch
 import hvdcompress
 from hvdcompress import backends
 from hvdcompress.backends import cpu as cpu_backend
-from hvdcompress.backends.cuda import PRIMITIVES, QUANT, SIGN, THREELC
+from hvdcompress.backends.cuda import FRAME, PRIMITIVES, QUANT, SIGN
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.wire import PayloadError
 from tests.host_kernels.conftest import (
@@ -207,10 +207,9 @@ def test_emulated_compressor_payloads_match_cpu(emulated, monkeypatch, name, kw)
         assert torch.equal(got, want), f"{name} step {step}"
         on_gpu.decode(want, out=sums_gpu, accumulate=True)
     assert torch.equal(sums_gpu, sums_cpu)
-    # the checksum kernel (and threelc's coders) ran emulated, and so did the codec's own
-    # family (the single-pass sign or quantiser kernels) and, where the codec uses them,
-    # the uniforms / bit packing
-    assert THREELC.file in loaded_families(emulated)
+    # the checksum kernel ran emulated, and so did the codec's own family (the single-pass
+    # sign or quantiser kernels) and, where the codec uses them, the uniforms / bit packing
+    assert FRAME.file in loaded_families(emulated)
     own = {"signsgd": SIGN, "efsignsgd": SIGN, "qsgd": QUANT, "terngrad": QUANT, "dqsg": QUANT}
     if name in own:
         assert own[name].file in loaded_families(emulated)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import hvdcompress
 from hvdcompress import wire
-from hvdcompress.backends.cuda import THREELC
+from hvdcompress.backends.cuda import FRAME, THREELC
 from hvdcompress.wire import PayloadError
 from tests import reference
 from tests.fuzz.harness import field_mutations, fix_checksum, mutate, mutations
@@ -591,9 +591,12 @@ def test_kernel_signatures_parse():
         "pointer",
     ]
     assert sigs["threelc_zre_expand"][3] == "unsigned char"
-    assert sigs["hvd_checksum"][2] == "unsigned long long"
     assert all(p in ARG_DTYPES for params in sigs.values() for p in params)
     assert set(THREELC.names) <= set(sigs)
+    sigs = kernel_signatures((KERNELS / FRAME.file).read_text())
+    assert sigs["hvd_checksum"][2] == "unsigned long long"
+    assert all(p in ARG_DTYPES for params in sigs.values() for p in params)
+    assert set(FRAME.names) <= set(sigs)
 
 
 def test_emulated_spec_vectors(emulated):
@@ -664,7 +667,7 @@ def test_emulated_one_device_read_per_call(emulated):
         cuda.threelc_decode(enc.body[:-1], g.numel(), enc.scale, out, False)
     assert len(reads) == 4 or calls == []  # the host-side length bound may answer first
     assert "threelc_quartic_decode_scale" not in calls
-    assert loaded_families(cuda) == {THREELC.file}
+    assert loaded_families(cuda) == {THREELC.file, FRAME.file}
 
 
 @pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 5000, 1024 * 1024 + 7, 3 * 1024 * 1024])
@@ -730,8 +733,6 @@ def test_emulated_bucket_frames(bucketed):
 def test_emulated_wire_bucket_frame(emulated):
     """The device frame writer (headers staged once, one cat, checksums stored by the
     backend) gives ``wire.frame`` of the assembled payloads."""
-    from hvdcompress.compressors.base import wire_bucket_frame
-
     gen = torch.Generator().manual_seed(5)
     heads, bodies, payloads = [], [], []
     for i, n in enumerate([0, 3, 700, 1, 64]):
@@ -742,7 +743,7 @@ def test_emulated_wire_bucket_frame(emulated):
         payloads.append(wire.assemble(header, body))
     emulated.calls.clear()
     with serving_cpu_tensors(emulated.setup.backend):
-        frame = wire_bucket_frame(heads, bodies)
+        frame = wire.device_frame(heads, bodies)
     assert torch.equal(frame, wire.frame(payloads))
     assert emulated.calls == ["hvd_checksum_segments", "hvd_checksum_store"]
     assert emulated.reads == []  # no host round trip
@@ -781,7 +782,7 @@ def test_emulated_bucket_launches_do_not_grow_with_tensors(emulated):
     assert len(reads) == 2
 
 
-# ---- frames on the device (kernels/threelc.cu section 8) ---------------------------------
+# ---- frames on the device (kernels/frame.cu) ---------------------------------
 
 
 def test_emulated_frame_scan(bucketed):

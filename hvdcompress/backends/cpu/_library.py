@@ -32,23 +32,23 @@ _i64, _u32, _f32, _int, _p = (
     (ctypes.c_void_p),
 )
 _SIGNATURES = {
-    "hvdc_tlc_absmax_bits": (_u32, [_p, _p, _i64]),
-    "hvdc_tlc_quantize": (None, [_p, _p, _p, _f32, _i64, _p, _p]),
-    "hvdc_tlc_quartic_encode": (None, [_p, _i64, _p]),
-    "hvdc_tlc_scale": (_f32, [_u32, _f32]),
-    "hvdc_tlc_encode": (_i64, [_p, _p, _f32, _i64, _p]),
-    "hvdc_tlc_zre_encode": (_i64, [_p, _i64, _p]),
-    "hvdc_tlc_zre_encode_portable": (_i64, [_p, _i64, _p]),
-    "hvdc_tlc_zre_decoded_len": (_i64, [_p, _i64]),
-    "hvdc_tlc_zre_decode": (_i64, [_p, _i64, _p, _i64]),
-    "hvdc_tlc_quartic_decode": (_i64, [_p, _i64, _p]),
-    "hvdc_tlc_dequantize": (_i64, [_p, _i64, _f32, _p, _int]),
-    "hvdc_tlc_decode": (_i64, [_p, _i64, _i64, _f32, _p, _int]),
+    "hvdc_threelc_absmax_bits": (_u32, [_p, _p, _i64]),
+    "hvdc_threelc_quantize": (None, [_p, _p, _p, _f32, _i64, _p, _p]),
+    "hvdc_threelc_quartic_encode": (None, [_p, _i64, _p]),
+    "hvdc_threelc_scale": (_f32, [_u32, _f32]),
+    "hvdc_threelc_encode": (_i64, [_p, _p, _f32, _i64, _p]),
+    "hvdc_threelc_zre_encode": (_i64, [_p, _i64, _p]),
+    "hvdc_threelc_zre_encode_portable": (_i64, [_p, _i64, _p]),
+    "hvdc_threelc_zre_decoded_len": (_i64, [_p, _i64]),
+    "hvdc_threelc_zre_decode": (_i64, [_p, _i64, _p, _i64]),
+    "hvdc_threelc_quartic_decode": (_i64, [_p, _i64, _p]),
+    "hvdc_threelc_dequantize": (_i64, [_p, _i64, _f32, _p, _int]),
+    "hvdc_threelc_decode": (_i64, [_p, _i64, _i64, _f32, _p, _int]),
+    "hvdc_threelc_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
+    "hvdc_threelc_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
+    # kernels/frame.c
     "hvdc_checksum": (_u32, [_p, _i64, _i64]),
     "hvdc_checksum_segments": (None, [_p, _i64, _p, _p, _p]),
-    "hvdc_tlc_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
-    "hvdc_tlc_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
-    # kernels/frame.c
     "hvdc_frame_scan": (_i64, [_p, _i64, _i64, _p, _p]),
     "hvdc_frame_write": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p]),
     # shared primitives (kernels/primitives.c)
@@ -116,7 +116,7 @@ _SIGNATURES = {
     ),
 }
 # Negative return codes of the decoders, per source file.
-_ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
+_ERRORS = {  # kernels/threelc.c (THREELC_ERR_*)
     -1: "zero-run decoding does not give exactly ceil(numel / 5) quartic bytes",
     -2: "a quartic byte is above 242",
     -3: "a padding digit of the last group is not zero",

@@ -76,7 +76,7 @@ def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | N
     """(zero-run-encoded quartic body, M = max|x|) of x, or None when x holds a NaN or an
     Inf."""
     n = x.numel()
-    bits = LIB.hvdc_tlc_absmax_bits(_ptr(x), None, n)
+    bits = LIB.hvdc_threelc_absmax_bits(_ptr(x), None, n)
     if bits >= NONFINITE_BITS:
         return None
     scale = struct.unpack("<f", struct.pack("<I", bits))[0]
@@ -89,7 +89,7 @@ def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | N
 
     _run_parts(part, _parts(n, 5 * 8))
     out = pq + m
-    length = LIB.hvdc_tlc_zre_encode(pq, m, out)
+    length = LIB.hvdc_threelc_zre_encode(pq, m, out)
     return quartic[m : m + length].clone(), scale
 
 

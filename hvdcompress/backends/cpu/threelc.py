@@ -29,7 +29,7 @@ def scale_for(max_bits: int, sparsity: float) -> tuple[float, bool]:
     """S = float32(sparsity) * M in float32, and whether the input (or S) is non-finite."""
     if max_bits >= NONFINITE_BITS:
         return 0.0, True
-    scale = LIB.hvdc_tlc_scale(max_bits, sparsity)
+    scale = LIB.hvdc_threelc_scale(max_bits, sparsity)
     if not math.isfinite(scale):  # s * M overflowed float32
         return 0.0, True
     return scale, False
@@ -40,18 +40,20 @@ def scale_for(max_bits: int, sparsity: float) -> tuple[float, bool]:
 
 def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> ThreeLCEncoded:
     n = g.numel()
-    scale, nonfinite = scale_for(LIB.hvdc_tlc_absmax_bits(_ptr(g), _ptr(e), n), sparsity)
+    scale, nonfinite = scale_for(LIB.hvdc_threelc_absmax_bits(_ptr(g), _ptr(e), n), sparsity)
     if nonfinite:
         return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8), 0.0, True)
     scratch = _scratch((n + 4) // 5 + 2)
-    length = LIB.hvdc_tlc_encode(_ptr(g), _ptr(e), scale, n, _ptr(scratch))
+    length = LIB.hvdc_threelc_encode(_ptr(g), _ptr(e), scale, n, _ptr(scratch))
     return ThreeLCEncoded(scratch[:length].clone(), scale, False)
 
 
 def threelc_decode(
     body: torch.Tensor, numel: int, scale: float, out: torch.Tensor, accumulate: bool
 ) -> None:
-    _check(LIB.hvdc_tlc_decode(_ptr(body), body.numel(), numel, scale, _ptr(out), int(accumulate)))
+    _check(
+        LIB.hvdc_threelc_decode(_ptr(body), body.numel(), numel, scale, _ptr(out), int(accumulate))
+    )
 
 
 # ---- building blocks --------------------------------------------------------------------
@@ -59,11 +61,11 @@ def threelc_decode(
 
 def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.numel()
-    scale, nonfinite = scale_for(LIB.hvdc_tlc_absmax_bits(_ptr(x), None, n), sparsity)
+    scale, nonfinite = scale_for(LIB.hvdc_threelc_absmax_bits(_ptr(x), None, n), sparsity)
     if nonfinite:
         raise ValueError("quantize: input holds NaN or Inf (or max|x| * sparsity overflows)")
     q = torch.empty(n, dtype=torch.int8)
-    LIB.hvdc_tlc_quantize(_ptr(x), None, None, scale, n, _ptr(q), None)
+    LIB.hvdc_threelc_quantize(_ptr(x), None, None, scale, n, _ptr(q), None)
     return q, torch.tensor(scale, dtype=torch.float32)
 
 
@@ -71,13 +73,13 @@ def quartic_encode(q: torch.Tensor) -> torch.Tensor:
     if q.numel() and (q.min() < -1 or q.max() > 1):
         raise ValueError("quartic_encode: digits must be in {-1, 0, 1}")
     out = torch.empty((q.numel() + 4) // 5, dtype=torch.uint8)
-    LIB.hvdc_tlc_quartic_encode(_ptr(q), q.numel(), _ptr(out))
+    LIB.hvdc_threelc_quartic_encode(_ptr(q), q.numel(), _ptr(out))
     return out
 
 
 def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
     q = torch.empty(numel, dtype=torch.int8)
-    _check(LIB.hvdc_tlc_quartic_decode(_ptr(buf), numel, _ptr(q)))
+    _check(LIB.hvdc_threelc_quartic_decode(_ptr(buf), numel, _ptr(q)))
     return q
 
 
@@ -85,18 +87,18 @@ def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
     if buf.numel() and buf.max() > 242:
         raise ValueError("zero_run_encode: quartic bytes are at most 242")
     out = torch.empty(buf.numel() + 2, dtype=torch.uint8)  # 2 bytes of encoder slack
-    length = LIB.hvdc_tlc_zre_encode(_ptr(buf), buf.numel(), _ptr(out))
+    length = LIB.hvdc_threelc_zre_encode(_ptr(buf), buf.numel(), _ptr(out))
     return out[:length].clone()
 
 
 def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch.Tensor:
-    total = LIB.hvdc_tlc_zre_decoded_len(_ptr(buf), buf.numel())
+    total = LIB.hvdc_threelc_zre_decoded_len(_ptr(buf), buf.numel())
     if expected_len is not None and total != expected_len:
         raise PayloadError(
             "body", f"zero-run decoding gives {total} bytes, expected {expected_len}"
         )
     out = torch.empty(total, dtype=torch.uint8)
-    _check(LIB.hvdc_tlc_zre_decode(_ptr(buf), buf.numel(), _ptr(out), total))
+    _check(LIB.hvdc_threelc_zre_decode(_ptr(buf), buf.numel(), _ptr(out), total))
     return out
 
 
@@ -113,7 +115,7 @@ def threelc_encode_segments(
     lens = np.empty(count, dtype=np.int64)
     s = np.asarray(sparsities, dtype=np.float32)
     g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
-    LIB.hvdc_tlc_encode_segments(
+    LIB.hvdc_threelc_encode_segments(
         count,
         g_at.ctypes.data,
         e_at.ctypes.data,
@@ -145,7 +147,7 @@ def threelc_decode_segments(
     decode (the ones before it are added, its output untouched)."""
     code = ctypes.c_int64(0)
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
-    rc = LIB.hvdc_tlc_decode_segments(
+    rc = LIB.hvdc_threelc_decode_segments(
         len(outs),
         _ptr(frame),
         _i64_array(starts),

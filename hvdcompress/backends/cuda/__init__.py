@@ -1,8 +1,8 @@
 """CUDA backend: the kernels of ``kernels/*.cu`` compiled by NVRTC through CuPy.
 
 Same protocol and the same bytes as the CPU backend (``hvdcompress.backends``). Each .cu
-file is one kernel family (``KernelFamily``: ``THREELC``, ``PRIMITIVES``, ``SIGN``,
-``QUANT``, ``SPARSE``), compiled into its
+file is one kernel family (``KernelFamily``: ``THREELC``, ``FRAME``, ``PRIMITIVES``,
+``SIGN``, ``QUANT``, ``SPARSE``), compiled into its
 own module once per process and device, on the first launch of one of its kernels, with
 exactly ``NVRTC_OPTIONS`` (``hvdcompress._native``: FMA contraction, flush to zero and
 approximate division turned off; ``_compile`` says why not through ``RawModule``). The
@@ -117,6 +117,7 @@ from hvdcompress.backends.cuda._runtime import (  # noqa: F401  (re-exports)
     ERR_OVERFLOW,
     ERR_PADDING,
     FAMILIES,
+    FRAME,
     PRIMITIVES,
     QUANT,
     SEGMENT_TILE,

@@ -38,13 +38,19 @@ THREELC = KernelFamily(
         "threelc_zre_expand",
         "threelc_quartic_decode_scale",
         "threelc_quartic_decode",
-        "hvd_checksum",
         "threelc_absmax_segments",
         "threelc_quantize_quartic_segments",
         "threelc_zre_run_starts_segments",
         "threelc_zre_scatter_segments",
         "threelc_zre_decode_check_segments",
         "threelc_quartic_decode_add_segments",
+    ),
+)
+# Payload checksums and frames on the device (C twin: kernels/frame.c).
+FRAME = KernelFamily(
+    "frame.cu",
+    (
+        "hvd_checksum",
         "hvd_checksum_segments",
         "hvd_checksum_store",
         "hvd_frame_table",
@@ -91,20 +97,10 @@ QUANT = KernelFamily(
         "quant_dqsg_quartic_segments",
         "quant_dqsg_deltas_check_segments",
         "quant_dqsg_quartic_decode_add_segments",
-        "quant_randomk_flags_segments",
-        "quant_randomk_check_segments",
-        "quant_randomk_add_segments",
-        "quant_randomk_count_segments",
-        "quant_randomk_gather_segments",
-        "quant_gspar_prepare_segments",
-        "quant_gspar_form_segments",
-        "quant_gspar_round_segments",
-        "quant_gspar_flags_segments",
-        "quant_gspar_count_segments",
-        "quant_gspar_gather_segments",
     ),
 )
-# The sparse codecs' bucket decode (C twin: kernels/sparse.c, hvdc_topk_decode_segments).
+# The sparse codecs' bucket encode and decode: top-k, top-k + sign, DGC, random-k and GSpar
+# (C twin: kernels/sparse.c).
 SPARSE = KernelFamily(
     "sparse.cu",
     (
@@ -118,9 +114,20 @@ SPARSE = KernelFamily(
         "sparse_topk_keep_segments",
         "sparse_topk_gather_segments",
         "sparse_topkq_write_segments",
+        "quant_randomk_flags_segments",
+        "quant_randomk_check_segments",
+        "quant_randomk_add_segments",
+        "quant_randomk_count_segments",
+        "quant_randomk_gather_segments",
+        "quant_gspar_prepare_segments",
+        "quant_gspar_form_segments",
+        "quant_gspar_round_segments",
+        "quant_gspar_flags_segments",
+        "quant_gspar_count_segments",
+        "quant_gspar_gather_segments",
     ),
 )
-FAMILIES = (THREELC, PRIMITIVES, SIGN, QUANT, SPARSE)
+FAMILIES = (THREELC, FRAME, PRIMITIVES, SIGN, QUANT, SPARSE)
 _FAMILY_OF = {name: family for family in FAMILIES for name in family.names}
 
 BLOCK = 256  # threads per block; a multiple of 32 (the kernels' warp reductions need it)
@@ -147,7 +154,8 @@ _QUANT_SEG_KEY = 5  # HVD_QUANT_SEG_KEY of kernels/quant.cu: the uniforms' key
 # deltas, the decode-add's key.
 _QUANT_SEG_QUARTIC, _QUANT_SEG_DELTAS, _QUANT_SEG_DECODE_KEY = 1, 3, 7
 _QUANT_SEG_KS = 7  # HVD_QUANT_SEG_KS: where the digit kernel writes the fine indices
-# ... and of its random-k decode (section 10): the flags' offset, the value tiles, the body
+# HVD_RANDOMK_SEG_* of kernels/sparse.cu (random-k's and GSpar's tables; the uniforms' key
+# is column 5 as in _QUANT_SEG_KEY): the flags' offset, the value tiles, the body
 _QUANT_SEG_FLAGS, _QUANT_SEG_VALUE_TILE, _QUANT_SEG_BODY_LEN = 3, 4, 7
 TOPK_INDEX32_LIMIT = 2**31  # codecs/sparse.py INDEX32_LIMIT: int64 indices from n on
 # HVD_SPARSE_SEG_* of kernels/sparse.cu.
