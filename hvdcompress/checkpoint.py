@@ -25,6 +25,10 @@ caller can agree with the other ranks on the newest step every rank can load.
 The ``check_*`` helpers validate loaded state (the hvdcompress part of an optimizer
 state, compressor and policy states): they raise ``CheckpointError`` naming the entry and
 what is wrong, and the loaders call them before they change anything.
+``without_other_ranks_state`` is the rule for a state saved by another rank of the same
+job size (Horovod's rank-0 recipe), shared by ``DistributedOptimizer`` and the DDP hook:
+it loads without the saver's per-rank error-feedback state (``PER_RANK_STATE``), with a
+warning.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import os
 import re
 import struct
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -46,6 +51,7 @@ MAGIC = b"HVDCCKPT"
 VERSION = 1
 _HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, sha256
 DEFAULT_KEEP = 3
+PER_RANK_STATE = ("residuals", "velocity")  # compressor state that belongs to one rank
 
 __all__ = [
     "DEFAULT_KEEP",
@@ -64,6 +70,7 @@ __all__ = [
     "save_checkpoint",
     "save_rank_checkpoint",
     "verified_steps",
+    "without_other_ranks_state",
 ]
 
 
@@ -439,3 +446,34 @@ def check_optimizer_state(ours, *, rank: int, size: int, compressor: str, shapes
                     f"policy state numel[{name!r}]: {n!r}, the parameter has "
                     f"{math.prod(shapes[name])} elements"
                 )
+
+
+def without_other_ranks_state(ours: dict, rank: int, size: int) -> dict:
+    """``ours`` (an hvdcompress state) for loading on ``rank`` of ``size``: as it is when
+    that rank saved it (or another job size did: ``check_optimizer_state`` refuses that);
+    saved by another rank of this job size (Horovod's rank-0 checkpoint recipe), without
+    the saver's own error-feedback entries (``PER_RANK_STATE``), with a warning that says
+    what is lost; the shared compressor and policy state load as they are."""
+    saver = ours.get("rank")
+    if not isinstance(saver, int) or saver == rank or ours.get("size") != size:
+        return ours
+    state = ours.get("compressor_state")
+    dropped = []
+    if isinstance(state, dict):
+        state = dict(state)
+        for key in PER_RANK_STATE:
+            if isinstance(state.get(key), dict) and state[key]:
+                dropped.append(f"{len(state[key])} {key}")
+                state[key] = {}
+    if dropped:
+        warnings.warn(
+            f"hvdcompress: this state was saved by rank {saver}; rank {rank} loads the inner "
+            f"optimizer's state and the shared compressor and policy state, but not rank "
+            f"{saver}'s error-feedback state ({', '.join(dropped)}): this rank's error "
+            "feedback restarts from zero, so the gradient mass it had not yet sent is lost "
+            "(at most about one step's compression error). To resume exactly, save and load "
+            "each rank's own state (hvdcompress.save_checkpoint on every rank).",
+            UserWarning,
+            stacklevel=3,
+        )
+    return {**ours, "rank": rank, "compressor_state": state}

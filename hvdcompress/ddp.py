@@ -108,8 +108,7 @@ class DDPHookState:
     def load_state_dict(self, state: dict) -> None:
         """Load a ``state_dict()``; another rank's (same job size) loads without its
         residuals, with a warning, as ``DistributedOptimizer.load_state_dict`` does."""
-        from hvdcompress.checkpoint import check_optimizer_state
-        from hvdcompress.optimizer import without_other_ranks_state
+        from hvdcompress.checkpoint import check_optimizer_state, without_other_ranks_state
 
         rank, size = self.transport.rank, self.transport.size
         state = without_other_ranks_state(dict(state), rank, size)

@@ -1,38 +1,4 @@
-"""DistributedOptimizer: hvd.DistributedOptimizer with compressed gradients.
-
-``DistributedOptimizer(optimizer, named_parameters, compression=..., backend=...)`` returns
-an instance of a subclass of ``optimizer``'s class (as Horovod does), so it is a drop-in:
-``loss.backward(); opt.step()``.
-
-This module is the wrapper: hooks, launch order, ``synchronize``/``step``, checkpoints;
-buckets and the agreement check are in ``buckets``, who sends what to whom in
-``exchange``, the step record in ``stats`` (docs/design.md section 9, the gradient walk).
-
-A post-accumulate-grad hook counts backward passes; when a bucket's gradients are all
-ready, the policy observes them and the bucket's exchange compresses them and starts its
-collective, overlapping the rest of backward. ``synchronize()`` (called by ``step()``)
-starts what is left and finishes every bucket in order, draining every collective even
-after an error so that no rank leaves one pending.
-
-Horovod parity (docs/design.md, "Horovod parity and the DDP hook"): every keyword of
-``hvd.DistributedOptimizer`` 0.28.1 means what it means there: ``gradient_predivide_factor``
-scales by 1/f before the exchange and f/size after; ``groups`` / ``num_groups`` make the
-buckets; sparse gradients take an uncompressed sparse path (``sparse_grads``) unless
-``sparse_as_dense``; ``process_set`` restricts every collective to the set (ranks outside
-it step on their local gradients); ``op=hvd.Adasum`` returns Horovod's own Adasum optimizer
-for a compression it has (none, fp16) and is refused for the others. Horovod's
-attributes (``op``, ``process_set``, ``_parameter_names``, ...), warnings and errors are
-the same, and ``hvd.broadcast_optimizer_state`` initialises state with the inner
-optimizer's ``step()`` as it does for Horovod's own optimizer (``__module__`` below).
-
-Invariants: after ``synchronize()`` every rank holds bit-identical gradients on the gather
-path; ranks that disagree on what they communicate get ``RankAgreementError`` at
-construction, on every rank; a payload that fails to decode raises ``PayloadError``
-naming the sending rank and tensor, on every rank. Compressor state is per rank:
-``state_dict()`` carries it under ``"hvdcompress"``, and each rank saves its own; a state
-saved by another rank (Horovod's rank-0 checkpoint recipe) loads with that rank's
-error-feedback residuals left out and a warning (``load_state_dict``).
-"""
+"""The wrapper: hooks, launch order, ``synchronize``/``step``, checkpoints (package doc)."""
 
 from __future__ import annotations
 
@@ -45,53 +11,27 @@ import torch
 
 from hvdcompress.buckets import (
     Bucket,
-    RankAgreementError,
     check_agreement,
     describe,
     make_buckets,
     named_params,
-    resolve_fusion_threshold,
     resolve_groups,
 )
-from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.exchange import GatheredExchange, SummedExchange, choose_exchanges
+from hvdcompress.optimizer.options import Average, HorovodOptions, _check_int, _normalize_op
+from hvdcompress.optimizer.process_sets import _OutsideProcessSet
 from hvdcompress.policies import Policy
 from hvdcompress.sparse_grads import finish_sparse, start_sparse
 from hvdcompress.stats import StepStats
-from hvdcompress.transports import Transport, make_transport
+from hvdcompress.transports import Transport
 
-Average = "average"
-Sum = "sum"
-Adasum = "adasum"
 STATE_KEY = "hvdcompress"
-PER_RANK_STATE = ("residuals", "velocity")  # compressor state that belongs to one rank
-
-__all__ = ["Adasum", "Average", "Sum", "DistributedOptimizer", "RankAgreementError", "StepStats"]
-
-
-def _normalize_op(op) -> str:
-    if isinstance(op, str) and op in (Average, Sum, Adasum):
-        return op
-    # Horovod's ReduceOp values (horovod/common/basics.py): Average 0, Sum 1, Adasum 2.
-    if isinstance(op, int) and not isinstance(op, bool) and op in (0, 1, 2):
-        return (Average, Sum, Adasum)[op]
-    raise ValueError(
-        "op must be hvdcompress.Average, hvdcompress.Sum, hvd.Average (0), hvd.Sum (1) or "
-        f"hvd.Adasum (2), got {op!r}"
-    )
 
 
 class BackwardPassesError(AssertionError, RuntimeError):
     """More backward passes than ``backward_passes_per_step`` before ``step()``: an
     AssertionError as in Horovod (and a RuntimeError, as hvdcompress raised before)."""
-
-
-class _OutsideProcessSet(Transport):
-    """The transport of a rank outside ``process_set``: it takes part in no collective; its
-    optimizer steps on its local gradients, as Horovod's does."""
-
-    name = "outside process_set"
 
 
 @dataclass
@@ -104,18 +44,6 @@ class _Launched:
     flight: object
     sparse: list[tuple[torch.nn.Parameter, object, int]]  # (parameter, handle, bytes sent)
     densified: list[torch.nn.Parameter]  # sparse_as_dense: back to sparse after
-
-
-def _check_int(what: str, value, low: int, hint: str = "") -> int:
-    """``value`` as an int >= ``low``, else ValueError naming the valid values."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not float(value).is_integer()
-        or value < low
-    ):
-        raise ValueError(f"{what} must be an int >= {low}{hint}, got {value!r}")
-    return int(value)
 
 
 def _check_dtypes(compressor: Compressor, buckets: list[Bucket]) -> None:
@@ -133,20 +61,8 @@ def _check_dtypes(compressor: Compressor, buckets: list[Bucket]) -> None:
                     ) from None
 
 
-@dataclass(frozen=True)
-class HorovodOptions:
-    """The keywords of ``hvd.DistributedOptimizer`` (Horovod 0.28.1) beyond those every
-    hvdcompress optimizer has, with Horovod's defaults and meaning."""
-
-    gradient_predivide_factor: float = 1.0
-    num_groups: int = 0
-    groups: object = None
-    sparse_as_dense: bool = False
-    process_set: object = None
-
-
 class _DistributedOptimizer(torch.optim.Optimizer):
-    """Methods mixed into a subclass of the wrapped optimizer's class (see module doc)."""
+    """Methods mixed into a subclass of the wrapped optimizer's class (see package doc)."""
 
     def __init__(
         self,
@@ -429,7 +345,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Horovod, loading ends any gradient accumulation in progress."""
         import copy
 
-        from hvdcompress.checkpoint import check_optimizer_state
+        from hvdcompress.checkpoint import check_optimizer_state, without_other_ranks_state
 
         if self._in_flight:
             raise AssertionError(
@@ -496,250 +412,3 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def buckets(self) -> list[Bucket]:
         return self._buckets
-
-
-def DistributedOptimizer(
-    optimizer: torch.optim.Optimizer,
-    named_parameters=None,
-    compression="none",
-    backward_passes_per_step: int = 1,
-    op=Average,
-    gradient_predivide_factor: float = 1.0,
-    num_groups: int = 0,
-    groups=None,
-    sparse_as_dense: bool = False,
-    process_set=None,
-    *,
-    backend: str | Transport = "horovod",
-    fusion_threshold: int | None = None,
-    policy=None,
-    compress_min_numel: int = 0,
-    exchange: str = "auto",
-):
-    """Wrap ``optimizer`` so gradients are compressed, exchanged and averaged across ranks.
-
-    ``compression``: a compressor name, ``hvdcompress.get_compressor(...)``, or
-    ``hvdcompress.Compression.<name>``. ``backend``: ``"horovod"`` (needs ``hvd.init()``),
-    ``"mpi4py"`` (no Horovod needed) or a Transport. ``fusion_threshold``: bytes of
-    uncompressed gradient per collective (default ``HOROVOD_FUSION_THRESHOLD`` or 64 MiB;
-    0 sends every tensor on its own). ``policy``: ``hvdcompress.Accordion(...)`` or
-    ``hvdcompress.CAT(...)``, which sets the compressor's level per tensor during training.
-    ``compress_min_numel``: tensors with fewer elements are sent uncompressed (one float32
-    allreduce per bucket of them), the switch for links fast enough that compressing a
-    small tensor costs more time than it saves (see README, "Results").
-
-    Horovod's keywords mean what they mean in ``hvd.DistributedOptimizer`` 0.28.1 (module
-    doc): ``gradient_predivide_factor`` (op Average only), ``groups`` (an int or lists of
-    tensors: each group one bucket, instead of ``fusion_threshold``), ``num_groups``
-    (deprecated alias of ``groups``), ``sparse_as_dense``, ``process_set`` (an
-    ``hvd.ProcessSet``; on mpi4py also a list of ``COMM_WORLD`` ranks) and ``op=hvd.Adasum``
-    (Horovod's own Adasum optimizer, for compression none or fp16 on the horovod backend).
-    """
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}")
-    compressor = resolve_compressor(compression)
-    user_op = op
-    op = _normalize_op(op)
-    if isinstance(gradient_predivide_factor, bool) or not isinstance(
-        gradient_predivide_factor, (int, float)
-    ):
-        raise ValueError(
-            f"gradient_predivide_factor must be a number > 0, got {gradient_predivide_factor!r}"
-        )
-    if gradient_predivide_factor != 1.0:
-        if op != Average:  # Horovod's check and text
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-        if not gradient_predivide_factor > 0 or gradient_predivide_factor == float("inf"):
-            raise ValueError(
-                "gradient_predivide_factor must be a finite number > 0, got "
-                f"{gradient_predivide_factor!r}"
-            )
-    if num_groups != 0:
-        warnings.warn(  # Horovod's warning
-            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if groups is None:
-            groups = num_groups
-    if op == Adasum:
-        return _adasum_optimizer(
-            optimizer, named_parameters, compressor, backward_passes_per_step,
-            user_op, gradient_predivide_factor, groups, sparse_as_dense, process_set,
-            backend=backend, policy=policy,
-        )  # fmt: skip
-    if policy is not None and not isinstance(policy, Policy):
-        raise TypeError(
-            "policy must be None or an hvdcompress.Policy (hvdcompress.Accordion(...), "
-            f"hvdcompress.CAT(...)), got {type(policy).__name__}"
-        )
-    fusion_threshold = _check_int(
-        "fusion_threshold",
-        resolve_fusion_threshold(fusion_threshold),
-        0,
-        " (bytes; 0: one tensor per bucket)",
-    )
-    _check_int("backward_passes_per_step", backward_passes_per_step, 1)
-    _check_int("compress_min_numel", compress_min_numel, 0)
-    if not isinstance(backend, (str, Transport)):
-        raise TypeError(
-            "backend must be 'horovod', 'mpi4py' or a hvdcompress Transport, "
-            f"got {type(backend).__name__}"
-        )
-    transport = _transport_for(backend, process_set)
-    cls = type(
-        optimizer.__class__.__name__,
-        (optimizer.__class__,),
-        dict(_DistributedOptimizer.__dict__),
-    )
-    return cls(
-        optimizer.param_groups,
-        named_parameters,
-        compressor,
-        transport,
-        backward_passes_per_step,
-        user_op,
-        fusion_threshold,
-        policy,
-        compress_min_numel,
-        horovod_options=HorovodOptions(
-            gradient_predivide_factor=gradient_predivide_factor,
-            num_groups=num_groups,
-            groups=groups,
-            sparse_as_dense=sparse_as_dense,
-            process_set=process_set,
-        ),
-        exchange=exchange,
-    )
-
-
-def without_other_ranks_state(ours: dict, rank: int, size: int) -> dict:
-    """``ours`` (an hvdcompress state) for loading on ``rank`` of ``size``: as it is when
-    that rank saved it (or another job size did: ``check_optimizer_state`` refuses that);
-    saved by another rank of this job size (Horovod's rank-0 checkpoint recipe), without
-    the saver's own error-feedback entries (``PER_RANK_STATE``), with a warning that says
-    what is lost; the shared compressor and policy state load as they are."""
-    saver = ours.get("rank")
-    if not isinstance(saver, int) or saver == rank or ours.get("size") != size:
-        return ours
-    state = ours.get("compressor_state")
-    dropped = []
-    if isinstance(state, dict):
-        state = dict(state)
-        for key in PER_RANK_STATE:
-            if isinstance(state.get(key), dict) and state[key]:
-                dropped.append(f"{len(state[key])} {key}")
-                state[key] = {}
-    if dropped:
-        warnings.warn(
-            f"hvdcompress: this state was saved by rank {saver}; rank {rank} loads the inner "
-            f"optimizer's state and the shared compressor and policy state, but not rank "
-            f"{saver}'s error-feedback state ({', '.join(dropped)}): this rank's error "
-            "feedback restarts from zero, so the gradient mass it had not yet sent is lost "
-            "(at most about one step's compression error). To resume exactly, save and load "
-            "each rank's own state (hvdcompress.save_checkpoint on every rank).",
-            UserWarning,
-            stacklevel=3,
-        )
-    return {**ours, "rank": rank, "compressor_state": state}
-
-
-def _transport_for(backend: str | Transport, process_set) -> Transport | None:
-    """The transport over ``process_set`` (None or Horovod's global set: every rank), or
-    None when this rank is outside it."""
-    if process_set is None or _is_global(process_set):
-        return backend if isinstance(backend, Transport) else make_transport(backend)
-    if isinstance(backend, Transport):
-        raise ValueError(
-            "process_set cannot restrict a Transport given as backend: build that transport "
-            "over the set's ranks instead (e.g. MPITransport(sub_communicator))"
-        )
-    if backend == "horovod":
-        from horovod.common.process_sets import ProcessSet
-
-        if not isinstance(process_set, ProcessSet):
-            raise TypeError(
-                "process_set on the horovod backend must be an hvd.ProcessSet "
-                f"(hvd.add_process_set(ranks)), got {type(process_set).__name__}"
-            )
-        if process_set.process_set_id is None:
-            raise ValueError(f"{process_set} is not registered: call hvd.add_process_set first")
-        return make_transport("horovod", process_set) if process_set.included() else None
-    from mpi4py import MPI
-
-    world = MPI.COMM_WORLD
-    ranks = _ranks_of(process_set)
-    bad = [r for r in ranks if not 0 <= r < world.Get_size()]
-    if bad or not ranks:
-        raise ValueError(
-            f"process_set must name ranks of COMM_WORLD (0..{world.Get_size() - 1}), got {ranks}"
-        )
-    return make_transport("mpi4py", tuple(ranks)) if world.Get_rank() in ranks else None
-
-
-def _is_global(process_set) -> bool:
-    if isinstance(process_set, (list, tuple, range)):
-        return False
-    from horovod.common.process_sets import ProcessSet
-
-    return isinstance(process_set, ProcessSet) and process_set.process_set_id == 0
-
-
-def _ranks_of(process_set) -> list[int]:
-    """The sorted ranks of an ``hvd.ProcessSet`` or a sequence of ranks (mpi4py backend)."""
-    if isinstance(process_set, (list, tuple, range)):
-        ranks = list(process_set)
-    else:
-        from horovod.common.process_sets import ProcessSet
-
-        if not isinstance(process_set, ProcessSet) or process_set.ranks is None:
-            raise TypeError(
-                "process_set must be an hvd.ProcessSet with ranks or a list of ranks, got "
-                f"{process_set!r}"
-            )
-        ranks = list(process_set.ranks)
-    if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
-        raise ValueError(f"process_set ranks must be ints, got {ranks!r}")
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"process_set names a rank twice: {ranks!r}")
-    return sorted(ranks)
-
-
-def _adasum_optimizer(
-    optimizer, named_parameters, compressor, backward_passes_per_step, op,
-    gradient_predivide_factor, groups, sparse_as_dense, process_set, *, backend, policy,
-):  # fmt: skip
-    """``op=hvd.Adasum``: Horovod's own optimizer, for a compression Horovod has."""
-    if not compressor.summable:
-        raise ValueError(
-            f"op=Adasum cannot be combined with {compressor!r}: Adasum merges the ranks' "
-            "gradients pairwise, scaling each pair by their dot product and norms, inside "
-            "Horovod's allreduce of the full vectors; a gather-only codec's payloads are not "
-            "vectors that can be merged that way (every rank decodes and sums them), so there "
-            "is no Adasum step to apply. Use op=Average or op=Sum with this compression, or "
-            "Adasum with compression 'none' or 'fp16'."
-        )
-    if compressor.name not in ("none", "fp16") or policy is not None:
-        raise ValueError(
-            "op=Adasum runs Horovod's own Adasum optimizer, which has compression none and "
-            f"fp16 only and no policy; got {compressor!r}"
-            + (f" and policy {policy!r}" if policy is not None else "")
-        )
-    if backend != "horovod":
-        raise ValueError(
-            f"op=Adasum needs backend='horovod' (Horovod's allreduce), got {backend!r}"
-        )
-    import horovod.torch as hvd
-
-    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[compressor.name]
-    return hvd.DistributedOptimizer(
-        optimizer,
-        named_parameters=named_parameters,
-        compression=compression,
-        backward_passes_per_step=backward_passes_per_step,
-        op=hvd.Adasum,
-        gradient_predivide_factor=gradient_predivide_factor,
-        groups=groups,
-        sparse_as_dense=sparse_as_dense,
-        process_set=process_set if process_set is not None else hvd.global_process_set,
-    )

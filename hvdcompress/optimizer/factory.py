@@ -1,0 +1,139 @@
+"""``DistributedOptimizer(...)``: checks the arguments and builds the wrapper (``wrapper``)
+over the transport of ``process_set`` (``process_sets``), or returns Horovod's own
+optimizer for ``op=hvd.Adasum`` (``adasum``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from hvdcompress.buckets import resolve_fusion_threshold
+from hvdcompress.compat import resolve_compressor
+from hvdcompress.optimizer.adasum import _adasum_optimizer
+from hvdcompress.optimizer.options import (
+    Adasum,
+    Average,
+    HorovodOptions,
+    _check_int,
+    _normalize_op,
+)
+from hvdcompress.optimizer.process_sets import _transport_for
+from hvdcompress.optimizer.wrapper import _DistributedOptimizer
+from hvdcompress.policies import Policy
+from hvdcompress.transports import Transport
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters=None,
+    compression="none",
+    backward_passes_per_step: int = 1,
+    op=Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    sparse_as_dense: bool = False,
+    process_set=None,
+    *,
+    backend: str | Transport = "horovod",
+    fusion_threshold: int | None = None,
+    policy=None,
+    compress_min_numel: int = 0,
+    exchange: str = "auto",
+):
+    """Wrap ``optimizer`` so gradients are compressed, exchanged and averaged across ranks.
+
+    ``compression``: a compressor name, ``hvdcompress.get_compressor(...)``, or
+    ``hvdcompress.Compression.<name>``. ``backend``: ``"horovod"`` (needs ``hvd.init()``),
+    ``"mpi4py"`` (no Horovod needed) or a Transport. ``fusion_threshold``: bytes of
+    uncompressed gradient per collective (default ``HOROVOD_FUSION_THRESHOLD`` or 64 MiB;
+    0 sends every tensor on its own). ``policy``: ``hvdcompress.Accordion(...)`` or
+    ``hvdcompress.CAT(...)``, which sets the compressor's level per tensor during training.
+    ``compress_min_numel``: tensors with fewer elements are sent uncompressed (one float32
+    allreduce per bucket of them), the switch for links fast enough that compressing a
+    small tensor costs more time than it saves (see README, "Results").
+
+    Horovod's keywords mean what they mean in ``hvd.DistributedOptimizer`` 0.28.1 (package
+    doc): ``gradient_predivide_factor`` (op Average only), ``groups`` (an int or lists of
+    tensors: each group one bucket, instead of ``fusion_threshold``), ``num_groups``
+    (deprecated alias of ``groups``), ``sparse_as_dense``, ``process_set`` (an
+    ``hvd.ProcessSet``; on mpi4py also a list of ``COMM_WORLD`` ranks) and ``op=hvd.Adasum``
+    (Horovod's own Adasum optimizer, for compression none or fp16 on the horovod backend).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer)!r}")
+    compressor = resolve_compressor(compression)
+    user_op = op
+    op = _normalize_op(op)
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(
+        gradient_predivide_factor, (int, float)
+    ):
+        raise ValueError(
+            f"gradient_predivide_factor must be a number > 0, got {gradient_predivide_factor!r}"
+        )
+    if gradient_predivide_factor != 1.0:
+        if op != Average:  # Horovod's check and text
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if not gradient_predivide_factor > 0 or gradient_predivide_factor == float("inf"):
+            raise ValueError(
+                "gradient_predivide_factor must be a finite number > 0, got "
+                f"{gradient_predivide_factor!r}"
+            )
+    if num_groups != 0:
+        warnings.warn(  # Horovod's warning
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if groups is None:
+            groups = num_groups
+    if op == Adasum:
+        return _adasum_optimizer(
+            optimizer, named_parameters, compressor, backward_passes_per_step,
+            user_op, gradient_predivide_factor, groups, sparse_as_dense, process_set,
+            backend=backend, policy=policy,
+        )  # fmt: skip
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(
+            "policy must be None or an hvdcompress.Policy (hvdcompress.Accordion(...), "
+            f"hvdcompress.CAT(...)), got {type(policy).__name__}"
+        )
+    fusion_threshold = _check_int(
+        "fusion_threshold",
+        resolve_fusion_threshold(fusion_threshold),
+        0,
+        " (bytes; 0: one tensor per bucket)",
+    )
+    _check_int("backward_passes_per_step", backward_passes_per_step, 1)
+    _check_int("compress_min_numel", compress_min_numel, 0)
+    if not isinstance(backend, (str, Transport)):
+        raise TypeError(
+            "backend must be 'horovod', 'mpi4py' or a hvdcompress Transport, "
+            f"got {type(backend).__name__}"
+        )
+    transport = _transport_for(backend, process_set)
+    cls = type(
+        optimizer.__class__.__name__,
+        (optimizer.__class__,),
+        dict(_DistributedOptimizer.__dict__),
+    )
+    return cls(
+        optimizer.param_groups,
+        named_parameters,
+        compressor,
+        transport,
+        backward_passes_per_step,
+        user_op,
+        fusion_threshold,
+        policy,
+        compress_min_numel,
+        horovod_options=HorovodOptions(
+            gradient_predivide_factor=gradient_predivide_factor,
+            num_groups=num_groups,
+            groups=groups,
+            sparse_as_dense=sparse_as_dense,
+            process_set=process_set,
+        ),
+        exchange=exchange,
+    )
