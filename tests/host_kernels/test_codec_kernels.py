@@ -25,6 +25,7 @@ from hvdcompress.backends.cuda import QUANT, SIGN, SPARSE
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant
 from hvdcompress.wire import PayloadError
+from tests import bucket_of_one as one
 from tests.codec_inputs import special_tensor
 from tests.gpu import test_buckets_gpu
 from tests.gpu.conftest import Setup
@@ -73,29 +74,29 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_sign_kernels_match_cpu(emulated):
     for x, e in inputs():
         n = x.numel()
-        want = cpu_backend.sign_encode(x)
-        got = emulated.sign_encode(x)
+        want = one.sign_encode(cpu_backend, x)
+        got = one.sign_encode(emulated, x)
         assert (got is None) == (want is None)
         if want is None:
             continue
         assert torch.equal(got, want)
-        sums_cpu, sums_gpu = cpu_backend.efsign_sums(x, e), emulated.efsign_sums(x, e)
+        sums_cpu, sums_gpu = one.efsign_sums(cpu_backend, x, e), one.efsign_sums(emulated, x, e)
         assert same_bits(sums_gpu, sums_cpu)
         e_cpu, e_gpu = e.clone(), e.clone()
-        body = cpu_backend.efsign_encode(x, e_cpu, 0.8125)
-        assert torch.equal(emulated.efsign_encode(x, e_gpu, 0.8125), body)
+        body = one.efsign_encode(cpu_backend, x, e_cpu, 0.8125)
+        assert torch.equal(one.efsign_encode(emulated, x, e_gpu, 0.8125), body)
         assert same_bits(e_gpu, e_cpu)
         for scale, accumulate in ((1.0, False), (0.8125, True), (0.0, False)):
             out_cpu, out_gpu = e.clone(), e.clone()
-            cpu_backend.sign_decode(body, n, scale, out_cpu, accumulate)
-            emulated.sign_decode(body, n, scale, out_gpu, accumulate)
+            one.sign_decode(cpu_backend, body, n, scale, out_cpu, accumulate)
+            one.sign_decode(emulated, body, n, scale, out_gpu, accumulate)
             assert same_bits(out_gpu, out_cpu)
         if n % 8:
             bad = body.clone()
             bad[-1] |= 0x80
             out = e.clone()
             with pytest.raises(PayloadError, match="padding"):
-                emulated.sign_decode(bad, n, 1.0, out, True)
+                one.sign_decode(emulated, bad, n, 1.0, out, True)
             assert torch.equal(out, e)
     assert SIGN.file in loaded_families(emulated)
 
@@ -104,8 +105,8 @@ def test_efsign_sums_flag_nonfinite(emulated):
     g = torch.ones(3000)
     e = torch.zeros(3000)
     e[2999] = float("inf")
-    assert emulated.efsign_sums(g, e) is None
-    assert cpu_backend.efsign_sums(g, e) is None
+    assert one.efsign_sums(emulated, g, e) is None
+    assert one.efsign_sums(cpu_backend, g, e) is None
 
 
 @pytest.mark.parametrize("levels,bucket", [(16, 512), (1, 7), (3, 100), (127, 64), (5, 1)])

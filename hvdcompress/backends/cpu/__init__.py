@@ -54,13 +54,9 @@ from hvdcompress.backends.cpu.quant import (
 )
 from hvdcompress.backends.cpu.sign import (
     EF_CHUNK,
-    efsign_encode,
     efsign_encode_segments,
-    efsign_sums,
     efsign_sums_segments,
-    sign_decode,
     sign_decode_segments,
-    sign_encode,
     sign_encode_segments,
 )
 from hvdcompress.backends.cpu.sparse import (
@@ -120,9 +116,7 @@ __all__ = [
     "dqsg_dequantize",
     "dqsg_encode_segments",
     "dqsg_quantize",
-    "efsign_encode",
     "efsign_encode_segments",
-    "efsign_sums",
     "efsign_sums_segments",
     "frame_scan",
     "frame_write",
@@ -144,9 +138,7 @@ __all__ = [
     "randomk_encode",
     "randomk_encode_segments",
     "scale_for",
-    "sign_decode",
     "sign_decode_segments",
-    "sign_encode",
     "sign_encode_segments",
     "splits",
     "store_checksums",

@@ -291,6 +291,59 @@ def _run_parts(fn, parts: list[tuple[int, int]]) -> list:
 
 _F32 = 4  # bytes per float32: the parts' pointer offsets
 
+
+class _Rows:
+    """A bucket's segment table cut for the codec threads: one row per tensor, except that a
+    tensor of n elements becomes the rows of its ``_parts(n, align)`` when there are
+    several. The whole tensors come first and take one native call; each part takes a call
+    of its own, on the pool (ctypes releases the GIL during each call). Every codec that
+    uses this writes bytes that depend only on the part's own elements, so the bytes do not
+    depend on the cut."""
+
+    def __init__(self, ns: list[int], align: int) -> None:
+        owner, lo, hi, cut = [], [], [], []
+        for p, n in enumerate(ns):
+            parts = _parts(n, align)
+            if len(parts) == 1:
+                owner.append(p), lo.append(0), hi.append(n)
+            else:
+                cut.extend((p, a, b) for a, b in parts)
+        whole = len(owner)
+        for p, a, b in cut:
+            owner.append(p), lo.append(a), hi.append(b)
+        self.owner = np.asarray(owner, dtype=np.int64)
+        self.lo = np.asarray(lo, dtype=np.int64)
+        self.n = np.asarray(hi, dtype=np.int64) - self.lo
+        self.calls = [(0, whole)] if whole or not cut else []
+        self.calls += [(row, 1) for row in range(whole, len(owner))]
+
+    def at(self, addresses: list[int] | np.ndarray, bytes_per_element: int, per: int = 1):
+        """Each row's address: its tensor's address plus ``lo // per * bytes_per_element``
+        (``per`` elements to a unit of that many bytes)."""
+        base = np.asarray(addresses, dtype=np.uint64).reshape(-1)[self.owner]
+        return base + (self.lo // per * bytes_per_element).astype(np.uint64)
+
+    def run(self, fn) -> list:
+        """fn(first, count) for each native call's rows, on the pool when there are
+        several."""
+        if len(self.calls) == 1:
+            return [fn(*self.calls[0])]
+        threads = min(len(self.calls), num_threads())
+        return list(_executor(threads).map(lambda call: fn(*call), self.calls))
+
+    def any_per_tensor(self, flags: np.ndarray, count: int) -> list[bool]:
+        """Each tensor's flag: whether any of its rows' ``flags`` is set."""
+        out = np.zeros(count, dtype=bool)
+        np.logical_or.at(out, self.owner, np.asarray(flags) != 0)
+        return out.tolist()
+
+
+def _row(a: np.ndarray, first: int) -> int:
+    """The address of ``a[first]`` (a contiguous array of the caller's, alive across the
+    native call)."""
+    return a.ctypes.data + first * a.itemsize
+
+
 # ---- segment tables of the bucket encoders and decoders -----------------------------------
 
 

@@ -199,13 +199,9 @@ from hvdcompress.backends.cuda.quant import (  # noqa: F401  (re-exports)
 )
 from hvdcompress.backends.cuda.sign import (  # noqa: F401  (re-exports)
     EF_CHUNK,
-    efsign_encode,
     efsign_encode_segments,
-    efsign_sums,
     efsign_sums_segments,
-    sign_decode,
     sign_decode_segments,
-    sign_encode,
     sign_encode_segments,
 )
 from hvdcompress.backends.cuda.sparse import (  # noqa: F401  (re-exports)

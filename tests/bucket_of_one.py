@@ -1,0 +1,33 @@
+"""A backend's bucket operations called on one tensor (a bucket of one), with the argument
+order and results the tests compare: every backend has only the bucket form of each codec
+operation (``*_segments``), and a tensor is a bucket of one (hvdcompress.codecs)."""
+
+from __future__ import annotations
+
+import torch
+
+from hvdcompress.codecs import primitives as prim
+
+
+def sign_encode(backend, x: torch.Tensor) -> torch.Tensor | None:
+    return backend.sign_encode_segments([x])[0]
+
+
+def efsign_sums(backend, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor | None:
+    sums, bad = backend.efsign_sums_segments([g], [e])
+    return None if bad[0] else torch.as_tensor(sums[0], dtype=torch.float64)
+
+
+def efsign_encode(backend, g: torch.Tensor, e: torch.Tensor, scale: float) -> torch.Tensor:
+    return backend.efsign_encode_segments([g], [e], [scale], [False])[0]
+
+
+def sign_decode(backend, body, n: int, scale: float, out, accumulate: bool) -> None:
+    scales = prim.one(scale, "float32")
+    prim.decode_one(
+        lambda target: backend.sign_decode_segments(
+            body, prim.one(0), prim.one(n), scales, [target]
+        ),
+        out,
+        accumulate,
+    )
