@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from hvdcompress.backends import ThreeLCEncoded
 from hvdcompress.codecs import primitives as prim
+from hvdcompress.codecs import threelc
 
 
 def sign_encode(backend, x: torch.Tensor) -> torch.Tensor | None:
@@ -31,3 +33,12 @@ def sign_decode(backend, body, n: int, scale: float, out, accumulate: bool) -> N
         out,
         accumulate,
     )
+
+
+def threelc_encode(backend, g: torch.Tensor, e: torch.Tensor | None, sparsity: float):
+    bodies, scales, bad = backend.threelc_encode_segments([g], [e], [sparsity])
+    return ThreeLCEncoded(bodies[0], scales[0], bad[0])
+
+
+def threelc_decode(backend, body, numel: int, scale: float, out, accumulate: bool) -> None:
+    threelc.decode_with(backend, body, numel, scale, out, accumulate)

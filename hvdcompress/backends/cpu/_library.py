@@ -348,7 +348,10 @@ def _row(a: np.ndarray, first: int) -> int:
 
 
 def _addresses(tensors) -> np.ndarray:
-    return np.fromiter((t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors))
+    """Each tensor's address (0 for None: no tensor, a NULL pointer to the C library)."""
+    return np.fromiter(
+        (0 if t is None else t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors)
+    )
 
 
 def _numels(tensors) -> np.ndarray:

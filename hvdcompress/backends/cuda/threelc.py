@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 from hvdcompress.backends.cuda._bucket import (
-    _as_body,
     _bucket_device,
     _check_residuals,
     _first_rows,
@@ -37,7 +36,6 @@ from hvdcompress.backends.cuda._runtime import (
     ERR_PADDING,
     _check_tensor,
     _count,
-    _f32,
     _f32_bits,
     _Launcher,
     _ptr,
@@ -45,7 +43,6 @@ from hvdcompress.backends.cuda._runtime import (
     _Segments,
     _segments,
 )
-from hvdcompress.backends.records import ThreeLCEncoded
 from hvdcompress.errors import PayloadError
 
 
@@ -71,31 +68,6 @@ def _body_error(err: int, total: int | None = None, m: int | None = None) -> Pay
 
 
 # ---- fused codec path ----------------------------------------------------------------------
-
-
-def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> ThreeLCEncoded:
-    _check_tensor(g, "g", torch.float32)
-    if e is not None:
-        _check_tensor(e, "e", torch.float32)
-        if e.numel() != g.numel() or e.device != g.device:
-            raise ValueError(
-                f"residual has {e.numel()} elements on {e.device}, "
-                f"gradient {g.numel()} on {g.device}"
-            )
-    s = _sparsity(sparsity)
-    n = g.numel()
-    if n == 0:
-        return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8, device=g.device), 0.0, False)
-    with _Launcher(g.device) as k:
-        state = k.state()
-        quartic = _quantize_quartic(k, g, e, s, state, None)
-        out = _zre_encode(k, quartic, state)
-        host = _read_state(state)
-    if host[_ST_NONFINITE]:
-        # Like the CPU backend: no body, scale 0, the residual untouched (the kernel did
-        # not write it).
-        return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8, device=g.device), 0.0, True)
-    return ThreeLCEncoded(out[: _count(host)], _f32(host[_ST_SCALE]), False)
 
 
 def _quantize_quartic(
@@ -210,50 +182,6 @@ def _zre_prepare(k: _Launcher, body: torch.Tensor, numel: int, state: torch.Tens
         _ptr(state),
     )
     return incl
-
-
-def threelc_decode(
-    body: torch.Tensor, numel: int, scale: float, out: torch.Tensor, accumulate: bool
-) -> None:
-    _check_tensor(out, "out", torch.float32)
-    if out.numel() != numel:
-        raise ValueError(f"out has {out.numel()} elements, expected {numel}")
-    body = _as_body(body, out.device)
-    m = (numel + 4) // 5
-    length = body.numel()
-    # Cheap host-side bounds first: each body byte expands to 1..14 quartic bytes.
-    if length > m or length * _MAX_RUN < m:
-        raise _body_error(ERR_LENGTH)
-    if length == 0:
-        return  # numel == 0 (m == 0 >= length)
-    with _Launcher(out.device) as k:
-        state = k.state()
-        incl = _zre_prepare(k, body, numel, state)
-        host = _read_state(state)
-        if host[_ST_ERROR]:
-            raise _body_error(int(host[_ST_ERROR]), _count(host), m)
-        qb = k.empty(m, torch.uint8)
-        k(
-            "threelc_zre_expand",
-            length,
-            _ptr(body),
-            _ptr(incl),
-            np.int64(length),
-            np.uint8(_RUN_GROUP),
-            _ptr(qb),
-            np.int64(m),
-            _ptr(state),
-        )
-        k(
-            "threelc_quartic_decode_scale",
-            m,
-            _ptr(qb),
-            np.int64(numel),
-            np.float32(scale),
-            _ptr(out),
-            np.int32(bool(accumulate)),
-            _ptr(state),
-        )
 
 
 def threelc_decode_segments(
