@@ -42,3 +42,21 @@ def threelc_encode(backend, g: torch.Tensor, e: torch.Tensor | None, sparsity: f
 
 def threelc_decode(backend, body, numel: int, scale: float, out, accumulate: bool) -> None:
     threelc.decode_with(backend, body, numel, scale, out, accumulate)
+
+
+def qsgd_encode(backend, x, levels: int, bits: int, bucket: int, key: int):
+    return backend.qsgd_encode_segments([x], levels, bits, bucket, [key])[0]
+
+
+def qsgd_decode(backend, body, n: int, levels, bits, bucket, out, accumulate: bool) -> None:
+    prim.decode_one(
+        lambda target: backend.qsgd_decode_segments(
+            body, prim.one(0), prim.one(n), levels, bits, bucket, [target]
+        ),
+        out,
+        accumulate,
+    )
+
+
+def terngrad_encode(backend, x, key: int):
+    return backend.terngrad_encode_segments([x], [key])[0]

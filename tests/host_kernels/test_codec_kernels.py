@@ -115,16 +115,16 @@ def test_qsgd_kernels_match_cpu(emulated, levels, bucket):
     for x, out in inputs():
         n = x.numel()
         key = 2**64 - 1 - n
-        want = cpu_backend.qsgd_encode(x, levels, bits, bucket, key)
-        got = emulated.qsgd_encode(x, levels, bits, bucket, key)
+        want = one.qsgd_encode(cpu_backend, x, levels, bits, bucket, key)
+        got = one.qsgd_encode(emulated, x, levels, bits, bucket, key)
         assert (got is None) == (want is None)
         if want is None:
             continue
         assert torch.equal(got, want)
         for accumulate in (False, True):
             out_cpu, out_gpu = out.clone(), out.clone()
-            cpu_backend.qsgd_decode(want, n, levels, bits, bucket, out_cpu, accumulate)
-            emulated.qsgd_decode(want, n, levels, bits, bucket, out_gpu, accumulate)
+            one.qsgd_decode(cpu_backend, want, n, levels, bits, bucket, out_cpu, accumulate)
+            one.qsgd_decode(emulated, want, n, levels, bits, bucket, out_gpu, accumulate)
             assert same_bits(out_gpu, out_cpu)
     assert QUANT.file in loaded_families(emulated)
 
@@ -132,7 +132,7 @@ def test_qsgd_kernels_match_cpu(emulated, levels, bucket):
 def test_qsgd_kernels_reject_what_the_cpu_rejects(emulated):
     levels, bucket, n = 2, 512, 700
     bits = quant.qsgd_bits(levels)
-    body = cpu_backend.qsgd_encode(torch.randn(n), levels, bits, bucket, 3)
+    body = one.qsgd_encode(cpu_backend, torch.randn(n), levels, bits, bucket, 3)
     bad_norm, bad_code, bad_pad = body.clone(), body.clone(), body.clone()
     bad_norm[4:8] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # NaN
     bad_code[8 + 100] = 0xFF  # codes 7: level 3 > 2
@@ -141,15 +141,15 @@ def test_qsgd_kernels_reject_what_the_cpu_rejects(emulated):
         for backend in (cpu_backend, emulated):
             out = torch.full((n,), 2.0)
             with pytest.raises(PayloadError, match=match):
-                backend.qsgd_decode(bad, n, levels, bits, bucket, out, False)
+                one.qsgd_decode(backend, bad, n, levels, bits, bucket, out, False)
             assert torch.equal(out, torch.full((n,), 2.0))
 
 
 def test_terngrad_kernels_match_cpu(emulated):
     for x, _ in inputs():
         key = 12345 + x.numel()
-        want = cpu_backend.terngrad_encode(x, key)
-        got = emulated.terngrad_encode(x, key)
+        want = one.terngrad_encode(cpu_backend, x, key)
+        got = one.terngrad_encode(emulated, x, key)
         assert (got is None) == (want is None)
         if want is not None:
             assert torch.equal(got[0], want[0]) and got[1] == want[1]

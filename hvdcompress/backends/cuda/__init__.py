@@ -190,11 +190,8 @@ from hvdcompress.backends.cuda.quant import (  # noqa: F401  (re-exports)
     _qsgd_refusal,
     dqsg_dequantize,
     dqsg_quantize,
-    qsgd_decode,
     qsgd_decode_segments,
-    qsgd_encode,
     qsgd_encode_segments,
-    terngrad_encode,
     terngrad_encode_segments,
 )
 from hvdcompress.backends.cuda.sign import (  # noqa: F401  (re-exports)
