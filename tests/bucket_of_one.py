@@ -8,7 +8,7 @@ import torch
 
 from hvdcompress.backends import ThreeLCEncoded
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.codecs import threelc
+from hvdcompress.codecs import sparse, threelc
 
 
 def sign_encode(backend, x: torch.Tensor) -> torch.Tensor | None:
@@ -60,3 +60,7 @@ def qsgd_decode(backend, body, n: int, levels, bits, bucket, out, accumulate: bo
 
 def terngrad_encode(backend, x, key: int):
     return backend.terngrad_encode_segments([x], [key])[0]
+
+
+def randomk_encode(backend, a, key: int, threshold: int, residual):
+    return sparse.randomk_encode_with(backend, a, key, threshold, residual)

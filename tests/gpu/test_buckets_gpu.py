@@ -666,7 +666,7 @@ def check_randomk_segments(s: Setup, ratio: float = 0.1, scale: float = 1.0) -> 
     keys = [(104729 * i + 11) % 2**64 for i in range(len(xs))]
     threshold = sparse.randomk_threshold(ratio)
     bodies = [
-        s.cpu.randomk_encode(x, key, threshold, None).view(torch.uint8)
+        one.randomk_encode(s.cpu, x, key, threshold, None).view(torch.uint8)
         for x, key in zip(xs, keys, strict=True)
     ]
     frame, starts = gapped_frame(bodies, 35, 9)

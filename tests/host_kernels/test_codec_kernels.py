@@ -264,8 +264,8 @@ def test_emulated_randomk_keeps_strictly_below_the_threshold(emulated):
     hashes = (prim.uniform_numpy(key, n) * 2**24).astype(np.int64)
     a = torch.arange(1, n + 1, dtype=torch.float32)
     for j in (0, 777, n - 1):
-        want = cpu_backend.randomk_encode(a, key, int(hashes[j]), None)
-        got = emulated.randomk_encode(a, key, int(hashes[j]), None)
+        want = one.randomk_encode(cpu_backend, a, key, int(hashes[j]), None)
+        got = one.randomk_encode(emulated, a, key, int(hashes[j]), None)
         assert torch.equal(got, want) and float(a[j]) not in got.tolist()
 
 

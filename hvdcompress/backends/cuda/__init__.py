@@ -230,9 +230,7 @@ from hvdcompress.backends.cuda.sparse_random import (  # noqa: F401  (re-exports
     gspar_draw,
     gspar_encode_segments,
     gspar_round,
-    randomk_decode,
     randomk_decode_segments,
-    randomk_encode,
     randomk_encode_segments,
 )
 from hvdcompress.backends.cuda.threelc import (  # noqa: F401  (re-exports)
