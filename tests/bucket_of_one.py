@@ -64,3 +64,8 @@ def terngrad_encode(backend, x, key: int):
 
 def randomk_encode(backend, a, key: int, threshold: int, residual):
     return sparse.randomk_encode_with(backend, a, key, threshold, residual)
+
+
+def checksum(backend, buf: torch.Tensor) -> int:
+    """The checksum (offset 0) of the whole of buf: a bucket of one segment."""
+    return backend.checksum_segments(buf, [0], [buf.numel()])[0]

@@ -221,8 +221,11 @@ def check_corrupt_bodies(s: Setup, trials: int = 300) -> None:
 
 def check_checksum(s: Setup, size: int) -> None:
     buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator())
-    for offset in (0, 12, 2**32 - 5, 2**40 + 3):
-        assert s.backend.checksum(buf.to(s.dev, copy=True), offset) == s.cpu.checksum(buf, offset)
+    on_device = buf.to(s.dev, copy=True)
+    for start in sorted({0, min(1, size), min(12, size), size // 2, size}):
+        # the checksum of the segment [start, size), each position from its start
+        got = s.backend.checksum_segments(on_device, [start], [size - start])
+        assert got == s.cpu.checksum_segments(buf, [start], [size - start])
 
 
 # A bucket: empty tensors, every input kind, sizes around a group and a run, a non-finite
@@ -506,7 +509,7 @@ def test_beyond_2_pow_32_elements(gpu):
     assert int(torch.count_nonzero(out)) == len(spikes)
     for i, v in spikes.items():
         assert float(out[i]) == v
-    assert gpu.backend.checksum(enc.body, 2**33) == gpu.cpu.checksum(enc.body.cpu(), 2**33)
+    assert one.checksum(gpu.backend, enc.body) == one.checksum(gpu.cpu, enc.body.cpu())
 
 
 def _zero_run(r: int) -> np.ndarray:

@@ -24,7 +24,6 @@ from hvdcompress.backends.cpu._library import (
 )
 from hvdcompress.backends.cpu.frame import (
     SCAN_FIELDS,
-    checksum,
     checksum_segments,
     frame_scan,
     frame_write,
@@ -99,7 +98,6 @@ __all__ = [
     "TopKSignSelection",
     "bitpack",
     "bitunpack",
-    "checksum",
     "checksum_segments",
     "chunk_sums",
     "dgc_update",

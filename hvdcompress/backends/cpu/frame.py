@@ -15,12 +15,9 @@ from hvdcompress.backends.cpu._library import (
 from hvdcompress.backends.records import FIXED_HEADER_BYTES, SCAN, FrameScan
 
 
-def checksum(buf: torch.Tensor, offset: int) -> int:
-    return int(LIB.hvdc_checksum(_ptr(buf), buf.numel(), offset))
-
-
 def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
-    """``checksum`` (offset 0) of each segment [start, start + length) of buf: one call."""
+    """The checksum (offset 0, ``wire.checksum``) of each segment [start, start + length)
+    of buf: one call."""
     count = len(starts)
     table = np.array([starts, lengths], dtype=np.int64)
     out = np.empty(count, dtype=np.uint32)

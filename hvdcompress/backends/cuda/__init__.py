@@ -170,7 +170,6 @@ from hvdcompress.backends.cuda.frame import (  # noqa: F401  (re-exports)
     _FRAME_SHAPE,
     _FRAME_STORED,
     _checksum_table,
-    checksum,
     checksum_segments,
     frame_scan,
     length_prefixes,
