@@ -29,7 +29,7 @@ def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) 
 
 
 def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
-    """Write each segment's ``checksum`` (offset 0, computed with its 4 bytes at ``start +
+    """Write each segment's checksum (offset 0, computed with its 4 bytes at ``start +
     field`` zero) little-endian into those 4 bytes: a frame's checksum fields."""
     sums = np.asarray(checksum_segments(buf, starts, lengths), dtype="<u4")
     at = np.asarray(starts, dtype=np.int64)[:, None] + field + np.arange(4)

@@ -53,9 +53,10 @@ def sign_decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """``sign_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
-    checked the lengths) into ``outs[p]``, one native call: None, or (p, message) of the
-    first body with a padding bit set (the ones before it are added)."""
+    """The sign decode (+-scale per bit added: bit ? -scale : scale) of each body at
+    ``frame[starts[p]:]`` (the caller checked the lengths) into ``outs[p]``, one native
+    call: None, or (p, message) of the first body with a padding bit set (the ones before it
+    are added)."""
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
     rc = LIB.hvdc_sign_decode_segments(
         len(outs),

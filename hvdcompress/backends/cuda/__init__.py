@@ -56,7 +56,6 @@ from hvdcompress.backends.cuda import (
     threelc,
 )
 from hvdcompress.backends.cuda._bucket import (  # noqa: F401  (re-exports)
-    _as_body,
     _bodies_on,
     _bucket_device,
     _check_residuals,
@@ -225,7 +224,6 @@ from hvdcompress.backends.cuda.sparse import (  # noqa: F401  (re-exports)
 )
 from hvdcompress.backends.cuda.sparse_random import (  # noqa: F401  (re-exports)
     _GSPAR_SEG_CHUNK,
-    _randomk_mask,
     gspar_draw,
     gspar_encode_segments,
     gspar_round,

@@ -48,7 +48,7 @@ def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) 
 
 
 def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
-    """Write each segment's ``checksum`` (offset 0, computed with its 4 bytes at ``start +
+    """Write each segment's checksum (offset 0, computed with its 4 bytes at ``start +
     field`` zero) little-endian into those 4 bytes: a frame's checksum fields, with no
     host round trip (two launches)."""
     _check_tensor(buf, "buf", torch.uint8)

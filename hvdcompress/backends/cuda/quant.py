@@ -99,7 +99,7 @@ def qsgd_decode_segments(
     bucket: int,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """``qsgd_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    """The QSGD decode (accumulating) of each body at ``frame[starts[p]:]`` (the caller
     checked its length) into ``outs[p]`` (on one CUDA device; the frame on the host or that
     device): every body checked (one launch, one read), then one launch that adds the
     bodies before the first refused one. None, or (p, the message: a bad norm, padding or

@@ -41,11 +41,6 @@ from hvdcompress.backends.cuda.primitives import chunk_sums, uniform
 # ---- random-k: the mask from the uniforms, torch ops on the device ---------------------------
 
 
-def _randomk_mask(key: int, n: int, threshold: int, device: torch.device) -> torch.Tensor:
-    # u < T 2^-24 (exact in float32): the CPU compares the uniforms' 24-bit integers with T
-    return uniform(key, n, device) < threshold * 2.0**-24
-
-
 def randomk_encode_segments(
     gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
 ) -> tuple[list[torch.Tensor], list[bool]]:
