@@ -322,22 +322,28 @@ def assemble(header: Header, body: torch.Tensor) -> torch.Tensor:
         view = payload.numpy()
         view[:size] = np.frombuffer(head, dtype=np.uint8)
         view[size:] = body.numpy()
-        csum = backend.checksum(payload, 0).to_bytes(4, "little")
+        csum = _payload_checksum(backend, payload).to_bytes(4, "little")
         view[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4] = np.frombuffer(csum, dtype=np.uint8)
     else:
         payload[size:].copy_(body)
         payload[:size].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-        csum = backend.checksum(payload, 0).to_bytes(4, "little")
+        csum = _payload_checksum(backend, payload).to_bytes(4, "little")
         payload[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4].copy_(
             torch.frombuffer(bytearray(csum), dtype=torch.uint8)
         )
     return payload
 
 
+def _payload_checksum(backend, payload: torch.Tensor) -> int:
+    """``checksum`` (offset 0) of the whole payload: the backend's checksums of a bucket of
+    segments, with one segment."""
+    return backend.checksum_segments(payload, [0], [payload.numel()])[0]
+
+
 def verify_checksum(header: Header, payload: torch.Tensor) -> None:
     """Raise PayloadError unless the payload's bytes give the header's checksum."""
     field = header.raw[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4]
-    csum = checksum_without_field(for_device(payload.device).checksum(payload, 0), field)
+    csum = checksum_without_field(_payload_checksum(for_device(payload.device), payload), field)
     if csum != header.checksum:
         raise PayloadError(
             "checksum",

@@ -154,6 +154,27 @@ def batched_except_split(items: list, numel, splits, batched, single) -> list:
     return [results[i] for i in range(len(items))]
 
 
+def decode_one(add, out: torch.Tensor, accumulate: bool) -> None:
+    """One body through a bucket decoder (the backends decode buckets only, accumulating):
+    ``add(target)`` adds the body into ``target`` as a bucket of one, returning None or
+    (0, message or PayloadError). Written, not added (``accumulate`` False): added into a
+    copy filled with -0.0 (-0.0 + v is v, bit for bit, for every v, +0.0 and -0.0
+    included), which then replaces ``out``. The bucket decoder's failure raises as the
+    PayloadError (field "body") with ``out`` untouched."""
+    target = out if accumulate else torch.full_like(out, -0.0)
+    failed = add(target)
+    if failed is not None:
+        error = failed[1]
+        raise error if isinstance(error, PayloadError) else PayloadError("body", error)
+    if not accumulate:
+        out.copy_(target)
+
+
+def one(values, dtype=np.int64) -> np.ndarray:
+    """A one-entry array of the bucket decoders' tables."""
+    return np.array([values], dtype=dtype)
+
+
 def decode_to_wrong_length(lens: np.ndarray, need: np.ndarray, decode, length_error):
     """A bucket decoder for bodies whose length the header fixes (``need``): ``decode(upto)``
     adds the bodies before the first of a wrong length (None, or (i, PayloadError) of a

@@ -71,7 +71,9 @@ def padded(x: torch.Tensor, bucket: int) -> torch.Tensor:
 def qsgd_encode(x: torch.Tensor, levels: int, bucket: int, key: int) -> torch.Tensor | None:
     """Body for the flat float32 x (one native pass: bucket norms and packed codes), or
     None when x holds a NaN or an Inf or a norm overflows float32."""
-    return for_device(x.device).qsgd_encode(x, levels, qsgd_bits(levels), bucket, key)
+    return for_device(x.device).qsgd_encode_segments([x], levels, qsgd_bits(levels), bucket, [key])[
+        0
+    ]
 
 
 def qsgd_decode_into(
@@ -92,13 +94,20 @@ def qsgd_decode_into(
     if n == 0:
         return
     body = body.reshape(-1).to(out.device).contiguous()
-    for_device(out.device).qsgd_decode(body, n, levels, bits, bucket, out, accumulate)
+    backend = for_device(out.device)
+    prim.decode_one(  # -0.0 + v is v: written (not added) is added into -0.0
+        lambda target: backend.qsgd_decode_segments(
+            body, prim.one(0), prim.one(n), levels, bits, bucket, [target]
+        ),
+        out,
+        accumulate,
+    )
 
 
 def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:
     """(zero-run-encoded quartic body, the float32 scale M = max|x|) of the flat float32 x,
     or None when x holds a NaN or an Inf."""
-    return for_device(x.device).terngrad_encode(x, key)
+    return terngrad_encode_segments([x], [key])[0]
 
 
 def qsgd_encode_segments(
@@ -116,18 +125,9 @@ def terngrad_encode_segments(
     xs: list[torch.Tensor], keys: list[int]
 ) -> list[tuple[torch.Tensor, float] | None]:
     """``terngrad_encode`` of each (x, key) of a bucket (contiguous float32 on one device):
-    one native call (CPU) or launch sequence (CUDA) for the tensors that the codec threads
-    do not cut into parts (``splits``), ``terngrad_encode`` for those."""
-    backend = for_device(xs[0].device)
-    return prim.batched_except_split(
-        list(zip(xs, keys, strict=True)),
-        lambda xk: xk[0].numel(),
-        backend.splits,
-        lambda pairs: backend.terngrad_encode_segments(
-            [x for x, _ in pairs], [k for _, k in pairs]
-        ),
-        lambda xk: terngrad_encode(*xk),
-    )
+    one native call (CPU; a tensor the codec threads cut, ``splits``, on its own) or
+    launch sequence (CUDA)."""
+    return for_device(xs[0].device).terngrad_encode_segments(xs, keys)
 
 
 def terngrad_decode_into(

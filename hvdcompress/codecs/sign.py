@@ -28,7 +28,7 @@ from hvdcompress.errors import PayloadError
 def encode(x: torch.Tensor) -> torch.Tensor | None:
     """signSGD body of the flat float32 x (one native pass), or None when x holds a NaN
     or an Inf."""
-    return for_device(x.device).sign_encode(x)
+    return encode_segments([x])[0]
 
 
 def encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -52,28 +52,16 @@ def ef_encode(g: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, float] | 
     """EF-signSGD of a = g + e (flat float32): (body, scale = mean|a|), the residual e set to
     a - scale * sign(a) in place; None, e untouched, when a holds a NaN or an Inf. Two
     native passes: the chunk sums of |a| (and the finiteness check), then bits and e."""
-    backend = for_device(g.device)
-    sums = backend.efsign_sums(g, e)
-    if sums is None:
-        return None
-    scale = ef_scale(sums, g.numel())
-    return backend.efsign_encode(g, e, scale), scale
+    return ef_encode_segments([g], [e])[0]
 
 
 def ef_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor]
 ) -> list[tuple[torch.Tensor, float] | None]:
-    """``ef_encode`` of each (g, e) of a bucket (flat float32 on the CPU): the same two
-    passes, each one native call for the bucket's tensors, except those the backend cuts
-    into parts for its threads (``splits``), which take ``ef_encode``."""
-    backend = for_device(gs[0].device)
-    return prim.batched_except_split(
-        list(zip(gs, es, strict=True)),
-        lambda ge: ge[0].numel(),
-        backend.splits,
-        lambda pairs: _ef_encode_batch(backend, [g for g, _ in pairs], [e for _, e in pairs]),
-        lambda ge: ef_encode(*ge),
-    )
+    """``ef_encode`` of each (g, e) of a bucket (flat float32 on one device): the same two
+    passes, each one native call (CPU; a tensor the codec threads cut, a call a part) or
+    one launch (CUDA) for the bucket's tensors."""
+    return _ef_encode_batch(for_device(gs[0].device), gs, es)
 
 
 def _ef_encode_batch(backend, gs, es) -> list[tuple[torch.Tensor, float] | None]:
@@ -99,7 +87,15 @@ def decode_into(
     if n == 0:
         return
     body = body.reshape(-1).to(out.device).contiguous()
-    for_device(out.device).sign_decode(body, n, 1.0 if scale is None else scale, out, accumulate)
+    scales = prim.one(1.0 if scale is None else scale, np.float32)
+    backend = for_device(out.device)
+    prim.decode_one(
+        lambda target: backend.sign_decode_segments(
+            body, prim.one(0), prim.one(n), scales, [target]
+        ),
+        out,
+        accumulate,
+    )
 
 
 def decode_segments(

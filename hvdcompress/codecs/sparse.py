@@ -45,6 +45,7 @@ from hvdcompress.codecs.primitives import (
     bitpack,
     bitunpack,
     decode_to_wrong_length,
+    one,
     packed_len,
     refusal,
 )
@@ -139,8 +140,20 @@ def randomk_scale(ratio: float, unbiased: bool) -> float:
 
 def randomk_encode(a: torch.Tensor, key: int, ratio: float, residual: torch.Tensor | None):
     """The kept values of the finite flat float32 a (float32, index order); residual (not
-    None: error feedback, unscaled values) <- a with the kept entries zeroed."""
-    return for_device(a.device).randomk_encode(a, key, randomk_threshold(ratio), residual)
+    None: error feedback, unscaled values) <- a with the kept entries zeroed. The bucket
+    encoder with one tensor: with a residual, of a = a + e with e = -0.0 (bit for bit a)."""
+    return randomk_encode_with(for_device(a.device), a, key, randomk_threshold(ratio), residual)
+
+
+def randomk_encode_with(backend, a, key: int, threshold: int, residual):
+    """``randomk_encode`` through ``backend``'s bucket encoder (the threshold given)."""
+    if residual is None:
+        bodies, _ = backend.randomk_encode_segments([a], [key], threshold, None)
+    else:
+        if residual.untyped_storage().data_ptr() == a.untyped_storage().data_ptr():
+            a = a.clone()  # the encoder forms a + e in e
+        bodies, _ = backend.randomk_encode_segments([a], [key], threshold, [residual.fill_(-0.0)])
+    return bodies[0].view(torch.float32)
 
 
 def randomk_decode_into(
@@ -155,11 +168,35 @@ def randomk_decode_into(
     """Write (or add) scale * the kept values at the regenerated indices; PayloadError,
     out untouched, when the body does not hold exactly the regenerated count of finite
     values."""
-    kept = for_device(out.device).randomk_decode(
-        body, key, n, randomk_threshold(ratio), scale, out, accumulate
-    )
-    if kept is not None:
-        raise _randomk_count_error(kept, body.numel())
+    backend = for_device(out.device)
+    randomk_decode_with(backend, body, key, n, randomk_threshold(ratio), scale, out, accumulate)
+
+
+def randomk_decode_with(backend, body, key, n, threshold, scale, out, accumulate) -> None:
+    """``randomk_decode_into`` through ``backend``'s bucket decoder (accumulating; the
+    threshold given). Written, not added: added into +0.0 (the zeros the writing decoder
+    leaves between the kept entries), +0.0 + v being v for every v but -0.0: the kept
+    entries whose product value * scale is -0.0 are then set to it."""
+    body = body.reshape(-1)
+    target = out if accumulate else torch.zeros_like(out)
+    failed = backend.randomk_decode_segments(
+        body, one(0), one(body.numel()), one(n), [key], threshold, scale,
+        [target],
+    )  # fmt: skip
+    if failed is not None:
+        code = failed[1]
+        if code == -1:
+            raise PayloadError("body", "a random-k value is not finite")
+        raise _randomk_count_error(code, body.numel())
+    if accumulate:
+        return
+    if body.numel():
+        values = body.to(out.device).clone().view(torch.float32) * np.float32(scale)
+        negative_zero = (values == 0) & torch.signbit(values)
+        if bool(negative_zero.any()):
+            kept = backend.uniform(key, n, out.device) < threshold * 2.0**-24
+            target[kept] = values
+    out.copy_(target)
 
 
 def _randomk_count_error(kept: int, body_len: int) -> PayloadError:

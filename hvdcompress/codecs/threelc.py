@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import ThreeLCEncoded, for_device
+from hvdcompress.codecs import primitives as prim
 from hvdcompress.errors import PayloadError
 
 ZERO_GROUP = 121
@@ -102,14 +103,52 @@ def encode(g: torch.Tensor, residual: torch.Tensor | None, sparsity: float) -> T
     g: contiguous flat float32; residual: float32 of the same numel, updated in place
     (left untouched when the input is non-finite), or None.
     """
-    return for_device(g.device).threelc_encode(g, residual, sparsity)
+    return encode_segments([g], [residual], [sparsity])[0]
 
 
 def decode_into(
     body: torch.Tensor, numel: int, scale: float, out: torch.Tensor, accumulate: bool = False
 ) -> None:
-    """Write (or add) S * q of a zero-run-encoded body into flat float32 ``out``."""
-    for_device(body.device).threelc_decode(body, numel, scale, out, accumulate)
+    """Write (or add) S * q of a zero-run-encoded body into flat float32 ``out``; PayloadError,
+    ``out`` untouched, for a body that does not decode. The bucket decoder (accumulating)
+    with one body: written, not added, is added into +0.0, which is S * q's bits for S > 0
+    (or not finite: +0.0 + x is x for every x but -0.0, which S * q then never is) with
+    the runs' +0.0; for any other S the digits q are decoded (S = 1) and S * q formed
+    where the body has digits, +0.0 where it has runs, as the writing decoder does."""
+    decode_with(for_device(out.device), body, numel, scale, out, accumulate)
+
+
+def decode_with(
+    backend, body: torch.Tensor, numel: int, scale: float, out: torch.Tensor, accumulate: bool
+) -> None:
+    """``decode_into`` through ``backend``'s bucket decoder."""
+    if out.numel() != numel:
+        raise ValueError(f"out has {out.numel()} elements, expected {numel}")
+    body = _bytes(body)
+
+    def add(target: torch.Tensor, s: float):
+        return backend.threelc_decode_segments(
+            body, prim.one(0), prim.one(body.numel()), prim.one(numel), prim.one(s, "float32"),
+            [target],
+        )  # fmt: skip
+
+    if accumulate or not scale <= 0.0:  # S > 0, NaN or Inf
+        fill = out if accumulate else torch.zeros_like(out)
+        _raise_failed(add(fill, scale))
+        if not accumulate:
+            out.copy_(fill)
+        return
+    q = torch.zeros_like(out)
+    _raise_failed(add(q, 1.0))
+    runs = torch.full_like(out, -0.0)  # a run leaves -0.0; a digit's -0.0 + q is not -0.0
+    _raise_failed(add(runs, 1.0))
+    at_run = (runs == 0) & torch.signbit(runs)
+    out.copy_(torch.where(at_run, torch.zeros_like(out), q * float(np.float32(scale))))
+
+
+def _raise_failed(failed) -> None:
+    if failed is not None:
+        raise PayloadError("body", failed[1])
 
 
 def encode_segments(

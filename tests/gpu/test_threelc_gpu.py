@@ -20,6 +20,7 @@ import torch
 
 from hvdcompress.backends import cuda as cuda_backend
 from hvdcompress.wire import PayloadError
+from tests import bucket_of_one as one
 from tests.gpu.conftest import Setup, bits, check_kernel_source_found, check_nvrtc_compiles
 from tests.reference import DESIGN_VECTORS, DESIGN_X
 
@@ -73,7 +74,7 @@ def check_spec_vectors(s: Setup) -> None:
         qb = s.backend.quartic_encode(q)
         assert qb.tolist() == quartic
         assert s.backend.zero_run_encode(qb).tolist() == zre
-        enc = s.backend.threelc_encode(x, None, sparsity)
+        enc = one.threelc_encode(s.backend, x, None, sparsity)
         assert enc.body.tolist() == zre and enc.scale == np.float32(scale)
         assert not enc.nonfinite
         back = s.backend.zero_run_decode(_u8(zre, s.dev), 4)
@@ -124,8 +125,8 @@ def check_encode(s: Setup, n: int, kinds=KINDS, sparsities=SPARSITIES) -> None:
                 where = f"n={n} {kind} s={sparsity} e={with_e}"
                 e_dev = e0.to(s.dev, copy=True) if with_e else None
                 e_cpu = e0.clone() if with_e else None
-                enc = s.backend.threelc_encode(g.to(s.dev, copy=True), e_dev, sparsity)
-                ref = s.cpu.threelc_encode(g, e_cpu, sparsity)
+                enc = one.threelc_encode(s.backend, g.to(s.dev, copy=True), e_dev, sparsity)
+                ref = one.threelc_encode(s.cpu, g, e_cpu, sparsity)
                 assert (enc.scale, enc.nonfinite) == (ref.scale, ref.nonfinite), where
                 assert enc.body.device == s.dev and enc.body.dtype == torch.uint8
                 assert_same_bytes(enc.body, ref.body, where)
@@ -139,8 +140,8 @@ def check_residual_over_steps(s: Setup, n: int = 1 << 20 | 7) -> None:
     e_cpu = torch.zeros(n)
     for step, kind in enumerate(["dense", "sparse90", "runs", "dense", "ties", "dense"]):
         g = make_input(n, kind, gen)
-        enc = s.backend.threelc_encode(g.to(s.dev, copy=True), e_dev, 1.9)
-        ref = s.cpu.threelc_encode(g, e_cpu, 1.9)
+        enc = one.threelc_encode(s.backend, g.to(s.dev, copy=True), e_dev, 1.9)
+        ref = one.threelc_encode(s.cpu, g, e_cpu, 1.9)
         assert enc.scale == ref.scale, step
         assert_same_bytes(enc.body, ref.body, f"step {step}")
         np.testing.assert_array_equal(bits(e_dev), bits(e_cpu), err_msg=f"step {step}")
@@ -152,8 +153,8 @@ def check_nonfinite(s: Setup, bad: float, n: int = 100003) -> None:
     g[n * 7 // 9] = bad  # 3e38: finite, but 1.9 * max overflows float32
     e0 = make_input(n, "dense", gen) * 0.01
     e_dev = e0.to(s.dev, copy=True)
-    enc = s.backend.threelc_encode(g.to(s.dev, copy=True), e_dev, 1.9)
-    ref = s.cpu.threelc_encode(g, e0.clone(), 1.9)
+    enc = one.threelc_encode(s.backend, g.to(s.dev, copy=True), e_dev, 1.9)
+    ref = one.threelc_encode(s.cpu, g, e0.clone(), 1.9)
     assert enc.nonfinite and ref.nonfinite
     assert enc.body.numel() == 0 and enc.scale == ref.scale == 0.0
     np.testing.assert_array_equal(bits(e_dev), bits(e0))  # residual untouched
@@ -163,21 +164,21 @@ def check_decode(s: Setup, n: int) -> None:
     gen = torch.Generator().manual_seed(100 + n)
     for kind in ("dense", "sparse999", "runs", "zeros"):
         g = make_input(n, kind, gen)
-        ref = s.cpu.threelc_encode(g, None, 1.5)
+        ref = one.threelc_encode(s.cpu, g, None, 1.5)
         body = ref.body.to(s.dev, copy=True)
         out = torch.full((n,), float("nan"), device=s.dev)
-        s.backend.threelc_decode(body, n, ref.scale, out, False)
+        one.threelc_decode(s.backend, body, n, ref.scale, out, False)
         cout = torch.full((n,), float("nan"))
-        s.cpu.threelc_decode(ref.body, n, ref.scale, cout, False)
+        one.threelc_decode(s.cpu, ref.body, n, ref.scale, cout, False)
         np.testing.assert_array_equal(bits(out), bits(cout), err_msg=kind)
         # Accumulate onto values that include -0.0: zero groups from run codes leave out
         # as it is, every other digit adds S * q (+0.0 for q = 0), as on the CPU.
         base = make_input(n, "dense", gen)
         base[torch.rand(n, generator=gen) < 0.3] = -0.0
         acc = base.to(s.dev, copy=True)
-        s.backend.threelc_decode(body, n, ref.scale, acc, True)
+        one.threelc_decode(s.backend, body, n, ref.scale, acc, True)
         cacc = base.clone()
-        s.cpu.threelc_decode(ref.body, n, ref.scale, cacc, True)
+        one.threelc_decode(s.cpu, ref.body, n, ref.scale, cacc, True)
         np.testing.assert_array_equal(bits(acc), bits(cacc), err_msg=f"{kind} accumulate")
 
 
@@ -190,7 +191,7 @@ def check_corrupt_bodies(s: Setup, trials: int = 300) -> None:
     for trial in range(trials):
         n = int(rng.integers(0, 500))
         g = make_input(n, ["sparse90", "runs", "dense"][trial % 3], gen)
-        ref = s.cpu.threelc_encode(g, None, 1.0)
+        ref = one.threelc_encode(s.cpu, g, None, 1.0)
         body = ref.body.numpy().copy()
         if trial % 4 == 0 or body.size == 0:
             body = rng.integers(0, 256, int(rng.integers(0, 30)), dtype=np.uint8)
@@ -200,7 +201,7 @@ def check_corrupt_bodies(s: Setup, trials: int = 300) -> None:
         out = torch.full((n,), 9.0, device=s.dev)
         dev_err = cpu_err = None
         try:
-            s.backend.threelc_decode(body_t.to(s.dev, copy=True), n, ref.scale, out, False)
+            one.threelc_decode(s.backend, body_t.to(s.dev, copy=True), n, ref.scale, out, False)
         except PayloadError as exc:
             dev_err = exc
             rejected += 1
@@ -208,7 +209,7 @@ def check_corrupt_bodies(s: Setup, trials: int = 300) -> None:
             assert bool((out == 9.0).all()), f"trial {trial}: out written before raising"
         cout = torch.full((n,), 9.0)
         try:
-            s.cpu.threelc_decode(body_t, n, ref.scale, cout, False)
+            one.threelc_decode(s.cpu, body_t, n, ref.scale, cout, False)
         except PayloadError as exc:
             cpu_err = exc
         assert (dev_err is None) == (cpu_err is None), f"trial {trial}: {dev_err} / {cpu_err}"
@@ -220,8 +221,11 @@ def check_corrupt_bodies(s: Setup, trials: int = 300) -> None:
 
 def check_checksum(s: Setup, size: int) -> None:
     buf = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator())
-    for offset in (0, 12, 2**32 - 5, 2**40 + 3):
-        assert s.backend.checksum(buf.to(s.dev, copy=True), offset) == s.cpu.checksum(buf, offset)
+    on_device = buf.to(s.dev, copy=True)
+    for start in sorted({0, min(1, size), min(12, size), size // 2, size}):
+        # the checksum of the segment [start, size), each position from its start
+        got = s.backend.checksum_segments(on_device, [start], [size - start])
+        assert got == s.cpu.checksum_segments(buf, [start], [size - start])
 
 
 # A bucket: empty tensors, every input kind, sizes around a group and a run, a non-finite
@@ -287,7 +291,7 @@ def check_decode_segments(s: Setup, frame_on_device: bool) -> None:
     after it untouched."""
     gen = torch.Generator().manual_seed(22)
     grads = make_bucket(gen)
-    encoded = [s.cpu.threelc_encode(g, None, 1.5) for g in grads]
+    encoded = [one.threelc_encode(s.cpu, g, None, 1.5) for g in grads]
     keep = [i for i, enc in enumerate(encoded) if not enc.nonfinite]
     frame, starts = gapped_frame([encoded[i].body for i in keep], 22, 40)
     lens = np.array([encoded[i].body.numel() for i in keep], np.int64)
@@ -328,7 +332,9 @@ def check_decode_segments(s: Setup, frame_on_device: bool) -> None:
         body = bad_frame[where:][: int(bad_lens[target])]
         out = torch.zeros(int(ns[target]), device=s.dev)
         with pytest.raises(PayloadError) as exc:  # the per-payload decoder's message
-            s.backend.threelc_decode(body.to(s.dev, copy=True), int(ns[target]), 1.0, out, True)
+            one.threelc_decode(
+                s.backend, body.to(s.dev, copy=True), int(ns[target]), 1.0, out, True
+            )
         assert failed[1] == exc.value.detail, what
 
 
@@ -449,21 +455,21 @@ def test_side_stream(gpu):
     seen, and their results are ready for work queued after them."""
     gen = torch.Generator().manual_seed(4)
     g = make_input(1 << 22, "sparse90", gen)
-    ref = gpu.cpu.threelc_encode(g, None, 1.0)
+    ref = one.threelc_encode(gpu.cpu, g, None, 1.0)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         g_dev = torch.empty(g.shape, device=gpu.dev)
         g_dev.copy_(g.pin_memory(), non_blocking=True)
         torch.cuda._sleep(50_000_000)  # a busy stream: kernels on another one would race
         x = g_dev * 1.0
-        enc = gpu.backend.threelc_encode(x, None, 1.0)
+        enc = one.threelc_encode(gpu.backend, x, None, 1.0)
         out = torch.empty_like(x)
-        gpu.backend.threelc_decode(enc.body, x.numel(), enc.scale, out, False)
+        one.threelc_decode(gpu.backend, enc.body, x.numel(), enc.scale, out, False)
         out_host = out.to("cpu")
     side.synchronize()
     assert_same_bytes(enc.body, ref.body)
     cout = torch.empty_like(g)
-    gpu.cpu.threelc_decode(ref.body, g.numel(), ref.scale, cout, False)
+    one.threelc_decode(gpu.cpu, ref.body, g.numel(), ref.scale, cout, False)
     np.testing.assert_array_equal(bits(out_host), bits(cout))
 
 
@@ -479,7 +485,7 @@ def test_beyond_2_pow_32_elements(gpu):
     for i, v in spikes.items():
         g[i] = v
     e = torch.zeros(n, device=gpu.dev)
-    enc = gpu.backend.threelc_encode(g, e, 1.0)
+    enc = one.threelc_encode(gpu.backend, g, e, 1.0)
     assert not enc.nonfinite and enc.scale == 1.0
     assert int(torch.count_nonzero(e)) == 0  # 1 - 1 * 1 and 0 - 0 everywhere
     del e
@@ -498,12 +504,12 @@ def test_beyond_2_pow_32_elements(gpu):
     np.testing.assert_array_equal(enc.body.cpu().numpy(), want)
     out = g  # decode over the input: every element must be rewritten
     out.fill_(float("nan"))
-    gpu.backend.threelc_decode(enc.body, n, enc.scale, out, False)
+    one.threelc_decode(gpu.backend, enc.body, n, enc.scale, out, False)
     assert int(torch.isnan(out).sum()) == 0
     assert int(torch.count_nonzero(out)) == len(spikes)
     for i, v in spikes.items():
         assert float(out[i]) == v
-    assert gpu.backend.checksum(enc.body, 2**33) == gpu.cpu.checksum(enc.body.cpu(), 2**33)
+    assert one.checksum(gpu.backend, enc.body) == one.checksum(gpu.cpu, enc.body.cpu())
 
 
 def _zero_run(r: int) -> np.ndarray:

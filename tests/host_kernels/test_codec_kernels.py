@@ -26,6 +26,7 @@ from hvdcompress.backends.cuda import FAMILIES, QUANT, SIGN, SPARSE
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant
 from hvdcompress.wire import PayloadError
+from tests import bucket_of_one as one
 from tests.codec_inputs import special_tensor
 from tests.gpu import test_buckets_gpu
 from tests.gpu.conftest import Setup
@@ -74,29 +75,29 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_sign_kernels_match_cpu(emulated):
     for x, e in inputs():
         n = x.numel()
-        want = cpu_backend.sign_encode(x)
-        got = emulated.sign_encode(x)
+        want = one.sign_encode(cpu_backend, x)
+        got = one.sign_encode(emulated, x)
         assert (got is None) == (want is None)
         if want is None:
             continue
         assert torch.equal(got, want)
-        sums_cpu, sums_gpu = cpu_backend.efsign_sums(x, e), emulated.efsign_sums(x, e)
+        sums_cpu, sums_gpu = one.efsign_sums(cpu_backend, x, e), one.efsign_sums(emulated, x, e)
         assert same_bits(sums_gpu, sums_cpu)
         e_cpu, e_gpu = e.clone(), e.clone()
-        body = cpu_backend.efsign_encode(x, e_cpu, 0.8125)
-        assert torch.equal(emulated.efsign_encode(x, e_gpu, 0.8125), body)
+        body = one.efsign_encode(cpu_backend, x, e_cpu, 0.8125)
+        assert torch.equal(one.efsign_encode(emulated, x, e_gpu, 0.8125), body)
         assert same_bits(e_gpu, e_cpu)
         for scale, accumulate in ((1.0, False), (0.8125, True), (0.0, False)):
             out_cpu, out_gpu = e.clone(), e.clone()
-            cpu_backend.sign_decode(body, n, scale, out_cpu, accumulate)
-            emulated.sign_decode(body, n, scale, out_gpu, accumulate)
+            one.sign_decode(cpu_backend, body, n, scale, out_cpu, accumulate)
+            one.sign_decode(emulated, body, n, scale, out_gpu, accumulate)
             assert same_bits(out_gpu, out_cpu)
         if n % 8:
             bad = body.clone()
             bad[-1] |= 0x80
             out = e.clone()
             with pytest.raises(PayloadError, match="padding"):
-                emulated.sign_decode(bad, n, 1.0, out, True)
+                one.sign_decode(emulated, bad, n, 1.0, out, True)
             assert torch.equal(out, e)
     assert SIGN.file in loaded_families(emulated)
 
@@ -105,8 +106,8 @@ def test_efsign_sums_flag_nonfinite(emulated):
     g = torch.ones(3000)
     e = torch.zeros(3000)
     e[2999] = float("inf")
-    assert emulated.efsign_sums(g, e) is None
-    assert cpu_backend.efsign_sums(g, e) is None
+    assert one.efsign_sums(emulated, g, e) is None
+    assert one.efsign_sums(cpu_backend, g, e) is None
 
 
 @pytest.mark.parametrize("levels,bucket", [(16, 512), (1, 7), (3, 100), (127, 64), (5, 1)])
@@ -115,16 +116,16 @@ def test_qsgd_kernels_match_cpu(emulated, levels, bucket):
     for x, out in inputs():
         n = x.numel()
         key = 2**64 - 1 - n
-        want = cpu_backend.qsgd_encode(x, levels, bits, bucket, key)
-        got = emulated.qsgd_encode(x, levels, bits, bucket, key)
+        want = one.qsgd_encode(cpu_backend, x, levels, bits, bucket, key)
+        got = one.qsgd_encode(emulated, x, levels, bits, bucket, key)
         assert (got is None) == (want is None)
         if want is None:
             continue
         assert torch.equal(got, want)
         for accumulate in (False, True):
             out_cpu, out_gpu = out.clone(), out.clone()
-            cpu_backend.qsgd_decode(want, n, levels, bits, bucket, out_cpu, accumulate)
-            emulated.qsgd_decode(want, n, levels, bits, bucket, out_gpu, accumulate)
+            one.qsgd_decode(cpu_backend, want, n, levels, bits, bucket, out_cpu, accumulate)
+            one.qsgd_decode(emulated, want, n, levels, bits, bucket, out_gpu, accumulate)
             assert same_bits(out_gpu, out_cpu)
     assert QUANT.file in loaded_families(emulated)
 
@@ -132,7 +133,7 @@ def test_qsgd_kernels_match_cpu(emulated, levels, bucket):
 def test_qsgd_kernels_reject_what_the_cpu_rejects(emulated):
     levels, bucket, n = 2, 512, 700
     bits = quant.qsgd_bits(levels)
-    body = cpu_backend.qsgd_encode(torch.randn(n), levels, bits, bucket, 3)
+    body = one.qsgd_encode(cpu_backend, torch.randn(n), levels, bits, bucket, 3)
     bad_norm, bad_code, bad_pad = body.clone(), body.clone(), body.clone()
     bad_norm[4:8] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)  # NaN
     bad_code[8 + 100] = 0xFF  # codes 7: level 3 > 2
@@ -141,15 +142,15 @@ def test_qsgd_kernels_reject_what_the_cpu_rejects(emulated):
         for backend in (cpu_backend, emulated):
             out = torch.full((n,), 2.0)
             with pytest.raises(PayloadError, match=match):
-                backend.qsgd_decode(bad, n, levels, bits, bucket, out, False)
+                one.qsgd_decode(backend, bad, n, levels, bits, bucket, out, False)
             assert torch.equal(out, torch.full((n,), 2.0))
 
 
 def test_terngrad_kernels_match_cpu(emulated):
     for x, _ in inputs():
         key = 12345 + x.numel()
-        want = cpu_backend.terngrad_encode(x, key)
-        got = emulated.terngrad_encode(x, key)
+        want = one.terngrad_encode(cpu_backend, x, key)
+        got = one.terngrad_encode(emulated, x, key)
         assert (got is None) == (want is None)
         if want is not None:
             assert torch.equal(got[0], want[0]) and got[1] == want[1]
@@ -277,8 +278,8 @@ def test_emulated_randomk_keeps_strictly_below_the_threshold(emulated):
     hashes = (prim.uniform_numpy(key, n) * 2**24).astype(np.int64)
     a = torch.arange(1, n + 1, dtype=torch.float32)
     for j in (0, 777, n - 1):
-        want = cpu_backend.randomk_encode(a, key, int(hashes[j]), None)
-        got = emulated.randomk_encode(a, key, int(hashes[j]), None)
+        want = one.randomk_encode(cpu_backend, a, key, int(hashes[j]), None)
+        got = one.randomk_encode(emulated, a, key, int(hashes[j]), None)
         assert torch.equal(got, want) and float(a[j]) not in got.tolist()
 
 

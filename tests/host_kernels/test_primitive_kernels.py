@@ -16,7 +16,7 @@ import torch
 import hvdcompress
 from hvdcompress import backends
 from hvdcompress.backends import cpu as cpu_backend
-from hvdcompress.backends.cuda import FRAME, PRIMITIVES, QUANT, SIGN
+from hvdcompress.backends.cuda import FRAME, PRIMITIVES, QUANT, SIGN, SPARSE
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.wire import PayloadError
 from tests.host_kernels.conftest import (
@@ -211,7 +211,8 @@ def test_emulated_compressor_payloads_match_cpu(emulated, monkeypatch, name, kw)
     # sign or quantiser kernels) and, where the codec uses them, the uniforms / bit packing
     assert FRAME.file in loaded_families(emulated)
     own = {"signsgd": SIGN, "efsignsgd": SIGN, "qsgd": QUANT, "terngrad": QUANT, "dqsg": QUANT}
+    own["randomk"] = SPARSE  # random-k's one path, the bucket kernels (sparse.cu)
     if name in own:
         assert own[name].file in loaded_families(emulated)
-    if name in ("randomk",) or (name == "dqsg" and kw.get("levels", 3) > 1):
+    if name == "dqsg" and kw.get("levels", 3) > 1:
         assert PRIMITIVES.file in loaded_families(emulated)

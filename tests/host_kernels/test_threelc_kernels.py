@@ -26,6 +26,7 @@ import hvdcompress
 from hvdcompress import wire
 from hvdcompress.backends.cuda import FRAME, THREELC
 from hvdcompress.wire import PayloadError
+from tests import bucket_of_one as one
 from tests import reference
 from tests.fuzz.harness import field_mutations, fix_checksum, mutate, mutations
 from tests.gpu import test_buckets_gpu, test_threelc_gpu
@@ -184,7 +185,7 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 def cpu_encode(g: np.ndarray, e: np.ndarray | None, sparsity: float):
     et = None if e is None else torch.from_numpy(e)
-    enc = cpu_backend.threelc_encode(torch.from_numpy(g), et, sparsity)
+    enc = one.threelc_encode(cpu_backend, torch.from_numpy(g), et, sparsity)
     return enc.body.numpy().copy(), enc.scale, enc.nonfinite
 
 
@@ -350,13 +351,13 @@ def test_decode_matches(shaped, n):
         assert shaped.decode(body, n, scale, acc, True) == 0
         if cpu_backend is not None:
             cout = np.full(n, np.nan, np.float32)
-            cpu_backend.threelc_decode(
-                torch.from_numpy(body), n, scale, torch.from_numpy(cout), False
+            one.threelc_decode(
+                cpu_backend, torch.from_numpy(body), n, scale, torch.from_numpy(cout), False
             )
             np.testing.assert_array_equal(bits(out), bits(cout))
             cacc = base.copy()
-            cpu_backend.threelc_decode(
-                torch.from_numpy(body), n, scale, torch.from_numpy(cacc), True
+            one.threelc_decode(
+                cpu_backend, torch.from_numpy(body), n, scale, torch.from_numpy(cacc), True
             )
             np.testing.assert_array_equal(bits(acc), bits(cacc), err_msg=kind)
         else:
@@ -375,8 +376,13 @@ def test_decode_scale_nonfinite_and_negative_scale_like_cpu(host):
             ref = out.copy()
             assert host.decode(body, 1000, scale, out, accumulate) == 0
             if cpu_backend is not None:
-                cpu_backend.threelc_decode(
-                    torch.from_numpy(body), 1000, scale, torch.from_numpy(ref), accumulate
+                one.threelc_decode(
+                    cpu_backend,
+                    torch.from_numpy(body),
+                    1000,
+                    scale,
+                    torch.from_numpy(ref),
+                    accumulate,
                 )
                 np.testing.assert_array_equal(bits(out), bits(ref))
 
@@ -418,8 +424,13 @@ def test_corrupt_bodies_are_rejected(shaped, n):
         cpu_err = None
         if cpu_backend is not None:
             try:
-                cpu_backend.threelc_decode(
-                    torch.from_numpy(bad), n, scale, torch.zeros(n, dtype=torch.float32), False
+                one.threelc_decode(
+                    cpu_backend,
+                    torch.from_numpy(bad),
+                    n,
+                    scale,
+                    torch.zeros(n, dtype=torch.float32),
+                    False,
                 )
             except PayloadError as exc:
                 cpu_err = exc
@@ -458,7 +469,7 @@ def test_random_bodies_agree_with_cpu(host):
             continue
         cout = torch.full((n,), 9.0)
         try:
-            cpu_backend.threelc_decode(torch.from_numpy(body), n, scale, cout, False)
+            one.threelc_decode(cpu_backend, torch.from_numpy(body), n, scale, cout, False)
         except PayloadError:
             assert err != 0, f"trial {trial}: CPU rejects a body the kernels accept"
             continue
@@ -518,7 +529,11 @@ def test_checksum_matches(shaped, size):
         got = shaped.checksum(buf, offset)
         assert got == wire.checksum_numpy(buf, offset)
         if cpu_backend is not None:
-            assert got == cpu_backend.checksum(torch.from_numpy(buf), offset)
+            # the C checksum at a payload position (kernels/threelc.c; the backend's bucket
+            # checksums call it at offset 0)
+            assert got == cpu_backend.LIB.hvdc_checksum(buf.ctypes.data, buf.size, offset)
+            if offset == 0:
+                assert got == one.checksum(cpu_backend, torch.from_numpy(buf))
 
 
 # ---- 64-bit indices ----------------------------------------------------------------------
@@ -641,33 +656,33 @@ def test_emulated_one_device_read_per_call(emulated):
     cuda, calls, reads = emulated.setup.backend, emulated.calls, emulated.reads
     g = torch.from_numpy(make_input(100003, "sparse90", np.random.default_rng(1)))
     e = torch.zeros_like(g)
-    enc = cuda.threelc_encode(g, e, 1.0)
+    enc = one.threelc_encode(cuda, g, e, 1.0)
     assert len(reads) == 1
     assert calls == [
-        "threelc_absmax",
-        "threelc_quantize_quartic",
-        "threelc_zre_run_starts",
+        "threelc_absmax_segments",
+        "threelc_quantize_quartic_segments",
+        "threelc_zre_run_starts_segments",
         "threelc_zre_flags",
-        "threelc_zre_scatter",
+        "threelc_zre_scatter_segments",
     ]
     calls.clear()
     out = torch.empty_like(g)
-    cuda.threelc_decode(enc.body, g.numel(), enc.scale, out, True)
+    one.threelc_decode(cuda, enc.body, g.numel(), enc.scale, out, True)
     assert len(reads) == 2
     assert calls == [
         "threelc_zre_lengths",
-        "threelc_zre_decode_check",
+        "threelc_zre_decode_check_segments",
         "threelc_zre_expand",
-        "threelc_quartic_decode_scale",
+        "threelc_quartic_decode_add_segments",
     ]
-    cuda.checksum(enc.body, 40)
+    one.checksum(cuda, enc.body)
     assert len(reads) == 3
     with pytest.raises(PayloadError):  # one byte short: rejected by the read, no scatter
         calls.clear()
-        cuda.threelc_decode(enc.body[:-1], g.numel(), enc.scale, out, False)
+        one.threelc_decode(cuda, enc.body[:-1], g.numel(), enc.scale, out, False)
     assert len(reads) == 4 or calls == []  # the host-side length bound may answer first
-    assert "threelc_quartic_decode_scale" not in calls
-    assert loaded_families(cuda) == {THREELC.file, FRAME.file}
+    assert "threelc_quartic_decode_add_segments" not in calls
+    assert loaded_families(cuda) == {THREELC.file}
 
 
 @pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 5000, 1024 * 1024 + 7, 3 * 1024 * 1024])

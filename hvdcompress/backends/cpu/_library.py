@@ -36,7 +36,6 @@ _SIGNATURES = {
     "hvdc_threelc_quantize": (None, [_p, _p, _p, _f32, _i64, _p, _p]),
     "hvdc_threelc_quartic_encode": (None, [_p, _i64, _p]),
     "hvdc_threelc_scale": (_f32, [_u32, _f32]),
-    "hvdc_threelc_encode": (_i64, [_p, _p, _f32, _i64, _p]),
     "hvdc_threelc_zre_encode": (_i64, [_p, _i64, _p]),
     "hvdc_threelc_zre_encode_portable": (_i64, [_p, _i64, _p]),
     "hvdc_threelc_zre_decoded_len": (_i64, [_p, _i64]),
@@ -47,7 +46,7 @@ _SIGNATURES = {
     "hvdc_threelc_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
     "hvdc_threelc_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
     # kernels/frame.c
-    "hvdc_checksum": (_u32, [_p, _i64, _i64]),
+    "hvdc_checksum": (_u32, [_p, _i64, _i64]),  # the checksum at a payload position
     "hvdc_checksum_segments": (None, [_p, _i64, _p, _p, _p]),
     "hvdc_frame_scan": (_i64, [_p, _i64, _i64, _p, _p]),
     "hvdc_frame_write": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p]),
@@ -57,17 +56,12 @@ _SIGNATURES = {
     "hvdc_prim_bitunpack": (_i64, [_p, _i64, _i64, _int, _p]),
     "hvdc_prim_chunk_sums": (None, [_p, _i64, _i64, _int, _p]),
     # sign codecs (kernels/sign.c)
-    "hvdc_sign_encode": (_int, [_p, _i64, _p]),
-    "hvdc_efsign_sums": (_int, [_p, _p, _i64, _i64, _p]),
-    "hvdc_efsign_encode": (None, [_p, _p, _f32, _i64, _p]),
-    "hvdc_sign_decode": (_i64, [_p, _i64, _f32, _p, _int]),
     "hvdc_sign_encode_segments": (None, [_i64, _p, _p, _p, _p]),
     "hvdc_sign_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p]),
     "hvdc_efsign_sums_segments": (None, [_i64, _p, _p, _p, _i64, _p, _p, _p]),
     "hvdc_efsign_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p]),
     # stochastic quantisers (kernels/quant.c)
     "hvdc_qsgd_encode": (_int, [_p, _i64, _int, _int, _i64, ctypes.c_uint64, _i64, _p, _p]),
-    "hvdc_qsgd_decode": (_i64, [_p, _i64, _int, _int, _i64, _p, _int]),
     "hvdc_prim_unpack_groups": (None, [_p, _i64, _int, _p, _int]),
     "hvdc_prim_pack_groups": (None, [_p, _i64, _int, _p, _int]),
     "hvdc_terngrad_quartic": (None, [_p, _i64, _f32, ctypes.c_uint64, _i64, _p]),
@@ -92,11 +86,6 @@ _SIGNATURES = {
     "hvdc_gspar_encode_segments": (None, [_i64, _p, _p, _int, _p, _p, _p, _i64] + [_p] * 9),
     "hvdc_gspar_round": (_i64, [_p, _i64, _f32, _i64, _p]),
     "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, ctypes.c_uint64, _int, _p, _p, _i64]),
-    "hvdc_randomk_encode": (_i64, [_p, _i64, ctypes.c_uint64, _u32, _p, _p, _i64]),
-    "hvdc_randomk_decode": (
-        _i64,
-        [_p, _i64, _i64, ctypes.c_uint64, _u32, _f32, _p, _int, _p],
-    ),
     "hvdc_topk_kth_bits": (_u32, [_p, _i64, _i64, _u32, _i64, _p]),
     "hvdc_topk_collect": (_i64, [_p, _i64, _u32, _p, _p, _i64]),
     "hvdc_topk_keep": (_i64, [_p, _i64, _u32, _p, _u32, _i64, _p]),
@@ -116,7 +105,7 @@ _SIGNATURES = {
     ),
 }
 # Negative return codes of the decoders, per source file.
-_ERRORS = {  # kernels/threelc.c (THREELC_ERR_*)
+_ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
     -1: "zero-run decoding does not give exactly ceil(numel / 5) quartic bytes",
     -2: "a quartic byte is above 242",
     -3: "a padding digit of the last group is not zero",
@@ -291,11 +280,67 @@ def _run_parts(fn, parts: list[tuple[int, int]]) -> list:
 
 _F32 = 4  # bytes per float32: the parts' pointer offsets
 
+
+class _Rows:
+    """A bucket's segment table cut for the codec threads: one row per tensor, except that a
+    tensor of n elements becomes the rows of its ``_parts(n, align)`` when there are
+    several. The whole tensors come first and take one native call; each part takes a call
+    of its own, on the pool (ctypes releases the GIL during each call). Every codec that
+    uses this writes bytes that depend only on the part's own elements, so the bytes do not
+    depend on the cut."""
+
+    def __init__(self, ns: list[int], align: int) -> None:
+        owner, lo, hi, cut = [], [], [], []
+        for p, n in enumerate(ns):
+            parts = _parts(n, align)
+            if len(parts) == 1:
+                owner.append(p), lo.append(0), hi.append(n)
+            else:
+                cut.extend((p, a, b) for a, b in parts)
+        whole = len(owner)
+        for p, a, b in cut:
+            owner.append(p), lo.append(a), hi.append(b)
+        self.owner = np.asarray(owner, dtype=np.int64)
+        self.lo = np.asarray(lo, dtype=np.int64)
+        self.n = np.asarray(hi, dtype=np.int64) - self.lo
+        self.calls = [(0, whole)] if whole or not cut else []
+        self.calls += [(row, 1) for row in range(whole, len(owner))]
+
+    def at(self, addresses: list[int] | np.ndarray, bytes_per_element: int, per: int = 1):
+        """Each row's address: its tensor's address plus ``lo // per * bytes_per_element``
+        (``per`` elements to a unit of that many bytes)."""
+        base = np.asarray(addresses, dtype=np.uint64).reshape(-1)[self.owner]
+        return base + (self.lo // per * bytes_per_element).astype(np.uint64)
+
+    def run(self, fn) -> list:
+        """fn(first, count) for each native call's rows, on the pool when there are
+        several."""
+        if len(self.calls) == 1:
+            return [fn(*self.calls[0])]
+        threads = min(len(self.calls), num_threads())
+        return list(_executor(threads).map(lambda call: fn(*call), self.calls))
+
+    def any_per_tensor(self, flags: np.ndarray, count: int) -> list[bool]:
+        """Each tensor's flag: whether any of its rows' ``flags`` is set."""
+        out = np.zeros(count, dtype=bool)
+        np.logical_or.at(out, self.owner, np.asarray(flags) != 0)
+        return out.tolist()
+
+
+def _row(a: np.ndarray, first: int) -> int:
+    """The address of ``a[first]`` (a contiguous array of the caller's, alive across the
+    native call)."""
+    return a.ctypes.data + first * a.itemsize
+
+
 # ---- segment tables of the bucket encoders and decoders -----------------------------------
 
 
 def _addresses(tensors) -> np.ndarray:
-    return np.fromiter((t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors))
+    """Each tensor's address (0 for None: no tensor, a NULL pointer to the C library)."""
+    return np.fromiter(
+        (0 if t is None else t.data_ptr() for t in tensors), dtype=np.uint64, count=len(tensors)
+    )
 
 
 def _numels(tensors) -> np.ndarray:

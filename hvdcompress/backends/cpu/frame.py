@@ -15,12 +15,9 @@ from hvdcompress.backends.cpu._library import (
 from hvdcompress.backends.records import FIXED_HEADER_BYTES, SCAN, FrameScan
 
 
-def checksum(buf: torch.Tensor, offset: int) -> int:
-    return int(LIB.hvdc_checksum(_ptr(buf), buf.numel(), offset))
-
-
 def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
-    """``checksum`` (offset 0) of each segment [start, start + length) of buf: one call."""
+    """The checksum (offset 0, ``wire.checksum``) of each segment [start, start + length)
+    of buf: one call."""
     count = len(starts)
     table = np.array([starts, lengths], dtype=np.int64)
     out = np.empty(count, dtype=np.uint32)
@@ -32,7 +29,7 @@ def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) 
 
 
 def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
-    """Write each segment's ``checksum`` (offset 0, computed with its 4 bytes at ``start +
+    """Write each segment's checksum (offset 0, computed with its 4 bytes at ``start +
     field`` zero) little-endian into those 4 bytes: a frame's checksum fields."""
     sums = np.asarray(checksum_segments(buf, starts, lengths), dtype="<u4")
     at = np.asarray(starts, dtype=np.int64)[:, None] + field + np.arange(4)

@@ -17,80 +17,16 @@ from hvdcompress.backends.cpu._library import (
     NONFINITE_BITS,
     _addresses,
     _bodies_buffer,
-    _check,
     _i64_array,
     _numels,
     _parts,
     _ptr,
     _run_parts,
     _scratch,
+    splits,
 )
 
 # ---- stochastic quantisers (kernels/quant.c; see hvdcompress.codecs.quant) --------------------
-
-
-def qsgd_encode(
-    x: torch.Tensor, levels: int, bits: int, bucket: int, key: int
-) -> torch.Tensor | None:
-    """The QSGD body (norms, then packed codes) of x, or None when x holds a NaN or an Inf
-    or a norm overflows float32."""
-    n = x.numel()
-    nb = (n + bucket - 1) // bucket
-    body = torch.empty(4 * nb + (n * bits + 7) // 8, dtype=torch.uint8)
-    px, pb = _ptr(x), _ptr(body)
-    packed = pb + 4 * nb
-    align = bucket * 8 // math.gcd(bucket, 8)  # whole buckets and whole bytes
-
-    def part(lo: int, hi: int) -> int:
-        return LIB.hvdc_qsgd_encode(
-            px + _F32 * lo,
-            hi - lo,
-            levels,
-            bits,
-            bucket,
-            key,
-            lo,
-            pb + 4 * (lo // bucket),
-            packed + lo * bits // 8,
-        )
-
-    return None if any(_run_parts(part, _parts(n, align))) else body
-
-
-def qsgd_decode(
-    body: torch.Tensor,
-    n: int,
-    levels: int,
-    bits: int,
-    bucket: int,
-    out: torch.Tensor,
-    accumulate: bool,
-) -> None:
-    """Decode a QSGD body of the right length into out; PayloadError, out untouched, on a
-    bad norm, padding or code."""
-    code = LIB.hvdc_qsgd_decode(_ptr(body), n, levels, bits, bucket, _ptr(out), int(accumulate))
-    _check(code, _PRIM_ERRORS)
-
-
-def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:
-    """(zero-run-encoded quartic body, M = max|x|) of x, or None when x holds a NaN or an
-    Inf."""
-    n = x.numel()
-    bits = LIB.hvdc_threelc_absmax_bits(_ptr(x), None, n)
-    if bits >= NONFINITE_BITS:
-        return None
-    scale = struct.unpack("<f", struct.pack("<I", bits))[0]
-    m = (n + 4) // 5
-    quartic = _scratch(2 * m + 2)
-    px, pq = _ptr(x), _ptr(quartic)
-
-    def part(lo: int, hi: int) -> None:
-        LIB.hvdc_terngrad_quartic(px + _F32 * lo, hi - lo, scale, key, lo, pq + lo // 5)
-
-    _run_parts(part, _parts(n, 5 * 8))
-    out = pq + m
-    length = LIB.hvdc_threelc_zre_encode(pq, m, out)
-    return quartic[m : m + length].clone(), scale
 
 
 def dqsg_quantize(
@@ -166,10 +102,35 @@ def ndqsg_side_decode(
 def qsgd_encode_segments(
     xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """``qsgd_encode`` of each (x, key) of a bucket. A call each: QSGD's encode is bound by
-    its codec (norms, uniforms, codes) rather than by the call, so no native bucket
-    encoder; the CUDA backend's saves a launch sequence and a read per tensor."""
-    return [qsgd_encode(x, levels, bits, bucket, k) for x, k in zip(xs, keys, strict=True)]
+    """The QSGD body (norms, then packed codes) of each (x, key) of a bucket, or None where
+    x holds a NaN or an Inf or a norm overflows float32. A native call each (a part a
+    codec thread for a tensor they cut): QSGD's encode is bound by its codec (norms,
+    uniforms, codes) rather than by the call, so no native bucket encoder; the CUDA
+    backend's saves a launch sequence and a read per tensor."""
+    bodies: list[torch.Tensor | None] = []
+    align = bucket * 8 // math.gcd(bucket, 8)  # whole buckets and whole bytes
+    for x, key in zip(xs, keys, strict=True):
+        n = x.numel()
+        nb = (n + bucket - 1) // bucket
+        body = torch.empty(4 * nb + (n * bits + 7) // 8, dtype=torch.uint8)
+        px, pb = _ptr(x), _ptr(body)
+        packed = pb + 4 * nb
+
+        def part(lo: int, hi: int, px=px, pb=pb, packed=packed, key=key) -> int:
+            return LIB.hvdc_qsgd_encode(
+                px + _F32 * lo,
+                hi - lo,
+                levels,
+                bits,
+                bucket,
+                key,
+                lo,
+                pb + 4 * (lo // bucket),
+                packed + lo * bits // 8,
+            )
+
+        bodies.append(None if any(_run_parts(part, _parts(n, align))) else body)
+    return bodies
 
 
 def qsgd_decode_segments(
@@ -181,9 +142,10 @@ def qsgd_decode_segments(
     bucket: int,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """``qsgd_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    """The QSGD decode (accumulating) of each body at ``frame[starts[p]:]`` (the caller
     checked its length) of ``ns[p]`` values into ``outs[p]``, one native call: None, or
-    (p, message) of the first body that does not decode (the ones before it added)."""
+    (p, message) of the first body that does not decode, a bad norm, padding or code (the
+    ones before it added, its output untouched)."""
     code = ctypes.c_int64(0)
     out_at = _addresses(outs)  # a local: alive across the call
     rc = LIB.hvdc_qsgd_decode_segments(
@@ -205,8 +167,42 @@ def qsgd_decode_segments(
 def terngrad_encode_segments(
     xs: list[torch.Tensor], keys: list[int]
 ) -> list[tuple[torch.Tensor, float] | None]:
-    """``terngrad_encode`` of each (x, key) of a bucket in one native call: (body, a view of
-    one new buffer; M) or None for a non-finite x."""
+    """TernGrad of each (x, key) of a bucket: (zero-run-encoded quartic body, M = max|x|),
+    or None where x holds a NaN or an Inf. One native call (bodies: views of one new
+    buffer), except for the tensors the codec threads cut (``splits``): their quartic
+    digits a part a thread, then their zero-run encode."""
+    cut = [i for i, x in enumerate(xs) if splits(x.numel())]
+    if not cut:
+        return _terngrad_bucket(xs, keys)
+    rest = [i for i in range(len(xs)) if i not in set(cut)]
+    batch = _terngrad_bucket([xs[i] for i in rest], [keys[i] for i in rest])
+    out = dict(zip(rest, batch, strict=True))
+    out.update({i: _terngrad_cut(xs[i], keys[i]) for i in cut})
+    return [out[i] for i in range(len(xs))]
+
+
+def _terngrad_cut(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:
+    n = x.numel()
+    bits = LIB.hvdc_threelc_absmax_bits(_ptr(x), None, n)
+    if bits >= NONFINITE_BITS:
+        return None
+    scale = struct.unpack("<f", struct.pack("<I", bits))[0]
+    m = (n + 4) // 5
+    quartic = _scratch(2 * m + 2)
+    px, pq = _ptr(x), _ptr(quartic)
+
+    def part(lo: int, hi: int) -> None:
+        LIB.hvdc_terngrad_quartic(px + _F32 * lo, hi - lo, scale, key, lo, pq + lo // 5)
+
+    _run_parts(part, _parts(n, 5 * 8))
+    out = pq + m
+    length = LIB.hvdc_threelc_zre_encode(pq, m, out)
+    return quartic[m : m + length].clone(), scale
+
+
+def _terngrad_bucket(
+    xs: list[torch.Tensor], keys: list[int]
+) -> list[tuple[torch.Tensor, float] | None]:
     count = len(xs)
     ns = _numels(xs)
     room = (ns + 4) // 5 + 2

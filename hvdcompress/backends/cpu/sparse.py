@@ -19,7 +19,6 @@ from hvdcompress.backends.cpu._library import (
     _ptr,
     _scratch,
 )
-from hvdcompress.errors import PayloadError
 
 # ---- top-k selection (kernels/sparse.c; see hvdcompress.codecs.sparse) ----------------------
 
@@ -68,33 +67,42 @@ def _kept_room(n: int, mean: float) -> int:
     return min(n, math.ceil(mean + 8.0 * math.sqrt(mean) + 64))
 
 
-def randomk_encode(
-    a: torch.Tensor, key: int, threshold: int, residual: torch.Tensor | None
-) -> torch.Tensor:
-    """The kept values of the finite flat float32 a (element i kept iff its 24-bit hash is
-    below threshold), in index order, from one pass of hashes; residual (not None: error
-    feedback) <- a with the kept elements zeroed."""
-    n = a.numel()
-    cap = _kept_room(n, n * threshold / 2**24)
-    while True:
-        values = torch.empty(cap + 1, dtype=torch.float32)
-        k = LIB.hvdc_randomk_encode(_ptr(a), n, key, threshold, _ptr(values), _ptr(residual), cap)
-        if k <= cap:
-            return values[:k]
-        cap = k
-
-
 def randomk_encode_segments(
     gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """``randomk_encode`` of each (g, key) of a bucket in one native call: (bodies, views
-    of one new buffer; non-finite flags). With the residuals ``es`` (error feedback) of
-    a = g + e, formed in e (untouched where a is not finite), each e becoming a with the
-    kept entries zeroed. A tensor that keeps more than its room (mean + 8 standard
-    deviations) is encoded again on its own."""
-    count = len(gs)
+    """The kept values of each (g, key) of a bucket (element i kept iff its 24-bit hash is
+    below threshold), in index order, from one pass of hashes, in one native call:
+    (bodies, views of one new buffer; non-finite flags, empty bodies). With the residuals
+    ``es`` (error feedback) of a = g + e, formed in e (untouched where a is not finite),
+    each e becoming a with the kept entries zeroed. A tensor that keeps more than its room
+    (mean + 8 standard deviations) is encoded again on its own, with exact room."""
     ns = _numels(gs)
     caps = np.array([_kept_room(n, n * threshold / 2**24) for n in ns.tolist()], np.int64)
+    buf, starts, ks, bad = _randomk_call(gs, keys, threshold, es, ns, caps)
+    flags = [bool(b) for b in bad.tolist()]
+    bodies = []
+    for i, (a, k, cap, nonfinite) in enumerate(
+        zip(starts.tolist(), ks.tolist(), caps.tolist(), flags, strict=True)
+    ):
+        if nonfinite:
+            bodies.append(buf[:0])
+        elif k > cap:  # more kept than the room: again, alone, with room
+            if es is None:
+                g, e = gs[i], None
+            else:  # e holds a: again from a copy, e = -0.0 (a + -0.0 is a, bit for bit)
+                g, e = es[i].clone(), [es[i].fill_(-0.0)]
+            room = ks[i : i + 1].copy()
+            again, _, _, _ = _randomk_call([g], keys[i : i + 1], threshold, e, ns[i : i + 1], room)
+            bodies.append(again[: 4 * k])
+        else:
+            bodies.append(buf[a : a + 4 * k])
+    return bodies, flags
+
+
+def _randomk_call(gs, keys, threshold: int, es, ns: np.ndarray, caps: np.ndarray):
+    """One native call of the random-k bucket encoder: (the bodies' buffer, each body's
+    start in it, the kept counts, the non-finite flags)."""
+    count = len(gs)
     buf, starts = _bodies_buffer(4 * (caps + 1))
     ks = np.zeros(count, dtype=np.int64)
     bad = np.zeros(count, dtype=np.int32)
@@ -112,22 +120,7 @@ def randomk_encode_segments(
             count, g_at.ctypes.data, e_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data,
             threshold, *tail, idx.ctypes.data,
         )  # fmt: skip
-    flags = [bool(b) for b in bad.tolist()]
-    bodies = []
-    for i, (a, k, cap, nonfinite) in enumerate(
-        zip(starts.tolist(), ks.tolist(), caps.tolist(), flags, strict=True)
-    ):
-        if nonfinite:
-            bodies.append(buf[:0])
-        elif k > cap and es is None:  # more kept than the room: again, alone, with room
-            bodies.append(randomk_encode(gs[i], keys[i], threshold, None).view(torch.uint8))
-        elif k > cap:  # e holds a: from a copy (randomk_encode's retry reads a after it
-            # wrote the residual), e <- a with the kept entries zeroed
-            values = randomk_encode(es[i].clone(), keys[i], threshold, es[i])
-            bodies.append(values.view(torch.uint8))
-        else:
-            bodies.append(buf[a : a + 4 * k])
-    return bodies, flags
+    return buf, starts, ks, bad
 
 
 def randomk_decode_segments(
@@ -140,7 +133,8 @@ def randomk_decode_segments(
     scale: float,
     outs: list[torch.Tensor],
 ) -> tuple[int, int] | None:
-    """``randomk_decode`` (accumulating) of each body of a host frame, one native call:
+    """Random-k's decode (scale times the values added at the regenerated kept indices) of
+    each body of a host frame, one native call:
     None, or (p, code) for the first body p that does not decode (code -1: a value is not
     finite; else the regenerated kept count, which the body does not hold)."""
     count = len(outs)
@@ -155,29 +149,6 @@ def randomk_decode_segments(
         ctypes.byref(code),
     )  # fmt: skip
     return None if rc == 0 else (-1 - rc, int(code.value))
-
-
-def randomk_decode(
-    body: torch.Tensor,
-    key: int,
-    n: int,
-    threshold: int,
-    scale: float,
-    out: torch.Tensor,
-    accumulate: bool,
-) -> int | None:
-    """Write (or add) the random-k values of body, times scale, at the regenerated kept
-    indices of out. Returns None; or the regenerated kept count, out untouched, when the
-    body does not hold exactly that many values. PayloadError, out untouched, for a value
-    that is not finite."""
-    count = body.numel() // 4 if body.numel() % 4 == 0 else -1
-    idx = torch.empty(max(0, min(count, n)), dtype=torch.int64)  # at most the body's values
-    got = LIB.hvdc_randomk_decode(
-        _ptr(body), count, n, key, threshold, scale, _ptr(out), int(accumulate), _ptr(idx)
-    )
-    if got == -1 and count != -1:
-        raise PayloadError("body", "a random-k value is not finite")
-    return None if got == count else got
 
 
 def dgc_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:

@@ -19,9 +19,7 @@ from hvdcompress.backends.cpu._library import (
     _i64_array,
     _numels,
     _ptr,
-    _scratch,
 )
-from hvdcompress.backends.records import ThreeLCEncoded
 from hvdcompress.errors import PayloadError
 
 
@@ -33,27 +31,6 @@ def scale_for(max_bits: int, sparsity: float) -> tuple[float, bool]:
     if not math.isfinite(scale):  # s * M overflowed float32
         return 0.0, True
     return scale, False
-
-
-# ---- fused codec path -------------------------------------------------------------------
-
-
-def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> ThreeLCEncoded:
-    n = g.numel()
-    scale, nonfinite = scale_for(LIB.hvdc_threelc_absmax_bits(_ptr(g), _ptr(e), n), sparsity)
-    if nonfinite:
-        return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8), 0.0, True)
-    scratch = _scratch((n + 4) // 5 + 2)
-    length = LIB.hvdc_threelc_encode(_ptr(g), _ptr(e), scale, n, _ptr(scratch))
-    return ThreeLCEncoded(scratch[:length].clone(), scale, False)
-
-
-def threelc_decode(
-    body: torch.Tensor, numel: int, scale: float, out: torch.Tensor, accumulate: bool
-) -> None:
-    _check(
-        LIB.hvdc_threelc_decode(_ptr(body), body.numel(), numel, scale, _ptr(out), int(accumulate))
-    )
 
 
 # ---- building blocks --------------------------------------------------------------------
@@ -103,10 +80,12 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
 
 
 def threelc_encode_segments(
-    gs: list[torch.Tensor], es: list[torch.Tensor], sparsities: list[float]
+    gs: list[torch.Tensor], es: list[torch.Tensor | None], sparsities: list[float]
 ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
-    """``threelc_encode`` of each (g, e, sparsity) of a bucket in one native call: (bodies,
-    views of one new buffer; scales; non-finite flags)."""
+    """3LC's fused encode (quantise with error feedback, quartic, zero-run) of each (g, e,
+    sparsity) of a bucket in one native call, e None: no error feedback: (bodies, views of
+    one new buffer; scales S; non-finite flags: the input or S not finite, no body, scale
+    0, e untouched)."""
     count = len(gs)
     ns = _numels(gs)
     room = (ns + 4) // 5 + 2
@@ -142,7 +121,7 @@ def threelc_decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """``threelc_decode`` (accumulating) of each body ``frame[starts[p]:][:lens[p]]`` into
+    """3LC's decode (S * q added) of each body ``frame[starts[p]:][:lens[p]]`` into
     ``outs[p]``, one native call: None, or (p, message) of the first body that does not
     decode (the ones before it are added, its output untouched)."""
     code = ctypes.c_int64(0)

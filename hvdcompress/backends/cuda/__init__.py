@@ -56,7 +56,6 @@ from hvdcompress.backends.cuda import (
     threelc,
 )
 from hvdcompress.backends.cuda._bucket import (  # noqa: F401  (re-exports)
-    _as_body,
     _bodies_on,
     _bucket_device,
     _check_residuals,
@@ -171,7 +170,6 @@ from hvdcompress.backends.cuda.frame import (  # noqa: F401  (re-exports)
     _FRAME_SHAPE,
     _FRAME_STORED,
     _checksum_table,
-    checksum,
     checksum_segments,
     frame_scan,
     length_prefixes,
@@ -191,22 +189,15 @@ from hvdcompress.backends.cuda.quant import (  # noqa: F401  (re-exports)
     _qsgd_refusal,
     dqsg_dequantize,
     dqsg_quantize,
-    qsgd_decode,
     qsgd_decode_segments,
-    qsgd_encode,
     qsgd_encode_segments,
-    terngrad_encode,
     terngrad_encode_segments,
 )
 from hvdcompress.backends.cuda.sign import (  # noqa: F401  (re-exports)
     EF_CHUNK,
-    efsign_encode,
     efsign_encode_segments,
-    efsign_sums,
     efsign_sums_segments,
-    sign_decode,
     sign_decode_segments,
-    sign_encode,
     sign_encode_segments,
 )
 from hvdcompress.backends.cuda.sparse import (  # noqa: F401  (re-exports)
@@ -234,13 +225,10 @@ from hvdcompress.backends.cuda.sparse import (  # noqa: F401  (re-exports)
 )
 from hvdcompress.backends.cuda.sparse_random import (  # noqa: F401  (re-exports)
     _GSPAR_SEG_CHUNK,
-    _randomk_mask,
     gspar_draw,
     gspar_encode_segments,
     gspar_round,
-    randomk_decode,
     randomk_decode_segments,
-    randomk_encode,
     randomk_encode_segments,
 )
 from hvdcompress.backends.cuda.threelc import (  # noqa: F401  (re-exports)
@@ -261,9 +249,7 @@ from hvdcompress.backends.cuda.threelc import (  # noqa: F401  (re-exports)
     quantize,
     quartic_decode,
     quartic_encode,
-    threelc_decode,
     threelc_decode_segments,
-    threelc_encode,
     threelc_encode_segments,
     zero_run_decode,
     zero_run_encode,

@@ -16,12 +16,6 @@ from hvdcompress.backends.cuda._runtime import (
 )
 
 
-def _as_body(body: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if not isinstance(body, torch.Tensor) or body.dtype != torch.uint8:
-        raise TypeError(f"body must be a uint8 tensor, got {getattr(body, 'dtype', type(body))}")
-    return body.reshape(-1).to(device).contiguous()
-
-
 def _check_residuals(gs: list[torch.Tensor], es: list[torch.Tensor]) -> None:
     for g, e in zip(gs, es, strict=True):
         _check_tensor(e, "e", torch.float32)

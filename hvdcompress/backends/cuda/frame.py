@@ -24,24 +24,6 @@ from hvdcompress.backends.cuda._runtime import (
 from hvdcompress.backends.records import CHECKSUM_FIELD, SCAN, FrameScan, mix
 
 
-def checksum(buf: torch.Tensor, offset: int) -> int:
-    _check_tensor(buf, "buf", torch.uint8)
-    length = buf.numel()
-    if length == 0:
-        return 0
-    with _Launcher(buf.device) as k:
-        state = k.state()
-        k(
-            "hvd_checksum",
-            length,
-            _ptr(buf),
-            np.int64(length),
-            np.uint64(offset % 2**64),
-            _ptr(state),
-        )
-        return int(_read_state(state)[_ST_SUM])
-
-
 def _checksum_table(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> np.ndarray:
     table = np.zeros((len(starts), _SEG_COLS), dtype=np.int64)
     table[:, _SEG_IN] = buf.data_ptr() + np.asarray(starts, dtype=np.int64)
@@ -50,7 +32,8 @@ def _checksum_table(buf: torch.Tensor, starts: list[int], lengths: list[int]) ->
 
 
 def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
-    """``checksum`` (offset 0) of each segment [start, start + length) of buf: one launch,
+    """The checksum (offset 0, ``wire.checksum``) of each segment [start, start + length)
+    of buf: one launch,
     one device-to-host copy for all."""
     _check_tensor(buf, "buf", torch.uint8)
     if not starts:
@@ -65,7 +48,7 @@ def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) 
 
 
 def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
-    """Write each segment's ``checksum`` (offset 0, computed with its 4 bytes at ``start +
+    """Write each segment's checksum (offset 0, computed with its 4 bytes at ``start +
     field`` zero) little-endian into those 4 bytes: a frame's checksum fields, with no
     host round trip (two launches)."""
     _check_tensor(buf, "buf", torch.uint8)

@@ -9,9 +9,7 @@ import torch
 
 from hvdcompress.backends.cuda._bucket import _bodies_on, _bucket_device, _first_rows, _rows
 from hvdcompress.backends.cuda._runtime import (
-    _NULL,
     _PRIM_ERR_PADDING,
-    _QUANT_ERR_CODE,
     _QUANT_ERR_NORM,
     _QUANT_SEG_KEY,
     _SEG_AUX,
@@ -27,76 +25,22 @@ from hvdcompress.backends.cuda._runtime import (
     _ST_NONFINITE,
     _STATE_WORDS,
     _check_tensor,
-    _count,
     _f32,
     _Launcher,
     _ptr,
     _read_state,
     _tilings,
 )
-from hvdcompress.backends.cuda.threelc import _quartic_bucket, _quartic_table, _zre_encode
-from hvdcompress.errors import PayloadError
+from hvdcompress.backends.cuda.threelc import _quartic_bucket, _quartic_table
 
 # ---- stochastic quantisers (kernels/quant.cu; see hvdcompress.codecs.quant) -----------------
-
-
-def qsgd_encode(
-    x: torch.Tensor, levels: int, bits: int, bucket: int, key: int
-) -> torch.Tensor | None:
-    """The QSGD body (norms, then packed codes), or None when x holds a NaN or an Inf or a
-    norm overflows float32. Two launches, one device-to-host copy."""
-    _check_tensor(x, "x", torch.float32)
-    n = x.numel()
-    nb = (n + bucket - 1) // bucket
-    body = torch.empty(4 * nb + (n * bits + 7) // 8, dtype=torch.uint8, device=x.device)
-    if n == 0:
-        return body
-    norms = body[: 4 * nb].view(torch.float32)  # 4-byte aligned: the body starts the tensor
-    with _Launcher(x.device) as k:
-        state = k.state()
-        k("quant_qsgd_norms", nb, _ptr(x), np.int64(n), np.int64(bucket), _ptr(norms), _ptr(state))
-        k(
-            "quant_qsgd_encode",
-            (n + 7) // 8,
-            _ptr(x),
-            np.int64(n),
-            np.int32(levels),
-            np.int32(bits),
-            np.int64(bucket),
-            np.uint64(key),
-            _ptr(norms),
-            np.uint64(body.data_ptr() + 4 * nb),
-        )
-        return None if _read_state(state)[_ST_NONFINITE] else body
-
-
-def qsgd_decode(
-    body: torch.Tensor,
-    n: int,
-    levels: int,
-    bits: int,
-    bucket: int,
-    out: torch.Tensor,
-    accumulate: bool,
-) -> None:
-    """Check the body (norms, padding, codes), then decode it into out: PayloadError with
-    out untouched on a bad body. Two launches, one device-to-host copy between them."""
-    _check_tensor(out, "out", torch.float32)
-    nb = (n + bucket - 1) // bucket
-    args = (_ptr(body), np.int64(n), np.int32(levels), np.int32(bits), np.int64(bucket))
-    with _Launcher(out.device) as k:
-        state = k.state()
-        k("quant_qsgd_check", max((n + 7) // 8, nb), *args, _ptr(state))
-        err = int(_read_state(state)[_ST_ERROR])
-        if err & (_QUANT_ERR_NORM | _PRIM_ERR_PADDING | _QUANT_ERR_CODE):
-            raise PayloadError("body", _qsgd_refusal(err))
-        k("quant_qsgd_decode", (n + 7) // 8, *args, _ptr(out), np.int32(bool(accumulate)))
 
 
 def qsgd_encode_segments(
     xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """``qsgd_encode`` of each (x, key) of a bucket: every norm, then every code, one
+    """The QSGD body (norms, then packed codes) of each (x, key) of a bucket, None where x
+    holds a NaN or an Inf or a norm overflows float32: every norm, then every code, one
     launch each (kernels/quant.cu section 9), one read of the non-finite flags. The bodies
     are views of one buffer, each 4-byte aligned (norms first); None for a non-finite x."""
     return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=False)
@@ -155,10 +99,11 @@ def qsgd_decode_segments(
     bucket: int,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """``qsgd_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
+    """The QSGD decode (accumulating) of each body at ``frame[starts[p]:]`` (the caller
     checked its length) into ``outs[p]`` (on one CUDA device; the frame on the host or that
     device): every body checked (one launch, one read), then one launch that adds the
-    bodies before the first refused one. None, or (p, ``qsgd_decode``'s message)."""
+    bodies before the first refused one. None, or (p, the message: a bad norm, padding or
+    code)."""
     failed, _ = _packed_bucket_decode(frame, starts, ns, None, bits, bucket, outs, "qsgd", levels)
     return None if failed is None else (failed[0], _qsgd_refusal(failed[1]))
 
@@ -232,7 +177,7 @@ def _packed_bucket_decode(
 
 
 def _qsgd_refusal(err: int) -> str:
-    """``qsgd_decode``'s message for the check's error bits (the same order)."""
+    """The QSGD decoder's message for the check's error bits (the CPU backend's order)."""
     if err & _QUANT_ERR_NORM:
         return "a QSGD norm is negative or not finite"
     if err & _PRIM_ERR_PADDING:
@@ -240,40 +185,11 @@ def _qsgd_refusal(err: int) -> str:
     return "a QSGD level is above the levels or a zero is signed"
 
 
-def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:
-    """(zero-run-encoded quartic body, M = max|x|), or None when x holds a NaN or an Inf:
-    threelc_absmax, one device-to-host copy (M goes into the header), the quartic kernel,
-    then threelc.cu's zero-run encoder."""
-    _check_tensor(x, "x", torch.float32)
-    n = x.numel()
-    if n == 0:
-        return torch.empty(0, dtype=torch.uint8, device=x.device), 0.0
-    with _Launcher(x.device) as k:
-        state = k.state()
-        k("threelc_absmax", n, _ptr(x), _NULL, np.int64(n), _ptr(state))
-        max_bits = int(_read_state(state)[_ST_ABSMAX])
-        if max_bits >= 0x7F800000:
-            return None
-        scale = _f32(max_bits)
-        quartic = k.empty((n + 4) // 5, torch.uint8)
-        k(
-            "quant_terngrad_quartic",
-            quartic.numel(),
-            _ptr(x),
-            np.int64(n),
-            np.float32(scale),
-            np.uint64(key),
-            _ptr(quartic),
-        )
-        out = _zre_encode(k, quartic, state)
-        length = _count(_read_state(state))
-    return out[:length], scale
-
-
 def terngrad_encode_segments(
     xs: list[torch.Tensor], keys: list[int]
 ) -> list[tuple[torch.Tensor, float] | None]:
-    """``terngrad_encode`` of each (x, key) of a bucket as one launch sequence: every
+    """TernGrad (zero-run-encoded quartic body, M = max|x|) of each (x, key) of a bucket, or
+    None where x holds a NaN or an Inf, as one launch sequence: every
     tensor's max|x| (threelc_absmax_segments), its quartic digits
     (quant_terngrad_quartic_segments, M read on the device), the bucket's zero-run encode,
     then one read of the states (M, body length). (body, a view of one buffer; M), or None

@@ -13,7 +13,6 @@ from hvdcompress.backends.cuda._bucket import (
     _rows,
 )
 from hvdcompress.backends.cuda._runtime import (
-    _PRIM_ERR_PADDING,
     _SEG_AUX,
     _SEG_COLS,
     _SEG_F32,
@@ -23,38 +22,22 @@ from hvdcompress.backends.cuda._runtime import (
     _ST_ERROR,
     _ST_NONFINITE,
     _STATE_WORDS,
-    _check_tensor,
     _f32_bits,
     _Launcher,
     _ptr,
     _read_state,
     _segments,
 )
-from hvdcompress.errors import PayloadError
 
 # ---- sign codecs (kernels/sign.cu; see hvdcompress.codecs.sign) ----------------------------
 
 EF_CHUNK = 1024  # elements per order-fixed partial sum of EF-signSGD's mean |a| (cpu.EF_CHUNK)
 
 
-def sign_encode(x: torch.Tensor) -> torch.Tensor | None:
-    """The packed sign bits of x, or None when x holds a NaN or an Inf. One launch and one
-    device-to-host copy (the non-finite flag)."""
-    _check_tensor(x, "x", torch.float32)
-    n = x.numel()
-    out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
-    if n == 0:
-        return out
-    with _Launcher(x.device) as k:
-        state = k.state()
-        k("sign_encode", out.numel(), _ptr(x), np.int64(n), _ptr(out), _ptr(state))
-        return None if _read_state(state)[_ST_NONFINITE] else out
-
-
 def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """``sign_encode`` of each tensor of a bucket: one launch over a segment table
-    (kernels/sign.cu section 5), one read of the per-tensor non-finite flags; the bodies
-    are views of one buffer."""
+    """The packed sign bits (None: x holds a NaN or an Inf) of each tensor of a bucket: one
+    launch over a segment table (kernels/sign.cu section 5), one read of the per-tensor
+    non-finite flags; the bodies are views of one buffer."""
     if not xs:
         return []
     device = _bucket_device(xs, "x")
@@ -79,8 +62,9 @@ def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
 
 
 def efsign_sums_segments(gs, es) -> tuple[list[np.ndarray], list[bool]]:
-    """``efsign_sums`` of each (g, e) of a bucket: one launch over a segment table, one read
-    of every tensor's chunk sums and non-finite flag (sums as host arrays)."""
+    """The float64 sums of |g + e| over EF_CHUNK-element chunks of each (g, e) of a bucket:
+    one launch over a segment table, one read of every tensor's chunk sums and non-finite
+    flag (sums as host arrays)."""
     if not gs:
         return [], []
     device = _bucket_device(gs, "g")
@@ -109,9 +93,9 @@ def efsign_sums_segments(gs, es) -> tuple[list[np.ndarray], list[bool]]:
 
 
 def efsign_encode_segments(gs, es, scales, skip) -> list[torch.Tensor]:
-    """``efsign_encode`` of each (g, e, scale) of a bucket whose ``skip`` is False: one
-    launch over a segment table, no host copy; the bodies (empty where skipped) are views
-    of one buffer."""
+    """The sign bits of a = g + e, e <- a - (+-scale), of each (g, e, scale) of a bucket
+    whose ``skip`` is False: one launch over a segment table, no host copy; the bodies
+    (empty where skipped) are views of one buffer."""
     if not gs:
         return []
     device = _bucket_device(gs, "g")
@@ -130,71 +114,6 @@ def efsign_encode_segments(gs, es, scales, skip) -> list[torch.Tensor]:
     return bodies
 
 
-def efsign_sums(g: torch.Tensor, e: torch.Tensor) -> torch.Tensor | None:
-    """float64 sums of |g + e| over EF_CHUNK-element chunks (each left to right), or None
-    when g + e holds a NaN or an Inf."""
-    _check_tensor(g, "g", torch.float32)
-    _check_tensor(e, "e", torch.float32)
-    n = g.numel()
-    chunks = (n + EF_CHUNK - 1) // EF_CHUNK
-    sums = torch.empty(chunks, dtype=torch.float64, device=g.device)
-    if n == 0:
-        return sums
-    with _Launcher(g.device) as k:
-        state = k.state()
-        k(
-            "sign_ef_sums",
-            chunks,
-            _ptr(g),
-            _ptr(e),
-            np.int64(n),
-            np.int64(EF_CHUNK),
-            _ptr(sums),
-            _ptr(state),
-        )
-        return None if _read_state(state)[_ST_NONFINITE] else sums
-
-
-def efsign_encode(g: torch.Tensor, e: torch.Tensor, scale: float) -> torch.Tensor:
-    """The sign bits of a = g + e; e <- a - (a < 0 ? -scale : scale). No host copy."""
-    n = g.numel()
-    out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=g.device)
-    if n:
-        with _Launcher(g.device) as k:
-            k(
-                "sign_ef_encode",
-                out.numel(),
-                _ptr(g),
-                _ptr(e),
-                np.float32(scale),
-                np.int64(n),
-                _ptr(out),
-            )
-    return out
-
-
-def sign_decode(
-    body: torch.Tensor, n: int, scale: float, out: torch.Tensor, accumulate: bool
-) -> None:
-    """out = (bit ? -scale : scale), or out += that; body has ceil(n / 8) bytes. A set
-    padding bit raises PayloadError with out untouched (the kernel checks before writing)."""
-    _check_tensor(out, "out", torch.float32)
-    with _Launcher(out.device) as k:
-        state = k.state()
-        k(
-            "sign_decode",
-            body.numel(),
-            _ptr(body),
-            np.int64(n),
-            np.float32(scale),
-            _ptr(out),
-            np.int32(bool(accumulate)),
-            _ptr(state),
-        )
-        if int(_read_state(state)[_ST_ERROR]) & _PRIM_ERR_PADDING:
-            raise PayloadError("body", "a padding bit after the last packed value is set")
-
-
 def sign_decode_segments(
     frame: torch.Tensor,
     starts: np.ndarray,
@@ -202,10 +121,11 @@ def sign_decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """``sign_decode`` (accumulating) of each body at ``frame[starts[p]:]`` (the caller
-    checked the lengths) into ``outs[p]`` (on one CUDA device; the frame on the host or
-    that device): the padding check of every body, one read, then one launch that adds
-    the bodies before the first refused one. None, or (p, message) of that body."""
+    """The sign decode (+-scale per bit added: bit ? -scale : scale) of each body at
+    ``frame[starts[p]:]`` (the caller checked the lengths) into ``outs[p]`` (on one CUDA
+    device; the frame on the host or that device): the padding check of every body, one
+    read, then one launch that adds the bodies before the first refused one. None, or (p,
+    message) of that body."""
     if not outs:
         return None
     device = _bucket_device(outs, "out")

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from hvdcompress.backends.cuda._bucket import (
-    _as_body,
     _bodies_on,
     _bucket_device,
     _encode_bucket,
@@ -38,14 +37,8 @@ from hvdcompress.backends.cuda._runtime import (
     _tilings,
 )
 from hvdcompress.backends.cuda.primitives import chunk_sums, uniform
-from hvdcompress.errors import PayloadError
 
 # ---- random-k: the mask from the uniforms, torch ops on the device ---------------------------
-
-
-def _randomk_mask(key: int, n: int, threshold: int, device: torch.device) -> torch.Tensor:
-    # u < T 2^-24 (exact in float32): the CPU compares the uniforms' 24-bit integers with T
-    return uniform(key, n, device) < threshold * 2.0**-24
 
 
 def randomk_encode_segments(
@@ -148,45 +141,6 @@ def randomk_decode_segments(
     if not len(refused):
         return None
     return good, int(kept[good]) if wrong[good] else -1
-
-
-def randomk_encode(
-    a: torch.Tensor, key: int, threshold: int, residual: torch.Tensor | None
-) -> torch.Tensor:
-    """The kept values of the finite flat float32 a in index order; residual <- a with
-    the kept entries zeroed (when not None)."""
-    mask = _randomk_mask(key, a.numel(), threshold, a.device)
-    values = a[mask]
-    if residual is not None:
-        residual.copy_(a)
-        residual[mask] = 0.0
-    return values
-
-
-def randomk_decode(
-    body: torch.Tensor,
-    key: int,
-    n: int,
-    threshold: int,
-    scale: float,
-    out: torch.Tensor,
-    accumulate: bool,
-) -> int | None:
-    """The CPU backend's randomk_decode (same checks, same values) with torch ops."""
-    mask = _randomk_mask(key, n, threshold, out.device)
-    kept = int(mask.sum())
-    if body.numel() != 4 * kept:
-        return kept
-    values = _as_body(body, out.device).clone().view(torch.float32)
-    if kept and not bool(torch.isfinite(values).all()):
-        raise PayloadError("body", "a random-k value is not finite")
-    values = values * scale
-    if accumulate:
-        out[mask] += values
-    else:
-        out.zero_()
-        out[mask] = values
-    return None
 
 
 # ---- GSpar's scale rounds and draw: torch ops on the device ----------------------------------

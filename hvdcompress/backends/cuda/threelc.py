@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 from hvdcompress.backends.cuda._bucket import (
-    _as_body,
     _bucket_device,
     _check_residuals,
     _first_rows,
@@ -37,7 +36,6 @@ from hvdcompress.backends.cuda._runtime import (
     ERR_PADDING,
     _check_tensor,
     _count,
-    _f32,
     _f32_bits,
     _Launcher,
     _ptr,
@@ -45,7 +43,6 @@ from hvdcompress.backends.cuda._runtime import (
     _Segments,
     _segments,
 )
-from hvdcompress.backends.records import ThreeLCEncoded
 from hvdcompress.errors import PayloadError
 
 
@@ -71,31 +68,6 @@ def _body_error(err: int, total: int | None = None, m: int | None = None) -> Pay
 
 
 # ---- fused codec path ----------------------------------------------------------------------
-
-
-def threelc_encode(g: torch.Tensor, e: torch.Tensor | None, sparsity: float) -> ThreeLCEncoded:
-    _check_tensor(g, "g", torch.float32)
-    if e is not None:
-        _check_tensor(e, "e", torch.float32)
-        if e.numel() != g.numel() or e.device != g.device:
-            raise ValueError(
-                f"residual has {e.numel()} elements on {e.device}, "
-                f"gradient {g.numel()} on {g.device}"
-            )
-    s = _sparsity(sparsity)
-    n = g.numel()
-    if n == 0:
-        return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8, device=g.device), 0.0, False)
-    with _Launcher(g.device) as k:
-        state = k.state()
-        quartic = _quantize_quartic(k, g, e, s, state, None)
-        out = _zre_encode(k, quartic, state)
-        host = _read_state(state)
-    if host[_ST_NONFINITE]:
-        # Like the CPU backend: no body, scale 0, the residual untouched (the kernel did
-        # not write it).
-        return ThreeLCEncoded(torch.empty(0, dtype=torch.uint8, device=g.device), 0.0, True)
-    return ThreeLCEncoded(out[: _count(host)], _f32(host[_ST_SCALE]), False)
 
 
 def _quantize_quartic(
@@ -212,50 +184,6 @@ def _zre_prepare(k: _Launcher, body: torch.Tensor, numel: int, state: torch.Tens
     return incl
 
 
-def threelc_decode(
-    body: torch.Tensor, numel: int, scale: float, out: torch.Tensor, accumulate: bool
-) -> None:
-    _check_tensor(out, "out", torch.float32)
-    if out.numel() != numel:
-        raise ValueError(f"out has {out.numel()} elements, expected {numel}")
-    body = _as_body(body, out.device)
-    m = (numel + 4) // 5
-    length = body.numel()
-    # Cheap host-side bounds first: each body byte expands to 1..14 quartic bytes.
-    if length > m or length * _MAX_RUN < m:
-        raise _body_error(ERR_LENGTH)
-    if length == 0:
-        return  # numel == 0 (m == 0 >= length)
-    with _Launcher(out.device) as k:
-        state = k.state()
-        incl = _zre_prepare(k, body, numel, state)
-        host = _read_state(state)
-        if host[_ST_ERROR]:
-            raise _body_error(int(host[_ST_ERROR]), _count(host), m)
-        qb = k.empty(m, torch.uint8)
-        k(
-            "threelc_zre_expand",
-            length,
-            _ptr(body),
-            _ptr(incl),
-            np.int64(length),
-            np.uint8(_RUN_GROUP),
-            _ptr(qb),
-            np.int64(m),
-            _ptr(state),
-        )
-        k(
-            "threelc_quartic_decode_scale",
-            m,
-            _ptr(qb),
-            np.int64(numel),
-            np.float32(scale),
-            _ptr(out),
-            np.int32(bool(accumulate)),
-            _ptr(state),
-        )
-
-
 def threelc_decode_segments(
     frame: torch.Tensor,
     starts: np.ndarray,
@@ -264,14 +192,14 @@ def threelc_decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """``threelc_decode`` (accumulating) of each body ``frame[starts[p]:][:lens[p]]`` into
+    """3LC's decode (S * q added) of each body ``frame[starts[p]:][:lens[p]]`` into
     ``outs[p]`` (float32, on one CUDA device; the frame on the host or that device), as one
     launch sequence: the bodies copied into one device buffer (one host-to-device copy for
     a host frame), their expansion lengths, one scan, the per-body checks (total and
     padding, kernels/threelc.cu section 7), one read of the states, then the expansion and
     the scaled add of every body that precedes the first refused one. None, or (p, message)
     of the first body that does not decode (the ones before it added, its output and those
-    after it untouched), with ``threelc_decode``'s messages."""
+    after it untouched), with the CPU backend's messages."""
     count = len(outs)
     if not count:
         return None
@@ -459,11 +387,11 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
 def threelc_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor | None], sparsities: list[float]
 ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
-    """``threelc_encode`` of each (g, e, sparsity) of a bucket as one launch sequence
-    (kernels/threelc.cu section 7): a segment table (one host copy in), max|g + e| and the
-    quantise + quartic pass of every tensor, one zero-run encode of the bucket's quartic
-    bytes (runs stop at tensor ends), and one read of the per-tensor states (S, non-finite
-    flag, body length). Bodies are views of one device buffer, in order."""
+    """3LC's fused encode of each (g, e, sparsity; e None: no error feedback) of a bucket as
+    one launch sequence (kernels/threelc.cu section 7): a segment table (one host copy in),
+    max|g + e| and the quantise + quartic pass of every tensor, one zero-run encode of the
+    bucket's quartic bytes (runs stop at tensor ends), and one read of the per-tensor states
+    (S, non-finite flag, body length). Bodies are views of one device buffer, in order."""
     if not gs:
         return [], [], []
     device = _bucket_device(gs, "g")
