@@ -1,6 +1,6 @@
 """A DDP communication hook: hvdcompress's compressors for ``torch.nn.parallel.
-DistributedDataParallel`` users without Horovod (docs/design.md, "Horovod parity and the
-DDP hook").
+DistributedDataParallel`` users without Horovod (docs/horovod-parity.md,
+"Horovod parity and the DDP hook").
 
     state = hvdcompress.DDPHookState("3lc", named_parameters=model.named_parameters())
     ddp_model.register_comm_hook(state, hvdcompress.ddp_hook)

@@ -1,4 +1,4 @@
-"""The errors every rank raises alike (docs/design.md section 8).
+"""The errors every rank raises alike (docs/wire-format.md).
 
 ``PayloadError``: a payload or frame that cannot be decoded (corrupt, truncated, forged,
 or not what this rank expects), naming the field and, when known, the sending rank and

@@ -36,7 +36,7 @@ class StepStats:
     numel: int = 0  # gradient elements
     raw_bytes: int = 0  # uncompressed gradient bytes
     payload_bytes: int = 0  # bytes this rank handed to the transport
-    wire_bytes: float = 0.0  # bytes this rank sends (ring model, docs/design.md section 7)
+    wire_bytes: float = 0.0  # bytes this rank sends (ring model, docs/exchanges.md)
     # bytes this rank sent / received, as the transport counted them (Handle.sent_bytes)
     sent_bytes: int = 0
     received_bytes: int = 0

@@ -1,4 +1,4 @@
-"""The self-describing payload format shared by every rank and backend (docs/design.md section 8).
+"""The self-describing payload format shared by every rank and backend (docs/wire-format.md).
 
 A payload is a 1-D uint8 tensor: a fixed little-endian header, codec parameters,
 then the codec's body::
@@ -404,7 +404,8 @@ def unframe_parsed(
     return out
 
 
-# ---- frames in one native call (kernels/frame.c, threelc.cu section 8; design.md section 8.7) ---
+# ---- frames in one native call (kernels/frame.c, threelc.cu section 8; docs/wire-format.md,
+# "Bucket frame") ---------------------------------------------------------------------------------
 
 
 class FrameLayout:

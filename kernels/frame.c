@@ -1,5 +1,5 @@
 /* The payload checksum (hvdc_checksum, hvdc_checksum_segments), and one rank's frame of a
- * bucket, written and scanned in one call (docs/design.md section 8.7): the per-payload
+ * bucket, written and scanned in one call (docs/wire-format.md, "Bucket frame"): the per-payload
  * header work of the bucket path without a Python round trip per tensor. The frame and payload layouts are hvdcompress/wire.py's;
  * this file mirrors them, and tests/test_compress_bucket.py and
  * tests/fuzz/test_frame_mutations.py check the two against each

@@ -148,7 +148,7 @@ extern "C" __global__ void hvd_checksum_store(const long long* __restrict__ seg,
 }
 
 // ---------------------------------------------------------------------------------------
-// 3. Frames on the device (docs/design.md section 8.7): kernels/frame.c's hvdc_frame_scan
+// 3. Frames on the device (docs/wire-format.md, "Bucket frame"): kernels/frame.c's hvdc_frame_scan
 // of one rank's frame (wire.frame: count, count uint64 lengths, the payloads) as three
 // launches and one device-to-host read of a few hundred bytes per payload, so that a frame
 // gathered on the device is checked without copying it to the host:

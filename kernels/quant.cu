@@ -1,4 +1,4 @@
-// Stochastic quantisers QSGD, TernGrad and DQSG (docs/design.md section 3): the CUDA
+// Stochastic quantisers QSGD, TernGrad and DQSG (docs/codecs.md, "DQSG and NDQSG"): the CUDA
 // twin of kernels/quant.c (CPU backend), byte for byte the same (random-k's and GSpar's
 // buckets, which draw from the same uniforms, are in kernels/sparse.cu); formulas in
 // hvdcompress/codecs/quant.py's module docstring, one IEEE float32 operation each
@@ -472,7 +472,7 @@ extern "C" __global__ void quant_dqsg_dequantize(const signed char* __restrict__
 }
 
 // ---------------------------------------------------------------------------------------
-// 9. Buckets (docs/design.md section 1.6, "The CUDA path"): QSGD's and DQSG's norms or
+// 9. Buckets (docs/backends.md, "The CUDA path"): QSGD's and DQSG's norms or
 // deltas, codes, checks and decode, and TernGrad's quartic bytes, of every tensor of a
 // bucket in one launch each.
 // TernGrad's kernel runs between threelc.cu's threelc_absmax_segments

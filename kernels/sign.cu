@@ -1,4 +1,4 @@
-// Sign codecs, signSGD and EF-signSGD (docs/design.md section 4): the CUDA twin of
+// Sign codecs, signSGD and EF-signSGD (docs/baselines.md): the CUDA twin of
 // kernels/sign.c (CPU backend), byte for byte the same. Body: bit i = (a_i < 0), packed
 // LSB first; decoding gives bit ? -scale : +scale (scale 1 for signSGD).
 //
@@ -177,8 +177,8 @@ extern "C" __global__ void sign_decode(const unsigned char* __restrict__ body, l
 }
 
 // ---------------------------------------------------------------------------------------
-// 5. Buckets: one launch for all the tensors of a bucket (docs/design.md section 1.6, "The
-// CUDA path"). The host passes a segment table, nseg rows of HVD_SIGN_SEG_COLS int64 (the
+// 5. Buckets: one launch for all the tensors of a bucket (docs/backends.md, "The CUDA path").
+// The host passes a segment table, nseg rows of HVD_SIGN_SEG_COLS int64 (the
 // layout of kernels/threelc.cu section 7, with absolute pointers), and per-segment state
 // rows of 8 words. Work is cut into tiles of `tile` units (output bytes, or chunks) that
 // never straddle two segments; row s's tiles are numbered from its HVD_SIGN_SEG_TILE, and

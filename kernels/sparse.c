@@ -1,4 +1,4 @@
-/* CPU backend of top-k selection and random-k (docs/design.md section 4,
+/* CPU backend of top-k selection and random-k (docs/baselines.md,
  * hvdcompress/codecs/sparse.py), loaded through ctypes (hvdcompress/backends/cpu.py).
  * Top-k's kept set is fixed by the codec, not by the algorithm: with t the k-th largest
  * |a| (exact), every |a_i| > t is kept, and the |a_i| == t are kept in index order until

@@ -1,4 +1,4 @@
-// Sparse codecs on CUDA (docs/design.md section 4), a bucket at a time:
+// Sparse codecs on CUDA (docs/baselines.md), a bucket at a time:
 //   decode: top-k bodies (top-k, DGC and GSpar send this layout) or top-k + sign bodies,
 //           checked and added in one launch each (kernels/sparse.c's
 //           hvdc_topk_decode_segments and hvdc_topkq_decode_segments);
@@ -551,7 +551,7 @@ extern "C" __global__ void sparse_topkq_write_segments(const long long* __restri
 }
 
 // ---------------------------------------------------------------------------------------
-// Random-k's buckets (docs/design.md section 4; the CPU's hvdc_randomk_*_segments).
+// Random-k's buckets (docs/baselines.md; the CPU's hvdc_randomk_*_segments).
 // Both sides start with every segment's kept flags (element i kept iff its uniform
 // < T 2^-24) and one scan of the bucket's flags on the host's stream, which gives a kept
 // element its slot in the body.
@@ -720,7 +720,8 @@ extern "C" __global__ void quant_randomk_gather_segments(const long long* __rest
 }
 
 // ---------------------------------------------------------------------------------------
-// GSpar's buckets (docs/design.md section 4.9; the CPU's hvdc_gspar_encode_segments):
+// GSpar's buckets (docs/baselines.md, "Top-k + sign and GSpar"; the CPU's
+// hvdc_gspar_encode_segments):
 // p_i = min(1, c |a_i|), c the fixed point of c = (T - |S|) / sum_{i not in S} |a_i|, S the
 // entries saturated at c, for every tensor of a bucket at once. The host reads once per
 // round of the iteration (every tensor's saturated count and chunk sums in one copy),

@@ -1,4 +1,4 @@
-/* CPU backend of the 3LC codec (docs/design.md section 2), loaded through ctypes
+/* CPU backend of the 3LC codec (docs/codecs.md, "3LC"), loaded through ctypes
  * (hvdcompress/backends/cpu); the CUDA twin is threelc.cu next to this file (the payload
  * checksum is frame.c's).
  *
@@ -87,7 +87,8 @@ static inline float rint_small(float x) {
 /* Smallest S whose half is exact (S / 2 >= FLT_MIN, the least normal float). */
 #define THREELC_HALF_EXACT_MIN 2.3509887e-38f /* 2^-125 */
 
-/* q = rint(fl(a / S)) without the division (docs/design.md 2.1). |a / S| <= 1, so q is
+/* q = rint(fl(a / S)) without the division (docs/codecs.md,
+ * "Quantisation with sparsity multiplication"). |a / S| <= 1, so q is
  * +-1 exactly when |fl(a / S)| > 1/2 (1/2 itself rounds to 0, ties to even). With S in
  * [2^k, 2^(k+1)), fl(a / S) > 1/2 iff a / S > 1/2 + 2^-25 (the midpoint above 1/2), i.e.
  * |a| > S (1/2 + 2^-25); that bound lies strictly between S / 2 and the next float above

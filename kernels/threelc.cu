@@ -1,8 +1,8 @@
 // 3LC kernels: max|g + e|, fused quantize + quartic encode, zero-run encoding (ZRE) as
 // flag / scan / scatter, ZRE decode as lengths / scan / expand, quartic decode (scaled,
 // optionally accumulated) and the bucket forms of these (section 7); the payload checksum
-// and the frame scan are kernels/frame.cu. Byte layout and rounding follow docs/design.md
-// section 2 exactly; every backend must produce the same bytes (the C twin of this file,
+// and the frame scan are kernels/frame.cu. Byte layout and rounding follow docs/codecs.md, "3LC"
+// exactly; every backend must produce the same bytes (the C twin of this file,
 // for the CPU backend, is kernels/threelc.c).
 //
 // Compiled three ways from this one file, unchanged:
@@ -466,8 +466,8 @@ extern "C" __global__ void threelc_quartic_decode(const unsigned char* __restric
 // this file, are kernels/frame.cu.)
 
 // ---------------------------------------------------------------------------------------
-// 7. Buckets: one launch sequence for all the tensors of a bucket (docs/design.md section
-// 1.6, "One call per bucket"). The host passes a segment table, nseg rows of
+// 7. Buckets: one launch sequence for all the tensors of a bucket (docs/backends.md,
+// "One call per bucket"). The host passes a segment table, nseg rows of
 // HVD_SEG_COLS int64 (one host-to-device copy per call), and a per-segment state array,
 // nseg rows of HVD_STATE_WORDS words (one device-to-host copy per call). Every segment
 // has at least one element (the host leaves empty tensors out).

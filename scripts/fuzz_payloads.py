@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The long run of the payload mutation fuzzer (tests/fuzz; docs/design.md section 8.6).
+"""The long run of the payload mutation fuzzer (tests/fuzz; docs/wire-format.md,
+"Validation and errors").
 
 For every gather-only compressor in the registry, ``--per-codec`` mutated payloads
 (default 100000) drawn from its example payloads (scripts/_bench/payloads.py: every example

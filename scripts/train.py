@@ -28,7 +28,7 @@ from rank 0's parameters and sees a disjoint shard of each epoch's seeded permut
 with the same number of steps (the remainder is dropped, so no rank waits alone in a
 collective). Rank 0 shows a progress bar and writes ``metrics.csv`` and TensorBoard
 events to ``--log-dir``: loss, test accuracy, bytes sent per step (per rank, ring model
-of docs/design.md section 7), bits per value, compression time and step time. ``--checkpoint DIR``
+of docs/exchanges.md), bits per value, compression time and step time. ``--checkpoint DIR``
 saves one file per rank and step (error-feedback residuals are per rank), verified by a
 sha256 digest, loaded without unpickling code, written atomically; the newest
 ``--keep-checkpoints`` of each rank stay. ``--resume`` continues from the newest step whose
@@ -57,7 +57,7 @@ Simulated ranks: ``--simulate-ranks N`` plays N ranks in this one process, as th
 hvdcompress.training.simulate (one model replica, optimizer, compressor bound to its rank
 and data shard per rank; the same code path as a real run): no launcher, and the same
 final ``param_digest`` as ``mpirun -np N`` / ``horovodrun -np N`` with the same flags for
-the gather-path compressors (docs/design.md, "The simulated world").
+the gather-path compressors (docs/horovod-parity.md, "The simulated world").
 
 Data, models and policies come from ``hvdcompress.training``; ranks, the broadcast of the
 initial parameters and the sums of the evaluation from the optimizer's transport
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "allgather", "twostage"],
         default="auto",
         help="gather-only codecs: one allgather, the two-stage exchange (reduce-scatter + "
-        "allgather of re-compressed shards), or per bucket by bytes (docs/design.md section 7)",
+        "allgather of re-compressed shards), or per bucket by bytes (docs/exchanges.md)",
     )
     p.add_argument("--epochs", type=POSITIVE, default=1)
     p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many steps in all")

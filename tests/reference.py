@@ -1,8 +1,8 @@
-"""A slow, obviously-correct numpy model of docs/design.md section 2, used as the tests' oracle."""
+"""A slow, obviously-correct numpy model of docs/codecs.md, "3LC", used as the tests' oracle."""
 
 import numpy as np
 
-# The 3LC test vectors of docs/design.md section 2: the input, and per sparsity the scale S,
+# The 3LC test vectors of docs/codecs.md, "3LC": the input, and per sparsity the scale S,
 # the quartic bytes and the zero-run-encoded body (every backend must give these bytes).
 DESIGN_X = [0.80, -0.05, 0.02, 0, -0.70, 0.45, 0.04, 0, 0, 0.01]
 DESIGN_X += [0.30, 0.03, -0.02, 0, 0.05, 0.10, -0.01, 0, 0.02, 0]

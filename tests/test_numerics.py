@@ -1,5 +1,5 @@
-"""Numerics of error feedback and of low-precision gradients (docs/design.md, "Error
-feedback and low precision"): every error-feedback compressor keeps its residual bounded,
+"""Numerics of error feedback and of low-precision gradients (docs/error-feedback.md):
+every error-feedback compressor keeps its residual bounded,
 the optimizer feeds the rounding of a float16 / bfloat16 ``p.grad`` back into the
 residuals, and reports a finite gradient that overflows the parameter's dtype."""
 

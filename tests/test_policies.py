@@ -1,4 +1,4 @@
-"""Policies (docs/design.md sections 5 and 6) in one process: Accordion's rule, its test
+"""Policies (docs/policies.md) in one process: Accordion's rule, its test
 vector, LR-drop and first-interval rules, per-tensor levels of 3LC / top-k / PowerSGD,
 and CAT's budget against brute force, calibration, affine vs packet models."""
 
@@ -183,7 +183,7 @@ def test_cat_never_sends_more_than_the_dense_tensor():
 
 
 def test_cat_zero_fixed_cost_degenerates_to_one():
-    grad = torch.randn(100)  # no fixed cost, no header: T* = 1 (docs/design.md section 6)
+    grad = torch.randn(100)  # no fixed cost, no header: T* = 1 (docs/policies.md, "CAT")
     assert cat_best_budget(grad, AffineCost(0.0, 1e-9), header_bits=0)[0] == 1
     assert cat_best_budget(grad, AffineCost(0.0, 1e-9))[0] > 1  # the header is a fixed cost
 

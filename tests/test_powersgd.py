@@ -1,4 +1,4 @@
-"""PowerSGD (docs/design.md section 4) in one process: exact on low-rank matrices, error
+"""PowerSGD (docs/baselines.md) in one process: exact on low-rank matrices, error
 feedback and the
 warm-started Q, orthogonalisation, vectors sent as they are, non-finite input, state.
 A world size of one: the allreduced P is the local P (tests.helpers.powersgd_one_rank)."""

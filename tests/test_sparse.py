@@ -434,7 +434,7 @@ def test_gspar_is_unbiased_and_spends_its_budget_on_average():
     assert float(z.max()) < 6.0  # 2000 coordinates, none beyond 6 sigma
 
 
-# ---- DGC (docs/design.md section 4) --------------------------------------------------------
+# ---- DGC (docs/baselines.md) ---------------------------------------------------------------
 
 
 def _dgc_reference(gs, ratio, momentum):

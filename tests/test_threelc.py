@@ -120,7 +120,8 @@ def test_zero_run_encode_word_path_matches_oracle_and_portable_path(zero_fractio
 )
 @pytest.mark.parametrize("sparsity", [1.0, 1.5, 1.99])
 def test_quantize_at_half_the_scale_is_the_division_rule(peak, sparsity):
-    """The quantiser compares |a| with S / 2 instead of rounding fl(a / S) (design doc 2.1):
+    """The quantiser compares |a| with S / 2 instead of rounding fl(a / S) (docs/codecs.md,
+    "Quantisation with sparsity multiplication"):
     the same q at the boundary itself, the floats on either side of it and the rounding
     ties, for scales whose half is exact and for the tiny ones (S / 2 below the least
     normal float) that take the division."""
@@ -171,7 +172,8 @@ def test_decode_accumulate_adds_in_float32():
 def test_decode_accumulate_leaves_run_groups_untouched(n):
     """Accumulating decode adds S * q for every group of a literal byte (a zero digit adds
     +0.0, turning a -0.0 into +0.0) and leaves the groups of every run code as they were
-    (a -0.0 stays -0.0), for runs of every length 1..30 between literals (design doc 2.4)."""
+    (a -0.0 stays -0.0), for runs of every length 1..30 between literals (docs/codecs.md,
+    "Decoded values")."""
     rng = np.random.default_rng(n)
     groups = -(-n // 5)
     quartic = rng.integers(0, 243, groups).astype(np.uint8)

@@ -134,8 +134,8 @@ def test_frame_roundtrip_and_malformed_frame_names_the_rank():
         wire.unframe(frame, 4, 1, ["a", "b", "c", "d"])
 
 
-# Whole payloads, byte for byte (docs/design.md section 8.9): header, codec parameters,
-# checksum and body together pin the format.
+# Whole payloads, byte for byte (docs/wire-format.md, "Reference payloads"): header, codec
+# parameters, checksum and body together pin the format.
 RNG_FIELDS = "0000000000000000 0000000000000000 9e6b28a282509220 00000000"
 W = [0.5, -1.0, 0.25, 0.0, 0.9]
 TOPK_X = [0.5, -4.0, 1.0, 3.0, -0.25, 2.0]

@@ -1,8 +1,8 @@
 """Codec backends: the same tensor math on the CPU (C, via ctypes) and on CUDA (CuPy RawKernels).
 
 Both backends implement the protocol below and must produce identical bytes for
-identical input (docs/design.md section 1). ``for_device`` picks one by the tensor's
-device; the codecs in ``hvdcompress.codecs`` never branch on the device themselves.
+identical input (docs/design.md, "Concepts and where they live"). ``for_device`` picks one by the
+tensor's device; the codecs in ``hvdcompress.codecs`` never branch on the device themselves.
 
 Backend protocol (all tensors contiguous, on the backend's device):
 
@@ -35,7 +35,7 @@ The other codecs' passes (signSGD, QSGD, TernGrad, DQSG, top-k, and random-k's
 ``randomk_encode`` / ``randomk_decode``, GSpar's ``gspar_round`` / ``gspar_draw``, DGC's
 ``dgc_update``, NDQSG's ``ndqsg_coset`` / ``ndqsg_side_decode``) have the same signature
 in both modules; the CUDA module computes some of them with torch operations on the
-device (docs/design.md section 1.6).
+device (docs/backends.md).
 """
 
 from __future__ import annotations

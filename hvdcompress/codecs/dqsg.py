@@ -1,4 +1,4 @@
-"""DQSG: dithered quantisation (Abdi & Fekri, arXiv 1904.01197; docs/design.md section 3).
+"""DQSG: dithered quantisation (Abdi & Fekri, arXiv 1904.01197; docs/codecs.md, "DQSG and NDQSG").
 
 Per bucket of ``bucket_size`` consecutive elements (default 512, the last may be short),
 with s = ``levels`` (1..127) and the subtractive dither u_i = v_i - 1/2 in [-1/2, 1/2),

@@ -1,5 +1,5 @@
-"""NDQSG: nested dithered quantisation (Abdi & Fekri, arXiv 1904.01197; docs/design.md
-section 3).
+"""NDQSG: nested dithered quantisation (Abdi & Fekri, arXiv 1904.01197; docs/codecs.md,
+"DQSG and NDQSG").
 
 Fine lattice: DQSG's with s1 = ``levels`` (hvdcompress.codecs.dqsg): per bucket
 delta1 = max|w| / s1, k = clamp(rint(w / delta1 + u), -s1, s1) with the shared dither u.
@@ -14,7 +14,7 @@ Decoding with side information y (an estimate of w, the same on every receiver):
     k_hat = m - rho * j                    # the index of the coset closest to y
     w_hat = delta1 * (k_hat - u)
 
-``w_hat`` is the ``y + (r - delta2 rint(r / delta2))`` of docs/design.md section 3, computed
+``w_hat`` is the ``y + (r - delta2 rint(r / delta2))`` of docs/codecs.md, "DQSG and NDQSG", computed
 on the integer lattice
 index, so that when k_hat == k (|w - y| below about (rho - 1) delta1 / 2) it is bit for bit
 DQSG's reconstruction ``delta1 * (k - u)`` (same float32 operations as dqsg.decode_into);

@@ -1,4 +1,4 @@
-"""Stochastic quantisers: QSGD and TernGrad (docs/design.md section 4).
+"""Stochastic quantisers: QSGD and TernGrad (docs/baselines.md).
 
 QSGD (Alistarh et al., NeurIPS 2017) with s = ``levels`` (1..127) and buckets of
 ``bucket_size`` consecutive elements (default 512, the last one may be short; as in the

@@ -1,4 +1,4 @@
-"""Sign codecs: signSGD and EF-signSGD (docs/design.md section 4).
+"""Sign codecs: signSGD and EF-signSGD (docs/baselines.md).
 
 signSGD (Bernstein et al., ICML 2018): one bit per value, bit 1 for x < 0, bit-packed LSB
 first. Scale-free: decoding gives +1 or -1 (a zero, or -0.0, is sent as +1). The paper

@@ -1,4 +1,4 @@
-"""Sparsifying codecs: top-k and random-k (docs/design.md section 4).
+"""Sparsifying codecs: top-k and random-k (docs/baselines.md).
 
 Top-k (Aji & Heafield 2017; Stich et al. 2018) keeps the ``k = ceil(ratio * n)`` entries
 of largest magnitude. Body: k float32 values, then k indices in ascending order (int32
@@ -343,7 +343,7 @@ def gspar_encode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(body uint8 in top-k's layout, kept indices int64): element i kept iff u_i < p_i,
     sent as a_i / p_i (unbiased), or as a_i when not ``scaled`` (the contractive form
-    that error feedback needs: docs/design.md section 4.9)."""
+    that error feedback needs: docs/baselines.md, "Top-k + sign and GSpar")."""
     c, _ = gspar_scale(a, budget)
     values, idx = for_device(a.device).gspar_draw(a, c, key, scaled, budget)
     body = torch.cat([values.view(torch.uint8), idx.to(index_dtype(a.numel())).view(torch.uint8)])

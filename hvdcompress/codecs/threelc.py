@@ -2,7 +2,7 @@
 
 Lim, Andersen, Kaminsky, "3LC: Lightweight and Effective Traffic Compression for
 Distributed Machine Learning", SysML 2019 (arXiv 1802.07389); byte layout and
-rounding as fixed by docs/design.md section 2.
+rounding as fixed by docs/codecs.md, "3LC".
 
 Invariants (every backend, every rank):
   * S = float32(s) * max|a| with a = g + e; q = rint(a / S) in {-1, 0, 1} (IEEE
@@ -37,7 +37,7 @@ SPARSITY_RANGE = (1.0, 2.0)
 
 
 def check_sparsity(sparsity: float) -> float:
-    """Return float(s) or raise: 1 <= s < 2 keeps the largest element (docs/design.md section 2)."""
+    """Return float(s) or raise: 1 <= s < 2 keeps the largest element (docs/codecs.md, "3LC")."""
     lo, hi = SPARSITY_RANGE
     s = float(sparsity)
     # the float32 value is what multiplies: 1.99999999 would round up to 2.0
@@ -82,7 +82,7 @@ def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
-    """Replace runs of the zero group 121 by run bytes 243..255 (docs/design.md section 2)."""
+    """Replace runs of the zero group 121 by run bytes 243..255 (docs/codecs.md, "3LC")."""
     return for_device(buf.device).zero_run_encode(_bytes(buf))
 
 

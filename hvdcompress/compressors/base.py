@@ -126,7 +126,7 @@ class Compressor:
                 f"supported: {names}"
             )
 
-    # ---- error feedback (docs/design.md, "Error feedback and low precision") -------------
+    # ---- error feedback (docs/error-feedback.md) -----------------------------------------
     def contraction(self, numel: int) -> float | None:
         """With error feedback: a lower bound delta in (0, 1] on the contraction of what
         the residual sees, E||a - decode(encode(a))||^2 <= (1 - delta) ||a||^2 for a tensor

@@ -1,8 +1,8 @@
 """Summable compressors: send the gradient as is (``none``) or cast to 16 bits.
 
 A cast commutes with summation up to rounding, so these payloads ride an allreduce
-(docs/design.md section 1) instead of the allgather the byte-coded codecs need. The
-payload is a dense tensor, not the byte wire format: an allreduce cannot sum
+(docs/design.md, "Concepts and where they live") instead of the allgather the byte-coded codecs
+need. The payload is a dense tensor, not the byte wire format: an allreduce cannot sum
 headers. Values beyond float16's range become Inf, which GradScaler then sees.
 """
 

@@ -1,5 +1,5 @@
-"""Deep Gradient Compression (Lin et al., ICLR 2018, arXiv 1712.01887; docs/design.md
-section 4), payload and codec of top-k (hvdcompress.codecs.sparse).
+"""Deep Gradient Compression (Lin et al., ICLR 2018, arXiv 1712.01887; docs/baselines.md),
+payload and codec of top-k (hvdcompress.codecs.sparse).
 
 Per tensor (flat float32), with momentum m = ``momentum``:
 

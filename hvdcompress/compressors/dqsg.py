@@ -1,4 +1,4 @@
-"""DQSG compressor (docs/design.md section 3), codec in hvdcompress.codecs.dqsg.
+"""DQSG compressor (docs/codecs.md, "DQSG and NDQSG"), codec in hvdcompress.codecs.dqsg.
 
 No error feedback (the dithered quantiser is unbiased and its error independent of the
 input). The dither comes from the counter-based generator keyed by (seed, step, rank,
@@ -40,7 +40,7 @@ class DQSG(Stochastic):
     error_feedback = False
 
     def shard_alignment(self) -> int:
-        return self.bucket_size  # one delta per bucket (docs/design.md section 3.3)
+        return self.bucket_size  # one delta per bucket (docs/codecs.md, "Quantisation buckets")
 
     def __init__(
         self, levels: int = 3, bucket_size: int = 512, seed: int = 0, rank: int = 0

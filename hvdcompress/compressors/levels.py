@@ -1,4 +1,4 @@
-"""Per-tensor compression levels, set by a policy (Accordion, CAT; docs/design.md sections 5, 6).
+"""Per-tensor compression levels, set by a policy (Accordion, CAT; docs/policies.md).
 
 A compressor with ``PerTensorLevels`` has one level parameter (3LC ``sparsity``, top-k
 ``ratio``, PowerSGD ``matrix_rank``); ``set_level(name, value)`` overrides it for one
@@ -35,7 +35,7 @@ class PerTensorLevels:
 
     def owner_level(self, level):
         """The level at which the owner of a two-stage shard re-compresses the averaged
-        shard when the tensor's level is ``level`` (docs/design.md section 7): by default
+        shard when the tensor's level is ``level`` (docs/exchanges.md): by default
         the same level."""
         return level
 

@@ -1,4 +1,4 @@
-"""NDQSG compressor (docs/design.md section 3), codec in hvdcompress.codecs.ndqsg.
+"""NDQSG compressor (docs/codecs.md, "DQSG and NDQSG"), codec in hvdcompress.codecs.ndqsg.
 
 Of N ranks, the first ``ceil(N * dqsg_fraction)`` (default half, at least one) send plain
 DQSG payloads with the fine levels s1; the others send the nested code m (about

@@ -1,5 +1,5 @@
-"""PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019, arXiv 1905.13727; docs/design.md
-section 4): rank-r approximation by one power iteration, warm-started, with error feedback.
+"""PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019, arXiv 1905.13727; docs/baselines.md):
+rank-r approximation by one power iteration, warm-started, with error feedback.
 
 A summable compressor in two phases (``phases = 2``; hvdcompress.optimizer runs one
 allreduce per phase and bucket, P then Q). Per tensor of two or more dimensions, viewed as

@@ -1,4 +1,4 @@
-"""QSGD and TernGrad compressors (docs/design.md section 4), codecs in
+"""QSGD and TernGrad compressors (docs/baselines.md), codecs in
 hvdcompress.codecs.quant. Both are unbiased and keep no error feedback; their rounding
 is stochastic with counter-based random numbers (hvdcompress.compressors.stochastic).
 Non-finite input (or a QSGD norm that overflows float32) travels as the flag.
@@ -38,7 +38,7 @@ class QSGD(Stochastic):
     cuda_decode_segments = True  # quant.qsgd_decode_segments: one launch sequence a frame
 
     def shard_alignment(self) -> int:
-        return self.bucket_size  # one norm per bucket (docs/design.md section 3.3)
+        return self.bucket_size  # one norm per bucket (docs/codecs.md, "Quantisation buckets")
 
     def __init__(
         self, levels: int = 16, bucket_size: int = 512, seed: int = 0, rank: int = 0
@@ -125,7 +125,7 @@ class TernGrad(Stochastic):
         self._init_rng(seed, rank)
 
     def shard_alignment(self) -> int:
-        return 5  # a quartic byte holds 5 values (docs/design.md section 2.2)
+        return 5  # a quartic byte holds 5 values (docs/codecs.md, "Quartic encoding")
 
     def __repr__(self) -> str:
         return f"TernGrad(seed={self.seed})"

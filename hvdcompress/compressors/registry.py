@@ -16,8 +16,7 @@ ranges), ``hvdcompress.Compression.<attribute>`` entries, the wire codec-id tabl
 (``wire.CODEC_IDS``), CAT's compressor for each budget kind (``cat_kind``), the
 configurations the fuzz tests, the per-codec MPI bit-identity test and the API tests run,
 and bench_codec's default cases. Modules in ``hvdcompress/compressors/`` are imported
-when the package is, so a new compressor is one new module there (docs/design.md,
-"Adding a compressor").
+when the package is, so a new compressor is one new module there (docs/adding-a-compressor.md).
 
 Registration checks the declaration: a unique name, a unique wire id (gather-only
 compressors carry one, summable ones do not), a ``Param`` for every constructor

@@ -1,4 +1,4 @@
-"""signSGD and EF-signSGD compressors (docs/design.md section 4), codecs in
+"""signSGD and EF-signSGD compressors (docs/baselines.md), codecs in
 hvdcompress.codecs.sign (see there for how the optimizer should treat decoded signs).
 Non-finite input travels as the flag; EF-signSGD then leaves its residual untouched.
 """

@@ -1,8 +1,8 @@
 """Top-k, random-k, top-k + sign and magnitude-proportional sparsification compressors
-(docs/design.md sections 4 and 6), codecs in hvdcompress.codecs.sparse.
+(docs/baselines.md and docs/policies.md, "CAT"), codecs in hvdcompress.codecs.sparse.
 
 TopKSign ("topkq") and GSpar ("gspar") are the compressors CAT tunes besides top-k
-(docs/design.md section 6: "topk+q" and random sparsification with p_i proportional to |g_i|).
+(docs/policies.md, "CAT": "topk+q" and random sparsification with p_i proportional to |g_i|).
 
 Top-k always uses error feedback: the residual keeps every entry that was not sent
 (e = a with the kept entries zeroed, a = g + e). Random-k's and gspar's are optional

@@ -1,7 +1,7 @@
 """3LC compressor: the 3LC codec plus an error-feedback residual per tensor.
 
 Lim et al., SysML 2019. The residual keeps what quantisation dropped and adds it to
-the next gradient of the same tensor (docs/design.md section 2); a non-finite gradient leaves
+the next gradient of the same tensor (docs/codecs.md, "3LC"); a non-finite gradient leaves
 it untouched and travels as a flag, so every rank decodes all-NaN and torch.amp's
 GradScaler skips the step.
 """
@@ -38,7 +38,7 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
     cuda_decode_segments = True  # threelc.decode_segments: one launch sequence a frame
 
     def shard_alignment(self) -> int:
-        return 5  # a quartic byte holds 5 values (docs/design.md section 2.2)
+        return 5  # a quartic byte holds 5 values (docs/codecs.md, "Quartic encoding")
 
     def __init__(self, sparsity: float = 1.0) -> None:
         self.sparsity = threelc.check_sparsity(sparsity)
@@ -54,7 +54,7 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         # The owner's input is the average of N ternary payloads plus its residual: a few
         # spikes. A second error-feedback loop at high sparsity (contraction s (2 - s) / n)
         # delays most of it for long and the training diverged (s = 1.75, 4 ranks,
-        # Fashion-MNIST, README "Scaling out"); at s = 1 the owner sends every value at
+        # Fashion-MNIST, docs/benchmarks.md, "Scaling out"); at s = 1 the owner sends every value at
         # or above half the largest.
         return 1.0
 

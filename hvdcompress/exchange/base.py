@@ -88,8 +88,7 @@ class _Exchange:
     def _write(
         self, grad: torch.Tensor, name: str, value: torch.Tensor, comp, scale: float, flight
     ) -> None:
-        """Write the sum ``value`` times ``scale`` into ``grad`` (docs/design.md,
-        "Error feedback and low precision").
+        """Write the sum ``value`` times ``scale`` into ``grad`` (docs/error-feedback.md).
 
         Into a float16 / bfloat16 gradient: a finite float32 value that overflows the
         dtype becomes +-Inf as a cast would (so that GradScaler skips the step and backs

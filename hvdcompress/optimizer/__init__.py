@@ -8,7 +8,7 @@ This package is the wrapper (``wrapper``: hooks, launch order, ``synchronize``/`
 checkpoints), built by ``factory``; ``options`` holds the op names and Horovod's keywords,
 ``process_sets`` the transport of a ``process_set``, ``adasum`` the ``op=hvd.Adasum`` path;
 buckets and the agreement check are in ``buckets``, who sends what to whom in
-``exchange``, the step record in ``stats`` (docs/design.md section 9, the gradient walk).
+``exchange``, the step record in ``stats`` (docs/design.md, "The gradient walk").
 
 A post-accumulate-grad hook counts backward passes; when a bucket's gradients are all
 ready, the policy observes them and the bucket's exchange compresses them and starts its
@@ -16,7 +16,7 @@ collective, overlapping the rest of backward. ``synchronize()`` (called by ``ste
 starts what is left and finishes every bucket in order, draining every collective even
 after an error so that no rank leaves one pending.
 
-Horovod parity (docs/design.md, "Horovod parity and the DDP hook"): every keyword of
+Horovod parity (docs/horovod-parity.md, "Horovod parity and the DDP hook"): every keyword of
 ``hvd.DistributedOptimizer`` 0.28.1 means what it means there: ``gradient_predivide_factor``
 scales by 1/f before the exchange and f/size after; ``groups`` / ``num_groups`` make the
 buckets; sparse gradients take an uncompressed sparse path (``sparse_grads``) unless

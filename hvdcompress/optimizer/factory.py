@@ -52,7 +52,8 @@ def DistributedOptimizer(
     ``hvdcompress.CAT(...)``, which sets the compressor's level per tensor during training.
     ``compress_min_numel``: tensors with fewer elements are sent uncompressed (one float32
     allreduce per bucket of them), the switch for links fast enough that compressing a
-    small tensor costs more time than it saves (see README, "Results").
+    small tensor costs more time than it saves (see docs/benchmarks.md,
+    "Step time on a rate-limited link").
 
     Horovod's keywords mean what they mean in ``hvd.DistributedOptimizer`` 0.28.1 (package
     doc): ``gradient_predivide_factor`` (op Average only), ``groups`` (an int or lists of

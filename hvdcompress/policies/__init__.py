@@ -1,4 +1,4 @@
-"""Policies: pick a compression level per tensor during training (docs/design.md sections 5 and 6).
+"""Policies: pick a compression level per tensor during training (docs/policies.md).
 
 The interface is ``Policy`` (hvdcompress.policies.base); Accordion and CAT implement it.
 """

@@ -1,4 +1,4 @@
-"""Accordion (Agarwal et al., MLSys 2021, arXiv 2010.16248; docs/design.md section 5).
+"""Accordion (Agarwal et al., MLSys 2021, arXiv 2010.16248; docs/policies.md, "Accordion").
 
 Per tensor, the norm of the uncompressed local gradient is summed over an interval (one
 epoch by default: the training loop calls ``end_epoch()``; or every ``interval_steps``

@@ -1,4 +1,4 @@
-"""CAT: communication-aware adaptive tuning (docs/design.md section 6; Khirirat et al.,
+"""CAT: communication-aware adaptive tuning (docs/policies.md, "CAT"; Khirirat et al.,
 arXiv 2003.06377).
 
 Derivation. For an L-smooth loss f and a step x+ = x - gamma Q(g) with a compressed
@@ -186,7 +186,7 @@ def index_bits(n: int) -> int:
 
 
 def budget_bits(T, n: int, kind: str = "topk", header_bits: int = HEADER_BITS):
-    """bits(T) of docs/design.md section 6 for ``kind`` (vectorised over T)."""
+    """bits(T) of docs/policies.md, "CAT" for ``kind`` (vectorised over T)."""
     T = np.asarray(T, dtype=np.float64)
     ib = index_bits(n)
     if kind in ("topk", "randomk"):

@@ -1,4 +1,4 @@
-"""Transports: move payloads between ranks (docs/design.md section 1, "transport").
+"""Transports: move payloads between ranks (docs/design.md, "Transports").
 
 Four operations, the first three started asynchronously and finished with ``Handle.wait()``:
 

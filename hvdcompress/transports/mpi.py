@@ -1,6 +1,6 @@
 """Collectives over mpi4py: see hvdcompress.transports.
 
-Faults (docs/design.md, "Faults"): no fault may leave a rank waiting forever.
+Faults (docs/checkpoints-and-faults.md, "Faults"): no fault may leave a rank waiting forever.
 
 * A rank whose Python ends with an unhandled exception prints its traceback, tells the
   other ranks (side channel below), gives them up to ``ABORT_GRACE_S`` to print that, and

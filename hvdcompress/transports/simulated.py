@@ -1,5 +1,5 @@
-"""A simulated world: N ranks as N threads of one process (docs/design.md, "The simulated
-world").
+"""A simulated world: N ranks as N threads of one process (docs/horovod-parity.md,
+"The simulated world").
 
 ``SimulatedWorld(size)`` is the rendezvous every rank's ``SimulatedTransport`` shares;
 ``hvdcompress.training.simulate.run_ranks`` runs one function per rank on it. Each rank

@@ -1,5 +1,6 @@
-"""No hang on any fault: real 2- and 4-rank jobs in which one rank fails (docs/design.md,
-"Faults"). Each test launches tests/faults/worker.py under a real launcher as a
+"""No hang on any fault: real 2- and 4-rank jobs in which one rank fails
+(docs/checkpoints-and-faults.md, "Faults").
+Each test launches tests/faults/worker.py under a real launcher as a
 subprocess (its own process group) with a hard timeout: a hang fails the test.
 
 Backends: ``mpi4py`` under mpirun, ``horovod`` under horovodrun with MPI (``hvd-mpi``) and

@@ -1,7 +1,7 @@
 """Differential fuzzing of the one-call receive path: ``decode_frame`` (one native scan of
 a rank's frame, array checks, a batched body decoder; kernels/frame.c) against the
 per-payload path it stands for, ``decode_bucket`` of ``wire.unframe_parsed``, for every
-registered gather-only compressor (docs/design.md section 8.7).
+registered gather-only compressor (docs/wire-format.md, "Bucket frame").
 
 For a frame with one payload mutated (the harness's byte and field mutations, with and
 without a recomputed checksum), or the frame itself mutated (its length table), both

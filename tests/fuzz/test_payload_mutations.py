@@ -2,7 +2,7 @@
 PayloadError (a ValueError naming a field) or returns a tensor of exactly the expected
 shape and dtype, unchanged bytes decode to exactly the original tensor, and no decode
 allocates more than the receiver's bound allows (the checks and the allocation meter
-are in tests/fuzz/harness.py; docs/design.md section 8.6).
+are in tests/fuzz/harness.py; docs/wire-format.md, "Validation and errors").
 
 Five families of inputs: raw mutations (all caught by the header checks and the
 checksum), mutations whose checksum is recomputed afterwards (they reach the body

@@ -103,7 +103,7 @@ long long low_changed(const T* p, T v, long long from)
 float f_of(unsigned int u) { return __uint_as_float(u); }
 unsigned int bits(float f) { return __float_as_uint(f); }
 
-// Reference quantisation of one element (docs/design.md section 2), as the CPU backend computes it.
+// Reference quantisation of one element (docs/codecs.md, "3LC"), as the CPU backend computes it.
 int ref_q(float a, float S)
 {
     if (S == 0.0f) return 0;

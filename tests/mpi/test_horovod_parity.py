@@ -1,6 +1,6 @@
 """Horovod parity: the same small model under stock ``hvd.DistributedOptimizer`` and under
 ``hvdcompress.DistributedOptimizer`` (backend horovod unless said), one test per behaviour
-of Horovod 0.28.1's optimizer (docs/design.md, "Horovod parity and the DDP hook"):
+of Horovod 0.28.1's optimizer (docs/horovod-parity.md, "Horovod parity and the DDP hook"):
 keywords, attributes, warnings and errors, sparse gradients, Adasum, process sets, and the
 rank-0 checkpoint recipe with ``hvd.broadcast_optimizer_state``.
 

@@ -37,7 +37,7 @@ def _bucket_device(ts: list[torch.Tensor], name: str) -> torch.device:
 
 
 # ---- a bucket's segment calls: the CPU backend's one-call signatures, one launch sequence
-# for the bucket here (docs/design.md section 1.6, "The CUDA path") -----------------------
+# for the bucket here (docs/backends.md, "The CUDA path") ---------------------------------
 
 
 def splits(n: int) -> bool:
