@@ -36,12 +36,12 @@ from pathlib import Path
 # IEEE arithmetic on a host compiler: every float operation rounded on its own (no FMA
 # contraction of a - S * q, no fast-math), like the CUDA intrinsics __fadd_rn & co.
 FP_FLAGS = ("-ffp-contract=off", "-fno-fast-math")
-# The CPU library (C, cc / gcc): setup.py's Extension and backends/cpu.py's fallback.
+# The CPU library (C, cc / gcc): setup.py's Extension and backends/cpu/'s fallback.
 C_FLAGS = ("-O3", "-std=c11", *FP_FLAGS, "-fno-math-errno")
 # The .cu sources built for the host with g++ through kernels/cuda_host.h (the host-kernel
 # tests add warnings as errors and the include path).
 HOST_CXX_FLAGS = ("-std=c++17", "-O2", *FP_FLAGS)
-# The .cu sources for the GPU: NVRTC at run time (backends/cuda.py), and nvcc, which takes
+# The .cu sources for the GPU: NVRTC at run time (backends/cuda/), and nvcc, which takes
 # the same spelling, in scripts/check_kernels.sh. IEEE float32 everywhere: no FMA
 # contraction, no flush to zero, IEEE division and square root (the kernels use
 # __fadd_rn & co. anyway; these keep any other expression honest too).

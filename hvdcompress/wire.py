@@ -404,7 +404,7 @@ def unframe_parsed(
     return out
 
 
-# ---- frames in one native call (kernels/frame.c, threelc.cu section 8; docs/wire-format.md,
+# ---- frames in one native call (kernels/frame.c, frame.cu section 3; docs/wire-format.md,
 # "Bucket frame") ---------------------------------------------------------------------------------
 
 
@@ -506,7 +506,7 @@ def scan_frame(frame: torch.Tensor, layout: FrameLayout) -> tuple[np.ndarray, li
     accepts (checksum included) and whose codec, dtype and shape are the layout's, and
     whose flags are known; else None (the caller then takes ``unframe_parsed``, whose
     errors name the field). The frame's own device scans it: a frame on a GPU is not
-    copied to the host (kernels/threelc.cu section 8). Codec parameters and bodies are the
+    copied to the host (kernels/frame.cu section 3). Codec parameters and bodies are the
     compressor's to check."""
     scanned = for_device(frame.device).frame_scan(frame, layout.count)
     if scanned is None:

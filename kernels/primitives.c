@@ -1,5 +1,5 @@
 /* Shared primitives of the codecs (docs/codecs.md, "DQSG and NDQSG" and docs/baselines.md) on the
- * CPU, loaded through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is primitives.cu next to
+ * CPU, loaded through ctypes (hvdcompress/backends/cpu/); the CUDA twin is primitives.cu next to
  * this file, byte for byte the same. signSGD, EF-signSGD, QSGD, TernGrad and DQSG run as
  * single-pass native codecs (sign.c, quant.c), which draw their uniforms from
  * hvdc_prim_uniform below; the other codecs' element-wise math runs as torch ops

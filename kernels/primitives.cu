@@ -6,7 +6,7 @@
 // runs as torch ops on the tensor's device (hvdcompress/codecs/).
 //
 // Compiled three ways from this one file, like kernels/threelc.cu: by NVRTC through
-// cupy.RawModule (hvdcompress/backends/cuda.py, with NVRTC_OPTIONS of
+// cupy.RawModule (hvdcompress/backends/cuda/, with NVRTC_OPTIONS of
 // hvdcompress/_native.py: --fmad=false --ftz=false ...), by nvcc in
 // scripts/check_kernels.sh, and by g++ for the host through kernels/cuda_host.h
 // (tests/host_kernels/host_primitives.cpp). Hence plain C-like code, no #include under

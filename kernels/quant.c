@@ -1,5 +1,5 @@
 /* CPU backend of the stochastic quantisers QSGD and TernGrad (docs/baselines.md),
- * loaded through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is quant.cu next to
+ * loaded through ctypes (hvdcompress/backends/cpu/); the CUDA twin is quant.cu next to
  * this file, byte for byte the same. The formulas, one IEEE float32 operation each, are
  * those of hvdcompress/codecs/quant.py's module docstring:
  *

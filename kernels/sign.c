@@ -1,5 +1,5 @@
 /* CPU backend of the sign codecs, signSGD and EF-signSGD (docs/baselines.md), loaded
- * through ctypes (hvdcompress/backends/cpu.py); the CUDA twin is sign.cu next to this file,
+ * through ctypes (hvdcompress/backends/cpu/); the CUDA twin is sign.cu next to this file,
  * byte for byte the same. Body: bit i = (a_i < 0), packed LSB first (a -0.0 is sent as +);
  * decoding gives bit ? -scale : +scale, scale 1 for signSGD.
  *

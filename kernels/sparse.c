@@ -1,10 +1,10 @@
 /* CPU backend of top-k selection and random-k (docs/baselines.md,
- * hvdcompress/codecs/sparse.py), loaded through ctypes (hvdcompress/backends/cpu.py).
+ * hvdcompress/codecs/sparse.py), loaded through ctypes (hvdcompress/backends/cpu/).
  * Top-k's kept set is fixed by the codec, not by the algorithm: with t the k-th largest
  * |a| (exact), every |a_i| > t is kept, and the |a_i| == t are kept in index order until
  * there are k. The CUDA backend selects the same set: a bucket's top-k, top-k + sign and
  * DGC tensors by the same radix select in kernels/sparse.cu (with its bucket decode), a
- * single tensor with torch.topk (hvdcompress/backends/cuda.py, topk_select).
+ * single tensor with torch.topk (hvdcompress/backends/cuda/, topk_select).
  *
  * Magnitudes are compared as the bits of |a| (a finite float's abs bits order like its
  * magnitude), so selection is integer work:
@@ -172,7 +172,7 @@ int64_t hvdc_topk_decode_segments(int64_t count, const uint8_t *body, const int6
 
 /* --- a bucket's top-k encode (TopK.encode of each tensor, one call) --------------------- */
 
-#define TOPK_SAMPLE 65536     /* elements of the strided sample (backends/cpu.py TOPK_SAMPLE) */
+#define TOPK_SAMPLE 65536     /* elements of the strided sample (backends/cpu/ TOPK_SAMPLE) */
 #define TOPK_MIN_SAMPLED 16384 /* tensors from this size on are sampled (TOPK_MIN_SAMPLED) */
 #define TOPK_MIN_STRIDE 16     /* every 16th element at least (TOPK_MIN_STRIDE) */
 #define TOPK_ABS 0x7fffffffu
@@ -180,7 +180,7 @@ int64_t hvdc_topk_decode_segments(int64_t count, const uint8_t *body, const int6
 
 uint32_t hvdc_threelc_absmax_bits(const float *g, const float *e, int64_t n); /* threelc.c */
 
-/* backends/cpu.py topk_select, step for step (0 < k < n, a finite): the ascending indices
+/* backends/cpu/ topk_select, step for step (0 < k < n, a finite): the ascending indices
  * of the k largest |a| into out. cand_idx / cand_bits hold 4 k + 4097 entries. */
 static void topk_select_into(const float *a, int64_t n, int64_t k, uint32_t *hist,
                              int64_t *cand_idx, uint32_t *cand_bits, int64_t *out) {

@@ -16,7 +16,7 @@
 // anywhere in the gathered bytes, so every field is loaded byte by byte.
 //
 // Compiled three ways from this one file, like kernels/threelc.cu: by NVRTC through
-// hvdcompress/backends/cuda.py (NVRTC_OPTIONS of hvdcompress/_native.py), by nvcc in
+// hvdcompress/backends/cuda/ (NVRTC_OPTIONS of hvdcompress/_native.py), by nvcc in
 // scripts/check_kernels.sh, and by g++ for the host through kernels/cuda_host.h
 // (tests/host_kernels/). Hence plain C-like code, no #include under CUDA, no barriers or
 // shared memory, no code that needs two threads at once. Names: kernels sparse_<op>

@@ -6,7 +6,7 @@
 // for the CPU backend, is kernels/threelc.c).
 //
 // Compiled three ways from this one file, unchanged:
-//   * at run time by NVRTC through cupy.RawModule (hvdcompress/backends/cuda.py), with
+//   * at run time by NVRTC through cupy.RawModule (hvdcompress/backends/cuda/), with
 //     NVRTC_OPTIONS of hvdcompress/_native.py (--fmad=false --ftz=false --prec-div=true);
 //   * by nvcc for sm_80 / sm_90 in scripts/check_kernels.sh (compile and resource check);
 //   * by g++ for the host through kernels/cuda_host.h (tests/host_kernels), which runs

@@ -229,7 +229,7 @@ def randomk_decode_segments(
 ) -> tuple[int, PayloadError] | None:
     """``randomk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``
     into ``outs[i]``, in order, one native call (CPU outputs, host frame) or launch
-    sequence (outputs on one CUDA device; kernels/quant.cu section 10): None, or (i, the
+    sequence (outputs on one CUDA device; kernels/sparse.cu, "Random-k's buckets"): None, or (i, the
     PayloadError ``randomk_decode_into`` raises) for the first bad body, the ones before
     it added, ``outs[i]`` untouched."""
     from hvdcompress.backends import cpu

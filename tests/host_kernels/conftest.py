@@ -1,6 +1,6 @@
 """Shared by the host-kernel tests: the kernels/*.cu sources built for the host with g++
 (kernels/cuda_host.h) behind the C++ drivers of this folder, their launch shapes, and a
-stand-in for CuPy that runs hvdcompress/backends/cuda.py on CPU tensors with them.
+stand-in for CuPy that runs hvdcompress/backends/cuda/ on CPU tensors with them.
 
 No GPU is needed. The stand-in launches the host-built kernels like cuLaunchKernel (a
 pointer to each argument's value, host_launch in host_launch.h), after checking every
@@ -187,7 +187,7 @@ class CudaOnHost(NamedTuple):
 
 @pytest.fixture
 def cuda_on_host(host, monkeypatch) -> CudaOnHost:
-    """hvdcompress/backends/cuda.py on CPU tensors, its kernels the module's ``host``
+    """hvdcompress/backends/cuda/ on CPU tensors, its kernels the module's ``host``
     library's (through host_launch), its modules cache emptied."""
     from hvdcompress.backends import cuda as cuda_backend
 

@@ -2,7 +2,7 @@
 // the launch shape the tests set (host_set_launch), the grid a backend-style launch gets
 // for a number of work items, and host_launch, a cuLaunchKernel-style entry (a pointer to
 // each argument's value) that the stand-in for CuPy in tests/host_kernels/conftest.py
-// calls to run hvdcompress/backends/cuda.py on the host.
+// calls to run hvdcompress/backends/cuda/ on the host.
 //
 // Include it after the kernels/*.cu sources; the driver then defines host_launch with
 // the kernel lists below:

@@ -5,7 +5,7 @@
 // through kernels/cuda_host.h, behind a small C ABI for ctypes, used by
 // tests/host_kernels/test_primitive_kernels.py: direct wrappers of each primitive kernel,
 // and host_launch (host_launch.h), a cuLaunchKernel-style entry for the stand-in for CuPy
-// that runs hvdcompress/backends/cuda.py on the host.
+// that runs hvdcompress/backends/cuda/ on the host.
 //
 // Build (tests/host_kernels/conftest.py): g++ with HOST_CXX_FLAGS of hvdcompress/_native.py
 //     -shared -fPIC -I kernels tests/host_kernels/host_primitives.cpp -o libhost_primitives.so

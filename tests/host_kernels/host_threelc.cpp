@@ -61,7 +61,7 @@ unsigned int zre_decode_prepare(const unsigned char* body, long long len, long l
 extern "C" {
 
 // Launch kernel `name` like cuLaunchKernel (used by the stand-in for CuPy that runs
-// hvdcompress/backends/cuda.py on the host). Returns -1 for an unknown name.
+// hvdcompress/backends/cuda/ on the host). Returns -1 for an unknown name.
 int host_launch(const char* name, unsigned int grid, unsigned int block, void** params)
 {
     HOST_THREELC_KERNELS

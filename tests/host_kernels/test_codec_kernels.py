@@ -1,5 +1,5 @@
 """The single-pass codec kernels of kernels/sign.cu and kernels/quant.cu, compiled for the
-host with g++ (kernels/cuda_host.h) and run through hvdcompress/backends/cuda.py itself
+host with g++ (kernels/cuda_host.h) and run through hvdcompress/backends/cuda/ itself
 (the stand-in for CuPy of conftest.py), compared byte for byte with the CPU backend
 (kernels/sign.c, kernels/quant.c) under several launch shapes: signSGD and EF-signSGD
 bodies, residuals and decodes, QSGD bodies and decodes, TernGrad bodies, and the same

@@ -1,6 +1,6 @@
 """The CUDA kernels of kernels/primitives.cu compiled for the host with g++
 (kernels/cuda_host.h), compared byte for byte with the CPU backend (kernels/primitives.c)
-under several launch shapes; then hvdcompress/backends/cuda.py itself run on CPU tensors
+under several launch shapes; then hvdcompress/backends/cuda/ itself run on CPU tensors
 behind the stand-in for CuPy of conftest.py, so that whole payloads of every compressor
 that uses the primitives, made through the CUDA backend's code, equal the CPU's.
 """
@@ -140,7 +140,7 @@ def test_kernel_signatures_parse():
     assert set(sigs) == set(PRIMITIVES.names)
 
 
-# ---- hvdcompress/backends/cuda.py on the host ---------------------------------------------
+# ---- hvdcompress/backends/cuda/ on the host ---------------------------------------------
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
 """The CUDA kernels of kernels/threelc.cu, compiled for the host with g++ (kernels/cuda_host.h).
 
 No GPU is needed: tests/host_kernels/host_threelc.cpp runs the kernel sequence of
-hvdcompress/backends/cuda.py (scans done sequentially), and every result is compared byte
+hvdcompress/backends/cuda/ (scans done sequentially), and every result is compared byte
 for byte (and residuals bit for bit) with the CPU backend and the numpy oracle in
 tests/reference.py, under several launch shapes so that grid-stride loops are exercised.
 tests/host_kernels/index64.cpp checks 64-bit indexing on sparse virtual buffers of more
-than 2^32 elements. Last, hvdcompress/backends/cuda.py itself runs on the host kernels
+than 2^32 elements. Last, hvdcompress/backends/cuda/ itself runs on the host kernels
 (conftest.py) through the checks of tests/gpu/test_threelc_gpu.py.
 """
 
@@ -529,7 +529,7 @@ def test_checksum_matches(shaped, size):
         got = shaped.checksum(buf, offset)
         assert got == wire.checksum_numpy(buf, offset)
         if cpu_backend is not None:
-            # the C checksum at a payload position (kernels/threelc.c; the backend's bucket
+            # the C checksum at a payload position (kernels/frame.c; the backend's bucket
             # checksums call it at offset 0)
             assert got == cpu_backend.LIB.hvdc_checksum(buf.ctypes.data, buf.size, offset)
             if offset == 0:
@@ -564,7 +564,7 @@ def test_cpu_backend_present():
 
 # ---- the CUDA backend's Python code, on the host kernels -----------------------------------
 #
-# hvdcompress/backends/cuda.py runs here on CPU tensors through the stand-in for CuPy of
+# hvdcompress/backends/cuda/ runs here on CPU tensors through the stand-in for CuPy of
 # conftest.py (cuda_on_host), with the checks of tests/gpu/test_threelc_gpu.py.
 
 
@@ -687,7 +687,7 @@ def test_emulated_one_device_read_per_call(emulated):
 
 @pytest.mark.parametrize("n", [1, 1023, 1024, 1025, 5000, 1024 * 1024 + 7, 3 * 1024 * 1024])
 def test_running_max_equals_cummax(n):
-    """The zero-run encoder's two-level scan (backends/cuda.py ``_running_max``, torch ops
+    """The zero-run encoder's two-level scan (backends/cuda/ ``_running_max``, torch ops
     only, so it runs here) equals torch.cummax, over one, two and three levels, for the
     encoder's input shape: -1 everywhere except increasing run starts."""
     from hvdcompress.backends.cuda import _running_max

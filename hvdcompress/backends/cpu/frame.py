@@ -1,4 +1,4 @@
-"""Checksums and whole frames on the CPU (kernels/threelc.c's checksum, kernels/frame.c):
+"""Checksums and whole frames on the CPU (kernels/frame.c):
 per-segment checksums, the frame scan and the frame writer."""
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ calls (the ``*_segments`` functions: 3LC, TernGrad, signSGD, EF-signSGD, QSGD, D
 checksums) make at most that one copy for the whole bucket, after one launch
 sequence over a segment table (kernels/threelc.cu section 7, sign.cu section 5, quant.cu
 section 9); ``store_checksums`` and ``efsign_encode_segments`` make none. A frame
-gathered on the device is scanned there (``frame_scan``, kernels/threelc.cu section 8:
+gathered on the device is scanned there (``frame_scan``, kernels/frame.cu section 3:
 one read of a row per payload, not a copy of the frame).
 
 

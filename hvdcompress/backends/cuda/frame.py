@@ -69,7 +69,7 @@ def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], fi
         )
 
 
-# A frame scan's rows (HVD_FRAME_* of kernels/threelc.cu section 8): the fields, the shape,
+# A frame scan's rows (HVD_FRAME_* of kernels/frame.cu section 3): the fields, the shape,
 # the stored checksum, the codec parameters.
 _FRAME_FIELDS, _FRAME_SHAPE, _FRAME_STORED, _FRAME_PARAMS = 10, 10, 18, 19
 _FRAME_OK, _FRAME_PARAMS_LEN = SCAN["ok"], SCAN["params_len"]

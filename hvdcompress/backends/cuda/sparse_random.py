@@ -46,7 +46,7 @@ def randomk_encode_segments(
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """The CPU backend's ``randomk_encode_segments`` (the same bodies, flags and residuals)
     on one CUDA device: every tensor's kept flags, one scan of the bucket's, every kept
-    count and non-finite flag (kernels/quant.cu section 10), one read, then one launch
+    count and non-finite flag (kernels/sparse.cu, "Random-k's buckets"), one read, then one launch
     that writes the kept values of a = g (+ e) into the bodies (views of one buffer) and,
     with the residuals ``es``, e = a with the kept entries zeroed (untouched where a is not
     finite)."""
@@ -102,7 +102,7 @@ def randomk_decode_segments(
     """The CPU backend's ``randomk_decode_segments`` (accumulating; same result, same
     codes) on one CUDA device: the bodies gathered into one device buffer, every tensor's
     kept flags regenerated, one scan of the bucket's flags, every kept count and value
-    checked (kernels/quant.cu section 10), one read, then one launch that adds the
+    checked (kernels/sparse.cu, "Random-k's buckets"), one read, then one launch that adds the
     scaled values of the bodies before the first refused one. None, or (p, -1 for a value
     that is not finite, else the regenerated kept count the body does not hold)."""
     count = len(outs)
@@ -157,7 +157,7 @@ def gspar_encode_segments(
     es: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor | None], list[bool]]:
     """The CPU backend's ``gspar_encode_segments`` (the same bodies, flags and residuals)
-    on one CUDA device (kernels/quant.cu section 11): every tensor's non-finite flag and
+    on one CUDA device (kernels/sparse.cu, "GSpar's buckets"): every tensor's non-finite flag and
     non-zero count, one read; with error feedback a = g + e formed in e; the scale
     iteration of every tensor at once, one launch and one read a round (the host sums the
     chunk sums with ``math.fsum`` as the CPU does); the draw's flags, one scan, the kept
