@@ -31,7 +31,8 @@ import torch
 
 from hvdcompress import wire
 from hvdcompress.compressors.params import Param
-from hvdcompress.errors import DecodeOverflowError, PayloadError
+from hvdcompress.compressors.receive import check_out, checked_cast, numel_limit
+from hvdcompress.errors import PayloadError
 
 
 def empty_body(device) -> torch.Tensor:
@@ -337,7 +338,7 @@ class GatherCompressor(Compressor):
             return
         params, starts, lens, numels, nonfinite = scanned
         for out in outs:
-            _check_out(out)
+            check_out(out)
         outs = [out if out.dim() == 1 else out.view(-1) for out in outs]
         finite = np.flatnonzero(~nonfinite)
         pick = finite.tolist()
@@ -521,8 +522,8 @@ class GatherCompressor(Compressor):
         if side_info is not None and not self.uses_side_info:
             raise TypeError(f"{self.name} decodes without side information")
         if out is not None:
-            _check_out(out)
-        limit, source = _numel_limit(expect, out, max_numel)
+            check_out(out)
+        limit, source = numel_limit(None if expect is None else expect.shape, out, max_numel)
         try:
             self._validate(header, payload, expect, name, limit, source)
             body = payload[header.size :]
@@ -542,7 +543,7 @@ class GatherCompressor(Compressor):
                 )
             flat = torch.empty(header.numel, dtype=torch.float32, device=payload.device)
             self.decode_into(header, body, flat, False, side_info)
-            return _checked_cast(flat.view(header.shape), header.dtype)
+            return checked_cast(flat.view(header.shape), header.dtype)
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=name) from None
 
@@ -577,44 +578,3 @@ class GatherCompressor(Compressor):
                 "numel", f"{header.numel} elements cannot come from {header.body_len} body bytes"
             )
         wire.verify_checksum(header, payload)
-
-
-def _check_out(out: torch.Tensor) -> None:
-    """The caller's output tensor (a ValueError: the caller's mistake, not the payload's)."""
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous float32 tensor, got {getattr(out, 'dtype', type(out))}"
-        )
-
-
-def _numel_limit(expect: Ctx | None, out: torch.Tensor | None, max_numel: int | None):
-    """(the most elements a payload may make this decode produce, where that comes from):
-    the expected tensor's size, ``out``'s size, an explicit ``max_numel`` (the smallest of
-    those given), else the default bound (``wire.decode_limit``). With ``out`` a payload
-    must describe exactly ``out.numel()`` elements (``decode_parsed`` checks)."""
-    limits = []
-    if expect is not None:
-        limits.append((math.prod(expect.shape), "the expected tensor's shape"))
-    if out is not None:
-        limits.append((out.numel(), "the output tensor's size"))
-    if max_numel is not None:
-        limits.append((wire.decode_limit(max_numel), "max_numel"))
-    if not limits:
-        return wire.decode_limit(), "the default bound; pass expect= or max_numel="
-    return min(limits)
-
-
-def _checked_cast(flat32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The decoded float32 values in the payload's dtype; DecodeOverflowError when a value
-    is not finite (the header's non-finite flag is clear on this path): the float32
-    decode overflowed, or the cast to float16 / bfloat16 did."""
-    cast = flat32.to(dtype)
-    if cast.numel() and not bool(torch.isfinite(cast).all()):
-        finite32 = bool(torch.isfinite(flat32).all())
-        where = f"the cast to {dtype}" if finite32 else "the float32 decode"
-        big = float(flat32[torch.isfinite(flat32)].abs().max()) if finite32 else math.inf
-        raise DecodeOverflowError(
-            f"{where} gives non-finite values (largest |value| {big:g}, {dtype} holds at "
-            f"most {torch.finfo(dtype).max:g}) while the payload's non-finite flag is clear"
-        )
-    return cast

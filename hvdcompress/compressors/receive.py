@@ -1,0 +1,56 @@
+"""What a decode checks of its caller and of its result, before and after the payload's
+own checks (``GatherCompressor.decode_parsed``): the output tensor the caller hands in,
+the most elements a payload may make the receiver allocate (a bound the receiver sets,
+never the payload), and a decoded float32 tensor's cast to the payload's dtype."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hvdcompress import wire
+from hvdcompress.errors import DecodeOverflowError
+
+
+def check_out(out: torch.Tensor) -> None:
+    """The caller's output tensor (a ValueError: the caller's mistake, not the payload's)."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous float32 tensor, got {getattr(out, 'dtype', type(out))}"
+        )
+
+
+def numel_limit(
+    expect_shape: tuple[int, ...] | None, out: torch.Tensor | None, max_numel: int | None
+):
+    """(the most elements a payload may make this decode produce, where that comes from):
+    the expected tensor's size, ``out``'s size, an explicit ``max_numel`` (the smallest of
+    those given), else the default bound (``wire.decode_limit``). With ``out`` a payload
+    must describe exactly ``out.numel()`` elements (``decode_parsed`` checks)."""
+    limits = []
+    if expect_shape is not None:
+        limits.append((math.prod(expect_shape), "the expected tensor's shape"))
+    if out is not None:
+        limits.append((out.numel(), "the output tensor's size"))
+    if max_numel is not None:
+        limits.append((wire.decode_limit(max_numel), "max_numel"))
+    if not limits:
+        return wire.decode_limit(), "the default bound; pass expect= or max_numel="
+    return min(limits)
+
+
+def checked_cast(flat32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The decoded float32 values in the payload's dtype; DecodeOverflowError when a value
+    is not finite (the header's non-finite flag is clear on this path): the float32
+    decode overflowed, or the cast to float16 / bfloat16 did."""
+    cast = flat32.to(dtype)
+    if cast.numel() and not bool(torch.isfinite(cast).all()):
+        finite32 = bool(torch.isfinite(flat32).all())
+        where = f"the cast to {dtype}" if finite32 else "the float32 decode"
+        big = float(flat32[torch.isfinite(flat32)].abs().max()) if finite32 else math.inf
+        raise DecodeOverflowError(
+            f"{where} gives non-finite values (largest |value| {big:g}, {dtype} holds at "
+            f"most {torch.finfo(dtype).max:g}) while the payload's non-finite flag is clear"
+        )
+    return cast
