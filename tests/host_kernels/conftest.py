@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import NamedTuple
@@ -185,6 +186,17 @@ class CudaOnHost(NamedTuple):
     calls: list  # kernel names launched, in order
 
 
+def patch_cuda(monkeypatch, name: str, value) -> None:
+    """Set ``name`` to ``value`` (undone after the test) in every module of
+    hvdcompress.backends.cuda that holds it: each family module binds the runtime names it
+    imports (its launch seams, tile sizes), so a stand-in must reach all of them."""
+    for module_name, module in list(sys.modules.items()):
+        if module_name.split(".")[:3] == ["hvdcompress", "backends", "cuda"] and name in vars(
+            module
+        ):
+            monkeypatch.setattr(module, name, value)
+
+
 @pytest.fixture
 def cuda_on_host(host, monkeypatch) -> CudaOnHost:
     """hvdcompress/backends/cuda/ on CPU tensors, its kernels the module's ``host``
@@ -202,14 +214,16 @@ def cuda_on_host(host, monkeypatch) -> CudaOnHost:
             runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
         ),
     )
-    monkeypatch.setattr(cuda_backend, "DEVICE_TYPE", "cpu")
-    monkeypatch.setattr(cuda_backend, "_import_cupy", lambda: fake)
-    monkeypatch.setattr(cuda_backend, "_device_index", lambda device: 0)
-    monkeypatch.setattr(cuda_backend, "_torch_stream", lambda index: _FakeTorchStream())
-    monkeypatch.setattr(cuda_backend, "_modules", {})
+    patch_cuda(monkeypatch, "DEVICE_TYPE", "cpu")
+    patch_cuda(monkeypatch, "_import_cupy", lambda: fake)
+    patch_cuda(monkeypatch, "_device_index", lambda device: 0)
+    patch_cuda(monkeypatch, "_torch_stream", lambda index: _FakeTorchStream())
+    patch_cuda(monkeypatch, "_modules", {})
     return CudaOnHost(cuda_backend, calls)
 
 
 def loaded_families(cuda_backend) -> set[str]:
     """The .cu files whose module the (emulated) CUDA backend has loaded."""
-    return {file for file, _device in cuda_backend._modules}
+    from hvdcompress.backends.cuda import _runtime
+
+    return {file for file, _device in _runtime._modules}

@@ -22,7 +22,7 @@ import torch
 import hvdcompress
 from hvdcompress import _native, backends, wire
 from hvdcompress.backends import cpu as cpu_backend
-from hvdcompress.backends.cuda import FAMILIES, QUANT, SIGN, SPARSE
+from hvdcompress.backends.cuda import FAMILIES, QUANT, SIGN, SPARSE, _runtime
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant
 from hvdcompress.wire import PayloadError
@@ -36,6 +36,7 @@ from tests.host_kernels.conftest import (
     build_host_library,
     kernel_signatures,
     loaded_families,
+    patch_cuda,
 )
 
 pytestmark = pytest.mark.host_kernels
@@ -56,8 +57,8 @@ def host(tmp_path_factory):
 def emulated(cuda_on_host, monkeypatch, request):
     """The CUDA backend on CPU tensors with the host-built kernels, at one launch shape."""
     backend = cuda_on_host.backend
-    monkeypatch.setattr(backend, "BLOCK", request.param[0])
-    monkeypatch.setattr(backend, "BLOCKS_PER_SM", request.param[1])
+    patch_cuda(monkeypatch, "BLOCK", request.param[0])
+    patch_cuda(monkeypatch, "BLOCKS_PER_SM", request.param[1])
     return backend
 
 
@@ -290,7 +291,7 @@ def test_emulated_randomk_keeps_strictly_below_the_threshold(emulated):
 def setup(emulated, monkeypatch, request):
     """A ``tests.gpu.conftest.Setup`` of the emulated backend, segment tiles of 16 units
     (tensors of many tiles) or the default."""
-    monkeypatch.setattr(emulated, "SEGMENT_TILE", request.param)
+    patch_cuda(monkeypatch, "SEGMENT_TILE", request.param)
     return Setup(emulated, cpu_backend, torch.device("cpu"))
 
 
@@ -355,7 +356,7 @@ def test_emulated_topk_encode_segments_of_int64_indices(setup, monkeypatch, mome
     from hvdcompress.codecs import sparse
 
     monkeypatch.setattr(sparse, "INDEX32_LIMIT", 64)
-    monkeypatch.setattr(setup.backend, "TOPK_INDEX32_LIMIT", 64)
+    patch_cuda(monkeypatch, "TOPK_INDEX32_LIMIT", 64)
 
     def reference(gs, es, ks, us, m):
         return test_buckets_gpu.topk_encode_per_tensor(gs, es, ks, us, m, signs)
@@ -414,7 +415,7 @@ def test_emulated_topk_segments_of_int64_indices(setup, monkeypatch):
     from hvdcompress.codecs import sparse
 
     monkeypatch.setattr(sparse, "INDEX32_LIMIT", 64)
-    monkeypatch.setattr(setup.backend, "TOPK_INDEX32_LIMIT", 64)
+    patch_cuda(monkeypatch, "TOPK_INDEX32_LIMIT", 64)
 
     def per_payload(decode_into, size):
         """A bucket decoder that calls ``decode_into`` payload by payload."""
@@ -473,9 +474,9 @@ def test_emulated_sign_bucket_launches(cuda_on_host):
     xs = [torch.randn(n, generator=gen) for n in range(1, 301, 10)]
     es = [torch.zeros_like(x) for x in xs]
     reads = []
-    read_state = cuda._read_state
+    read_state = _runtime._read_state
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cuda, "_read_state", lambda st: reads.append(1) or read_state(st))
+        patch_cuda(patch, "_read_state", lambda st: reads.append(1) or read_state(st))
         bodies = cuda.sign_encode_segments(xs)
         assert calls == ["sign_encode_segments"] and len(reads) == 1
         sums, bad = cuda.efsign_sums_segments(xs, es)
@@ -514,9 +515,9 @@ def test_emulated_topk_bucket_encode_launches(cuda_on_host):
     us = [torch.zeros_like(g) for g in gs]
     ks = [max(1, g.numel() // 10) for g in gs]
     reads = []
-    read_state = cuda._read_state
+    read_state = _runtime._read_state
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cuda, "_read_state", lambda st: reads.append(list(calls)) or read_state(st))
+        patch_cuda(patch, "_read_state", lambda st: reads.append(list(calls)) or read_state(st))
         for velocities in (None, us):
             calls.clear()
             reads.clear()

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import hvdcompress
 from hvdcompress import wire
-from hvdcompress.backends.cuda import FRAME, THREELC
+from hvdcompress.backends.cuda import FRAME, THREELC, _runtime
 from hvdcompress.wire import PayloadError
 from tests import bucket_of_one as one
 from tests import reference
@@ -45,6 +45,7 @@ from tests.host_kernels.conftest import (
     compile_host,
     kernel_signatures,
     loaded_families,
+    patch_cuda,
     ptr,
 )
 from tests.reference import DESIGN_VECTORS, DESIGN_X
@@ -580,13 +581,13 @@ def emulated(cuda_on_host, monkeypatch):
         pytest.skip(CPU_MISSING)
     cuda_backend = cuda_on_host.backend
     reads: list[int] = []
-    read_state = cuda_backend._read_state
+    read_state = _runtime._read_state
 
     def counted_read(state):
         reads.append(1)
         return read_state(state)
 
-    monkeypatch.setattr(cuda_backend, "_read_state", counted_read)
+    patch_cuda(monkeypatch, "_read_state", counted_read)
     setup = Setup(cuda_backend, cpu_backend, torch.device("cpu"))
     return Emulated(setup, cuda_on_host.calls, reads)
 
@@ -690,7 +691,7 @@ def test_running_max_equals_cummax(n):
     """The zero-run encoder's two-level scan (backends/cuda/ ``_running_max``, torch ops
     only, so it runs here) equals torch.cummax, over one, two and three levels, for the
     encoder's input shape: -1 everywhere except increasing run starts."""
-    from hvdcompress.backends.cuda import _running_max
+    from hvdcompress.backends.cuda.threelc import _running_max
 
     gen = torch.Generator().manual_seed(n)
     starts = torch.where(torch.rand(n, generator=gen) < 0.01, torch.arange(n), -1)
@@ -706,7 +707,7 @@ def test_running_max_equals_cummax(n):
 def bucketed(emulated, monkeypatch, request):
     """``emulated`` with segment tiles of 64 units (segments of many tiles, blocks looping
     over tiles of several segments) or the backend's default."""
-    monkeypatch.setattr(emulated.setup.backend, "SEGMENT_TILE", request.param)
+    patch_cuda(monkeypatch, "SEGMENT_TILE", request.param)
     return emulated
 
 
