@@ -285,7 +285,7 @@ void hvdc_prim_unpack_groups(const uint8_t *src, int64_t groups, int bits, uint8
  * through prim_pack (2 <= bits <= 7), the last n % 8 codes through one word. */
 void hvdc_prim_bitpack(const uint8_t *codes, int64_t n, int bits, uint8_t *out) {
     if (bits == 8) {
-        memcpy(out, codes, (size_t)n);
+        if (n > 0) memcpy(out, codes, (size_t)n); /* an empty tensor may pass NULL buffers */
         return;
     }
     const uint32_t mask = (1u << bits) - 1u;
@@ -327,7 +327,7 @@ int64_t hvdc_prim_bitunpack(const uint8_t *in, int64_t nbytes, int64_t n, int bi
     if (nbytes != (used + 7) / 8) return PRIM_ERR_LENGTH;
     if ((used & 7) && (in[nbytes - 1] >> (used & 7))) return PRIM_ERR_PADDING;
     if (bits == 8) {
-        memcpy(codes, in, (size_t)n);
+        if (n > 0) memcpy(codes, in, (size_t)n); /* an empty tensor may pass NULL buffers */
         return 0;
     }
     const uint32_t mask = (1u << bits) - 1u;

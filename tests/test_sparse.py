@@ -574,3 +574,44 @@ def test_dgc_nonfinite_keeps_state_and_state_dict_roundtrip():
 def test_dgc_parameters_out_of_range_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         comp("dgc", **kw)
+
+
+def _mostly_zero(n: int, nonzero: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.zeros(n)
+    keep = torch.rand(n, generator=gen) < nonzero
+    g[keep] = torch.randn(int(keep.sum()), generator=gen)
+    return g
+
+
+@pytest.mark.parametrize(
+    "params, grad",
+    [
+        ({"ratio": 0.01}, torch.zeros(200_000)),
+        ({"ratio": 0.01, "error_feedback": True}, torch.zeros(200_000)),
+        ({"ratio": 0.5, "error_feedback": True}, _mostly_zero(3591, 0.01, 1)),
+        ({"ratio": 0.5}, _mostly_zero(3591, 0.01, 2)),
+        ({"ratio": 0.01}, _mostly_zero(100_003, 0.0005, 3)),
+        ({"ratio": 0.1}, torch.zeros(1)),
+    ],
+    ids=["zeros", "zeros-ef", "1pct-ef", "1pct", "0.05pct", "one-zero"],
+)
+def test_gspar_receiver_accepts_every_payload_its_encoder_emits(params, grad):
+    """A gradient with fewer non-zeros than the ratio's budget keeps all of them (c = inf),
+    so a GSpar payload may carry any number of elements per kept value, down to none: the
+    receiver's own bound (the expected tensor, its output) is what limits a decode, not a
+    kept-count estimate (docs/baselines.md, "Top-k + sign and GSpar")."""
+    sender, receiver = bound("gspar", 0, 2, **params), bound("gspar", 1, 2, **params)
+    for step in range(3):  # error feedback built up
+        frame, ctxs = sender.compress_bucket([grad], ["w"])
+        out = torch.zeros(grad.numel())
+        receiver.decode_frame(frame, [out], ctxs, rank=0)
+        payload, ctx = sender.compress(grad, "w")
+        got = receiver.decode(payload, expect=ctx)
+        assert got.shape == grad.shape and bool(torch.isfinite(got).all()), step
+        assert bool(torch.isfinite(out).all()), step
+        # a zero of the gradient is never kept (its residual stays zero too)
+        assert bool((out[grad == 0] == 0).all()) and bool((got[grad == 0] == 0).all()), step
+    if grad.numel() > 1:  # the receiver's bound still holds
+        with pytest.raises(PayloadError, match="numel"):
+            receiver.decode(payload, max_numel=grad.numel() - 1)

@@ -402,10 +402,11 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
         self._check_ratio(TOPK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0], name)
 
     def max_numel(self, body_len, name):
-        # Kept count ~ ratio * n (a sum of Bernoullis with mean ratio * n): a header
-        # claiming far more elements than 16 / ratio times the kept count is forged.
-        k = body_len // 8
-        return math.ceil((k + 64) * 16 / self.level(name))
+        # No bound from the body: a gradient with no more non-zeros than the budget keeps
+        # all of them (c = inf), so an all-zero tensor of any size sends an empty body.
+        # What limits a decode is the receiver's bound (its expected tensor, its output,
+        # or max_numel), checked before anything is allocated (docs/baselines.md).
+        return wire.MAX_SHAPE_PRODUCT
 
     def decode_into(self, header, body, out, accumulate, side_info):
         sparse.gspar_decode_into(body, header.numel, out, accumulate)
