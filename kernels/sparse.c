@@ -30,6 +30,7 @@
  * of a. Either way t is the same exact value, so the bytes do not depend on the path.
  * Pure functions over caller-owned buffers; no allocation, no global state.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -719,7 +720,9 @@ void hvdc_gspar_encode_segments(int64_t count, const uint64_t *as, const uint64_
                     ks[p] = -1;
                     break;
                 }
-                c32 = (float)((budget - (double)saturated) / rest);
+                /* at most FLT_MAX (as codecs/sparse.py's gspar_scale): a double past it
+                 * has no float (the conversion would be undefined) */
+                c32 = (float)fmin((budget - (double)saturated) / rest, (double)FLT_MAX);
                 const int64_t now = hvdc_gspar_round(a, n, c32, chunk, sums);
                 if (now == saturated) break;
                 saturated = now;

@@ -593,8 +593,19 @@ def _mostly_zero(n: int, nonzero: float, seed: int) -> torch.Tensor:
         ({"ratio": 0.5}, _mostly_zero(3591, 0.01, 2)),
         ({"ratio": 0.01}, _mostly_zero(100_003, 0.0005, 3)),
         ({"ratio": 0.1}, torch.zeros(1)),
+        ({"ratio": 0.1}, torch.full((4099,), 1e-40)),
+        ({"ratio": 0.1, "error_feedback": True}, torch.full((4099,), -1e-40)),
     ],
-    ids=["zeros", "zeros-ef", "1pct-ef", "1pct", "0.05pct", "one-zero"],
+    ids=[
+        "zeros",
+        "zeros-ef",
+        "1pct-ef",
+        "1pct",
+        "0.05pct",
+        "one-zero",
+        "subnormal",
+        "subnormal-ef",
+    ],
 )
 def test_gspar_receiver_accepts_every_payload_its_encoder_emits(params, grad):
     """A gradient with fewer non-zeros than the ratio's budget keeps all of them (c = inf),
@@ -615,3 +626,18 @@ def test_gspar_receiver_accepts_every_payload_its_encoder_emits(params, grad):
     if grad.numel() > 1:  # the receiver's bound still holds
         with pytest.raises(PayloadError, match="numel"):
             receiver.decode(payload, max_numel=grad.numel() - 1)
+
+
+def test_gspar_scale_stops_at_the_largest_float32():
+    """Subnormal magnitudes would need c past float32's range to spend the budget: c stops
+    at the largest float32 (fl32(c) multiplies |a_i|), fewer than the budget are kept on
+    average, the values a_i / p_i stay unbiased; before, the iteration divided by zero."""
+    mag = torch.full((4099,), 1e-40)
+    c, rounds = sparse.gspar_scale(mag, 409.9)
+    assert c == sparse.GSPAR_MAX_SCALE and rounds == 1
+    p = float(np.float32(np.float32(1e-40) * np.float32(c)))
+    assert 0.0 < p < 0.1
+    body, idx = sparse.gspar_encode(mag, 409.9, key=5)
+    assert 0 < idx.numel() < 409.9
+    values = body[: 4 * idx.numel()].view(torch.float32)
+    assert bool(torch.isfinite(values).all()) and bool((values > 0).all())

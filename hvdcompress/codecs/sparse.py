@@ -316,6 +316,7 @@ def momentum_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum:
 
 # ---- magnitude-proportional random sparsification --------------------------------------------
 GSPAR_CHUNK = 1024  # the chunks of abs_sum's ordered sum
+GSPAR_MAX_SCALE = float(np.finfo(np.float32).max)  # c is multiplied as a float32
 
 
 def gspar_scale(mag: torch.Tensor, budget: float) -> tuple[float, int]:
@@ -329,8 +330,14 @@ def gspar_scale(mag: torch.Tensor, budget: float) -> tuple[float, int]:
         return math.inf, 0
     backend = for_device(mag.device)
     count, sums = backend.gspar_round(mag, 0.0, GSPAR_CHUNK)  # c = 0: nothing saturated
+    c = 0.0
     for rounds in range(1, nonzero + 2):
-        c = (budget - count) / math.fsum(sums.cpu().tolist())
+        rest = math.fsum(sums.cpu().tolist())
+        if not rest > 0.0:  # nothing left to scale: the previous c stands
+            return c, rounds
+        # at most the largest float32: fl32(c) is what multiplies |a_i| (subnormal
+        # gradients would need more; they then keep fewer than the budget, unbiased)
+        c = min((budget - count) / rest, GSPAR_MAX_SCALE)
         new, sums = backend.gspar_round(mag, c, GSPAR_CHUNK)
         if new == count:
             return c, rounds

@@ -597,3 +597,17 @@ def test_emulated_cuda_path_trains_as_the_cpu_path(
         assert "quant_dqsg_quartic_decode_add_segments" in cuda_on_host.calls
     if exchange == "allgather":  # decoded by the bucket decoders (stage 2 of the
         assert per_payload == []  # two-stage exchange decodes payload by payload)
+
+
+def test_emulated_gspar_segments_of_subnormal_gradients_match_cpu(setup):
+    """c capped at the largest float32 on the device's host loop as in the C encoder."""
+    gs = [torch.full((4099,), 1e-40), torch.full((77,), -3e-41), torch.randn(513)]
+    budgets = [409.9, 7.7, 51.3]
+    want = cpu_backend.gspar_encode_segments(gs, [5, 6, 7], budgets, 1024)
+    got = setup.backend.gspar_encode_segments(gs, [5, 6, 7], budgets, 1024)
+    assert got[1] == want[1]
+    for g_body, w_body in zip(got[0], want[0], strict=True):
+        assert (g_body is None) == (w_body is None)
+        if w_body is not None:
+            assert torch.equal(g_body, w_body)
+    assert want[0][0] is not None and want[0][0].numel() > 0  # the native path kept some

@@ -40,6 +40,9 @@ from hvdcompress.backends.cuda.primitives import chunk_sums, uniform
 
 # ---- random-k: the mask from the uniforms, torch ops on the device ---------------------------
 
+# GSpar's scale is at most the largest float32 (codecs/sparse.py, gspar_scale)
+_GSPAR_MAX_SCALE = float(np.finfo(np.float32).max)
+
 
 def randomk_encode_segments(
     gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
@@ -217,7 +220,7 @@ def gspar_encode_segments(
                 if not rest > 0.0:
                     iterating[row], left_over[row] = False, True
                     continue
-                c32[row] = np.float32((budget[row] - saturated[row]) / rest)
+                c32[row] = np.float32(min((budget[row] - saturated[row]) / rest, _GSPAR_MAX_SCALE))
         else:
             raise AssertionError("the GSpar scale iteration did not converge")
         draw = np.where(bad | left_over, np.float32(-1.0), c32).astype(np.float32)
