@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from hvdcompress.backends import ThreeLCEncoded
-from hvdcompress.codecs import primitives as prim
-from hvdcompress.codecs import sparse, threelc
+from hvdcompress.codecs import quant, sign, sparse, threelc
 
 
 def sign_encode(backend, x: torch.Tensor) -> torch.Tensor | None:
@@ -25,14 +24,7 @@ def efsign_encode(backend, g: torch.Tensor, e: torch.Tensor, scale: float) -> to
 
 
 def sign_decode(backend, body, n: int, scale: float, out, accumulate: bool) -> None:
-    scales = prim.one(scale, "float32")
-    prim.decode_one(
-        lambda target: backend.sign_decode_segments(
-            body, prim.one(0), prim.one(n), scales, [target]
-        ),
-        out,
-        accumulate,
-    )
+    sign.decode_with(backend, body, n, scale, out, accumulate)
 
 
 def threelc_encode(backend, g: torch.Tensor, e: torch.Tensor | None, sparsity: float):
@@ -49,13 +41,7 @@ def qsgd_encode(backend, x, levels: int, bits: int, bucket: int, key: int):
 
 
 def qsgd_decode(backend, body, n: int, levels, bits, bucket, out, accumulate: bool) -> None:
-    prim.decode_one(
-        lambda target: backend.qsgd_decode_segments(
-            body, prim.one(0), prim.one(n), levels, bits, bucket, [target]
-        ),
-        out,
-        accumulate,
-    )
+    quant.qsgd_decode_with(backend, body, n, levels, bits, bucket, out, accumulate)
 
 
 def terngrad_encode(backend, x, key: int):

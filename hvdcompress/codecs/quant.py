@@ -71,9 +71,10 @@ def padded(x: torch.Tensor, bucket: int) -> torch.Tensor:
 def qsgd_encode(x: torch.Tensor, levels: int, bucket: int, key: int) -> torch.Tensor | None:
     """Body for the flat float32 x (one native pass: bucket norms and packed codes), or
     None when x holds a NaN or an Inf or a norm overflows float32."""
-    return for_device(x.device).qsgd_encode_segments([x], levels, qsgd_bits(levels), bucket, [key])[
-        0
-    ]
+    bodies = for_device(x.device).qsgd_encode_segments(
+        [x], levels, qsgd_bits(levels), bucket, [key]
+    )
+    return bodies[0]
 
 
 def qsgd_decode_into(
@@ -94,7 +95,11 @@ def qsgd_decode_into(
     if n == 0:
         return
     body = body.reshape(-1).to(out.device).contiguous()
-    backend = for_device(out.device)
+    qsgd_decode_with(for_device(out.device), body, n, levels, bits, bucket, out, accumulate)
+
+
+def qsgd_decode_with(backend, body, n, levels, bits, bucket, out, accumulate) -> None:
+    """One checked body through ``backend``'s bucket decoder (a bucket of one)."""
     prim.decode_one(  # -0.0 + v is v: written (not added) is added into -0.0
         lambda target: backend.qsgd_decode_segments(
             body, prim.one(0), prim.one(n), levels, bits, bucket, [target]

@@ -87,8 +87,12 @@ def decode_into(
     if n == 0:
         return
     body = body.reshape(-1).to(out.device).contiguous()
-    scales = prim.one(1.0 if scale is None else scale, np.float32)
-    backend = for_device(out.device)
+    decode_with(for_device(out.device), body, n, 1.0 if scale is None else scale, out, accumulate)
+
+
+def decode_with(backend, body, n: int, scale: float, out: torch.Tensor, accumulate: bool) -> None:
+    """One checked body through ``backend``'s bucket decoder (a bucket of one)."""
+    scales = prim.one(scale, np.float32)
     prim.decode_one(
         lambda target: backend.sign_decode_segments(
             body, prim.one(0), prim.one(n), scales, [target]
