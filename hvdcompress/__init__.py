@@ -11,7 +11,14 @@ from hvdcompress.compat import Compression
 from hvdcompress.compressors import Compressor, Ctx, available, get_compressor
 from hvdcompress.ddp import DDPHookState, ddp_hook, hooked_optimizer
 from hvdcompress.errors import PayloadError
-from hvdcompress.optimizer import Adasum, Average, DistributedOptimizer, RankAgreementError, Sum
+from hvdcompress.optimizer import (
+    Adasum,
+    Average,
+    DistributedOptimizer,
+    NonFiniteGradientError,
+    RankAgreementError,
+    Sum,
+)
 from hvdcompress.policies import CAT, Accordion, AffineCost, PacketCost, calibrate
 
 __version__ = "0.1.0"
@@ -30,6 +37,7 @@ __all__ = [
     "DDPHookState",
     "Ctx",
     "DistributedOptimizer",
+    "NonFiniteGradientError",
     "PayloadError",
     "RankAgreementError",
     "Sum",

@@ -615,6 +615,7 @@ def train_rank(args, dist, data=None) -> str:
             policy=policy,
             compress_min_numel=args.compress_min_numel,
             exchange=args.exchange,
+            raise_on_nonfinite=True,  # a diverged run stops (stop_if_nonfinite), no summary
         )
 
     steps_per_epoch = len(train[0]) // (dist.size * args.batch_size)
@@ -709,7 +710,16 @@ def train_rank(args, dist, data=None) -> str:
         opt.zero_grad()
         loss = F.cross_entropy(forward(x_train[idx]), y_train[idx])
         loss.backward()
-        opt.step()
+        try:
+            if args.launcher == "torchrun":  # DDP's averages, the same on every rank
+                check_finite_grads(model, compression)
+            opt.step()
+        except hvdcompress.NonFiniteGradientError as err:
+            raise SystemExit(
+                f"train: stopped at step {step + 1} (epoch {epoch}), compression "
+                f"{args.compression}, loss on rank {dist.rank} {float(loss.detach()):.6g}: "
+                f'{err} (docs/codecs.md, "Defaults that train")'
+            ) from None
         step_s = time.perf_counter() - t0
         step += 1
         stats = opt.last_stats
@@ -806,6 +816,18 @@ def train_rank(args, dist, data=None) -> str:
         if args.log_dir and isinstance(policy, hvdcompress.Accordion):
             write_accordion_trace(Path(args.log_dir) / "accordion.json", policy)
     return digest
+
+
+def check_finite_grads(model: torch.nn.Module, compression) -> None:
+    """``NonFiniteGradientError`` naming the parameters whose gradient holds a NaN or an
+    Inf (``DistributedOptimizer(raise_on_nonfinite=True)``'s check, for the DDP path)."""
+    bad = [
+        name
+        for name, p in model.named_parameters()
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+    ]
+    if bad:
+        raise hvdcompress.NonFiniteGradientError(bad, compression)
 
 
 def write_accordion_trace(path: Path, policy: hvdcompress.Accordion) -> None:

@@ -59,10 +59,19 @@ from hvdcompress.optimizer.process_sets import (  # noqa: F401
 from hvdcompress.optimizer.wrapper import (  # noqa: F401
     STATE_KEY,
     BackwardPassesError,
+    NonFiniteGradientError,
     _check_dtypes,
     _DistributedOptimizer,
     _Launched,
 )
 from hvdcompress.stats import StepStats  # noqa: F401
 
-__all__ = ["Adasum", "Average", "Sum", "DistributedOptimizer", "RankAgreementError", "StepStats"]
+__all__ = [
+    "Adasum",
+    "Average",
+    "Sum",
+    "DistributedOptimizer",
+    "NonFiniteGradientError",
+    "RankAgreementError",
+    "StepStats",
+]

@@ -41,6 +41,7 @@ def DistributedOptimizer(
     policy=None,
     compress_min_numel: int = 0,
     exchange: str = "auto",
+    raise_on_nonfinite: bool = False,
 ):
     """Wrap ``optimizer`` so gradients are compressed, exchanged and averaged across ranks.
 
@@ -53,7 +54,10 @@ def DistributedOptimizer(
     ``compress_min_numel``: tensors with fewer elements are sent uncompressed (one float32
     allreduce per bucket of them), the switch for links fast enough that compressing a
     small tensor costs more time than it saves (see docs/benchmarks.md,
-    "Step time on a rate-limited link").
+    "Step time on a rate-limited link"). ``raise_on_nonfinite``: ``synchronize()`` raises
+    ``NonFiniteGradientError`` naming the tensors whose averaged gradient holds a NaN or
+    an Inf, on every rank, before the inner optimizer steps (default: such a gradient is
+    written as it is, so that torch.amp's GradScaler skips the step).
 
     Horovod's keywords mean what they mean in ``hvd.DistributedOptimizer`` 0.28.1 (package
     doc): ``gradient_predivide_factor`` (op Average only), ``groups`` (an int or lists of
@@ -108,6 +112,8 @@ def DistributedOptimizer(
     )
     _check_int("backward_passes_per_step", backward_passes_per_step, 1)
     _check_int("compress_min_numel", compress_min_numel, 0)
+    if not isinstance(raise_on_nonfinite, bool):
+        raise TypeError(f"raise_on_nonfinite must be a bool, got {raise_on_nonfinite!r}")
     if not isinstance(backend, (str, Transport)):
         raise TypeError(
             "backend must be 'horovod', 'mpi4py' or a hvdcompress Transport, "
@@ -137,4 +143,5 @@ def DistributedOptimizer(
             process_set=process_set,
         ),
         exchange=exchange,
+        raise_on_nonfinite=raise_on_nonfinite,
     )

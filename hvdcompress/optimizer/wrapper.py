@@ -34,6 +34,21 @@ class BackwardPassesError(AssertionError, RuntimeError):
     AssertionError as in Horovod (and a RuntimeError, as hvdcompress raised before)."""
 
 
+class NonFiniteGradientError(FloatingPointError):
+    """Averaged gradients that are not finite, with ``raise_on_nonfinite=True``: raised by
+    ``synchronize()`` (so ``step()`` does not step the inner optimizer) on every rank
+    alike, since every rank holds the same averages. ``tensors``: their names."""
+
+    def __init__(self, tensors: list[str], compressor) -> None:
+        self.tensors = list(tensors)
+        shown = ", ".join(repr(n) for n in self.tensors[:4])
+        more = f" and {len(self.tensors) - 4} more" if len(self.tensors) > 4 else ""
+        super().__init__(
+            f"hvdcompress: the averaged gradients of {shown}{more} are not finite "
+            f"(compressor {compressor!r}); the inner optimizer did not step"
+        )
+
+
 @dataclass
 class _Launched:
     """A started bucket: its dense part (the bucket, less any sparse gradients) and the
@@ -78,6 +93,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         *,
         horovod_options: HorovodOptions | None = None,
         exchange: str = "auto",
+        raise_on_nonfinite: bool = False,
     ):
         super(self.__class__, self).__init__(params)
         # Horovod's own keywords (gradient_predivide_factor, num_groups, groups,
@@ -85,6 +101,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         horovod = self._horovod_options = horovod_options or HorovodOptions()
         # Which exchange gather-only buckets use: "auto", "allgather" or "twostage".
         self._exchange_mode = exchange
+        self._raise_on_nonfinite = raise_on_nonfinite
         self._compressor = compressor
         self._uncompressed = get_compressor("none")  # buckets below compress_min_numel
         self._min_numel = _check_int("compress_min_numel", compress_min_numel, 0)
@@ -261,6 +278,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = p.grad.to_sparse()
             if flight is not None:
                 self._stats.add(flight)
+        if error is None and self._raise_on_nonfinite:
+            bad = [
+                self._parameter_names[p]
+                for b in self._buckets
+                for p in b.params
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            ]
+            if bad:
+                error = NonFiniteGradientError(bad, self._compressor)
         self._stats.metrics = self._compressor.pop_metrics()
         if self._policy is not None and error is None:
             self._policy.after_step(self._stats)  # every collective of the step is done
