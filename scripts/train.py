@@ -215,6 +215,10 @@ def parse_args(argv=None):
     return args
 
 
+BASE_LR = 0.05  # plain SGD's learning rate and momentum on this job
+BASE_MOMENTUM = 0.9
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dataset", choices=["fashion-mnist", "synthetic"], default="fashion-mnist")
@@ -294,7 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=POSITIVE, default=1)
     p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many steps in all")
     p.add_argument("--batch-size", type=POSITIVE, default=64, help="per rank")
-    p.add_argument("--lr", type=finite_float(0.0, low_open=True), default=0.05)
+    p.add_argument(
+        "--lr",
+        type=finite_float(0.0, low_open=True),
+        default=None,
+        help=f"SGD learning rate (default {BASE_LR} times the compressor's sgd_lr_factor)",
+    )
     p.add_argument(
         "--lr-schedule",
         choices=SCHEDULES,
@@ -318,7 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="linear warmup to --lr over this many epochs (may be fractional)",
     )
-    p.add_argument("--momentum", type=finite_float(0.0, high=1.0, high_open=True), default=0.9)
+    p.add_argument(
+        "--momentum",
+        type=finite_float(0.0, high=1.0, high_open=True),
+        default=None,
+        help=f"SGD momentum (default {BASE_MOMENTUM}, or the compressor's sgd_momentum)",
+    )
     p.add_argument("--seed", type=int_at_least(0, 2**63 - 1 - 10**6), default=42)
     p.add_argument("--threads", type=POSITIVE, default=None, help="torch threads per rank")
     p.add_argument("--log-dir", default=None, help="metrics.csv and TensorBoard events")
@@ -356,6 +370,28 @@ def milestones_arg(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def recommend_sgd(args) -> None:
+    """Fill in --lr and --momentum where not given: the job's defaults, with the factor and
+    momentum the compressor declares (``Compressor.sgd_lr_factor`` / ``sgd_momentum``;
+    docs/codecs.md, "Defaults that train"). ``args.sgd_note`` says what was applied."""
+    cls = hvdcompress.compressors.REGISTRY[args.compression]
+    applied = []
+    if args.lr is None:
+        args.lr = BASE_LR * cls.sgd_lr_factor
+        if cls.sgd_lr_factor != 1.0:
+            applied.append(f"lr {args.lr:g} ({BASE_LR} x {cls.sgd_lr_factor:g})")
+    if args.momentum is None:
+        args.momentum = BASE_MOMENTUM if cls.sgd_momentum is None else cls.sgd_momentum
+        if cls.sgd_momentum is not None:
+            applied.append(f"momentum {args.momentum:g}")
+    args.sgd_note = (
+        f"train: {args.compression}'s recommended SGD settings: {', '.join(applied)} "
+        '(docs/codecs.md, "Defaults that train"; --lr / --momentum override)'
+        if applied
+        else ""
+    )
+
+
 def make_schedule(args, steps_per_epoch: int) -> LRSchedule:
     """The learning-rate schedule of the flags (default milestones from --epochs)."""
     milestones = args.milestones
@@ -375,6 +411,7 @@ def make_schedule(args, steps_per_epoch: int) -> LRSchedule:
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """The combinations of arguments: compressor parameters, policy levels and cost model,
     --resume; ``parser.error`` (exit status 2) on the first bad one."""
+    recommend_sgd(args)
     if args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint DIR")
     if args.accordion and args.cat:
@@ -642,6 +679,8 @@ def train_rank(args, dist, data=None) -> str:
         save_rank_checkpoint(ckpt_dir, dist.rank, step, state, keep=args.keep_checkpoints)
 
     is_root = dist.rank == 0
+    if is_root and args.sgd_note:
+        print(args.sgd_note, file=sys.stderr, flush=True)
     writer = csv_file = csv_out = epochs_file = epochs_out = None
     policy_file = policy_out = None
     if is_root and args.log_dir:

@@ -83,6 +83,11 @@ class Compressor:
     benchmarks: ClassVar[tuple[dict, ...] | None] = None  # bench_codec's; None: examples[:1]
     attribute: ClassVar[str | None] = None  # Compression.<attribute>; None: the name
     cat_kind: ClassVar[str | None] = None  # the CAT budget kind this compressor implements
+    # Plain SGD's settings that train with this compressor (docs/codecs.md, "Defaults that
+    # train"): a factor on the job's learning rate, and a momentum (None: the job's).
+    # scripts/train.py and the benchmarks apply them unless --lr / --momentum are given.
+    sgd_lr_factor: ClassVar[float] = 1.0
+    sgd_momentum: ClassVar[float | None] = None
 
     summable: ClassVar[bool] = False
     error_feedback: bool = False  # an instance attribute where it is a parameter
