@@ -71,22 +71,34 @@ def encode(w: torch.Tensor, levels: int, bucket: int, key: int) -> torch.Tensor 
 
 def decode_q(body: torch.Tensor, n: int, levels: int, bucket: int):
     """(q int8, deltas float32) from a body; raises PayloadError when corrupt."""
+    return read_body(body, n, bucket, levels == 1, levels, "a DQSG")
+
+
+def read_body(body: torch.Tensor, n: int, bucket: int, ternary: bool, half: int, what: str):
+    """(digits int8 in [-half, half], deltas float32) of a DQSG or NDQSG body: the deltas,
+    then the digits quartic + zero-run coded (``ternary``) or as codes digit + half;
+    PayloadError naming ``what`` ("a DQSG") when corrupt."""
     nb = num_buckets(n, bucket)
     if body.numel() < 4 * nb:
         raise PayloadError("body", f"{body.numel()} bytes cannot hold {nb} bucket deltas")
     deltas = prim.floats_from(body, nb)
     if nb and not bool((torch.isfinite(deltas) & (deltas >= 0)).all()):
-        raise PayloadError("body", "a DQSG delta is negative or not finite")
+        raise PayloadError("body", f"{what} delta is negative or not finite")
     rest = body[4 * nb :]
-    if levels == 1:
+    if ternary:  # {-1, 0, 1}: every digit is valid
         qb = threelc.zero_run_decode(rest, threelc.quartic_len(n))
-        q = threelc.quartic_decode(qb, n)
-    else:
-        codes = prim.bitunpack(rest, n, dqsg_bits(levels))
-        if n and int(codes.max()) > 2 * levels:
-            raise PayloadError("body", f"a DQSG code is above {2 * levels}")
-        q = (codes.to(torch.int16) - levels).to(torch.int8)
-    return q, deltas
+        return threelc.quartic_decode(qb, n), deltas
+    codes = prim.bitunpack(rest, n, prim.bits_for(2 * half + 1))
+    if n and int(codes.max()) > 2 * half:
+        raise PayloadError("body", f"{what} code is above {2 * half}")
+    return (codes.to(torch.int16) - half).to(torch.int8), deltas
+
+
+def max_numel(body_len: int, levels: int) -> int:
+    """The most values a body of ``body_len`` bytes can hold."""
+    if levels == 1:
+        return body_len * threelc.MAX_VALUES_PER_BYTE
+    return 8 * body_len // dqsg_bits(levels)
 
 
 def decode_into(

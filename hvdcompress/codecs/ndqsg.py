@@ -34,7 +34,6 @@ import torch
 from hvdcompress.backends import for_device
 from hvdcompress.codecs import dqsg, threelc
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.codecs.quant import num_buckets
 from hvdcompress.errors import PayloadError
 
 
@@ -116,23 +115,7 @@ def max_numel(body_len: int, rho: int) -> int:
 
 def decode_m(body: torch.Tensor, n: int, rho: int, bucket: int):
     """(m int8, deltas float32) from a nested body; raises PayloadError when corrupt."""
-    nb = num_buckets(n, bucket)
-    if body.numel() < 4 * nb:
-        raise PayloadError("body", f"{body.numel()} bytes cannot hold {nb} bucket deltas")
-    deltas = prim.floats_from(body, nb)
-    if nb and not bool((torch.isfinite(deltas) & (deltas >= 0)).all()):
-        raise PayloadError("body", "an NDQSG delta is negative or not finite")
-    rest = body[4 * nb :]
-    if rho <= 3:
-        qb = threelc.zero_run_decode(rest, threelc.quartic_len(n))
-        m = threelc.quartic_decode(qb, n)  # {-1, 0, 1}: every value is a valid coset
-    else:
-        h = m_half(rho)
-        codes = prim.bitunpack(rest, n, m_bits(rho))
-        if n and int(codes.max()) > 2 * h:
-            raise PayloadError("body", f"an NDQSG code is above {2 * h}")
-        m = (codes.to(torch.int16) - h).to(torch.int8)
-    return m, deltas
+    return dqsg.read_body(body, n, bucket, rho <= 3, m_half(rho), "an NDQSG")
 
 
 def side_decode_into(

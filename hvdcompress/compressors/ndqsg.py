@@ -30,13 +30,13 @@ import struct
 import torch
 
 from hvdcompress import wire
-from hvdcompress.codecs import dqsg, ndqsg, quant, threelc
+from hvdcompress.codecs import dqsg, ndqsg, quant
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import Encoded, empty_body
+from hvdcompress.compressors.base import empty_body
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.registry import register
-from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.compressors.stochastic import Stochastic, encoded
 from hvdcompress.errors import PayloadError
 
 # fine levels, coarse levels, bucket size, dqsg_fraction, mode (0 DQSG, 1 nested)
@@ -115,65 +115,59 @@ class NDQSG(Stochastic):
     def mode_of(self, rank: int) -> int:
         return MODE_NESTED if rank >= self.dqsg_ranks else MODE_DQSG
 
+    def _config(self) -> tuple:
+        """What every rank's header must carry: fine, coarse levels, bucket_size, fraction."""
+        return (self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction)
+
     # ---- encode ---------------------------------------------------------------------------
     def encode(self, tensor, name):
         w = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
         mode = self.mode_of(self.rank)
-        params = rng + PARAMS.pack(
-            self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction, mode
-        )
+        params = rng + PARAMS.pack(*self._config(), mode)
         if not prim.all_finite(w):
             return wire.FLAG_NONFINITE, params, empty_body(w.device)
         if mode == MODE_DQSG:
             return 0, params, dqsg.encode(w, self.fine_levels, self.bucket_size, key)
         body, k = ndqsg.encode_nested(w, self.fine_levels, self.rho, self.bucket_size, key)
-        _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
-        self._sent[tid] = (step, k)
+        self._remember(rng, k)
         return 0, params, body
 
     def encode_bucket(self, tensors, names):
+        s1, bucket, mode = self.fine_levels, self.bucket_size, self.mode_of(self.rank)
+        fields = PARAMS.pack(*self._config(), mode)
+        if mode == MODE_DQSG:  # DQSG's one-call encoder: these ranks send DQSG's bodies
+            return self._encode_bucket_with(
+                tensors, names, fields, lambda ws, keys: dqsg.encode_segments(ws, s1, bucket, keys)
+            )
         ws = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        mode = self.mode_of(self.rank)
         if len({w.device for w in ws}) != 1:  # none, or on several devices
             return super().encode_bucket(tensors, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
-        fields = PARAMS.pack(
-            self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction, mode
-        )
-        keys = [key for _, key in rngs]
-        if mode == MODE_DQSG:  # DQSG's one-call encoder: these ranks send DQSG's bodies
-            bodies = dqsg.encode_segments(ws, self.fine_levels, self.bucket_size, keys)
-        else:
-            coded = ndqsg.encode_nested_segments(
-                ws, self.fine_levels, self.rho, self.bucket_size, keys
-            )
-            bodies = [None if c is None else c[0] for c in coded]
-            for (rng, _), c in zip(rngs, coded, strict=True):
-                if c is not None:  # k, for this rank's own aliasing rate
-                    _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
-                    self._sent[tid] = (step, c[1])
+        coded = ndqsg.encode_nested_segments(ws, s1, self.rho, bucket, [k for _, k in rngs])
+        for (rng, _), c in zip(rngs, coded, strict=True):
+            if c is not None:  # k, for this rank's own aliasing rate
+                self._remember(rng, c[1])
         return [
-            Encoded(0, rng + fields, body)
-            if body is not None
-            else Encoded(wire.FLAG_NONFINITE, rng + fields, empty_body(w.device))
-            for w, (rng, _), body in zip(ws, rngs, bodies, strict=True)
+            encoded(rng + fields, None if c is None else c[0], w.device)
+            for w, (rng, _), c in zip(ws, rngs, coded, strict=True)
         ]
 
-    # ---- decode ---------------------------------------------------------------------------
-    def _fields(self, header):
-        return PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+    def _remember(self, rng: bytes, k: torch.Tensor) -> None:
+        """Keep the fine indices k of this rank's nested payload with these RNG fields."""
+        _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
+        self._sent[tid] = (step, k)
 
+    # ---- decode ---------------------------------------------------------------------------
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)
         self._rng_check(header.params, name)
-        fine, coarse, bucket, fraction, mode = self._fields(header)
-        mine = (self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction)
-        if (fine, coarse, bucket, fraction) != mine:
+        *theirs, mode = PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        if tuple(theirs) != self._config():
             raise PayloadError(
                 "levels",
-                f"expected fine/coarse levels, bucket_size, dqsg_fraction {mine}, got "
-                f"{(fine, coarse, bucket, fraction)} (ranks disagree on the compressor)",
+                f"expected fine/coarse levels, bucket_size, dqsg_fraction {self._config()}, got "
+                f"{tuple(theirs)} (ranks disagree on the compressor)",
             )
         sender = prim.RNG_PARAMS.unpack_from(header.params, 0)[3]
         if mode != self.mode_of(sender):
@@ -185,11 +179,7 @@ class NDQSG(Stochastic):
 
     def max_numel(self, body_len, name):
         # the larger of the two codes' bounds (the mode is not known here)
-        if self.fine_levels == 1:
-            dq = body_len * threelc.MAX_VALUES_PER_BYTE
-        else:
-            dq = 8 * body_len // dqsg.dqsg_bits(self.fine_levels)
-        return max(dq, ndqsg.max_numel(body_len, self.rho))
+        return max(dqsg.max_numel(body_len, self.fine_levels), ndqsg.max_numel(body_len, self.rho))
 
     @staticmethod
     def _side_info(y, n: int, device) -> torch.Tensor | None:
@@ -204,7 +194,7 @@ class NDQSG(Stochastic):
     def decode_into(self, header, body, out, accumulate, side_info):
         key = self._stream_key(header.params)
         sender = prim.RNG_PARAMS.unpack_from(header.params, 0)[3]
-        mode = self._fields(header)[4]
+        mode = PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[4]
         n, s1, bucket = header.numel, self.fine_levels, self.bucket_size
         y = self._side_info(side_info, n, out.device)
         if mode == MODE_DQSG:
@@ -269,7 +259,7 @@ class NDQSG(Stochastic):
         sent = self._sent.get(tid) if sender == self.rank else None
         return sent[1] if sent is not None and sent[0] == step and sent[1].numel() == n else None
 
-    # ---- metrics and state ------------------------------------------------------------------
+    # ---- metrics ------------------------------------------------------------------
     def _count(self, which: str, bad: int, total: int) -> None:
         c = self._counts[which]
         c[0] += bad
@@ -285,13 +275,3 @@ class NDQSG(Stochastic):
         self.last_aliasing_rate = est if est is not None else own
         self._sent.clear()
         return rates
-
-    def state_dict(self) -> dict:
-        return self._rng_state()
-
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_count_map, check_keys
-
-        check_keys(f"{self.name} state", state, required=("seed",), optional=("steps",))
-        check_count_map(f"{self.name} steps", state.get("steps", {}))
-        self._load_rng_state(state)

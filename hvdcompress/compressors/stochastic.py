@@ -15,13 +15,21 @@ that the payload's tensor id is that name's. ``seed`` and ``rank`` are declared 
 
 from __future__ import annotations
 
+from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import GatherCompressor
+from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
 from hvdcompress.errors import PayloadError
 
 
+def encoded(params: bytes, body, device) -> Encoded:
+    """The payload of a body, or of non-finite input (body None): the flag, an empty body."""
+    if body is None:
+        return Encoded(wire.FLAG_NONFINITE, params, empty_body(device))
+    return Encoded(0, params, body)
+
+
 class Stochastic(GatherCompressor):
-    """Base of the seeded compressors; subclasses call ``_rng_params`` / ``_rng_key``."""
+    """Base of the seeded compressors; subclasses call ``_rng_params`` / ``_stream_key``."""
 
     def _init_rng(self, seed: int, rank: int) -> None:
         self.seed = prim.check_seed(seed)
@@ -39,6 +47,20 @@ class Stochastic(GatherCompressor):
         rank = prim.check_rank(self.rank)
         key = prim.rng_key(self.seed, step, rank, tid)
         return prim.RNG_PARAMS.pack(self.seed, step, tid, rank), key
+
+    def _encode_bucket_with(self, tensors, names, fields: bytes, encode_segments):
+        """``encode_bucket`` through a codec's one-call bucket encoder ``encode_segments(xs,
+        keys)`` (a body per tensor, None for non-finite input); each payload's params are
+        the RNG fields, then ``fields``."""
+        xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
+        if len({x.device for x in xs}) != 1:  # none, or on several devices
+            return super().encode_bucket(tensors, names)
+        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
+        bodies = encode_segments(xs, [key for _, key in rngs])
+        return [
+            encoded(rng + fields, body, x.device)
+            for x, (rng, _), body in zip(xs, rngs, bodies, strict=True)
+        ]
 
     def _rng_check(self, params: bytes, name: str | None) -> None:
         """Validate the RNG fields at the start of ``params``: this compressor's seed and,
@@ -70,6 +92,16 @@ class Stochastic(GatherCompressor):
 
     def _rng_state(self) -> dict:
         return {"seed": self.seed, "steps": dict(self.steps)}
+
+    def state_dict(self) -> dict:
+        return self._rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        from hvdcompress.checkpoint import check_count_map, check_keys
+
+        check_keys(f"{self.name} state", state, required=("seed",), optional=("steps",))
+        check_count_map(f"{self.name} steps", state.get("steps", {}))
+        self._load_rng_state(state)
 
     def _load_rng_state(self, state: dict) -> None:
         if state.get("seed") != self.seed:
