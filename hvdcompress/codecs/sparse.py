@@ -299,11 +299,12 @@ GSPAR_MAX_SCALE = float(np.finfo(np.float32).max)  # c is multiplied as a float3
 
 
 def gspar_scale(mag: torch.Tensor, budget: float) -> tuple[float, int]:
-    """(c, rounds): p_i = min(1, c |mag_i|) has sum p_i == budget (see module doc); c = inf
-    when budget >= the number of non-zero entries (every one of them is kept). Each round
-    is one pass (the backend's gspar_round): the entries saturated at the current c
-    (mag_i * float32(c) >= 1) and the ordered chunk sums of the others, whose correctly
-    rounded total (abs_sum's) gives the next c."""
+    """(c, rounds): p_i = min(1, c |mag_i|) has sum p_i == budget T. c is the fixed point of
+    c = (T - |S|) / sum_{i not in S} |mag_i|, S = {i : c |mag_i| >= 1}, reached exactly from
+    c = T / sum |mag| (c only grows, S only gains elements); c = inf when T >= the number
+    of non-zero entries (every one of them is kept). Each round is one pass (the backend's
+    gspar_round): the entries saturated at the current c (mag_i * float32(c) >= 1) and the
+    ordered chunk sums of the others, whose correctly rounded total gives the next c."""
     nonzero = int(torch.count_nonzero(mag))
     if budget >= nonzero:
         return math.inf, 0

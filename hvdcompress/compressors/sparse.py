@@ -35,6 +35,16 @@ RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
 RATIO = Param(0.0, 1.0, low_open=True)
 
 
+def check_saved_ratio(state: dict, ratio: float) -> None:
+    """A checkpoint's ratio is this compressor's (CheckpointError otherwise)."""
+    from hvdcompress.checkpoint import CheckpointError
+
+    if state.get("ratio") != ratio:
+        raise CheckpointError(
+            f"state was saved with ratio {state.get('ratio')}, this compressor has {ratio}"
+        )
+
+
 class RatioLevels(PerTensorLevels):
     """Per-tensor ``ratio`` (set by a policy), carried in the header and checked on decode."""
 
@@ -82,8 +92,9 @@ class TopK(RatioLevels, GatherCompressor):
         body = self._select(a, sparse.topk_count(a.numel(), ratio))
         return 0, params, body  # e = a - decode(body): _select subtracted what it sent
 
-    # the bucket forms of the codec (kernels/sparse.c, kernels/sparse.cu): TopKSign sets
-    # its own
+    # the codec's decoder and bucket forms (kernels/sparse.c, kernels/sparse.cu): TopKSign
+    # sets its own
+    decode_kept_into = staticmethod(sparse.topk_decode_into)
     encode_segments = staticmethod(sparse.topk_encode_segments)
     decode_kept_segments = staticmethod(sparse.topk_decode_segments)
     cuda_decode_segments = True
@@ -125,7 +136,7 @@ class TopK(RatioLevels, GatherCompressor):
     def decode_into(self, header, body, out, accumulate, side_info):
         (ratio,) = TOPK_PARAMS.unpack(header.params)  # checked against level(name)
         k = sparse.topk_count(header.numel, ratio)
-        sparse.topk_decode_into(body, header.numel, k, out, accumulate)
+        self.decode_kept_into(body, header.numel, k, out, accumulate)
 
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
@@ -137,13 +148,10 @@ class TopK(RatioLevels, GatherCompressor):
         return {"ratio": self.ratio, "residuals": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import CheckpointError, check_keys
+        from hvdcompress.checkpoint import check_keys
 
         check_keys(f"{self.name} state", state, required=("ratio", "residuals"))
-        if state.get("ratio") != self.ratio:
-            raise CheckpointError(
-                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
-            )
+        check_saved_ratio(state, self.ratio)
         self.memory.load_state_dict(state["residuals"], what=f"{self.name} residuals")
 
 
@@ -156,6 +164,7 @@ class TopKSign(TopK):
     wire_id = 11
     cat_kind = "topk+q"
 
+    decode_kept_into = staticmethod(sparse.topk_sign_decode_into)
     encode_segments = staticmethod(sparse.topk_sign_encode_segments)
     decode_kept_segments = staticmethod(sparse.topk_sign_decode_segments)
 
@@ -176,11 +185,6 @@ class TopKSign(TopK):
         k = max(body_len - 4, 0) * 8 // 33  # each kept value costs at least 32 + 1 bits
         return math.floor((k + 1) / self.level(name)) + 1
 
-    def decode_into(self, header, body, out, accumulate, side_info):
-        (ratio,) = TOPK_PARAMS.unpack(header.params)  # checked against level(name)
-        k = sparse.topk_count(header.numel, ratio)
-        sparse.topk_sign_decode_into(body, header.numel, k, out, accumulate)
-
 
 class SeededSparseState:
     """state_dict of the seeded sparsifiers: ratio, residuals, RNG step counters; their
@@ -197,18 +201,10 @@ class SeededSparseState:
         return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **self._rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import (
-            CheckpointError,
-            check_count_map,
-            check_keys,
-            check_tensor_map,
-        )
+        from hvdcompress.checkpoint import check_count_map, check_keys, check_tensor_map
 
         check_keys(f"{self.name} state", state, required=("ratio", "residuals", "seed", "steps"))
-        if state.get("ratio") != self.ratio:
-            raise CheckpointError(
-                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
-            )
+        check_saved_ratio(state, self.ratio)
         what = f"{self.name} residuals"
         check_tensor_map(what, state["residuals"])  # all checked before anything is loaded
         check_count_map(f"{self.name} steps", state["steps"])
