@@ -1,21 +1,17 @@
-"""DQSG: dithered quantisation (Abdi & Fekri, arXiv 1904.01197; docs/codecs.md, "DQSG and NDQSG").
+"""DQSG: dithered quantisation (Abdi & Fekri, arXiv 1904.01197; docs/codecs.md, "DQSG":
+the float32 operations, packing and receiver checks).
 
-Per bucket of ``bucket_size`` consecutive elements (default 512, the last may be short),
-with s = ``levels`` (1..127) and the subtractive dither u_i = v_i - 1/2 in [-1/2, 1/2),
-v_i the counter-based uniform of element i (hvdcompress.codecs.primitives; the key
-hashes seed, step, rank and tensor id, all carried in the header, so the receiver
-regenerates exactly the sender's dither):
+Per bucket of ``bucket_size`` consecutive elements, with s = ``levels`` (1..127) and the
+subtractive dither u_i = v_i - 1/2, v_i the counter-based uniform of element i (its key
+travels in the header, so the receiver regenerates exactly the sender's dither):
 
     delta_b = max|w_bucket| / s                 # float32, one per bucket, transmitted
     q       = clamp(rint(w / delta_b + u), -s, s)   # 0 where delta_b == 0
     decode: w_hat = delta_b * (q - u)
 
-Each step is one IEEE float32 operation (native: kernels/quant.c on the CPU, its twin
-kernels/quant.cu on CUDA; byte for byte the same).
-The error w_hat - w is uniform on [-delta/2, delta/2] and independent of w (the point
-of subtractive dither). Body: the deltas (float32 per bucket), then q: s = 1 as quartic
-+ zero-run encoding (3LC's coder, digits q + 1), s > 1 as codes q + s in
-ceil(log2(2 s + 1)) bits, bit-packed LSB first.
+The error w_hat - w is uniform on [-delta/2, delta/2] and independent of w (the point of
+subtractive dither). Body: the deltas, then q: s = 1 quartic + zero-run coded (3LC's
+coder), s > 1 as codes q + s, bit-packed. Native on both devices, byte for byte the same.
 """
 
 from __future__ import annotations
@@ -29,16 +25,9 @@ from hvdcompress.codecs import threelc
 from hvdcompress.codecs.quant import num_buckets
 from hvdcompress.errors import PayloadError
 
-DEFAULT_BUCKET = 512
-
 
 def dqsg_bits(levels: int) -> int:
     return prim.bits_for(2 * levels + 1)
-
-
-def dither(key: int, n: int, device: torch.device) -> torch.Tensor:
-    """u in [-1/2, 1/2): exact (uniforms are multiples of 2**-24)."""
-    return prim.uniform(key, n, device) - 0.5
 
 
 def quantize(

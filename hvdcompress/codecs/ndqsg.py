@@ -1,9 +1,8 @@
 """NDQSG: nested dithered quantisation (Abdi & Fekri, arXiv 1904.01197; docs/codecs.md,
-"DQSG and NDQSG").
+"NDQSG": the float32 operations, packing and receiver checks).
 
-Fine lattice: DQSG's with s1 = ``levels`` (hvdcompress.codecs.dqsg): per bucket
-delta1 = max|w| / s1, k = clamp(rint(w / delta1 + u), -s1, s1) with the shared dither u.
-The nested code keeps only the coset of k in the coarse lattice rho Z, rho = s1 / s2:
+Fine lattice: DQSG's with s1 = ``levels`` (hvdcompress.codecs.dqsg), fine index k. The
+nested code keeps only the coset of k in the coarse lattice rho Z, rho = s1 / s2:
 
     m = k - rho * rint(k / rho)            # {-1, 0, 1} for rho = 3 (rint: half to even)
 
@@ -14,16 +13,9 @@ Decoding with side information y (an estimate of w, the same on every receiver):
     k_hat = m - rho * j                    # the index of the coset closest to y
     w_hat = delta1 * (k_hat - u)
 
-``w_hat`` is the ``y + (r - delta2 rint(r / delta2))`` of docs/codecs.md, "DQSG and NDQSG", computed
-on the integer lattice
-index, so that when k_hat == k (|w - y| below about (rho - 1) delta1 / 2) it is bit for bit
-DQSG's reconstruction ``delta1 * (k - u)`` (same float32 operations as dqsg.decode_into);
-farther away it aliases to another point of k's coset. A bucket with delta1 == 0 decodes
-to zeros.
-
-Body: the deltas (float32 per bucket), then m: rho <= 3 as quartic + zero-run encoding
-(3LC's coder, digits m + 1), larger rho as codes m + rho // 2 in
-ceil(log2(2 (rho // 2) + 1)) bits, bit-packed LSB first.
+When k_hat == k (|w - y| below about (rho - 1) delta1 / 2) w_hat is bit for bit DQSG's
+reconstruction; farther away it aliases to another point of k's coset. Body: the deltas
+(float32 per bucket), then m: rho <= 3 quartic + zero-run coded, else bit-packed codes.
 """
 
 from __future__ import annotations

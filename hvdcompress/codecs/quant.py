@@ -1,17 +1,11 @@
-"""Stochastic quantisers: QSGD and TernGrad (docs/baselines.md).
+"""Stochastic quantisers: QSGD and TernGrad (docs/baselines.md, "QSGD" and "TernGrad": the
+float32 operations, layouts and receiver checks).
 
-QSGD (Alistarh et al., NeurIPS 2017) with s = ``levels`` (1..127) and buckets of
-``bucket_size`` consecutive elements (default 512, the last one may be short; as in the
-paper's experiments, a norm per bucket keeps the variance bounded on large tensors):
-
-    norm_b = float32(sqrt(sum over the bucket of x^2))   # sum in double, order fixed
-    r      = (|x| / norm_b) * s                          # float32, in [0, s]
-    l      = floor(r + u)                                # u: counter-based uniform [0, 1)
-    decode: x_hat = -((l / s) * norm_b) if x < 0 else (l / s) * norm_b
-
-E[l] = r, so E[x_hat] = x (up to float rounding). Body: the norms (float32 per bucket),
-then one code per element, ``1 + ceil(log2(s + 1))`` bits (s = 16: 6 bits), bit-packed LSB
-first: code = 2 l + sign, sign = 1 for x < 0 with l > 0 (a zero is never "negative").
+QSGD (Alistarh et al., NeurIPS 2017) with s = ``levels`` (1..127) and a norm per bucket of
+``bucket_size`` consecutive elements (as in the paper's experiments, bounded variance on
+large tensors): l = floor(|x| / norm_b * s + u) for the counter-based uniform u, decoded
+as +-(l / s) * norm_b, so E[x_hat] = x (up to float rounding). Body: the float32 norms,
+then one code 2 l + sign per element in ``1 + ceil(log2(s + 1))`` bits, bit-packed.
 
 TernGrad (Wen et al., NeurIPS 2017), scale per tensor: M = max|x|, q = sign(x) * [u < |x| /
 M] in {-1, 0, 1}, decode M q (unbiased); q is quartic + zero-run encoded exactly like 3LC
@@ -30,7 +24,6 @@ from hvdcompress.codecs import threelc
 from hvdcompress.errors import PayloadError
 
 MAX_LEVELS = 127
-DEFAULT_BUCKET = 512
 
 
 def check_levels(levels: int, name: str, hi: int = MAX_LEVELS) -> int:

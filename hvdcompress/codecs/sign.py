@@ -1,16 +1,14 @@
-"""Sign codecs: signSGD and EF-signSGD (docs/baselines.md).
+"""Sign codecs: signSGD and EF-signSGD (docs/baselines.md, "signSGD and EF-signSGD").
 
 signSGD (Bernstein et al., ICML 2018): one bit per value, bit 1 for x < 0, bit-packed LSB
-first. Scale-free: decoding gives +1 or -1 (a zero, or -0.0, is sent as +1). The paper
-aggregates by majority vote; here every gather-only payload is decoded and the decoded
-signs are averaged across ranks (the optimizer's usual mean), which is the
-sign-compressed gradient mean: a vector with entries in [-1, 1] whose magnitude does not
-shrink with the gradient, so the learning rate takes the role of the step size (signSGD
-learning rates are typically 1e-4 .. 1e-3, far below SGD's).
+first; decoding gives +1 or -1 (a zero, or -0.0, is sent as +1). The paper aggregates by
+majority vote; here the decoded signs are averaged across ranks (the sign-compressed
+gradient mean, whose magnitude does not shrink with the gradient: the learning rate takes
+the role of the step size, typically 1e-4 .. 1e-3).
 
 EF-signSGD (Karimireddy et al., ICML 2019): a = g + e, scale = mean|a| (float32 of the
-correctly rounded sum of order-fixed double chunk sums, divided by n), decoded value
-scale * sign(a) (zero as +1), residual e = a - scale * sign(a).
+correctly rounded sum of order-fixed chunk sums, divided by n), decoded value scale *
+sign(a) (zero as +1), residual e = a - scale * sign(a).
 """
 
 from __future__ import annotations
@@ -61,10 +59,7 @@ def ef_encode_segments(
     """``ef_encode`` of each (g, e) of a bucket (flat float32 on one device): the same two
     passes, each one native call (CPU; a tensor the codec threads cut, a call a part) or
     one launch (CUDA) for the bucket's tensors."""
-    return _ef_encode_batch(for_device(gs[0].device), gs, es)
-
-
-def _ef_encode_batch(backend, gs, es) -> list[tuple[torch.Tensor, float] | None]:
+    backend = for_device(gs[0].device)
     sums, nonfinite = backend.efsign_sums_segments(gs, es)
     scales = [
         0.0 if bad else ef_scale(s, g.numel())

@@ -1,25 +1,14 @@
-"""NDQSG compressor (docs/codecs.md, "DQSG and NDQSG"), codec in hvdcompress.codecs.ndqsg.
+"""NDQSG compressor (docs/codecs.md, "NDQSG": who sends what, the side information and
+the aliasing metrics), codec in hvdcompress.codecs.ndqsg.
 
-Of N ranks, the first ``ceil(N * dqsg_fraction)`` (default half, at least one) send plain
-DQSG payloads with the fine levels s1; the others send the nested code m (about
-log2(rho) bits per value instead of log2(2 s1 + 1)). A nested payload is decoded with side
-information y: the mean of the gradients already decoded in this step, senders taken in
-rank order. The optimizer's gather path passes it (``decode(..., side_info=acc / r)``,
-``uses_side_info``); every rank decodes the same bytes in the same order, so every rank
-gets the same y and bit-identical results.
-
-Aliasing (a nested value decoded to the wrong point of its coset, |w - y| too large) is
-measured two ways, both reset by ``pop_metrics()`` (the optimizer puts them in
-``last_stats.metrics`` after each step):
-
-* ``aliasing_rate_estimate``: the DQSG-coded payloads of ranks 1 .. D-1 carry their fine
-  index k; each is re-decoded from its coset m = k mod rho with that rank's side
-  information and compared with k (cheap, the same on every rank). None when D < 2.
-* ``aliasing_rate_own``: this rank's own nested payload, whose k it remembers, decoded
-  with the side information every rank used (exact). None on a DQSG rank.
-
-``last_aliasing_rate`` keeps the estimate (or, when there is none, the own rate) of the
-last ``pop_metrics()``. No error feedback (the dithered quantiser is unbiased).
+Of N ranks, the first ``ceil(N * dqsg_fraction)`` (at least one) send plain DQSG payloads
+with the fine levels s1; the others send the nested code m (about log2(rho) bits per value
+instead of log2(2 s1 + 1)), decoded with side information y: the mean of the gradients
+already decoded in this step, senders in rank order (the optimizer's gather path passes
+it). Every rank decodes the same bytes in the same order, so every rank gets the same y
+and bit-identical results. Aliasing (a nested value decoded to the wrong point of its
+coset) is counted two ways, ``aliasing_rate_estimate`` and ``aliasing_rate_own``, both
+reset by ``pop_metrics()``. No error feedback (the dithered quantiser is unbiased).
 """
 
 from __future__ import annotations
