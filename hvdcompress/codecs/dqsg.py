@@ -161,23 +161,19 @@ def decode_segments(
 
     bits = dqsg_bits(levels)
     backend = for_device(outs[0].device) if outs else cpu
-    if levels == 1:  # ternary q: quartic + zero-run codes
-        if backend is cpu:
-            failed = cpu.digits_decode_segments(frame, starts, lens, ns, keys, bucket, outs)[1]
-        else:
-            failed = backend.dqsg_decode_segments(
-                frame, starts, lens, ns, keys, levels, bits, bucket, outs
-            )
-        if failed is None:
-            return None
-        i = failed[0]
-        body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
-        return i, prim.refusal(lambda: decode_q(body, int(ns[i]), levels, bucket))
-    failed = backend.dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs)
+    if levels == 1 and backend is cpu:  # ternary q: quartic + zero-run codes
+        failed = cpu.digits_decode_segments(frame, starts, lens, ns, keys, bucket, outs)[1]
+    else:
+        failed = backend.dqsg_decode_segments(
+            frame, starts, lens, ns, keys, levels, bits, bucket, outs
+        )
     if failed is None:
         return None
-    i, code = failed
-    n, length = int(ns[i]), int(lens[i])
+    i = failed[0]
+    if levels == 1:
+        body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
+        return i, prim.refusal(lambda: decode_q(body, int(ns[i]), levels, bucket))
+    n, length, code = int(ns[i]), int(lens[i]), failed[1]
     nb = num_buckets(n, bucket)
     rest, packed = length - 4 * nb, prim.packed_len(n, bits)
     message = {

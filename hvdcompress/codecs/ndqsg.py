@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
-from hvdcompress.codecs import dqsg, threelc
+from hvdcompress.codecs import dqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.errors import PayloadError
 
@@ -32,7 +32,7 @@ from hvdcompress.errors import PayloadError
 def check_levels(fine: int, coarse: int) -> int:
     """Return rho = fine / coarse, or raise naming the valid ranges."""
     for what, v in (("fine_levels", fine), ("coarse_levels", coarse)):
-        if isinstance(v, bool) or int(v) != v or not 1 <= v <= 127:
+        if not quant.int_in(v, 1, quant.MAX_LEVELS):
             raise ValueError(f"ndqsg {what} must be an int in [1, 127], got {v!r}")
     if fine % coarse or fine // coarse < 2:
         raise ValueError(

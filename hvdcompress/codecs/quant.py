@@ -26,18 +26,19 @@ from hvdcompress.errors import PayloadError
 MAX_LEVELS = 127
 
 
+def int_in(v, lo: int, hi: int) -> bool:
+    """v is an int (not a bool, a float equal to one will do) in [lo, hi]."""
+    return not isinstance(v, bool) and int(v) == v and lo <= v <= hi
+
+
 def check_levels(levels: int, name: str, hi: int = MAX_LEVELS) -> int:
-    if isinstance(levels, bool) or int(levels) != levels or not 1 <= levels <= hi:
+    if not int_in(levels, 1, hi):
         raise ValueError(f"{name} levels must be an int in [1, {hi}], got {levels!r}")
     return int(levels)
 
 
 def check_bucket(bucket_size: int, name: str) -> int:
-    if (
-        isinstance(bucket_size, bool)
-        or int(bucket_size) != bucket_size
-        or not (1 <= bucket_size <= 2**31 - 1)
-    ):
+    if not int_in(bucket_size, 1, 2**31 - 1):
         raise ValueError(
             f"{name} bucket_size must be an int in [1, 2**31 - 1], got {bucket_size!r}"
         )

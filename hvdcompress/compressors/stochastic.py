@@ -1,6 +1,7 @@
-"""Shared machinery of the compressors that draw random numbers (randomk, qsgd, terngrad,
-dqsg): a seed, this rank's id, a step counter per tensor, and the header fields that let
-any receiver regenerate the sender's random numbers (hvdcompress.codecs.primitives).
+"""Shared machinery of the compressors that draw random numbers (randomk, gspar, qsgd,
+terngrad, dqsg, ndqsg): a seed, this rank's id, a step counter per tensor, and the header
+fields that let any receiver regenerate the sender's random numbers
+(hvdcompress.codecs.primitives).
 
 The random numbers of a payload are a deterministic function of (seed, step, rank,
 tensor id): every backend gives the same bytes, tests are reproducible, and the
@@ -9,8 +10,7 @@ for that tensor name (saved in ``state_dict``). ``rank`` must differ between ran
 compress the same tensor (their random numbers are then independent); the optimizer sets
 it through ``bind(rank, size)``. Decoding checks that the payload's seed is this
 compressor's (ranks agree on it at start-up) and, when the receiver names the tensor,
-that the payload's tensor id is that name's. ``seed`` and ``rank`` are declared once in
-``hvdcompress.compressors.registry`` (SEED, RANK).
+that the payload's tensor id is that name's.
 """
 
 from __future__ import annotations
