@@ -25,7 +25,7 @@ from hvdcompress.compressors.base import empty_body
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.registry import register
-from hvdcompress.compressors.stochastic import Stochastic, encoded
+from hvdcompress.compressors.stochastic import Stochastic, encoded, with_fields
 from hvdcompress.errors import PayloadError
 
 # fine levels, coarse levels, bucket size, dqsg_fraction, mode (0 DQSG, 1 nested)
@@ -127,20 +127,21 @@ class NDQSG(Stochastic):
         fields = PARAMS.pack(*self._config(), mode)
         if mode == MODE_DQSG:  # DQSG's one-call encoder: these ranks send DQSG's bodies
             return self._encode_bucket_with(
-                tensors, names, fields, lambda ws, keys: dqsg.encode_segments(ws, s1, bucket, keys)
-            )
-        ws = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if len({w.device for w in ws}) != 1:  # none, or on several devices
-            return super().encode_bucket(tensors, names)
-        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
-        coded = ndqsg.encode_nested_segments(ws, s1, self.rho, bucket, [k for _, k in rngs])
-        for (rng, _), c in zip(rngs, coded, strict=True):
-            if c is not None:  # k, for this rank's own aliasing rate
-                self._remember(rng, c[1])
-        return [
-            encoded(rng + fields, None if c is None else c[0], w.device)
-            for w, (rng, _), c in zip(ws, rngs, coded, strict=True)
-        ]
+                tensors, names, lambda ws, keys: dqsg.encode_segments(ws, s1, bucket, keys),
+                with_fields(fields),
+            )  # fmt: skip
+
+        def payload(rng: bytes, coded, device):
+            if coded is None:
+                return encoded(rng + fields, None, device)
+            self._remember(rng, coded[1])  # k, for this rank's own aliasing rate
+            return encoded(rng + fields, coded[0], device)
+
+        return self._encode_bucket_with(
+            tensors, names,
+            lambda ws, keys: ndqsg.encode_nested_segments(ws, s1, self.rho, bucket, keys),
+            payload,
+        )  # fmt: skip
 
     def _remember(self, rng: bytes, k: torch.Tensor) -> None:
         """Keep the fine indices k of this rank's nested payload with these RNG fields."""

@@ -15,7 +15,7 @@ from hvdcompress.codecs import quant, threelc
 from hvdcompress.compressors.base import Encoded, check_scale
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.registry import register
-from hvdcompress.compressors.stochastic import Stochastic, encoded
+from hvdcompress.compressors.stochastic import Stochastic, encoded, with_fields
 from hvdcompress.errors import PayloadError
 
 QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields; DQSG too)
@@ -50,7 +50,7 @@ class BucketQuantizer(Stochastic):
 
     def encode_bucket(self, tensors, names):
         fields = QSGD_PARAMS.pack(self.levels, self.bucket_size)
-        return self._encode_bucket_with(tensors, names, fields, self._encode_segments)
+        return self._encode_bucket_with(tensors, names, self._encode_segments, with_fields(fields))
 
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + QSGD_PARAMS.size)
@@ -126,15 +126,9 @@ class TernGrad(Stochastic):
         return _terngrad_payload(rng, quant.terngrad_encode(x, key), x.device)
 
     def encode_bucket(self, tensors, names):
-        xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if len({x.device for x in xs}) != 1:  # none, or on several devices
-            return super().encode_bucket(tensors, names)
-        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
-        coded = quant.terngrad_encode_segments(xs, [key for _, key in rngs])
-        return [
-            _terngrad_payload(rng, enc, x.device)
-            for x, (rng, _), enc in zip(xs, rngs, coded, strict=True)
-        ]
+        return self._encode_bucket_with(
+            tensors, names, quant.terngrad_encode_segments, _terngrad_payload
+        )
 
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + TERNGRAD_PARAMS.size)

@@ -27,7 +27,7 @@ from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
 from hvdcompress.compressors.registry import register
-from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.compressors.stochastic import Stochastic, encoded
 from hvdcompress.errors import PayloadError
 
 TOPK_PARAMS = struct.Struct("<d")  # ratio
@@ -283,9 +283,7 @@ class RandomK(SeededSparseState, Stochastic):
         fields = RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
         bodies, nonfinite = sparse.randomk_encode_segments(gs, [k for _, k in rngs], self.ratio, es)
         return [
-            Encoded(wire.FLAG_NONFINITE, rng + fields, empty_body(g.device))
-            if bad
-            else Encoded(0, rng + fields, body)
+            encoded(rng + fields, None if bad else body, g.device)
             for g, (rng, _), body, bad in zip(gs, rngs, bodies, nonfinite, strict=True)
         ]
 

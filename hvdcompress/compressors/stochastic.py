@@ -28,6 +28,12 @@ def encoded(params: bytes, body, device) -> Encoded:
     return Encoded(0, params, body)
 
 
+def with_fields(fields: bytes):
+    """The ``payload`` of ``Stochastic._encode_bucket_with`` for a codec's bodies (None for
+    non-finite input): params the RNG fields, then ``fields``."""
+    return lambda rng, body, device: encoded(rng + fields, body, device)
+
+
 class Stochastic(GatherCompressor):
     """Base of the seeded compressors; subclasses call ``_rng_params`` / ``_stream_key``."""
 
@@ -48,18 +54,17 @@ class Stochastic(GatherCompressor):
         key = prim.rng_key(self.seed, step, rank, tid)
         return prim.RNG_PARAMS.pack(self.seed, step, tid, rank), key
 
-    def _encode_bucket_with(self, tensors, names, fields: bytes, encode_segments):
+    def _encode_bucket_with(self, tensors, names, encode_segments, payload):
         """``encode_bucket`` through a codec's one-call bucket encoder ``encode_segments(xs,
-        keys)`` (a body per tensor, None for non-finite input); each payload's params are
-        the RNG fields, then ``fields``."""
+        keys)``: each tensor's payload is ``payload(its RNG fields, its result, device)``."""
         xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({x.device for x in xs}) != 1:  # none, or on several devices
             return super().encode_bucket(tensors, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
-        bodies = encode_segments(xs, [key for _, key in rngs])
+        results = encode_segments(xs, [key for _, key in rngs])
         return [
-            encoded(rng + fields, body, x.device)
-            for x, (rng, _), body in zip(xs, rngs, bodies, strict=True)
+            payload(rng, result, x.device)
+            for x, (rng, _), result in zip(xs, rngs, results, strict=True)
         ]
 
     def _rng_check(self, params: bytes, name: str | None) -> None:
