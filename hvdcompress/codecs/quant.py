@@ -78,14 +78,10 @@ def qsgd_decode_into(
     untouched, on a wrong length, a bad norm, set padding bits or an invalid code;
     ValueError for levels outside [1, 127] (the caller's, not the payload's)."""
     levels = check_levels(levels, "QSGD")
-    nb = num_buckets(n, bucket)
     bits = qsgd_bits(levels)
-    if body.numel() != 4 * nb + prim.packed_len(n, bits):
-        raise PayloadError(
-            "body",
-            f"QSGD of {n} values needs {4 * nb + prim.packed_len(n, bits)} bytes, "
-            f"got {body.numel()}",
-        )
+    need = 4 * num_buckets(n, bucket) + prim.packed_len(n, bits)
+    if body.numel() != need:
+        raise PayloadError("body", f"QSGD of {n} values needs {need} bytes, got {body.numel()}")
     if n == 0:
         return
     body = body.reshape(-1).to(out.device).contiguous()

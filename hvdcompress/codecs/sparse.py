@@ -156,10 +156,8 @@ def randomk_decode_into(
 ) -> None:
     """Write (or add) scale * the kept values at the regenerated indices; PayloadError,
     out untouched, when the body does not hold exactly the regenerated count of finite
-    values. Through the backend's bucket decoder (accumulating); written, not added:
-    added into +0.0 (the zeros the writing decoder leaves between the kept entries),
-    +0.0 + v being v for every v but -0.0: the kept entries whose product value * scale
-    is -0.0 are then set to it."""
+    values. The backend's bucket decoder adds; a write adds into +0.0, then sets the kept
+    entries whose value * scale is -0.0 (+0.0 + v is v for every v but -0.0)."""
     backend, threshold = for_device(out.device), randomk_threshold(ratio)
     body = body.reshape(-1)
     target = out if accumulate else torch.zeros_like(out)

@@ -249,14 +249,14 @@ class NDQSG(Stochastic):
         sent = self._sent.get(tid) if sender == self.rank else None
         return sent[1] if sent is not None and sent[0] == step and sent[1].numel() == n else None
 
-    # ---- metrics ------------------------------------------------------------------
+    # ---- metrics ---------------------------------------------------------------------------
     def _count(self, which: str, bad: int, total: int) -> None:
         c = self._counts[which]
         c[0] += bad
         c[1] += total
 
     def pop_metrics(self) -> dict:
-        """Aliasing rates since the last call (see module doc), then reset the counts."""
+        """Aliasing rates since the last call (docs/codecs.md, "NDQSG"), then reset them."""
         rates = {
             f"aliasing_rate_{k}": (c[0] / c[1] if c[1] else None) for k, c in self._counts.items()
         }

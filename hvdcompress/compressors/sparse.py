@@ -1,8 +1,6 @@
 """Top-k, random-k, top-k + sign and magnitude-proportional sparsification compressors
-(docs/baselines.md and docs/policies.md, "CAT"), codecs in hvdcompress.codecs.sparse.
-
-TopKSign ("topkq") and GSpar ("gspar") are the compressors CAT tunes besides top-k
-(docs/policies.md, "CAT": "topk+q" and random sparsification with p_i proportional to |g_i|).
+(docs/baselines.md), codecs in hvdcompress.codecs.sparse. TopKSign ("topkq") and GSpar
+("gspar") are the compressors CAT tunes besides top-k (docs/policies.md, "CAT").
 
 Top-k always uses error feedback: the residual keeps every entry that was not sent
 (e = a with the kept entries zeroed, a = g + e). Random-k's and gspar's are optional
