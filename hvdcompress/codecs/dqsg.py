@@ -154,9 +154,8 @@ def decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
-    ``outs[i]``, in order, one native call (CPU outputs, host frame) or launch sequence
-    (outputs on one CUDA device): None, or (i, the PayloadError ``decode_into`` raises)
-    for the first bad body, the ones before it added, ``outs[i]`` untouched."""
+    ``outs[i]``: None, or (i, its PayloadError) for the first bad body, the ones before it
+    added, ``outs[i]`` untouched (docs/backends.md, "One call per bucket")."""
     from hvdcompress.backends import cpu
 
     bits = dqsg_bits(levels)

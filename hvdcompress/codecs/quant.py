@@ -140,11 +140,9 @@ def qsgd_decode_segments(
     bucket: int,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """``qsgd_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` of
-    ``ns[i]`` values into ``outs[i]``, in order, one native call (CPU outputs, host frame;
-    kernels/quant.c) or launch sequence (outputs on one CUDA device): None, or (i, the
-    PayloadError ``qsgd_decode_into`` raises) for the first body that does not decode, the
-    ones before it added, ``outs[i]`` untouched."""
+    """``qsgd_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
+    ``outs[i]``: None, or (i, its PayloadError) for the first bad body, the ones before it
+    added, ``outs[i]`` untouched (docs/backends.md, "One call per bucket")."""
     backend = for_device(outs[0].device) if outs else for_device(frame.device)
     levels = check_levels(levels, "QSGD")
     bits = qsgd_bits(levels)

@@ -105,11 +105,10 @@ def decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """The bucket form of ``decode_into`` (accumulating), one native call (CPU outputs, host
-    frame) or one launch sequence (outputs on one CUDA device): body i, ``ns[i]`` signs of
-    magnitude ``scales[i]``, is ``frame[starts[i]:][:lens[i]]`` and goes into ``outs[i]``.
-    Returns None, or (i, the error ``decode_into`` would raise) for the first bad body: the
-    bodies before it are added, ``outs[i]`` is untouched."""
+    """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``, ``ns[i]``
+    signs of magnitude ``scales[i]``, into ``outs[i]``: None, or (i, its PayloadError) for
+    the first bad body, the ones before it added, ``outs[i]`` untouched (docs/backends.md,
+    "One call per bucket")."""
     backend = for_device(outs[0].device) if outs else for_device(frame.device)
 
     def decode(upto: int):

@@ -95,8 +95,7 @@ def topk_encode(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def topk_decode_into(
     body: torch.Tensor, n: int, k: int, out: torch.Tensor, accumulate: bool
 ) -> None:
-    idx, values = topk_kept(body, n, k)
-    _scatter(out, idx, values, accumulate)
+    _scatter(out, *topk_kept(body, n, k), accumulate)
 
 
 def topk_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,8 +243,7 @@ def topk_sign_values(m: float, negative: torch.Tensor) -> torch.Tensor:
 def topk_sign_decode_into(
     body: torch.Tensor, n: int, k: int, out: torch.Tensor, accumulate: bool
 ) -> None:
-    idx, values = topk_sign_kept(body, n, k)
-    _scatter(out, idx, values, accumulate)
+    _scatter(out, *topk_sign_kept(body, n, k), accumulate)
 
 
 def topk_sign_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,11 +378,10 @@ def topk_decode_segments(
     ks: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """``topk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` (``ks[i]``
-    of ``ns[i]`` values) into ``outs[i]``, in order, one native call (CPU outputs, host
-    frame; kernels/sparse.c) or launch sequence (outputs on one CUDA device;
-    kernels/sparse.cu): None, or (i, the PayloadError ``topk_decode_into`` raises) for the
-    first body that does not decode, the ones before it added, ``outs[i]`` untouched."""
+    """``topk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``, ``ks[i]``
+    of ``ns[i]`` values, into ``outs[i]``: None, or (i, its PayloadError) for the first bad
+    body, the ones before it added, ``outs[i]`` untouched (docs/backends.md, "One call per
+    bucket")."""
     need = ks * np.where(ns >= INDEX32_LIMIT, 12, 8)
     return _kept_decode_segments(
         frame, starts, lens, ns, ks, outs, need, "top-k", "topk_decode_segments", topk_kept,

@@ -106,15 +106,14 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
                 keep = min(r, q.shape[1])
                 fresh[:, :keep] = q[:, :keep]
                 q = self.qs[name] = fresh
-        if q is None or q.shape != (cols, r) or q.device != device:
-            if q is not None and q.shape != (cols, r):
-                raise ValueError(
-                    f"tensor {name!r}: saved Q has shape {tuple(q.shape)}, expected {(cols, r)}"
-                )
-            if q is None:
-                q = self._seeded_q(name, cols, r)
-            q = q.to(device)
-            self.qs[name] = q
+        if q is None:
+            q = self.qs[name] = self._seeded_q(name, cols, r).to(device)
+        elif q.shape != (cols, r):
+            raise ValueError(
+                f"tensor {name!r}: saved Q has shape {tuple(q.shape)}, expected {(cols, r)}"
+            )
+        elif q.device != device:
+            q = self.qs[name] = q.to(device)
         return q
 
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
