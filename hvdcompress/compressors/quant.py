@@ -1,7 +1,8 @@
-"""QSGD and TernGrad compressors (docs/baselines.md), codecs in
-hvdcompress.codecs.quant. Both are unbiased and keep no error feedback; their rounding
-is stochastic with counter-based random numbers (hvdcompress.compressors.stochastic).
-Non-finite input (or a QSGD norm that overflows float32) travels as the flag.
+"""QSGD and TernGrad compressors (docs/baselines.md), codecs in hvdcompress.codecs.quant,
+and BucketQuantizer, what QSGD and DQSG share. Both are unbiased and keep no error
+feedback; their rounding is stochastic with counter-based random numbers
+(hvdcompress.compressors.stochastic). Non-finite input (or a QSGD norm that overflows
+float32) travels as the flag.
 """
 
 from __future__ import annotations
@@ -37,10 +38,8 @@ class BucketQuantizer(Stochastic):
         return self.bucket_size  # one scale per bucket (docs/codecs.md, "Quantisation buckets")
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(levels={self.levels}, bucket_size={self.bucket_size}, "
-            f"seed={self.seed})"
-        )
+        name, levels, bucket = type(self).__name__, self.levels, self.bucket_size
+        return f"{name}(levels={levels}, bucket_size={bucket}, seed={self.seed})"
 
     def encode(self, tensor, name):
         x = prim.flat_f32(tensor)
@@ -146,7 +145,6 @@ class TernGrad(Stochastic):
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
     ):
-        # the 3LC body layout (quartic digits, zero-run coded) with the scale M
         at = prim.RNG_PARAMS.size
         scales = np.array([TERNGRAD_PARAMS.unpack_from(p, at)[0] for p in params], np.float32)
         return threelc.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
