@@ -1,21 +1,17 @@
-"""DQSG: dithered quantisation (Abdi & Fekri, arXiv 1904.01197; docs/codecs.md, "DQSG and NDQSG").
+"""DQSG: dithered quantisation (Abdi & Fekri, arXiv 1904.01197; docs/codecs.md, "DQSG":
+the float32 operations, packing and receiver checks).
 
-Per bucket of ``bucket_size`` consecutive elements (default 512, the last may be short),
-with s = ``levels`` (1..127) and the subtractive dither u_i = v_i - 1/2 in [-1/2, 1/2),
-v_i the counter-based uniform of element i (hvdcompress.codecs.primitives; the key
-hashes seed, step, rank and tensor id, all carried in the header, so the receiver
-regenerates exactly the sender's dither):
+Per bucket of ``bucket_size`` consecutive elements, with s = ``levels`` (1..127) and the
+subtractive dither u_i = v_i - 1/2, v_i the counter-based uniform of element i (its key
+travels in the header, so the receiver regenerates exactly the sender's dither):
 
     delta_b = max|w_bucket| / s                 # float32, one per bucket, transmitted
     q       = clamp(rint(w / delta_b + u), -s, s)   # 0 where delta_b == 0
     decode: w_hat = delta_b * (q - u)
 
-Each step is one IEEE float32 operation (native: kernels/quant.c on the CPU, its twin
-kernels/quant.cu on CUDA; byte for byte the same).
-The error w_hat - w is uniform on [-delta/2, delta/2] and independent of w (the point
-of subtractive dither). Body: the deltas (float32 per bucket), then q: s = 1 as quartic
-+ zero-run encoding (3LC's coder, digits q + 1), s > 1 as codes q + s in
-ceil(log2(2 s + 1)) bits, bit-packed LSB first.
+The error w_hat - w is uniform on [-delta/2, delta/2] and independent of w (the point of
+subtractive dither). Body: the deltas, then q: s = 1 quartic + zero-run coded (3LC's
+coder), s > 1 as codes q + s, bit-packed. Native on both devices, byte for byte the same.
 """
 
 from __future__ import annotations
@@ -29,16 +25,9 @@ from hvdcompress.codecs import threelc
 from hvdcompress.codecs.quant import num_buckets
 from hvdcompress.errors import PayloadError
 
-DEFAULT_BUCKET = 512
-
 
 def dqsg_bits(levels: int) -> int:
     return prim.bits_for(2 * levels + 1)
-
-
-def dither(key: int, n: int, device: torch.device) -> torch.Tensor:
-    """u in [-1/2, 1/2): exact (uniforms are multiples of 2**-24)."""
-    return prim.uniform(key, n, device) - 0.5
 
 
 def quantize(
@@ -71,22 +60,34 @@ def encode(w: torch.Tensor, levels: int, bucket: int, key: int) -> torch.Tensor 
 
 def decode_q(body: torch.Tensor, n: int, levels: int, bucket: int):
     """(q int8, deltas float32) from a body; raises PayloadError when corrupt."""
+    return read_body(body, n, bucket, levels == 1, levels, "a DQSG")
+
+
+def read_body(body: torch.Tensor, n: int, bucket: int, ternary: bool, half: int, what: str):
+    """(digits int8 in [-half, half], deltas float32) of a DQSG or NDQSG body: the deltas,
+    then the digits quartic + zero-run coded (``ternary``) or as codes digit + half;
+    PayloadError naming ``what`` ("a DQSG") when corrupt."""
     nb = num_buckets(n, bucket)
     if body.numel() < 4 * nb:
         raise PayloadError("body", f"{body.numel()} bytes cannot hold {nb} bucket deltas")
     deltas = prim.floats_from(body, nb)
     if nb and not bool((torch.isfinite(deltas) & (deltas >= 0)).all()):
-        raise PayloadError("body", "a DQSG delta is negative or not finite")
+        raise PayloadError("body", f"{what} delta is negative or not finite")
     rest = body[4 * nb :]
-    if levels == 1:
+    if ternary:  # {-1, 0, 1}: every digit is valid
         qb = threelc.zero_run_decode(rest, threelc.quartic_len(n))
-        q = threelc.quartic_decode(qb, n)
-    else:
-        codes = prim.bitunpack(rest, n, dqsg_bits(levels))
-        if n and int(codes.max()) > 2 * levels:
-            raise PayloadError("body", f"a DQSG code is above {2 * levels}")
-        q = (codes.to(torch.int16) - levels).to(torch.int8)
-    return q, deltas
+        return threelc.quartic_decode(qb, n), deltas
+    codes = prim.bitunpack(rest, n, prim.bits_for(2 * half + 1))
+    if n and int(codes.max()) > 2 * half:
+        raise PayloadError("body", f"{what} code is above {2 * half}")
+    return (codes.to(torch.int16) - half).to(torch.int8), deltas
+
+
+def max_numel(body_len: int, levels: int) -> int:
+    """The most values a body of ``body_len`` bytes can hold."""
+    if levels == 1:
+        return body_len * threelc.MAX_VALUES_PER_BYTE
+    return 8 * body_len // dqsg_bits(levels)
 
 
 def decode_into(
@@ -153,30 +154,25 @@ def decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
-    ``outs[i]``, in order, one native call (CPU outputs, host frame) or launch sequence
-    (outputs on one CUDA device): None, or (i, the PayloadError ``decode_into`` raises)
-    for the first bad body, the ones before it added, ``outs[i]`` untouched."""
+    ``outs[i]``: None, or (i, its PayloadError) for the first bad body, the ones before it
+    added, ``outs[i]`` untouched (docs/backends.md, "One call per bucket")."""
     from hvdcompress.backends import cpu
 
     bits = dqsg_bits(levels)
     backend = for_device(outs[0].device) if outs else cpu
-    if levels == 1:  # ternary q: quartic + zero-run codes
-        if backend is cpu:
-            failed = cpu.digits_decode_segments(frame, starts, lens, ns, keys, bucket, outs)[1]
-        else:
-            failed = backend.dqsg_decode_segments(
-                frame, starts, lens, ns, keys, levels, bits, bucket, outs
-            )
-        if failed is None:
-            return None
-        i = failed[0]
-        body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
-        return i, prim.refusal(lambda: decode_q(body, int(ns[i]), levels, bucket))
-    failed = backend.dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs)
+    if levels == 1 and backend is cpu:  # ternary q: quartic + zero-run codes
+        failed = cpu.digits_decode_segments(frame, starts, lens, ns, keys, bucket, outs)[1]
+    else:
+        failed = backend.dqsg_decode_segments(
+            frame, starts, lens, ns, keys, levels, bits, bucket, outs
+        )
     if failed is None:
         return None
-    i, code = failed
-    n, length = int(ns[i]), int(lens[i])
+    i = failed[0]
+    if levels == 1:
+        body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
+        return i, prim.refusal(lambda: decode_q(body, int(ns[i]), levels, bucket))
+    n, length, code = int(ns[i]), int(lens[i]), failed[1]
     nb = num_buckets(n, bucket)
     rest, packed = length - 4 * nb, prim.packed_len(n, bits)
     message = {

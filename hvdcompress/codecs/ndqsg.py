@@ -1,9 +1,8 @@
 """NDQSG: nested dithered quantisation (Abdi & Fekri, arXiv 1904.01197; docs/codecs.md,
-"DQSG and NDQSG").
+"NDQSG": the float32 operations, packing and receiver checks).
 
-Fine lattice: DQSG's with s1 = ``levels`` (hvdcompress.codecs.dqsg): per bucket
-delta1 = max|w| / s1, k = clamp(rint(w / delta1 + u), -s1, s1) with the shared dither u.
-The nested code keeps only the coset of k in the coarse lattice rho Z, rho = s1 / s2:
+Fine lattice: DQSG's with s1 = ``levels`` (hvdcompress.codecs.dqsg), fine index k. The
+nested code keeps only the coset of k in the coarse lattice rho Z, rho = s1 / s2:
 
     m = k - rho * rint(k / rho)            # {-1, 0, 1} for rho = 3 (rint: half to even)
 
@@ -14,16 +13,9 @@ Decoding with side information y (an estimate of w, the same on every receiver):
     k_hat = m - rho * j                    # the index of the coset closest to y
     w_hat = delta1 * (k_hat - u)
 
-``w_hat`` is the ``y + (r - delta2 rint(r / delta2))`` of docs/codecs.md, "DQSG and NDQSG", computed
-on the integer lattice
-index, so that when k_hat == k (|w - y| below about (rho - 1) delta1 / 2) it is bit for bit
-DQSG's reconstruction ``delta1 * (k - u)`` (same float32 operations as dqsg.decode_into);
-farther away it aliases to another point of k's coset. A bucket with delta1 == 0 decodes
-to zeros.
-
-Body: the deltas (float32 per bucket), then m: rho <= 3 as quartic + zero-run encoding
-(3LC's coder, digits m + 1), larger rho as codes m + rho // 2 in
-ceil(log2(2 (rho // 2) + 1)) bits, bit-packed LSB first.
+When k_hat == k (|w - y| below about (rho - 1) delta1 / 2) w_hat is bit for bit DQSG's
+reconstruction; farther away it aliases to another point of k's coset. Body: the deltas
+(float32 per bucket), then m: rho <= 3 quartic + zero-run coded, else bit-packed codes.
 """
 
 from __future__ import annotations
@@ -32,16 +24,15 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
-from hvdcompress.codecs import dqsg, threelc
+from hvdcompress.codecs import dqsg, quant, threelc
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.codecs.quant import num_buckets
 from hvdcompress.errors import PayloadError
 
 
 def check_levels(fine: int, coarse: int) -> int:
     """Return rho = fine / coarse, or raise naming the valid ranges."""
     for what, v in (("fine_levels", fine), ("coarse_levels", coarse)):
-        if isinstance(v, bool) or int(v) != v or not 1 <= v <= 127:
+        if not quant.int_in(v, 1, quant.MAX_LEVELS):
             raise ValueError(f"ndqsg {what} must be an int in [1, 127], got {v!r}")
     if fine % coarse or fine // coarse < 2:
         raise ValueError(
@@ -116,23 +107,7 @@ def max_numel(body_len: int, rho: int) -> int:
 
 def decode_m(body: torch.Tensor, n: int, rho: int, bucket: int):
     """(m int8, deltas float32) from a nested body; raises PayloadError when corrupt."""
-    nb = num_buckets(n, bucket)
-    if body.numel() < 4 * nb:
-        raise PayloadError("body", f"{body.numel()} bytes cannot hold {nb} bucket deltas")
-    deltas = prim.floats_from(body, nb)
-    if nb and not bool((torch.isfinite(deltas) & (deltas >= 0)).all()):
-        raise PayloadError("body", "an NDQSG delta is negative or not finite")
-    rest = body[4 * nb :]
-    if rho <= 3:
-        qb = threelc.zero_run_decode(rest, threelc.quartic_len(n))
-        m = threelc.quartic_decode(qb, n)  # {-1, 0, 1}: every value is a valid coset
-    else:
-        h = m_half(rho)
-        codes = prim.bitunpack(rest, n, m_bits(rho))
-        if n and int(codes.max()) > 2 * h:
-            raise PayloadError("body", f"an NDQSG code is above {2 * h}")
-        m = (codes.to(torch.int16) - h).to(torch.int8)
-    return m, deltas
+    return dqsg.read_body(body, n, bucket, rho <= 3, m_half(rho), "an NDQSG")
 
 
 def side_decode_into(

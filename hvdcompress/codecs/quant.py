@@ -1,17 +1,11 @@
-"""Stochastic quantisers: QSGD and TernGrad (docs/baselines.md).
+"""Stochastic quantisers: QSGD and TernGrad (docs/baselines.md, "QSGD" and "TernGrad": the
+float32 operations, layouts and receiver checks).
 
-QSGD (Alistarh et al., NeurIPS 2017) with s = ``levels`` (1..127) and buckets of
-``bucket_size`` consecutive elements (default 512, the last one may be short; as in the
-paper's experiments, a norm per bucket keeps the variance bounded on large tensors):
-
-    norm_b = float32(sqrt(sum over the bucket of x^2))   # sum in double, order fixed
-    r      = (|x| / norm_b) * s                          # float32, in [0, s]
-    l      = floor(r + u)                                # u: counter-based uniform [0, 1)
-    decode: x_hat = -((l / s) * norm_b) if x < 0 else (l / s) * norm_b
-
-E[l] = r, so E[x_hat] = x (up to float rounding). Body: the norms (float32 per bucket),
-then one code per element, ``1 + ceil(log2(s + 1))`` bits (s = 16: 6 bits), bit-packed LSB
-first: code = 2 l + sign, sign = 1 for x < 0 with l > 0 (a zero is never "negative").
+QSGD (Alistarh et al., NeurIPS 2017) with s = ``levels`` (1..127) and a norm per bucket of
+``bucket_size`` consecutive elements (as in the paper's experiments, bounded variance on
+large tensors): l = floor(|x| / norm_b * s + u) for the counter-based uniform u, decoded
+as +-(l / s) * norm_b, so E[x_hat] = x (up to float rounding). Body: the float32 norms,
+then one code 2 l + sign per element in ``1 + ceil(log2(s + 1))`` bits, bit-packed.
 
 TernGrad (Wen et al., NeurIPS 2017), scale per tensor: M = max|x|, q = sign(x) * [u < |x| /
 M] in {-1, 0, 1}, decode M q (unbiased); q is quartic + zero-run encoded exactly like 3LC
@@ -30,21 +24,21 @@ from hvdcompress.codecs import threelc
 from hvdcompress.errors import PayloadError
 
 MAX_LEVELS = 127
-DEFAULT_BUCKET = 512
+
+
+def int_in(v, lo: int, hi: int) -> bool:
+    """v is an int (not a bool, a float equal to one will do) in [lo, hi]."""
+    return not isinstance(v, bool) and int(v) == v and lo <= v <= hi
 
 
 def check_levels(levels: int, name: str, hi: int = MAX_LEVELS) -> int:
-    if isinstance(levels, bool) or int(levels) != levels or not 1 <= levels <= hi:
+    if not int_in(levels, 1, hi):
         raise ValueError(f"{name} levels must be an int in [1, {hi}], got {levels!r}")
     return int(levels)
 
 
 def check_bucket(bucket_size: int, name: str) -> int:
-    if (
-        isinstance(bucket_size, bool)
-        or int(bucket_size) != bucket_size
-        or not (1 <= bucket_size <= 2**31 - 1)
-    ):
+    if not int_in(bucket_size, 1, 2**31 - 1):
         raise ValueError(
             f"{name} bucket_size must be an int in [1, 2**31 - 1], got {bucket_size!r}"
         )
@@ -84,14 +78,10 @@ def qsgd_decode_into(
     untouched, on a wrong length, a bad norm, set padding bits or an invalid code;
     ValueError for levels outside [1, 127] (the caller's, not the payload's)."""
     levels = check_levels(levels, "QSGD")
-    nb = num_buckets(n, bucket)
     bits = qsgd_bits(levels)
-    if body.numel() != 4 * nb + prim.packed_len(n, bits):
-        raise PayloadError(
-            "body",
-            f"QSGD of {n} values needs {4 * nb + prim.packed_len(n, bits)} bytes, "
-            f"got {body.numel()}",
-        )
+    need = 4 * num_buckets(n, bucket) + prim.packed_len(n, bits)
+    if body.numel() != need:
+        raise PayloadError("body", f"QSGD of {n} values needs {need} bytes, got {body.numel()}")
     if n == 0:
         return
     body = body.reshape(-1).to(out.device).contiguous()
@@ -150,11 +140,9 @@ def qsgd_decode_segments(
     bucket: int,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """``qsgd_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` of
-    ``ns[i]`` values into ``outs[i]``, in order, one native call (CPU outputs, host frame;
-    kernels/quant.c) or launch sequence (outputs on one CUDA device): None, or (i, the
-    PayloadError ``qsgd_decode_into`` raises) for the first body that does not decode, the
-    ones before it added, ``outs[i]`` untouched."""
+    """``qsgd_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
+    ``outs[i]``: None, or (i, its PayloadError) for the first bad body, the ones before it
+    added, ``outs[i]`` untouched (docs/backends.md, "One call per bucket")."""
     backend = for_device(outs[0].device) if outs else for_device(frame.device)
     levels = check_levels(levels, "QSGD")
     bits = qsgd_bits(levels)

@@ -1,16 +1,14 @@
-"""Sign codecs: signSGD and EF-signSGD (docs/baselines.md).
+"""Sign codecs: signSGD and EF-signSGD (docs/baselines.md, "signSGD and EF-signSGD").
 
 signSGD (Bernstein et al., ICML 2018): one bit per value, bit 1 for x < 0, bit-packed LSB
-first. Scale-free: decoding gives +1 or -1 (a zero, or -0.0, is sent as +1). The paper
-aggregates by majority vote; here every gather-only payload is decoded and the decoded
-signs are averaged across ranks (the optimizer's usual mean), which is the
-sign-compressed gradient mean: a vector with entries in [-1, 1] whose magnitude does not
-shrink with the gradient, so the learning rate takes the role of the step size (signSGD
-learning rates are typically 1e-4 .. 1e-3, far below SGD's).
+first; decoding gives +1 or -1 (a zero, or -0.0, is sent as +1). The paper aggregates by
+majority vote; here the decoded signs are averaged across ranks (the sign-compressed
+gradient mean, whose magnitude does not shrink with the gradient: the learning rate takes
+the role of the step size, typically 1e-4 .. 1e-3).
 
 EF-signSGD (Karimireddy et al., ICML 2019): a = g + e, scale = mean|a| (float32 of the
-correctly rounded sum of order-fixed double chunk sums, divided by n), decoded value
-scale * sign(a) (zero as +1), residual e = a - scale * sign(a).
+correctly rounded sum of order-fixed chunk sums, divided by n), decoded value scale *
+sign(a) (zero as +1), residual e = a - scale * sign(a).
 """
 
 from __future__ import annotations
@@ -61,10 +59,7 @@ def ef_encode_segments(
     """``ef_encode`` of each (g, e) of a bucket (flat float32 on one device): the same two
     passes, each one native call (CPU; a tensor the codec threads cut, a call a part) or
     one launch (CUDA) for the bucket's tensors."""
-    return _ef_encode_batch(for_device(gs[0].device), gs, es)
-
-
-def _ef_encode_batch(backend, gs, es) -> list[tuple[torch.Tensor, float] | None]:
+    backend = for_device(gs[0].device)
     sums, nonfinite = backend.efsign_sums_segments(gs, es)
     scales = [
         0.0 if bad else ef_scale(s, g.numel())
@@ -110,11 +105,10 @@ def decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """The bucket form of ``decode_into`` (accumulating), one native call (CPU outputs, host
-    frame) or one launch sequence (outputs on one CUDA device): body i, ``ns[i]`` signs of
-    magnitude ``scales[i]``, is ``frame[starts[i]:][:lens[i]]`` and goes into ``outs[i]``.
-    Returns None, or (i, the error ``decode_into`` would raise) for the first bad body: the
-    bodies before it are added, ``outs[i]`` is untouched."""
+    """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``, ``ns[i]``
+    signs of magnitude ``scales[i]``, into ``outs[i]``: None, or (i, its PayloadError) for
+    the first bad body, the ones before it added, ``outs[i]`` untouched (docs/backends.md,
+    "One call per bucket")."""
     backend = for_device(outs[0].device) if outs else for_device(frame.device)
 
     def decode(upto: int):

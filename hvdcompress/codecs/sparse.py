@@ -1,35 +1,24 @@
-"""Sparsifying codecs: top-k and random-k (docs/baselines.md).
+"""Sparsifying codecs: top-k, random-k, top-k + sign and GSpar (docs/baselines.md, "Top-k",
+"Random-k" and "Top-k + sign and GSpar": the formulas, layouts and receiver checks).
 
-Top-k (Aji & Heafield 2017; Stich et al. 2018) keeps the ``k = ceil(ratio * n)`` entries
-of largest magnitude. Body: k float32 values, then k indices in ascending order (int32
-when n < 2**31, else int64), all little-endian. Which entries are kept is deterministic
-on every device: the k-th largest |x| is the threshold t, every |x| > t is kept, and the
-entries with |x| == t are kept in index order until there are k (torch.topk alone may
-break ties differently on the CPU and the GPU).
+Top-k (Aji & Heafield 2017; Stich et al. 2018) keeps the k = ceil(ratio * n) entries of
+largest |x|, ties by lowest index, the same set on every device (torch.topk alone may break
+ties differently on the CPU and the GPU). Body: k float32 values, then the k indices in
+ascending order (int32 when n < 2**31, else int64), little-endian.
 
-Random-k keeps each element independently with probability p = T / 2**24, T =
-round(ratio * 2**24) (Bernoulli sampling: the kept count is random, mean p n): element i
-is kept iff u_i < p for the counter-based uniform u_i of hvdcompress.codecs.primitives,
-so a receiver regenerates the mask from (seed, step, rank, tensor id) and only the kept
-values travel. With ``unbiased`` the decoder scales them by float32(1 / p), which makes
-E[decode] = x exactly in expectation over the seed.
+Random-k keeps element i iff u_i < p = T / 2**24 for the counter-based uniform u_i
+(hvdcompress.codecs.primitives), so a receiver regenerates the mask from (seed, step,
+rank, tensor id) and only the kept values travel; ``unbiased`` scales them by float32(1 /
+p), which makes E[decode] = x over the seed.
 
-Top-k + sign ("topk+q"; Basu et al., Qsparse-local-SGD, NeurIPS 2019) selects as top-k
-and sends one float32 magnitude m = (sum of the kept |x|) / k, the k indices, then k sign
-bits (1 = negative, LSB first): decode gives -m or +m at the kept indices. m is an
-ordered chunk sum (hvdcompress.codecs.primitives.abs_sum), so every device sends the same
-bytes.
+Top-k + sign (Basu et al., Qsparse-local-SGD, NeurIPS 2019): one float32 magnitude m = (sum
+of the kept |x|) / k, top-k's indices, then k sign bits (1 = negative, LSB first); decode
+gives -m or +m at the kept indices.
 
-Magnitude-proportional sparsification ("gspar"; Wangni et al., Gradient Sparsification
-for Communication-Efficient Distributed Optimization, NeurIPS 2018) keeps element i with
-probability p_i = min(1, c |x_i|), c chosen so that sum p_i = T, the expected budget;
-kept values are sent as x_i / p_i (unbiased) in top-k's layout (values, then ascending
-indices), so the decoder is top-k's with k = body bytes / (4 + index bytes). c is the
-fixed point of c = (T - |S|) / sum_{i not in S} |x_i|, S = {i : c |x_i| >= 1}: starting
-from c = T / sum |x|, c only grows and S only gains elements, so the iteration stops
-exactly (at most T + 1 rounds, a handful in practice); the sums are ordered chunk sums,
-the uniforms the counter-based generator keyed like random-k's, so bytes are
-device-independent.
+GSpar (Wangni et al., NeurIPS 2018) keeps element i with probability p_i = min(1, c |x_i|),
+sum p_i = T, and sends x_i / p_i (unbiased) in top-k's layout; c is a fixed point reached
+exactly, in at most T + 1 rounds (``gspar_scale``). Every sum is an ordered chunk sum
+(abs_sum) and every uniform counter-based, so all devices send the same bytes.
 """
 
 from __future__ import annotations
@@ -106,14 +95,13 @@ def topk_encode(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def topk_decode_into(
     body: torch.Tensor, n: int, k: int, out: torch.Tensor, accumulate: bool
 ) -> None:
-    idx, values = topk_kept(body, n, k)
-    _scatter(out, idx, values, accumulate)
+    _scatter(out, *topk_kept(body, n, k), accumulate)
 
 
 def topk_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices int64, values float32) of a top-k body of k of n values, checked: its
     length, the indices ascending in [0, n), the values finite. Raises PayloadError."""
-    isz = 4 if index_dtype(n) == torch.int32 else 8
+    isz = index_dtype(n).itemsize
     if body.numel() != k * (4 + isz):
         raise PayloadError(
             "body", f"top-k of {k} values needs {k * (4 + isz)} bytes, got {body.numel()}"
@@ -167,16 +155,9 @@ def randomk_decode_into(
 ) -> None:
     """Write (or add) scale * the kept values at the regenerated indices; PayloadError,
     out untouched, when the body does not hold exactly the regenerated count of finite
-    values."""
-    backend = for_device(out.device)
-    randomk_decode_with(backend, body, key, n, randomk_threshold(ratio), scale, out, accumulate)
-
-
-def randomk_decode_with(backend, body, key, n, threshold, scale, out, accumulate) -> None:
-    """``randomk_decode_into`` through ``backend``'s bucket decoder (accumulating; the
-    threshold given). Written, not added: added into +0.0 (the zeros the writing decoder
-    leaves between the kept entries), +0.0 + v being v for every v but -0.0: the kept
-    entries whose product value * scale is -0.0 are then set to it."""
+    values. The backend's bucket decoder adds; a write adds into +0.0, then sets the kept
+    entries whose value * scale is -0.0 (+0.0 + v is v for every v but -0.0)."""
+    backend, threshold = for_device(out.device), randomk_threshold(ratio)
     body = body.reshape(-1)
     target = out if accumulate else torch.zeros_like(out)
     failed = backend.randomk_decode_segments(
@@ -184,10 +165,7 @@ def randomk_decode_with(backend, body, key, n, threshold, scale, out, accumulate
         [target],
     )  # fmt: skip
     if failed is not None:
-        code = failed[1]
-        if code == -1:
-            raise PayloadError("body", "a random-k value is not finite")
-        raise _randomk_count_error(code, body.numel())
+        raise _randomk_error(failed[1], body.numel())
     if accumulate:
         return
     if body.numel():
@@ -199,10 +177,13 @@ def randomk_decode_with(backend, body, key, n, threshold, scale, out, accumulate
     out.copy_(target)
 
 
-def _randomk_count_error(kept: int, body_len: int) -> PayloadError:
+def _randomk_error(code: int, body_len: int) -> PayloadError:
+    """The error of a random-k body the backend refused: code -1, else the kept count."""
+    if code == -1:
+        return PayloadError("body", "a random-k value is not finite")
     return PayloadError(
         "body",
-        f"the regenerated mask keeps {kept} values ({4 * kept} bytes), body has "
+        f"the regenerated mask keeps {code} values ({4 * code} bytes), body has "
         f"{body_len} bytes (wrong seed, step, rank or tensor, or corrupt)",
     )
 
@@ -227,11 +208,8 @@ def randomk_decode_segments(
     scale: float,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """``randomk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``
-    into ``outs[i]``, in order, one native call (CPU outputs, host frame) or launch
-    sequence (outputs on one CUDA device; kernels/sparse.cu, "Random-k's buckets"): None, or (i, the
-    PayloadError ``randomk_decode_into`` raises) for the first bad body, the ones before
-    it added, ``outs[i]`` untouched."""
+    """``topk_decode_segments`` for random-k's bodies (``randomk_decode_into``; on CUDA
+    kernels/sparse.cu, "Random-k's buckets")."""
     from hvdcompress.backends import cpu
 
     backend = for_device(outs[0].device) if outs else cpu
@@ -241,9 +219,7 @@ def randomk_decode_segments(
     if failed is None:
         return None
     i, code = failed
-    if code == -1:
-        return i, PayloadError("body", "a random-k value is not finite")
-    return i, _randomk_count_error(code, int(lens[i]))
+    return i, _randomk_error(code, int(lens[i]))
 
 
 # ---- top-k + sign (one shared magnitude) ---------------------------------------------------
@@ -267,15 +243,14 @@ def topk_sign_values(m: float, negative: torch.Tensor) -> torch.Tensor:
 def topk_sign_decode_into(
     body: torch.Tensor, n: int, k: int, out: torch.Tensor, accumulate: bool
 ) -> None:
-    idx, values = topk_sign_kept(body, n, k)
-    _scatter(out, idx, values, accumulate)
+    _scatter(out, *topk_sign_kept(body, n, k), accumulate)
 
 
 def topk_sign_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices int64, values float32) of a top-k + sign body of k of n values, checked:
     its length, m finite and >= 0, the indices ascending in [0, n), the padding bits
     zero. Raises PayloadError."""
-    isz = 4 if index_dtype(n) == torch.int32 else 8
+    isz = index_dtype(n).itemsize
     need = 4 + k * isz + packed_len(k, 1)
     if body.numel() != need:
         raise PayloadError(
@@ -320,11 +295,12 @@ GSPAR_MAX_SCALE = float(np.finfo(np.float32).max)  # c is multiplied as a float3
 
 
 def gspar_scale(mag: torch.Tensor, budget: float) -> tuple[float, int]:
-    """(c, rounds): p_i = min(1, c |mag_i|) has sum p_i == budget (see module doc); c = inf
-    when budget >= the number of non-zero entries (every one of them is kept). Each round
-    is one pass (the backend's gspar_round): the entries saturated at the current c
-    (mag_i * float32(c) >= 1) and the ordered chunk sums of the others, whose correctly
-    rounded total (abs_sum's) gives the next c."""
+    """(c, rounds): p_i = min(1, c |mag_i|) has sum p_i == budget T. c is the fixed point of
+    c = (T - |S|) / sum_{i not in S} |mag_i|, S = {i : c |mag_i| >= 1}, reached exactly from
+    c = T / sum |mag| (c only grows, S only gains elements); c = inf when T >= the number
+    of non-zero entries (every one of them is kept). Each round is one pass (the backend's
+    gspar_round): the entries saturated at the current c (mag_i * float32(c) >= 1) and the
+    ordered chunk sums of the others, whose correctly rounded total gives the next c."""
     nonzero = int(torch.count_nonzero(mag))
     if budget >= nonzero:
         return math.inf, 0
@@ -385,7 +361,7 @@ def gspar_encode_segments(
 
 
 def gspar_decode_into(body: torch.Tensor, n: int, out: torch.Tensor, accumulate: bool) -> None:
-    isz = 4 if index_dtype(n) == torch.int32 else 8
+    isz = index_dtype(n).itemsize
     if body.numel() % (4 + isz):
         raise PayloadError("body", f"{body.numel()} bytes are not whole (value, index) pairs")
     k = body.numel() // (4 + isz)
@@ -402,31 +378,39 @@ def topk_decode_segments(
     ks: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """``topk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` (``ks[i]``
-    of ``ns[i]`` values) into ``outs[i]``, in order, one native call (CPU outputs, host
-    frame; kernels/sparse.c) or launch sequence (outputs on one CUDA device;
-    kernels/sparse.cu): None, or (i, the PayloadError ``topk_decode_into`` raises) for the
-    first body that does not decode, the ones before it added, ``outs[i]`` untouched."""
+    """``topk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``, ``ks[i]``
+    of ``ns[i]`` values, into ``outs[i]``: None, or (i, its PayloadError) for the first bad
+    body, the ones before it added, ``outs[i]`` untouched (docs/backends.md, "One call per
+    bucket")."""
+    need = ks * np.where(ns >= INDEX32_LIMIT, 12, 8)
+    return _kept_decode_segments(
+        frame, starts, lens, ns, ks, outs, need, "top-k", "topk_decode_segments", topk_kept,
+        lambda i, message: PayloadError("body", message),
+    )  # fmt: skip
+
+
+def _kept_decode_segments(frame, starts, lens, ns, ks, outs, need, what, native, kept, cpu_error):
+    """The bucket decoder of top-k's or top-k + sign's bodies (``need[i]`` bytes each, a
+    ``what`` of ``ks[i]`` values): the backend's ``native`` decoder; the error of a bad
+    body is ``cpu_error(i, the CPU's failure)`` or, on a device, what ``kept`` raises."""
     from hvdcompress.backends import cpu
 
-    need = ks * np.where(ns >= INDEX32_LIMIT, 12, 8)
     backend = for_device(outs[0].device) if outs else cpu
 
     def decode(upto: int):
         args = (frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto])
-        if backend is cpu:
-            failed = cpu.topk_decode_segments(*args)
-            return None if failed is None else (failed[0], PayloadError("body", failed[1]))
-        failed = backend.topk_decode_segments(*args)
+        failed = getattr(backend, native)(*args)
         if failed is None:
             return None
         i = failed[0]
+        if backend is cpu:
+            return i, cpu_error(i, failed[1])
         body = frame[int(starts[i]) : int(starts[i]) + int(need[i])]
-        return i, refusal(lambda: topk_kept(body, int(ns[i]), int(ks[i])))
+        return i, refusal(lambda: kept(body, int(ns[i]), int(ks[i])))
 
     def length_error(i: int) -> PayloadError:
         k, got = int(ks[i]), int(lens[i])
-        return PayloadError("body", f"top-k of {k} values needs {int(need[i])} bytes, got {got}")
+        return PayloadError("body", f"{what} of {k} values needs {int(need[i])} bytes, got {got}")
 
     return decode_to_wrong_length(lens, need, decode, length_error)
 
@@ -502,39 +486,19 @@ def topk_sign_decode_segments(
     ks: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
-    """``topk_sign_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``
-    into ``outs[i]``, in order, one native call (CPU outputs, host frame) or launch
-    sequence (outputs on one CUDA device; kernels/sparse.cu): None, or (i, the
-    PayloadError ``topk_sign_decode_into`` raises) for the first bad body, the ones
-    before it added, ``outs[i]`` untouched."""
+    """``topk_decode_segments`` for top-k + sign's bodies (``topk_sign_decode_into``)."""
     from hvdcompress.backends import cpu
 
     need = 4 + ks * np.where(ns >= INDEX32_LIMIT, 8, 4) + (ks + 7) // 8
-    backend = for_device(outs[0].device) if outs else cpu
 
-    def decode(upto: int):
-        args = (frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto])
-        if backend is not cpu:
-            failed = backend.topkq_decode_segments(*args)
-            if failed is None:
-                return None
-            i = failed[0]
-            body = frame[int(starts[i]) : int(starts[i]) + int(need[i])]
-            return i, refusal(lambda: topk_sign_kept(body, int(ns[i]), int(ks[i])))
-        failed = cpu.topkq_decode_segments(*args)
-        if failed is None:
-            return None
-        i, code = failed
+    def cpu_error(i: int, code: int) -> PayloadError:
         if code == -4:
             at = int(starts[i])
             m = float(frame[at : at + 4].clone().view(torch.float32))
-            return i, PayloadError("body", f"top-k + sign magnitude {m} is not finite and >= 0")
-        return i, PayloadError("body", cpu._TOPKQ_ERRORS[code].format(n=int(ns[i])))
+            return PayloadError("body", f"top-k + sign magnitude {m} is not finite and >= 0")
+        return PayloadError("body", cpu._TOPKQ_ERRORS[code].format(n=int(ns[i])))
 
-    def length_error(i: int) -> PayloadError:
-        k, got = int(ks[i]), int(lens[i])
-        return PayloadError(
-            "body", f"top-k + sign of {k} values needs {int(need[i])} bytes, got {got}"
-        )
-
-    return decode_to_wrong_length(lens, need, decode, length_error)
+    return _kept_decode_segments(
+        frame, starts, lens, ns, ks, outs, need, "top-k + sign", "topkq_decode_segments",
+        topk_sign_kept, cpu_error,
+    )  # fmt: skip

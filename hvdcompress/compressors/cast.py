@@ -8,6 +8,8 @@ headers. Values beyond float16's range become Inf, which GradScaler then sees.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hvdcompress.compressors.base import Ctx, SummableCompressor
@@ -31,19 +33,12 @@ class Cast(SummableCompressor):
         return tensor.detach().reshape(-1).to(wire), ctx
 
     def decompress(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        if payload.numel() != _numel(ctx.shape):
+        if payload.numel() != math.prod(ctx.shape):
             raise ValueError(
-                f"{self.name}: tensor {ctx.name!r} expects {_numel(ctx.shape)} "
+                f"{self.name}: tensor {ctx.name!r} expects {math.prod(ctx.shape)} "
                 f"values, got {payload.numel()}"
             )
         return payload.view(ctx.shape).to(ctx.dtype)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @register

@@ -1,30 +1,17 @@
-"""Deep Gradient Compression (Lin et al., ICLR 2018, arXiv 1712.01887; docs/baselines.md),
-payload and codec of top-k (hvdcompress.codecs.sparse).
+"""Deep Gradient Compression (Lin et al., ICLR 2018, arXiv 1712.01887; docs/baselines.md,
+"DGC": the clipping, the warm-up schedule and the header checks), payload and codec of
+top-k (hvdcompress.codecs.sparse). Per tensor (flat float32), with momentum m:
 
-Per tensor (flat float32), with momentum m = ``momentum``:
-
-    g = clip(g, clip_norm / sqrt(N))   # local gradient clipping (optional, per tensor)
     u = m u + g                        # momentum correction: velocity, accumulated locally
     v = v + u
     send the top-k of |v|, k = ceil(density(step) * n)
     u[sent] = 0 ; v[sent] = 0          # momentum factor masking
 
 So DGC applies the momentum itself: the wrapped optimizer must then use momentum 0
-(``check_optimizer`` raises otherwise; DistributedOptimizer calls it), e.g.
-``DistributedOptimizer(SGD(params, lr, momentum=0), ..., compression=get_compressor("dgc",
-momentum=0.9))``. Invariant: everything sent plus v equals the sum of the velocities u.
-
-Warm-up of sparsity: with ``warmup_steps`` T > 0 the density (kept fraction) goes
-exponentially from 0.25 (75 % sparsity) to ``ratio`` (default 0.001, 99.9 %):
-
-    density(t) = 0.25 * (ratio / 0.25) ** (stage(t) / S)   for t < T, else ratio
-    stage(t)   = t (S = T) when warmup_stages == 0, else floor(t * S / T), S = warmup_stages
-
-``warmup_stages`` = number of warm-up epochs and T = epochs * steps per epoch gives the
-paper's schedule (75 %, 93.75 %, 98.4 %, 99.6 %, then 99.9 %). ``t`` counts this
-compressor's compress calls for the tensor (saved in ``state_dict``). The header carries
-(ratio, step, density); a receiver recomputes density(step) and rejects a mismatch.
-Non-finite input travels as the flag and leaves u and v untouched.
+(``check_optimizer`` raises otherwise; DistributedOptimizer calls it). Invariant:
+everything sent plus v equals the sum of the velocities u. The density warms up from 0.25
+to ``ratio``; the header carries (ratio, step, density) and a receiver recomputes
+density(step). Non-finite input travels as the flag and leaves u and v untouched.
 """
 
 from __future__ import annotations
@@ -39,6 +26,7 @@ from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.sparse import check_saved_ratio
 from hvdcompress.errors import PayloadError
 
 PARAMS = struct.Struct("<dQd")  # ratio, step, density of this step
@@ -132,7 +120,7 @@ class DGC(GatherCompressor):
         return super().residual_bound(numel) / (1.0 - self.momentum)
 
     def density(self, step: int) -> float:
-        """The kept fraction at ``step`` (see module doc)."""
+        """The kept fraction at ``step`` (docs/baselines.md, "DGC": sparsity warm-up)."""
         T = self.warmup_steps
         if step >= T or self.ratio >= WARMUP_START:
             return self.ratio
@@ -223,20 +211,12 @@ class DGC(GatherCompressor):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import (
-            CheckpointError,
-            check_count_map,
-            check_keys,
-            check_tensor_map,
-        )
+        from hvdcompress.checkpoint import check_count_map, check_keys, check_tensor_map
 
         check_keys(
             "dgc state", state, required=("ratio", "velocity", "residuals"), optional=("steps",)
         )
-        if state.get("ratio") != self.ratio:
-            raise CheckpointError(
-                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
-            )
+        check_saved_ratio(state, self.ratio)
         steps = check_count_map("dgc steps", state.get("steps", {}))
         check_tensor_map("dgc velocity", state["velocity"])  # all checked before loading
         check_tensor_map("dgc residuals", state["residuals"])

@@ -1,25 +1,14 @@
-"""NDQSG compressor (docs/codecs.md, "DQSG and NDQSG"), codec in hvdcompress.codecs.ndqsg.
+"""NDQSG compressor (docs/codecs.md, "NDQSG": who sends what, the side information and
+the aliasing metrics), codec in hvdcompress.codecs.ndqsg.
 
-Of N ranks, the first ``ceil(N * dqsg_fraction)`` (default half, at least one) send plain
-DQSG payloads with the fine levels s1; the others send the nested code m (about
-log2(rho) bits per value instead of log2(2 s1 + 1)). A nested payload is decoded with side
-information y: the mean of the gradients already decoded in this step, senders taken in
-rank order. The optimizer's gather path passes it (``decode(..., side_info=acc / r)``,
-``uses_side_info``); every rank decodes the same bytes in the same order, so every rank
-gets the same y and bit-identical results.
-
-Aliasing (a nested value decoded to the wrong point of its coset, |w - y| too large) is
-measured two ways, both reset by ``pop_metrics()`` (the optimizer puts them in
-``last_stats.metrics`` after each step):
-
-* ``aliasing_rate_estimate``: the DQSG-coded payloads of ranks 1 .. D-1 carry their fine
-  index k; each is re-decoded from its coset m = k mod rho with that rank's side
-  information and compared with k (cheap, the same on every rank). None when D < 2.
-* ``aliasing_rate_own``: this rank's own nested payload, whose k it remembers, decoded
-  with the side information every rank used (exact). None on a DQSG rank.
-
-``last_aliasing_rate`` keeps the estimate (or, when there is none, the own rate) of the
-last ``pop_metrics()``. No error feedback (the dithered quantiser is unbiased).
+Of N ranks, the first ``ceil(N * dqsg_fraction)`` (at least one) send plain DQSG payloads
+with the fine levels s1; the others send the nested code m (about log2(rho) bits per value
+instead of log2(2 s1 + 1)), decoded with side information y: the mean of the gradients
+already decoded in this step, senders in rank order (the optimizer's gather path passes
+it). Every rank decodes the same bytes in the same order, so every rank gets the same y
+and bit-identical results. Aliasing (a nested value decoded to the wrong point of its
+coset) is counted two ways, ``aliasing_rate_estimate`` and ``aliasing_rate_own``, both
+reset by ``pop_metrics()``. No error feedback (the dithered quantiser is unbiased).
 """
 
 from __future__ import annotations
@@ -30,13 +19,13 @@ import struct
 import torch
 
 from hvdcompress import wire
-from hvdcompress.codecs import dqsg, ndqsg, quant, threelc
+from hvdcompress.codecs import dqsg, ndqsg, quant
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import Encoded, empty_body
+from hvdcompress.compressors.base import empty_body
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.registry import register
-from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.compressors.stochastic import Stochastic, encoded, with_fields
 from hvdcompress.errors import PayloadError
 
 # fine levels, coarse levels, bucket size, dqsg_fraction, mode (0 DQSG, 1 nested)
@@ -115,65 +104,60 @@ class NDQSG(Stochastic):
     def mode_of(self, rank: int) -> int:
         return MODE_NESTED if rank >= self.dqsg_ranks else MODE_DQSG
 
+    def _config(self) -> tuple:
+        """What every rank's header must carry: fine, coarse levels, bucket_size, fraction."""
+        return (self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction)
+
     # ---- encode ---------------------------------------------------------------------------
     def encode(self, tensor, name):
         w = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
         mode = self.mode_of(self.rank)
-        params = rng + PARAMS.pack(
-            self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction, mode
-        )
+        params = rng + PARAMS.pack(*self._config(), mode)
         if not prim.all_finite(w):
             return wire.FLAG_NONFINITE, params, empty_body(w.device)
         if mode == MODE_DQSG:
             return 0, params, dqsg.encode(w, self.fine_levels, self.bucket_size, key)
         body, k = ndqsg.encode_nested(w, self.fine_levels, self.rho, self.bucket_size, key)
-        _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
-        self._sent[tid] = (step, k)
+        self._remember(rng, k)
         return 0, params, body
 
     def encode_bucket(self, tensors, names):
-        ws = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        mode = self.mode_of(self.rank)
-        if len({w.device for w in ws}) != 1:  # none, or on several devices
-            return super().encode_bucket(tensors, names)
-        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
-        fields = PARAMS.pack(
-            self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction, mode
-        )
-        keys = [key for _, key in rngs]
+        s1, bucket, mode = self.fine_levels, self.bucket_size, self.mode_of(self.rank)
+        fields = PARAMS.pack(*self._config(), mode)
         if mode == MODE_DQSG:  # DQSG's one-call encoder: these ranks send DQSG's bodies
-            bodies = dqsg.encode_segments(ws, self.fine_levels, self.bucket_size, keys)
-        else:
-            coded = ndqsg.encode_nested_segments(
-                ws, self.fine_levels, self.rho, self.bucket_size, keys
-            )
-            bodies = [None if c is None else c[0] for c in coded]
-            for (rng, _), c in zip(rngs, coded, strict=True):
-                if c is not None:  # k, for this rank's own aliasing rate
-                    _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
-                    self._sent[tid] = (step, c[1])
-        return [
-            Encoded(0, rng + fields, body)
-            if body is not None
-            else Encoded(wire.FLAG_NONFINITE, rng + fields, empty_body(w.device))
-            for w, (rng, _), body in zip(ws, rngs, bodies, strict=True)
-        ]
+            return self._encode_bucket_with(
+                tensors, names, lambda ws, keys: dqsg.encode_segments(ws, s1, bucket, keys),
+                with_fields(fields),
+            )  # fmt: skip
+
+        def payload(rng: bytes, coded, device):
+            if coded is None:
+                return encoded(rng + fields, None, device)
+            self._remember(rng, coded[1])  # k, for this rank's own aliasing rate
+            return encoded(rng + fields, coded[0], device)
+
+        return self._encode_bucket_with(
+            tensors, names,
+            lambda ws, keys: ndqsg.encode_nested_segments(ws, s1, self.rho, bucket, keys),
+            payload,
+        )  # fmt: skip
+
+    def _remember(self, rng: bytes, k: torch.Tensor) -> None:
+        """Keep the fine indices k of this rank's nested payload with these RNG fields."""
+        _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
+        self._sent[tid] = (step, k)
 
     # ---- decode ---------------------------------------------------------------------------
-    def _fields(self, header):
-        return PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)
         self._rng_check(header.params, name)
-        fine, coarse, bucket, fraction, mode = self._fields(header)
-        mine = (self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction)
-        if (fine, coarse, bucket, fraction) != mine:
+        *theirs, mode = PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        if tuple(theirs) != self._config():
             raise PayloadError(
                 "levels",
-                f"expected fine/coarse levels, bucket_size, dqsg_fraction {mine}, got "
-                f"{(fine, coarse, bucket, fraction)} (ranks disagree on the compressor)",
+                f"expected fine/coarse levels, bucket_size, dqsg_fraction {self._config()}, got "
+                f"{tuple(theirs)} (ranks disagree on the compressor)",
             )
         sender = prim.RNG_PARAMS.unpack_from(header.params, 0)[3]
         if mode != self.mode_of(sender):
@@ -185,11 +169,7 @@ class NDQSG(Stochastic):
 
     def max_numel(self, body_len, name):
         # the larger of the two codes' bounds (the mode is not known here)
-        if self.fine_levels == 1:
-            dq = body_len * threelc.MAX_VALUES_PER_BYTE
-        else:
-            dq = 8 * body_len // dqsg.dqsg_bits(self.fine_levels)
-        return max(dq, ndqsg.max_numel(body_len, self.rho))
+        return max(dqsg.max_numel(body_len, self.fine_levels), ndqsg.max_numel(body_len, self.rho))
 
     @staticmethod
     def _side_info(y, n: int, device) -> torch.Tensor | None:
@@ -204,7 +184,7 @@ class NDQSG(Stochastic):
     def decode_into(self, header, body, out, accumulate, side_info):
         key = self._stream_key(header.params)
         sender = prim.RNG_PARAMS.unpack_from(header.params, 0)[3]
-        mode = self._fields(header)[4]
+        mode = PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[4]
         n, s1, bucket = header.numel, self.fine_levels, self.bucket_size
         y = self._side_info(side_info, n, out.device)
         if mode == MODE_DQSG:
@@ -269,14 +249,14 @@ class NDQSG(Stochastic):
         sent = self._sent.get(tid) if sender == self.rank else None
         return sent[1] if sent is not None and sent[0] == step and sent[1].numel() == n else None
 
-    # ---- metrics and state ------------------------------------------------------------------
+    # ---- metrics ---------------------------------------------------------------------------
     def _count(self, which: str, bad: int, total: int) -> None:
         c = self._counts[which]
         c[0] += bad
         c[1] += total
 
     def pop_metrics(self) -> dict:
-        """Aliasing rates since the last call (see module doc), then reset the counts."""
+        """Aliasing rates since the last call (docs/codecs.md, "NDQSG"), then reset them."""
         rates = {
             f"aliasing_rate_{k}": (c[0] / c[1] if c[1] else None) for k, c in self._counts.items()
         }
@@ -285,13 +265,3 @@ class NDQSG(Stochastic):
         self.last_aliasing_rate = est if est is not None else own
         self._sent.clear()
         return rates
-
-    def state_dict(self) -> dict:
-        return self._rng_state()
-
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_count_map, check_keys
-
-        check_keys(f"{self.name} state", state, required=("seed",), optional=("steps",))
-        check_count_map(f"{self.name} steps", state.get("steps", {}))
-        self._load_rng_state(state)

@@ -1,29 +1,26 @@
-"""PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019, arXiv 1905.13727; docs/baselines.md):
-rank-r approximation by one power iteration, warm-started, with error feedback.
+"""PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019, arXiv 1905.13727; docs/baselines.md,
+"PowerSGD": the seeded Q, Gram-Schmidt, rank changes): rank-r approximation by one
+power iteration, warm-started, with error feedback.
 
 A summable compressor in two phases (``phases = 2``; hvdcompress.optimizer runs one
 allreduce per phase and bucket, P then Q). Per tensor of two or more dimensions, viewed as
 an n x m matrix (first dimension by the rest), r = min(``matrix_rank``, n, m):
 
     M = g + e                       # e: error-feedback residual (float32)
-    phase 1: send P = M Q           # Q: n_cols x r, warm-started (below)
-             P_sum = allreduce(P)
-    phase 2: P_hat = orthogonalise(P_sum)   # Gram-Schmidt, columns orthonormal
-             send Q_i = M^T P_hat
-             Q_sum = allreduce(Q_i)
+    phase 1: send P = M Q ;  P_sum = allreduce(P)
+    phase 2: P_hat = orthogonalise(P_sum) ;  send Q_i = M^T P_hat ;  Q_sum = allreduce(Q_i)
     decompress: P_hat Q_sum^T  (= P_hat P_hat^T sum_i M_i; the optimizer divides by N)
     e = M - P_hat Q_i^T             # local error feedback (paper, Algorithm 2)
-    Q = Q_sum                       # warm start of the next step
+    Q = Q_sum                       # warm start of the next step: the same on every rank
 
-Q starts as a standard normal matrix seeded by (``seed``, tensor name), so every rank
-starts from the same Q and keeps the same one (every rank receives the same Q_sum).
-Orthogonalising the sum instead of the mean changes nothing but rounding (the columns are
-normalised). Tensors of fewer than two dimensions (biases, scalars) and empty ones travel
-as they are (float32) in phase 1. Non-finite input decodes to NaN for every rank (the sum
-carries it), leaves e untouched and keeps the previous Q. Q and e are in ``state_dict``.
+Tensors of fewer than two dimensions (biases, scalars) and empty ones travel as they are
+(float32) in phase 1. Non-finite input decodes to NaN for every rank (the sum carries it),
+leaves e untouched and keeps the previous Q. Q and e are in ``state_dict``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -59,10 +56,7 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
     if len(shape) < 2:
         return None
-    n = shape[0]
-    m = 1
-    for d in shape[1:]:
-        m *= d
+    n, m = shape[0], math.prod(shape[1:])
     return (n, m) if n and m else None
 
 
@@ -82,15 +76,7 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
     level_param = "matrix_rank"
 
     def __init__(self, matrix_rank: int = 1, seed: int = 0) -> None:
-        if (
-            isinstance(matrix_rank, bool)
-            or int(matrix_rank) != matrix_rank
-            or not (1 <= matrix_rank <= MAX_RANK)
-        ):
-            raise ValueError(
-                f"powersgd matrix_rank must be an int in [1, {MAX_RANK}], got {matrix_rank!r}"
-            )
-        self.matrix_rank = int(matrix_rank)
+        self.matrix_rank = self._check_level(matrix_rank)
         self.seed = prim.check_seed(seed)
         self.memory = ErrorFeedback()
         self.qs: dict[str, torch.Tensor] = {}
@@ -106,30 +92,28 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
             )
         return int(value)
 
+    def _seeded_q(self, name: str, cols: int, r: int) -> torch.Tensor:
+        """A tensor's initial Q: standard normal on the CPU, seeded by (seed, its name)."""
+        gen = torch.Generator().manual_seed((self.seed ^ prim.tensor_id(name)) & (2**63 - 1))
+        return torch.randn(cols, r, generator=gen, dtype=torch.float32)
+
     # ---- the two phases ---------------------------------------------------------------------
     def _q(self, name: str, cols: int, r: int, device) -> torch.Tensor:
         q = self.qs.get(name)
         if q is not None and name in self.levels and q.dim() == 2 and q.shape[0] == cols:
             if q.shape[1] != r:  # the policy switched this tensor's rank: same on every rank
-                gen = torch.Generator().manual_seed(
-                    (self.seed ^ prim.tensor_id(name)) & (2**63 - 1)
-                )
-                fresh = torch.randn(cols, r, generator=gen, dtype=torch.float32).to(q.device)
+                fresh = self._seeded_q(name, cols, r).to(q.device)
                 keep = min(r, q.shape[1])
                 fresh[:, :keep] = q[:, :keep]
                 q = self.qs[name] = fresh
-        if q is None or q.shape != (cols, r) or q.device != device:
-            if q is not None and q.shape != (cols, r):
-                raise ValueError(
-                    f"tensor {name!r}: saved Q has shape {tuple(q.shape)}, expected {(cols, r)}"
-                )
-            if q is None:
-                gen = torch.Generator().manual_seed(
-                    (self.seed ^ prim.tensor_id(name)) & (2**63 - 1)
-                )
-                q = torch.randn(cols, r, generator=gen, dtype=torch.float32)
-            q = q.to(device)
-            self.qs[name] = q
+        if q is None:
+            q = self.qs[name] = self._seeded_q(name, cols, r).to(device)
+        elif q.shape != (cols, r):
+            raise ValueError(
+                f"tensor {name!r}: saved Q has shape {tuple(q.shape)}, expected {(cols, r)}"
+            )
+        elif q.device != device:
+            q = self.qs[name] = q.to(device)
         return q
 
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:

@@ -1,7 +1,8 @@
-"""QSGD and TernGrad compressors (docs/baselines.md), codecs in
-hvdcompress.codecs.quant. Both are unbiased and keep no error feedback; their rounding
-is stochastic with counter-based random numbers (hvdcompress.compressors.stochastic).
-Non-finite input (or a QSGD norm that overflows float32) travels as the flag.
+"""QSGD and TernGrad compressors (docs/baselines.md), codecs in hvdcompress.codecs.quant,
+and BucketQuantizer, what QSGD and DQSG share. Both are unbiased and keep no error
+feedback; their rounding is stochastic with counter-based random numbers
+(hvdcompress.compressors.stochastic). Non-finite input (or a QSGD norm that overflows
+float32) travels as the flag.
 """
 
 from __future__ import annotations
@@ -10,70 +11,45 @@ import struct
 
 import numpy as np
 
-from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant, threelc
-from hvdcompress.compressors.base import Encoded, check_scale, empty_body
+from hvdcompress.compressors.base import Encoded, check_scale
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.registry import register
-from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.compressors.stochastic import Stochastic, encoded, with_fields
 from hvdcompress.errors import PayloadError
 
-QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields)
+QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields; DQSG too)
 TERNGRAD_PARAMS = struct.Struct("<f")  # scale M (after the RNG fields)
 LEVELS = Param(1, quant.MAX_LEVELS, kind="int")
 BUCKET = Param(1, 2**31 - 1, kind="int", doc="elements per norm")
 
 
-@register
-class QSGD(Stochastic):
-    """QSGD with ``levels`` in [1, 127] (default 16) and a norm per ``bucket_size``."""
+class BucketQuantizer(Stochastic):
+    """A seeded quantiser with ``levels`` and one scale per ``bucket_size`` elements (QSGD,
+    DQSG): both travel after the RNG fields and must match the receiver's. A subclass
+    gives its codec's encoders (``_encode_one``, ``_encode_segments``)."""
 
-    name = "qsgd"
-    wire_id = 7
     params = {"levels": LEVELS, "bucket_size": BUCKET, "seed": SEED, "rank": RANK}
-    examples = ({"levels": 16, "bucket_size": 64}, {"levels": 1})
-    benchmarks = ({"levels": 16},)
     error_feedback = False
-    cuda_decode_segments = True  # quant.qsgd_decode_segments: one launch sequence a frame
+    cuda_decode_segments = True  # the codec's decode_segments: one launch sequence a frame
 
     def shard_alignment(self) -> int:
-        return self.bucket_size  # one norm per bucket (docs/codecs.md, "Quantisation buckets")
-
-    def __init__(
-        self, levels: int = 16, bucket_size: int = 512, seed: int = 0, rank: int = 0
-    ) -> None:
-        self.levels = quant.check_levels(levels, "qsgd")
-        self.bucket_size = quant.check_bucket(bucket_size, "qsgd")
-        self._init_rng(seed, rank)
+        return self.bucket_size  # one scale per bucket (docs/codecs.md, "Quantisation buckets")
 
     def __repr__(self) -> str:
-        return f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, seed={self.seed})"
+        name, levels, bucket = type(self).__name__, self.levels, self.bucket_size
+        return f"{name}(levels={levels}, bucket_size={bucket}, seed={self.seed})"
 
     def encode(self, tensor, name):
         x = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
         params = rng + QSGD_PARAMS.pack(self.levels, self.bucket_size)
-        body = quant.qsgd_encode(x, self.levels, self.bucket_size, key)
-        if body is None:
-            return wire.FLAG_NONFINITE, params, empty_body(x.device)
-        return 0, params, body
+        return encoded(params, self._encode_one(x, key), x.device)
 
     def encode_bucket(self, tensors, names):
-        xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if len({x.device for x in xs}) != 1:  # none, or on several devices
-            return super().encode_bucket(tensors, names)
-        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
-        bodies = quant.qsgd_encode_segments(
-            xs, self.levels, self.bucket_size, [key for _, key in rngs]
-        )
-        params = [rng + QSGD_PARAMS.pack(self.levels, self.bucket_size) for rng, _ in rngs]
-        return [
-            Encoded(0, param, body)
-            if body is not None
-            else Encoded(wire.FLAG_NONFINITE, param, empty_body(x.device))
-            for x, param, body in zip(xs, params, bodies, strict=True)
-        ]
+        fields = QSGD_PARAMS.pack(self.levels, self.bucket_size)
+        return self._encode_bucket_with(tensors, names, self._encode_segments, with_fields(fields))
 
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + QSGD_PARAMS.size)
@@ -85,6 +61,29 @@ class QSGD(Stochastic):
                 f"expected levels {self.levels} bucket_size {self.bucket_size}, got {levels} "
                 f"{bucket} (ranks disagree on the compressor)",
             )
+
+
+@register
+class QSGD(BucketQuantizer):
+    """QSGD with ``levels`` in [1, 127] (default 16) and a norm per ``bucket_size``."""
+
+    name = "qsgd"
+    wire_id = 7
+    examples = ({"levels": 16, "bucket_size": 64}, {"levels": 1})
+    benchmarks = ({"levels": 16},)
+
+    def __init__(
+        self, levels: int = 16, bucket_size: int = 512, seed: int = 0, rank: int = 0
+    ) -> None:
+        self.levels = quant.check_levels(levels, "qsgd")
+        self.bucket_size = quant.check_bucket(bucket_size, "qsgd")
+        self._init_rng(seed, rank)
+
+    def _encode_one(self, x, key):
+        return quant.qsgd_encode(x, self.levels, self.bucket_size, key)
+
+    def _encode_segments(self, xs, keys):
+        return quant.qsgd_encode_segments(xs, self.levels, self.bucket_size, keys)
 
     def max_numel(self, body_len, name):
         return 8 * body_len // quant.qsgd_bits(self.levels)
@@ -99,16 +98,6 @@ class QSGD(Stochastic):
         return quant.qsgd_decode_segments(
             frame, body_starts, body_lens, numels, self.levels, self.bucket_size, outs
         )
-
-    def state_dict(self) -> dict:
-        return self._rng_state()
-
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_count_map, check_keys
-
-        check_keys(f"{self.name} state", state, required=("seed",), optional=("steps",))
-        check_count_map(f"{self.name} steps", state.get("steps", {}))
-        self._load_rng_state(state)
 
 
 @register
@@ -133,24 +122,12 @@ class TernGrad(Stochastic):
     def encode(self, tensor, name):
         x = prim.flat_f32(tensor)
         rng, key = self._rng_params(name)
-        encoded = quant.terngrad_encode(x, key)
-        if encoded is None:
-            return wire.FLAG_NONFINITE, rng + TERNGRAD_PARAMS.pack(0.0), empty_body(x.device)
-        body, scale = encoded
-        return 0, rng + TERNGRAD_PARAMS.pack(scale), body
+        return _terngrad_payload(rng, quant.terngrad_encode(x, key), x.device)
 
     def encode_bucket(self, tensors, names):
-        xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if len({x.device for x in xs}) != 1:  # none, or on several devices
-            return super().encode_bucket(tensors, names)
-        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
-        encoded = quant.terngrad_encode_segments(xs, [key for _, key in rngs])
-        return [
-            Encoded(wire.FLAG_NONFINITE, rng + TERNGRAD_PARAMS.pack(0.0), empty_body(x.device))
-            if enc is None
-            else Encoded(0, rng + TERNGRAD_PARAMS.pack(enc[1]), enc[0])
-            for x, (rng, _), enc in zip(xs, rngs, encoded, strict=True)
-        ]
+        return self._encode_bucket_with(
+            tensors, names, quant.terngrad_encode_segments, _terngrad_payload
+        )
 
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + TERNGRAD_PARAMS.size)
@@ -168,17 +145,12 @@ class TernGrad(Stochastic):
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
     ):
-        # the 3LC body layout (quartic digits, zero-run coded) with the scale M
         at = prim.RNG_PARAMS.size
         scales = np.array([TERNGRAD_PARAMS.unpack_from(p, at)[0] for p in params], np.float32)
         return threelc.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
 
-    def state_dict(self) -> dict:
-        return self._rng_state()
 
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_count_map, check_keys
-
-        check_keys(f"{self.name} state", state, required=("seed",), optional=("steps",))
-        check_count_map(f"{self.name} steps", state.get("steps", {}))
-        self._load_rng_state(state)
+def _terngrad_payload(rng: bytes, coded, device) -> Encoded:
+    """TernGrad's payload of the codec's (body, scale), or of None (non-finite: scale 0)."""
+    body, scale = (None, 0.0) if coded is None else coded
+    return encoded(rng + TERNGRAD_PARAMS.pack(scale), body, device)

@@ -12,9 +12,10 @@ import numpy as np
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
-from hvdcompress.compressors.base import Encoded, GatherCompressor, check_scale, empty_body
+from hvdcompress.compressors.base import GatherCompressor, check_scale
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.stochastic import encoded
 from hvdcompress.errors import PayloadError
 
 EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
@@ -36,21 +37,14 @@ class SignSGD(GatherCompressor):
 
     def encode(self, tensor, name):
         x = prim.flat_f32(tensor)
-        body = sign.encode(x)
-        if body is None:
-            return wire.FLAG_NONFINITE, b"", empty_body(x.device)
-        return 0, b"", body
+        return encoded(b"", sign.encode(x), x.device)
 
     def encode_bucket(self, tensors, names):
         xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({x.device for x in xs}) > 1:
             return super().encode_bucket(tensors, names)
-        return [
-            Encoded(0, b"", body)
-            if body is not None
-            else Encoded(wire.FLAG_NONFINITE, b"", empty_body(x.device))
-            for x, body in zip(xs, sign.encode_segments(xs), strict=True)
-        ]
+        bodies = sign.encode_segments(xs)
+        return [encoded(b"", body, x.device) for x, body in zip(xs, bodies, strict=True)]
 
     def check_params(self, header, name):
         if header.params:
@@ -98,23 +92,18 @@ class EFSignSGD(GatherCompressor):
 
     def encode(self, tensor, name):
         g = prim.flat_f32(tensor)
-        e = self.memory.residual(name, g)
-        encoded = sign.ef_encode(g, e)
-        if encoded is None:
-            return wire.FLAG_NONFINITE, EF_PARAMS.pack(0.0), empty_body(g.device)
-        body, scale = encoded
-        return 0, EF_PARAMS.pack(scale), body
+        body, scale = sign.ef_encode(g, self.memory.residual(name, g)) or (None, 0.0)
+        return encoded(EF_PARAMS.pack(scale), body, g.device)  # non-finite: scale 0
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({g.device for g in gs}) != 1:  # none, or on several devices
             return super().encode_bucket(tensors, names)
         es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
+        coded = [c or (None, 0.0) for c in sign.ef_encode_segments(gs, es)]
         return [
-            Encoded(wire.FLAG_NONFINITE, EF_PARAMS.pack(0.0), empty_body(g.device))
-            if enc is None
-            else Encoded(0, EF_PARAMS.pack(enc[1]), enc[0])
-            for g, enc in zip(gs, sign.ef_encode_segments(gs, es), strict=True)
+            encoded(EF_PARAMS.pack(scale), body, g.device)
+            for g, (body, scale) in zip(gs, coded, strict=True)
         ]
 
     def check_params(self, header, name):

@@ -1,8 +1,6 @@
 """Top-k, random-k, top-k + sign and magnitude-proportional sparsification compressors
-(docs/baselines.md and docs/policies.md, "CAT"), codecs in hvdcompress.codecs.sparse.
-
-TopKSign ("topkq") and GSpar ("gspar") are the compressors CAT tunes besides top-k
-(docs/policies.md, "CAT": "topk+q" and random sparsification with p_i proportional to |g_i|).
+(docs/baselines.md), codecs in hvdcompress.codecs.sparse. TopKSign ("topkq") and GSpar
+("gspar") are the compressors CAT tunes besides top-k (docs/policies.md, "CAT").
 
 Top-k always uses error feedback: the residual keeps every entry that was not sent
 (e = a with the kept entries zeroed, a = g + e). Random-k's and gspar's are optional
@@ -27,12 +25,22 @@ from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
 from hvdcompress.compressors.registry import register
-from hvdcompress.compressors.stochastic import Stochastic
+from hvdcompress.compressors.stochastic import Stochastic, encoded
 from hvdcompress.errors import PayloadError
 
 TOPK_PARAMS = struct.Struct("<d")  # ratio
 RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
 RATIO = Param(0.0, 1.0, low_open=True)
+
+
+def check_saved_ratio(state: dict, ratio: float) -> None:
+    """A checkpoint's ratio is this compressor's (CheckpointError otherwise)."""
+    from hvdcompress.checkpoint import CheckpointError
+
+    if state.get("ratio") != ratio:
+        raise CheckpointError(
+            f"state was saved with ratio {state.get('ratio')}, this compressor has {ratio}"
+        )
 
 
 class RatioLevels(PerTensorLevels):
@@ -82,8 +90,9 @@ class TopK(RatioLevels, GatherCompressor):
         body = self._select(a, sparse.topk_count(a.numel(), ratio))
         return 0, params, body  # e = a - decode(body): _select subtracted what it sent
 
-    # the bucket forms of the codec (kernels/sparse.c, kernels/sparse.cu): TopKSign sets
-    # its own
+    # the codec's decoder and bucket forms (kernels/sparse.c, kernels/sparse.cu): TopKSign
+    # sets its own
+    decode_kept_into = staticmethod(sparse.topk_decode_into)
     encode_segments = staticmethod(sparse.topk_encode_segments)
     decode_kept_segments = staticmethod(sparse.topk_decode_segments)
     cuda_decode_segments = True
@@ -125,7 +134,7 @@ class TopK(RatioLevels, GatherCompressor):
     def decode_into(self, header, body, out, accumulate, side_info):
         (ratio,) = TOPK_PARAMS.unpack(header.params)  # checked against level(name)
         k = sparse.topk_count(header.numel, ratio)
-        sparse.topk_decode_into(body, header.numel, k, out, accumulate)
+        self.decode_kept_into(body, header.numel, k, out, accumulate)
 
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
@@ -137,13 +146,10 @@ class TopK(RatioLevels, GatherCompressor):
         return {"ratio": self.ratio, "residuals": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import CheckpointError, check_keys
+        from hvdcompress.checkpoint import check_keys
 
         check_keys(f"{self.name} state", state, required=("ratio", "residuals"))
-        if state.get("ratio") != self.ratio:
-            raise CheckpointError(
-                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
-            )
+        check_saved_ratio(state, self.ratio)
         self.memory.load_state_dict(state["residuals"], what=f"{self.name} residuals")
 
 
@@ -156,6 +162,7 @@ class TopKSign(TopK):
     wire_id = 11
     cat_kind = "topk+q"
 
+    decode_kept_into = staticmethod(sparse.topk_sign_decode_into)
     encode_segments = staticmethod(sparse.topk_sign_encode_segments)
     decode_kept_segments = staticmethod(sparse.topk_sign_decode_segments)
 
@@ -176,11 +183,6 @@ class TopKSign(TopK):
         k = max(body_len - 4, 0) * 8 // 33  # each kept value costs at least 32 + 1 bits
         return math.floor((k + 1) / self.level(name)) + 1
 
-    def decode_into(self, header, body, out, accumulate, side_info):
-        (ratio,) = TOPK_PARAMS.unpack(header.params)  # checked against level(name)
-        k = sparse.topk_count(header.numel, ratio)
-        sparse.topk_sign_decode_into(body, header.numel, k, out, accumulate)
-
 
 class SeededSparseState:
     """state_dict of the seeded sparsifiers: ratio, residuals, RNG step counters; their
@@ -197,18 +199,10 @@ class SeededSparseState:
         return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **self._rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import (
-            CheckpointError,
-            check_count_map,
-            check_keys,
-            check_tensor_map,
-        )
+        from hvdcompress.checkpoint import check_count_map, check_keys, check_tensor_map
 
         check_keys(f"{self.name} state", state, required=("ratio", "residuals", "seed", "steps"))
-        if state.get("ratio") != self.ratio:
-            raise CheckpointError(
-                f"state was saved with ratio {state.get('ratio')}, this compressor has {self.ratio}"
-            )
+        check_saved_ratio(state, self.ratio)
         what = f"{self.name} residuals"
         check_tensor_map(what, state["residuals"])  # all checked before anything is loaded
         check_count_map(f"{self.name} steps", state["steps"])
@@ -287,9 +281,7 @@ class RandomK(SeededSparseState, Stochastic):
         fields = RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
         bodies, nonfinite = sparse.randomk_encode_segments(gs, [k for _, k in rngs], self.ratio, es)
         return [
-            Encoded(wire.FLAG_NONFINITE, rng + fields, empty_body(g.device))
-            if bad
-            else Encoded(0, rng + fields, body)
+            encoded(rng + fields, None if bad else body, g.device)
             for g, (rng, _), body, bad in zip(gs, rngs, bodies, nonfinite, strict=True)
         ]
 

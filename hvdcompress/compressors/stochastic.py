@@ -1,6 +1,7 @@
-"""Shared machinery of the compressors that draw random numbers (randomk, qsgd, terngrad,
-dqsg): a seed, this rank's id, a step counter per tensor, and the header fields that let
-any receiver regenerate the sender's random numbers (hvdcompress.codecs.primitives).
+"""Shared machinery of the compressors that draw random numbers (randomk, gspar, qsgd,
+terngrad, dqsg, ndqsg): a seed, this rank's id, a step counter per tensor, and the header
+fields that let any receiver regenerate the sender's random numbers
+(hvdcompress.codecs.primitives).
 
 The random numbers of a payload are a deterministic function of (seed, step, rank,
 tensor id): every backend gives the same bytes, tests are reproducible, and the
@@ -9,19 +10,32 @@ for that tensor name (saved in ``state_dict``). ``rank`` must differ between ran
 compress the same tensor (their random numbers are then independent); the optimizer sets
 it through ``bind(rank, size)``. Decoding checks that the payload's seed is this
 compressor's (ranks agree on it at start-up) and, when the receiver names the tensor,
-that the payload's tensor id is that name's. ``seed`` and ``rank`` are declared once in
-``hvdcompress.compressors.registry`` (SEED, RANK).
+that the payload's tensor id is that name's.
 """
 
 from __future__ import annotations
 
+from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import GatherCompressor
+from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
 from hvdcompress.errors import PayloadError
 
 
+def encoded(params: bytes, body, device) -> Encoded:
+    """The payload of a body, or of non-finite input (body None): the flag, an empty body."""
+    if body is None:
+        return Encoded(wire.FLAG_NONFINITE, params, empty_body(device))
+    return Encoded(0, params, body)
+
+
+def with_fields(fields: bytes):
+    """The ``payload`` of ``Stochastic._encode_bucket_with`` for a codec's bodies (None for
+    non-finite input): params the RNG fields, then ``fields``."""
+    return lambda rng, body, device: encoded(rng + fields, body, device)
+
+
 class Stochastic(GatherCompressor):
-    """Base of the seeded compressors; subclasses call ``_rng_params`` / ``_rng_key``."""
+    """Base of the seeded compressors; subclasses call ``_rng_params`` / ``_stream_key``."""
 
     def _init_rng(self, seed: int, rank: int) -> None:
         self.seed = prim.check_seed(seed)
@@ -39,6 +53,19 @@ class Stochastic(GatherCompressor):
         rank = prim.check_rank(self.rank)
         key = prim.rng_key(self.seed, step, rank, tid)
         return prim.RNG_PARAMS.pack(self.seed, step, tid, rank), key
+
+    def _encode_bucket_with(self, tensors, names, encode_segments, payload):
+        """``encode_bucket`` through a codec's one-call bucket encoder ``encode_segments(xs,
+        keys)``: each tensor's payload is ``payload(its RNG fields, its result, device)``."""
+        xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
+        if len({x.device for x in xs}) != 1:  # none, or on several devices
+            return super().encode_bucket(tensors, names)
+        rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
+        results = encode_segments(xs, [key for _, key in rngs])
+        return [
+            payload(rng, result, x.device)
+            for x, (rng, _), result in zip(xs, rngs, results, strict=True)
+        ]
 
     def _rng_check(self, params: bytes, name: str | None) -> None:
         """Validate the RNG fields at the start of ``params``: this compressor's seed and,
@@ -70,6 +97,16 @@ class Stochastic(GatherCompressor):
 
     def _rng_state(self) -> dict:
         return {"seed": self.seed, "steps": dict(self.steps)}
+
+    def state_dict(self) -> dict:
+        return self._rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        from hvdcompress.checkpoint import check_count_map, check_keys
+
+        check_keys(f"{self.name} state", state, required=("seed",), optional=("steps",))
+        check_count_map(f"{self.name} steps", state.get("steps", {}))
+        self._load_rng_state(state)
 
     def _load_rng_state(self, state: dict) -> None:
         if state.get("seed") != self.seed:
