@@ -41,12 +41,14 @@ def run_case(case: str, data, args) -> dict:
     name, params = parse_case(case)
     torch.manual_seed(args.seed)
     model = SmallCNN()
-    momentum = 0.9
+    cls = REGISTRY[name]  # its recommended SGD settings (docs/codecs.md, "Defaults that train")
+    momentum = 0.9 if cls.sgd_momentum is None else cls.sgd_momentum
     if name == "dgc":  # DGC applies the momentum itself (momentum correction)
         params.setdefault("momentum", momentum)
         momentum = 0.0
     compressor = hvdcompress.get_compressor(name, **params)
-    opt = steps.distributed_sgd(model, compressor, "mpi4py", lr=args.lr, momentum=momentum)
+    lr = args.lr * cls.sgd_lr_factor
+    opt = steps.distributed_sgd(model, compressor, "mpi4py", lr=lr, momentum=momentum)
     (x, y), _ = data
     gen = torch.Generator().manual_seed(args.seed)
     bits, enc, dec, losses = [], [], [], []
@@ -85,7 +87,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument(
+        "--lr", type=float, default=0.05, help="times each compressor's sgd_lr_factor"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=DATA_DIR)
     parser.add_argument("--json", type=Path, default=Path("results/bench_compressors.json"))

@@ -152,14 +152,14 @@ def test_topk_radix_select_matches_the_definition(x, frac, ties):
 
 def test_randomk_receiver_regenerates_the_indices():
     x = torch.randn(5000)
-    c = comp("randomk", ratio=0.1, seed=3, rank=2)
+    c = comp("randomk", ratio=0.1, unbiased=True, seed=3, rank=2)
     payload, ctx = c.compress(x, "layer.weight")
     header, _ = c.read_header(payload)
     seed, step, tid, rank = prim.RNG_PARAMS.unpack_from(header.params, 0)
     assert (seed, step, rank, tid) == (3, 0, 2, prim.tensor_id("layer.weight"))
     key = prim.rng_key(seed, step, rank, tid)
     mask = prim.uniform_numpy(key, 5000) < sparse.randomk_threshold(0.1) / 2**24
-    dec = comp("randomk", ratio=0.1, seed=3).decode(payload).numpy()
+    dec = comp("randomk", ratio=0.1, unbiased=True, seed=3).decode(payload).numpy()
     np.testing.assert_array_equal(dec != 0, mask)
     scale = np.float32(sparse.randomk_scale(0.1, True))
     assert abs(scale - 10.0) < 1e-5  # 1 / p for the p = round(0.1 * 2**24) / 2**24 used
@@ -171,7 +171,7 @@ def test_randomk_receiver_regenerates_the_indices():
 def test_randomk_unbiased_mean_over_seeds_approaches_x():
     n, steps, p = 200, 2000, 0.25
     x = torch.randn(n)
-    c = comp("randomk", ratio=p, seed=5)
+    c = comp("randomk", ratio=p, unbiased=True, seed=5)
     total = torch.zeros(n)
     for _ in range(steps):
         c.decode(c.compress(x, "w")[0], out=total, accumulate=True)

@@ -150,6 +150,11 @@ def test_param_accepts_exactly_its_interval_and_kind():
 def test_randomk_error_feedback_refuses_the_unbiased_scaling():
     c = hvdcompress.get_compressor("randomk", error_feedback=True)
     assert c.unbiased is False  # default: unbiased unless error feedback
-    assert hvdcompress.get_compressor("randomk").unbiased is True
+    default = hvdcompress.get_compressor("randomk")  # Stich et al.'s memory version
+    assert (default.error_feedback, default.unbiased) == (True, False)
+    scaled = hvdcompress.get_compressor("randomk", unbiased=True)
+    assert (scaled.error_feedback, scaled.unbiased) == (False, True)
+    plain = hvdcompress.get_compressor("randomk", error_feedback=False)
+    assert (plain.error_feedback, plain.unbiased) == (False, True)
     with pytest.raises(ValueError, match="unbiased=False"):
         hvdcompress.get_compressor("randomk", error_feedback=True, unbiased=True)

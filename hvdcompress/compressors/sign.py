@@ -28,6 +28,10 @@ class SignSGD(GatherCompressor):
     name = "signsgd"
     wire_id = 9
     error_feedback = False
+    # every coordinate moves by the learning rate, not by its gradient: the job's SGD
+    # learning rate stalled at chance; 1/500 of it trained (docs/codecs.md, "Defaults
+    # that train")
+    sgd_lr_factor = 0.002
 
     def __init__(self) -> None:
         pass
@@ -78,6 +82,11 @@ class EFSignSGD(GatherCompressor):
     name = "efsignsgd"
     wire_id = 10
     error_feedback = True
+    # Karimireddy et al. 2019's EF-SGD has no momentum; with the job's 0.9 on top of the
+    # residual it reached 56%, without it and at twice the learning rate 83%
+    # (docs/codecs.md, "Defaults that train")
+    sgd_lr_factor = 2.0
+    sgd_momentum = 0.0
 
     def __init__(self) -> None:
         self.memory = ErrorFeedback()

@@ -237,6 +237,14 @@ _TABLE = [
         {"kind": "randomk", "recompute_every": 50}, about="CAT over gspar, every 50 steps",
     ),
     Method("powersgd", "powersgd", {"matrix_rank": 1}, about="PowerSGD, rank 1"),
+    # the other codecs with their defaults (and their sgd_lr_factor / sgd_momentum)
+    Method("bf16", "bf16", about="bfloat16 allreduce"),
+    Method("qsgd", "qsgd", about="QSGD, its default levels"),
+    Method("terngrad", "terngrad", about="TernGrad"),
+    Method("signsgd", "signsgd", about="signSGD, the mean of the ranks' signs (lr x0.002)"),
+    Method("efsignsgd", "efsignsgd", about="EF-signSGD (no momentum, lr x2)"),
+    Method("randomk", "randomk", about="random-k 1% with memory (no momentum, lr x0.2)"),
+    Method("dgc", "dgc", about="deep gradient compression, its defaults"),
     Method("dqsg", "dqsg", {"levels": 3}, about="dithered quantisation, 3 levels"),
     Method(
         "ndqsg", "ndqsg", {"fine_levels": 3, "coarse_levels": 1},
