@@ -355,6 +355,20 @@ def _bodies_buffer(room: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
     return torch.empty(int(room.sum()), dtype=torch.uint8), starts
 
 
+def _native(fn, *args):
+    """``fn(*args)``, each tensor and numpy array in ``args`` passed as its data pointer (and
+    alive, in ``args``, until the C function returns)."""
+    return fn(*(_address(a) for a in args))
+
+
+def _address(a):
+    if isinstance(a, torch.Tensor):
+        return a.data_ptr()
+    if isinstance(a, np.ndarray):
+        return a.ctypes.data
+    return a
+
+
 def _i64_array(a: np.ndarray) -> int:
     """The address of the caller's contiguous int64 array ``a`` (never a converted
     temporary, which would be freed before the native call reads it)."""

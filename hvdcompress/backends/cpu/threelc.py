@@ -17,6 +17,7 @@ from hvdcompress.backends.cpu._library import (
     _bodies_buffer,
     _check,
     _i64_array,
+    _native,
     _numels,
     _ptr,
 )
@@ -82,10 +83,7 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
 def threelc_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor | None], sparsities: list[float]
 ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
-    """3LC's fused encode (quantise with error feedback, quartic, zero-run) of each (g, e,
-    sparsity) of a bucket in one native call, e None: no error feedback: (bodies, views of
-    one new buffer; scales S; non-finite flags: the input or S not finite, no body, scale
-    0, e untouched)."""
+    """One native call."""
     count = len(gs)
     ns = _numels(gs)
     room = (ns + 4) // 5 + 2
@@ -93,18 +91,8 @@ def threelc_encode_segments(
     scales = np.empty(count, dtype=np.float32)
     lens = np.empty(count, dtype=np.int64)
     s = np.asarray(sparsities, dtype=np.float32)
-    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
-    LIB.hvdc_threelc_encode_segments(
-        count,
-        g_at.ctypes.data,
-        e_at.ctypes.data,
-        ns.ctypes.data,
-        s.ctypes.data,
-        _ptr(buf),
-        starts.ctypes.data,
-        scales.ctypes.data,
-        lens.ctypes.data,
-    )
+    g_at, e_at = _addresses(gs), _addresses(es)
+    _native(LIB.hvdc_threelc_encode_segments, count, g_at, e_at, ns, s, buf, starts, scales, lens)
     bad = (lens < 0).tolist()
     bodies = [
         buf[a : a + n] if n >= 0 else buf[:0]
@@ -121,19 +109,12 @@ def threelc_decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """3LC's decode (S * q added) of each body ``frame[starts[p]:][:lens[p]]`` into
-    ``outs[p]``, one native call: None, or (p, message) of the first body that does not
-    decode (the ones before it are added, its output untouched)."""
+    """One native call."""
     code = ctypes.c_int64(0)
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
-    rc = LIB.hvdc_threelc_decode_segments(
-        len(outs),
-        _ptr(frame),
-        _i64_array(starts),
-        _i64_array(lens),
-        _i64_array(ns),
-        scales32.ctypes.data,
-        out_at.ctypes.data,
+    table = _i64_array(starts), _i64_array(lens), _i64_array(ns)
+    rc = _native(
+        LIB.hvdc_threelc_decode_segments, len(outs), frame, *table, scales32, out_at,
         ctypes.byref(code),
-    )
+    )  # fmt: skip
     return None if rc == 0 else (-1 - rc, _ERRORS.get(code.value, f"error code {code.value}"))
