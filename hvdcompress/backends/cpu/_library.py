@@ -24,13 +24,8 @@ from hvdcompress.errors import PayloadError
 
 _SOURCES = [_native.kernel_dir() / name for name in _native.C_SOURCES]
 
-_i64, _u32, _f32, _int, _p = (
-    ctypes.c_int64,
-    ctypes.c_uint32,
-    ctypes.c_float,
-    ctypes.c_int,
-    (ctypes.c_void_p),
-)
+_i64, _u32, _u64, _f32 = ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
+_int, _p = ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "hvdc_threelc_absmax_bits": (_u32, [_p, _p, _i64]),
     "hvdc_threelc_quantize": (None, [_p, _p, _p, _f32, _i64, _p, _p]),
@@ -41,7 +36,6 @@ _SIGNATURES = {
     "hvdc_threelc_zre_decoded_len": (_i64, [_p, _i64]),
     "hvdc_threelc_zre_decode": (_i64, [_p, _i64, _p, _i64]),
     "hvdc_threelc_quartic_decode": (_i64, [_p, _i64, _p]),
-    "hvdc_threelc_dequantize": (_i64, [_p, _i64, _f32, _p, _int]),
     "hvdc_threelc_decode": (_i64, [_p, _i64, _i64, _f32, _p, _int]),
     "hvdc_threelc_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
     "hvdc_threelc_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
@@ -51,7 +45,7 @@ _SIGNATURES = {
     "hvdc_frame_scan": (_i64, [_p, _i64, _i64, _p, _p]),
     "hvdc_frame_write": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p]),
     # shared primitives (kernels/primitives.c)
-    "hvdc_prim_uniform": (None, [ctypes.c_uint64, _i64, _i64, _p]),
+    "hvdc_prim_uniform": (None, [_u64, _i64, _i64, _p]),
     "hvdc_prim_bitpack": (None, [_p, _i64, _int, _p]),
     "hvdc_prim_bitunpack": (_i64, [_p, _i64, _i64, _int, _p]),
     "hvdc_prim_chunk_sums": (None, [_p, _i64, _i64, _int, _p]),
@@ -61,31 +55,22 @@ _SIGNATURES = {
     "hvdc_efsign_sums_segments": (None, [_i64, _p, _p, _p, _i64, _p, _p, _p]),
     "hvdc_efsign_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p]),
     # stochastic quantisers (kernels/quant.c)
-    "hvdc_qsgd_encode": (_int, [_p, _i64, _int, _int, _i64, ctypes.c_uint64, _i64, _p, _p]),
+    "hvdc_qsgd_encode": (_int, [_p, _i64, _int, _int, _i64, _u64, _i64, _p, _p]),
     "hvdc_prim_unpack_groups": (None, [_p, _i64, _int, _p, _int]),
     "hvdc_prim_pack_groups": (None, [_p, _i64, _int, _p, _int]),
-    "hvdc_terngrad_quartic": (None, [_p, _i64, _f32, ctypes.c_uint64, _i64, _p]),
-    "hvdc_dqsg_quantize": (_int, [_p, _i64, _int, _i64, ctypes.c_uint64, _i64, _int, _p, _p]),
-    "hvdc_dqsg_dequantize": (None, [_p, _i64, _p, _i64, ctypes.c_uint64, _i64, _p, _int]),
+    "hvdc_terngrad_quartic": (None, [_p, _i64, _f32, _u64, _i64, _p]),
+    "hvdc_dqsg_quantize": (_int, [_p, _i64, _int, _i64, _u64, _i64, _int, _p, _p]),
+    "hvdc_dqsg_dequantize": (None, [_p, _i64, _p, _i64, _u64, _i64, _p, _int]),
     # top-k selection (kernels/sparse.c)
     "hvdc_ndqsg_coset": (None, [_p, _i64, _int, _int, _p]),
-    "hvdc_ndqsg_side_decode": (
-        _i64,
-        [_p, _i64, _p, _p, _int, _i64, ctypes.c_uint64, _p, _int, _p],
-    ),
+    "hvdc_ndqsg_side_decode": (_i64, [_p, _i64, _p, _p, _int, _i64, _u64, _p, _int, _p]),
     "hvdc_dgc_update": (_int, [_p, _p, _p, _i64, _f32, _int]),
-    "hvdc_randomk_encode_segments": (
-        None,
-        [_i64, _p, _p, _p, _u32, _p, _p, _p, _p, _p],
-    ),
+    "hvdc_randomk_encode_segments": (None, [_i64, _p, _p, _p, _u32, _p, _p, _p, _p, _p]),
     "hvdc_randomk_ef_encode_segments": (None, [_i64, _p, _p, _p, _p, _u32] + [_p] * 6),
-    "hvdc_randomk_decode_segments": (
-        _i64,
-        [_i64, _p, _p, _p, _p, _p, _u32, _f32, _p, _p, _p],
-    ),
+    "hvdc_randomk_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _u32, _f32, _p, _p, _p]),
     "hvdc_gspar_encode_segments": (None, [_i64, _p, _p, _int, _p, _p, _p, _i64] + [_p] * 9),
     "hvdc_gspar_round": (_i64, [_p, _i64, _f32, _i64, _p]),
-    "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, ctypes.c_uint64, _int, _p, _p, _i64]),
+    "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, _u64, _int, _p, _p, _i64]),
     "hvdc_topk_kth_bits": (_u32, [_p, _i64, _i64, _u32, _i64, _p]),
     "hvdc_topk_collect": (_i64, [_p, _i64, _u32, _p, _p, _i64]),
     "hvdc_topk_keep": (_i64, [_p, _i64, _u32, _p, _u32, _i64, _p]),
@@ -99,10 +84,7 @@ _SIGNATURES = {
     "hvdc_dqsg_encode_segments": (None, [_i64, _p, _p, _p, _int, _int, _i64] + [_p] * 5),
     "hvdc_dqsg_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _int, _int, _i64, _p, _p, _p]),
     "hvdc_digits_encode_segments": (None, [_i64, _p, _p, _p, _int, _int, _int, _i64] + [_p] * 8),
-    "hvdc_digits_decode_segments": (
-        _i64,
-        [_i64, _p, _p, _p, _p, _p, _int, _int, _i64, _f32] + [_p] * 6,
-    ),
+    "hvdc_digits_decode_segments": (_i64, [_i64] + [_p] * 5 + [_int, _int, _i64, _f32] + [_p] * 6),
 }
 # Negative return codes of the decoders, per source file.
 _ERRORS = {  # kernels/threelc.c (TLC_ERR_*)

@@ -12,8 +12,6 @@ from hvdcompress.backends.cpu._library import (
     _ptr,
 )
 
-# ---- shared primitives (kernels/primitives.c; see hvdcompress.codecs.primitives) ----------
-
 
 def uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
     """n float32 uniforms in [0, 1): counter-based, element i from (key, i)."""
