@@ -302,6 +302,11 @@ class _Rows:
         threads = min(len(self.calls), num_threads())
         return list(_executor(threads).map(lambda call: fn(*call), self.calls))
 
+    def call(self, fn, *columns: np.ndarray) -> None:
+        """``run`` of the C function fn(count, each of ``columns`` (one entry a row) from the
+        call's first row)."""
+        self.run(lambda first, count: fn(count, *(_row(c, first) for c in columns)))
+
     def any_per_tensor(self, flags: np.ndarray, count: int) -> list[bool]:
         """Each tensor's flag: whether any of its rows' ``flags`` is set."""
         out = np.zeros(count, dtype=bool)

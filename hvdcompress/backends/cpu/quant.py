@@ -86,12 +86,8 @@ def ndqsg_side_decode(
     k_true: torch.Tensor | None,
 ) -> int:
     """One pass."""
-    return int(
-        LIB.hvdc_ndqsg_side_decode(
-            _ptr(m), m.numel(), _ptr(deltas), _ptr(y), rho, bucket, key, _ptr(out),
-            int(accumulate), _ptr(k_true),
-        )
-    )  # fmt: skip
+    fn = LIB.hvdc_ndqsg_side_decode
+    return int(_native(fn, m, m.numel(), deltas, y, rho, bucket, key, out, int(accumulate), k_true))
 
 
 def qsgd_encode_segments(

@@ -29,11 +29,7 @@ def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
     out_at = rows.at([b.data_ptr() for b in bodies], 1, 8)
     flags = np.zeros(len(rows.n), dtype=np.int32)
     if xs:
-        rows.run(
-            lambda a, c: LIB.hvdc_sign_encode_segments(
-                c, _row(x_at, a), _row(rows.n, a), _row(out_at, a), _row(flags, a)
-            )
-        )
+        rows.call(LIB.hvdc_sign_encode_segments, x_at, rows.n, out_at, flags)
     bad = rows.any_per_tensor(flags, len(xs))
     return [None if b else body for b, body in zip(bad, bodies, strict=True)]
 
@@ -71,16 +67,10 @@ def efsign_sums_segments(
     sum_starts = starts[rows.owner] + rows.lo // EF_CHUNK  # locals: alive across the calls
     rows.run(
         lambda a, c: LIB.hvdc_efsign_sums_segments(
-            c,
-            _row(g_at, a),
-            _row(e_at, a),
-            _row(rows.n, a),
-            EF_CHUNK,
-            sums.ctypes.data,
-            _row(sum_starts, a),
-            _row(bad, a),
+            c, _row(g_at, a), _row(e_at, a), _row(rows.n, a), EF_CHUNK, sums.ctypes.data,
+            _row(sum_starts, a), _row(bad, a),
         )
-    )
+    )  # fmt: skip
     bounds = zip(starts.tolist(), (starts + chunks).tolist(), strict=True)
     return [sums[a:b].tolist() for a, b in bounds], rows.any_per_tensor(bad, count)
 
@@ -100,15 +90,6 @@ def efsign_encode_segments(
     scales32 = np.asarray(scales, dtype=np.float32).reshape(-1)[rows.owner]
     skip32 = np.asarray(skip, dtype=np.int32).reshape(-1)[rows.owner]
     if count:
-        rows.run(
-            lambda a, c: LIB.hvdc_efsign_encode_segments(
-                c,
-                _row(g_at, a),
-                _row(e_at, a),
-                _row(rows.n, a),
-                _row(scales32, a),
-                _row(skip32, a),
-                _row(out_at, a),
-            )
-        )
+        fn = LIB.hvdc_efsign_encode_segments
+        rows.call(fn, g_at, e_at, rows.n, scales32, skip32, out_at)
     return bodies
