@@ -22,7 +22,6 @@ from hvdcompress.backends.cpu._library import (  # noqa: F401  (re-exports)
     splits,
 )
 from hvdcompress.backends.cpu.frame import (  # noqa: F401  (re-exports)
-    SCAN_FIELDS,
     checksum_segments,
     frame_scan,
     frame_write,
@@ -48,7 +47,6 @@ from hvdcompress.backends.cpu.quant import (  # noqa: F401  (re-exports)
     terngrad_encode_segments,
 )
 from hvdcompress.backends.cpu.sign import (  # noqa: F401  (re-exports)
-    EF_CHUNK,
     efsign_encode_segments,
     efsign_sums_segments,
     sign_decode_segments,
@@ -56,7 +54,6 @@ from hvdcompress.backends.cpu.sign import (  # noqa: F401  (re-exports)
 )
 from hvdcompress.backends.cpu.sparse import (  # noqa: F401  (re-exports)
     _TOPKQ_ERRORS,
-    TOPK_MIN_SAMPLED,
     TOPK_MIN_STRIDE,
     TOPK_SAMPLE,
     TopKSignSelection,

@@ -348,6 +348,16 @@ def _native(fn, *args):
     return fn(*(_address(a) for a in args))
 
 
+def _decode(fn, count: int, frame: torch.Tensor, tables: tuple, *args) -> tuple[int, int] | None:
+    """A bucket decoder of the C library, fn(count, frame, each of ``tables`` (the caller's
+    int64 arrays, ``_i64_array``), *args, &code): None, or (p, code) of the first body p
+    it refuses."""
+    code = ctypes.c_int64(0)
+    at = [_i64_array(t) for t in tables]
+    rc = _native(fn, count, frame, *at, *args, ctypes.byref(code))
+    return None if rc == 0 else (-1 - rc, int(code.value))
+
+
 def _address(a):
     if isinstance(a, torch.Tensor):
         return a.data_ptr()

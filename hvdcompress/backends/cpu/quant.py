@@ -3,7 +3,6 @@ QSGD, TernGrad, DQSG and NDQSG, per tensor and per bucket."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 import struct
 
@@ -17,7 +16,7 @@ from hvdcompress.backends.cpu._library import (
     NONFINITE_BITS,
     _addresses,
     _bodies_buffer,
-    _i64_array,
+    _decode,
     _native,
     _numels,
     _parts,
@@ -125,15 +124,12 @@ def qsgd_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
     """One native call."""
-    code = ctypes.c_int64(0)
-    table, out_at = (_i64_array(starts), _i64_array(ns)), _addresses(outs)
-    rc = _native(
-        LIB.hvdc_qsgd_decode_segments, len(outs), frame, *table, levels, bits, bucket, out_at,
-        ctypes.byref(code),
-    )  # fmt: skip
-    if rc == 0:
+    fn, out_at = LIB.hvdc_qsgd_decode_segments, _addresses(outs)
+    failed = _decode(fn, len(outs), frame, (starts, ns), levels, bits, bucket, out_at)
+    if failed is None:
         return None
-    return -1 - rc, _PRIM_ERRORS.get(code.value, f"error code {code.value}")
+    p, code = failed
+    return p, _PRIM_ERRORS.get(code, f"error code {code}")
 
 
 def terngrad_encode_segments(
@@ -224,15 +220,10 @@ def dqsg_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, int] | None:
     """One native call."""
-    code = ctypes.c_int64(0)
     key_array = np.asarray(keys, dtype=np.uint64).reshape(len(outs))
     codes = np.empty(max(int(ns.max()) if len(outs) else 0, 1), dtype=np.uint8)
-    table = _i64_array(starts), _i64_array(lens), _i64_array(ns)
-    rc = _native(
-        LIB.hvdc_dqsg_decode_segments, len(outs), frame, *table, key_array, levels, bits,
-        bucket, _addresses(outs), codes, ctypes.byref(code),
-    )  # fmt: skip
-    return None if rc == 0 else (-1 - rc, int(code.value))
+    args = key_array, levels, bits, bucket, _addresses(outs), codes
+    return _decode(LIB.hvdc_dqsg_decode_segments, len(outs), frame, (starts, lens, ns), *args)
 
 
 def digits_encode_segments(
@@ -280,7 +271,6 @@ def digits_decode_segments(
 ) -> tuple[np.ndarray, tuple[int, int] | None]:
     """One native call (NDQSG's side information formed in the same pass)."""
     count = len(outs)
-    code = ctypes.c_int64(0)
     key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
     most = max(int(ns.max()) if count else 0, 1)
     digits = np.empty(most, dtype=np.int8)
@@ -291,9 +281,6 @@ def digits_decode_segments(
         dtype=np.uint64,
         count=count,
     )
-    table = _i64_array(starts), _i64_array(lens), _i64_array(ns)
-    rc = _native(
-        LIB.hvdc_digits_decode_segments, count, frame, *table, key_array, rho, bits, bucket,
-        float(divisor), _addresses(outs), k_at, aliased, digits, quartic, ctypes.byref(code),
-    )  # fmt: skip
-    return aliased, None if rc == 0 else (-1 - rc, int(code.value))
+    args = key_array, rho, bits, bucket, float(divisor), _addresses(outs), k_at, aliased
+    fn, tables = LIB.hvdc_digits_decode_segments, (starts, lens, ns)
+    return aliased, _decode(fn, count, frame, tables, *args, digits, quartic)

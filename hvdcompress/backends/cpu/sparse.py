@@ -3,7 +3,6 @@ random-k, DGC, GSpar and top-k + sign, per tensor and per bucket."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import numpy as np
@@ -14,7 +13,7 @@ from hvdcompress.backends.cpu._library import (
     LIB,
     _addresses,
     _bodies_buffer,
-    _i64_array,
+    _decode,
     _native,
     _numels,
     _ptr,
@@ -126,13 +125,8 @@ def randomk_decode_segments(
     most = int(np.minimum(lens // 4, ns).max()) if count else 0
     idx = np.empty(max(most, 1), dtype=np.int64)
     key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
-    code = ctypes.c_int64(0)
-    table = _i64_array(starts), _i64_array(lens), _i64_array(ns)
-    rc = _native(
-        LIB.hvdc_randomk_decode_segments, count, frame, *table, key_at, threshold, scale,
-        _addresses(outs), idx, ctypes.byref(code),
-    )  # fmt: skip
-    return None if rc == 0 else (-1 - rc, int(code.value))
+    args = key_at, threshold, scale, _addresses(outs), idx
+    return _decode(LIB.hvdc_randomk_decode_segments, count, frame, (starts, lens, ns), *args)
 
 
 def dgc_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:
@@ -232,11 +226,8 @@ def topk_decode_segments(
 def _kept_decode_segments(fn, frame, starts, ks, ns, outs) -> tuple[int, int] | None:
     """Call a kept-set decoder of kernels/sparse.c (top-k, top-k + sign) over a bucket's
     bodies: None, or (p, its error code) for the first body p that does not decode."""
-    code = ctypes.c_int64(0)
     wide = (ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
-    table = _i64_array(starts), _i64_array(ks), _i64_array(ns)
-    rc = _native(fn, len(outs), frame, *table, wide, _addresses(outs), ctypes.byref(code))
-    return None if rc == 0 else (-1 - rc, int(code.value))
+    return _decode(fn, len(outs), frame, (starts, ks, ns), wide, _addresses(outs))
 
 
 def topk_encode_segments(

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import numpy as np
@@ -16,7 +15,7 @@ from hvdcompress.backends.cpu._library import (
     _addresses,
     _bodies_buffer,
     _check,
-    _i64_array,
+    _decode,
     _native,
     _numels,
     _ptr,
@@ -110,11 +109,10 @@ def threelc_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
     """One native call."""
-    code = ctypes.c_int64(0)
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
-    table = _i64_array(starts), _i64_array(lens), _i64_array(ns)
-    rc = _native(
-        LIB.hvdc_threelc_decode_segments, len(outs), frame, *table, scales32, out_at,
-        ctypes.byref(code),
-    )  # fmt: skip
-    return None if rc == 0 else (-1 - rc, _ERRORS.get(code.value, f"error code {code.value}"))
+    fn, tables = LIB.hvdc_threelc_decode_segments, (starts, lens, ns)
+    failed = _decode(fn, len(outs), frame, tables, scales32, out_at)
+    if failed is None:
+        return None
+    p, code = failed
+    return p, _ERRORS.get(code, f"error code {code}")
