@@ -272,21 +272,15 @@ class _Rows:
     depend on the cut."""
 
     def __init__(self, ns: list[int], align: int) -> None:
-        owner, lo, hi, cut = [], [], [], []
+        whole, cut = [], []  # rows (tensor, lo, hi)
         for p, n in enumerate(ns):
             parts = _parts(n, align)
-            if len(parts) == 1:
-                owner.append(p), lo.append(0), hi.append(n)
-            else:
-                cut.extend((p, a, b) for a, b in parts)
-        whole = len(owner)
-        for p, a, b in cut:
-            owner.append(p), lo.append(a), hi.append(b)
-        self.owner = np.asarray(owner, dtype=np.int64)
-        self.lo = np.asarray(lo, dtype=np.int64)
-        self.n = np.asarray(hi, dtype=np.int64) - self.lo
-        self.calls = [(0, whole)] if whole or not cut else []
-        self.calls += [(row, 1) for row in range(whole, len(owner))]
+            (whole if len(parts) == 1 else cut).extend((p, a, b) for a, b in parts)
+        table = np.array(whole + cut, dtype=np.int64).reshape(-1, 3)
+        self.owner, self.lo = table[:, 0].copy(), table[:, 1].copy()  # contiguous columns
+        self.n = table[:, 2] - self.lo
+        self.calls = [(0, len(whole))] if whole or not cut else []
+        self.calls += [(row, 1) for row in range(len(whole), len(table))]
 
     def at(self, addresses: list[int] | np.ndarray, bytes_per_element: int, per: int = 1):
         """Each row's address: its tensor's address plus ``lo // per * bytes_per_element``

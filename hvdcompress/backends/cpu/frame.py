@@ -44,15 +44,9 @@ def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
         return None
     view, col = frame.numpy(), SCAN
     at = fields[:, col["start"]] + FIXED_HEADER_BYTES + 8 * fields[:, col["ndim"]]
-    params = [
-        view[a:][:n].tobytes() if ok else b""
-        for ok, a, n in zip(
-            fields[:, col["ok"]].tolist(),
-            at.tolist(),
-            fields[:, col["params_len"]].tolist(),
-            strict=True,
-        )
-    ]
+    oks, lens = fields[:, col["ok"]].tolist(), fields[:, col["params_len"]].tolist()
+    rows = zip(oks, at.tolist(), lens, strict=True)
+    params = [view[a:][:n].tobytes() if ok else b"" for ok, a, n in rows]
     return FrameScan(fields, shapes, params)
 
 

@@ -179,10 +179,8 @@ def _terngrad_bucket(
     lens = np.empty(count, dtype=np.int64)
     tail = (buf, starts, quartic, scales, lens)
     _native(LIB.hvdc_terngrad_encode_segments, count, _addresses(xs), ns, key_array, *tail)
-    return [
-        None if n < 0 else (buf[a : a + n], m)
-        for a, n, m in zip(starts.tolist(), lens.tolist(), scales.tolist(), strict=True)
-    ]
+    spans = zip(starts.tolist(), lens.tolist(), scales.tolist(), strict=True)
+    return [None if n < 0 else (buf[a : a + n], m) for a, n, m in spans]
 
 
 def dqsg_encode_segments(
@@ -202,10 +200,8 @@ def dqsg_encode_segments(
         LIB.hvdc_dqsg_encode_segments, count, _addresses(xs), ns, key_array, levels, bits,
         bucket, buf, starts, bad, deltas, codes,
     )  # fmt: skip
-    return [
-        None if b else buf[a : a + r]
-        for a, r, b in zip(starts.tolist(), room.tolist(), bad.tolist(), strict=True)
-    ]
+    spans = zip(starts.tolist(), room.tolist(), bad.tolist(), strict=True)
+    return [None if b else buf[a : a + r] for a, r, b in spans]
 
 
 def dqsg_decode_segments(
@@ -249,11 +245,8 @@ def digits_encode_segments(
         LIB.hvdc_digits_encode_segments, count, _addresses(xs), ns, key_array, levels, rho,
         bits, bucket, ks, k_starts, buf, starts, lens, deltas, codes, quartic,
     )  # fmt: skip
-    bodies = [
-        None if n < 0 else buf[a : a + n]
-        for a, n in zip(starts.tolist(), lens.tolist(), strict=True)
-    ]
-    return bodies, ks
+    spans = zip(starts.tolist(), lens.tolist(), strict=True)
+    return [None if n < 0 else buf[a : a + n] for a, n in spans], ks
 
 
 def digits_decode_segments(

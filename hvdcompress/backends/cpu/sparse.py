@@ -192,10 +192,8 @@ def gspar_draw(
     while True:
         values = torch.empty(cap, dtype=torch.float32)
         idx = torch.empty(cap, dtype=torch.int64)
-        k = LIB.hvdc_gspar_draw(
-            _ptr(a), n, 0.0 if inf else c, int(inf), key, int(scaled), _ptr(values), _ptr(idx),
-            cap,
-        )  # fmt: skip
+        args = 0.0 if inf else c, int(inf), key, int(scaled), values, idx, cap
+        k = _native(LIB.hvdc_gspar_draw, a, n, *args)
         if k <= cap:
             return values[:k], idx[:k]
         cap = k
@@ -256,11 +254,8 @@ def topk_encode_segments(
     fn = LIB.hvdc_topk_encode_segments
     _native(fn, count, g_at, e_at, u_at, momentum, ns, k, wide, buf, starts, bad, *scratch)
     flags = [bool(b) for b in bad.tolist()]
-    bodies = [
-        buf[:0] if nonfinite else buf[a : a + r]
-        for a, r, nonfinite in zip(starts.tolist(), room.tolist(), flags, strict=True)
-    ]
-    return bodies, flags
+    spans = zip(starts.tolist(), room.tolist(), flags, strict=True)
+    return [buf[:0] if nonfinite else buf[a : a + r] for a, r, nonfinite in spans], flags
 
 
 class TopKSignSelection:

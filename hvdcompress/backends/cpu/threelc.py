@@ -92,12 +92,9 @@ def threelc_encode_segments(
     s = np.asarray(sparsities, dtype=np.float32)
     g_at, e_at = _addresses(gs), _addresses(es)
     _native(LIB.hvdc_threelc_encode_segments, count, g_at, e_at, ns, s, buf, starts, scales, lens)
-    bad = (lens < 0).tolist()
-    bodies = [
-        buf[a : a + n] if n >= 0 else buf[:0]
-        for a, n in zip(starts.tolist(), lens.tolist(), strict=True)
-    ]
-    return bodies, scales.tolist(), bad
+    spans = zip(starts.tolist(), lens.tolist(), strict=True)
+    bodies = [buf[a : a + n] if n >= 0 else buf[:0] for a, n in spans]
+    return bodies, scales.tolist(), (lens < 0).tolist()
 
 
 def threelc_decode_segments(

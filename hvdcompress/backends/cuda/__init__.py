@@ -25,7 +25,8 @@ tables, the kernels' constants), ``_bucket`` (the helpers a bucket's segment cal
 ``primitives``, ``threelc`` (3LC and its zero-run coder), ``frame`` (checksums and
 frames), ``sign``, ``quant`` (QSGD, the packed codes, TernGrad), ``dqsg`` (DQSG's and
 NDQSG's digits), ``sparse`` (top-k, top-k + sign, DGC) and ``sparse_random`` (random-k,
-GSpar). Every name is defined once, in one of them, and its public names re-exported here
+GSpar), each an attribute of the package once its names are imported below. Every name is
+defined once, in one of them, and its public names re-exported here
 (the protocol's operations, the kernel families, what tests and scripts name); private
 names stay in their modules.
 """
@@ -33,16 +34,6 @@ names stay in their modules.
 from __future__ import annotations
 
 from hvdcompress._native import NVRTC_OPTIONS, kernel_dir  # noqa: F401  (tests/gpu use them)
-from hvdcompress.backends.cuda import (  # noqa: F401  (the family modules)
-    dqsg,
-    frame,
-    primitives,
-    quant,
-    sign,
-    sparse,
-    sparse_random,
-    threelc,
-)
 from hvdcompress.backends.cuda._bucket import (  # noqa: F401  (re-exports)
     splits,
 )

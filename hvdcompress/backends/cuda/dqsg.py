@@ -76,13 +76,10 @@ def digits_encode_segments(
 def _digits_ternary_encode(
     xs, keys, bucket: int, levels: int = 1, rho: int = 0, ks: torch.Tensor | None = None
 ) -> list[torch.Tensor | None]:
-    """Bodies of ternary digits (deltas, then the digits quartic + zero-run coded; the
-    CPU's ``digits_encode_segments``): DQSG's q at s = 1, or with ``rho`` (2 or 3) NDQSG's
-    cosets of q at s = ``levels``, the q into ``ks`` (the tensors' elements in order) when
-    given. Every delta (quant_bucket_floats_segments), every quartic byte
-    (quant_dqsg_quartic_segments), the bucket's zero-run encode (threelc.cu section 7),
-    one read of the states; then one ``cat`` puts each tensor's deltas before its
-    zero-run bytes."""
+    """Bodies of ternary digits (rho 0: DQSG's q at s = 1; rho 2 or 3: NDQSG's cosets):
+    every delta (quant_bucket_floats_segments), every quartic byte
+    (quant_dqsg_quartic_segments), the bucket's zero-run encode (threelc.cu section 7), one
+    read of the states; then one ``cat`` puts each tensor's deltas before its zero-run bytes."""
     if not xs:
         return []
     device = _bucket_device(xs, "x")

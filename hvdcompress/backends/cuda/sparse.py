@@ -62,9 +62,8 @@ def _topk_candidates(mag: torch.Tensor, k: int) -> torch.Tensor | None:
 
 
 def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending int64 indices of the k largest |a| (0 < k < n, a finite), ties by lowest
-    index: t = the k-th largest |a| (torch.topk, exact), every |a| > t, then the |a| == t
-    in index order (torch.topk alone may break ties differently on the CPU and the GPU)."""
+    """t = the k-th largest |a| (torch.topk, exact), every |a| > t, then the |a| == t in
+    index order (torch.topk alone may break ties differently on the CPU and the GPU)."""
     mag = a.abs()
     cand = _topk_candidates(mag, k)
     if cand is not None:  # every one of the k largest is a candidate: select among them
