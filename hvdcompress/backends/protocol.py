@@ -11,9 +11,8 @@ Conventions: tensors are contiguous and on the backend's device; float32 unless 
 otherwise; a bucket encoder's bodies are views of one new buffer; a bucket decoder adds into
 its ``outs`` and returns None, or (index, detail) of the first body it refuses (the ones
 before it added, that one untouched); residuals (``e``, ``es``) are updated only for finite
-input. Each backend also has what only its
-device needs (CPU: ``frame_write``, ``num_threads``, ``scale_for``; CUDA: ``length_prefixes``,
-``gpu_unavailable_reason``).
+input. Each backend also has what only its device needs (CPU: ``frame_write``,
+``num_threads``, ``scale_for``; CUDA: ``length_prefixes``, ``gpu_unavailable_reason``).
 """
 
 from __future__ import annotations
@@ -61,8 +60,7 @@ class Backend(Protocol):
         x*x with ``square``)."""
 
     def splits(self, n: int) -> bool:
-        """Whether the codec threads cut a tensor of ``n`` elements into parts (the bucket ops
-        then take it in parts)."""
+        """Whether the codec threads cut a tensor of ``n`` elements (bucket ops take it in parts)."""
 
     # ---- checksums and frames ------------------------------------------------
     def checksum_segments(
@@ -91,8 +89,7 @@ class Backend(Protocol):
         ValueError for a digit outside {-1, 0, 1}."""
 
     def quartic_decode(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
-        """``numel`` int8 values of quartic bytes; PayloadError on a byte above 242 or nonzero
-        padding."""
+        """``numel`` int8 values of quartic bytes; PayloadError on a byte > 242 or nonzero padding."""
 
     def zero_run_encode(self, buf: torch.Tensor) -> torch.Tensor:
         """3LC's zero-run encoding of quartic bytes; ValueError for a byte above 242."""
@@ -105,8 +102,8 @@ class Backend(Protocol):
         self, gs: list[torch.Tensor], es: list[torch.Tensor | None], sparsities: list[float]
     ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
         """A bucket's 3LC encode: per tensor a = g + e (e None: a = g), S, q, the residual
-        e <- a - S q, quartic + zero-run body; returns (bodies, views of one new buffer;
-        scales; nonfinite). Non-finite input or S: empty body, scale 0, e untouched."""
+        e <- a - S q, quartic + zero-run body; returns (bodies, scales, nonfinite).
+        Non-finite input or S: empty body, scale 0, e untouched."""
 
     def threelc_decode_segments(
         self,
@@ -117,13 +114,11 @@ class Backend(Protocol):
         scales: np.ndarray,
         outs: list[torch.Tensor],
     ) -> tuple[int, str] | None:
-        """Add scale * q of each body ``frame[starts[p]:][:lens[p]]`` into ``outs[p]``; None,
-        or (index, message) of the first body refused."""
+        """Add scale * q of each body ``frame[starts[p]:][:lens[p]]`` into ``outs[p]``."""
 
     # ---- signSGD and EF-signSGD ----------------------------------------------
     def sign_encode_segments(self, xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """signSGD: each tensor's packed sign bits (bit 1 for x < 0), or None for a non-finite
-        tensor; the bodies are views of one buffer."""
+        """signSGD: each tensor's packed sign bits (bit 1 for x < 0), None for a non-finite one."""
 
     def sign_decode_segments(
         self,
@@ -147,7 +142,7 @@ class Backend(Protocol):
         self, gs: list[torch.Tensor], es: list[torch.Tensor], scales: list[float], skip: list[bool]
     ) -> list[torch.Tensor]:
         """EF-signSGD's sign bits of a = g + e and e <- a - (a < 0 ? -scale : scale), for the
-        tensors not skipped (skipped: empty body, e untouched); views of one new buffer."""
+        tensors not skipped (skipped: empty body, e untouched)."""
 
     # ---- QSGD, TernGrad, DQSG and NDQSG --------------------------------------
     def qsgd_encode_segments(
@@ -276,7 +271,7 @@ class Backend(Protocol):
     ) -> tuple[list[torch.Tensor], list[bool]]:
         """A bucket's top-k with error feedback: bodies of the k largest |g + e| (k values, then
         their ascending indices, int32 below 2**31 elements), e <- g + e with the kept values
-        zeroed; views of one new buffer, (bodies, nonfinite), e untouched where non-finite.
+        zeroed; (bodies, nonfinite), e untouched where non-finite.
         DGC (``us``): u <- momentum u + g, e <- e + u, the top-k of e, u and e zeroed there."""
 
     def topk_decode_segments(
@@ -287,8 +282,7 @@ class Backend(Protocol):
         ns: np.ndarray,
         outs: list[torch.Tensor],
     ) -> tuple[int, str] | None:
-        """Scatter-add each body's (index, value) pairs (lengths checked by the caller) into
-        ``outs``; None, or the first refused."""
+        """Scatter-add each body's (index, value) pairs (lengths checked by the caller)."""
 
     def topkq_select_segments(self, gs, es, ks) -> TopKSignSelection:
         """Top-k + sign's selection: each tensor's k largest |g + e| and their signs

@@ -182,7 +182,11 @@ def _scratch(nbytes: int) -> torch.Tensor:
 def _check(code: int, errors: dict[int, str] = _ERRORS) -> None:
     """Raise PayloadError (field "body") for a negative return code of the C library."""
     if code < 0:
-        raise PayloadError("body", errors.get(code, f"error code {code}"))
+        raise PayloadError("body", _message(code, errors))
+
+
+def _message(code: int, errors: dict[int, str]) -> str:
+    return errors.get(code, f"error code {code}")
 
 
 # ---- threads --------------------------------------------------------------------------------
@@ -198,8 +202,7 @@ def num_threads() -> int:
 
 
 def splits(n: int) -> bool:
-    """Whether a tensor of n elements is cut into parts for the codec threads: a bucket's
-    one-call encoders leave such tensors to the per-tensor (threaded) path."""
+    """Two parts' worth of elements or more, and more than one codec thread."""
     return n >= 2 * _MIN_PART and num_threads() > 1
 
 
@@ -252,12 +255,12 @@ def _parts(n: int, align: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
-def _run_parts(fn, parts: list[tuple[int, int]]) -> list:
-    """fn(lo, hi) for every part, on the pool when there is more than one (ctypes releases
-    the GIL during each C call)."""
+def _run_parts(fn, parts: list[tuple[int, int]], threads: int | None = None) -> list:
+    """fn(*part) for every part, on the pool (``threads`` workers, default one a part) when
+    there is more than one (ctypes releases the GIL during each C call)."""
     if len(parts) == 1:
         return [fn(*parts[0])]
-    return list(_executor(len(parts)).map(lambda part: fn(*part), parts))
+    return list(_executor(threads or len(parts)).map(lambda part: fn(*part), parts))
 
 
 _F32 = 4  # bytes per float32: the parts' pointer offsets
@@ -291,10 +294,7 @@ class _Rows:
     def run(self, fn) -> list:
         """fn(first, count) for each native call's rows, on the pool when there are
         several."""
-        if len(self.calls) == 1:
-            return [fn(*self.calls[0])]
-        threads = min(len(self.calls), num_threads())
-        return list(_executor(threads).map(lambda call: fn(*call), self.calls))
+        return _run_parts(fn, self.calls, min(len(self.calls), num_threads()))
 
     def call(self, fn, *columns: np.ndarray) -> None:
         """``run`` of the C function fn(count, each of ``columns`` (one entry a row) from the

@@ -35,8 +35,7 @@ SCAN_FIELDS = 10  # kernels/frame.c (FRAME_FIELDS); their names: records.SCAN_FI
 
 
 def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
-    """One native call (kernels/frame.c, hvdc_frame_scan), then each accepted payload's
-    parameters read."""
+    """One native call (kernels/frame.c, hvdc_frame_scan), then the accepted parameters."""
     fields = np.empty((count, SCAN_FIELDS), dtype=np.int64)
     shapes = np.zeros((count, 8), dtype=np.uint64)
     rc = _native(LIB.hvdc_frame_scan, frame, frame.numel(), count, fields, shapes)

@@ -14,7 +14,6 @@ from hvdcompress.backends.cpu._library import (
 
 
 def uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
-    """n float32 uniforms in [0, 1): counter-based, element i from (key, i)."""
     out = torch.empty(n, dtype=torch.float32)
     if n:
         LIB.hvdc_prim_uniform(key, 0, n, _ptr(out))

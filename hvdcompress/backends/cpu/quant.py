@@ -17,6 +17,7 @@ from hvdcompress.backends.cpu._library import (
     _addresses,
     _bodies_buffer,
     _decode,
+    _message,
     _native,
     _numels,
     _parts,
@@ -92,9 +93,8 @@ def ndqsg_side_decode(
 def qsgd_encode_segments(
     xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """A native call a tensor (a part a codec thread for a tensor they cut): QSGD's encode is
-    bound by its codec (norms, uniforms, codes) rather than by the call, so no native bucket
-    encoder; the CUDA backend's saves a launch sequence and a read per tensor."""
+    """A native call a tensor (a part a thread for a tensor they cut), no native bucket
+    encoder: QSGD's encode is bound by its codec (norms, uniforms, codes), not by the call."""
     bodies: list[torch.Tensor | None] = []
     align = bucket * 8 // math.gcd(bucket, 8)  # whole buckets and whole bytes
     for x, key in zip(xs, keys, strict=True):
@@ -126,10 +126,7 @@ def qsgd_decode_segments(
     """One native call."""
     fn, out_at = LIB.hvdc_qsgd_decode_segments, _addresses(outs)
     failed = _decode(fn, len(outs), frame, (starts, ns), levels, bits, bucket, out_at)
-    if failed is None:
-        return None
-    p, code = failed
-    return p, _PRIM_ERRORS.get(code, f"error code {code}")
+    return None if failed is None else (failed[0], _message(failed[1], _PRIM_ERRORS))
 
 
 def terngrad_encode_segments(
@@ -161,8 +158,7 @@ def _terngrad_cut(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | Non
         LIB.hvdc_terngrad_quartic(px + _F32 * lo, hi - lo, scale, key, lo, pq + lo // 5)
 
     _run_parts(part, _parts(n, 5 * 8))
-    out = pq + m
-    length = LIB.hvdc_threelc_zre_encode(pq, m, out)
+    length = LIB.hvdc_threelc_zre_encode(pq, m, pq + m)
     return quartic[m : m + length].clone(), scale
 
 

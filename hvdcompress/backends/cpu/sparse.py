@@ -184,8 +184,7 @@ def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tenso
 def gspar_draw(
     a: torch.Tensor, c: float, key: int, scaled: bool, budget: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass of hashed counters into room for the budget, again with exact room when it
-    keeps more."""
+    """One pass of hashed counters into room for the budget (again, exact, if it keeps more)."""
     n = a.numel()
     inf = math.isinf(c)
     cap = n if inf else _kept_room(n, budget)

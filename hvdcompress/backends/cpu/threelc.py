@@ -16,6 +16,7 @@ from hvdcompress.backends.cpu._library import (
     _bodies_buffer,
     _check,
     _decode,
+    _message,
     _native,
     _numels,
     _ptr,
@@ -109,7 +110,4 @@ def threelc_decode_segments(
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
     fn, tables = LIB.hvdc_threelc_decode_segments, (starts, lens, ns)
     failed = _decode(fn, len(outs), frame, tables, scales32, out_at)
-    if failed is None:
-        return None
-    p, code = failed
-    return p, _ERRORS.get(code, f"error code {code}")
+    return None if failed is None else (failed[0], _message(failed[1], _ERRORS))

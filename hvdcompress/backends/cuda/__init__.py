@@ -34,9 +34,7 @@ names stay in their modules.
 from __future__ import annotations
 
 from hvdcompress._native import NVRTC_OPTIONS, kernel_dir  # noqa: F401  (tests/gpu use them)
-from hvdcompress.backends.cuda._bucket import (  # noqa: F401  (re-exports)
-    splits,
-)
+from hvdcompress.backends.cuda._bucket import splits  # noqa: F401  (re-exports)
 from hvdcompress.backends.cuda._runtime import (  # noqa: F401  (re-exports)
     BLOCK,
     BLOCKS_PER_SM,

@@ -203,10 +203,9 @@ def _digits_ternary_decode(
     frame), the zero-run lengths and one scan, every body's zero-run total and padding
     (threelc.cu) and deltas (quant_dqsg_deltas_check_segments), one read, then the
     expansion (run groups as zero groups) and quant_dqsg_quartic_decode_add_segments for
-    the bodies before the first refused one: DQSG's values, or with ``rho`` NDQSG's side
-    decode against ``outs[p] / divisor`` and the aliasing counts against ``k_trues``
-    (read after the last launch, only when some k_true is given). (None, or (p, its error
-    bits; -1 for a length the host refused); the aliasing count of each body.)"""
+    the bodies before the first refused one; the aliasing counts are read after the last
+    launch, only when some k_true is given. (None, or (p, its error bits; -1 for a length
+    the host refused); the aliasing count of each body.)"""
     count = len(outs)
     aliased = np.zeros(count, dtype=np.int64)
     if not count:

@@ -134,9 +134,6 @@ def randomk_decode_segments(
     return good, int(kept[good]) if wrong[good] else -1
 
 
-# ---- GSpar's scale rounds and draw: torch ops on the device ----------------------------------
-
-
 _GSPAR_SEG_CHUNK = 4  # HVD_GSPAR_SEG_CHUNK of kernels/quant.cu: a segment's first chunk
 
 
