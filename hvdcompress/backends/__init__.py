@@ -1,13 +1,10 @@
 """Codec backends: the same tensor math on the CPU (C, via ctypes) and on CUDA (CuPy RawKernels).
 
-Both backends implement the protocol below and must produce identical bytes for
-identical input (docs/backends.md). ``for_device`` picks one by the tensor's device; the
-codecs in ``hvdcompress.codecs`` never branch on the device themselves.
-
-``hvdcompress.backends.protocol.Backend`` lists every operation a backend provides, with
-its signature and contract, one form per operation (a bucket's; the per-tensor API is a
-bucket of one). ``backends.cpu`` and ``backends.cuda`` are packages with a module per
-codec family (primitives, frame, threelc, sign, quant, sparse); what they return and the
+Both backends implement ``hvdcompress.backends.protocol.Backend`` (every operation, with its
+signature and contract) and must produce identical bytes for identical input
+(docs/backends.md). ``for_device`` picks one by the tensor's device; the codecs in
+``hvdcompress.codecs`` never branch on the device themselves. ``backends.cpu`` and
+``backends.cuda`` are packages with a module per codec family; what they return and the
 layout facts their kernels compile in are in ``backends.records``.
 """
 

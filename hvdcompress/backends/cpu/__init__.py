@@ -10,32 +10,30 @@ hash of the sources and flags. Sources, flags and where to find them (the repo's
 
 Each call passes raw data pointers of contiguous tensors; the C functions neither
 allocate nor keep pointers, so the GIL is released (ctypes does this) and tensors
-stay owned by torch.
+stay owned by torch. The package re-exports the protocol's operations, the CPU-only
+extras and what tests and the codecs name; private names stay in their modules.
 """
 
-from hvdcompress.backends.cpu._library import (
+from hvdcompress.backends.cpu._library import (  # noqa: F401  (re-exports)
     LIB,
     NONFINITE_BITS,
+    _ptr,
     num_threads,
     splits,
 )
-from hvdcompress.backends.cpu._library import (
-    _ptr as _ptr,
-)
-from hvdcompress.backends.cpu.frame import (
-    SCAN_FIELDS,
+from hvdcompress.backends.cpu.frame import (  # noqa: F401  (re-exports)
     checksum_segments,
     frame_scan,
     frame_write,
     store_checksums,
 )
-from hvdcompress.backends.cpu.primitives import (
+from hvdcompress.backends.cpu.primitives import (  # noqa: F401  (re-exports)
     bitpack,
     bitunpack,
     chunk_sums,
     uniform,
 )
-from hvdcompress.backends.cpu.quant import (
+from hvdcompress.backends.cpu.quant import (  # noqa: F401  (re-exports)
     digits_decode_segments,
     digits_encode_segments,
     dqsg_decode_segments,
@@ -48,18 +46,14 @@ from hvdcompress.backends.cpu.quant import (
     qsgd_encode_segments,
     terngrad_encode_segments,
 )
-from hvdcompress.backends.cpu.sign import (
-    EF_CHUNK,
+from hvdcompress.backends.cpu.sign import (  # noqa: F401  (re-exports)
     efsign_encode_segments,
     efsign_sums_segments,
     sign_decode_segments,
     sign_encode_segments,
 )
-from hvdcompress.backends.cpu.sparse import (
-    _TOPKQ_ERRORS as _TOPKQ_ERRORS,
-)
-from hvdcompress.backends.cpu.sparse import (
-    TOPK_MIN_SAMPLED,
+from hvdcompress.backends.cpu.sparse import (  # noqa: F401  (re-exports)
+    _TOPKQ_ERRORS,
     TOPK_MIN_STRIDE,
     TOPK_SAMPLE,
     TopKSignSelection,
@@ -76,7 +70,7 @@ from hvdcompress.backends.cpu.sparse import (
     topkq_select_segments,
     topkq_write_segments,
 )
-from hvdcompress.backends.cpu.threelc import (
+from hvdcompress.backends.cpu.threelc import (  # noqa: F401  (re-exports)
     quantize,
     quartic_decode,
     quartic_encode,
@@ -86,59 +80,3 @@ from hvdcompress.backends.cpu.threelc import (
     zero_run_decode,
     zero_run_encode,
 )
-
-__all__ = [
-    "EF_CHUNK",
-    "LIB",
-    "NONFINITE_BITS",
-    "SCAN_FIELDS",
-    "TOPK_MIN_SAMPLED",
-    "TOPK_MIN_STRIDE",
-    "TOPK_SAMPLE",
-    "TopKSignSelection",
-    "bitpack",
-    "bitunpack",
-    "checksum_segments",
-    "chunk_sums",
-    "dgc_update",
-    "digits_decode_segments",
-    "digits_encode_segments",
-    "dqsg_decode_segments",
-    "dqsg_dequantize",
-    "dqsg_encode_segments",
-    "dqsg_quantize",
-    "efsign_encode_segments",
-    "efsign_sums_segments",
-    "frame_scan",
-    "frame_write",
-    "gspar_draw",
-    "gspar_encode_segments",
-    "gspar_round",
-    "ndqsg_coset",
-    "ndqsg_side_decode",
-    "num_threads",
-    "qsgd_decode_segments",
-    "qsgd_encode_segments",
-    "quantize",
-    "quartic_decode",
-    "quartic_encode",
-    "randomk_decode_segments",
-    "randomk_encode_segments",
-    "scale_for",
-    "sign_decode_segments",
-    "sign_encode_segments",
-    "splits",
-    "store_checksums",
-    "terngrad_encode_segments",
-    "threelc_decode_segments",
-    "threelc_encode_segments",
-    "topk_decode_segments",
-    "topk_encode_segments",
-    "topk_select",
-    "topkq_decode_segments",
-    "topkq_select_segments",
-    "topkq_write_segments",
-    "uniform",
-    "zero_run_decode",
-    "zero_run_encode",
-]

@@ -24,13 +24,8 @@ from hvdcompress.errors import PayloadError
 
 _SOURCES = [_native.kernel_dir() / name for name in _native.C_SOURCES]
 
-_i64, _u32, _f32, _int, _p = (
-    ctypes.c_int64,
-    ctypes.c_uint32,
-    ctypes.c_float,
-    ctypes.c_int,
-    (ctypes.c_void_p),
-)
+_i64, _u32, _u64, _f32 = ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_float
+_int, _p = ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "hvdc_threelc_absmax_bits": (_u32, [_p, _p, _i64]),
     "hvdc_threelc_quantize": (None, [_p, _p, _p, _f32, _i64, _p, _p]),
@@ -41,7 +36,6 @@ _SIGNATURES = {
     "hvdc_threelc_zre_decoded_len": (_i64, [_p, _i64]),
     "hvdc_threelc_zre_decode": (_i64, [_p, _i64, _p, _i64]),
     "hvdc_threelc_quartic_decode": (_i64, [_p, _i64, _p]),
-    "hvdc_threelc_dequantize": (_i64, [_p, _i64, _f32, _p, _int]),
     "hvdc_threelc_decode": (_i64, [_p, _i64, _i64, _f32, _p, _int]),
     "hvdc_threelc_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p]),
     "hvdc_threelc_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _p, _p]),
@@ -51,7 +45,7 @@ _SIGNATURES = {
     "hvdc_frame_scan": (_i64, [_p, _i64, _i64, _p, _p]),
     "hvdc_frame_write": (None, [_i64, _p, _p, _p, _p, _p, _p, _p, _p, _p, _p]),
     # shared primitives (kernels/primitives.c)
-    "hvdc_prim_uniform": (None, [ctypes.c_uint64, _i64, _i64, _p]),
+    "hvdc_prim_uniform": (None, [_u64, _i64, _i64, _p]),
     "hvdc_prim_bitpack": (None, [_p, _i64, _int, _p]),
     "hvdc_prim_bitunpack": (_i64, [_p, _i64, _i64, _int, _p]),
     "hvdc_prim_chunk_sums": (None, [_p, _i64, _i64, _int, _p]),
@@ -61,31 +55,22 @@ _SIGNATURES = {
     "hvdc_efsign_sums_segments": (None, [_i64, _p, _p, _p, _i64, _p, _p, _p]),
     "hvdc_efsign_encode_segments": (None, [_i64, _p, _p, _p, _p, _p, _p]),
     # stochastic quantisers (kernels/quant.c)
-    "hvdc_qsgd_encode": (_int, [_p, _i64, _int, _int, _i64, ctypes.c_uint64, _i64, _p, _p]),
+    "hvdc_qsgd_encode": (_int, [_p, _i64, _int, _int, _i64, _u64, _i64, _p, _p]),
     "hvdc_prim_unpack_groups": (None, [_p, _i64, _int, _p, _int]),
     "hvdc_prim_pack_groups": (None, [_p, _i64, _int, _p, _int]),
-    "hvdc_terngrad_quartic": (None, [_p, _i64, _f32, ctypes.c_uint64, _i64, _p]),
-    "hvdc_dqsg_quantize": (_int, [_p, _i64, _int, _i64, ctypes.c_uint64, _i64, _int, _p, _p]),
-    "hvdc_dqsg_dequantize": (None, [_p, _i64, _p, _i64, ctypes.c_uint64, _i64, _p, _int]),
+    "hvdc_terngrad_quartic": (None, [_p, _i64, _f32, _u64, _i64, _p]),
+    "hvdc_dqsg_quantize": (_int, [_p, _i64, _int, _i64, _u64, _i64, _int, _p, _p]),
+    "hvdc_dqsg_dequantize": (None, [_p, _i64, _p, _i64, _u64, _i64, _p, _int]),
     # top-k selection (kernels/sparse.c)
     "hvdc_ndqsg_coset": (None, [_p, _i64, _int, _int, _p]),
-    "hvdc_ndqsg_side_decode": (
-        _i64,
-        [_p, _i64, _p, _p, _int, _i64, ctypes.c_uint64, _p, _int, _p],
-    ),
+    "hvdc_ndqsg_side_decode": (_i64, [_p, _i64, _p, _p, _int, _i64, _u64, _p, _int, _p]),
     "hvdc_dgc_update": (_int, [_p, _p, _p, _i64, _f32, _int]),
-    "hvdc_randomk_encode_segments": (
-        None,
-        [_i64, _p, _p, _p, _u32, _p, _p, _p, _p, _p],
-    ),
+    "hvdc_randomk_encode_segments": (None, [_i64, _p, _p, _p, _u32, _p, _p, _p, _p, _p]),
     "hvdc_randomk_ef_encode_segments": (None, [_i64, _p, _p, _p, _p, _u32] + [_p] * 6),
-    "hvdc_randomk_decode_segments": (
-        _i64,
-        [_i64, _p, _p, _p, _p, _p, _u32, _f32, _p, _p, _p],
-    ),
+    "hvdc_randomk_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _u32, _f32, _p, _p, _p]),
     "hvdc_gspar_encode_segments": (None, [_i64, _p, _p, _int, _p, _p, _p, _i64] + [_p] * 9),
     "hvdc_gspar_round": (_i64, [_p, _i64, _f32, _i64, _p]),
-    "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, ctypes.c_uint64, _int, _p, _p, _i64]),
+    "hvdc_gspar_draw": (_i64, [_p, _i64, _f32, _int, _u64, _int, _p, _p, _i64]),
     "hvdc_topk_kth_bits": (_u32, [_p, _i64, _i64, _u32, _i64, _p]),
     "hvdc_topk_collect": (_i64, [_p, _i64, _u32, _p, _p, _i64]),
     "hvdc_topk_keep": (_i64, [_p, _i64, _u32, _p, _u32, _i64, _p]),
@@ -99,10 +84,7 @@ _SIGNATURES = {
     "hvdc_dqsg_encode_segments": (None, [_i64, _p, _p, _p, _int, _int, _i64] + [_p] * 5),
     "hvdc_dqsg_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p, _int, _int, _i64, _p, _p, _p]),
     "hvdc_digits_encode_segments": (None, [_i64, _p, _p, _p, _int, _int, _int, _i64] + [_p] * 8),
-    "hvdc_digits_decode_segments": (
-        _i64,
-        [_i64, _p, _p, _p, _p, _p, _int, _int, _i64, _f32] + [_p] * 6,
-    ),
+    "hvdc_digits_decode_segments": (_i64, [_i64] + [_p] * 5 + [_int, _int, _i64, _f32] + [_p] * 6),
 }
 # Negative return codes of the decoders, per source file.
 _ERRORS = {  # kernels/threelc.c (TLC_ERR_*)
@@ -200,7 +182,11 @@ def _scratch(nbytes: int) -> torch.Tensor:
 def _check(code: int, errors: dict[int, str] = _ERRORS) -> None:
     """Raise PayloadError (field "body") for a negative return code of the C library."""
     if code < 0:
-        raise PayloadError("body", errors.get(code, f"error code {code}"))
+        raise PayloadError("body", _message(code, errors))
+
+
+def _message(code: int, errors: dict[int, str]) -> str:
+    return errors.get(code, f"error code {code}")
 
 
 # ---- threads --------------------------------------------------------------------------------
@@ -216,8 +202,7 @@ def num_threads() -> int:
 
 
 def splits(n: int) -> bool:
-    """Whether a tensor of n elements is cut into parts for the codec threads: a bucket's
-    one-call encoders leave such tensors to the per-tensor (threaded) path."""
+    """Two parts' worth of elements or more, and more than one codec thread."""
     return n >= 2 * _MIN_PART and num_threads() > 1
 
 
@@ -270,12 +255,12 @@ def _parts(n: int, align: int) -> list[tuple[int, int]]:
     return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
-def _run_parts(fn, parts: list[tuple[int, int]]) -> list:
-    """fn(lo, hi) for every part, on the pool when there is more than one (ctypes releases
-    the GIL during each C call)."""
+def _run_parts(fn, parts: list[tuple[int, int]], threads: int | None = None) -> list:
+    """fn(*part) for every part, on the pool (``threads`` workers, default one a part) when
+    there is more than one (ctypes releases the GIL during each C call)."""
     if len(parts) == 1:
         return [fn(*parts[0])]
-    return list(_executor(len(parts)).map(lambda part: fn(*part), parts))
+    return list(_executor(threads or len(parts)).map(lambda part: fn(*part), parts))
 
 
 _F32 = 4  # bytes per float32: the parts' pointer offsets
@@ -290,21 +275,15 @@ class _Rows:
     depend on the cut."""
 
     def __init__(self, ns: list[int], align: int) -> None:
-        owner, lo, hi, cut = [], [], [], []
+        whole, cut = [], []  # rows (tensor, lo, hi)
         for p, n in enumerate(ns):
             parts = _parts(n, align)
-            if len(parts) == 1:
-                owner.append(p), lo.append(0), hi.append(n)
-            else:
-                cut.extend((p, a, b) for a, b in parts)
-        whole = len(owner)
-        for p, a, b in cut:
-            owner.append(p), lo.append(a), hi.append(b)
-        self.owner = np.asarray(owner, dtype=np.int64)
-        self.lo = np.asarray(lo, dtype=np.int64)
-        self.n = np.asarray(hi, dtype=np.int64) - self.lo
-        self.calls = [(0, whole)] if whole or not cut else []
-        self.calls += [(row, 1) for row in range(whole, len(owner))]
+            (whole if len(parts) == 1 else cut).extend((p, a, b) for a, b in parts)
+        table = np.array(whole + cut, dtype=np.int64).reshape(-1, 3)
+        self.owner, self.lo = table[:, 0].copy(), table[:, 1].copy()  # contiguous columns
+        self.n = table[:, 2] - self.lo
+        self.calls = [(0, len(whole))] if whole or not cut else []
+        self.calls += [(row, 1) for row in range(len(whole), len(table))]
 
     def at(self, addresses: list[int] | np.ndarray, bytes_per_element: int, per: int = 1):
         """Each row's address: its tensor's address plus ``lo // per * bytes_per_element``
@@ -315,10 +294,12 @@ class _Rows:
     def run(self, fn) -> list:
         """fn(first, count) for each native call's rows, on the pool when there are
         several."""
-        if len(self.calls) == 1:
-            return [fn(*self.calls[0])]
-        threads = min(len(self.calls), num_threads())
-        return list(_executor(threads).map(lambda call: fn(*call), self.calls))
+        return _run_parts(fn, self.calls, min(len(self.calls), num_threads()))
+
+    def call(self, fn, *columns: np.ndarray) -> None:
+        """``run`` of the C function fn(count, each of ``columns`` (one entry a row) from the
+        call's first row)."""
+        self.run(lambda first, count: fn(count, *(_row(c, first) for c in columns)))
 
     def any_per_tensor(self, flags: np.ndarray, count: int) -> list[bool]:
         """Each tensor's flag: whether any of its rows' ``flags`` is set."""
@@ -353,6 +334,30 @@ def _bodies_buffer(room: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
     starts = np.zeros(room.size, dtype=np.int64)
     np.cumsum(room[:-1], out=starts[1:])
     return torch.empty(int(room.sum()), dtype=torch.uint8), starts
+
+
+def _native(fn, *args):
+    """``fn(*args)``, each tensor and numpy array in ``args`` passed as its data pointer (and
+    alive, in ``args``, until the C function returns)."""
+    return fn(*(_address(a) for a in args))
+
+
+def _decode(fn, count: int, frame: torch.Tensor, tables: tuple, *args) -> tuple[int, int] | None:
+    """A bucket decoder of the C library, fn(count, frame, each of ``tables`` (the caller's
+    int64 arrays, ``_i64_array``), *args, &code): None, or (p, code) of the first body p
+    it refuses."""
+    code = ctypes.c_int64(0)
+    at = [_i64_array(t) for t in tables]
+    rc = _native(fn, count, frame, *at, *args, ctypes.byref(code))
+    return None if rc == 0 else (-1 - rc, int(code.value))
+
+
+def _address(a):
+    if isinstance(a, torch.Tensor):
+        return a.data_ptr()
+    if isinstance(a, np.ndarray):
+        return a.ctypes.data
+    return a
 
 
 def _i64_array(a: np.ndarray) -> int:

@@ -12,11 +12,8 @@ from hvdcompress.backends.cpu._library import (
     _ptr,
 )
 
-# ---- shared primitives (kernels/primitives.c; see hvdcompress.codecs.primitives) ----------
-
 
 def uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
-    """n float32 uniforms in [0, 1): counter-based, element i from (key, i)."""
     out = torch.empty(n, dtype=torch.float32)
     if n:
         LIB.hvdc_prim_uniform(key, 0, n, _ptr(out))

@@ -3,7 +3,6 @@ QSGD, TernGrad, DQSG and NDQSG, per tensor and per bucket."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 import struct
 
@@ -17,7 +16,9 @@ from hvdcompress.backends.cpu._library import (
     NONFINITE_BITS,
     _addresses,
     _bodies_buffer,
-    _i64_array,
+    _decode,
+    _message,
+    _native,
     _numels,
     _parts,
     _ptr,
@@ -26,14 +27,11 @@ from hvdcompress.backends.cpu._library import (
     splits,
 )
 
-# ---- stochastic quantisers (kernels/quant.c; see hvdcompress.codecs.quant) --------------------
-
 
 def dqsg_quantize(
     w: torch.Tensor, levels: int, bucket: int, key: int, code_offset: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(q + code_offset as uint8, deltas float32 per bucket) of DQSG's quantiser, or None
-    when w holds a NaN or an Inf."""
+    """A native call a part (``_parts``, whole buckets) on the codec threads."""
     n = w.numel()
     nb = (n + bucket - 1) // bucket
     deltas = torch.empty(nb, dtype=torch.float32)
@@ -57,7 +55,7 @@ def dqsg_dequantize(
     out: torch.Tensor,
     accumulate: bool,
 ) -> None:
-    """out = delta * (q - dither), or out += that (q int8, deltas validated float32 bytes)."""
+    """A native call a part (``_parts``, whole buckets) on the codec threads."""
     n = q.numel()
     pq, pd, po = _ptr(q), _ptr(deltas), _ptr(out)
 
@@ -71,7 +69,6 @@ def dqsg_dequantize(
 
 
 def ndqsg_coset(k: torch.Tensor, rho: int, code_offset: int) -> torch.Tensor:
-    """m + code_offset as uint8 for NDQSG's coset m = k - rho * rint(k / rho) of the int8 k."""
     out = torch.empty(k.numel(), dtype=torch.uint8)
     LIB.hvdc_ndqsg_coset(_ptr(k), k.numel(), rho, code_offset, _ptr(out))
     return out
@@ -88,25 +85,16 @@ def ndqsg_side_decode(
     accumulate: bool,
     k_true: torch.Tensor | None,
 ) -> int:
-    """NDQSG's side-information decode of the int8 cosets m: out <- (or +=) w_hat (out
-    None: not formed); returns how many decoded fine indices differ from the int8 k_true
-    (None: 0). One pass."""
-    return int(
-        LIB.hvdc_ndqsg_side_decode(
-            _ptr(m), m.numel(), _ptr(deltas), _ptr(y), rho, bucket, key, _ptr(out),
-            int(accumulate), _ptr(k_true),
-        )
-    )  # fmt: skip
+    """One pass."""
+    fn = LIB.hvdc_ndqsg_side_decode
+    return int(_native(fn, m, m.numel(), deltas, y, rho, bucket, key, out, int(accumulate), k_true))
 
 
 def qsgd_encode_segments(
     xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """The QSGD body (norms, then packed codes) of each (x, key) of a bucket, or None where
-    x holds a NaN or an Inf or a norm overflows float32. A native call each (a part a
-    codec thread for a tensor they cut): QSGD's encode is bound by its codec (norms,
-    uniforms, codes) rather than by the call, so no native bucket encoder; the CUDA
-    backend's saves a launch sequence and a read per tensor."""
+    """A native call a tensor (a part a thread for a tensor they cut), no native bucket
+    encoder: QSGD's encode is bound by its codec (norms, uniforms, codes), not by the call."""
     bodies: list[torch.Tensor | None] = []
     align = bucket * 8 // math.gcd(bucket, 8)  # whole buckets and whole bytes
     for x, key in zip(xs, keys, strict=True):
@@ -118,16 +106,9 @@ def qsgd_encode_segments(
 
         def part(lo: int, hi: int, px=px, pb=pb, packed=packed, key=key) -> int:
             return LIB.hvdc_qsgd_encode(
-                px + _F32 * lo,
-                hi - lo,
-                levels,
-                bits,
-                bucket,
-                key,
-                lo,
-                pb + 4 * (lo // bucket),
+                px + _F32 * lo, hi - lo, levels, bits, bucket, key, lo, pb + 4 * (lo // bucket),
                 packed + lo * bits // 8,
-            )
+            )  # fmt: skip
 
         bodies.append(None if any(_run_parts(part, _parts(n, align))) else body)
     return bodies
@@ -142,35 +123,17 @@ def qsgd_decode_segments(
     bucket: int,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """The QSGD decode (accumulating) of each body at ``frame[starts[p]:]`` (the caller
-    checked its length) of ``ns[p]`` values into ``outs[p]``, one native call: None, or
-    (p, message) of the first body that does not decode, a bad norm, padding or code (the
-    ones before it added, its output untouched)."""
-    code = ctypes.c_int64(0)
-    out_at = _addresses(outs)  # a local: alive across the call
-    rc = LIB.hvdc_qsgd_decode_segments(
-        len(outs),
-        _ptr(frame),
-        _i64_array(starts),
-        _i64_array(ns),
-        levels,
-        bits,
-        bucket,
-        out_at.ctypes.data,
-        ctypes.byref(code),
-    )
-    if rc == 0:
-        return None
-    return -1 - rc, _PRIM_ERRORS.get(code.value, f"error code {code.value}")
+    """One native call."""
+    fn, out_at = LIB.hvdc_qsgd_decode_segments, _addresses(outs)
+    failed = _decode(fn, len(outs), frame, (starts, ns), levels, bits, bucket, out_at)
+    return None if failed is None else (failed[0], _message(failed[1], _PRIM_ERRORS))
 
 
 def terngrad_encode_segments(
     xs: list[torch.Tensor], keys: list[int]
 ) -> list[tuple[torch.Tensor, float] | None]:
-    """TernGrad of each (x, key) of a bucket: (zero-run-encoded quartic body, M = max|x|),
-    or None where x holds a NaN or an Inf. One native call (bodies: views of one new
-    buffer), except for the tensors the codec threads cut (``splits``): their quartic
-    digits a part a thread, then their zero-run encode."""
+    """One native call, except for the tensors the codec threads cut (``splits``): their
+    quartic digits a part a thread, then their zero-run encode."""
     cut = [i for i, x in enumerate(xs) if splits(x.numel())]
     if not cut:
         return _terngrad_bucket(xs, keys)
@@ -195,8 +158,7 @@ def _terngrad_cut(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | Non
         LIB.hvdc_terngrad_quartic(px + _F32 * lo, hi - lo, scale, key, lo, pq + lo // 5)
 
     _run_parts(part, _parts(n, 5 * 8))
-    out = pq + m
-    length = LIB.hvdc_threelc_zre_encode(pq, m, out)
+    length = LIB.hvdc_threelc_zre_encode(pq, m, pq + m)
     return quartic[m : m + length].clone(), scale
 
 
@@ -211,29 +173,16 @@ def _terngrad_bucket(
     key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
     scales = np.empty(count, dtype=np.float32)
     lens = np.empty(count, dtype=np.int64)
-    x_at = _addresses(xs)  # a local: alive across the call
-    LIB.hvdc_terngrad_encode_segments(
-        count,
-        x_at.ctypes.data,
-        ns.ctypes.data,
-        key_array.ctypes.data,
-        _ptr(buf),
-        starts.ctypes.data,
-        _ptr(quartic),
-        scales.ctypes.data,
-        lens.ctypes.data,
-    )
-    return [
-        None if n < 0 else (buf[a : a + n], m)
-        for a, n, m in zip(starts.tolist(), lens.tolist(), scales.tolist(), strict=True)
-    ]
+    tail = (buf, starts, quartic, scales, lens)
+    _native(LIB.hvdc_terngrad_encode_segments, count, _addresses(xs), ns, key_array, *tail)
+    spans = zip(starts.tolist(), lens.tolist(), scales.tolist(), strict=True)
+    return [None if n < 0 else (buf[a : a + n], m) for a, n, m in spans]
 
 
 def dqsg_encode_segments(
     xs: list[torch.Tensor], keys: list[int], levels: int, bits: int, bucket: int
 ) -> list[torch.Tensor | None]:
-    """DQSG's body (s = levels > 1: deltas, then the bit-packed codes) of each (x, key) of
-    a bucket in one native call: views of one new buffer, or None for a non-finite x."""
+    """One native call."""
     count = len(xs)
     ns = _numels(xs)
     nb = (ns + bucket - 1) // bucket
@@ -243,25 +192,12 @@ def dqsg_encode_segments(
     bad = np.zeros(count, dtype=np.int32)
     deltas = np.empty(max(int(nb.max()) if count else 0, 1), dtype=np.float32)
     codes = np.empty(max(int(ns.max()) if count else 0, 1), dtype=np.uint8)
-    x_at = _addresses(xs)  # a local: alive across the call
-    LIB.hvdc_dqsg_encode_segments(
-        count,
-        x_at.ctypes.data,
-        ns.ctypes.data,
-        key_array.ctypes.data,
-        levels,
-        bits,
-        bucket,
-        _ptr(buf),
-        starts.ctypes.data,
-        bad.ctypes.data,
-        deltas.ctypes.data,
-        codes.ctypes.data,
-    )
-    return [
-        None if b else buf[a : a + r]
-        for a, r, b in zip(starts.tolist(), room.tolist(), bad.tolist(), strict=True)
-    ]
+    _native(
+        LIB.hvdc_dqsg_encode_segments, count, _addresses(xs), ns, key_array, levels, bits,
+        bucket, buf, starts, bad, deltas, codes,
+    )  # fmt: skip
+    spans = zip(starts.tolist(), room.tolist(), bad.tolist(), strict=True)
+    return [None if b else buf[a : a + r] for a, r, b in spans]
 
 
 def dqsg_decode_segments(
@@ -275,39 +211,17 @@ def dqsg_decode_segments(
     bucket: int,
     outs: list[torch.Tensor],
 ) -> tuple[int, int] | None:
-    """DQSG's decode (s = levels > 1, accumulating) of each body ``frame[starts[p]:][:lens[p]]``
-    into ``outs[p]``, one native call: None, or (p, error code, kernels/quant.c DQSG_ERR_*)
-    of the first body that does not decode (the ones before it added, its output
-    untouched)."""
-    code = ctypes.c_int64(0)
+    """One native call."""
     key_array = np.asarray(keys, dtype=np.uint64).reshape(len(outs))
     codes = np.empty(max(int(ns.max()) if len(outs) else 0, 1), dtype=np.uint8)
-    out_at = _addresses(outs)  # a local: alive across the call
-    rc = LIB.hvdc_dqsg_decode_segments(
-        len(outs),
-        _ptr(frame),
-        _i64_array(starts),
-        _i64_array(lens),
-        _i64_array(ns),
-        key_array.ctypes.data,
-        levels,
-        bits,
-        bucket,
-        out_at.ctypes.data,
-        codes.ctypes.data,
-        ctypes.byref(code),
-    )
-    return None if rc == 0 else (-1 - rc, int(code.value))
+    args = key_array, levels, bits, bucket, _addresses(outs), codes
+    return _decode(LIB.hvdc_dqsg_decode_segments, len(outs), frame, (starts, lens, ns), *args)
 
 
 def digits_encode_segments(
     xs: list[torch.Tensor], keys: list[int], levels: int, rho: int, bits: int, bucket: int
 ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
-    """DQSG's quantiser (s = levels) of each (x, key) of a bucket, then its digits packed,
-    in one native call (kernels/quant.c ``hvdc_digits_encode_segments``): the digits are
-    the fine indices k (rho 0: DQSG with s = 1) or their cosets (NDQSG's nested code, rho
-    >= 2). Returns (the bodies, views of one new buffer, None for a non-finite x; the int8
-    k of every tensor, concatenated in order)."""
+    """One native call (kernels/quant.c ``hvdc_digits_encode_segments``)."""
     count = len(xs)
     ns = _numels(xs)
     nb = (ns + bucket - 1) // bucket
@@ -323,17 +237,12 @@ def digits_encode_segments(
     deltas = np.empty(max(int(nb.max()) if count else 0, 1), dtype=np.float32)
     codes = np.empty(most, dtype=np.uint8)
     quartic = np.empty((most + 4) // 5, dtype=np.uint8)
-    x_at = _addresses(xs)  # a local: alive across the call
-    LIB.hvdc_digits_encode_segments(
-        count, x_at.ctypes.data, ns.ctypes.data, key_array.ctypes.data, levels, rho, bits,
-        bucket, _ptr(ks), k_starts.ctypes.data, _ptr(buf), starts.ctypes.data,
-        lens.ctypes.data, deltas.ctypes.data, codes.ctypes.data, quartic.ctypes.data,
+    _native(
+        LIB.hvdc_digits_encode_segments, count, _addresses(xs), ns, key_array, levels, rho,
+        bits, bucket, ks, k_starts, buf, starts, lens, deltas, codes, quartic,
     )  # fmt: skip
-    bodies = [
-        None if n < 0 else buf[a : a + n]
-        for a, n in zip(starts.tolist(), lens.tolist(), strict=True)
-    ]
-    return bodies, ks
+    spans = zip(starts.tolist(), lens.tolist(), strict=True)
+    return [None if n < 0 else buf[a : a + n] for a, n in spans], ks
 
 
 def digits_decode_segments(
@@ -349,29 +258,18 @@ def digits_decode_segments(
     divisor: int = 1,
     k_trues: list[torch.Tensor | None] | None = None,
 ) -> tuple[np.ndarray, tuple[int, int] | None]:
-    """The decode, accumulating, of each body ``frame[starts[p]:][:lens[p]]`` of
-    ``digits_encode_segments`` into ``outs[p]``, one native call: DQSG with s = 1 (rho 0),
-    or NDQSG's nested code (rho >= 2) with the side information ``outs[p] / divisor``
-    formed in the same pass. Returns (the aliasing count of each body against
-    ``k_trues[p]``, 0 where None or not given; None, or (p, error code) of the first body
-    that does not decode, the ones before it added, its output untouched)."""
+    """One native call (NDQSG's side information formed in the same pass)."""
     count = len(outs)
-    code = ctypes.c_int64(0)
     key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
     most = max(int(ns.max()) if count else 0, 1)
     digits = np.empty(most, dtype=np.int8)
     quartic = np.empty((most + 4) // 5, dtype=np.uint8)
     aliased = np.zeros(count, dtype=np.int64)
-    out_at = _addresses(outs)  # locals: alive across the call
     k_at = np.fromiter(
         (0 if k is None else k.data_ptr() for k in k_trues or [None] * count),
         dtype=np.uint64,
         count=count,
     )
-    rc = LIB.hvdc_digits_decode_segments(
-        count, _ptr(frame), _i64_array(starts), _i64_array(lens), _i64_array(ns),
-        key_array.ctypes.data, rho, bits, bucket, float(divisor), out_at.ctypes.data,
-        k_at.ctypes.data, aliased.ctypes.data, digits.ctypes.data, quartic.ctypes.data,
-        ctypes.byref(code),
-    )  # fmt: skip
-    return aliased, None if rc == 0 else (-1 - rc, int(code.value))
+    args = key_array, rho, bits, bucket, float(divisor), _addresses(outs), k_at, aliased
+    fn, tables = LIB.hvdc_digits_decode_segments, (starts, lens, ns)
+    return aliased, _decode(fn, count, frame, tables, *args, digits, quartic)

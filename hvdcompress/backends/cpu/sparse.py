@@ -3,7 +3,6 @@ random-k, DGC, GSpar and top-k + sign, per tensor and per bucket."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import numpy as np
@@ -14,13 +13,12 @@ from hvdcompress.backends.cpu._library import (
     LIB,
     _addresses,
     _bodies_buffer,
-    _i64_array,
+    _decode,
+    _native,
     _numels,
     _ptr,
     _scratch,
 )
-
-# ---- top-k selection (kernels/sparse.c; see hvdcompress.codecs.sparse) ----------------------
 
 TOPK_SAMPLE = 65536  # elements of the strided sample that bounds the threshold from below
 # Tensors from this size on are sampled (every TOPK_MIN_STRIDE-th element at least): a
@@ -33,8 +31,7 @@ _ALL = 0xFFFFFFFF
 
 
 def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending int64 indices of the k largest |a| (0 < k < n, a finite), ties by lowest
-    index: t = the k-th largest abs bits by radix select, then one ordered pass. A strided
+    """t = the k-th largest abs bits by radix select, then one ordered pass. A strided
     sample's bound first narrows the work to about 2 k candidates (one pass over a); the
     candidates hold every element >= t whenever there are at least k of them, so the
     result is the same as the selection over all of a."""
@@ -70,12 +67,8 @@ def _kept_room(n: int, mean: float) -> int:
 def randomk_encode_segments(
     gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """The kept values of each (g, key) of a bucket (element i kept iff its 24-bit hash is
-    below threshold), in index order, from one pass of hashes, in one native call:
-    (bodies, views of one new buffer; non-finite flags, empty bodies). With the residuals
-    ``es`` (error feedback) of a = g + e, formed in e (untouched where a is not finite),
-    each e becoming a with the kept entries zeroed. A tensor that keeps more than its room
-    (mean + 8 standard deviations) is encoded again on its own, with exact room."""
+    """One pass of hashes in one native call; a tensor that keeps more than its room (mean
+    + 8 standard deviations) is encoded again on its own, with exact room."""
     ns = _numels(gs)
     caps = np.array([_kept_room(n, n * threshold / 2**24) for n in ns.tolist()], np.int64)
     buf, starts, ks, bad = _randomk_call(gs, keys, threshold, es, ns, caps)
@@ -106,20 +99,14 @@ def _randomk_call(gs, keys, threshold: int, es, ns: np.ndarray, caps: np.ndarray
     buf, starts = _bodies_buffer(4 * (caps + 1))
     ks = np.zeros(count, dtype=np.int64)
     bad = np.zeros(count, dtype=np.int32)
-    g_at = _addresses(gs)  # locals: alive across the call
-    key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
-    tail = (_ptr(buf), starts.ctypes.data, caps.ctypes.data, ks.ctypes.data, bad.ctypes.data)
+    g_at, key_at = _addresses(gs), np.asarray(keys, dtype=np.uint64).reshape(count)
+    tail = (buf, starts, caps, ks, bad)
     if es is None:
-        LIB.hvdc_randomk_encode_segments(
-            count, g_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data, threshold, *tail
-        )
+        _native(LIB.hvdc_randomk_encode_segments, count, g_at, ns, key_at, threshold, *tail)
     else:
         idx = np.empty(int(caps.max()) + 1 if count else 1, dtype=np.int64)
-        e_at = _addresses(es)
-        LIB.hvdc_randomk_ef_encode_segments(
-            count, g_at.ctypes.data, e_at.ctypes.data, ns.ctypes.data, key_at.ctypes.data,
-            threshold, *tail, idx.ctypes.data,
-        )  # fmt: skip
+        fn = LIB.hvdc_randomk_ef_encode_segments
+        _native(fn, count, g_at, _addresses(es), ns, key_at, threshold, *tail, idx)
     return buf, starts, ks, bad
 
 
@@ -133,27 +120,16 @@ def randomk_decode_segments(
     scale: float,
     outs: list[torch.Tensor],
 ) -> tuple[int, int] | None:
-    """Random-k's decode (scale times the values added at the regenerated kept indices) of
-    each body of a host frame, one native call:
-    None, or (p, code) for the first body p that does not decode (code -1: a value is not
-    finite; else the regenerated kept count, which the body does not hold)."""
+    """One native call."""
     count = len(outs)
     most = int(np.minimum(lens // 4, ns).max()) if count else 0
     idx = np.empty(max(most, 1), dtype=np.int64)
     key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
-    out_at = _addresses(outs)  # a local: alive across the call
-    code = ctypes.c_int64(0)
-    rc = LIB.hvdc_randomk_decode_segments(
-        count, _ptr(frame), _i64_array(starts), _i64_array(lens), _i64_array(ns),
-        key_at.ctypes.data, threshold, scale, out_at.ctypes.data, idx.ctypes.data,
-        ctypes.byref(code),
-    )  # fmt: skip
-    return None if rc == 0 else (-1 - rc, int(code.value))
+    args = key_at, threshold, scale, _addresses(outs), idx
+    return _decode(LIB.hvdc_randomk_decode_segments, count, frame, (starts, lens, ns), *args)
 
 
 def dgc_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:
-    """u <- momentum * u + g (u <- g at momentum 0), v <- v + u in place; True, u and v
-    untouched, when the new v would hold a NaN or an Inf."""
     n = g.numel()
     return bool(LIB.hvdc_dgc_update(_ptr(g), _ptr(u), _ptr(v), n, momentum, int(momentum == 0)))
 
@@ -165,12 +141,8 @@ def gspar_encode_segments(
     chunk: int,
     es: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor | None], list[bool]]:
-    """GSpar's encode of each (g, key, budget) of a bucket in one native call: scaled
-    values, or with the residuals ``es`` (error feedback) a = g + e, formed in e, with
-    unscaled values and e = a with the kept entries zeroed. Returns (bodies in top-k's
-    layout, views of one new buffer, or None for a tensor the caller encodes alone: more
-    kept than its room, or a scale iteration the native sum does not finish, its e then
-    holding a; non-finite flags, e untouched there)."""
+    """One native call; None for a tensor that keeps more than its room or whose scale
+    iteration the native sum does not finish."""
     count = len(gs)
     ns = _numels(gs)
     caps = np.array([_kept_room(n, b) for n, b in zip(ns.tolist(), budgets, strict=True)], np.int64)
@@ -182,15 +154,12 @@ def gspar_encode_segments(
     sums = np.empty(max(int(((ns + chunk - 1) // chunk).max()) if count else 0, 1), np.float64)
     ks = np.zeros(count, dtype=np.int64)
     bad = np.zeros(count, dtype=np.int32)
-    g_at = _addresses(gs)  # locals: alive across the call
     e_at = None if es is None else _addresses(es)
     key_at = np.asarray(keys, dtype=np.uint64).reshape(count)
     budget_at = np.asarray(budgets, dtype=np.float64).reshape(count)
-    LIB.hvdc_gspar_encode_segments(
-        count, g_at.ctypes.data, None if e_at is None else e_at.ctypes.data, int(es is None),
-        ns.ctypes.data, key_at.ctypes.data, budget_at.ctypes.data,
-        chunk, caps.ctypes.data, wide.ctypes.data, _ptr(buf), starts.ctypes.data,
-        ks.ctypes.data, bad.ctypes.data, values.ctypes.data, idx.ctypes.data, sums.ctypes.data,
+    _native(
+        LIB.hvdc_gspar_encode_segments, count, _addresses(gs), e_at, int(es is None), ns,
+        key_at, budget_at, chunk, caps, wide, buf, starts, ks, bad, values, idx, sums,
     )  # fmt: skip
     flags = [bool(b) for b in bad.tolist()]
     bodies: list[torch.Tensor | None] = []
@@ -207,7 +176,6 @@ def gspar_encode_segments(
 
 
 def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:
-    """(how many |a_i| * float32(c) >= 1, the float64 sums of the other |a_i| per chunk)."""
     sums = torch.empty((a.numel() + chunk - 1) // chunk, dtype=torch.float64)
     count = LIB.hvdc_gspar_round(_ptr(a), a.numel(), c, chunk, _ptr(sums))
     return int(count), sums
@@ -216,19 +184,15 @@ def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tenso
 def gspar_draw(
     a: torch.Tensor, c: float, key: int, scaled: bool, budget: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kept values, ascending int64 indices) of GSpar's draw at scale float32(c) (c = inf:
-    every non-zero entry), from one pass of hashed counters; budget: sum p_i, the mean
-    kept count."""
+    """One pass of hashed counters into room for the budget (again, exact, if it keeps more)."""
     n = a.numel()
     inf = math.isinf(c)
     cap = n if inf else _kept_room(n, budget)
     while True:
         values = torch.empty(cap, dtype=torch.float32)
         idx = torch.empty(cap, dtype=torch.int64)
-        k = LIB.hvdc_gspar_draw(
-            _ptr(a), n, 0.0 if inf else c, int(inf), key, int(scaled), _ptr(values), _ptr(idx),
-            cap,
-        )  # fmt: skip
+        args = 0.0 if inf else c, int(inf), key, int(scaled), values, idx, cap
+        k = _native(LIB.hvdc_gspar_draw, a, n, *args)
         if k <= cap:
             return values[:k], idx[:k]
         cap = k
@@ -248,10 +212,7 @@ def topk_decode_segments(
     ns: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """The top-k decode (accumulating) of each body at ``frame[starts[p]:]`` (the caller
-    checked its length) of ``ks[p]`` kept values of ``ns[p]``, into ``outs[p]``, one native
-    call: None, or (p, message) of the first body that does not decode (the ones before it
-    added, its output untouched)."""
+    """One native call."""
     failed = _kept_decode_segments(LIB.hvdc_topk_decode_segments, frame, starts, ks, ns, outs)
     if failed is None:
         return None
@@ -262,20 +223,8 @@ def topk_decode_segments(
 def _kept_decode_segments(fn, frame, starts, ks, ns, outs) -> tuple[int, int] | None:
     """Call a kept-set decoder of kernels/sparse.c (top-k, top-k + sign) over a bucket's
     bodies: None, or (p, its error code) for the first body p that does not decode."""
-    code = ctypes.c_int64(0)
     wide = (ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
-    out_at = _addresses(outs)  # a local: alive across the call
-    rc = fn(
-        len(outs),
-        _ptr(frame),
-        _i64_array(starts),
-        _i64_array(ks),
-        _i64_array(ns),
-        wide.ctypes.data,
-        out_at.ctypes.data,
-        ctypes.byref(code),
-    )
-    return None if rc == 0 else (-1 - rc, int(code.value))
+    return _decode(fn, len(outs), frame, (starts, ks, ns), wide, _addresses(outs))
 
 
 def topk_encode_segments(
@@ -285,12 +234,7 @@ def topk_encode_segments(
     us: list[torch.Tensor] | None = None,
     momentum: float = 0.0,
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """Top-k with error feedback of each (g, e, k) of a bucket in one native call
-    (kernels/sparse.c, hvdc_topk_encode_segments): (bodies: k values then k ascending
-    indices, int32 below 2**31 elements; views of one new buffer; non-finite flags, e
-    untouched there). e becomes g + e with the kept values zeroed, as TopK.encode does.
-    DGC (us: the velocities): u <- momentum * u + g, e <- e + u, then the top-k of e, and
-    u and e zeroed at the kept entries, as DGC.encode does."""
+    """One native call (kernels/sparse.c, hvdc_topk_encode_segments)."""
     count = len(gs)
     ns = _numels(gs)
     k = np.asarray(ks, dtype=np.int64).reshape(count)
@@ -303,36 +247,18 @@ def topk_encode_segments(
     cand_bits = np.empty(4 * most + 4097, dtype=np.uint32)
     hist = np.empty(2048, dtype=np.uint32)
     bad = np.zeros(count, dtype=np.int32)
-    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
+    g_at, e_at = _addresses(gs), _addresses(es)
     u_at = None if us is None else _addresses(us)
-    LIB.hvdc_topk_encode_segments(
-        count,
-        g_at.ctypes.data,
-        e_at.ctypes.data,
-        None if u_at is None else u_at.ctypes.data,
-        momentum,
-        ns.ctypes.data,
-        k.ctypes.data,
-        wide.ctypes.data,
-        _ptr(buf),
-        starts.ctypes.data,
-        bad.ctypes.data,
-        hist.ctypes.data,
-        sel.ctypes.data,
-        cand_idx.ctypes.data,
-        cand_bits.ctypes.data,
-    )
+    scratch = (hist, sel, cand_idx, cand_bits)
+    fn = LIB.hvdc_topk_encode_segments
+    _native(fn, count, g_at, e_at, u_at, momentum, ns, k, wide, buf, starts, bad, *scratch)
     flags = [bool(b) for b in bad.tolist()]
-    bodies = [
-        buf[:0] if nonfinite else buf[a : a + r]
-        for a, r, nonfinite in zip(starts.tolist(), room.tolist(), flags, strict=True)
-    ]
-    return bodies, flags
+    spans = zip(starts.tolist(), room.tolist(), flags, strict=True)
+    return [buf[:0] if nonfinite else buf[a : a + r] for a, r, nonfinite in spans], flags
 
 
 class TopKSignSelection:
-    """What the first pass of a bucket's top-k + sign leaves for the second
-    (``topkq_select_segments`` -> the caller's magnitudes -> ``topkq_write_segments``)."""
+    """The protocol's ``TopKSignSelection``, with the native calls' arrays."""
 
     def __init__(self, gs, es, ks) -> None:
         count = len(gs)
@@ -352,62 +278,35 @@ class TopKSignSelection:
         self.wide = (self.ns >= 2**31).astype(np.int32)  # codecs/sparse.py INDEX32_LIMIT
 
     def chunk_sums(self) -> list[list[float]]:
-        """Each tensor's order-fixed chunk sums of |kept| (empty when none are kept)."""
         bounds = zip(self.sum_starts.tolist(), self.sum_ends.tolist(), strict=True)
         return [self.sums[a:b].tolist() for a, b in bounds]
 
 
 def topkq_select_segments(gs, es, ks) -> TopKSignSelection:
-    """The first pass of top-k + sign for a bucket, one native call (kernels/sparse.c,
-    hvdc_topkq_select_segments): non-finite flags, e = g + e, the kept sets and values and
-    the chunk sums of their magnitudes."""
+    """One native call (kernels/sparse.c, hvdc_topkq_select_segments)."""
     sel = TopKSignSelection(gs, es, ks)
     most = int(sel.ks.max()) if len(gs) else 0
     cand_idx = np.empty(4 * most + 4097, dtype=np.int64)
     cand_bits = np.empty(4 * most + 4097, dtype=np.uint32)
     hist = np.empty(2048, dtype=np.uint32)
-    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
-    LIB.hvdc_topkq_select_segments(
-        len(gs),
-        g_at.ctypes.data,
-        e_at.ctypes.data,
-        sel.ns.ctypes.data,
-        sel.ks.ctypes.data,
-        sel.nonfinite.ctypes.data,
-        sel.sel.ctypes.data,
-        sel.kept.ctypes.data,
-        sel.starts.ctypes.data,
-        sel.sums.ctypes.data,
-        sel.sum_starts.ctypes.data,
-        hist.ctypes.data,
-        cand_idx.ctypes.data,
-        cand_bits.ctypes.data,
-    )
+    _native(
+        LIB.hvdc_topkq_select_segments, len(gs), _addresses(gs), _addresses(es), sel.ns,
+        sel.ks, sel.nonfinite, sel.sel, sel.kept, sel.starts, sel.sums, sel.sum_starts, hist,
+        cand_idx, cand_bits,
+    )  # fmt: skip
     return sel
 
 
 def topkq_write_segments(sel: TopKSignSelection, magnitudes: list[float]) -> list[torch.Tensor]:
-    """The second pass, one native call: each finite tensor's body (m, indices, sign bits)
-    and its residual less what the body decodes to; the bodies are views of one new
-    buffer (empty where non-finite)."""
+    """One native call."""
     skip = sel.nonfinite
     room = np.where(skip == 1, 0, 4 + sel.ks * np.where(sel.wide == 1, 8, 4) + (sel.ks + 7) // 8)
     buf, out_starts = _bodies_buffer(room)
     ms = np.asarray(magnitudes, dtype=np.float32).reshape(len(room))
-    e_at = _addresses(sel.es)  # a local: alive across the call
-    LIB.hvdc_topkq_write_segments(
-        len(room),
-        e_at.ctypes.data,
-        sel.ks.ctypes.data,
-        skip.ctypes.data,
-        ms.ctypes.data,
-        sel.sel.ctypes.data,
-        sel.kept.ctypes.data,
-        sel.starts.ctypes.data,
-        sel.wide.ctypes.data,
-        _ptr(buf),
-        out_starts.ctypes.data,
-    )
+    _native(
+        LIB.hvdc_topkq_write_segments, len(room), _addresses(sel.es), sel.ks, skip, ms, sel.sel,
+        sel.kept, sel.starts, sel.wide, buf, out_starts,
+    )  # fmt: skip
     return [buf[a : a + r] for a, r in zip(out_starts.tolist(), room.tolist(), strict=True)]
 
 
@@ -421,9 +320,5 @@ def topkq_decode_segments(
     ns: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, int] | None:
-    """The top-k + sign decode (accumulating) of each body at ``frame[starts[p]:]`` (the
-    caller checked its length) into ``outs[p]``, one native call: None, or (p, error
-    code) of the first body that does not decode (the ones before it added, its output
-    untouched): -1 / -2 the indices (``_TOPK_ERRORS``), -4 the magnitude, -5 a sign
-    padding bit."""
+    """One native call; the index codes' messages are ``_TOPK_ERRORS``."""
     return _kept_decode_segments(LIB.hvdc_topkq_decode_segments, frame, starts, ks, ns, outs)

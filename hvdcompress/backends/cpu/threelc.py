@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import numpy as np
@@ -16,7 +15,9 @@ from hvdcompress.backends.cpu._library import (
     _addresses,
     _bodies_buffer,
     _check,
-    _i64_array,
+    _decode,
+    _message,
+    _native,
     _numels,
     _ptr,
 )
@@ -82,10 +83,7 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
 def threelc_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor | None], sparsities: list[float]
 ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
-    """3LC's fused encode (quantise with error feedback, quartic, zero-run) of each (g, e,
-    sparsity) of a bucket in one native call, e None: no error feedback: (bodies, views of
-    one new buffer; scales S; non-finite flags: the input or S not finite, no body, scale
-    0, e untouched)."""
+    """One native call."""
     count = len(gs)
     ns = _numels(gs)
     room = (ns + 4) // 5 + 2
@@ -93,24 +91,11 @@ def threelc_encode_segments(
     scales = np.empty(count, dtype=np.float32)
     lens = np.empty(count, dtype=np.int64)
     s = np.asarray(sparsities, dtype=np.float32)
-    g_at, e_at = _addresses(gs), _addresses(es)  # locals: alive across the call
-    LIB.hvdc_threelc_encode_segments(
-        count,
-        g_at.ctypes.data,
-        e_at.ctypes.data,
-        ns.ctypes.data,
-        s.ctypes.data,
-        _ptr(buf),
-        starts.ctypes.data,
-        scales.ctypes.data,
-        lens.ctypes.data,
-    )
-    bad = (lens < 0).tolist()
-    bodies = [
-        buf[a : a + n] if n >= 0 else buf[:0]
-        for a, n in zip(starts.tolist(), lens.tolist(), strict=True)
-    ]
-    return bodies, scales.tolist(), bad
+    g_at, e_at = _addresses(gs), _addresses(es)
+    _native(LIB.hvdc_threelc_encode_segments, count, g_at, e_at, ns, s, buf, starts, scales, lens)
+    spans = zip(starts.tolist(), lens.tolist(), strict=True)
+    bodies = [buf[a : a + n] if n >= 0 else buf[:0] for a, n in spans]
+    return bodies, scales.tolist(), (lens < 0).tolist()
 
 
 def threelc_decode_segments(
@@ -121,19 +106,8 @@ def threelc_decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """3LC's decode (S * q added) of each body ``frame[starts[p]:][:lens[p]]`` into
-    ``outs[p]``, one native call: None, or (p, message) of the first body that does not
-    decode (the ones before it are added, its output untouched)."""
-    code = ctypes.c_int64(0)
+    """One native call."""
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
-    rc = LIB.hvdc_threelc_decode_segments(
-        len(outs),
-        _ptr(frame),
-        _i64_array(starts),
-        _i64_array(lens),
-        _i64_array(ns),
-        scales32.ctypes.data,
-        out_at.ctypes.data,
-        ctypes.byref(code),
-    )
-    return None if rc == 0 else (-1 - rc, _ERRORS.get(code.value, f"error code {code.value}"))
+    fn, tables = LIB.hvdc_threelc_decode_segments, (starts, lens, ns)
+    failed = _decode(fn, len(outs), frame, tables, scales32, out_at)
+    return None if failed is None else (failed[0], _message(failed[1], _ERRORS))

@@ -2,65 +2,43 @@
 
 Same protocol and the same bytes as the CPU backend (``hvdcompress.backends``). Each .cu
 file is one kernel family (``KernelFamily``: ``THREELC``, ``FRAME``, ``PRIMITIVES``,
-``SIGN``, ``QUANT``, ``SPARSE``), compiled into its
-own module once per process and device, on the first launch of one of its kernels, with
-exactly ``NVRTC_OPTIONS`` (``hvdcompress._native``: FMA contraction, flush to zero and
-approximate division turned off; ``_compile`` says why not through ``RawModule``). The
-sources are found by ``kernel_dir()``: in ``hvdcompress/kernels/`` when the package was
-installed with them, else in the source tree's ``kernels/`` (a checkout on PYTHONPATH).
+``SIGN``, ``QUANT``, ``SPARSE``), compiled into its own module once per process and device,
+on the first launch of one of its kernels, with exactly ``NVRTC_OPTIONS``
+(``hvdcompress._native``: FMA contraction, flush to zero and approximate division turned
+off; ``_compile`` says why not through ``RawModule``). The sources are found by
+``kernel_dir()``: in ``hvdcompress/kernels/`` when the package was installed with them,
+else in the source tree's ``kernels/`` (a checkout on PYTHONPATH).
 
-Tensors stay torch tensors: kernels get their raw device pointers (zero-copy; the
-tensors are alive for the whole call and every kernel and torch op of a call runs, in
-order, on torch's current stream of the tensor's device, so the caching allocator's
-stream-ordered reuse is safe). The scans of the zero-run coder are ``torch.cummax`` (in
-two levels: ``_running_max``) and ``torch.cumsum`` on that stream. Each call makes one
-small device-to-host copy (the handful of integers a call needs: output length, error
-bits, scale, non-finite flag or checksum); the fused decode makes it before writing
-anything, so a corrupt body raises ``PayloadError`` with ``out`` untouched. A bucket's
-calls (the ``*_segments`` functions: 3LC, TernGrad, signSGD, EF-signSGD, QSGD, DQSG,
-checksums) make at most that one copy for the whole bucket, after one launch
-sequence over a segment table (kernels/threelc.cu section 7, sign.cu section 5, quant.cu
-section 9); ``store_checksums`` and ``efsign_encode_segments`` make none. A frame
-gathered on the device is scanned there (``frame_scan``, kernels/frame.cu section 3:
-one read of a row per payload, not a copy of the frame).
+Tensors stay torch tensors: kernels get their raw device pointers (zero-copy; the tensors
+are alive for the whole call and every kernel and torch op of a call runs, in order, on
+torch's current stream of the tensor's device, so the caching allocator's stream-ordered
+reuse is safe). The scans of the zero-run coder are ``torch.cummax`` (in two levels:
+``_running_max``) and ``torch.cumsum`` on that stream. Device-to-host copies are few and
+small (a bucket's ``*_segments`` call: mostly one for the whole bucket, after one launch
+sequence over a segment table); a decode reads its checks before writing anything, so a
+corrupt body leaves ``out`` untouched. Each function's docstring counts its launches and
+reads.
 
-
-The package (one module per kernel family and codec family; the same names as the one
-module it was): ``_runtime`` (CuPy, the kernel families and their compiled modules, the
-launches on torch's stream, segment tables, the kernels' constants), ``_bucket`` (the
-helpers a bucket's segment calls share), ``primitives``, ``threelc`` (3LC and its zero-run
-coder), ``frame`` (checksums and frames), ``sign``, ``quant`` (QSGD, the packed codes,
-TernGrad), ``dqsg`` (DQSG's and NDQSG's digits), ``sparse`` (top-k, top-k + sign, DGC) and
-``sparse_random`` (random-k, GSpar). Every name is defined once, in one of them, and
-its public names re-exported here (the protocol's operations, the kernel families, what
-tests and scripts name); private names stay in their modules.
+The package (one module per kernel family and codec family): ``_runtime`` (CuPy, the
+kernel families and their compiled modules, the launches on torch's stream, segment
+tables, the kernels' constants), ``_bucket`` (the helpers a bucket's segment calls share),
+``primitives``, ``threelc`` (3LC and its zero-run coder), ``frame`` (checksums and
+frames), ``sign``, ``quant`` (QSGD, the packed codes, TernGrad), ``dqsg`` (DQSG's and
+NDQSG's digits), ``sparse`` (top-k, top-k + sign, DGC) and ``sparse_random`` (random-k,
+GSpar), each an attribute of the package once its names are imported below. Every name is
+defined once, in one of them, and its public names re-exported here
+(the protocol's operations, the kernel families, what tests and scripts name); private
+names stay in their modules.
 """
 
 from __future__ import annotations
 
 from hvdcompress._native import NVRTC_OPTIONS, kernel_dir  # noqa: F401  (tests/gpu use them)
-from hvdcompress.backends.cuda import (  # noqa: F401  (the family modules)
-    dqsg,
-    frame,
-    primitives,
-    quant,
-    sign,
-    sparse,
-    sparse_random,
-    threelc,
-)
-from hvdcompress.backends.cuda._bucket import (  # noqa: F401  (re-exports)
-    splits,
-)
+from hvdcompress.backends.cuda._bucket import splits  # noqa: F401  (re-exports)
 from hvdcompress.backends.cuda._runtime import (  # noqa: F401  (re-exports)
     BLOCK,
     BLOCKS_PER_SM,
     DEVICE_TYPE,
-    ERR_BYTE,
-    ERR_INPUT,
-    ERR_LENGTH,
-    ERR_OVERFLOW,
-    ERR_PADDING,
     FAMILIES,
     FRAME,
     PRIMITIVES,
@@ -101,15 +79,12 @@ from hvdcompress.backends.cuda.quant import (  # noqa: F401  (re-exports)
     terngrad_encode_segments,
 )
 from hvdcompress.backends.cuda.sign import (  # noqa: F401  (re-exports)
-    EF_CHUNK,
     efsign_encode_segments,
     efsign_sums_segments,
     sign_decode_segments,
     sign_encode_segments,
 )
 from hvdcompress.backends.cuda.sparse import (  # noqa: F401  (re-exports)
-    TOPK_SAMPLE,
-    TOPKQ_CHUNK,
     TopKSignSelection,
     dgc_update,
     topk_decode_segments,

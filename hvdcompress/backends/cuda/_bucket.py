@@ -1,5 +1,6 @@
 """The checks and segment-table helpers a bucket's segment calls share (the CPU backend's
-one-call signatures, one launch sequence for the bucket here)."""
+one-call signatures, one launch sequence for the bucket here: docs/backends.md, "The CUDA
+path")."""
 
 from __future__ import annotations
 
@@ -34,10 +35,6 @@ def _bucket_device(ts: list[torch.Tensor], name: str) -> torch.device:
         if t.device != device:
             raise ValueError(f"a bucket's tensors are on {device} and {t.device}")
     return device
-
-
-# ---- a bucket's segment calls: the CPU backend's one-call signatures, one launch sequence
-# for the bucket here (docs/backends.md, "The CUDA path") ---------------------------------
 
 
 def splits(n: int) -> bool:

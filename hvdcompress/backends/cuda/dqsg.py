@@ -55,10 +55,7 @@ from hvdcompress.backends.cuda.threelc import (
 def dqsg_encode_segments(
     xs: list[torch.Tensor], keys: list[int], levels: int, bits: int, bucket: int
 ) -> list[torch.Tensor | None]:
-    """DQSG's body of each (x, key) of a bucket, None for a non-finite x. s = levels > 1:
-    deltas, then the bit-packed codes q + s: every delta, then every code, one launch
-    each, one read of the non-finite flags; views of one buffer (4-byte aligned). s = 1:
-    ``_dqsg_ternary_encode``."""
+    """s > 1: ``_packed_bucket_encode``; s = 1: ``_digits_ternary_encode``."""
     if levels == 1:
         return _digits_ternary_encode(xs, keys, bucket)
     return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=True)
@@ -67,12 +64,7 @@ def dqsg_encode_segments(
 def digits_encode_segments(
     xs: list[torch.Tensor], keys: list[int], levels: int, rho: int, bits: int, bucket: int
 ) -> tuple[list[torch.Tensor | None], torch.Tensor]:
-    """The CPU backend's ``digits_encode_segments`` on one CUDA device: DQSG's quantiser
-    (s = levels) of each (x, key) of a bucket, its digits (rho 0: q, DQSG with s = 1;
-    rho >= 2: NDQSG's cosets of q) coded as one launch sequence, quartic + zero-run for
-    rho <= 3 (``_digits_ternary_encode``) or packed codes coset + rho // 2 of ``bits``
-    bits (``_packed_bucket_encode``). Returns (the bodies, None for a non-finite x; the
-    int8 q of every tensor, concatenated in order, on the device)."""
+    """``_digits_ternary_encode`` for rho <= 3, else ``_packed_bucket_encode``."""
     ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
     device = _bucket_device(xs, "x") if xs else torch.device(DEVICE_TYPE)
     ks = torch.empty(int(ns.sum()), dtype=torch.int8, device=device)
@@ -84,13 +76,10 @@ def digits_encode_segments(
 def _digits_ternary_encode(
     xs, keys, bucket: int, levels: int = 1, rho: int = 0, ks: torch.Tensor | None = None
 ) -> list[torch.Tensor | None]:
-    """Bodies of ternary digits (deltas, then the digits quartic + zero-run coded; the
-    CPU's ``digits_encode_segments``): DQSG's q at s = 1, or with ``rho`` (2 or 3) NDQSG's
-    cosets of q at s = ``levels``, the q into ``ks`` (the tensors' elements in order) when
-    given. Every delta (quant_bucket_floats_segments), every quartic byte
-    (quant_dqsg_quartic_segments), the bucket's zero-run encode (threelc.cu section 7),
-    one read of the states; then one ``cat`` puts each tensor's deltas before its
-    zero-run bytes."""
+    """Bodies of ternary digits (rho 0: DQSG's q at s = 1; rho 2 or 3: NDQSG's cosets):
+    every delta (quant_bucket_floats_segments), every quartic byte
+    (quant_dqsg_quartic_segments), the bucket's zero-run encode (threelc.cu section 7), one
+    read of the states; then one ``cat`` puts each tensor's deltas before its zero-run bytes."""
     if not xs:
         return []
     device = _bucket_device(xs, "x")
@@ -152,12 +141,9 @@ def dqsg_decode_segments(
     bucket: int,
     outs: list[torch.Tensor],
 ) -> tuple[int, int] | None:
-    """DQSG's decode (accumulating) of each body ``frame[starts[p]:][:lens[p]]`` into
-    ``outs[p]`` (on one CUDA device). s = levels > 1: the lengths on the host, every body
-    checked (one launch, one read), then one launch that adds the bodies before the first
-    refused one. None, or (p, the CPU backend's error code for it: kernels/quant.c
-    DQSG_ERR_*). s = 1: ``_digits_ternary_decode``, whose refusal (p, error bits) the codec
-    words from the per-payload decoder."""
+    """s > 1: the lengths checked on the host, then ``_packed_bucket_decode``. s = 1:
+    ``_digits_ternary_decode``, whose refusal (p, error bits) the codec words from the
+    per-payload decoder."""
     if levels == 1:
         return _digits_ternary_decode(frame, starts, lens, ns, keys, bucket, outs)[0]
     ns = np.asarray(ns, dtype=np.int64).reshape(-1)
@@ -186,13 +172,8 @@ def digits_decode_segments(
     divisor: int = 1,
     k_trues: list[torch.Tensor | None] | None = None,
 ) -> tuple[np.ndarray, tuple[int, int] | None]:
-    """The CPU backend's ``digits_decode_segments`` on one CUDA device: the decode,
-    accumulating, of each body of ``digits_encode_segments`` (DQSG with s = 1 at rho 0, or
-    NDQSG's nested code with the side information ``outs[p] / divisor``) as one launch
-    sequence, ternary digits by ``_digits_ternary_decode``, packed codes by
-    ``_packed_bucket_decode``. Returns (the aliasing count of each body against
-    ``k_trues[p]``, 0 where None; None, or (p, error bits; -1 for a length the host
-    refused) for the first body that does not decode, the ones before it added)."""
+    """``_digits_ternary_decode`` for rho <= 3, else ``_packed_bucket_decode``; a
+    refusal is (p, error bits), -1 for a length the host refused."""
     nested = (rho, divisor, k_trues)
     if rho <= 3:
         failed, aliased = _digits_ternary_decode(frame, starts, lens, ns, keys, bucket, outs,
@@ -222,10 +203,9 @@ def _digits_ternary_decode(
     frame), the zero-run lengths and one scan, every body's zero-run total and padding
     (threelc.cu) and deltas (quant_dqsg_deltas_check_segments), one read, then the
     expansion (run groups as zero groups) and quant_dqsg_quartic_decode_add_segments for
-    the bodies before the first refused one: DQSG's values, or with ``rho`` NDQSG's side
-    decode against ``outs[p] / divisor`` and the aliasing counts against ``k_trues``
-    (read after the last launch, only when some k_true is given). (None, or (p, its error
-    bits; -1 for a length the host refused); the aliasing count of each body.)"""
+    the bodies before the first refused one; the aliasing counts are read after the last
+    launch, only when some k_true is given. (None, or (p, its error bits; -1 for a length
+    the host refused); the aliasing count of each body.)"""
     count = len(outs)
     aliased = np.zeros(count, dtype=np.int64)
     if not count:
@@ -291,7 +271,7 @@ def _digits_ternary_decode(
 
 
 def ndqsg_coset(k: torch.Tensor, rho: int, code_offset: int) -> torch.Tensor:
-    """m + code_offset as uint8, m = k - rho * rint(k / rho) (the CPU backend's table)."""
+    """Torch ops on the device."""
     kf = k.to(torch.float32)
     m = kf - rho * torch.round(kf / torch.full((), float(rho), device=k.device))
     return (m.to(torch.int16) + code_offset).to(torch.uint8)

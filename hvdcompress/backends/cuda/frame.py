@@ -32,9 +32,7 @@ def _checksum_table(buf: torch.Tensor, starts: list[int], lengths: list[int]) ->
 
 
 def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
-    """The checksum (offset 0, ``wire.checksum``) of each segment [start, start + length)
-    of buf: one launch,
-    one device-to-host copy for all."""
+    """One launch, one device-to-host copy for all."""
     _check_tensor(buf, "buf", torch.uint8)
     if not starts:
         return []
@@ -48,9 +46,7 @@ def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) 
 
 
 def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
-    """Write each segment's checksum (offset 0, computed with its 4 bytes at ``start +
-    field`` zero) little-endian into those 4 bytes: a frame's checksum fields, with no
-    host round trip (two launches)."""
+    """Two launches, no host round trip."""
     _check_tensor(buf, "buf", torch.uint8)
     if not starts:
         return
@@ -77,9 +73,7 @@ _FRAME_ROW = _FRAME_PARAMS + 256 // 8
 
 
 def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
-    """The CPU backend's ``frame_scan`` (the same ``FrameScan``) of a frame on the device,
-    without copying it to the host: three launches (the length table, every payload's
-    checksum, every header) and one device-to-host read of 440 bytes a payload."""
+    """Three launches (length table, checksums, headers), one read of 440 bytes a payload."""
     _check_tensor(frame, "frame", torch.uint8)
     length = frame.numel()
     words = 1 + count * _FRAME_ROW

@@ -15,11 +15,8 @@ from hvdcompress.backends.cuda._runtime import (
 )
 from hvdcompress.errors import PayloadError
 
-# ---- shared primitives (kernels/primitives.cu; see hvdcompress.codecs.primitives) ---------
-
 
 def uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
-    """n float32 uniforms in [0, 1) on ``device``: counter-based, element i from (key, i)."""
     out = torch.empty(n, dtype=torch.float32, device=device)
     if n:
         with _Launcher(out.device) as k:

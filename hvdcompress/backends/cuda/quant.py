@@ -33,16 +33,11 @@ from hvdcompress.backends.cuda._runtime import (
 )
 from hvdcompress.backends.cuda.threelc import _quartic_bucket, _quartic_table
 
-# ---- stochastic quantisers (kernels/quant.cu; see hvdcompress.codecs.quant) -----------------
-
 
 def qsgd_encode_segments(
     xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """The QSGD body (norms, then packed codes) of each (x, key) of a bucket, None where x
-    holds a NaN or an Inf or a norm overflows float32: every norm, then every code, one
-    launch each (kernels/quant.cu section 9), one read of the non-finite flags. The bodies
-    are views of one buffer, each 4-byte aligned (norms first); None for a non-finite x."""
+    """Every norm, then every code, one launch each (quant.cu section 9), one read."""
     return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=False)
 
 
@@ -99,11 +94,7 @@ def qsgd_decode_segments(
     bucket: int,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """The QSGD decode (accumulating) of each body at ``frame[starts[p]:]`` (the caller
-    checked its length) into ``outs[p]`` (on one CUDA device; the frame on the host or that
-    device): every body checked (one launch, one read), then one launch that adds the
-    bodies before the first refused one. None, or (p, the message: a bad norm, padding or
-    code)."""
+    """Every body checked (one launch, one read), then one launch adds those before."""
     failed, _ = _packed_bucket_decode(frame, starts, ns, None, bits, bucket, outs, "qsgd", levels)
     return None if failed is None else (failed[0], _qsgd_refusal(failed[1]))
 
@@ -188,12 +179,7 @@ def _qsgd_refusal(err: int) -> str:
 def terngrad_encode_segments(
     xs: list[torch.Tensor], keys: list[int]
 ) -> list[tuple[torch.Tensor, float] | None]:
-    """TernGrad (zero-run-encoded quartic body, M = max|x|) of each (x, key) of a bucket, or
-    None where x holds a NaN or an Inf, as one launch sequence: every
-    tensor's max|x| (threelc_absmax_segments), its quartic digits
-    (quant_terngrad_quartic_segments, M read on the device), the bucket's zero-run encode,
-    then one read of the states (M, body length). (body, a view of one buffer; M), or None
-    for a non-finite x."""
+    """max|x|, the quartic digits, the zero-run encode, then one read of the states."""
     if not xs:
         return []
     device = _bucket_device(xs, "x")
@@ -214,8 +200,7 @@ def terngrad_encode_segments(
 def dqsg_quantize(
     w: torch.Tensor, levels: int, bucket: int, key: int, code_offset: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(q + code_offset as uint8, deltas float32 per bucket), or None when w holds a NaN or
-    an Inf. Two launches, one device-to-host copy (the non-finite flag)."""
+    """Two launches, one device-to-host copy (the non-finite flag)."""
     _check_tensor(w, "w", torch.float32)
     n = w.numel()
     nb = (n + bucket - 1) // bucket
@@ -258,7 +243,7 @@ def dqsg_dequantize(
     out: torch.Tensor,
     accumulate: bool,
 ) -> None:
-    """out = delta * (q - dither), or out += that (q int8, deltas validated float32 bytes)."""
+    """One launch."""
     _check_tensor(out, "out", torch.float32)
     n = q.numel()
     if n == 0:

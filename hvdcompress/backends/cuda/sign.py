@@ -29,15 +29,11 @@ from hvdcompress.backends.cuda._runtime import (
     _segments,
 )
 
-# ---- sign codecs (kernels/sign.cu; see hvdcompress.codecs.sign) ----------------------------
-
 EF_CHUNK = 1024  # elements per order-fixed partial sum of EF-signSGD's mean |a| (cpu.EF_CHUNK)
 
 
 def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """The packed sign bits (None: x holds a NaN or an Inf) of each tensor of a bucket: one
-    launch over a segment table (kernels/sign.cu section 5), one read of the per-tensor
-    non-finite flags; the bodies are views of one buffer."""
+    """One launch over a segment table (kernels/sign.cu section 5), one read."""
     if not xs:
         return []
     device = _bucket_device(xs, "x")
@@ -62,9 +58,7 @@ def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
 
 
 def efsign_sums_segments(gs, es) -> tuple[list[np.ndarray], list[bool]]:
-    """The float64 sums of |g + e| over EF_CHUNK-element chunks of each (g, e) of a bucket:
-    one launch over a segment table, one read of every tensor's chunk sums and non-finite
-    flag (sums as host arrays)."""
+    """One launch over a segment table, one read (the sums as host arrays)."""
     if not gs:
         return [], []
     device = _bucket_device(gs, "g")
@@ -93,9 +87,7 @@ def efsign_sums_segments(gs, es) -> tuple[list[np.ndarray], list[bool]]:
 
 
 def efsign_encode_segments(gs, es, scales, skip) -> list[torch.Tensor]:
-    """The sign bits of a = g + e, e <- a - (+-scale), of each (g, e, scale) of a bucket
-    whose ``skip`` is False: one launch over a segment table, no host copy; the bodies
-    (empty where skipped) are views of one buffer."""
+    """One launch over a segment table, no host copy."""
     if not gs:
         return []
     device = _bucket_device(gs, "g")
@@ -121,11 +113,7 @@ def sign_decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """The sign decode (+-scale per bit added: bit ? -scale : scale) of each body at
-    ``frame[starts[p]:]`` (the caller checked the lengths) into ``outs[p]`` (on one CUDA
-    device; the frame on the host or that device): the padding check of every body, one
-    read, then one launch that adds the bodies before the first refused one. None, or (p,
-    message) of that body."""
+    """Every body checked (one launch, one read), then one launch adds those before."""
     if not outs:
         return None
     device = _bucket_device(outs, "out")

@@ -62,9 +62,8 @@ def _topk_candidates(mag: torch.Tensor, k: int) -> torch.Tensor | None:
 
 
 def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending int64 indices of the k largest |a| (0 < k < n, a finite), ties by lowest
-    index: t = the k-th largest |a| (torch.topk, exact), every |a| > t, then the |a| == t
-    in index order (torch.topk alone may break ties differently on the CPU and the GPU)."""
+    """t = the k-th largest |a| (torch.topk, exact), every |a| > t, then the |a| == t in
+    index order (torch.topk alone may break ties differently on the CPU and the GPU)."""
     mag = a.abs()
     cand = _topk_candidates(mag, k)
     if cand is not None:  # every one of the k largest is a candidate: select among them
@@ -136,13 +135,7 @@ def topk_encode_segments(
     us: list[torch.Tensor] | None = None,
     momentum: float = 0.0,
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """The CPU backend's ``topk_encode_segments`` (the same bodies, non-finite flags,
-    residuals and, for DGC, velocities) on one CUDA device, as one launch sequence
-    (kernels/sparse.cu, "Top-k's bucket encode"): every segment's finite flag; a into e
-    (and u) and the first digit's histogram; three picks of the threshold's digits with the
-    next digits' histograms between; the ties flagged and scanned; the kept flags and their
-    scan; the values and indices into the bodies (views of one buffer) and e (u) zeroed
-    there. The one read is the flags, after the last launch."""
+    """One launch sequence (kernels/sparse.cu, "Top-k's bucket encode"), one read."""
     count = len(gs)
     if not count:
         return [], []
@@ -171,12 +164,9 @@ def topk_encode_segments(
 
 
 class TopKSignSelection:
-    """What the first launch sequence of a bucket's top-k + sign leaves for the second
-    (``topkq_select_segments`` -> the caller's magnitudes -> ``topkq_write_segments``),
-    as the CPU backend's class of that name: ``ks``, ``nonfinite`` and ``chunk_sums()``
-    for the caller; on the device the kept values and indices in slots (a tensor's first
-    slot a multiple of TOPKQ_CHUNK, the padding zero), the write kernel's rows, the bodies'
-    buffer."""
+    """The protocol's ``TopKSignSelection``; on the device the kept values and indices
+    in slots (a tensor's first slot a multiple of TOPKQ_CHUNK, the padding zero), the write
+    kernel's rows, the bodies' buffer."""
 
     def __init__(self, gs, es, ks, device) -> None:
         count = len(gs)
@@ -211,7 +201,6 @@ class TopKSignSelection:
         self.states = self.sums = None
 
     def chunk_sums(self) -> list[list[float]]:
-        """Each tensor's order-fixed chunk sums of |kept| (empty when none are kept)."""
         out = [[] for _ in self.ks]
         for row, i in enumerate(self.live.tolist()):
             first = int(self.first_chunk[row])
@@ -220,10 +209,7 @@ class TopKSignSelection:
 
 
 def topkq_select_segments(gs, es, ks) -> TopKSignSelection:
-    """The CPU backend's ``topkq_select_segments`` on one CUDA device: top-k's select
-    sequence (kernels/sparse.cu), the kept values and indices gathered into slots, their
-    chunk sums (primitives_chunk_sums over the slots), and one read of the non-finite flags
-    and the sums together."""
+    """Top-k's select sequence into slots, their chunk sums, one read of both."""
     device = _bucket_device(gs, "g")
     sel = TopKSignSelection(gs, es, ks, device)
     if not len(sel.live):
@@ -246,9 +232,7 @@ def topkq_select_segments(gs, es, ks) -> TopKSignSelection:
 
 
 def topkq_write_segments(sel: TopKSignSelection, magnitudes: list[float]) -> list[torch.Tensor]:
-    """The CPU backend's ``topkq_write_segments`` on the device: one launch writes every
-    finite tensor's body (m, indices, sign bits) and subtracts what it decodes to from the
-    residual; the bodies are views of one buffer (empty where non-finite)."""
+    """One launch."""
     bodies = [torch.empty(0, dtype=torch.uint8, device=sel.device)] * len(sel.ks)
     if not len(sel.live):
         return bodies
@@ -266,12 +250,8 @@ def topkq_write_segments(sel: TopKSignSelection, magnitudes: list[float]) -> lis
 def topk_decode_segments(
     frame: torch.Tensor, starts: np.ndarray, ks: np.ndarray, ns: np.ndarray, outs
 ) -> tuple[int, int] | None:
-    """The top-k decode (accumulating) of each body at ``frame[starts[p]:]`` (the caller
-    checked its length: ``ks[p]`` values and indices) into ``outs[p]`` (float32 on one CUDA
-    device; the frame on the host or that device): the bodies gathered into one device
-    buffer, every entry checked (kernels/sparse.cu, one launch, one read), then one launch
-    that adds the bodies before the first refused one. None, or (p, its error bits), the
-    ones before it added and its output untouched."""
+    """Every entry checked (one launch, one read), then one launch adds those before;
+    a refusal is (p, its error bits)."""
     return _kept_decode_segments(frame, starts, ks, ns, outs, signs=False)
 
 

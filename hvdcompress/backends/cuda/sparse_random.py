@@ -38,8 +38,6 @@ from hvdcompress.backends.cuda._runtime import (
 )
 from hvdcompress.backends.cuda.primitives import chunk_sums, uniform
 
-# ---- random-k: the mask from the uniforms, torch ops on the device ---------------------------
-
 # GSpar's scale is at most the largest float32 (codecs/sparse.py, gspar_scale)
 _GSPAR_MAX_SCALE = float(np.finfo(np.float32).max)
 
@@ -47,12 +45,7 @@ _GSPAR_MAX_SCALE = float(np.finfo(np.float32).max)
 def randomk_encode_segments(
     gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """The CPU backend's ``randomk_encode_segments`` (the same bodies, flags and residuals)
-    on one CUDA device: every tensor's kept flags, one scan of the bucket's, every kept
-    count and non-finite flag (kernels/sparse.cu, "Random-k's buckets"), one read, then one launch
-    that writes the kept values of a = g (+ e) into the bodies (views of one buffer) and,
-    with the residuals ``es``, e = a with the kept entries zeroed (untouched where a is not
-    finite)."""
+    """Kept flags, one scan, counts (one read), then one launch writes the bodies."""
     if not gs:
         return [], []
     device, ns, live, bodies, nonfinite = _encode_bucket(gs, es)
@@ -102,12 +95,7 @@ def randomk_decode_segments(
     scale: float,
     outs: list[torch.Tensor],
 ) -> tuple[int, int] | None:
-    """The CPU backend's ``randomk_decode_segments`` (accumulating; same result, same
-    codes) on one CUDA device: the bodies gathered into one device buffer, every tensor's
-    kept flags regenerated, one scan of the bucket's flags, every kept count and value
-    checked (kernels/sparse.cu, "Random-k's buckets"), one read, then one launch that adds the
-    scaled values of the bodies before the first refused one. None, or (p, -1 for a value
-    that is not finite, else the regenerated kept count the body does not hold)."""
+    """Flags regenerated, one scan, every body checked (one read), then one add."""
     count = len(outs)
     if not count:
         return None
@@ -146,9 +134,6 @@ def randomk_decode_segments(
     return good, int(kept[good]) if wrong[good] else -1
 
 
-# ---- GSpar's scale rounds and draw: torch ops on the device ----------------------------------
-
-
 _GSPAR_SEG_CHUNK = 4  # HVD_GSPAR_SEG_CHUNK of kernels/quant.cu: a segment's first chunk
 
 
@@ -159,13 +144,8 @@ def gspar_encode_segments(
     chunk: int,
     es: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor | None], list[bool]]:
-    """The CPU backend's ``gspar_encode_segments`` (the same bodies, flags and residuals)
-    on one CUDA device (kernels/sparse.cu, "GSpar's buckets"): every tensor's non-finite flag and
-    non-zero count, one read; with error feedback a = g + e formed in e; the scale
-    iteration of every tensor at once, one launch and one read a round (the host sums the
-    chunk sums with ``math.fsum`` as the CPU does); the draw's flags, one scan, the kept
-    counts, one read; then one launch that writes the bodies (views of one buffer). None
-    for a tensor whose sum of the rest comes out 0 (the caller's path, e holding a)."""
+    """kernels/sparse.cu, "GSpar's buckets": every tensor's scale iteration at once, a
+    launch and a read a round (the host sums the chunk sums with ``math.fsum``, as the CPU)."""
     if not gs:
         return [], []
     device, ns, live, bodies, nonfinite = _encode_bucket(gs, es)
@@ -250,8 +230,7 @@ def gspar_encode_segments(
 
 
 def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:
-    """The CPU backend's gspar_round: the saturated count at float32(c) and the float64
-    chunk sums of the other magnitudes (chunk_sums' ordered sums)."""
+    """Torch ops and ``chunk_sums``."""
     mag = a.abs()
     saturated = mag * c >= 1.0
     rest = torch.where(saturated, torch.zeros_like(mag), mag)
@@ -261,8 +240,7 @@ def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tenso
 def gspar_draw(
     a: torch.Tensor, c: float, key: int, scaled: bool, budget: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU backend's gspar_draw with torch ops (p from the same float32 product; the
-    budget, which sizes the CPU's output, is not needed)."""
+    """Torch ops (p from the same float32 product; ``budget`` only sizes the CPU's output)."""
     mag = a.abs()
     if math.isinf(c):
         p = (mag > 0).to(torch.float32)

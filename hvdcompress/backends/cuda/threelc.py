@@ -192,14 +192,8 @@ def threelc_decode_segments(
     scales: np.ndarray,
     outs: list[torch.Tensor],
 ) -> tuple[int, str] | None:
-    """3LC's decode (S * q added) of each body ``frame[starts[p]:][:lens[p]]`` into
-    ``outs[p]`` (float32, on one CUDA device; the frame on the host or that device), as one
-    launch sequence: the bodies copied into one device buffer (one host-to-device copy for
-    a host frame), their expansion lengths, one scan, the per-body checks (total and
-    padding, kernels/threelc.cu section 7), one read of the states, then the expansion and
-    the scaled add of every body that precedes the first refused one. None, or (p, message)
-    of the first body that does not decode (the ones before it added, its output and those
-    after it untouched), with the CPU backend's messages."""
+    """One launch sequence (threelc.cu section 7): every body checked, one read,
+    then the expansion and scaled add of the bodies before the first refused one."""
     count = len(outs)
     if not count:
         return None
@@ -387,11 +381,8 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
 def threelc_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor | None], sparsities: list[float]
 ) -> tuple[list[torch.Tensor], list[float], list[bool]]:
-    """3LC's fused encode of each (g, e, sparsity; e None: no error feedback) of a bucket as
-    one launch sequence (kernels/threelc.cu section 7): a segment table (one host copy in),
-    max|g + e| and the quantise + quartic pass of every tensor, one zero-run encode of the
-    bucket's quartic bytes (runs stop at tensor ends), and one read of the per-tensor states
-    (S, non-finite flag, body length). Bodies are views of one device buffer, in order."""
+    """One launch sequence (threelc.cu section 7), one zero-run encode of the
+    bucket (runs stop at tensor ends), one read of the states."""
     if not gs:
         return [], [], []
     device = _bucket_device(gs, "g")
