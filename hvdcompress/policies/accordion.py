@@ -1,24 +1,15 @@
-"""Accordion (Agarwal et al., MLSys 2021, arXiv 2010.16248; docs/policies.md, "Accordion").
+"""Accordion (Agarwal et al., MLSys 2021, arXiv 2010.16248; docs/policies.md, "Accordion",
+for the intervals, the learning-rate override and the level pairs).
 
-Per tensor, the norm of the uncompressed local gradient is summed over an interval (one
-epoch by default: the training loop calls ``end_epoch()``; or every ``interval_steps``
-steps). At an interval end the sums of all ranks are averaged with one small collective
-(every rank receives the same list and averages it in rank order, so every rank decides
-the same), and compared with the previous interval's:
+Per tensor, the norms of the uncompressed local gradient summed over an interval are
+averaged over ranks (one small collective, in rank order, so every rank decides the same)
+and compared with the previous interval's:
 
     ratio = |n_prev - n_cur| / n_prev       (n_prev == 0 counts as critical)
     ratio >= eta  -> critical -> ``low`` (the level of low compression)
     otherwise     -> ``high``
 
-The first interval uses ``low``, and so does the interval after one with no previous
-norms. When the learning rate (any param group's ``lr``) has dropped since the last
-decision, every tensor uses ``low`` for the next interval: checked at the interval end
-and again at the first gradient of the next interval (so the scheduler may step before
-or after ``end_epoch()``); ``lr`` is the same on every rank, so the override is too.
-
-Levels are the compressor's own parameter: 3LC ``sparsity`` (1.0 low / 1.9 high), top-k
-``ratio`` (0.99 / 0.1), PowerSGD ``matrix_rank`` (2 or 4 / 1). They are applied with
-``compressor.set_level(name, value)``; residuals are keyed by name and survive switches.
+The first interval uses ``low``, and every tensor does after a learning-rate drop.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
-"""The policy interface: choose each tensor's compression level during training.
-
-A policy is given to ``hvdcompress.DistributedOptimizer(..., policy=...)``, which calls
-
-* ``bind(optimizer, compressor, transport, names)`` once, at construction (``names``: the
-  compressed tensors, in parameter order);
-* ``observe(name, grad)`` for every uncompressed local gradient just before its bucket
-  is compressed;
-* ``after_step(stats)`` once every rank has the step's averaged gradients, with the
-  step's ``hvdcompress.stats.StepStats`` (bytes, per-collective timings). All collectives
-  of the step are done then, so a policy's own small agreement collective cannot
-  interleave with them; every rank must make the same decision;
-* ``pop_metrics()`` after ``after_step``: merged into ``optimizer.last_stats.metrics``;
-* ``state_dict()`` / ``load_state_dict()`` with the optimizer's.
+"""The policy interface: choose each tensor's compression level during training
+(docs/design.md, "Policies", for when the optimizer calls each method).
 
 Defaults do nothing, so a policy overrides only what it uses. Levels are applied with the
-compressor's ``set_level(name, value)`` (``compressors.levels.PerTensorLevels``).
+compressor's ``set_level(name, value)`` (``compressors.levels.PerTensorLevels``); every
+rank must make the same decision.
 """
 
 from __future__ import annotations

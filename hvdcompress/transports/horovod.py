@@ -1,15 +1,9 @@
 """Collectives through horovod.torch: see hvdcompress.transports.
 
-Faults are Horovod's: an exception or a dead rank shuts Horovod down ("Horovod has been
-shut down" on the others) and the launcher ends the job; Horovod's stall inspector warns
-about (and, with ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, shuts down on) ranks that do
-not submit a collective. Horovod 0.28.1 under Gloo prints no stall warning and never shuts
-down (measured, tests/faults): there a watchdog thread (``_GlooStallWatch``) checks this
-rank's own pending collectives with the same variables. It warns about a collective
-pending longer than the check time (it cannot name the missing ranks) and, after the
-shutdown time, ends this rank with ``os._exit(1)`` (as ``MPI_Abort`` on the mpi4py
-backend; ``hvd.shutdown()`` from that thread left the process hanging at exit), so that
-the launcher ends the others.
+Faults are Horovod's (docs/checkpoints-and-faults.md, "Faults"), except that Horovod
+0.28.1 under Gloo has no stall check: there ``_GlooStallWatch`` watches this rank's own
+pending collectives with Horovod's variables ("Stall check"): it warns, and after the
+shutdown time ends this rank with ``os._exit(1)`` so that the launcher ends the others.
 """
 
 from __future__ import annotations

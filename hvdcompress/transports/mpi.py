@@ -1,32 +1,19 @@
 """Collectives over mpi4py: see hvdcompress.transports.
 
-Faults (docs/checkpoints-and-faults.md, "Faults"): no fault may leave a rank waiting forever.
-
-* A rank whose Python ends with an unhandled exception prints its traceback, tells the
-  other ranks (side channel below), gives them up to ``ABORT_GRACE_S`` to print that, and
-  calls ``MPI_Abort``: mpirun then ends every rank (``sys.excepthook``, installed once per
-  process by the first transport; ``HVDC_ABORT_ON_EXCEPTION=0`` turns it off).
-* A rank that exits (clean or ``sys.exit``) tells the others how many collectives it
-  started; a rank that is waiting in (or later starts) a collective the exited rank never
-  started can never finish it: it prints which rank exited and aborts the job.
-* A rank that dies (``os._exit``, a signal) is mpirun's: it ends the job and names it.
-* Stall check, Horovod's semantics and environment variables:
-  ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60): a collective that has waited longer
-  makes this rank ask the others how far they got, and print a warning naming the ranks
-  that have not started it (repeated every check time while it waits);
-  ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (default 0, off; ignored when below the check
-  time): a collective that waited that long for a missing rank aborts the job;
-  ``HOROVOD_STALL_CHECK_DISABLE=1``: no stall check.
-
-The side channel: its own duplicated communicator, used only by one watcher thread per
-transport (``_Watcher``) with small pickled point-to-point messages; it polls every
-``POLL_S`` (``iprobe``), answers the other ranks' questions and runs the checks. It never
-touches the data communicator, so the worker's collective order is untouched.
+Faults (docs/checkpoints-and-faults.md, "Faults", "The mpi4py side channel", "Stall
+check"): no fault may leave a rank waiting forever. An unhandled exception tells the
+other ranks over the side channel and calls ``MPI_Abort`` (``sys.excepthook``, installed
+once per process; ``HVDC_ABORT_ON_EXCEPTION=0`` turns it off); a rank that exits tells
+the others how many collectives it started, so a rank waiting for one it never will
+aborts; Horovod's ``HOROVOD_STALL_*`` variables drive the stall check. The side channel
+is its own duplicated communicator, used only by one watcher thread per transport
+(``_Watcher``), so the worker's collective order is untouched.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import sys
@@ -418,21 +405,17 @@ class MPITransport(Transport):
         self._queue.put((job, handle, what))
         return handle
 
+    @contextlib.contextmanager
     def _control(self, what: str):
         """Context of one blocking collective of the calling thread (counted, watched)."""
-        transport = self
-
-        class _Ctx:
-            def __enter__(self):
-                p = transport._progress
-                p.control += 1
-                p.last_start = time.monotonic()
-                p.control_now = (p.control, what, p.last_start)
-
-            def __exit__(self, *exc):
-                transport._progress.control_now = None
-
-        return _Ctx()
+        p = self._progress
+        p.control += 1
+        p.last_start = time.monotonic()
+        p.control_now = (p.control, what, p.last_start)
+        try:
+            yield
+        finally:
+            p.control_now = None
 
     def start_allgatherv(self, local: torch.Tensor) -> Handle:
         buf = np.ascontiguousarray(local.detach().cpu().numpy(), dtype=np.uint8)
