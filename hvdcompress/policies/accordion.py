@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.policies.base import Policy
+from hvdcompress.policies.base import Policy, checked_levels
 
 
 def accordion_critical(prev, cur, eta: float = 0.5) -> list[bool]:
@@ -84,10 +84,6 @@ class Accordion(Policy):
         self._metrics = {f"level/{n}": v for n, v in self.current.items()}
         if self.interval_steps is not None and self._steps % self.interval_steps == 0:
             self.end_interval()
-
-    def pop_metrics(self) -> dict:
-        out, self._metrics = self._metrics, {}
-        return out
 
     # ---- called by the training loop -------------------------------------------------------
     def end_epoch(self) -> None:
@@ -170,12 +166,7 @@ class Accordion(Policy):
             raise CheckpointError(f"accordion steps: expected an int >= 0, got {steps!r}")
         current = check_dict("accordion current", state["current"])
         check_names("accordion current", current, names)
-        levels = {}
-        for name, level in current.items():
-            try:
-                levels[name] = self._compressor._check_level(level)
-            except (TypeError, ValueError) as err:
-                raise CheckpointError(f"accordion current[{name!r}]: {err}") from None
+        levels = checked_levels("accordion current", current, self._compressor)
         lr = state["lr"]
         if lr is not None:
             if not isinstance(lr, (list, tuple)):

@@ -8,6 +8,8 @@ rank must make the same decision.
 
 from __future__ import annotations
 
+from hvdcompress.checkpoint import CheckpointError
+
 
 class Policy:
     """Base class of Accordion and CAT (see module doc)."""
@@ -22,7 +24,9 @@ class Policy:
         """The step's collectives are done (``stats``: hvdcompress.stats.StepStats)."""
 
     def pop_metrics(self) -> dict:
-        return {}
+        """The metrics a subclass left in ``self._metrics`` since the last call."""
+        out, self._metrics = getattr(self, "_metrics", {}), {}
+        return out
 
     def state_dict(self) -> dict:
         return {}
@@ -30,3 +34,15 @@ class Policy:
     def load_state_dict(self, state: dict) -> None:
         if state:
             raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
+
+
+def checked_levels(what: str, levels: dict, compressor) -> dict:
+    """``levels`` (name -> level) as ``compressor`` accepts them, for a ``load_state_dict``;
+    ``CheckpointError`` naming ``what[name]`` for a level it refuses."""
+    out = {}
+    for name, level in levels.items():
+        try:
+            out[name] = compressor._check_level(level)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"{what}[{name!r}]: {err}") from None
+    return out

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hvdcompress.compressors import registry
-from hvdcompress.policies.base import Policy
+from hvdcompress.policies.base import Policy, checked_levels
 
 HEADER_BITS = 8 * 48  # wire header of a 1-D top-k payload
 KINDS = ("topk", "topk+q", "randomk")  # the budget kinds (docs/policies.md, "Derivation")
@@ -311,10 +311,6 @@ class CAT(Policy):
              "cat/c1": self.cost.c1}
         )  # fmt: skip
 
-    def pop_metrics(self) -> dict:
-        out, self._metrics = self._metrics, {}
-        return out
-
     def state_dict(self) -> dict:
         cost = {"c0": self.cost.c0, "c1": self.cost.c1, "observations": self.cost.observations}
         if isinstance(self.cost, PacketCost):
@@ -369,12 +365,9 @@ class CAT(Policy):
             for name, v in maps[key].items():
                 if not isinstance(name, str) or type(v) is not int or v < 0:
                     raise CheckpointError(f"CAT {key}[{name!r}]: expected an int >= 0, got {v!r}")
-        levels = {}
-        for name, level in check_dict("CAT levels", state["levels"]).items():
-            try:
-                levels[name] = self._compressor._check_level(level)
-            except (TypeError, ValueError) as err:
-                raise CheckpointError(f"CAT levels[{name!r}]: {err}") from None
+        levels = checked_levels(
+            "CAT levels", check_dict("CAT levels", state["levels"]), self._compressor
+        )
         self.cost.c0, self.cost.c1 = c0, c1
         self.cost.observations = observations
         self._steps = steps
