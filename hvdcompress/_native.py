@@ -28,9 +28,8 @@ C_FLAGS = ("-O3", "-std=c11", *FP_FLAGS, "-fno-math-errno")
 # tests add warnings as errors and the include path).
 HOST_CXX_FLAGS = ("-std=c++17", "-O2", *FP_FLAGS)
 # The .cu sources for the GPU: NVRTC at run time (backends/cuda/), and nvcc, which takes
-# the same spelling, in scripts/check_kernels.sh. IEEE float32 everywhere: no FMA
-# contraction, no flush to zero, IEEE division and square root (the kernels use
-# __fadd_rn & co. anyway; these keep any other expression honest too).
+# the same spelling, in scripts/check_kernels.sh. IEEE float32 everywhere (no FMA
+# contraction, no flush to zero, IEEE division and square root).
 NVRTC_OPTIONS = (
     "--std=c++17",
     "--fmad=false",

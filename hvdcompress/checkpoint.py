@@ -213,12 +213,8 @@ def list_checkpoints(directory: str | os.PathLike, rank: int) -> list[tuple[int,
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = []
-    for entry in directory.iterdir():
-        m = pattern.fullmatch(entry.name)
-        if m and entry.is_file():
-            found.append((int(m.group(1)), entry))
-    return sorted(found)
+    matches = ((pattern.fullmatch(entry.name), entry) for entry in directory.iterdir())
+    return sorted((int(m.group(1)), entry) for m, entry in matches if m and entry.is_file())
 
 
 def prune_checkpoints(directory: str | os.PathLike, rank: int, keep: int) -> list[Path]:

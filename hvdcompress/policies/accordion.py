@@ -16,6 +16,13 @@ from __future__ import annotations
 
 import math
 
+from hvdcompress.checkpoint import (
+    CheckpointError,
+    check_dict,
+    check_finite_number,
+    check_keys,
+    check_names,
+)
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.policies.base import Policy, checked_levels
 
@@ -140,14 +147,6 @@ class Accordion(Policy):
     def load_state_dict(self, state: dict) -> None:
         """Everything is checked before anything changes: ``CheckpointError`` naming the
         entry for unknown tensor names, non-finite norms or levels the compressor refuses."""
-        from hvdcompress.checkpoint import (
-            CheckpointError,
-            check_dict,
-            check_finite_number,
-            check_keys,
-            check_names,
-        )
-
         check_keys("accordion state", state, required=("prev", "sums", "steps", "current", "lr"))
         names = set(self.names)
         prev = state["prev"]

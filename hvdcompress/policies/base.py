@@ -8,7 +8,7 @@ rank must make the same decision.
 
 from __future__ import annotations
 
-from hvdcompress.checkpoint import CheckpointError
+from hvdcompress.checkpoint import CheckpointError, check_dict
 
 
 class Policy:
@@ -40,7 +40,7 @@ def checked_levels(what: str, levels: dict, compressor) -> dict:
     """``levels`` (name -> level) as ``compressor`` accepts them, for a ``load_state_dict``;
     ``CheckpointError`` naming ``what[name]`` for a level it refuses."""
     out = {}
-    for name, level in levels.items():
+    for name, level in check_dict(what, levels).items():
         try:
             out[name] = compressor._check_level(level)
         except (TypeError, ValueError) as err:

@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from hvdcompress.checkpoint import CheckpointError, check_dict, check_finite_number, check_keys
 from hvdcompress.compressors import registry
 from hvdcompress.policies.base import Policy, checked_levels
 
@@ -137,14 +138,10 @@ def calibrate(
 
 
 # ---- the budget ----------------------------------------------------------------------------------
-def index_bits(n: int) -> int:
-    return 32 if n < 2**31 else 64
-
-
 def budget_bits(T, n: int, kind: str = "topk", header_bits: int = HEADER_BITS):
     """bits(T) of docs/policies.md, "CAT" for ``kind`` (vectorised over T)."""
     T = np.asarray(T, dtype=np.float64)
-    ib = index_bits(n)
+    ib = 32 if n < 2**31 else 64  # index bits, as the top-k codec sends them
     if kind in ("topk", "randomk"):
         return T * (32 + ib) + header_bits
     if kind == "topk+q":
@@ -327,13 +324,6 @@ class CAT(Policy):
     def load_state_dict(self, state: dict) -> None:
         """Everything is checked before anything changes (``CheckpointError`` naming the
         entry: non-finite costs, budgets that are not positive ints, refused levels)."""
-        from hvdcompress.checkpoint import (
-            CheckpointError,
-            check_dict,
-            check_finite_number,
-            check_keys,
-        )
-
         check_keys(
             "CAT state", state, required=("kind", "steps", "budgets", "levels", "numel", "cost")
         )
@@ -365,9 +355,7 @@ class CAT(Policy):
             for name, v in maps[key].items():
                 if not isinstance(name, str) or type(v) is not int or v < 0:
                     raise CheckpointError(f"CAT {key}[{name!r}]: expected an int >= 0, got {v!r}")
-        levels = checked_levels(
-            "CAT levels", check_dict("CAT levels", state["levels"]), self._compressor
-        )
+        levels = checked_levels("CAT levels", state["levels"], self._compressor)
         self.cost.c0, self.cost.c1 = c0, c1
         self.cost.observations = observations
         self._steps = steps
