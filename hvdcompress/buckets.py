@@ -52,12 +52,8 @@ def named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parame
         )
     named = list(named_parameters)
     for item in named:
-        if (
-            not isinstance(item, tuple)
-            or len(item) != 2
-            or not isinstance(item[0], str)
-            or not isinstance(item[1], torch.Tensor)
-        ):
+        pair = isinstance(item, tuple) and len(item) == 2
+        if not (pair and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
             raise ValueError(
                 "named_parameters must be (str name, tensor) pairs, e.g. "
                 f"model.named_parameters(), got {_short(item)}"

@@ -26,14 +26,10 @@ POLICIES = ("accordion", "cat")
 
 # ---- policies ------------------------------------------------------------------------------
 def build_policy(policy: str, compression: str, **params):
-    """A policy driving the ``compression`` compressor.
-
-    ``"accordion"``: ``low``, ``high`` (the compressor's two levels: 3lc sparsity, topk
-    ratio, powersgd matrix_rank, which is made an int), ``eta`` (0.5), ``interval_steps``
-    (None: one per epoch, ``end_epoch()``). ``"cat"``: ``kind`` (topk, topk+q, randomk;
-    it must drive ``compression``, see ``compressor_for``), ``cost_model`` (None: calibrate
-    on the transport), ``recompute_every`` (200 steps).
-    """
+    """A policy driving the ``compression`` compressor: ``"accordion"`` with Accordion's
+    parameters (``low`` and ``high`` checked as levels of ``compression``, see
+    ``check_level``), ``"cat"`` with ``kind`` (which must drive ``compression``, see
+    ``compressor_for``) and CAT's other parameters."""
     if policy == "accordion":
         low = check_level(compression, params.pop("low"))
         high = check_level(compression, params.pop("high"))

@@ -14,17 +14,16 @@ for other ranks and receives the parts from them (its own part stays local); an 
 of B bytes sends and receives ``2 (size - 1) / size * B`` (the ring algorithm's).
 
 Blocking helpers for setting up and evaluating a training run (every rank calls them, in
-the same order): ``broadcast_(tensors, root=0)`` overwrites each tensor in place with
-root's values (identical starting parameters), ``sum_floats(values)`` sums a few floats
-over ranks (float64), ``barrier()``; ``local_size`` is the number of ranks on this node.
-The base class implements them with ``allgather_object`` (any transport has them); the
-real transports override them with native collectives.
+the same order): ``broadcast_``, ``sum_floats``, ``barrier``; the base class implements
+them with ``allgather_object``, the real transports with native collectives.
 
 Neither ``transports.mpi`` nor ``transports.horovod`` is imported before a transport is
 built: ``import hvdcompress`` works without mpi4py or Horovod.
 """
 
 from __future__ import annotations
+
+import importlib
 
 from hvdcompress.transports.base import Handle, Transport
 
@@ -69,15 +68,12 @@ def make_transport(backend: str, process_set=None) -> Transport:
     return _SHARED[key]
 
 
+_LAZY = {"MPITransport": "mpi", "HorovodTransport": "horovod"}  # name -> its module
+
+
 def __getattr__(name: str):
     """``MPITransport`` / ``HorovodTransport`` on first use (their modules import mpi4py or
     Horovod when a transport is built, not before)."""
-    if name == "MPITransport":
-        from hvdcompress.transports.mpi import MPITransport
-
-        return MPITransport
-    if name == "HorovodTransport":
-        from hvdcompress.transports.horovod import HorovodTransport
-
-        return HorovodTransport
-    raise AttributeError(name)
+    if name not in _LAZY:
+        raise AttributeError(name)
+    return getattr(importlib.import_module(f"hvdcompress.transports.{_LAZY[name]}"), name)

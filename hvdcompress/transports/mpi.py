@@ -87,11 +87,9 @@ def stall_settings() -> tuple[float | None, float]:
 
 def _say(text: str, rank: int | None = None) -> None:
     who = "hvdcompress" if rank is None else f"hvdcompress rank {rank}"
-    try:
+    with contextlib.suppress(Exception):  # a closed stderr must not stop an abort
         sys.stderr.write(f"[{who}] {text}\n")
         sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - a closed stderr must not stop an abort
-        pass
 
 
 def _main_thread_at() -> str:
@@ -148,9 +146,10 @@ class _Watcher:
     def _send(self, obj, dest: int, tag: int) -> None:
         self._sends.append(self.comm.isend(obj, dest=dest, tag=tag))
 
-    def _send_all(self, obj, tag: int, skip_exited: bool = True) -> None:
+    def _send_all(self, obj, tag: int) -> None:
+        """To every other rank that has not exited."""
         for r in range(self.size):
-            if r != self.rank and not (skip_exited and r in self.exited):
+            if r != self.rank and r not in self.exited:
                 self._send(obj, r, tag)
 
     def _flush_sends(self, timeout: float) -> None:
@@ -333,10 +332,8 @@ def _at_exit() -> None:
     for ref in list(_WATCHERS):
         w = ref()
         if w is not None and not w._stop.is_set():
-            try:
+            with contextlib.suppress(Exception):  # MPI may already be finalized
                 w.notify_exit()
-            except Exception:  # noqa: BLE001 - MPI may already be finalized
-                pass
 
 
 _PREVIOUS_HOOK = sys.excepthook
@@ -452,8 +449,7 @@ class MPITransport(Transport):
                 [send, (send_sizes.tolist(), send_displs.tolist()), MPI.UNSIGNED_CHAR],
                 [recv, (recv_sizes.tolist(), recv_displs.tolist()), MPI.UNSIGNED_CHAR],
             )
-            out = torch.from_numpy(recv)
-            return list(out.split(recv_sizes.tolist()))
+            return list(torch.from_numpy(recv).split(recv_sizes.tolist()))
 
         return self._submit(job, f"alltoallv of {sum(b.size for b in bufs)} bytes")
 

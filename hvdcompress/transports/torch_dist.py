@@ -3,9 +3,9 @@ hvdcompress.transports. The transport of the DDP communication hook (``hvdcompre
 
 Every collective runs when it is started, on the caller's thread (a DDP comm hook runs
 on the autograd thread, one bucket at a time, in the same order on every rank), and its
-handle is already done. ``start_allgatherv``: the byte counts are all-gathered first,
-then every rank's bytes padded to the largest count, all-gathered, and cut back. NCCL
-moves only device tensors, so with it the bytes travel on the current CUDA device.
+handle is already done. ``start_allgatherv`` pads every rank's bytes to the largest
+count. NCCL moves only device tensors, so with it the bytes travel on the current CUDA
+device.
 """
 
 from __future__ import annotations
