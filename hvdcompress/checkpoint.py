@@ -11,10 +11,8 @@ the directory): a crash leaves the old file or the new one, never half of one.
 with ``weights_only=True``: no code in a crafted file runs, and a flipped bit is a
 ``CheckpointError`` naming the file. The digest detects corruption, not forgery.
 
-The ``check_*`` helpers validate loaded state: they raise ``CheckpointError`` naming the
-entry and what is wrong, and the loaders call them before they change anything.
-``without_other_ranks_state`` is the rule, shared by ``DistributedOptimizer`` and the DDP
-hook, for a state saved by another rank of the same job size (Horovod's rank-0 recipe).
+The ``check_*`` helpers validate loaded state (``CheckpointError`` naming the entry);
+loaders call them before they change anything.
 """
 
 from __future__ import annotations
@@ -178,9 +176,8 @@ def _fsync_dir(directory: Path) -> None:
     except OSError:
         return  # not supported here (e.g. some platforms): the rename is still atomic
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
