@@ -129,10 +129,9 @@ def calibrate(
         medians.append(statistics.median(times))
     everyone = transport.allgather_object(medians)  # every rank fits the same numbers
     mean = [sum(r[i] for r in everyone) / len(everyone) for i in range(len(sizes))]
-    bits = [8.0 * s for s in sizes]
     model = AffineCost(0.0, 0.0) if packet_bits is None else PacketCost(0.0, 0.0, packet_bits)
-    for b, t in zip(bits, mean, strict=True):
-        model.observe(b, t)
+    for size, t in zip(sizes, mean, strict=True):
+        model.observe(8.0 * size, t)
     model.refit()
     return model
 

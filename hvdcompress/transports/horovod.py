@@ -78,11 +78,7 @@ class HorovodTransport(Transport):
             framed = framed.cpu()
         handle = self._launch("allgatherv", hvd.allgather_async, framed)
         size, device = self.size, framed.device
-
-        def finish():
-            return _strip_length_prefixes(hvd.synchronize(handle).to(device), size)
-
-        return _DoneHandle(finish)
+        return _DoneHandle(lambda: _strip_length_prefixes(hvd.synchronize(handle).to(device), size))
 
     def moves_on(self, device: torch.device) -> bool:
         """The host, and a CUDA device when Horovod was built with GPU support

@@ -367,12 +367,9 @@ class MPITransport(Transport):
         node.Free()
         self._data_comm = self.comm.Dup()  # the worker's collectives never meet ours
         self._ops = _sum_ops_16bit(MPI)
-        self._mpi_types = {
-            torch.float32: MPI.FLOAT,
-            torch.float64: MPI.DOUBLE,
-            torch.float16: MPI.UINT16_T,
-            torch.bfloat16: MPI.UINT16_T,
-        }
+        # float16 and bfloat16 travel as their bits (uint16), summed by their user ops
+        self._mpi_types = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
+        self._mpi_types.update(dict.fromkeys(self._ops, MPI.UINT16_T))
         self._progress = _Progress()
         self._watcher = _Watcher(self)  # Dup: collective, at the same point on every rank
         _install_hooks()

@@ -11,10 +11,9 @@ in rank order, float16 / bfloat16 added in float32 and rounded back after every 
 (Horovod's rule); objects pickled, as over MPI.
 
 Invariants: a rank that starts a different collective at a position than rank 0 did gets
-``RankMismatch`` instead of a wrong result; a rank that fails aborts the world, so every
-rank waiting in (or later starting) a collective raises ``SimulatedAbort`` naming the
-failed rank instead of waiting forever; so do ranks that wait for a collective that a
-rank which has returned will never start.
+``RankMismatch`` instead of a wrong result; every rank waiting in (or later starting) a
+collective that can never finish, because a rank failed or returned, raises
+``SimulatedAbort`` naming that rank instead of waiting forever.
 """
 
 from __future__ import annotations

@@ -56,8 +56,7 @@ class TorchDistTransport(Transport):
         counts = [torch.empty_like(count) for _ in range(self.size)]
         self.dist.all_gather(counts, count, group=self.group)
         sizes = [int(c.item()) for c in counts]
-        longest = max(sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8, device=local.device)
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=local.device)
         padded[: local.numel()] = local
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         self.dist.all_gather(parts, padded, group=self.group)
