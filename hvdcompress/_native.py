@@ -7,25 +7,11 @@ the package (``hvdcompress/__init__`` imports torch), and shell scripts run it:
     python3 hvdcompress/_native.py nvrtc   # NVRTC_OPTIONS, one a line (check_kernels.sh)
 
 The sources live side by side in the repo's top-level ``kernels/``, one family per file
-pair, C for the CPU backend and CUDA for the GPU backend, byte for byte the same results:
-
-    kernels/threelc.c     + kernels/threelc.cu      the 3LC codec
-    kernels/frame.c       + kernels/frame.cu        the payload checksum, one rank's frame
-                                                    of a bucket written and scanned in
-                                                    one call (frame.cu: the scan of a
-                                                    frame gathered on a GPU)
-    kernels/primitives.c  + kernels/primitives.cu   counter-based uniforms, bit packing /
-                                                    unpacking, order-fixed chunk sums
-    kernels/sign.c        + kernels/sign.cu         signSGD and EF-signSGD, single pass
-    kernels/quant.c       + kernels/quant.cu        QSGD, TernGrad, DQSG's quantiser
-    kernels/sparse.c      + kernels/sparse.cu       top-k, top-k + sign and DGC
-                                                    (radix select), random-k and GSpar:
-                                                    a bucket's encode and decode
-    kernels/cuda_host.h                             g++ shim: the .cu files on the host
-
-``setup.py`` builds the ``.c`` files into ``hvdcompress._codec_cpu`` and copies the whole
-folder into the installed package as ``hvdcompress/kernels`` (for NVRTC, and for the CPU
-backend's fallback compile when no built library is there).
+pair, C for the CPU backend and CUDA for the GPU backend, byte for byte the same results
+(docs/backends.md, "The kernel families"). ``setup.py`` builds the ``.c`` files into
+``hvdcompress._codec_cpu`` and copies the whole folder into the installed package as
+``hvdcompress/kernels`` (for NVRTC, and for the CPU backend's fallback compile when no
+built library is there).
 """
 
 from __future__ import annotations
@@ -42,9 +28,8 @@ C_FLAGS = ("-O3", "-std=c11", *FP_FLAGS, "-fno-math-errno")
 # tests add warnings as errors and the include path).
 HOST_CXX_FLAGS = ("-std=c++17", "-O2", *FP_FLAGS)
 # The .cu sources for the GPU: NVRTC at run time (backends/cuda/), and nvcc, which takes
-# the same spelling, in scripts/check_kernels.sh. IEEE float32 everywhere: no FMA
-# contraction, no flush to zero, IEEE division and square root (the kernels use
-# __fadd_rn & co. anyway; these keep any other expression honest too).
+# the same spelling, in scripts/check_kernels.sh. IEEE float32 everywhere (no FMA
+# contraction, no flush to zero, IEEE division and square root).
 NVRTC_OPTIONS = (
     "--std=c++17",
     "--fmad=false",
@@ -71,12 +56,7 @@ def kernel_dir() -> Path:
     return PACKAGE_DIR.parent / SOURCE_DIR
 
 
-LISTS = {
-    "c": C_FLAGS,
-    "host-cxx": HOST_CXX_FLAGS,
-    "nvrtc": NVRTC_OPTIONS,
-    "c-sources": C_SOURCES,
-}
+LISTS = {"c": C_FLAGS, "host-cxx": HOST_CXX_FLAGS, "nvrtc": NVRTC_OPTIONS, "c-sources": C_SOURCES}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in LISTS:

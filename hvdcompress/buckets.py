@@ -1,11 +1,9 @@
-"""Buckets (which gradients travel together) and the start-up agreement check.
+"""Buckets (which gradients travel together) and the start-up agreement check
+(docs/design.md, "The exchange", step 1; docs/wire-format.md, "Agreement at start-up").
 
-Buckets are fixed at construction from parameter order, reversed (gradients become ready
-back to front), split when the uncompressed bytes reach ``fusion_threshold`` (Horovod's
-fusion buffer) or the dtype, device or compression changes. Invariant: every rank builds
-the same buckets in the same order, so collectives started in bucket order match across
-ranks without a coordinator; ``check_agreement`` proves it once, at construction, with
-two small collectives, and raises ``RankAgreementError`` on every rank otherwise.
+Invariant: every rank builds the same buckets in the same order, so collectives started
+in bucket order match across ranks without a coordinator; ``check_agreement`` proves it
+once, at construction, and raises ``RankAgreementError`` on every rank otherwise.
 """
 
 from __future__ import annotations
@@ -30,6 +28,11 @@ class Bucket:
     ready: set[int] = field(default_factory=set)  # positions in params whose grads are ready
     compressed: bool = True  # False: below compress_min_numel, sent as is (allreduce)
 
+    def add(self, name: str, p: torch.nn.Parameter) -> None:
+        self.params.append(p)
+        self.names.append(name)
+        self.nbytes += p.numel() * p.element_size()
+
 
 def named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parameter]]:
     """The (name, parameter) pairs of ``optimizer``'s trainable parameters, checked
@@ -49,12 +52,8 @@ def named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parame
         )
     named = list(named_parameters)
     for item in named:
-        if (
-            not isinstance(item, tuple)
-            or len(item) != 2
-            or not isinstance(item[0], str)
-            or not isinstance(item[1], torch.Tensor)
-        ):
+        pair = isinstance(item, tuple) and len(item) == 2
+        if not (pair and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)):
             raise ValueError(
                 "named_parameters must be (str name, tensor) pairs, e.g. "
                 f"model.named_parameters(), got {_short(item)}"
@@ -129,9 +128,7 @@ def make_buckets(
             b = Bucket(len(buckets), [], [], compressed=compressed)
             buckets.append(b)
             open_by_kind[kind] = b
-        b.params.append(p)
-        b.names.append(name)
-        b.nbytes += nbytes
+        b.add(name, p)
     return buckets
 
 
@@ -148,10 +145,7 @@ def _group_buckets(named, min_numel: int, groups: list[list[str]]) -> list[Bucke
             if kind not in by_kind:
                 by_kind[kind] = Bucket(len(buckets), [], [], compressed=compressed)
                 buckets.append(by_kind[kind])
-            b = by_kind[kind]
-            b.params.append(p)
-            b.names.append(name)
-            b.nbytes += p.numel() * p.element_size()
+            by_kind[kind].add(name, p)
     return buckets
 
 

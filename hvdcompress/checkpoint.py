@@ -1,39 +1,24 @@
-"""Safe checkpoint files: verified, never unpickled into code, written atomically.
-
-A checkpoint file holds one dict of plain values (dict, list, tuple, str, int, float,
-bool, None and torch tensors; ``collections.OrderedDict`` for module state dicts) and
-nothing else. On disk it is
+"""Safe checkpoint files: verified, never unpickled into code, written atomically
+(docs/checkpoints-and-faults.md, "Checkpoints", for the file layout and the resume).
 
     MAGIC (8 bytes, b"HVDCCKPT") | version (uint32 LE) | payload length (uint64 LE)
-    | sha256 of the payload (32 bytes) | payload (``torch.save`` of the dict)
+    | sha256 of the payload (32 bytes) | payload (``torch.save`` of a dict of plain values)
 
-``save_checkpoint`` refuses a dict holding any other type (so what is saved can always be
-loaded), writes the whole file to a temporary file in the same directory, flushes and
-fsyncs it, renames it over the target with ``os.replace`` and fsyncs the directory: a
-crash at any point leaves either the old file or the new one, never half of one. The
-digest sits in the same file as the data, so there is no second file that a crash could
-leave out of step. ``load_checkpoint`` checks the header, the length and the digest before
-it reads anything, then loads with ``torch.load(..., weights_only=True)``: no code in a
-crafted file runs, and a flipped bit is a ``CheckpointError`` naming the file. The digest
-detects corruption, not forgery: anyone who can write the file can recompute it.
+``save_checkpoint`` refuses anything but plain values, so what is saved can always be
+loaded, and replaces the file atomically (temporary file, fsync, ``os.replace``, fsync of
+the directory): a crash leaves the old file or the new one, never half of one.
+``load_checkpoint`` checks header, length and digest before it reads anything, then loads
+with ``weights_only=True``: no code in a crafted file runs, and a flipped bit is a
+``CheckpointError`` naming the file. The digest detects corruption, not forgery.
 
-Training runs keep one file per rank and step (``checkpoint_path``: the error-feedback
-residuals are per rank): ``save_rank_checkpoint`` writes one and keeps the newest ``keep``
-of that rank; ``verified_steps`` lists the steps whose files verify, newest first, so a
-caller can agree with the other ranks on the newest step every rank can load.
-
-The ``check_*`` helpers validate loaded state (the hvdcompress part of an optimizer
-state, compressor and policy states): they raise ``CheckpointError`` naming the entry and
-what is wrong, and the loaders call them before they change anything.
-``without_other_ranks_state`` is the rule for a state saved by another rank of the same
-job size (Horovod's rank-0 recipe), shared by ``DistributedOptimizer`` and the DDP hook:
-it loads without the saver's per-rank error-feedback state (``PER_RANK_STATE``), with a
-warning.
+The ``check_*`` helpers validate loaded state (``CheckpointError`` naming the entry);
+loaders call them before they change anything.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import io
 import math
@@ -168,7 +153,7 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping) -> Path:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with _suppress_os_error():
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
@@ -185,23 +170,14 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     return decode_checkpoint(data, str(path), map_location)
 
 
-class _suppress_os_error:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, OSError)
-
-
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return  # not supported here (e.g. some platforms): the rename is still atomic
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -234,12 +210,8 @@ def list_checkpoints(directory: str | os.PathLike, rank: int) -> list[tuple[int,
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = []
-    for entry in directory.iterdir():
-        m = pattern.fullmatch(entry.name)
-        if m and entry.is_file():
-            found.append((int(m.group(1)), entry))
-    return sorted(found)
+    matches = ((pattern.fullmatch(entry.name), entry) for entry in directory.iterdir())
+    return sorted((int(m.group(1)), entry) for m, entry in matches if m and entry.is_file())
 
 
 def prune_checkpoints(directory: str | os.PathLike, rank: int, keep: int) -> list[Path]:
@@ -249,11 +221,11 @@ def prune_checkpoints(directory: str | os.PathLike, rank: int, keep: int) -> lis
         raise ValueError(f"keep must be >= 1, got {keep!r}")
     removed = []
     for _, path in list_checkpoints(directory, rank)[: -int(keep)]:
-        with _suppress_os_error():
+        with contextlib.suppress(OSError):
             path.unlink()
             removed.append(path)
     for tmp in Path(directory).glob(f".rank{int(rank)}.step*.ckpt.*.tmp"):
-        with _suppress_os_error():
+        with contextlib.suppress(OSError):
             tmp.unlink()
     return removed
 
@@ -294,8 +266,7 @@ def check_dict(what: str, state) -> dict:
 def check_keys(what: str, state, required=(), optional=()) -> dict:
     """``state`` is a dict with every key of ``required`` and no key outside
     ``required`` and ``optional``; returns it."""
-    if not isinstance(state, Mapping):
-        raise CheckpointError(f"{what}: expected a dict, got {type(state).__name__}")
+    check_dict(what, state)
     missing = [k for k in required if k not in state]
     if missing:
         raise CheckpointError(f"{what}: missing {', '.join(map(repr, missing))}")
@@ -350,14 +321,13 @@ def check_tensor_map(what: str, state, *, dim: int | None = 1) -> dict[str, torc
 
 def check_count_map(what: str, state) -> dict[str, int]:
     """``state`` maps tensor names (str) to non-negative ints (step counters)."""
-    if not isinstance(state, Mapping):
-        raise CheckpointError(f"{what}: expected a dict, got {type(state).__name__}")
+    state = check_dict(what, state)
     for name, v in state.items():
         if not isinstance(name, str) or type(v) is not int or v < 0:
             raise CheckpointError(
                 f"{what}: must map tensor names to non-negative ints, got {name!r}: {v!r}"
             )
-    return dict(state)
+    return state
 
 
 def check_names(what: str, names, known) -> None:
@@ -407,9 +377,7 @@ def check_optimizer_state(ours, *, rank: int, size: int, compressor: str, shapes
         raise CheckpointError(
             f"state saved with compressor {ours['compressor']}, this optimizer has {compressor}"
         )
-    state = ours["compressor_state"]
-    if not isinstance(state, Mapping):
-        raise CheckpointError(f"compressor state: expected a dict, got {type(state).__name__}")
+    state = check_dict("compressor state", ours["compressor_state"])
     for key in ("residuals", "velocity"):
         if key in state:
             tensors = check_tensor_map(f"compressor state {key}", state[key], dim=1)

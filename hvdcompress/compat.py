@@ -2,11 +2,9 @@
 
 Horovod's optimizer calls ``compression.compress(tensor) -> (tensor, ctx)`` and
 ``compression.decompress(tensor, ctx)`` around an allreduce, so only summable codecs fit
-it. ``Compression.none / fp16 / bf16`` follow that protocol and therefore work in stock
-``hvd.DistributedOptimizer`` as well as in ``hvdcompress.DistributedOptimizer``.
-``Compression.threelc(sparsity=...)`` is gather-only: ``hvdcompress.DistributedOptimizer``
-accepts it (through ``make_compressor``), and the stock Horovod optimizer gets a
-``TypeError`` from ``compress`` that says what to use instead.
+it (``Compression.none / fp16 / bf16``). Every other entry is for
+``hvdcompress.DistributedOptimizer`` (through ``make_compressor``); in the stock Horovod
+optimizer its ``compress`` raises a ``TypeError`` that says what to use instead.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The errors every rank raises alike (docs/wire-format.md).
+"""The errors every rank raises alike (docs/wire-format.md, "Validation and errors").
 
-``PayloadError``: a payload or frame that cannot be decoded (corrupt, truncated, forged,
-or not what this rank expects), naming the field and, when known, the sending rank and
-the tensor; ``DecodeOverflowError``, a ``PayloadError`` that is also an ``OverflowError``:
-decoded values that do not fit the payload's dtype. ``RankAgreementError``: ranks disagree
-at start-up on what they will communicate. ``PayloadError`` and ``RankAgreementError`` are
-also importable from ``hvdcompress``; ``PayloadError`` from ``hvdcompress.wire`` as well.
+``PayloadError`` and ``RankAgreementError`` are also importable from ``hvdcompress``;
+``PayloadError`` from ``hvdcompress.wire`` as well.
 """
 
 from __future__ import annotations

@@ -1,32 +1,30 @@
-"""Accordion (Agarwal et al., MLSys 2021, arXiv 2010.16248; docs/policies.md, "Accordion").
+"""Accordion (Agarwal et al., MLSys 2021, arXiv 2010.16248; docs/policies.md, "Accordion",
+for the intervals, the learning-rate override and the level pairs).
 
-Per tensor, the norm of the uncompressed local gradient is summed over an interval (one
-epoch by default: the training loop calls ``end_epoch()``; or every ``interval_steps``
-steps). At an interval end the sums of all ranks are averaged with one small collective
-(every rank receives the same list and averages it in rank order, so every rank decides
-the same), and compared with the previous interval's:
+Per tensor, the norms of the uncompressed local gradient summed over an interval are
+averaged over ranks (one small collective, in rank order, so every rank decides the same)
+and compared with the previous interval's:
 
     ratio = |n_prev - n_cur| / n_prev       (n_prev == 0 counts as critical)
     ratio >= eta  -> critical -> ``low`` (the level of low compression)
     otherwise     -> ``high``
 
-The first interval uses ``low``, and so does the interval after one with no previous
-norms. When the learning rate (any param group's ``lr``) has dropped since the last
-decision, every tensor uses ``low`` for the next interval: checked at the interval end
-and again at the first gradient of the next interval (so the scheduler may step before
-or after ``end_epoch()``); ``lr`` is the same on every rank, so the override is too.
-
-Levels are the compressor's own parameter: 3LC ``sparsity`` (1.0 low / 1.9 high), top-k
-``ratio`` (0.99 / 0.1), PowerSGD ``matrix_rank`` (2 or 4 / 1). They are applied with
-``compressor.set_level(name, value)``; residuals are keyed by name and survive switches.
+The first interval uses ``low``, and every tensor does after a learning-rate drop.
 """
 
 from __future__ import annotations
 
 import math
 
+from hvdcompress.checkpoint import (
+    CheckpointError,
+    check_dict,
+    check_finite_number,
+    check_keys,
+    check_names,
+)
 from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.policies.base import Policy
+from hvdcompress.policies.base import Policy, checked_levels
 
 
 def accordion_critical(prev, cur, eta: float = 0.5) -> list[bool]:
@@ -94,10 +92,6 @@ class Accordion(Policy):
         if self.interval_steps is not None and self._steps % self.interval_steps == 0:
             self.end_interval()
 
-    def pop_metrics(self) -> dict:
-        out, self._metrics = self._metrics, {}
-        return out
-
     # ---- called by the training loop -------------------------------------------------------
     def end_epoch(self) -> None:
         """Interval end when ``interval_steps`` is None (every rank must call it)."""
@@ -153,14 +147,6 @@ class Accordion(Policy):
     def load_state_dict(self, state: dict) -> None:
         """Everything is checked before anything changes: ``CheckpointError`` naming the
         entry for unknown tensor names, non-finite norms or levels the compressor refuses."""
-        from hvdcompress.checkpoint import (
-            CheckpointError,
-            check_dict,
-            check_finite_number,
-            check_keys,
-            check_names,
-        )
-
         check_keys("accordion state", state, required=("prev", "sums", "steps", "current", "lr"))
         names = set(self.names)
         prev = state["prev"]
@@ -179,12 +165,7 @@ class Accordion(Policy):
             raise CheckpointError(f"accordion steps: expected an int >= 0, got {steps!r}")
         current = check_dict("accordion current", state["current"])
         check_names("accordion current", current, names)
-        levels = {}
-        for name, level in current.items():
-            try:
-                levels[name] = self._compressor._check_level(level)
-            except (TypeError, ValueError) as err:
-                raise CheckpointError(f"accordion current[{name!r}]: {err}") from None
+        levels = checked_levels("accordion current", current, self._compressor)
         lr = state["lr"]
         if lr is not None:
             if not isinstance(lr, (list, tuple)):

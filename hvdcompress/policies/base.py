@@ -1,23 +1,14 @@
-"""The policy interface: choose each tensor's compression level during training.
-
-A policy is given to ``hvdcompress.DistributedOptimizer(..., policy=...)``, which calls
-
-* ``bind(optimizer, compressor, transport, names)`` once, at construction (``names``: the
-  compressed tensors, in parameter order);
-* ``observe(name, grad)`` for every uncompressed local gradient just before its bucket
-  is compressed;
-* ``after_step(stats)`` once every rank has the step's averaged gradients, with the
-  step's ``hvdcompress.stats.StepStats`` (bytes, per-collective timings). All collectives
-  of the step are done then, so a policy's own small agreement collective cannot
-  interleave with them; every rank must make the same decision;
-* ``pop_metrics()`` after ``after_step``: merged into ``optimizer.last_stats.metrics``;
-* ``state_dict()`` / ``load_state_dict()`` with the optimizer's.
+"""The policy interface: choose each tensor's compression level during training
+(docs/design.md, "Policies", for when the optimizer calls each method).
 
 Defaults do nothing, so a policy overrides only what it uses. Levels are applied with the
-compressor's ``set_level(name, value)`` (``compressors.levels.PerTensorLevels``).
+compressor's ``set_level(name, value)`` (``compressors.levels.PerTensorLevels``); every
+rank must make the same decision.
 """
 
 from __future__ import annotations
+
+from hvdcompress.checkpoint import CheckpointError, check_dict
 
 
 class Policy:
@@ -33,7 +24,9 @@ class Policy:
         """The step's collectives are done (``stats``: hvdcompress.stats.StepStats)."""
 
     def pop_metrics(self) -> dict:
-        return {}
+        """The metrics a subclass left in ``self._metrics`` since the last call."""
+        out, self._metrics = getattr(self, "_metrics", {}), {}
+        return out
 
     def state_dict(self) -> dict:
         return {}
@@ -41,3 +34,15 @@ class Policy:
     def load_state_dict(self, state: dict) -> None:
         if state:
             raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
+
+
+def checked_levels(what: str, levels: dict, compressor) -> dict:
+    """``levels`` (name -> level) as ``compressor`` accepts them, for a ``load_state_dict``;
+    ``CheckpointError`` naming ``what[name]`` for a level it refuses."""
+    out = {}
+    for name, level in check_dict(what, levels).items():
+        try:
+            out[name] = compressor._check_level(level)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"{what}[{name!r}]: {err}") from None
+    return out

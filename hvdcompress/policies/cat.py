@@ -1,65 +1,21 @@
-"""CAT: communication-aware adaptive tuning (docs/policies.md, "CAT"; Khirirat et al.,
-arXiv 2003.06377).
+"""CAT: communication-aware adaptive tuning (Khirirat et al., arXiv 2003.06377;
+docs/policies.md, "CAT", for the derivation, the bits and descent of each kind, the cost
+models, calibration and refresh).
 
-Derivation. For an L-smooth loss f and a step x+ = x - gamma Q(g) with a compressed
-gradient Q(g), the descent lemma gives f(x+) <= f(x) - gamma <g, Q(g)> + (L gamma^2 / 2)
-||Q(g)||^2. For deterministic top-T sparsification Q(g) keeps the T entries of largest
-magnitude, so <g, Q(g)> = ||Q(g)||^2 = A(T) := sum of the T largest g_i^2, and with
-gamma = 1/L the guaranteed decrease is D(T) = A(T) / (2L): proportional to A(T). Sending
-Q(g) costs C(T) seconds by the platform's cost model, so the decrease per second is
-D(T) / C(T), and CAT picks
+Per tensor, CAT picks the budget T (kept entries) that maximises the guaranteed decrease
+per second of communication,
 
-    T* = argmax_{1 <= T <= n}  A(T) / C(bits(T))
+    T* = argmax_{1 <= T <= n}  D(T) / C(bits(T))
 
-* affine cost  C = c0 + c1 * bits
-* packet cost  C = c0 + c1 * ceil(bits / packet_bits)
+evaluated at every T from one descending sort and prefix sums (exact, O(n log n), no
+unimodality assumed), among the budgets whose payload is at most an allreduce of the
+dense tensor. T becomes the compressor's per-tensor ``ratio``: (T - 1/2) / n for the
+top-k kinds (ceil(n ratio) = T exactly), T / n for gspar (its expected budget).
 
-bits(T) (index_bits = 32 below 2^31 elements, else 64, as the top-k codec sends them):
-
-* "topk":    T * (32 + index_bits) + header_bits   (fp32 value + index per entry)
-* "topk+q":  T * (1 + index_bits) + 32             (sign + index, one shared magnitude;
-             the decrease is then (sum of the T largest |g_i|)^2 / T instead of A(T): the
-             magnitude m = mean of the kept |g_i| gives <g, Q> = ||Q||^2 = T m^2)
-* "randomk": p_i = min(1, c |g_i|) with c chosen so that T = sum p_i (the expected
-             budget); unbiased Q has E<g, Q> = ||g||^2 and E||Q||^2 = sum g_i^2 / p_i, so
-             the best step gives D = ||g||^4 / sum(g_i^2 / p_i); bits = T (32 + index_bits)
-             + header_bits in expectation.
-
-A(T) is concave (increments g_(T)^2 fall) and C affine, so A/C is unimodal; this module
-nevertheless evaluates the ratio at every T from one descending sort and a prefix sum
-(O(n log n), exact, no unimodality needed), which also covers the packet model whose
-staircase C makes the ratio non-unimodal. With c0 = 0 and the affine model the optimum
-degenerates to T = 1 (A(1)/c1 b(1) is the largest per-bit value): the fixed cost matters,
-so calibrate it. The policy recomputes T* only every ``recompute_every`` = S steps (the
-hybrid variant) and keeps the chosen ratio in between.
-
-Which compressor each kind drives (the registered one whose ``cat_kind`` it is, see
-``compressor_for``): "topk" -> ``topk``, "topk+q" -> ``topkq`` (top-k with one shared
-magnitude and sign bits), "randomk" -> ``gspar`` (keep i with p_i = min(1, c |g_i|),
-hvdcompress.codecs.sparse). T becomes the compressor's
-per-tensor ``ratio``: (T - 1/2) / n for the top-k kinds (ceil(n ratio) = T exactly),
-T / n for gspar (its expected budget). Uniform random-k is not offered: with p = T / n
-its descent p ||g||^2 is linear in T, so under an affine cost the ratio always peaks at
-T = n and there is nothing to tune.
-
-Calibration: ``calibrate(transport, sizes)`` times the real allgatherv for payloads from
-bytes to megabytes (median of ``repeats``), averages the times across ranks (one small
-collective, so every rank fits the same model) and fits c0, c1 by least squares on
-bits. The model predicts the time of one collective of ``bits``; the optimizer reports
-each collective of a step as (payload bytes, seconds) (``StepStats.timings``, from
-``transports.Handle.seconds``), so like is compared with like: per step the metrics
-give ``cat/modelled_s`` = sum over the step's collectives of C(bits) and
-``cat/measured_s`` = sum of their measured seconds. With ``refresh=True`` every
-measured (bits, seconds) pair is an observation; at each recompute point the ranks pool
-their new observations (in the same collective that shares the budgets) and refit, so
-every rank holds the same model. Under Horovod the measured time is an upper bound (see
-``Handle``): refresh is most trustworthy with the mpi4py transport.
-
-Agreement: rank 0 computes T* per tensor from its own gradient at recompute steps, and
-one ``allgather_object`` at the end of that step gives every rank rank 0's choices, so
-every rank uses the same T from the next step on (the first steps use the compressor's
-default level). ``state_dict`` keeps budgets, levels, the step count and the cost model,
-so a resumed run continues with the same choices.
+Agreement: rank 0 computes T* from its own gradient every ``recompute_every`` steps, and
+one ``allgather_object`` at the end of that step gives every rank rank 0's choices (and,
+with ``refresh``, pools every rank's timings so all refit the same cost model), so every
+rank uses the same T from the next step on.
 """
 
 from __future__ import annotations
@@ -70,11 +26,12 @@ import time
 import numpy as np
 import torch
 
+from hvdcompress.checkpoint import CheckpointError, check_dict, check_finite_number, check_keys
 from hvdcompress.compressors import registry
-from hvdcompress.policies.base import Policy
+from hvdcompress.policies.base import Policy, checked_levels
 
 HEADER_BITS = 8 * 48  # wire header of a 1-D top-k payload
-KINDS = ("topk", "topk+q", "randomk")  # the budget kinds of the table above
+KINDS = ("topk", "topk+q", "randomk")  # the budget kinds (docs/policies.md, "Derivation")
 
 
 def compressor_for(kind: str) -> str:
@@ -172,23 +129,18 @@ def calibrate(
         medians.append(statistics.median(times))
     everyone = transport.allgather_object(medians)  # every rank fits the same numbers
     mean = [sum(r[i] for r in everyone) / len(everyone) for i in range(len(sizes))]
-    bits = [8.0 * s for s in sizes]
     model = AffineCost(0.0, 0.0) if packet_bits is None else PacketCost(0.0, 0.0, packet_bits)
-    for b, t in zip(bits, mean, strict=True):
-        model.observe(b, t)
+    for size, t in zip(sizes, mean, strict=True):
+        model.observe(8.0 * size, t)
     model.refit()
     return model
 
 
 # ---- the budget ----------------------------------------------------------------------------------
-def index_bits(n: int) -> int:
-    return 32 if n < 2**31 else 64
-
-
 def budget_bits(T, n: int, kind: str = "topk", header_bits: int = HEADER_BITS):
     """bits(T) of docs/policies.md, "CAT" for ``kind`` (vectorised over T)."""
     T = np.asarray(T, dtype=np.float64)
-    ib = index_bits(n)
+    ib = 32 if n < 2**31 else 64  # index bits, as the top-k codec sends them
     if kind in ("topk", "randomk"):
         return T * (32 + ib) + header_bits
     if kind == "topk+q":
@@ -355,10 +307,6 @@ class CAT(Policy):
              "cat/c1": self.cost.c1}
         )  # fmt: skip
 
-    def pop_metrics(self) -> dict:
-        out, self._metrics = self._metrics, {}
-        return out
-
     def state_dict(self) -> dict:
         cost = {"c0": self.cost.c0, "c1": self.cost.c1, "observations": self.cost.observations}
         if isinstance(self.cost, PacketCost):
@@ -375,13 +323,6 @@ class CAT(Policy):
     def load_state_dict(self, state: dict) -> None:
         """Everything is checked before anything changes (``CheckpointError`` naming the
         entry: non-finite costs, budgets that are not positive ints, refused levels)."""
-        from hvdcompress.checkpoint import (
-            CheckpointError,
-            check_dict,
-            check_finite_number,
-            check_keys,
-        )
-
         check_keys(
             "CAT state", state, required=("kind", "steps", "budgets", "levels", "numel", "cost")
         )
@@ -413,12 +354,7 @@ class CAT(Policy):
             for name, v in maps[key].items():
                 if not isinstance(name, str) or type(v) is not int or v < 0:
                     raise CheckpointError(f"CAT {key}[{name!r}]: expected an int >= 0, got {v!r}")
-        levels = {}
-        for name, level in check_dict("CAT levels", state["levels"]).items():
-            try:
-                levels[name] = self._compressor._check_level(level)
-            except (TypeError, ValueError) as err:
-                raise CheckpointError(f"CAT levels[{name!r}]: {err}") from None
+        levels = checked_levels("CAT levels", state["levels"], self._compressor)
         self.cost.c0, self.cost.c1 = c0, c1
         self.cost.observations = observations
         self._steps = steps

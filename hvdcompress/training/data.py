@@ -86,18 +86,11 @@ def load_fashion_mnist(data_dir: str | Path = DATA_DIR):
     """((train images, train labels), (test images, test labels)) as tensors: images
     float32 (n, 1, 28, 28) normalised with the training mean and std, labels int64."""
     arrays = read_fashion_mnist(data_dir)
-
-    def images(a):
-        x = torch.from_numpy(a.astype(np.float32) / 255.0).unsqueeze(1)
-        return (x - MEAN) / STD
-
-    def labels(a):
-        return torch.from_numpy(a.astype(np.int64))
-
-    return (
-        (images(arrays["train_x"]), labels(arrays["train_y"])),
-        (images(arrays["test_x"]), labels(arrays["test_y"])),
-    )
+    splits = []
+    for split in ("train", "test"):
+        x = torch.from_numpy(arrays[f"{split}_x"].astype(np.float32) / 255.0).unsqueeze(1)
+        splits.append(((x - MEAN) / STD, torch.from_numpy(arrays[f"{split}_y"].astype(np.int64))))
+    return tuple(splits)
 
 
 def synthetic(n_train: int, n_test: int, seed: int = 1234):

@@ -2,20 +2,11 @@
 
 A method is a compressor with parameters, optionally a policy that changes the
 compressor's level per tensor during training (Accordion, CAT), and optionally the
-per-tensor off switch ``compress_min_numel``. Every consumer reads this table:
-
-* ``Method.train_flags()``: the scripts/train.py flags that train with the method
-  (scripts/bench_accuracy.py launches them);
-* ``Method.compressor()``, ``Method.make_policy(**overrides)``,
-  ``Method.compress_min_numel``: the arguments of ``hvdcompress.DistributedOptimizer``
-  (scripts/bench_network.py, scripts/bench_policy.py; a benchmark overrides the policy's
-  interval or cost model with its own settings);
-* ``parse_case("name:key=value,...")``: a compressor spelled on a command line
-  (scripts/bench_codec.py, scripts/bench_compressors.py), where a method name without a
-  policy stands for its compressor and parameters.
-
-``build_policy`` and ``parse_cost`` build the policies for train.py's flags too, so a
-method and its flags give the same policy.
+per-tensor off switch ``compress_min_numel``. ``Method.train_flags()`` gives the
+scripts/train.py flags that train with it, ``compressor()`` and ``make_policy(**overrides)``
+the arguments of ``hvdcompress.DistributedOptimizer``, and ``parse_case`` reads a
+compressor spelled on a command line. ``build_policy`` and ``parse_cost`` build the
+policies for train.py's flags too, so a method and its flags give the same policy.
 """
 
 from __future__ import annotations
@@ -35,14 +26,10 @@ POLICIES = ("accordion", "cat")
 
 # ---- policies ------------------------------------------------------------------------------
 def build_policy(policy: str, compression: str, **params):
-    """A policy driving the ``compression`` compressor.
-
-    ``"accordion"``: ``low``, ``high`` (the compressor's two levels: 3lc sparsity, topk
-    ratio, powersgd matrix_rank, which is made an int), ``eta`` (0.5), ``interval_steps``
-    (None: one per epoch, ``end_epoch()``). ``"cat"``: ``kind`` (topk, topk+q, randomk;
-    it must drive ``compression``, see ``compressor_for``), ``cost_model`` (None: calibrate
-    on the transport), ``recompute_every`` (200 steps).
-    """
+    """A policy driving the ``compression`` compressor: ``"accordion"`` with Accordion's
+    parameters (``low`` and ``high`` checked as levels of ``compression``, see
+    ``check_level``), ``"cat"`` with ``kind`` (which must drive ``compression``, see
+    ``compressor_for``) and CAT's other parameters."""
     if policy == "accordion":
         low = check_level(compression, params.pop("low"))
         high = check_level(compression, params.pop("high"))
@@ -69,20 +56,17 @@ def level_param(compression: str) -> tuple[str, Param]:
         raise ValueError(f"unknown compressor {compression!r}")
     name = getattr(cls, "level_param", "")
     if not name:
-        with_levels = sorted(
-            n for n, c in hvdcompress.compressors.REGISTRY.items() if getattr(c, "level_param", "")
+        with_levels = ", ".join(
+            sorted(
+                n
+                for n, c in hvdcompress.compressors.REGISTRY.items()
+                if getattr(c, "level_param", "")
+            )
         )
-        with_levels = ", ".join(with_levels)
         raise ValueError(
             f"{compression} has no per-tensor level (compressors with one: {with_levels})"
         )
     return name, cls.params[name]
-
-
-def _in_range(spec: Param, value) -> bool:
-    if spec.low is not None and (value < spec.low or (spec.low_open and value == spec.low)):
-        return False
-    return spec.high is None or not (value > spec.high or (spec.high_open and value == spec.high))
 
 
 def check_level(compression: str, value):
@@ -98,7 +82,7 @@ def check_level(compression: str, value):
         value = int(value)
     else:
         value = float(value)
-    if not _in_range(spec, value):
+    if not spec.accepts(value):
         raise bad
     return value
 

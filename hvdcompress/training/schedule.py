@@ -1,28 +1,17 @@
-"""Learning-rate schedules of scripts/train.py: constant, step and cosine, with linear warmup.
+"""Learning-rate schedules of scripts/train.py: constant, step and cosine, with linear warmup
+(docs/training.md, "Learning-rate schedule and logs", for the defaults and the flags).
 
 A schedule is a pure function of the global step (``LRSchedule.lr_at(step)``), so a run
 resumed from a checkpoint at step s continues with exactly the rates of an uninterrupted
-run: nothing but the step has to be restored. The checkpoint still carries the
-schedule (``state_dict()``) so that a resume with different schedule flags is refused
-instead of silently training on another schedule.
+run; the checkpoint still carries the schedule (``state_dict()``) so that a resume with
+different schedule flags is refused instead of silently training on another schedule.
 
-* ``constant``: ``lr`` at every step.
-* ``step``: ``lr * gamma ** k``, where k counts the milestones (in epochs, may be
-  fractional) reached; milestone m takes effect at step ``round(m * steps_per_epoch)``.
-  The default for this CNN (SGD, lr 0.05, momentum 0.9) drops by 10x after 50% and 80% of
-  ``--epochs`` (epochs 5 and 8 of 10, the run of issue 12 and the usual recipe for step
-  decay); runs too short to place a milestone after epoch 0 stay constant.
+* ``step``: ``lr * gamma ** k``, k the milestones (epochs, may be fractional) reached;
+  milestone m takes effect at step ``round(m * steps_per_epoch)``.
 * ``cosine``: ``lr * (1 + cos(pi * t / T)) / 2`` over the planned run (``epochs *
-  steps_per_epoch`` steps, not ``--steps``, which only stops early), t counted after
-  warmup, so the last step runs at a rate close to 0.
-
-Warmup (any kind): for the first ``warmup_epochs * steps_per_epoch`` steps the rate rises
-linearly to the scheduled one, ``(step + 1) / warmup_steps`` times it (Goyal et al. 2017,
-"Accurate, Large Minibatch SGD"), which large-batch data-parallel runs use.
-
-Accordion (hvdcompress.policies.accordion) switches to low compression whenever a
-param group's ``lr`` decreased since its last decision; under ``step`` that is each
-milestone (its critical regime), under ``cosine`` it is every interval.
+  steps_per_epoch`` steps), t counted after warmup.
+* warmup (any kind; Goyal et al. 2017, "Accurate, Large Minibatch SGD"): for the first
+  ``warmup_steps`` the rate is ``(step + 1) / warmup_steps`` times the scheduled one.
 """
 
 from __future__ import annotations

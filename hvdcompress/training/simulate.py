@@ -1,25 +1,15 @@
-"""Train N ranks in one process: N threads on a ``transports.simulated.SimulatedWorld``.
+"""Train N ranks in one process: N threads on a ``transports.simulated.SimulatedWorld``
+(docs/horovod-parity.md, "The simulated world", for why threads and why the digests
+equal a real run's).
 
 ``run_ranks(size, fn)`` calls ``fn(transport)`` once per rank, each in its own thread with
-that rank's ``SimulatedTransport``, and returns the results in rank order. ``fn`` is the
-per-rank program of a real run: it builds its model replica and
-``hvdcompress.DistributedOptimizer(..., backend=transport)`` (so the compressor is bound to
-the rank and the policy sees the rank's gradients) and trains on the rank's data shard;
-scripts/train.py ``--simulate-ranks N`` runs its own per-rank ``train`` this way.
-
-Why threads: the optimizer starts collectives during backward and waits for them in
-``step()``, so every rank must be able to block in a collective while the others catch
-up; torch releases the GIL in its kernels, so on a machine with several cores the ranks
-also compute in parallel, like the processes of a real run on one node.
-
-Determinism: each rank uses only its own state and torch's kernels, whose results do not
-depend on the calling thread; ``seeded`` serialises the one use of torch's process-wide
-random generator (building the initial model), which a real run makes once per process.
-Give each rank the intra-op thread count a real rank would have (scripts/train.py:
-cores // N for both): some CPU kernels sum in an order that depends on it.
-
-A rank that raises aborts the world (the others raise ``SimulatedAbort`` at their next
-collective) and ``run_ranks`` re-raises the first root cause, lowest rank first.
+that rank's ``SimulatedTransport``, and returns the results in rank order; ``fn`` is the
+per-rank program of a real run. Determinism: ``seeded`` serialises the one use of torch's
+process-wide random generator (building the initial model), and each rank should get the
+intra-op thread count a real rank would have (some CPU kernels sum in an order that
+depends on it). A rank that raises aborts the world (the others raise ``SimulatedAbort``
+at their next collective) and ``run_ranks`` re-raises the first root cause, lowest rank
+first.
 """
 
 from __future__ import annotations

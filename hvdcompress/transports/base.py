@@ -76,8 +76,6 @@ class Transport:
     local_size: int = 1
 
     def __init_subclass__(cls, **kwargs) -> None:
-        # Count the traffic of every collective here, once, for every transport: each
-        # start_* a subclass defines is wrapped (see the module doc).
         super().__init_subclass__(**kwargs)
         for kind in _COUNTED:
             start = cls.__dict__.get(f"start_{kind}")

@@ -1,15 +1,9 @@
 """Collectives through horovod.torch: see hvdcompress.transports.
 
-Faults are Horovod's: an exception or a dead rank shuts Horovod down ("Horovod has been
-shut down" on the others) and the launcher ends the job; Horovod's stall inspector warns
-about (and, with ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, shuts down on) ranks that do
-not submit a collective. Horovod 0.28.1 under Gloo prints no stall warning and never shuts
-down (measured, tests/faults): there a watchdog thread (``_GlooStallWatch``) checks this
-rank's own pending collectives with the same variables. It warns about a collective
-pending longer than the check time (it cannot name the missing ranks) and, after the
-shutdown time, ends this rank with ``os._exit(1)`` (as ``MPI_Abort`` on the mpi4py
-backend; ``hvd.shutdown()`` from that thread left the process hanging at exit), so that
-the launcher ends the others.
+Faults are Horovod's (docs/checkpoints-and-faults.md, "Faults"), except that Horovod
+0.28.1 under Gloo has no stall check: there ``_GlooStallWatch`` watches this rank's own
+pending collectives with Horovod's variables ("Stall check"): it warns, and after the
+shutdown time ends this rank with ``os._exit(1)`` so that the launcher ends the others.
 """
 
 from __future__ import annotations
@@ -60,9 +54,14 @@ class HorovodTransport(Transport):
             if check is not None:
                 self._watch = _GlooStallWatch(self, check, shutdown)
 
-    def _track(self, name: str, handle) -> None:
+    def _launch(self, kind: str, start, *args, **kwargs):
+        """``start(*args, **kwargs)`` (an ``hvd.*_async``) over this set as collective
+        ``kind``; its handle, watched under Gloo."""
+        name = self._name(kind)
+        handle = start(*args, name=name, process_set=self._set, **kwargs)
         if self._watch is not None:
             self._pending[name] = (handle, time.monotonic())
+        return handle
 
     def _name(self, kind: str) -> str:
         # Horovod matches collectives across ranks by name: a per-transport counter is the
@@ -77,21 +76,14 @@ class HorovodTransport(Transport):
         framed = torch.cat([prefix.to(local.device), local])
         if not self.moves_on(framed.device):
             framed = framed.cpu()
-        name = self._name("allgatherv")
-        handle = hvd.allgather_async(framed, name=name, process_set=self._set)
-        self._track(name, handle)
+        handle = self._launch("allgatherv", hvd.allgather_async, framed)
         size, device = self.size, framed.device
-
-        def finish():
-            return _strip_length_prefixes(hvd.synchronize(handle).to(device), size)
-
-        return _DoneHandle(finish)
+        return _DoneHandle(lambda: _strip_length_prefixes(hvd.synchronize(handle).to(device), size))
 
     def moves_on(self, device: torch.device) -> bool:
         """The host, and a CUDA device when Horovod was built with GPU support
-        (``hvd.cuda_built()`` or ``hvd.rocm_built()``): horovod.torch then allgathers
-        device tensors (with NCCL or MPI GPU operations, or through its own host copy) and
-        returns the result on the device."""
+        (``hvd.cuda_built()`` or ``hvd.rocm_built()``): horovod.torch then gathers device
+        tensors and returns the result on the device."""
         if device.type == "cuda":
             return bool(self.hvd.cuda_built() or self.hvd.rocm_built())
         return device.type == "cpu"
@@ -105,9 +97,7 @@ class HorovodTransport(Transport):
             device = torch.device("cpu")
         send = torch.cat([p.detach().to(device) for p in parts])
         splits = torch.tensor([p.numel() for p in parts], dtype=torch.int32)  # on the host
-        name = self._name("alltoallv")
-        handle = hvd.alltoall_async(send, splits=splits, name=name, process_set=self._set)
-        self._track(name, handle)
+        handle = self._launch("alltoallv", hvd.alltoall_async, send, splits=splits)
 
         def finish():
             received, received_splits = hvd.synchronize(handle)
@@ -121,9 +111,7 @@ class HorovodTransport(Transport):
         if src.dtype == torch.bfloat16 and not src.is_cuda:
             # Horovod 0.28.1 has no bfloat16 CPU allreduce: gather the bits, sum in rank
             # order in float32 rounding each add to bfloat16 (same on every rank).
-            name = self._name("bf16sum")
-            handle = hvd.allgather_async(src.view(torch.int16), name=name, process_set=self._set)
-            self._track(name, handle)
+            handle = self._launch("bf16sum", hvd.allgather_async, src.view(torch.int16))
             n, size = src.numel(), self.size
 
             def finish():
@@ -134,9 +122,7 @@ class HorovodTransport(Transport):
                 return total.to(dense.device)
 
             return _DoneHandle(finish)
-        name = self._name("allreduce")
-        handle = hvd.allreduce_async(src, name=name, op=hvd.Sum, process_set=self._set)
-        self._track(name, handle)
+        handle = self._launch("allreduce", hvd.allreduce_async, src, op=hvd.Sum)
         return _DoneHandle(lambda: hvd.synchronize(handle).to(dense.device))
 
     def allgather_object(self, obj) -> list:
@@ -145,8 +131,7 @@ class HorovodTransport(Transport):
         # hvd.allgather_object has no process_set in 0.28.1: pickled bytes, framed as above
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         gathered, sizes = self.start_allgatherv(data).wait()
-        parts = gathered.split(sizes)
-        return [pickle.loads(part.numpy().tobytes()) for part in parts]
+        return [pickle.loads(part.numpy().tobytes()) for part in gathered.split(sizes)]
 
     def broadcast_(self, tensors, root: int = 0) -> None:
         for t in tensors:

@@ -1,32 +1,19 @@
 """Collectives over mpi4py: see hvdcompress.transports.
 
-Faults (docs/checkpoints-and-faults.md, "Faults"): no fault may leave a rank waiting forever.
-
-* A rank whose Python ends with an unhandled exception prints its traceback, tells the
-  other ranks (side channel below), gives them up to ``ABORT_GRACE_S`` to print that, and
-  calls ``MPI_Abort``: mpirun then ends every rank (``sys.excepthook``, installed once per
-  process by the first transport; ``HVDC_ABORT_ON_EXCEPTION=0`` turns it off).
-* A rank that exits (clean or ``sys.exit``) tells the others how many collectives it
-  started; a rank that is waiting in (or later starts) a collective the exited rank never
-  started can never finish it: it prints which rank exited and aborts the job.
-* A rank that dies (``os._exit``, a signal) is mpirun's: it ends the job and names it.
-* Stall check, Horovod's semantics and environment variables:
-  ``HOROVOD_STALL_CHECK_TIME_SECONDS`` (default 60): a collective that has waited longer
-  makes this rank ask the others how far they got, and print a warning naming the ranks
-  that have not started it (repeated every check time while it waits);
-  ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (default 0, off; ignored when below the check
-  time): a collective that waited that long for a missing rank aborts the job;
-  ``HOROVOD_STALL_CHECK_DISABLE=1``: no stall check.
-
-The side channel: its own duplicated communicator, used only by one watcher thread per
-transport (``_Watcher``) with small pickled point-to-point messages; it polls every
-``POLL_S`` (``iprobe``), answers the other ranks' questions and runs the checks. It never
-touches the data communicator, so the worker's collective order is untouched.
+Faults (docs/checkpoints-and-faults.md, "Faults", "The mpi4py side channel", "Stall
+check"): no fault may leave a rank waiting forever. An unhandled exception tells the
+other ranks over the side channel and calls ``MPI_Abort`` (``sys.excepthook``, installed
+once per process; ``HVDC_ABORT_ON_EXCEPTION=0`` turns it off); a rank that exits tells
+the others how many collectives it started, so a rank waiting for one it never will
+aborts; Horovod's ``HOROVOD_STALL_*`` variables drive the stall check. The side channel
+is its own duplicated communicator, used only by one watcher thread per transport
+(``_Watcher``), so the worker's collective order is untouched.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import sys
@@ -100,11 +87,9 @@ def stall_settings() -> tuple[float | None, float]:
 
 def _say(text: str, rank: int | None = None) -> None:
     who = "hvdcompress" if rank is None else f"hvdcompress rank {rank}"
-    try:
+    with contextlib.suppress(Exception):  # a closed stderr must not stop an abort
         sys.stderr.write(f"[{who}] {text}\n")
         sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - a closed stderr must not stop an abort
-        pass
 
 
 def _main_thread_at() -> str:
@@ -161,9 +146,10 @@ class _Watcher:
     def _send(self, obj, dest: int, tag: int) -> None:
         self._sends.append(self.comm.isend(obj, dest=dest, tag=tag))
 
-    def _send_all(self, obj, tag: int, skip_exited: bool = True) -> None:
+    def _send_all(self, obj, tag: int) -> None:
+        """To every other rank that has not exited."""
         for r in range(self.size):
-            if r != self.rank and not (skip_exited and r in self.exited):
+            if r != self.rank and r not in self.exited:
                 self._send(obj, r, tag)
 
     def _flush_sends(self, timeout: float) -> None:
@@ -346,10 +332,8 @@ def _at_exit() -> None:
     for ref in list(_WATCHERS):
         w = ref()
         if w is not None and not w._stop.is_set():
-            try:
+            with contextlib.suppress(Exception):  # MPI may already be finalized
                 w.notify_exit()
-            except Exception:  # noqa: BLE001 - MPI may already be finalized
-                pass
 
 
 _PREVIOUS_HOOK = sys.excepthook
@@ -383,12 +367,9 @@ class MPITransport(Transport):
         node.Free()
         self._data_comm = self.comm.Dup()  # the worker's collectives never meet ours
         self._ops = _sum_ops_16bit(MPI)
-        self._mpi_types = {
-            torch.float32: MPI.FLOAT,
-            torch.float64: MPI.DOUBLE,
-            torch.float16: MPI.UINT16_T,
-            torch.bfloat16: MPI.UINT16_T,
-        }
+        # float16 and bfloat16 travel as their bits (uint16), summed by their user ops
+        self._mpi_types = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
+        self._mpi_types.update(dict.fromkeys(self._ops, MPI.UINT16_T))
         self._progress = _Progress()
         self._watcher = _Watcher(self)  # Dup: collective, at the same point on every rank
         _install_hooks()
@@ -418,21 +399,17 @@ class MPITransport(Transport):
         self._queue.put((job, handle, what))
         return handle
 
+    @contextlib.contextmanager
     def _control(self, what: str):
         """Context of one blocking collective of the calling thread (counted, watched)."""
-        transport = self
-
-        class _Ctx:
-            def __enter__(self):
-                p = transport._progress
-                p.control += 1
-                p.last_start = time.monotonic()
-                p.control_now = (p.control, what, p.last_start)
-
-            def __exit__(self, *exc):
-                transport._progress.control_now = None
-
-        return _Ctx()
+        p = self._progress
+        p.control += 1
+        p.last_start = time.monotonic()
+        p.control_now = (p.control, what, p.last_start)
+        try:
+            yield
+        finally:
+            p.control_now = None
 
     def start_allgatherv(self, local: torch.Tensor) -> Handle:
         buf = np.ascontiguousarray(local.detach().cpu().numpy(), dtype=np.uint8)
@@ -469,8 +446,7 @@ class MPITransport(Transport):
                 [send, (send_sizes.tolist(), send_displs.tolist()), MPI.UNSIGNED_CHAR],
                 [recv, (recv_sizes.tolist(), recv_displs.tolist()), MPI.UNSIGNED_CHAR],
             )
-            out = torch.from_numpy(recv)
-            return list(out.split(recv_sizes.tolist()))
+            return list(torch.from_numpy(recv).split(recv_sizes.tolist()))
 
         return self._submit(job, f"alltoallv of {sum(b.size for b in bufs)} bytes")
 

@@ -1,38 +1,19 @@
 """A simulated world: N ranks as N threads of one process (docs/horovod-parity.md,
-"The simulated world").
+"The simulated world", for the rendezvous and why its digests equal a real run's).
 
 ``SimulatedWorld(size)`` is the rendezvous every rank's ``SimulatedTransport`` shares;
-``hvdcompress.training.simulate.run_ranks`` runs one function per rank on it. Each rank
-runs the real code path (``DistributedOptimizer``, its exchange, its compressor bound to
-its rank, its policy) and only the bytes move differently: a collective is a slot in the
-world that every rank fills with its contribution; the last one to arrive combines them,
-and each rank's ``wait()`` takes its own copy of the result.
+``hvdcompress.training.simulate.run_ranks`` runs one function per rank on it. A collective
+is a slot of the world, matched by its position in one of two sequences (the started
+``start_*`` ones and the blocking ones, as on the mpi4py transport's two communicators);
+the last rank to arrive combines the contributions, and each rank's ``wait()`` takes its
+own copy. Numerics are the real transports': allgatherv in rank order; allreduce summed
+in rank order, float16 / bfloat16 added in float32 and rounded back after every add
+(Horovod's rule); objects pickled, as over MPI.
 
-Numerics are the real transports', so a simulated run ends with the parameters of the real
-run with the same seed:
-
-* ``start_allgatherv``: every rank's bytes in rank order and each rank's byte count, as
-  ``MPITransport``; the exchange then decodes the same bytes in the same order.
-* ``start_allreduce_sum``: the sum in rank order, ``((x0 + x1) + x2) + ...``; float16 and
-  bfloat16 add in float32 and round back to the dtype after every add (the MPI user op
-  of ``transports.mpi``, Horovod's rule). With two ranks that is exactly what any MPI
-  library computes (addition commutes); with more, MPI picks its own reduction order
-  (recursive doubling, ring), which may differ from rank order in the last bits of a
-  float32 sum. The gather path has no such freedom: its digests match at any size.
-* ``start_alltoallv(parts)``: ``parts[j]`` is this rank's 1-D uint8 tensor for rank j;
-  ``wait()`` gives the list whose entry i came from rank i.
-* ``allgather_object``: every rank's object, each rank receiving its own unpickled copy
-  (as over MPI). ``broadcast_`` copies root's bytes; ``sum_floats`` and ``barrier`` are
-  the base class's (float64 sum in rank order).
-
-Collectives match by their position in one of two sequences, as on the mpi4py transport's
-two communicators: the started (``start_*``) collectives, and the blocking ones of the
-calling thread (``allgather_object``, ``broadcast_``, ...). Invariants: a rank that
-starts a different collective at a position than rank 0 did gets ``RankMismatch``
-instead of a wrong result; a rank that fails aborts the world, so every rank waiting in
-(or later starting) a collective raises ``SimulatedAbort`` naming the failed rank instead
-of waiting forever; the same happens to ranks that wait for a collective a rank that has
-returned will never start.
+Invariants: a rank that starts a different collective at a position than rank 0 did gets
+``RankMismatch`` instead of a wrong result; every rank waiting in (or later starting) a
+collective that can never finish, because a rank failed or returned, raises
+``SimulatedAbort`` naming that rank instead of waiting forever.
 """
 
 from __future__ import annotations

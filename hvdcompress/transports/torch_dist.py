@@ -3,9 +3,9 @@ hvdcompress.transports. The transport of the DDP communication hook (``hvdcompre
 
 Every collective runs when it is started, on the caller's thread (a DDP comm hook runs
 on the autograd thread, one bucket at a time, in the same order on every rank), and its
-handle is already done. ``start_allgatherv``: the byte counts are all-gathered first,
-then every rank's bytes padded to the largest count, all-gathered, and cut back. NCCL
-moves only device tensors, so with it the bytes travel on the current CUDA device.
+handle is already done. ``start_allgatherv`` pads every rank's bytes to the largest
+count. NCCL moves only device tensors, so with it the bytes travel on the current CUDA
+device.
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ class TorchDistTransport(Transport):
         counts = [torch.empty_like(count) for _ in range(self.size)]
         self.dist.all_gather(counts, count, group=self.group)
         sizes = [int(c.item()) for c in counts]
-        longest = max(sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8, device=local.device)
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=local.device)
         padded[: local.numel()] = local
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         self.dist.all_gather(parts, padded, group=self.group)
