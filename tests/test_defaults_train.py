@@ -1,9 +1,9 @@
 """Every registered compressor trains with its defaults: ``scripts/train.py --compression
 NAME`` with no compressor parameters and no --lr / --momentum (so the compressor's
 declared ``sgd_lr_factor`` and ``sgd_momentum`` apply; docs/codecs.md, "Defaults that
-train") ends with a finite loss and a test accuracy well above chance, on three
-simulated ranks and the synthetic dataset. The Fashion-MNIST numbers behind the
-declarations are docs/codecs.md's table."""
+train") ends with a finite loss and a test accuracy of at least four times chance after
+150 steps of Fashion-MNIST on two simulated ranks (each run about 6 s). The longer runs
+behind the declarations are docs/codecs.md's table."""
 
 from __future__ import annotations
 
@@ -19,15 +19,11 @@ from hvdcompress.compressors.registry import REGISTRY, names
 
 TRAIN = Path(__file__).parents[1] / "scripts" / "train.py"
 CHANCE = 0.1  # ten classes
-# Random-k's memory sends a value about 1 / ratio = 100 steps after it arrived: 90 steps
-# are less than one round (it reached 0.098 there, 0.29 at 400 steps).
-STEPS = {"randomk": 400}
 
 
 def _train(name: str) -> tuple[subprocess.CompletedProcess, dict]:
-    cmd = [sys.executable, str(TRAIN), "--simulate-ranks", "3", "--dataset", "synthetic",
-           "--synthetic-size", "3072", "--batch-size", "32", "--steps",
-           str(STEPS.get(name, 90)), "--no-progress", "--compression", name]  # fmt: skip
+    cmd = [sys.executable, str(TRAIN), "--simulate-ranks", "2", "--batch-size", "32",
+           "--steps", "150", "--no-progress", "--compression", name]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     summary = re.search(r"summary: .*", done.stdout)
     fields = summary.group(0).split()[1:] if summary else []
@@ -39,7 +35,7 @@ def test_the_default_run_ends_finite_and_above_chance(name):
     done, summary = _train(name)
     assert done.returncode == 0, done.stderr[-2000:]
     assert math.isfinite(float(summary["last_loss"])), summary
-    assert float(summary["test_accuracy"]) >= 2 * CHANCE, summary
+    assert float(summary["test_accuracy"]) >= 4 * CHANCE, summary
 
 
 def test_train_py_says_which_recommended_settings_it_applied():
