@@ -28,15 +28,10 @@ unchecked size: what a payload may make a receiver allocate is bounded by the re
 by ``check_numel_bound`` before anything is allocated. A shape whose non-zero dimensions
 multiply past 2**63 - 1 (not a torch shape, even when empty) fails at the header.
 
-The checksum is a position-weighted byte sum, chosen because a GPU computes it as an
-order-independent reduction (atomic adds modulo 2**32) with the same result as the
-CPU: ``sum_j (b_j + 1) * mix(j) mod 2**32`` with ``mix(j)`` the high 32 bits of
-``j * 0x9E3779B97F4A7C15 mod 2**64``, or-ed with 1. An odd weight per position means
-any single changed byte changes the sum.
-
-Also here: ``parse`` (the header of a payload tensor, parsed once per payload on the
-receive path), ``assemble`` (header + body + checksum), ``verify_checksum``, and the
-per-bucket framing of one rank's payloads (``frame`` / ``unframe`` / ``unframe_parsed``).
+The checksum (``checksum_numpy``, docs/wire-format.md) is a position-weighted byte sum
+that a GPU computes as an order-independent reduction with the CPU's result; any single
+changed byte changes it. A bucket's payloads travel in one frame per rank
+(``frame_bucket``, ``scan_frame``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """The two compressor interfaces: gather-only (byte payloads) and summable (dense payloads).
 
 A compressor is a codec (pure tensor math, ``hvdcompress.codecs``) plus per-tensor state
-(error-feedback residuals, RNG step counters, PowerSGD's Q). Every compressor declares
-its registry entry (``name``, ``wire_id``, ``params``, ``examples``: see
-``hvdcompress.compressors.registry``) and has the same life cycle in the optimizer: ``bind(rank,
-size)`` once, ``check_optimizer(optimizer)`` once, ``compress`` per tensor and step,
-``pop_metrics()`` per step, ``state_dict()`` in checkpoints. Defaults are declared here:
-a compressor overrides only what it needs.
+(error-feedback residuals, RNG step counters, PowerSGD's Q). It declares its registry
+entry (``hvdcompress.compressors.registry``) and overrides only what it needs of the
+defaults declared here: ``bind`` and ``check_optimizer`` once, ``compress`` per tensor
+and step, ``pop_metrics`` per step, ``state_dict`` in checkpoints.
 
 * ``GatherCompressor``: ``compress`` encodes a tensor into a self-describing uint8
   payload (``hvdcompress.wire``); the payloads of all ranks are gathered and every rank
@@ -324,16 +322,11 @@ class GatherCompressor(Compressor):
         rank: int | None = None,
     ) -> None:
         """Add one rank's frame of a bucket (``compress_bucket``'s) into ``outs``: exactly
-        ``decode_bucket`` of ``wire.unframe_parsed(frame, ...)``, same sums, same checks,
-        same errors, without a Python round trip per payload where it can.
-
-        The fast path (outputs on the CPU, or on a GPU for ``cuda_decode_segments``): one
-        native scan of the frame, on the frame's device, checks every header's layout and
-        checksum (``wire.scan_frame``)
-        against the bucket's ``frame_layout``, ``accepts_bucket`` the codec parameters
-        and body sizes, ``decode_segments`` adds the bodies. Whatever the scan or
-        ``accepts_bucket`` does not accept goes the per-payload way, which raises the
-        error naming the field; a body that does not decode raises as it would there."""
+        ``decode_bucket`` of ``wire.unframe_parsed(frame, ...)`` (same sums, checks and
+        errors). Fast path (CPU outputs, or GPU ones for ``cuda_decode_segments``): one
+        native scan checks every header against ``frame_layout`` (``wire.scan_frame``),
+        ``accepts_bucket`` the codec parameters, ``decode_segments`` adds the bodies;
+        what they do not accept goes the per-payload way, whose errors name the field."""
         names = [ctx.name for ctx in ctxs]
         scanned = self._scan_accepted(frame, outs, ctxs, names)
         if scanned is None:
@@ -403,11 +396,9 @@ class GatherCompressor(Compressor):
         body_lens: np.ndarray,
         numels: np.ndarray,
     ) -> bool:
-        """True when every payload of a scanned frame passes ``check_params`` (its flags
-        and params; the scan checked the rest of its header) and, unless non-finite,
-        ``numel <= max_numel(body_len)``. False sends the frame the per-payload way, whose
-        errors name the field. A compressor overrides this with array arithmetic over the
-        same conditions."""
+        """True when every payload of a scanned frame passes ``check_params`` and, unless
+        non-finite, ``numel <= max_numel(body_len)`` (a compressor may override this with
+        array arithmetic over the same conditions); False: the per-payload way."""
         for name, flag, param, body_len, numel in zip(
             names, flags.tolist(), params, body_lens.tolist(), numels.tolist(), strict=True
         ):
@@ -431,13 +422,11 @@ class GatherCompressor(Compressor):
         names: list[str],
         rank: int | None = None,
     ) -> tuple[int, PayloadError] | None:
-        """Add the finite payloads' bodies ``frame[body_starts[i]:][:body_lens[i]]`` (their
-        headers accepted) decoded into ``outs[i]``: None, or (i, the PayloadError) of the
-        first that does not decode (``outs`` before it added to, ``outs[i]`` untouched).
-        ``rank``: the frame's sender; a compressor that decodes with side information gets
-        ``decode_bucket``'s, ``outs[i] / rank`` for rank > 0. ``decode_into`` of each by
-        default; a codec with a batched native decoder overrides this with one call for
-        all."""
+        """Add the accepted bodies ``frame[body_starts[i]:][:body_lens[i]]`` decoded into
+        ``outs[i]``: None, or (i, the PayloadError) of the first that does not decode (the
+        ones before it added, ``outs[i]`` untouched). ``decode_into`` of each by default; a
+        codec with a batched native decoder overrides it with one call (docs/backends.md,
+        "One call per bucket"); side information as in ``decode_bucket``."""
         for i, (param, start, length, numel) in enumerate(
             zip(params, body_starts.tolist(), body_lens.tolist(), numels.tolist(), strict=True)
         ):

@@ -38,6 +38,3 @@ class PerTensorLevels:
         shard when the tensor's level is ``level`` (docs/exchanges.md): by default
         the same level."""
         return level
-
-    def clear_levels(self) -> None:
-        self.levels.clear()

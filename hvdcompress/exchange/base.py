@@ -88,16 +88,10 @@ class _Exchange:
     def _write(
         self, grad: torch.Tensor, name: str, value: torch.Tensor, comp, scale: float, flight
     ) -> None:
-        """Write the sum ``value`` times ``scale`` into ``grad`` (docs/error-feedback.md).
-
-        Into a float16 / bfloat16 gradient: a finite float32 value that overflows the
-        dtype becomes +-Inf as a cast would (so that GradScaler skips the step and backs
-        off), and is reported: ``flight.overflow`` (``StepStats.overflow``) and a
-        RuntimeWarning naming the tensor. For an error-feedback compressor the rounding
-        of the cast (float32 value minus what was written), where finite, goes into this
-        rank's residual, scaled so that over the ranks it adds up to the rounding: every
-        rank adds ``rounding / (scale * size)`` (Average: the rounding; Sum: 1 / size of
-        it), so the applied gradients plus the residuals keep tracking the true sum."""
+        """Write the sum ``value`` times ``scale`` into ``grad``. Into a float16 / bfloat16
+        gradient (docs/error-feedback.md): a finite value past the dtype's range becomes
+        +-Inf as a cast would, reported in ``flight.overflow`` with a RuntimeWarning; the
+        cast's finite rounding goes back into the residuals (``_absorb_rounding``)."""
         if grad.dtype not in LOW_PRECISION:
             if scale != 1.0:
                 value = value.to(torch.float32).mul_(scale)
