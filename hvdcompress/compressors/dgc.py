@@ -54,6 +54,10 @@ class DGC(GatherCompressor):
     benchmarks = ({},)
     error_feedback = True
     recompressible = False  # compress adds momentum: the owner would apply it twice
+    # The velocity sends a tensor's 0.1% largest only once they have grown: with the job's
+    # SGD learning rate 2 ranks of batch 32 diverged at step 186 (docs/codecs.md, "Defaults
+    # that train"); at half of it they trained.
+    sgd_lr_factor = 0.5
 
     def __init__(
         self,
