@@ -641,3 +641,18 @@ def test_gspar_scale_stops_at_the_largest_float32():
     assert 0 < idx.numel() < 409.9
     values = body[: 4 * idx.numel()].view(torch.float32)
     assert bool(torch.isfinite(values).all()) and bool((values > 0).all())
+
+
+def test_gspar_scaled_values_that_overflow_travel_as_nonfinite():
+    # a_i / p_i of values near float32's largest overflows: the payload is flagged (every
+    # rank decodes NaN, as for 3LC and QSGD), never an Inf body its own receiver refuses
+    big = torch.full((257,), 3e38)
+    c = comp("gspar", ratio=0.1)
+    payload, ctx = c.compress(big, "w")
+    assert c.read_header(payload)[0].nonfinite
+    assert torch.isnan(comp("gspar", ratio=0.1).decode(payload, expect=ctx)).all()
+    frame, ctxs = comp("gspar", ratio=0.1).compress_bucket([big, torch.ones(100)], ["w", "v"])
+    outs = [torch.zeros(257), torch.zeros(100)]
+    comp("gspar", ratio=0.1).decode_frame(frame, outs, ctxs, rank=0)
+    assert torch.isnan(outs[0]).all() and torch.isfinite(outs[1]).all()
+    assert outs[1].sum() > 0  # the finite tensor of the bucket still decodes

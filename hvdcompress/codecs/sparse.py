@@ -333,6 +333,13 @@ def gspar_encode(
     return body, idx
 
 
+def gspar_values_finite(body: torch.Tensor, n: int) -> torch.Tensor:
+    """Whether a scaled GSpar body's kept values are finite (a 0-dim bool tensor): a_i / p_i
+    of a finite a_i near float32's largest can overflow; such a payload travels flagged."""
+    k = body.numel() // (4 + index_dtype(n).itemsize)
+    return torch.isfinite(body[: 4 * k].view(torch.float32)).all()
+
+
 def gspar_encode_segments(
     gs: list[torch.Tensor],
     keys: list[int],
@@ -344,7 +351,8 @@ def gspar_encode_segments(
     iteration): (bodies, non-finite flags). Scaled; or with the residuals ``es`` (error
     feedback) of a = g + e, unscaled, each e becoming a with the kept entries zeroed
     (untouched where a is not finite). A tensor the call leaves to its caller (more kept
-    than its room) is encoded alone."""
+    than its room) is encoded alone; a scaled body that overflowed is flagged
+    (``gspar_values_finite``)."""
     if not gs:
         return [], []
     backend = for_device(gs[0].device)
@@ -357,6 +365,12 @@ def gspar_encode_segments(
             body, idx = gspar_encode(es[i].clone(), budget, key, scaled=False)
             es[i][idx] = 0.0
         out.append(body)
+    if es is None:  # one read for the bucket
+        checks = [gspar_values_finite(b, g.numel()) for b, g in zip(out, gs, strict=True)]
+        finite = torch.stack(checks)
+        for i, ok in enumerate(finite.tolist()):
+            if not ok and not nonfinite[i]:
+                nonfinite[i], out[i] = True, out[i][:0]
     return out, nonfinite
 
 

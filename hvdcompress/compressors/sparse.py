@@ -373,6 +373,8 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
         # With error feedback the kept a_i travel unscaled (a contractive compressor,
         # delta >= ratio; a_i / p_i is not and made the residual diverge): e = a - decode.
         body, idx = sparse.gspar_encode(a, ratio * a.numel(), key, scaled=e is None)
+        if e is None and not bool(sparse.gspar_values_finite(body, a.numel())):
+            return wire.FLAG_NONFINITE, params, empty_body(g.device)
         if e is not None:
             e.copy_(a)
             e[idx] = 0.0
