@@ -1,0 +1,484 @@
+"""The valid-input matrix (issue 31, item 2): every valid gradient survives every path.
+
+Cells: every registered compressor x every example configuration the registry declares
+(``registry.examples()``: a new compressor joins from its registration alone) x the
+gradient classes of ``tests.codec_inputs.VALID_CLASSES`` (zeros, one non-zero, 0.1 % and
+1 % non-zeros, constant, alternating sign, the dtype's subnormals, values near float32's
+and float16's maximum, one element, empty, lengths 4/5/6 and 511/512/513, a Gaussian
+matrix) x float32 / float16 / bfloat16 (a class the dtype cannot represent is left out by
+construction) x the paths
+
+* ``tensor``: ``compress(tensor, name)`` -> ``decode(payload, expect=ctx)`` (gather-only)
+  or ``decompress`` after the phases of a world of one (summable);
+* ``bucket``: ``compress_bucket`` -> ``decode_frame(..., rank=0)`` (gather-only);
+* ``allgather`` / ``twostage`` / ``allreduce``: ``DistributedOptimizer`` on a simulated
+  world of 3 ranks (``twostage`` only for recompressible gather-only compressors,
+  ``allreduce`` the summable compressors' path);
+* ``ddp``: ``hvdcompress.ddp_hook`` with a gloo group of one rank;
+
+x 3 steps. Each cell: the decode raises nothing, the result has the input's shape and
+dtype, it lies within the codec's bound (``BOUNDS``, keyed by compressor name; a name not
+in it gets the generic checks: finite, shape, dtype, ranks agree), error feedback keeps its
+invariant with finite residuals, and on 3 ranks every rank holds bit-identical averages.
+One test function per (configuration, path) loops over classes x dtypes x steps and lists
+every failing cell. ``KNOWN`` holds the cells that fail today (each is its own strict
+xfail below, so a fix shows); the main loops leave them out.
+
+Matrix size: ``CELLS`` counts the (configuration, class, dtype, path, step) cells run;
+``test_matrix_size`` (last in the file) checks and prints it (measured: see the report in
+its docstring).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hvdcompress
+from hvdcompress.compressors import registry
+from hvdcompress.training.simulate import run_ranks
+from tests.codec_inputs import DTYPES, FLIPPED, VALID_CLASSES, valid_gradient, valid_gradients
+from tests.test_simulated import within
+
+STEPS = 3
+RANKS = 3
+HANG_S = 120.0
+CASES = registry.examples()
+CELLS: Counter = Counter()  # path -> cells run
+DT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def case_id(name: str, params: dict) -> str:
+    return name + "".join(f"-{k}={v}" for k, v in params.items())
+
+
+def gradient(cls: str, dtype: torch.dtype, step: int, rank: int = 0):
+    """The class's gradient of ``rank`` at ``step`` (None: not valid in ``dtype``)."""
+    if cls in FLIPPED:  # one tensor, its sign alternating over steps and ranks
+        return valid_gradient(cls, dtype, 0, (-1.0) ** (step + rank))
+    return valid_gradient(cls, dtype, 1000 * step + rank)
+
+
+def classes_of(dtype: torch.dtype) -> list[str]:
+    return [c for c in VALID_CLASSES if gradient(c, dtype, 0) is not None]
+
+
+# ---- cells that fail today: each a strict xfail (test_known_failures) -----------------------
+# (compressor, class, dtype, path) -> the bug; "*" matches every value of that field.
+KNOWN: dict[tuple[str, str, str, str], str] = {}
+
+
+def known(name: str, cls: str, dtype: torch.dtype, path: str) -> str | None:
+    for (n, c, d, p), reason in KNOWN.items():
+        if (n in ("*", name)) and (c in ("*", cls)) and (d in ("*", DT[dtype])):
+            if p in ("*", path):
+                return reason
+    return None
+
+
+# ---- per-codec bounds -----------------------------------------------------------------------
+# bound(c, params, a, dec) -> None or what is wrong. ``a``: what the codec encoded this step
+# (float64, flat: the gradient plus the residual before the step under error feedback),
+# ``dec``: the float32 decode (float64, flat). Single-sender paths only (tensor, bucket); on
+# 3 ranks the averages get the generic checks, exact ones for none / fp16 / bf16.
+def _rel(x: float, y: float, rtol: float = 2e-6) -> bool:
+    return abs(x - y) <= rtol * max(abs(x), abs(y)) + 1e-45
+
+
+def _values_in(dec, allowed: list[float], what: str):
+    bad = [v for v in dec.unique().tolist() if not any(_rel(v, w) for w in allowed)]
+    return f"values {bad[:4]} not in {what} {allowed}" if bad else None
+
+
+def _bound_exact(c, p, a, dec):
+    return None if torch.equal(dec, a) else f"not bit-exact (max err {(dec - a).abs().max()})"
+
+
+def _bound_cast(dtype):
+    def bound(c, p, a, dec):
+        want = a.float().to(dtype).double()
+        return None if torch.equal(dec, want) else f"not the cast to {dtype}"
+
+    return bound
+
+
+def _bound_3lc(c, p, a, dec):
+    if not a.numel():
+        return None
+    s = as32(p.get("sparsity", c.sparsity) * a.abs().max().item())
+    return _values_in(dec, [0.0, s, -s], "{-S, 0, S}, S = s max|a|")
+
+
+def as32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float64).float())
+
+
+def _bound_terngrad(c, p, a, dec):
+    m = as32(a.abs().max().item()) if a.numel() else 0.0
+    return _values_in(dec, [0.0, m, -m], "{-M, 0, M}, M = max|x|")
+
+
+def _bound_signsgd(c, p, a, dec):
+    return _values_in(dec, [1.0, -1.0], "{-1, +1}")
+
+
+def _bound_efsign(c, p, a, dec):
+    if not a.numel():
+        return None
+    s = as32(a.abs().sum().item() / a.numel())
+    return _values_in(dec, [s, -s], "{-scale, +scale}, scale = mean|a|")
+
+
+def _topk_count(n: int, density: float) -> int:
+    return 0 if n == 0 else min(n, max(1, math.ceil(density * n)))
+
+
+def _kept(dec, a, k: int, same: bool = True):
+    nz = dec.nonzero().flatten()
+    if nz.numel() > k:
+        return f"{nz.numel()} values kept, k = {k}"
+    if same and not torch.equal(dec[nz], a[nz].float().double()):
+        return "kept values differ from the input's"
+    return None
+
+
+def _bound_topk(c, p, a, dec):
+    return _kept(dec, a, _topk_count(a.numel(), p.get("ratio", c.ratio)))
+
+
+def _bound_dgc(c, p, a, dec):  # a: v, k at most the warm-up's first density
+    return _kept(dec, a, _topk_count(a.numel(), max(0.25, p["ratio"])), same=False)
+
+
+def _bound_topkq(c, p, a, dec):
+    k = _topk_count(a.numel(), p.get("ratio", c.ratio))
+    bad = _kept(dec, a, k, same=False)
+    mags = dec[dec != 0].abs().unique()
+    return bad or (f"{mags.numel()} magnitudes, not one" if mags.numel() > 1 else None)
+
+
+def _bound_randomk(c, p, a, dec):
+    nz = dec.nonzero().flatten()
+    q = p["ratio"]
+    for i in nz.tolist()[:200]:
+        ai, di = a[i].item(), dec[i].item()
+        if not (_rel(di, as32(ai)) or _rel(di, as32(ai / q), 1e-5)):
+            return f"value {di} at {i} is neither a_i = {ai} nor a_i / p"
+    return None
+
+
+def _bound_support(c, p, a, dec):  # GSpar: no element bound; kept entries only where a != 0
+    return "a value where the input is zero" if bool((dec[a == 0] != 0).any()) else None
+
+
+def _bound_norm(c, p, a, dec):  # QSGD / DQSG / NDQSG: |x_hat_i| within the payload's norm
+    norm = a.norm().item() if a.numel() else 0.0
+    worst = dec.abs().max().item() if dec.numel() else 0.0
+    return None if worst <= 2.0 * norm * (1 + 1e-5) + 1e-44 else f"|x_hat| {worst} > 2 ||a||"
+
+
+BOUNDS = {
+    "none": _bound_exact,
+    "fp16": _bound_cast(torch.float16),
+    "bf16": _bound_cast(torch.bfloat16),
+    "3lc": _bound_3lc,
+    "terngrad": _bound_terngrad,
+    "signsgd": _bound_signsgd,
+    "efsignsgd": _bound_efsign,
+    "topk": _bound_topk,
+    "topkq": _bound_topkq,
+    "dgc": _bound_dgc,
+    "randomk": _bound_randomk,
+    "gspar": _bound_support,
+    "qsgd": _bound_norm,
+    "dqsg": _bound_norm,
+    "ndqsg": _bound_norm,
+}
+
+
+def generic(dec: torch.Tensor, g: torch.Tensor) -> str | None:
+    """Shape, dtype and finiteness of a decoded tensor against its input."""
+    if tuple(dec.shape) != tuple(g.shape):
+        return f"shape {tuple(dec.shape)} != {tuple(g.shape)}"
+    if dec.dtype != g.dtype:
+        return f"dtype {dec.dtype} != {g.dtype}"
+    if not bool(dec.isfinite().all()):
+        return "not finite"
+    return None
+
+
+# ---- error feedback ---------------------------------------------------------------------------
+def residual(c, name: str, n: int) -> torch.Tensor:
+    memory = getattr(c, "memory", None)
+    e = None if memory is None else memory.residuals.get(name)
+    return torch.zeros(n, dtype=torch.float64) if e is None else e.double().clone()
+
+
+class Feedback:
+    """Tracks one tensor's sums over the steps: sum(decoded) + e == sum(inputs) (DGC: sum of
+    the velocities u = m u + g, docs/baselines.md "DGC")."""
+
+    def __init__(self, c, name: str, n: int) -> None:
+        self.c, self.name, self.n = c, name, n
+        self.sent = torch.zeros(n, dtype=torch.float64)
+        self.want = torch.zeros(n, dtype=torch.float64)
+        self.scale = 0.0
+
+    def before(self, g: torch.Tensor) -> torch.Tensor:
+        """What the codec encodes this step (float64, flat): a = g + e (DGC: v + u)."""
+        g = g.reshape(-1).double()
+        e = residual(self.c, self.name, self.n)
+        velocity = getattr(self.c, "velocity", None)
+        if velocity is not None:
+            u = velocity.residuals.get(self.name)
+            u = torch.zeros(self.n, dtype=torch.float64) if u is None else u.double()
+            g = self.c.momentum * u + g
+        self.want += g
+        a = g + e
+        self.scale = max(self.scale, a.abs().max().item() if self.n else 0.0)
+        return a
+
+    def after(self, dec: torch.Tensor) -> str | None:
+        self.sent += dec
+        if not self.c.error_feedback:
+            return None
+        e = residual(self.c, self.name, self.n)
+        if not bool(e.isfinite().all()):
+            return "residual not finite"
+        err = (self.sent + e - self.want).abs().max().item() if self.n else 0.0
+        if err > 2e-6 * STEPS * self.scale + 1e-44:
+            return f"error feedback: sum(decoded) + e - sum(g) = {err:.3g} (scale {self.scale:.3g})"
+        return None
+
+
+# ---- the single-sender paths -------------------------------------------------------------------
+def tensor_step(c, g: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decoded in g's dtype, decoded float32) through the per-tensor API."""
+    payload, ctx = c.compress(g, name)
+    if c.summable:
+        for phase in range(1, c.phases):
+            payload = c.next_phase(payload, ctx, phase)
+        if c.phases == 1:
+            dec = c.decompress(payload, ctx)
+            return dec, dec.float()
+        # decompress is decompress_exact cast (it consumes the pending phases: call it once)
+        exact = c.decompress_exact(payload, ctx).float()
+        return exact.to(g.dtype), exact
+    dec = c.decode(payload, expect=ctx)
+    flat = c.decode(payload, expect=ctx, out=torch.empty(g.numel()))
+    return dec, flat
+
+
+def run_single(name: str, params: dict, path: str) -> list[str]:
+    failures = []
+    bound = BOUNDS.get(name)
+    for dtype in DTYPES:
+        classes = [c for c in classes_of(dtype) if not known(case_id(name, params), c, dtype, path)]
+        comp = hvdcompress.get_compressor(name, **params)
+        feedback = {c: Feedback(comp, c, math.prod(VALID_CLASSES[c][0])) for c in classes}
+        broken: set[str] = set()
+        for step in range(STEPS):
+            gs = {c: gradient(c, dtype, step) for c in classes}
+            live = [c for c in classes if c not in broken]
+            encoded = {c: feedback[c].before(gs[c]) for c in live}
+            try:
+                if path == "tensor":
+                    decs = {c: tensor_step(comp, gs[c], c) for c in live}
+                else:
+                    frame, ctxs = comp.compress_bucket([gs[c] for c in live], live)
+                    outs = [torch.zeros(gs[c].numel()) for c in live]
+                    comp.decode_frame(frame, outs, ctxs, rank=0)
+                    # decode_frame adds into float32 outputs: shape and values, not dtype
+                    decs = {c: (o.view(gs[c].shape), o) for c, o in zip(live, outs)}
+            except Exception as err:  # noqa: BLE001 - listed with its cell
+                where = live if path == "bucket" else "?"
+                failures.append(f"{path} {case_id(name, params)} {DT[dtype]} step {step} {where}: "
+                                f"{type(err).__name__}: {err}")  # fmt: skip
+                break
+            for c in live:
+                CELLS[path] += 1
+                dec, flat = decs[c]
+                flat = flat.reshape(-1).double()
+                problems = [generic(dec, gs[c] if path == "tensor" else gs[c].float())]
+                problems.append(bound(comp, params, encoded[c], flat) if bound else None)
+                problems.append(feedback[c].after(flat))
+                if path == "tensor" and not comp.summable and not problems[0]:
+                    want = flat.float().view(gs[c].shape).to(dtype)
+                    if not torch.equal(dec, want):
+                        problems.append("decode() differs from the float32 decode, cast")
+                bad = [p for p in problems if p]
+                if bad:
+                    broken.add(c)
+                    failures.append(
+                        f"{path} {case_id(name, params)} {c} {DT[dtype]} step {step}: {bad}"
+                    )
+    return failures
+
+
+SINGLE = [(n, p, path) for n, p in CASES for path in ("tensor", "bucket")]
+SINGLE = [(n, p, path) for n, p, path in SINGLE if path == "tensor" or not registry.REGISTRY[n].summable]
+
+
+@pytest.mark.parametrize(
+    "name,params,path", SINGLE, ids=[f"{path}-{case_id(n, p)}" for n, p, path in SINGLE]
+)
+def test_single_sender_paths(name, params, path):
+    failures = run_single(name, params, path)
+    assert not failures, "\n".join(failures)
+
+
+# ---- 3 ranks through DistributedOptimizer (simulated world) ------------------------------------
+def mean_tolerance(dtype: torch.dtype, xs: list[torch.Tensor]) -> float:
+    """How far a rank-order float32 (or low-precision) average may lie from the exact mean."""
+    top = max((x.abs().max().item() for x in xs if x.numel()), default=0.0)
+    info = torch.finfo(dtype)
+    return 8 * info.eps * top + 4 * info.smallest_normal * info.eps
+
+
+def _mean_none(dtype, xs, got):
+    want = torch.stack([x.double() for x in xs]).mean(0)
+    tol = mean_tolerance(dtype, xs)
+    err = (got.double() - want).abs().max().item() if got.numel() else 0.0
+    return None if err <= tol else f"average off the mean by {err:.3g} > {tol:.3g}"
+
+
+def _mean_cast(wire_dtype):
+    def bound(dtype, xs, got):
+        sent = [x.to(wire_dtype) for x in xs]
+        want = torch.stack([x.double() for x in sent]).mean(0)
+        tol = mean_tolerance(wire_dtype, sent) + mean_tolerance(dtype, sent)
+        err = (got.double() - want).abs().max().item() if got.numel() else 0.0
+        return None if err <= tol else f"average off the mean of the casts by {err:.3g}"
+
+    return bound
+
+
+def _mean_sign(dtype, xs, got):  # the mean of +-1 per rank
+    return None if bool((got.abs() <= 1).all()) else "|average| > 1"
+
+
+# multi-rank bounds (the average of RANKS decodes), keyed by compressor name
+MEAN_BOUNDS = {
+    "none": _mean_none,
+    "fp16": _mean_cast(torch.float16),
+    "bf16": _mean_cast(torch.bfloat16),
+    "signsgd": _mean_sign,
+}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return a.numel() == 0 or torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def world_paths(name: str) -> list[str]:
+    cls = registry.REGISTRY[name]
+    if cls.summable:
+        return ["allreduce"]
+    return ["allgather", "twostage"] if cls.recompressible else ["allgather"]
+
+
+def run_world(name: str, params: dict, path: str, dtype: torch.dtype, classes: list[str]):
+    """Every rank's averaged gradients per step ({class: tensor}) and final residuals."""
+    exchange = "auto" if path == "allreduce" else path
+    pnames = {c: f"layer{i}.weight" for i, c in enumerate(classes)}
+
+    def rank(t):
+        comp = hvdcompress.get_compressor(name, **params)
+        ps = {c: torch.nn.Parameter(torch.zeros(VALID_CLASSES[c][0], dtype=dtype)) for c in classes}
+        opt = hvdcompress.DistributedOptimizer(
+            torch.optim.SGD(list(ps.values()), lr=0.0),
+            [(pnames[c], p) for c, p in ps.items()],
+            compression=comp,
+            backend=t,
+            exchange=exchange,
+        )
+        steps = []
+        for step in range(STEPS):
+            for c, p in ps.items():
+                p.grad = gradient(c, dtype, step, t.rank).clone()
+            opt.step()
+            steps.append({c: p.grad.clone() for c, p in ps.items()})
+        memory = getattr(comp, "memory", None)
+        residuals = {} if memory is None else dict(memory.residuals)
+        return steps, {c: residuals.get(pnames[c]) for c in classes}, residuals
+
+    return within(HANG_S, lambda: run_ranks(RANKS, rank))
+
+
+def world_cells(name: str, params: dict, path: str, dtype: torch.dtype, classes: list[str]):
+    """Failures of the cells (class, dtype, path, step) of one 3-rank run."""
+    where = f"{path} {case_id(name, params)}"
+    try:
+        results = run_world(name, params, path, dtype, classes)
+    except Exception as err:  # noqa: BLE001 - pinned to a class below
+        if len(classes) > 1:  # which class: each alone
+            return [f for c in classes for f in world_cells(name, params, path, dtype, [c])]
+        return [f"{where} {classes[0]} {DT[dtype]}: {type(err).__name__}: {err}"]
+    failures = []
+    bound = MEAN_BOUNDS.get(name)
+    ef = results[0][1] and hvdcompress.get_compressor(name, **params).error_feedback
+    for c in classes:
+        sent = torch.zeros(math.prod(VALID_CLASSES[c][0]), dtype=torch.float64)
+        want = sent.clone()
+        scale = 0.0
+        for step in range(STEPS):
+            CELLS[path] += 1
+            xs = [gradient(c, dtype, step, r) for r in range(RANKS)]
+            got = [res[0][step][c] for res in results]
+            problems = [generic(got[0], xs[0])]
+            if not all(same_bits(g, got[0]) for g in got[1:]):
+                problems.append("ranks hold different averages")
+            problems.append(bound(dtype, xs, got[0]) if bound else None)
+            sent += got[0].reshape(-1).double() * RANKS
+            want += sum(x.reshape(-1).double() for x in xs)
+            scale = max([scale] + [x.abs().max().item() for x in xs if x.numel()])
+            bad = [p for p in problems if p]
+            if bad:
+                failures.append(f"{where} {c} {DT[dtype]} step {step}: {bad}")
+                break
+        else:
+            es = [res[2] for res in results]
+            if any(not bool(e.isfinite().all()) for r in es for e in r.values()):
+                failures.append(f"{where} {c} {DT[dtype]}: a residual is not finite")
+            elif ef and path != "twostage" and name != "dgc" and sent.numel():
+                # sum over steps of N x average + every rank's residual == sum of gradients
+                e = sum(res[1][c].double() for res in results if res[1][c] is not None)
+                err = (sent + e - want).abs().max().item()
+                tol = 4e-6 * STEPS * RANKS * scale + 8 * torch.finfo(dtype).eps * scale + 1e-43
+                if err > tol:
+                    failures.append(f"{where} {c} {DT[dtype]}: error feedback off by {err:.3g}")
+    return failures
+
+
+def run_world_matrix(name: str, params: dict, path: str, dtypes=DTYPES, only=None) -> list[str]:
+    failures = []
+    for dtype in dtypes:
+        classes = [
+            c
+            for c in classes_of(dtype)
+            if (only is None and not known(case_id(name, params), c, dtype, path))
+            or (only is not None and c in only)
+        ]
+        if classes:
+            failures += world_cells(name, params, path, dtype, classes)
+    return failures
+
+
+WORLD = [(n, p, path) for n, p in CASES for path in world_paths(n)]
+
+
+@pytest.mark.parametrize(
+    "name,params,path", WORLD, ids=[f"{path}-{case_id(n, p)}" for n, p, path in WORLD]
+)
+def test_three_ranks_through_the_optimizer(name, params, path):
+    failures = run_world_matrix(name, params, path)
+    assert not failures, "\n".join(failures)
