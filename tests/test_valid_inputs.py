@@ -31,6 +31,7 @@ its docstring).
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import tempfile
@@ -71,15 +72,56 @@ def classes_of(dtype: torch.dtype) -> list[str]:
 
 
 # ---- cells that fail today: each a strict xfail (test_known_failures) -----------------------
-# (compressor, class, dtype, path) -> the bug; "*" matches every value of that field.
-KNOWN: dict[tuple[str, str, str, str], str] = {}
+# fnmatch patterns of "configuration|class|dtype|path" -> why the cell fails (path "ranks":
+# the 3-rank paths allgather, twostage, allreduce). All but the
+# gspar entries are documented limits of the codecs near the dtype's maximum (values past
+# it cannot be written); the gspar one is a bug (see the reason).
+_HUGE_F16 = "the codec decodes past float16's 65504 (s max|a|, a bucket norm, a / p): decode() "
+_HUGE_F16 += "raises DecodeOverflowError (docs/wire-format.md, 'Values past the dtype's range')"
+_SUM = "on 3 ranks the float32 sum of the decoded values passes the dtype's maximum (a rank's "
+_SUM += "value up to N times, docs/error-feedback.md 'Overflow'): the average is Inf"
+KNOWN: dict[str, str] = {
+    # values near float32's maximum (float32 and bfloat16)
+    "3lc-sparsity=1.[279]*|huge32|*|*": "3LC: S = s max|a| overflows float32 for s > 1: "
+    "flagged non-finite, decodes to NaN (docs/codecs.md, 'Non-finite input')",
+    "qsgd-*|huge32|*|*": "QSGD: the bucket norm overflows float32: flagged non-finite, "
+    "decodes to NaN (docs/baselines.md, QSGD)",
+    "dgc-*|huge32|*|[tba]*": "DGC: v sums the velocities, past float32 by step 2: flagged "
+    "non-finite, NaN",
+    "dqsg-levels=[13]-*|huge32|*|*": "DQSG: decodes to +-Inf with the non-finite flag clear "
+    "(delta (q - u) past float32)",
+    "ndqsg-bucket_size=64|huge32|*|*": "NDQSG: decodes to +-Inf with the non-finite flag clear",
+    "randomk-ratio=0.1-unbiased=True|huge32|*|*": "random-k unbiased: a / p overflows float32: "
+    "decodes to +-Inf with the non-finite flag clear",
+    "gspar-ratio=0.1|huge32|*|*": "BUG: gspar without error feedback sends a_i / p_i = Inf "
+    "with the non-finite flag clear; every receiver (its own too) rejects the payload as "
+    "corrupt: PayloadError 'a top-k value is not finite', the whole bucket fails",
+    "gspar-ratio=0.2-error_feedback=True|huge32|*|ranks": _SUM,
+    "fp16|huge32|*|*": "fp16: |x| > 65504 casts to Inf",
+    "randomk-ratio=0.5-error_feedback=True|huge32|*|ranks": _SUM,
+    "terngrad|huge32|*|ranks": _SUM,
+    # values near float16's maximum in float16
+    "3lc-sparsity=1.[279]*|huge16|f16|tensor": _HUGE_F16,
+    "dgc-*|huge16|f16|tensor": _HUGE_F16,
+    "dqsg-levels=[13]-*|huge16|f16|tensor": _HUGE_F16,
+    "ndqsg-bucket_size=64|huge16|f16|tensor": _HUGE_F16,
+    "qsgd-*|huge16|f16|tensor": _HUGE_F16,
+    "randomk-ratio=0.1-unbiased=True|huge16|f16|tensor": _HUGE_F16,
+    "gspar-ratio=0.1|huge16|f16|tensor": _HUGE_F16,
+    "3lc-sparsity=1.[79]*|huge16|f16|ranks": _SUM,
+    "gspar-ratio=0.1|huge16|f16|ranks": _SUM,
+    "qsgd-levels=1|huge16|f16|ranks": _SUM,
+    "randomk-ratio=0.1-unbiased=True|huge16|f16|ranks": _SUM,
+}
 
 
-def known(name: str, cls: str, dtype: torch.dtype, path: str) -> str | None:
-    for (n, c, d, p), reason in KNOWN.items():
-        if (n in ("*", name)) and (c in ("*", cls)) and (d in ("*", DT[dtype])):
-            if p in ("*", path):
-                return reason
+def known(case: str, cls: str, dtype: torch.dtype, path: str) -> str | None:
+    cells = [f"{case}|{cls}|{DT[dtype]}|{path}"]
+    if path not in ("tensor", "bucket", "ddp"):
+        cells.append(f"{case}|{cls}|{DT[dtype]}|ranks")
+    for pattern, why in KNOWN.items():
+        if any(fnmatch.fnmatchcase(cell, pattern) for cell in cells):
+            return why
     return None
 
 
@@ -276,11 +318,18 @@ def tensor_step(c, g: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tens
     return dec, flat
 
 
-def run_single(name: str, params: dict, path: str) -> list[str]:
+def select(name: str, params: dict, path: str, dtype: torch.dtype, only) -> list[str]:
+    """The classes of a run: those not in KNOWN, or (``only``) the given ones."""
+    if only is not None:
+        return [c for c in classes_of(dtype) if c in only]
+    return [c for c in classes_of(dtype) if not known(case_id(name, params), c, dtype, path)]
+
+
+def run_single(name: str, params: dict, path: str, dtypes=DTYPES, only=None) -> list[str]:
     failures = []
     bound = BOUNDS.get(name)
-    for dtype in DTYPES:
-        classes = [c for c in classes_of(dtype) if not known(case_id(name, params), c, dtype, path)]
+    for dtype in dtypes:
+        classes = select(name, params, path, dtype, only)
         comp = hvdcompress.get_compressor(name, **params)
         feedback = {c: Feedback(comp, c, math.prod(VALID_CLASSES[c][0])) for c in classes}
         broken: set[str] = set()
@@ -449,7 +498,7 @@ def world_cells(name: str, params: dict, path: str, dtype: torch.dtype, classes:
             es = [res[2] for res in results]
             if any(not bool(e.isfinite().all()) for r in es for e in r.values()):
                 failures.append(f"{where} {c} {DT[dtype]}: a residual is not finite")
-            elif ef and path != "twostage" and name != "dgc" and sent.numel():
+            elif ef and path != "twostage" and name != "dgc" and has_residual(results, c):
                 # sum over steps of N x average + every rank's residual == sum of gradients
                 e = sum(res[1][c].double() for res in results if res[1][c] is not None)
                 err = (sent + e - want).abs().max().item()
@@ -459,15 +508,15 @@ def world_cells(name: str, params: dict, path: str, dtype: torch.dtype, classes:
     return failures
 
 
+def has_residual(results, c: str) -> bool:
+    """Some rank keeps a residual for ``c`` (PowerSGD sends a vector as it is, without)."""
+    return any(res[1][c] is not None and res[1][c].numel() for res in results)
+
+
 def run_world_matrix(name: str, params: dict, path: str, dtypes=DTYPES, only=None) -> list[str]:
     failures = []
     for dtype in dtypes:
-        classes = [
-            c
-            for c in classes_of(dtype)
-            if (only is None and not known(case_id(name, params), c, dtype, path))
-            or (only is not None and c in only)
-        ]
+        classes = select(name, params, path, dtype, only)
         if classes:
             failures += world_cells(name, params, path, dtype, classes)
     return failures
@@ -481,4 +530,34 @@ WORLD = [(n, p, path) for n, p in CASES for path in world_paths(n)]
 )
 def test_three_ranks_through_the_optimizer(name, params, path):
     failures = run_world_matrix(name, params, path)
+    assert not failures, "\n".join(failures)
+
+
+# ---- the known failures, one strict xfail each ----------------------------------------------
+def all_cells():
+    for name, params in CASES:
+        paths = ["tensor"] + ([] if registry.REGISTRY[name].summable else ["bucket"])
+        for path in paths + world_paths(name):
+            for dtype in DTYPES:
+                for cls in classes_of(dtype):
+                    yield name, params, path, dtype, cls
+
+
+KNOWN_CELLS = [
+    pytest.param(
+        name, params, path, dtype, cls,
+        id=f"{path}-{case_id(name, params)}-{cls}-{DT[dtype]}",
+        marks=pytest.mark.xfail(strict=True, reason=known(case_id(name, params), cls, dtype, path)),
+    )
+    for name, params, path, dtype, cls in all_cells()
+    if known(case_id(name, params), cls, dtype, path)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,params,path,dtype,cls", KNOWN_CELLS)
+def test_known_failures(name, params, path, dtype, cls):
+    if path in ("tensor", "bucket"):
+        failures = run_single(name, params, path, [dtype], [cls])
+    else:
+        failures = run_world_matrix(name, params, path, [dtype], [cls])
     assert not failures, "\n".join(failures)
