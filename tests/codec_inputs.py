@@ -1,6 +1,8 @@
 """Float32 inputs for the codec equality tests: Gaussian values over many magnitudes with
 zeros, -0.0, subnormals, values near float32's largest, and (sometimes) Inf and NaN, at
-sizes around the codecs' block, byte and bucket boundaries."""
+sizes around the codecs' block, byte and bucket boundaries; and the valid gradient classes of
+the valid-input matrix (``VALID_CLASSES``, ``valid_gradient``, ``valid_gradients``) in
+float32, float16 and bfloat16."""
 
 from __future__ import annotations
 
