@@ -420,7 +420,8 @@ def _mean_exact(wire_dtype):
     the payloads (the transports' numerics, ``sum_in_rank_order``), cast back to the
     gradient's dtype (``decompress``), times 1/N in float32, cast (the exchange's write)."""
 
-    def bound(dtype, xs, got):
+    def bound(c, xs, got, path):
+        dtype = xs[0].dtype
         sent = [x if wire_dtype is None else x.to(wire_dtype) for x in xs]
         want = sum_in_rank_order(sent).to(dtype).float().mul(1.0 / len(xs)).to(dtype)
         if same_bits(got, want):
@@ -431,16 +432,55 @@ def _mean_exact(wire_dtype):
     return bound
 
 
-def _mean_sign(dtype, xs, got):  # the mean of +-1 per rank
+def _mean_sign(c, xs, got, path):  # the mean of +-1 per rank
     return None if bool((got.abs() <= 1).all()) else "|average| > 1"
 
 
-# multi-rank bounds (the average of RANKS decodes), keyed by compressor name
+def _top(xs) -> float:
+    return max((x.abs().max().item() for x in xs if x.numel()), default=0.0)
+
+
+def _mean_terngrad(c, xs, got, path):  # each decode in {-M_r, 0, M_r} (also the owner's)
+    top = _top(xs)
+    return None if _top([got]) <= top * (1 + 1e-5) else f"|average| > max_r M_r = {top:.3g}"
+
+
+def _mean_qsgd(c, xs, got, path):  # each decode within its rank's norm (allgather)
+    norm = max((x.double().norm().item() for x in xs), default=0.0)
+    if path != "allgather" or _top([got]) <= norm * (1 + 1e-5):
+        return None
+    return f"|average| > max_r ||g_r|| = {norm:.3g}"
+
+
+def _mean_dqsg(c, xs, got, path):  # |w_hat_r - w_r| <= max|w_r| / s each (allgather)
+    if path != "allgather" or not got.numel():
+        return None
+    mean = torch.stack([x.double() for x in xs]).mean(0)
+    err = (got.double() - mean).abs().max().item()
+    info = torch.finfo(got.dtype)  # and the rounding of the write into p.grad
+    delta = _top(xs) / c.levels * (1 + 1e-5) + info.eps * (_top([got]) + info.smallest_normal)
+    return None if err <= delta else f"|average - mean| {err:.3g} > max_r delta_r {delta:.3g}"
+
+
+def _mean_support(c, xs, got, path):  # GSpar: kept entries only where some g_r != 0
+    if c.error_feedback:  # the residuals hold values where this step's gradients are zero
+        return None
+    zero = torch.stack([x == 0 for x in xs]).all(0)
+    return "a value where every rank's input is zero" if bool((got[zero] != 0).any()) else None
+
+
+# bounds of an average (of the RANKS decodes, or the DDP hook's of one), keyed by compressor
+# name: bound(c, inputs of the ranks, the average, path) -> None or what is wrong; a name not
+# here gets the generic checks (shape, dtype, finite, ranks bit-identical)
 MEAN_BOUNDS = {
     "none": _mean_exact(None),
     "fp16": _mean_exact(torch.float16),
     "bf16": _mean_exact(torch.bfloat16),
     "signsgd": _mean_sign,
+    "terngrad": _mean_terngrad,
+    "qsgd": _mean_qsgd,
+    "dqsg": _mean_dqsg,
+    "gspar": _mean_support,
 }
 
 
@@ -498,7 +538,8 @@ def world_cells(name: str, params: dict, path: str, dtype: torch.dtype, classes:
         return [f"{where} {classes[0]} {DT[dtype]}: {type(err).__name__}: {err}"]
     failures = []
     bound = MEAN_BOUNDS.get(name)
-    ef = hvdcompress.get_compressor(name, **params).error_feedback
+    comp = hvdcompress.get_compressor(name, **params)  # as the ranks' (for its parameters)
+    ef = comp.error_feedback
     for c in classes:
         sent = torch.zeros(math.prod(VALID_CLASSES[c][0]), dtype=torch.float64)
         want = sent.clone()
@@ -510,7 +551,7 @@ def world_cells(name: str, params: dict, path: str, dtype: torch.dtype, classes:
             problems = [generic(got[0], xs[0])]
             if not all(same_bits(g, got[0]) for g in got[1:]):
                 problems.append("ranks hold different averages")
-            problems.append(bound(dtype, xs, got[0]) if bound else None)
+            problems.append(bound(comp, xs, got[0], path) if bound else None)
             sent += got[0].reshape(-1).double() * RANKS
             want += sum(x.reshape(-1).double() for x in xs)
             scale = max([scale] + [x.abs().max().item() for x in xs if x.numel()])
@@ -673,7 +714,7 @@ def run_ddp(name: str, params: dict, dtypes=DTYPES, only=None) -> list[str]:
                     continue
                 CELLS["ddp"] += 1
                 got = p.grad
-                problems = [generic(got, g), bound(dtype, [g], got) if bound else None]
+                problems = [generic(got, g), bound(comp, [g], got, "ddp") if bound else None]
                 if got is not None and got.numel():
                     sums[c][: got.numel()] += got.reshape(-1).double()
                     wants[c][: g.numel()] += g.reshape(-1).double()
