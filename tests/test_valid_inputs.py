@@ -17,9 +17,13 @@ construction) x the paths
 * ``ddp``: ``hvdcompress.ddp_hook`` with a gloo group of one rank;
 
 x 3 steps. Each cell: the decode raises nothing, the result has the input's shape and
-dtype, it lies within the codec's bound (``BOUNDS``, keyed by compressor name; a name not
-in it gets the generic checks: finite, shape, dtype, ranks agree), error feedback keeps its
-invariant with finite residuals, and on 3 ranks every rank holds bit-identical averages.
+dtype (``decode_frame`` fills float32 outputs), it lies within the codec's bound (``BOUNDS``
+for one sender, ``MEAN_BOUNDS`` for averages, keyed by compressor name: ``none`` bit-exact,
+fp16 / bf16 the cast, 3LC in {-S, 0, S}, top-k at most k kept values, ...; a name in
+neither gets the generic checks: finite, shape, dtype, ranks agree), error feedback keeps
+its invariant (sum of the decoded + the residuals == sum of the inputs, up to float32
+rounding, also through the two-stage exchange) with finite residuals, and on 3 ranks every
+rank holds bit-identical averages.
 One test function per (configuration, path) loops over classes x dtypes x steps and lists
 every failing cell. ``KNOWN`` holds the cells that fail today (each is its own strict
 xfail below, so a fix shows); the main loops leave them out.
@@ -30,7 +34,7 @@ of classes (``tests.codec_inputs.valid_gradients``) of mixed dtypes for the buck
 Matrix size: ``CELLS`` counts the (configuration, class, dtype, path, step) cells run;
 ``test_matrix_size`` (after the matrix tests, in file order; skipped under ``-k`` / ``-m``)
 checks that every cell not in ``KNOWN`` ran and prints the count: 19,377 cells measured,
-plus the property's and the known failures' (its docstring). Runtime about 40 s on 2 cores.
+plus the property's and the known failures' (its docstring). Runtime 20-55 s on 2 cores.
 """
 
 from __future__ import annotations
