@@ -81,11 +81,10 @@ def classes_of(dtype: torch.dtype) -> list[str]:
 
 # ---- cells that fail today: each a strict xfail (test_known_failures) -----------------------
 # fnmatch patterns of "configuration|class|dtype|path" -> why the cell fails (path "ranks":
-# the 3-rank paths allgather, twostage, allreduce). All but the
-# gspar one are limits of the codecs near the dtype's maximum: values past it cannot be
-# written (documented, docs/wire-format.md "Values past the dtype's range", except that
-# DQSG, NDQSG and unbiased random-k then decode to Inf with the non-finite flag clear where
-# 3LC and QSGD flag the payload); the gspar one is a bug (see the reason).
+# the 3-rank paths allgather, twostage, allreduce). All are limits of the codecs near the
+# dtype's maximum: values past it cannot be written (docs/wire-format.md, "Values past the
+# dtype's range"), except that DQSG, NDQSG and unbiased random-k then decode to Inf with
+# the non-finite flag clear where 3LC, QSGD and GSpar flag the payload.
 _HUGE_F16 = "the codec decodes past float16's 65504 (s max|a|, a bucket norm, a / p): decode() "
 _HUGE_F16 += "raises DecodeOverflowError (docs/wire-format.md, 'Values past the dtype's range')"
 _SUM = "on 3 ranks the float32 sum of the decoded values passes the dtype's maximum (a rank's "
@@ -103,9 +102,9 @@ KNOWN: dict[str, str] = {
     "ndqsg-bucket_size=64|huge32|*|*": "NDQSG: decodes to +-Inf with the non-finite flag clear",
     "randomk-ratio=0.1-unbiased=True|huge32|*|*": "random-k unbiased: a / p overflows float32: "
     "decodes to +-Inf with the non-finite flag clear",
-    "gspar-ratio=0.1|huge32|*|*": "BUG: gspar without error feedback sends a_i / p_i = Inf "
-    "with the non-finite flag clear; every receiver (its own too) rejects the payload as "
-    "corrupt: PayloadError 'a top-k value is not finite', the whole bucket fails",
+    "gspar-ratio=0.1|huge32|*|*": "GSpar without error feedback: a_i / p_i overflows "
+    "float32: flagged non-finite, decodes to NaN (test_gspar_scaled_values_that_overflow_"
+    "travel_as_nonfinite)",
     "gspar-ratio=0.2-error_feedback=True|huge32|*|ranks": _SUM,
     "fp16|huge32|*|*": "fp16: |x| > 65504 casts to Inf",
     "randomk-ratio=0.5-error_feedback=True|huge32|*|ranks": _SUM,
