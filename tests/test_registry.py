@@ -129,12 +129,15 @@ def test_cat_kinds_resolve_to_registered_compressors():
         compressor_for("topk+zz")
 
 
-def _toy(name="toyx", wire_id=254, summable=False, params=None, examples=({},)):
+def _toy(name="toyx", wire_id=254, summable=False, params=None, examples=({},), encodes=True):
     base = SummableCompressor if summable else GatherCompressor
 
     class Toy(base):
         def __init__(self, level: int = 1) -> None:
             self.level = level
+
+    if encodes and not summable:
+        Toy.encode = lambda self, tensor, name: None  # registration only: never called
 
     Toy.name, Toy.wire_id, Toy.examples = name, wire_id, examples
     Toy.params = {"level": Param(1, 3, kind="int")} if params is None else params
@@ -159,6 +162,8 @@ def test_registration_checks_the_declaration():
         register(_toy(name="toyu", wire_id=252, examples=({"levle": 2},)))
     with pytest.raises(ValueError, match="lower-case"):
         register(_toy(name="ToyT", wire_id=251))
+    with pytest.raises(TypeError, match="implements encode or encode_bucket"):
+        register(_toy(name="toys", wire_id=250, encodes=False))
 
 
 def _run(cmd: list[str], timeout: int = 600) -> str:

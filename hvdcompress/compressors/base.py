@@ -217,8 +217,10 @@ class GatherCompressor(Compressor):
 
     # ---- to implement ----------------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str) -> Encoded:
-        """(flags, packed codec parameters, body bytes on the tensor's device)."""
-        raise NotImplementedError
+        """(flags, packed codec parameters, body bytes on the tensor's device). By default
+        ``encode_bucket`` of a bucket of one: a compressor with a one-call bucket encoder
+        implements only that (one implementation per codec), the others only this."""
+        return self.encode_bucket([tensor], [name])[0]
 
     def check_params(self, header: wire.Header, name: str | None) -> None:
         """Validate a received header's codec parameters against what this rank expects
@@ -283,8 +285,9 @@ class GatherCompressor(Compressor):
 
     def encode_bucket(self, tensors: list[torch.Tensor], names: list[str]) -> list[Encoded]:
         """``encode`` of each tensor in order. A compressor whose codec has a batched native
-        encoder overrides this: one native call for the bucket, with a segment table of the
-        tensors' pointers and sizes, each tensor keeping its own scale and parameters."""
+        encoder overrides this (and not ``encode``): one native call for the bucket, each
+        tensor keeping its own scale and parameters; tensors on several devices come back
+        here, one by one."""
         return [self.encode(t, name) for t, name in zip(tensors, names, strict=True)]
 
     def decode_bucket(

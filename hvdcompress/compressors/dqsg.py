@@ -34,9 +34,6 @@ class DQSG(BucketQuantizer):
         self.bucket_size = quant.check_bucket(bucket_size, "dqsg")
         self._init_rng(seed, rank)
 
-    def _encode_one(self, w, key):
-        return dqsg.encode(w, self.levels, self.bucket_size, key)
-
     def _encode_segments(self, ws, keys):
         return dqsg.encode_segments(ws, self.levels, self.bucket_size, keys)
 

@@ -18,10 +18,8 @@ import struct
 
 import torch
 
-from hvdcompress import wire
 from hvdcompress.codecs import dqsg, ndqsg, quant
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import empty_body
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.registry import register
@@ -109,19 +107,6 @@ class NDQSG(Stochastic):
         return (self.fine_levels, self.coarse_levels, self.bucket_size, self.dqsg_fraction)
 
     # ---- encode ---------------------------------------------------------------------------
-    def encode(self, tensor, name):
-        w = prim.flat_f32(tensor)
-        rng, key = self._rng_params(name)
-        mode = self.mode_of(self.rank)
-        params = rng + PARAMS.pack(*self._config(), mode)
-        if not prim.all_finite(w):
-            return wire.FLAG_NONFINITE, params, empty_body(w.device)
-        if mode == MODE_DQSG:
-            return 0, params, dqsg.encode(w, self.fine_levels, self.bucket_size, key)
-        body, k = ndqsg.encode_nested(w, self.fine_levels, self.rho, self.bucket_size, key)
-        self._remember(rng, k)
-        return 0, params, body
-
     def encode_bucket(self, tensors, names):
         s1, bucket, mode = self.fine_levels, self.bucket_size, self.mode_of(self.rank)
         fields = PARAMS.pack(*self._config(), mode)

@@ -28,7 +28,7 @@ BUCKET = Param(1, 2**31 - 1, kind="int", doc="elements per norm")
 class BucketQuantizer(Stochastic):
     """A seeded quantiser with ``levels`` and one scale per ``bucket_size`` elements (QSGD,
     DQSG): both travel after the RNG fields and must match the receiver's. A subclass
-    gives its codec's encoders (``_encode_one``, ``_encode_segments``)."""
+    gives its codec's bucket encoder (``_encode_segments``)."""
 
     params = {"levels": LEVELS, "bucket_size": BUCKET, "seed": SEED, "rank": RANK}
     error_feedback = False
@@ -40,12 +40,6 @@ class BucketQuantizer(Stochastic):
     def __repr__(self) -> str:
         name, levels, bucket = type(self).__name__, self.levels, self.bucket_size
         return f"{name}(levels={levels}, bucket_size={bucket}, seed={self.seed})"
-
-    def encode(self, tensor, name):
-        x = prim.flat_f32(tensor)
-        rng, key = self._rng_params(name)
-        params = rng + QSGD_PARAMS.pack(self.levels, self.bucket_size)
-        return encoded(params, self._encode_one(x, key), x.device)
 
     def encode_bucket(self, tensors, names):
         fields = QSGD_PARAMS.pack(self.levels, self.bucket_size)
@@ -78,9 +72,6 @@ class QSGD(BucketQuantizer):
         self.levels = quant.check_levels(levels, "qsgd")
         self.bucket_size = quant.check_bucket(bucket_size, "qsgd")
         self._init_rng(seed, rank)
-
-    def _encode_one(self, x, key):
-        return quant.qsgd_encode(x, self.levels, self.bucket_size, key)
 
     def _encode_segments(self, xs, keys):
         return quant.qsgd_encode_segments(xs, self.levels, self.bucket_size, keys)
@@ -118,11 +109,6 @@ class TernGrad(Stochastic):
 
     def __repr__(self) -> str:
         return f"TernGrad(seed={self.seed})"
-
-    def encode(self, tensor, name):
-        x = prim.flat_f32(tensor)
-        rng, key = self._rng_params(name)
-        return _terngrad_payload(rng, quant.terngrad_encode(x, key), x.device)
 
     def encode_bucket(self, tensors, names):
         return self._encode_bucket_with(

@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING
 
 from hvdcompress import wire
-
-if TYPE_CHECKING:
-    from hvdcompress.compressors.base import Compressor
+from hvdcompress.compressors.base import Compressor, GatherCompressor
 
 REGISTRY: dict[str, type[Compressor]] = {}
 
@@ -51,6 +48,11 @@ def register(cls: type[Compressor]) -> type[Compressor]:
         if cls.wire_id is None:
             raise ValueError(f"{name}: a gather-only compressor needs a wire id (codec id)")
         wire.register_codec(name, cls.wire_id)
+        if (cls.encode, cls.encode_bucket) == (
+            GatherCompressor.encode,
+            GatherCompressor.encode_bucket,
+        ):
+            raise TypeError(f"{name}: a gather-only compressor implements encode or encode_bucket")
     declared = set(cls.params)
     accepted = set(constructor_params(cls))
     if declared != accepted:

@@ -39,10 +39,6 @@ class SignSGD(GatherCompressor):
     def __repr__(self) -> str:
         return "SignSGD()"
 
-    def encode(self, tensor, name):
-        x = prim.flat_f32(tensor)
-        return encoded(b"", sign.encode(x), x.device)
-
     def encode_bucket(self, tensors, names):
         xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({x.device for x in xs}) > 1:
@@ -98,11 +94,6 @@ class EFSignSGD(GatherCompressor):
         # ||a - mean|a| sign(a)||^2 = ||a||^2 - ||a||_1^2 / n >= (1 - 1 / n) ||a||^2 at worst
         # (Karimireddy et al. 2019, the scaled sign compressor)
         return 1.0 / numel if numel else 1.0
-
-    def encode(self, tensor, name):
-        g = prim.flat_f32(tensor)
-        body, scale = sign.ef_encode(g, self.memory.residual(name, g)) or (None, 0.0)
-        return encoded(EF_PARAMS.pack(scale), body, g.device)  # non-finite: scale 0
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only

@@ -20,7 +20,7 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
+from hvdcompress.compressors.base import Encoded, GatherCompressor
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
@@ -79,17 +79,6 @@ class TopK(RatioLevels, GatherCompressor):
     def __repr__(self) -> str:
         return f"TopK(ratio={self.ratio})"
 
-    def encode(self, tensor, name):
-        g = prim.flat_f32(tensor)
-        e = self.memory.residual(name, g)
-        ratio = self.level(name)
-        params = TOPK_PARAMS.pack(ratio)
-        if not prim.sum_finite(g, e):  # e stays untouched
-            return wire.FLAG_NONFINITE, params, empty_body(g.device)
-        a = e.add_(g)  # a = g + e in the residual's memory
-        body = self._select(a, sparse.topk_count(a.numel(), ratio))
-        return 0, params, body  # e = a - decode(body): _select subtracted what it sent
-
     # the codec's decoder and bucket forms (kernels/sparse.c, kernels/sparse.cu): TopKSign
     # sets its own
     decode_kept_into = staticmethod(sparse.topk_decode_into)
@@ -113,12 +102,6 @@ class TopK(RatioLevels, GatherCompressor):
     def contraction(self, numel):
         # keeping the k largest leaves at most (1 - k / n) of ||a||^2 (Stich et al. 2018)
         return sparse.topk_count(numel, self.ratio) / numel if numel else 1.0
-
-    def _select(self, a, k):
-        """The body for the k largest |a|; subtracts what the body decodes to from a."""
-        body, idx = sparse.topk_encode(a, k)
-        a[idx] = 0.0
-        return body
 
     def check_params(self, header, name):
         if len(header.params) != TOPK_PARAMS.size:
@@ -173,11 +156,6 @@ class TopKSign(TopK):
         # ||a_S - m sign(a_S)||^2 = ||a_S||^2 - k m^2 and k m^2 = (sum |a_S|)^2 / k
         # >= ||a_S||^2 / k >= ||a||^2 / n (the top k hold at least k / n of ||a||^2)
         return 1.0 / numel if numel else 1.0
-
-    def _select(self, a, k):
-        body, idx, m = sparse.topk_sign_encode(a, k)
-        a[idx] -= sparse.topk_sign_values(m, a[idx] < 0)
-        return body
 
     def max_numel(self, body_len, name):
         k = max(body_len - 4, 0) * 8 // 33  # each kept value costs at least 32 + 1 bits
@@ -268,18 +246,6 @@ class RandomK(SeededSparseState, Stochastic):
             f"error_feedback={self.error_feedback}, seed={self.seed})"
         )
 
-    def encode(self, tensor, name):
-        g = prim.flat_f32(tensor)
-        e = self.memory.residual(name, g) if self.error_feedback else None
-        a = g + e if e is not None else g
-        rng, key = self._rng_params(name)
-        params = rng + RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
-        if not prim.all_finite(a):
-            return wire.FLAG_NONFINITE, params, empty_body(g.device)
-        # e (error feedback refuses unbiased: unscaled values) <- a - decode
-        values = sparse.randomk_encode(a, key, self.ratio, e)
-        return 0, params, values.view(torch.uint8)
-
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({g.device for g in gs}) != 1:  # none, or several devices
@@ -360,25 +326,6 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
 
     def __repr__(self) -> str:
         return f"GSpar(ratio={self.ratio}, error_feedback={self.error_feedback}, seed={self.seed})"
-
-    def encode(self, tensor, name):
-        g = prim.flat_f32(tensor)
-        e = self.memory.residual(name, g) if self.error_feedback else None
-        a = g + e if e is not None else g
-        rng, key = self._rng_params(name)
-        ratio = self.level(name)
-        params = rng + TOPK_PARAMS.pack(ratio)
-        if not prim.all_finite(a):
-            return wire.FLAG_NONFINITE, params, empty_body(g.device)
-        # With error feedback the kept a_i travel unscaled (a contractive compressor,
-        # delta >= ratio; a_i / p_i is not and made the residual diverge): e = a - decode.
-        body, idx = sparse.gspar_encode(a, ratio * a.numel(), key, scaled=e is None)
-        if e is None and not bool(sparse.gspar_values_finite(body, a.numel())):
-            return wire.FLAG_NONFINITE, params, empty_body(g.device)
-        if e is not None:
-            e.copy_(a)
-            e[idx] = 0.0
-        return 0, params, body
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only

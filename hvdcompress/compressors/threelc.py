@@ -9,7 +9,6 @@ GradScaler skips the step.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
@@ -64,15 +63,6 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         # largest s a policy may set (below 2) is not known here: the default's is declared.
         s = self.sparsity
         return s * (2.0 - s) / numel if numel else 1.0
-
-    def encode(self, tensor, name):
-        # A contiguous float32 gradient is only read, so this is a view, not a copy.
-        g = tensor.detach().reshape(-1).to(torch.float32).contiguous()
-        e = self.memory.residual(name, g)
-        s = self.level(name)
-        enc = threelc.encode(g, e, s)
-        flags = wire.FLAG_NONFINITE if enc.nonfinite else 0
-        return flags, threelc.PARAMS.pack(s, enc.scale), enc.body
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
