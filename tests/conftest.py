@@ -33,3 +33,16 @@ def transport():
     from tests.helpers import LocalTransport
 
     return LocalTransport()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A torch.distributed world of one rank (gloo, file store) for in-process checks of
+    the DDP hook (tests/test_ddp_hook.py, tests/test_valid_inputs.py)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()

@@ -88,18 +88,6 @@ def test_train_py_under_torchrun_trains_with_the_hook_and_prints_progress_lines(
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())  # one file per rank
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A torch.distributed world of one rank (gloo, file store) for in-process checks."""
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
-
-
 def test_hook_state_refuses_residuals_of_unknown_parameters(one_rank_group):
     import torch
 

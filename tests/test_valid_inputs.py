@@ -658,18 +658,6 @@ def test_any_bucket_of_valid_gradients_survives_the_bucket_path(bucket, steps):
 
 
 # ---- the DDP hook: gloo, a world of one rank ------------------------------------------------
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A torch.distributed world of one rank (gloo, file store), as tests/test_ddp_hook.py."""
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    yield
-    dist.destroy_process_group()
-
-
 class _Layers(torch.nn.Module):
     def __init__(self, classes: list[str], dtype: torch.dtype) -> None:
         super().__init__()
