@@ -43,9 +43,9 @@ __attribute__((constructor)) static void frame_init_x86_paths(void) {
 /* The payload checksum in 64-bit lanes (the portable path): the 64-bit product
  * (offset + j) * golden advances by golden each byte (an induction variable, modulo 2^64
  * like the product), so no lane multiplies 64-bit numbers. */
-FRAME_VECTOR static uint32_t checksum_lanes64(const uint8_t *buf, int64_t len, int64_t offset) {
+FRAME_VECTOR static uint32_t checksum_lanes64(const uint8_t *buf, int64_t len, uint64_t offset) {
     uint32_t sum = 0;
-    uint64_t product = (uint64_t)offset * FRAME_GOLDEN;
+    uint64_t product = offset * FRAME_GOLDEN; /* modulo 2^64: offsets wrap, never overflow */
     for (int64_t j = 0; j < len; j++) {
         sum += (uint32_t)(buf[j] + 1) * ((uint32_t)(product >> 32) | 1u);
         product += FRAME_GOLDEN;
@@ -62,13 +62,13 @@ FRAME_VECTOR static uint32_t checksum_lanes64(const uint8_t *buf, int64_t len, i
  * side by side (one vector a step: 0.77 ms for 1.56 MB). Integer math mod 2^32: the same
  * sum as checksum_lanes64. */
 __attribute__((target("avx2"))) static uint32_t checksum_avx2(const uint8_t *buf, int64_t len,
-                                                              int64_t offset) {
+                                                              uint64_t offset) {
     const int64_t vec = len / 16 * 16;
     uint32_t sum = 0;
     if (vec > 0) {
         uint32_t lo0[16], hi0[16];
         for (int k = 0; k < 16; k++) {
-            const uint64_t p = (uint64_t)(offset + k) * FRAME_GOLDEN;
+            const uint64_t p = (offset + (uint64_t)k) * FRAME_GOLDEN;
             lo0[k] = (uint32_t)p;
             hi0[k] = (uint32_t)(p >> 32);
         }
@@ -102,7 +102,7 @@ __attribute__((target("avx2"))) static uint32_t checksum_avx2(const uint8_t *buf
         _mm256_storeu_si256((__m256i *)(void *)lanes, _mm256_add_epi32(acc[0], acc[1]));
         for (int k = 0; k < 8; k++) sum += lanes[k];
     }
-    return sum + checksum_lanes64(buf + vec, len - vec, offset + vec);
+    return sum + checksum_lanes64(buf + vec, len - vec, offset + (uint64_t)vec);
 }
 #endif
 
@@ -110,9 +110,9 @@ __attribute__((target("avx2"))) static uint32_t checksum_avx2(const uint8_t *buf
  * sum of (b + 1) * mix(offset + j) modulo 2^32 (integer sums in any order: vectorised). */
 uint32_t hvdc_checksum(const uint8_t *buf, int64_t len, int64_t offset) {
 #ifdef FRAME_X86_PATHS
-    if (frame_use_avx2) return checksum_avx2(buf, len, offset);
+    if (frame_use_avx2) return checksum_avx2(buf, len, (uint64_t)offset);
 #endif
-    return checksum_lanes64(buf, len, offset);
+    return checksum_lanes64(buf, len, (uint64_t)offset);
 }
 
 /* The checksums of `count` payloads inside one buffer (a bucket's frame): out[p] is

@@ -168,8 +168,8 @@ QUANT_VECTOR static void quant_qsgd_codes(const float *x, const float *u, int64_
     const float levels_f = (float)levels;
     for (int64_t i = 0; i < len; i++) {
         const float r = (fabsf(x[i]) / safe) * levels_f + u[i];
-        int l = (int)r; /* r >= 0: truncation is floor */
-        l = l > levels ? levels : l;
+        /* r >= 0: truncation is floor; compared as a float first (no int overflow) */
+        const int l = r < levels_f ? (int)r : levels;
         codes[i] = (uint8_t)(2 * l + (x[i] < 0.0f && l > 0));
     }
 }
@@ -584,6 +584,7 @@ void hvdc_dqsg_encode_segments(int64_t count, const uint64_t *xs, const int64_t 
         nonfinite[p] = hvdc_dqsg_quantize((const float *)(uintptr_t)xs[p], n, levels, bucket,
                                           keys[p], 0, levels, deltas, codes);
         if (nonfinite[p]) continue;
+        if (n == 0) continue; /* an empty body: out may be NULL (no memcpy from or to NULL) */
         uint8_t *body = out + out_starts[p];
         memcpy(body, deltas, (size_t)(4 * nb));
         hvdc_prim_bitpack(codes, n, bits, body + 4 * nb);
@@ -665,6 +666,10 @@ void hvdc_digits_encode_segments(int64_t count, const uint64_t *xs, const int64_
         if (hvdc_dqsg_quantize((const float *)(uintptr_t)xs[p], n, levels, bucket, keys[p], 0,
                                0, deltas, (uint8_t *)k)) {
             lens[p] = -1;
+            continue;
+        }
+        if (n == 0) { /* an empty body: out may be NULL (no memcpy from or to NULL) */
+            lens[p] = 0;
             continue;
         }
         uint8_t *body = out + out_starts[p];

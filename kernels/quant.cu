@@ -119,8 +119,8 @@ __device__ __forceinline__ void hvd_qsgd_encode_group(const float* x, long long 
         const float v = x[i];
         const float r = __fadd_rn(__fmul_rn(__fdiv_rn(fabsf(v), safe), levels_f),
                                   hvd_quant_uniform(key, i));
-        int l = (int)r;  // r >= 0: truncation is floor
-        l = l > levels ? levels : l;
+        // r >= 0: truncation is floor; compared as a float first (no int overflow)
+        const int l = r < levels_f ? (int)r : levels;
         const unsigned long long code =
             (unsigned long long)(2 * l + ((v < 0.0f && l > 0) ? 1 : 0));
         acc |= code << (unsigned int)((i - lo) * bits);

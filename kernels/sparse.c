@@ -731,7 +731,7 @@ void hvdc_gspar_encode_segments(int64_t count, const uint64_t *as, const uint64_
         }
         const int64_t k = hvdc_gspar_draw(a, n, c32, all, keys[p], scaled, values, idx, caps[p]);
         ks[p] = k;
-        if (k > caps[p]) continue;
+        if (k > caps[p] || k == 0) continue; /* k == 0: an empty body, out may be NULL */
         uint8_t *body = out + out_starts[p];
         memcpy(body, values, (size_t)k * sizeof(float));
         uint8_t *at = body + 4 * k;

@@ -4,6 +4,7 @@
 #   2. pytest tests -x -q            unit, host-kernel, fuzz and GPU(-skip) tests, one process
 #   3. mpirun -np 2 / -np 4 ... pytest --with-mpi tests/mpi    the MPI tests under real Open MPI
 #      and mpirun -np 3 / -np 5 ... tests/mpi/test_twostage.py    odd world sizes (shards)
+#   4. the native code under ASan + UBSan: host kernels, valid inputs, fuzz, frame mutations
 # Every stage runs even after a failure; any failure fails the script. The last line is
 # "run_tests: N passed, N failed, N skipped" (MPI tests counted once, from rank 0).
 #
@@ -117,6 +118,31 @@ for RUN in "${MPI_RUNS[@]}"; do
     fi
     record "mpi $TARGET (-np $NP)" "$rc" $((SECONDS - t))
 done
+
+# --- 4. the native code under AddressSanitizer + UndefinedBehaviorSanitizer --------------
+# kernels/*.c rebuilt with -fsanitize=address,undefined -fno-sanitize-recover=all
+# (HVDC_SANITIZE, hvdcompress/backends/cpu/_library.py; the host builds of kernels/*.cu
+# too, tests/host_kernels/conftest.py), the runtimes preloaded into Python: the host-kernel
+# tests, the valid-input matrix, the fuzz tests and a short frame-mutation run. Any report
+# ends the process with a non-zero status (its text on stderr: pytest -s). Not counted in
+# the totals below (the same tests ran in stage 2).
+banner "sanitizers (address, undefined)"
+t=$SECONDS
+rc=0
+if [[ ${HVDC_SANITIZE_STAGE:-1} == 1 ]] && ASAN_LIB=$(gcc -print-file-name=libasan.so) \
+    && UBSAN_LIB=$(gcc -print-file-name=libubsan.so) && [[ -f $ASAN_LIB && -f $UBSAN_LIB ]]; then
+    (
+        export HVDC_SANITIZE=address,undefined LD_PRELOAD="$ASAN_LIB $UBSAN_LIB"
+        export ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1
+        "$PY" -m pytest -x -q -s -p no:cacheprovider tests/host_kernels tests/test_valid_inputs.py \
+            tests/fuzz
+        "$PY" scripts/fuzz_payloads.py --per-codec 2000 --seed 1
+    ) || rc=$?
+    record "sanitizers (asan, ubsan)" "$rc" $((SECONDS - t))
+else
+    echo "run_tests: sanitizer stage skipped (HVDC_SANITIZE_STAGE=0, or gcc has no libasan/libubsan)"
+    STAGE_LINES+=("$(printf '%-34s %-16s' "sanitizers (asan, ubsan)" "skipped")")
+fi
 
 # --- summary ----------------------------------------------------------------------------
 counts=$("$PY" - "$REPORTS" <<'EOF'

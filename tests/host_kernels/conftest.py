@@ -30,6 +30,8 @@ KERNELS = ROOT / _native.SOURCE_DIR
 HOST = Path(__file__).resolve().parent
 CXX = os.environ.get("HVDC_HOST_CXX") or shutil.which("g++")
 CXXFLAGS = [*_native.HOST_CXX_FLAGS, "-Wall", "-Wextra", "-Werror", f"-I{KERNELS}"]
+if os.environ.get("HVDC_SANITIZE"):  # run_tests.sh's sanitizer stage: the CUDA sources too
+    CXXFLAGS += [f"-fsanitize={os.environ['HVDC_SANITIZE']}", "-fno-sanitize-recover=all"]
 
 # (most blocks, threads per block): a full grid, a few blocks looping, one warp looping.
 LAUNCHES = [(1024, 256), (3, 64), (1, 32)]

@@ -126,7 +126,8 @@ def _compile_library() -> Path:
     digest = hashlib.sha256()
     for src in _SOURCES:
         digest.update(src.read_bytes())
-    digest.update(" ".join(_native.C_FLAGS).encode())
+    flags = [*_native.C_FLAGS, *_sanitizer_flags()]
+    digest.update(" ".join(flags).encode())
     cache = Path(os.environ.get("HVDC_CACHE", Path.home() / ".cache" / "hvdcompress"))
     target = cache / f"codec_cpu-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -141,16 +142,24 @@ def _compile_library() -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
         subprocess.run(
-            [cc, *_native.C_FLAGS, "-shared", "-fPIC", "-o", str(out), *map(str, _SOURCES)],
+            [cc, *flags, "-shared", "-fPIC", "-o", str(out), *map(str, _SOURCES)],
             check=True,
         )
         os.replace(out, target)  # atomic: concurrent ranks may compile at once
     return target
 
 
+def _sanitizer_flags() -> list[str]:
+    """``$HVDC_SANITIZE`` (e.g. ``address,undefined``: the CI's sanitizer stage,
+    scripts/run_tests.sh) builds the library with those sanitizers, aborting at the first
+    report; the process must preload their runtimes (LD_PRELOAD)."""
+    kinds = os.environ.get("HVDC_SANITIZE", "").strip()
+    return [f"-fsanitize={kinds}", "-fno-sanitize-recover=all", "-g"] if kinds else []
+
+
 def _load() -> ctypes.CDLL:
     path = _built_library()
-    if path is None or os.environ.get("HVDC_REBUILD_CPU") == "1":
+    if path is None or os.environ.get("HVDC_REBUILD_CPU") == "1" or _sanitizer_flags():
         path = _compile_library()
     lib = ctypes.CDLL(str(path))
     for name, (restype, argtypes) in _SIGNATURES.items():
