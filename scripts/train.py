@@ -860,13 +860,8 @@ def train_rank(args, dist, data=None) -> str:
 def check_finite_grads(model: torch.nn.Module, compression) -> None:
     """``NonFiniteGradientError`` naming the parameters whose gradient holds a NaN or an
     Inf (``DistributedOptimizer(raise_on_nonfinite=True)``'s check, for the DDP path)."""
-    bad = [
-        name
-        for name, p in model.named_parameters()
-        if p.grad is not None and not bool(torch.isfinite(p.grad).all())
-    ]
-    if bad:
-        raise hvdcompress.NonFiniteGradientError(bad, compression)
+    grads = [(name, p.grad) for name, p in model.named_parameters()]
+    hvdcompress.NonFiniteGradientError.check(grads, compression)
 
 
 def write_accordion_trace(path: Path, policy: hvdcompress.Accordion) -> None:

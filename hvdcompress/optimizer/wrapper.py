@@ -48,6 +48,18 @@ class NonFiniteGradientError(FloatingPointError):
             f"(compressor {compressor!r}); the inner optimizer did not step"
         )
 
+    @classmethod
+    def check(cls, named_grads, compressor) -> None:
+        """Raise naming every (name, gradient) of ``named_grads`` that holds a NaN or an Inf
+        (None gradients skipped); one read of the device for all of them."""
+        named = [(n, g) for n, g in named_grads if g is not None]
+        if not named:
+            return
+        finite = torch.stack([torch.isfinite(g).all() for _, g in named]).tolist()
+        bad = [n for (n, _), ok in zip(named, finite, strict=True) if not ok]
+        if bad:
+            raise cls(bad, compressor)
+
 
 @dataclass
 class _Launched:
@@ -279,14 +291,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if flight is not None:
                 self._stats.add(flight)
         if error is None and self._raise_on_nonfinite:
-            bad = [
-                self._parameter_names[p]
-                for b in self._buckets
-                for p in b.params
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all())
-            ]
-            if bad:
-                error = NonFiniteGradientError(bad, self._compressor)
+            named = [(self._parameter_names[p], p.grad) for b in self._buckets for p in b.params]
+            try:
+                NonFiniteGradientError.check(named, self._compressor)
+            except NonFiniteGradientError as err:
+                error = err
         self._stats.metrics = self._compressor.pop_metrics()
         if self._policy is not None and error is None:
             self._policy.after_step(self._stats)  # every collective of the step is done
