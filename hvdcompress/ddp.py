@@ -2,8 +2,8 @@
 DistributedDataParallel`` users without Horovod (docs/horovod-parity.md,
 "Horovod parity and the DDP hook").
 
-    state = hvdcompress.DDPHookState("3lc", named_parameters=model.named_parameters())
-    ddp_model.register_comm_hook(state, hvdcompress.ddp_hook)
+    state = hvdcompress.DDPHookState("3lc")   # before or after init_process_group
+    state.register(ddp_model)                  # = ddp_model.register_comm_hook(state, ddp_hook)
 
 DDP calls the hook with each gradient bucket (a flat buffer holding its gradients, in
 ``bucket.parameters()`` order). The hook moves the same payloads as
@@ -17,13 +17,23 @@ hook, so buckets do not overlap one another's communication). Invariants: on the
 path every rank holds bit-identical averaged gradients; the state (``state_dict``: this
 rank's residuals) is checkpointable like the optimizer's, with the same rule for another
 rank's state.
+
+The state binds late (docs/integrations.md): it can be built before any process group
+exists, as Lightning and Accelerate need, and takes its rank, size and group at
+``register``, ``bind`` or the first bucket. Each optimizer step over the state's
+parameters ends the state's step (``last_stats``); the first such step warns when DDP
+never called the hook, so a model that silently trains uncompressed (Lightning's
+``DDPStrategy`` registers comm hooks on CUDA only) does not go unnoticed.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's return annotation
 # (torch.futures.Future[torch.Tensor]) as an object.
 import copy
+import warnings
+import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hvdcompress.buckets import Bucket
 from hvdcompress.compat import resolve_compressor
@@ -33,18 +43,30 @@ from hvdcompress.stats import StepStats
 
 __all__ = ["DDPHookState", "ddp_hook", "hooked_optimizer"]
 
+NEVER_CALLED = (
+    "hvdcompress: an optimizer step over the parameters of this DDPHookState ran, but DDP "
+    "never called its hook: the gradients were averaged by DDP's own uncompressed "
+    "allreduce. Register it with state.register(ddp_model) (or ddp_model.register_comm_hook"
+    "(state, hvdcompress.ddp_hook)); Lightning's DDPStrategy(ddp_comm_hook=...) registers "
+    "comm hooks on CUDA devices only: use hvdcompress.lightning.CompressedDDPStrategy"
+)
+
 
 class DDPHookState:
     """The state of ``ddp_hook`` (as ``PowerSGDState`` is of PowerSGD's hook).
 
     ``compression``: as in ``DistributedOptimizer`` (a name, a Compressor or a
     ``Compression`` entry). ``process_group``: torch.distributed's group (None: the
-    world; it must be initialised first). ``named_parameters``: the model's, so that
-    residuals are named as in the optimizer; without it, parameters are named
-    ``param.<k>`` in the order the hook first meets them (the same on every rank and in
-    every run of the same model). ``compress_min_numel``: smaller tensors travel
-    uncompressed. ``step_stats``: the ``StepStats`` of the buckets reduced since the last
-    ``end_step()``, which moves them to ``last_stats``.
+    world, or the DDP model's group at ``register``). ``named_parameters``: the model's,
+    so that residuals are named as in the optimizer (``register`` takes them from the
+    model); without either, parameters are named ``param.<k>`` in the order the hook
+    first meets them (the same on every rank and in every run of the same model).
+    ``compress_min_numel``: smaller tensors travel uncompressed. ``step_stats``: the
+    ``StepStats`` of the buckets reduced since the last step ended; ``last_stats``: those
+    of the last optimizer step (``end_step``). ``hook_calls``: buckets reduced so far.
+
+    The state is unbound until ``bind`` (called by ``register`` and by the first bucket):
+    then ``transport`` exists, and a ``load_state_dict`` made before waits for it.
     """
 
     def __init__(
@@ -54,63 +76,194 @@ class DDPHookState:
         named_parameters=None,
         compress_min_numel: int = 0,
     ) -> None:
-        from hvdcompress.transports.torch_dist import TorchDistTransport
-
         if isinstance(compress_min_numel, bool) or not isinstance(compress_min_numel, int):
             raise ValueError(f"compress_min_numel must be an int >= 0, got {compress_min_numel!r}")
         if compress_min_numel < 0:
             raise ValueError(f"compress_min_numel must be an int >= 0, got {compress_min_numel!r}")
         self.compressor: Compressor = resolve_compressor(compression)
         self.uncompressed: Compressor = get_compressor("none")
-        self.transport = TorchDistTransport(process_group)
-        self.compressor.bind(self.transport.rank, self.transport.size)
+        self.process_group = process_group
         self.compress_min_numel = compress_min_numel
+        self._transport = None
+        self._exchanges: dict = {}
+        self._pending_state: dict | None = None  # loaded before bind: applied by bind
+        self._module = None  # weakref to the module of the DDP model ``register`` hooked
         self._names: dict[int, str] = {}
         self._shapes: dict[str, tuple] = {}  # of the named parameters, for load_state_dict
+        self._named_given = False
         if named_parameters is not None:
-            for name, p in named_parameters:
-                self._names[id(p)] = name
-                self._shapes[name] = tuple(p.shape)
-        self._named_given = named_parameters is not None
-        self._exchanges = {
-            True: _exchange(self.compressor, self.transport),
-            False: SummedExchange(self.transport),
-        }
+            self._set_names(named_parameters)
+        self.hook_calls = 0
+        self._steps = 0  # optimizer steps that ended a step of this state
         self.step_stats = StepStats()
         self.last_stats = StepStats()
+        self._step_calls = 0  # hook_calls when the last step ended
+        # every optimizer's step passes through here; it ends this state's step when the
+        # optimizer holds this state's parameters (weakly: the state may be collected)
+        ref = weakref.ref(self)
+        handle = register_optimizer_step_post_hook(
+            lambda opt, args, kwargs: _after_optimizer_step(ref, opt)
+        )
+        weakref.finalize(self, handle.remove)
+
+    def _set_names(self, named_parameters) -> None:
+        self._names, self._shapes = {}, {}
+        for name, p in named_parameters:
+            self._names[id(p)] = name
+            self._shapes[name] = tuple(p.shape)
+        self._named_given = True
+
+    # -- binding -------------------------------------------------------------------------
+
+    @property
+    def bound(self) -> bool:
+        return self._transport is not None
+
+    @property
+    def transport(self):
+        if self._transport is None:
+            raise RuntimeError(
+                "this DDPHookState is not bound to a process group yet: it binds at "
+                "state.register(ddp_model), state.bind() or the first bucket DDP hands the hook"
+            )
+        return self._transport
+
+    def _bound_transport(self):
+        """The transport, binding first (``bind()``) where torch.distributed is up."""
+        import torch.distributed as dist
+
+        if self._transport is None and dist.is_initialized():
+            self.bind()
+        return self.transport
+
+    def bind(self, process_group=None) -> "DDPHookState":
+        """Take rank, size and group from ``process_group`` (default: the one given at
+        construction, else the world), which must be initialised. Binding again to the
+        same group does nothing; to another group it is an error. A state loaded before
+        (``load_state_dict``) is checked and applied now."""
+        import torch.distributed as dist
+
+        from hvdcompress.transports.torch_dist import TorchDistTransport
+
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DDPHookState.bind: torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group first (torchrun, Lightning and "
+                "Accelerate do it before the model is wrapped)"
+            )
+        group = _world_if_none(process_group if process_group is not None else self.process_group)
+        if self._transport is not None:
+            if group is not self._transport.group:
+                raise RuntimeError(
+                    "this DDPHookState is bound to another process group already: each "
+                    "DDP model needs a DDPHookState of its own"
+                )
+            return self
+        if self.process_group is not None and group is not _world_if_none(self.process_group):
+            raise RuntimeError(
+                "DDPHookState: the process group given at construction is not the DDP "
+                "model's process group"
+            )
+        transport = TorchDistTransport(group)
+        self.compressor.bind(transport.rank, transport.size)
+        self._transport = transport
+        self._exchanges = {
+            True: _exchange(self.compressor, transport),
+            False: SummedExchange(transport),
+        }
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+        return self
+
+    def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> "DDPHookState":
+        """Bind to ``ddp_model``'s process group, name the parameters as its module does,
+        and register ``ddp_hook`` on it. A state serves one model: registering it on a DDP
+        wrapper of another module is an error (a new wrapper of the same module, as a
+        second ``Trainer.fit`` makes, is not)."""
+        if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                f"DDPHookState.register needs a DistributedDataParallel model, got "
+                f"{type(ddp_model).__name__}"
+            )
+        module = ddp_model.module
+        if self._module is not None and self._module() is not module:
+            raise RuntimeError(
+                "this DDPHookState is registered on another model already: its residuals "
+                "belong to that model's parameters; create one DDPHookState per model"
+            )
+        if self._module is None:  # names first: a state loaded before binding checks them
+            self._set_names(module.named_parameters())
+            self._module = weakref.ref(module)
+        self.bind(ddp_model.process_group)
+        ddp_model.register_comm_hook(self, ddp_hook)
+        return self
+
+    # -- steps ---------------------------------------------------------------------------
 
     def end_step(self) -> None:
-        """The buckets reduced so far make one step's ``last_stats``."""
+        """The buckets reduced so far make one step's ``last_stats`` (called after every
+        optimizer step over this state's parameters; calling it again without new
+        buckets keeps ``last_stats``)."""
+        if self.hook_calls == self._step_calls:
+            return
+        self._step_calls = self.hook_calls
         self.step_stats.metrics = self.compressor.pop_metrics()
         self.last_stats, self.step_stats = self.step_stats, StepStats()
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        if not self._names:  # nothing known of the model yet: any optimizer counts
+            return True
+        return any(id(p) in self._names for g in optimizer.param_groups for p in g["params"])
 
     def name_of(self, p: torch.Tensor) -> str:
         name = self._names.get(id(p))
         if name is None:
             if self._named_given:
                 raise ValueError(
-                    f"the DDP bucket has a parameter of shape {tuple(p.shape)} that is not in "
-                    "the named_parameters given to DDPHookState"
+                    f"the DDP bucket has a parameter of shape {tuple(p.shape)} that is not "
+                    "among the model's named parameters this DDPHookState knows: is one "
+                    "state used by two models? Create one DDPHookState per model"
+                )
+            if self._steps:
+                raise ValueError(
+                    f"the DDP bucket has a parameter of shape {tuple(p.shape)} that no bucket "
+                    "of the first step had: is one DDPHookState used by two models? "
+                    "Create one per model"
                 )
             name = self._names[id(p)] = f"param.{len(self._names)}"
             self._shapes[name] = tuple(p.shape)
         return name
 
+    # -- checkpoints ---------------------------------------------------------------------
+
     def state_dict(self) -> dict:
         """This rank's compressor state (residuals), tagged with the rank and job size."""
+        if self._transport is None and self._pending_state is not None:
+            return copy.deepcopy(self._pending_state)  # loaded, not yet bound: as loaded
+        transport = self._bound_transport()
         return {
-            "rank": self.transport.rank,
-            "size": self.transport.size,
+            "rank": transport.rank,
+            "size": transport.size,
             "compressor": repr(self.compressor),
             "compressor_state": self.compressor.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Load a ``state_dict()``; another rank's (same job size) loads without its
-        residuals, with a warning, as ``DistributedOptimizer.load_state_dict`` does."""
+        residuals, with a warning, as ``DistributedOptimizer.load_state_dict`` does.
+        An unbound state binds first (``bind()``: its group, else the world); before
+        torch.distributed is initialised, the state waits and is checked and loaded when
+        the state binds."""
+        import torch.distributed as dist
+
+        if self._transport is None and not dist.is_initialized():
+            self._pending_state = copy.deepcopy(dict(state))
+            return
         from hvdcompress.checkpoint import check_optimizer_state, without_other_ranks_state
 
-        rank, size = self.transport.rank, self.transport.size
+        transport = self._bound_transport()
+        rank, size = transport.rank, transport.size
         state = without_other_ranks_state(dict(state), rank, size)
         shapes = dict(self._shapes)  # with named_parameters: every name the model has
         if not self._named_given:  # names not met yet (before the first bucket): their
@@ -133,6 +286,25 @@ def _residual_tensors(state: dict) -> dict:
     return out
 
 
+def _world_if_none(group):
+    import torch.distributed as dist
+
+    return dist.group.WORLD if group is None else group
+
+
+def _after_optimizer_step(ref, optimizer: torch.optim.Optimizer) -> None:
+    """torch's post-step hook of every optimizer (registered by each ``DDPHookState``):
+    an optimizer step over the state's parameters ends its step, and the first one warns
+    when DDP never called the hook (module doc)."""
+    state = ref()
+    if state is None or not state._owns(optimizer):
+        return
+    if state._steps == 0 and state.hook_calls == 0:
+        warnings.warn(NEVER_CALLED, UserWarning, stacklevel=4)
+    state._steps += 1
+    state.end_step()
+
+
 def _exchange(compressor: Compressor, transport):
     return (SummedExchange if compressor.summable else GatheredExchange)(transport)
 
@@ -141,6 +313,9 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook (``model.register_comm_hook(state, ddp_hook)``): the
     bucket's gradients compressed with ``state.compressor``, exchanged, averaged, and
     written back into the bucket's buffer (module doc)."""
+    if not state.bound:
+        state.bind()
+    state.hook_calls += 1
     buffer = bucket.buffer()
     params = bucket.parameters()
     grads, offset = [], 0
@@ -186,11 +361,6 @@ class _HookedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         self._hook_state = state
 
-    def step(self, closure=None):
-        loss = super(self.__class__, self).step(closure)
-        self._hook_state.end_step()
-        return loss
-
     @property
     def last_stats(self) -> StepStats:
         return self._hook_state.last_stats
@@ -210,7 +380,7 @@ class _HookedOptimizer(torch.optim.Optimizer):
 
 def hooked_optimizer(optimizer: torch.optim.Optimizer, state: DDPHookState):
     """``optimizer`` (of a DDP model whose comm hook has ``state``) as a training loop
-    written for ``DistributedOptimizer`` uses it: ``last_stats`` per step, and
+    written for ``DistributedOptimizer`` uses it: ``last_stats`` of its last step, and
     ``state_dict()`` carrying the hook's state under ``"hvdcompress"`` (per rank, loaded
     by ``load_state_dict`` with ``DDPHookState.load_state_dict``'s rule). Same class
     pattern as ``DistributedOptimizer``: an instance of a subclass of its class."""

@@ -182,8 +182,8 @@ pip_install() {
 REQS=("$TORCH_SPEC" "${PY_PACKAGES[@]}" "setuptools>=64" wheel)
 # Fast path for re-runs: every requirement already installed at a matching version (read
 # from the installed metadata: no import, no index query), so pip is not run.
-reqs_satisfied() {
-    "$PY" - "${REQS[@]}" >/dev/null 2>&1 <<'PYEOF'
+reqs_satisfied() { # reqs_satisfied SPEC...
+    "$PY" - "$@" >/dev/null 2>&1 <<'PYEOF'
 import sys
 from importlib.metadata import version
 
@@ -195,7 +195,7 @@ for spec in sys.argv[1:]:
         sys.exit(1)
 PYEOF
 }
-if reqs_satisfied; then
+if reqs_satisfied "${REQS[@]}"; then
     log "already installed: ${REQS[*]}"
 else
     log "pip install ${REQS[*]}"
@@ -304,6 +304,28 @@ pip_install -q --no-build-isolation --no-deps -e "$ROOT"
     die "'import hvdcompress' fails after pip install -e ."
 
 # ---------------------------------------------------------------------------------------
+if [[ ${HVDC_TEST:-0} == 1 ]]; then
+    phase "integrations (setup.cfg extras: lightning, accelerate)"
+    # tests/test_lightning.py and tests/test_accelerate.py run the real packages, at the
+    # versions the extras pin (read from setup.cfg, so they are written once).
+    mapfile -t EXTRA_REQS < <("$PY" - "$ROOT/setup.cfg" <<'PYEOF'
+import configparser
+import sys
+
+cfg = configparser.ConfigParser()
+cfg.read(sys.argv[1])
+for extra in ("lightning", "accelerate"):
+    print(cfg["options.extras_require"][extra].strip())
+PYEOF
+    )
+    if reqs_satisfied "${EXTRA_REQS[@]}"; then
+        log "already installed: ${EXTRA_REQS[*]}"
+    else
+        pip_install -q "${EXTRA_REQS[@]}" || die "pip install ${EXTRA_REQS[*]} failed"
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------
 phase "cupy (optional)"
 # CuPy in test runs (HVDC_TEST=1, i.e. make test and CI): yes. The delicate GPU-skip path
 # is not "CuPy is missing" (an ImportError any test can catch) but "CuPy imports, yet
@@ -322,7 +344,7 @@ if [[ $WITH_GPU == 1 ]]; then
     # CUDA toolkit and no GPU, so without a GPU the NVRTC compile test of kernels/ runs
     # too (about 140 MB more).
     REQS=(cupy-cuda13x "nvidia-cuda-nvrtc==13.*")
-    if reqs_satisfied; then
+    if reqs_satisfied "${REQS[@]}"; then
         log "already installed: ${REQS[*]}"
     else
         log "pip install ${REQS[*]}"

@@ -634,11 +634,8 @@ def train_rank(args, dist, data=None) -> str:
             raise SystemExit("--launcher torchrun: --accordion / --cat need the optimizer")
         forward = torch.nn.parallel.DistributedDataParallel(model)
         hook_state = hvdcompress.DDPHookState(
-            compression,
-            named_parameters=model.named_parameters(),
-            compress_min_numel=args.compress_min_numel,
-        )
-        forward.register_comm_hook(hook_state, hvdcompress.ddp_hook)
+            compression, compress_min_numel=args.compress_min_numel
+        ).register(forward)
         opt = hooked_optimizer(
             torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum), hook_state
         )
