@@ -29,6 +29,10 @@ never called the hook, so a model that silently trains uncompressed (Lightning's
 # No ``from __future__ import annotations``: DDP checks the hook's return annotation
 # (torch.futures.Future[torch.Tensor]) as an object.
 import copy
+import math
+import queue
+import re
+import threading
 import warnings
 import weakref
 
@@ -38,7 +42,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from hvdcompress.buckets import Bucket
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
-from hvdcompress.exchange import GatheredExchange, SummedExchange
+from hvdcompress.errors import PayloadError
+from hvdcompress.exchange import EXCHANGES, SummedExchange, choose_exchanges
 from hvdcompress.stats import StepStats
 
 __all__ = ["DDPHookState", "ddp_hook", "hooked_optimizer"]
@@ -75,7 +80,13 @@ class DDPHookState:
         process_group=None,
         named_parameters=None,
         compress_min_numel: int = 0,
+        exchange: str = "auto",
+        overlap: bool = True,
     ) -> None:
+        if exchange not in EXCHANGES:
+            raise ValueError(
+                f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}"
+            )
         if isinstance(compress_min_numel, bool) or not isinstance(compress_min_numel, int):
             raise ValueError(f"compress_min_numel must be an int >= 0, got {compress_min_numel!r}")
         if compress_min_numel < 0:
@@ -84,11 +95,19 @@ class DDPHookState:
         self.uncompressed: Compressor = get_compressor("none")
         self.process_group = process_group
         self.compress_min_numel = compress_min_numel
+        self.exchange = exchange
+        self.overlap = overlap
+        self.overlapping = False  # set by bind: whether buckets finish on the finisher
+        self._finish_transport = None
+        self._finisher: _Finisher | None = None
         self._transport = None
-        self._exchanges: dict = {}
+        self._group = None  # the DDP model's group (a threaded transport has its own)
+        self._exchanges: dict[tuple, object] = {}  # the compressed parts', by their names
+        self._dense_exchange = None  # the uncompressed parts' allreduce
         self._pending_state: dict | None = None  # loaded before bind: applied by bind
         self._module = None  # weakref to the module of the DDP model ``register`` hooked
         self._names: dict[int, str] = {}
+        self._positions: dict[int, int] = {}  # the model's order of its parameters
         self._shapes: dict[str, tuple] = {}  # of the named parameters, for load_state_dict
         self._named_given = False
         if named_parameters is not None:
@@ -107,8 +126,9 @@ class DDPHookState:
         weakref.finalize(self, handle.remove)
 
     def _set_names(self, named_parameters) -> None:
-        self._names, self._shapes = {}, {}
+        self._names, self._shapes, self._positions = {}, {}, {}
         for name, p in named_parameters:
+            self._positions[id(p)] = len(self._names)
             self._names[id(p)] = name
             self._shapes[name] = tuple(p.shape)
         self._named_given = True
@@ -153,7 +173,7 @@ class DDPHookState:
             )
         group = _world_if_none(process_group if process_group is not None else self.process_group)
         if self._transport is not None:
-            if group is not self._transport.group:
+            if group is not self._group:
                 raise RuntimeError(
                     "this DDPHookState is bound to another process group already: each "
                     "DDP model needs a DDPHookState of its own"
@@ -164,13 +184,20 @@ class DDPHookState:
                 "DDPHookState: the process group given at construction is not the DDP "
                 "model's process group"
             )
-        transport = TorchDistTransport(group)
+        # Overlap (module doc): two threaded transports, one for the collectives the
+        # hook starts, one for those the finisher starts, each with its own group; on
+        # gloo over the world group (new_group is collective over the world; NCCL's
+        # streams are not yet ordered for a second thread)
+        overlapping = (
+            self.overlap and group is dist.group.WORLD and dist.get_backend(group) == "gloo"
+        )
+        transport = TorchDistTransport(group, threaded=overlapping)
+        finish = TorchDistTransport(group, threaded=True) if overlapping else transport
         self.compressor.bind(transport.rank, transport.size)
-        self._transport = transport
-        self._exchanges = {
-            True: _exchange(self.compressor, transport),
-            False: SummedExchange(transport),
-        }
+        self._transport, self._finish_transport, self._group = transport, finish, group
+        self.overlapping = overlapping
+        self._finisher = _Finisher() if overlapping else None
+        self._dense_exchange = SummedExchange(transport, finish)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
@@ -198,6 +225,21 @@ class DDPHookState:
         self.bind(ddp_model.process_group)
         ddp_model.register_comm_hook(self, ddp_hook)
         return self
+
+    def exchange_of(self, part: Bucket):
+        """The exchange of a part of a DDP bucket: the uncompressed parts' allreduce, or,
+        for the compressed part, ``choose_exchanges``'s choice for ``exchange=`` (made once
+        per set of tensors: DDP rebuilds its buckets after the first step)."""
+        if not part.compressed:
+            return self._dense_exchange
+        key = tuple(part.names)
+        if key not in self._exchanges:
+            chosen = choose_exchanges(
+                self.compressor, self.uncompressed, self._transport, [part], self.exchange,
+                finish_transport=self._finish_transport, per_tensor=True,
+            )  # fmt: skip
+            self._exchanges[key] = chosen[part.index]
+        return self._exchanges[key]
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -231,6 +273,7 @@ class DDPHookState:
                     "of the first step had: is one DDPHookState used by two models? "
                     "Create one per model"
                 )
+            self._positions[id(p)] = len(self._names)
             name = self._names[id(p)] = f"param.{len(self._names)}"
             self._shapes[name] = tuple(p.shape)
         return name
@@ -269,7 +312,9 @@ class DDPHookState:
         if not self._named_given:  # names not met yet (before the first bucket): their
             # sizes are checked when the compressor first uses them
             for name, t in _residual_tensors(state).items():
-                shapes.setdefault(name, (int(t.numel()),))
+                if not PIECE.fullmatch(name):
+                    shapes.setdefault(name, (int(t.numel()),))
+        shapes.update(_piece_shapes(_state_names(state), shapes))
         check_optimizer_state(
             state, rank=rank, size=size, compressor=repr(self.compressor), shapes=shapes
         )
@@ -283,6 +328,35 @@ def _residual_tensors(state: dict) -> dict:
         for key in ("residuals", "velocity"):
             if isinstance(comp.get(key), dict):
                 out.update({n: t for n, t in comp[key].items() if isinstance(t, torch.Tensor)})
+    return out
+
+
+# a two-stage piece's state name (``exchange.Piece``): "<tensor>[<start>:<stop>]", and
+# "@owner" for the owner's stage-2 state
+PIECE = re.compile(r"(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\](?:@owner)?")
+
+
+def _state_names(state: dict) -> set:
+    comp = state.get("compressor_state")
+    names = set()
+    if isinstance(comp, dict):
+        for entry in comp.values():
+            if isinstance(entry, dict):
+                names.update(n for n in entry if isinstance(n, str))
+    return names
+
+
+def _piece_shapes(names, shapes: dict) -> dict:
+    """The shapes of the two-stage pieces among ``names``: DDP's buckets, and so the
+    pieces, are known only once DDP hands them over, so a piece of a known tensor is
+    accepted where it lies within that tensor."""
+    out = {}
+    for name in names:
+        m = PIECE.fullmatch(name)
+        if m and m["name"] in shapes:
+            start, stop = int(m["start"]), int(m["stop"])
+            if start < stop <= math.prod(shapes[m["name"]]):
+                out[name] = (stop - start,)
     return out
 
 
@@ -305,14 +379,11 @@ def _after_optimizer_step(ref, optimizer: torch.optim.Optimizer) -> None:
     state.end_step()
 
 
-def _exchange(compressor: Compressor, transport):
-    return (SummedExchange if compressor.summable else GatheredExchange)(transport)
-
-
 def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook (``model.register_comm_hook(state, ddp_hook)``): the
-    bucket's gradients compressed with ``state.compressor``, exchanged, averaged, and
-    written back into the bucket's buffer (module doc)."""
+    bucket's gradients compressed with ``state.compressor`` and their collectives started
+    here; the returned future completes when the average is written back into the
+    bucket's buffer, on the finisher thread when the state overlaps (module doc)."""
     if not state.bound:
         state.bind()
     state.hook_calls += 1
@@ -327,31 +398,107 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
             f"DDP bucket {bucket.index()}: its buffer has {buffer.numel()} elements, its "
             f"parameters {offset}"
         )
-    stats = state.step_stats
-    scale = 1.0 / state.transport.size
-    futures = []
+    started = []
     for compressed in (True, False):
         chosen = [
             i for i, p in enumerate(params) if (p.numel() >= state.compress_min_numel) == compressed
         ]
         if not chosen:
             continue
+        names = {i: state.name_of(params[i]) for i in chosen}
+        # in the model's order, not DDP's: DDP rebuilds its first buckets in gradient
+        # order, and the same tensors must make the same exchange (two-stage shards)
+        chosen.sort(key=lambda i: state._positions[id(params[i])])
         part = Bucket(
             bucket.index(),
             [params[i] for i in chosen],
-            [state.name_of(params[i]) for i in chosen],
+            [names[i] for i in chosen],
             compressed=compressed,
         )
         comp = state.compressor if compressed else state.uncompressed
-        exchange = state._exchanges[compressed]
+        exchange = state.exchange_of(part)
         # the exchange averages the views of DDP's buffer in place (exchange.py)
         flight = exchange.start(part, comp, [grads[i] for i in chosen])
-        exchange.finish(part, comp, flight, scale, decode=True)
-        stats.numel += sum(params[i].numel() for i in chosen)
-        stats.raw_bytes += sum(grads[i].numel() * grads[i].element_size() for i in chosen)
-        stats.add(flight)
-        futures.append(flight.future)
-    return torch.futures.collect_all(futures).then(lambda _: buffer)
+        started.append((part, comp, exchange, flight))
+    future = torch.futures.Future()
+    job = _FinishBucket(state, started, buffer, future)
+    if state._finisher is None:
+        job()
+    else:
+        state._finisher.put(job)
+    # An error travels as the value and is raised in ``then``: torch marks that future
+    # failed with the error's text, which DDP raises from backward on every rank
+    return future.then(_raise_error)
+
+
+def _raise_error(future) -> torch.Tensor:
+    value = future.value()
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+class _FinishBucket:
+    """Finish the started parts of one DDP bucket, in order, then complete the hook's
+    future with the buffer (or the first error: the other parts still finish, without
+    decoding, so that every collective they started ends on every rank)."""
+
+    def __init__(self, state: DDPHookState, started: list, buffer, future) -> None:
+        self.state, self.started, self.buffer, self.future = state, started, buffer, future
+
+    def __call__(self) -> None:
+        stats = self.state.step_stats
+        scale = 1.0 / self.state.transport.size
+        error = None
+        for part, comp, exchange, flight in self.started:
+            try:
+                exchange.finish(part, comp, flight, scale, decode=error is None)
+            except BaseException as err:  # noqa: BLE001 - the future carries it
+                error = error or err
+            stats.numel += sum(p.numel() for p in part.params)
+            stats.raw_bytes += sum(g.numel() * g.element_size() for g in flight.grads)
+            stats.add(flight)
+        if error is not None and isinstance(error, PayloadError):
+            names = [n for part, *_ in self.started for n in part.names]
+            error = PayloadError(
+                error.field,
+                f"{error.detail} (DDP bucket of {len(names)} tensors: {', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''})",
+                rank=error.rank,
+                tensor=error.tensor,
+            )
+        self.future.set_result(self.buffer if error is None else error)
+
+
+class _Finisher:
+    """The thread that finishes an overlapping state's buckets, in the order the hook
+    started them (the same on every rank): it waits for each bucket's collectives,
+    starts the ones ``finish`` needs on the state's finish transport, decodes and writes
+    the average. A daemon: it ends with the state, or with the process."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        thread = threading.Thread(
+            target=_finish_jobs, args=(self._jobs,), name="hvdcompress-ddp-finish", daemon=True
+        )
+        thread.start()
+        weakref.finalize(self, self._jobs.put, None)
+
+    def put(self, job: _FinishBucket) -> None:
+        self._jobs.put(job)
+
+
+def _finish_jobs(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            job()
+        except BaseException as err:  # noqa: BLE001 - never leave DDP waiting
+            if not job.future.done():
+                job.future.set_result(err)
+        del job
 
 
 class _HookedOptimizer(torch.optim.Optimizer):

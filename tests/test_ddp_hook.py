@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hvdcompress.ddp import PIECE
+
 WORKER = Path(__file__).parent / "torchrun" / "ddp_worker.py"
 
 
@@ -44,7 +46,22 @@ def test_3lc_hook_leaves_bit_identical_parameters_and_trains(reports):
     assert reports[0]["loss_last"] < reports[0]["loss_first"]
     assert reports[0]["residual_names"] == ["0.bias", "0.weight", "2.bias", "2.weight",
                                             "3.bias", "3.weight"]  # fmt: skip
+    assert all(r["overlapping"] for r in reports)  # gloo: buckets finish on the finisher
     assert 0 < reports[0]["bits_per_value"] < 8
+
+
+def test_twostage_hook_leaves_bit_identical_parameters_trains_and_resumes_exactly(reports):
+    r0 = reports[0]
+    assert r0["twostage_kinds"] == ["twostage"]
+    assert len(set(r0["twostage_digests"])) == 1 and len(r0["twostage_digests"]) == r0["size"]
+    assert r0["twostage_loss_last"] < r0["twostage_loss_first"]
+    for r in reports:
+        # residuals of the pieces each rank sends, and "@owner" ones of those it owns
+        pieces = [PIECE.fullmatch(n) for n in r["twostage_pieces"]]
+        assert all(pieces) and any(n.endswith("@owner") for n in r["twostage_pieces"])
+        assert {m["name"] for m in pieces} == {"0.bias", "0.weight", "2.bias", "2.weight",
+                                               "3.bias", "3.weight"}  # fmt: skip
+        assert r["twostage_resume_equal"], r["rank"]
 
 
 def test_hook_state_resumes_exactly_from_each_ranks_own_state(reports):
@@ -125,3 +142,16 @@ def test_hook_on_one_rank_writes_the_decoded_gradient_into_the_bucket(one_rank_g
         payload, ctx = reference.compress(local[n], n)
         assert torch.equal(p.grad, reference.decompress(payload, ctx)), n
     assert state.step_stats.numel == sum(p.numel() for p in model.parameters())
+
+
+def test_a_corrupt_frame_in_the_hooks_future_fails_every_ranks_backward_by_name(reports):
+    """Rank 1 sends frames whose length table is off by one (ddp_worker.corrupt_step):
+    every rank's backward raises (no hang) with the PayloadError's text, naming rank 1
+    and the bucket's tensors; DDP carries it across C++ as a RuntimeError."""
+    for r in reports:
+        for mode in ("allgather", "twostage"):
+            error = r["corrupt_errors"][mode]
+            assert error.startswith("RuntimeError:"), error
+            assert "PayloadError: payload from rank 1: field 'frame'" in error, error
+            assert "DDP bucket of" in error and "0.weight" in error, error
+        assert "stage 1 (reduce-scatter)" in r["corrupt_errors"]["twostage"]

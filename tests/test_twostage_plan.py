@@ -15,6 +15,7 @@ from hvdcompress.exchange import (
     choose_exchanges,
     estimate_payload,
     plan_shards,
+    plan_shards_per_tensor,
     twostage_bytes,
 )
 from hvdcompress.transports import Handle, Transport
@@ -62,6 +63,27 @@ def test_cuts_balance_the_shards_up_to_the_alignment():
     assert [sum(pc.numel for pc in s) for s in shards] == [335, 330, 336]
     assert [pc.sender_key for pc in shards[1]] == ["a[335:665]"]
     assert [pc.owner_key for pc in shards[1]] == ["a[335:665]@owner"]
+
+
+def test_per_tensor_shards_do_not_depend_on_the_bucket_and_spread_small_tensors():
+    """The DDP hook's plan: a tensor's pieces are the same whichever tensors share its
+    bucket (DDP rebuilds buckets), every element is in one piece, and many small tensors
+    spread over the owners instead of piling onto one."""
+    size, alignment = 4, 5
+    names = [f"layer{i}.bias" for i in range(40)] + ["big.weight"]
+    numels = [3] * 40 + [1000]
+    shards = plan_shards_per_tensor(names, numels, size, alignment)
+    alone = plan_shards_per_tensor(["big.weight"], [1000], size, alignment)
+    assert sorted(
+        (pc.owner, pc.start, pc.stop) for sh in shards for pc in sh if pc.name == "big.weight"
+    ) == sorted((pc.owner, pc.start, pc.stop) for sh in alone for pc in sh)
+    for t, (name, n) in enumerate(zip(names, numels, strict=True)):
+        pieces = sorted((pc.start, pc.stop) for sh in shards for pc in sh if pc.tensor == t)
+        assert pieces[0][0] == 0 and pieces[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False)), name
+    owners_of_biases = {pc.owner for sh in shards for pc in sh if pc.name.endswith(".bias")}
+    assert owners_of_biases == set(range(size))
+    assert all(pc.owner == owner for owner, sh in enumerate(shards) for pc in sh)
 
 
 def test_plan_refuses_nonsense():

@@ -36,6 +36,7 @@ from hvdcompress.exchange.twostage import (
     Piece,
     TwoStageExchange,
     plan_shards,
+    plan_shards_per_tensor,
 )
 
 __all__ = [
@@ -56,5 +57,6 @@ __all__ = [
     "choose_exchanges",
     "estimate_payload",
     "plan_shards",
+    "plan_shards_per_tensor",
     "twostage_bytes",
 ]

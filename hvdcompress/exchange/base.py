@@ -48,8 +48,13 @@ class _Exchange:
 
     kind = ""  # "allreduce", "allgather" or "twostage"
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: Transport, finish_transport: Transport | None = None) -> None:
         self.transport = transport
+        # the collectives ``finish`` starts (two-stage's stage 2, PowerSGD's later
+        # phases): on another transport when ``finish`` runs on another thread than
+        # ``start`` (the DDP hook's finisher), so that each transport's collectives are
+        # started from one thread, in one order on every rank
+        self.finish_transport = finish_transport or transport
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Compressor state names this exchange adds beyond the tensors' own, with their

@@ -15,7 +15,12 @@ from hvdcompress.compressors import Compressor, GatherCompressor, SummableCompre
 from hvdcompress.exchange.allgather import GatheredExchange
 from hvdcompress.exchange.base import _Exchange
 from hvdcompress.exchange.summed import SummedExchange
-from hvdcompress.exchange.twostage import Piece, TwoStageExchange, plan_shards
+from hvdcompress.exchange.twostage import (
+    Piece,
+    TwoStageExchange,
+    plan_shards,
+    plan_shards_per_tensor,
+)
 from hvdcompress.transports import Transport
 
 EXCHANGES = ("auto", "allgather", "twostage")
@@ -65,6 +70,8 @@ def choose_exchanges(
     transport: Transport,
     buckets: list[Bucket],
     mode: str = "auto",
+    finish_transport: Transport | None = None,
+    per_tensor: bool = False,
 ) -> dict[int, _Exchange]:
     """The exchange of every bucket (by ``Bucket.index``), for ``exchange=mode``.
 
@@ -75,7 +82,9 @@ def choose_exchanges(
     N >= 3 (at N = 2 both move the payload once) and a bucket whose payload outweighs the
     extra headers; compressors that cannot re-compress stay on the allgather. The choice
     depends only on the buckets, N and the compressor's configuration: the same on every
-    rank."""
+    rank. ``finish_transport``: where the exchanges' ``finish`` starts its collectives
+    (``_Exchange.finish_transport``; default ``transport``); ``per_tensor``: two-stage
+    shards planned per tensor (``plan_shards_per_tensor``, the DDP hook's)."""
     if mode not in EXCHANGES:
         raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {mode!r}")
     size = transport.size
@@ -102,21 +111,22 @@ def choose_exchanges(
     chosen: dict[int, _Exchange] = {}
     for b in buckets:
         if not b.compressed or isinstance(compressor, SummableCompressor):
-            chosen[b.index] = SummedExchange(transport)
+            chosen[b.index] = SummedExchange(transport, finish_transport)
             continue
         if mode == "allgather" or not compressor.recompressible:
-            chosen[b.index] = GatheredExchange(transport)
+            chosen[b.index] = GatheredExchange(transport, finish_transport)
             continue
         numels = [p.numel() for p in b.params]
         alignment = compressor.shard_alignment()
         if mode == "auto":
             if size < 3:
-                chosen[b.index] = GatheredExchange(transport)
+                chosen[b.index] = GatheredExchange(transport, finish_transport)
                 continue
             estimate = estimate or estimate_payload(compressor, size)
-            shards = plan_shards(b.names, numels, size, alignment)
+            planner = plan_shards_per_tensor if per_tensor else plan_shards
+            shards = planner(b.names, numels, size, alignment)
             if twostage_bytes(size, shards, estimate) >= allgather_bytes(size, numels, estimate):
-                chosen[b.index] = GatheredExchange(transport)
+                chosen[b.index] = GatheredExchange(transport, finish_transport)
                 continue
-        chosen[b.index] = TwoStageExchange(transport, b, alignment)
+        chosen[b.index] = TwoStageExchange(transport, b, alignment, finish_transport, per_tensor)
     return chosen

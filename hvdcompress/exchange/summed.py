@@ -27,10 +27,10 @@ class SummedExchange(_Exchange):
         sizes = [p.numel() for p in payloads]
         return InFlight(ctxs, [self._allreduce(torch.cat(payloads))], list(grads), sizes)
 
-    def _allreduce(self, dense: torch.Tensor) -> Collective:
+    def _allreduce(self, dense: torch.Tensor, transport=None) -> Collective:
         payload_bytes = dense.numel() * dense.element_size()
         size = self.transport.size
-        handle = self.transport.start_allreduce_sum(dense)
+        handle = (transport or self.transport).start_allreduce_sum(dense)
         return Collective(handle, payload_bytes, 2.0 * (size - 1) / size * payload_bytes)
 
     def _complete(
@@ -62,7 +62,7 @@ class SummedExchange(_Exchange):
             dense = torch.cat(nxt)
             if dense.numel():
                 t0 = time.perf_counter()
-                collective = self._allreduce(dense)
+                collective = self._allreduce(dense, self.finish_transport)
                 flight.collectives.append(collective)
                 summed = collective.handle.wait()
                 flight.wait_s += time.perf_counter() - t0

@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import time
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -82,6 +83,24 @@ def plan_shards(
     return shards
 
 
+def plan_shards_per_tensor(
+    names: list[str], numels: list[int], size: int, alignment: int
+) -> list[list[Piece]]:
+    """Shards that do not depend on which tensors share the bucket: each tensor is cut on
+    its own (``plan_shards`` of the one tensor), and its pieces go to the owners rotated
+    by a hash of its name, so that small tensors, which ``plan_shards`` gives to few
+    owners, spread over the ranks. The DDP hook's plan: DDP rebuilds its buckets after the
+    first step (and again in every new process, so after a resume), and a piece's state
+    names must mean the same elements whichever bucket the tensor is in."""
+    shards: list[list[Piece]] = [[] for _ in range(size)]
+    for t, (name, n) in enumerate(zip(names, numels, strict=True)):
+        turn = zlib.crc32(name.encode()) % size
+        for owner, pieces in enumerate(plan_shards([name], [n], size, alignment)):
+            to = (owner + turn) % size
+            shards[to] += [Piece(to, t, name, pc.start, pc.stop) for pc in pieces]
+    return shards
+
+
 def _aligned_cut(cut: int, offsets: list[int], alignment: int) -> int:
     """``cut`` moved to the nearest multiple of ``alignment`` of the tensor it falls in."""
     for start, stop in zip(offsets, offsets[1:], strict=False):
@@ -101,13 +120,22 @@ class TwoStageExchange(_Exchange):
     """Compressed reduce-scatter (alltoallv), re-compression by the shard's owner, then an
     allgatherv of the re-compressed shards (module doc). One per bucket; the shards of
     what is launched (the bucket, or its dense part when some gradients are sparse) are
-    ``plan_shards`` of its tensors with the compressor's ``shard_alignment``."""
+    ``plan_shards`` of its tensors with the compressor's ``shard_alignment``
+    (``plan_shards_per_tensor`` with ``per_tensor``: the DDP hook's)."""
 
     kind = "twostage"
 
-    def __init__(self, transport: Transport, bucket: Bucket, alignment: int) -> None:
-        super().__init__(transport)
+    def __init__(
+        self,
+        transport: Transport,
+        bucket: Bucket,
+        alignment: int,
+        finish_transport: Transport | None = None,
+        per_tensor: bool = False,
+    ) -> None:
+        super().__init__(transport, finish_transport)
         self.alignment = alignment
+        self.planner = plan_shards_per_tensor if per_tensor else plan_shards
         self._plans: dict[tuple[str, ...], list[list[Piece]]] = {}
         self.plan(bucket)
 
@@ -116,7 +144,7 @@ class TwoStageExchange(_Exchange):
         key = tuple(bucket.names)
         if key not in self._plans:
             numels = [p.numel() for p in bucket.params]
-            self._plans[key] = plan_shards(
+            self._plans[key] = self.planner(
                 bucket.names, numels, self.transport.size, self.alignment
             )
         return self._plans[key]
@@ -184,7 +212,9 @@ class TwoStageExchange(_Exchange):
         flight.decode_s += t2 - t1
         size = self.transport.size
         stage2 = Collective(
-            self.transport.start_allgatherv(message), message.numel(), (size - 1) * message.numel()
+            self.finish_transport.start_allgatherv(message),
+            message.numel(),
+            (size - 1) * message.numel(),
         )
         flight.collectives.append(stage2)
         result = stage2.handle.wait()

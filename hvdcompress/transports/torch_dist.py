@@ -1,20 +1,34 @@
 """Collectives over ``torch.distributed`` (gloo on CPU, NCCL on GPUs): see
 hvdcompress.transports. The transport of the DDP communication hook (``hvdcompress.ddp``).
 
-Every collective runs when it is started, on the caller's thread (a DDP comm hook runs
-on the autograd thread, one bucket at a time, in the same order on every rank), and its
-handle is already done. ``start_allgatherv`` pads every rank's bytes to the largest
-count. NCCL moves only device tensors, so with it the bytes travel on the current CUDA
-device.
+Two ways to run (``threaded``):
+
+- **inline** (default): every collective runs when it is started, on the caller's
+  thread, and its handle is already done;
+- **threaded**: the transport owns a process group of its own (``new_group`` over the
+  same ranks, made collectively when the transport is built) and one worker thread,
+  which runs the collectives in the order they were started. ``start_*`` returns at
+  once, so the caller (DDP's autograd thread) goes on with backward while the bytes
+  move. Invariant: collectives are started from one thread per transport, in the same
+  order on every rank, so the worker's order is the same on every rank; a group of its
+  own keeps them apart from DDP's and the user's collectives on the other groups.
+
+``start_allgatherv`` all-gathers the byte counts, then every rank's bytes padded to the
+largest; ``start_alltoallv`` all-to-alls the counts, then the bytes
+(``all_to_all_single`` with split sizes). NCCL moves only device tensors, so with it the
+bytes travel on the current CUDA device.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
+import weakref
 
 import torch
 
-from hvdcompress.transports.base import Handle, Transport
+from hvdcompress.transports.base import Handle, Transport, check_alltoallv_parts
 
 
 class _Ready(Handle):
@@ -26,11 +40,12 @@ class _Ready(Handle):
 
 
 class TorchDistTransport(Transport):
-    """Collectives over a ``torch.distributed`` process group (default: the world)."""
+    """Collectives over a ``torch.distributed`` process group (default: the world);
+    ``threaded``: on a worker thread and a group of their own (module doc)."""
 
     name = "torch.distributed"
 
-    def __init__(self, process_group=None) -> None:
+    def __init__(self, process_group=None, *, threaded: bool = False) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -39,19 +54,52 @@ class TorchDistTransport(Transport):
                 "torch.distributed.init_process_group (torchrun sets its environment)"
             )
         self.dist = dist
-        self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
         # torchrun's count of ranks on this node (1 when launched otherwise)
         self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        nccl = dist.get_backend(process_group) == "nccl"
+        backend = dist.get_backend(process_group)
+        nccl = backend == "nccl"
         self._device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        self.group = process_group
+        self._jobs: queue.SimpleQueue | None = None
+        if threaded:
+            # collective over the world: every rank builds its transport at the same point
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            self.group = dist.new_group(ranks, backend=backend)
+            self._jobs = queue.SimpleQueue()
+            worker = threading.Thread(
+                target=_serve, args=(self._jobs,), name="hvdcompress-torch-dist", daemon=True
+            )
+            worker.start()
+            self._worker = worker
+            weakref.finalize(self, self._jobs.put, None)  # the worker ends with the transport
+
+    @property
+    def threaded(self) -> bool:
+        return self._jobs is not None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End the worker thread after the collectives already started (threaded only)."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._worker.join(timeout)
+
+    def _run(self, job) -> Handle:
+        if self._jobs is None:
+            return _Ready(job())
+        handle = Handle()
+        self._jobs.put((job, handle))
+        return handle
 
     def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self._device) if self._device is not None else t.cpu()
 
     def start_allgatherv(self, local: torch.Tensor) -> Handle:
         local = self._on_wire(local.detach().reshape(-1).to(torch.uint8))
+        return self._run(lambda: self._allgatherv(local))
+
+    def _allgatherv(self, local: torch.Tensor):
         count = torch.tensor([local.numel()], dtype=torch.int64, device=local.device)
         counts = [torch.empty_like(count) for _ in range(self.size)]
         self.dist.all_gather(counts, count, group=self.group)
@@ -61,28 +109,78 @@ class TorchDistTransport(Transport):
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         self.dist.all_gather(parts, padded, group=self.group)
         gathered = torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]).cpu()
-        return _Ready((gathered, sizes))
+        return gathered, sizes
+
+    def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
+        check_alltoallv_parts(parts, self.size)
+        send = self._on_wire(torch.cat([p.detach() for p in parts]))
+        send_sizes = [p.numel() for p in parts]
+        return self._run(lambda: self._alltoallv(send, send_sizes))
+
+    def _alltoallv(self, send: torch.Tensor, send_sizes: list[int]) -> list[torch.Tensor]:
+        mine = torch.tensor(send_sizes, dtype=torch.int64, device=send.device)
+        theirs = torch.empty_like(mine)
+        self.dist.all_to_all_single(theirs, mine, group=self.group)
+        recv_sizes = theirs.tolist()
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
+        self.dist.all_to_all_single(
+            recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
+            group=self.group,
+        )  # fmt: skip
+        return list(recv.cpu().split(recv_sizes))  # host bytes (Transport.moves_on)
 
     def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
         total = self._on_wire(dense.detach()).clone()
-        self.dist.all_reduce(total, op=self.dist.ReduceOp.SUM, group=self.group)
-        return _Ready(total.to(dense.device))
+        device = dense.device
 
+        def job():
+            self.dist.all_reduce(total, op=self.dist.ReduceOp.SUM, group=self.group)
+            return total.to(device)
+
+        return self._run(job)
+
+    # the blocking helpers run on the worker too (threaded): one thread per group
     def allgather_object(self, obj) -> list:
-        out = [None] * self.size
-        self.dist.all_gather_object(out, obj, group=self.group)
-        return out
+        def job():
+            out = [None] * self.size
+            self.dist.all_gather_object(out, obj, group=self.group)
+            return out
+
+        return self._run(job).wait()
 
     def broadcast_(self, tensors, root: int = 0) -> None:
-        for t in tensors:
-            buf = self._on_wire(t.detach()).contiguous()
-            self.dist.broadcast(buf, src=root, group=self.group)
-            t.data.copy_(buf)
+        def job():
+            for t in tensors:
+                buf = self._on_wire(t.detach()).contiguous()
+                self.dist.broadcast(buf, src=root, group=self.group)
+                t.data.copy_(buf)
+
+        self._run(job).wait()
 
     def sum_floats(self, values) -> list[float]:
         t = self._on_wire(torch.tensor([float(v) for v in values], dtype=torch.float64))
-        self.dist.all_reduce(t, group=self.group)
-        return t.cpu().tolist()
+
+        def job():
+            self.dist.all_reduce(t, group=self.group)
+            return t.cpu().tolist()
+
+        return self._run(job).wait()
 
     def barrier(self) -> None:
-        self.dist.barrier(group=self.group)
+        self._run(lambda: self.dist.barrier(group=self.group)).wait()
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    """The worker thread of a threaded transport: run each job, in order, into its
+    handle, until the ``None`` that ends it (not a method: the thread holds no reference
+    to the transport, which may then be collected)."""
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        job, handle = item
+        try:
+            handle._finish(job())
+        except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait
+            handle._finish(error=err)
+        del job, handle, item

@@ -48,7 +48,9 @@ def digest(model) -> str:
     return h.hexdigest()
 
 
-def train(compression, steps: int, start: int = 0, model=None, state=None, saved=None):
+def train(
+    compression, steps: int, start: int = 0, model=None, state=None, saved=None, exchange="auto"
+):
     """DDP with ddp_hook and hvdcompress.hooked_optimizer (compression None: DDP's own
     allreduce and plain SGD); ``saved``: an optimizer state_dict to load first."""
     rank = dist.get_rank()
@@ -56,7 +58,9 @@ def train(compression, steps: int, start: int = 0, model=None, state=None, saved
     ddp = DDP(net, bucket_cap_mb=0.001)  # several buckets
     if compression is not None:
         if state is None:
-            state = hvdcompress.DDPHookState(compression, named_parameters=net.named_parameters())
+            state = hvdcompress.DDPHookState(
+                compression, named_parameters=net.named_parameters(), exchange=exchange
+            )
         ddp.register_comm_hook(state, hvdcompress.ddp_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     if compression is not None:
@@ -72,6 +76,37 @@ def train(compression, steps: int, start: int = 0, model=None, state=None, saved
         opt.step()
         losses.append(float(loss.detach()))
     return net, opt, state, losses
+
+
+def corrupt_step(exchange: str) -> str | None:
+    """One step in which rank 1 sends bucket frames whose length table is off by one
+    (its transport's start wrapped); the error each rank's backward raises."""
+    net = make_net()
+    ddp = DDP(net, bucket_cap_mb=0.001)
+    state = hvdcompress.DDPHookState(
+        "3lc", named_parameters=net.named_parameters(), exchange=exchange
+    ).register(ddp)
+    transport = state.transport
+
+    def off_by_one(frame: torch.Tensor) -> torch.Tensor:
+        frame = frame.clone()
+        frame[8:16].view(torch.int64).add_(1)  # the first payload's length
+        return frame
+
+    if dist.get_rank() == 1 and exchange == "twostage":
+        start = transport.start_alltoallv
+        transport.start_alltoallv = lambda parts: start(
+            [p if j == 1 else off_by_one(p) for j, p in enumerate(parts)]
+        )
+    elif dist.get_rank() == 1:
+        start = transport.start_allgatherv
+        transport.start_allgatherv = lambda frame: start(off_by_one(frame))
+    x, y = data(dist.get_rank(), 0)
+    try:
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    except Exception as err:  # what the test asserts on
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def main(out: Path) -> None:
@@ -100,6 +135,21 @@ def main(out: Path) -> None:
             "3lc", 18, start=12, model=net2, state=state, saved=saved["opt"]
         )
 
+    # the two-stage exchange, asked for: bit-identical, and an exact resume although DDP
+    # rebuilds its buckets in the resumed process (shards planned per tensor)
+    staged, _, staged_state, staged_losses = train("3lc", 30, exchange="twostage")
+    kinds = sorted({e.kind for e in staged_state._exchanges.values()})
+    first2, first2_opt, _, _ = train("3lc", 12, exchange="twostage")
+    saved2 = copy.deepcopy({"model": first2.state_dict(), "opt": first2_opt.state_dict()})
+    net3 = make_net()
+    net3.load_state_dict(saved2["model"])
+    state3 = hvdcompress.DDPHookState(
+        "3lc", named_parameters=net3.named_parameters(), exchange="twostage"
+    )
+    net3, _, _, _ = train("3lc", 18, start=12, model=net3, state=state3, saved=saved2["opt"])
+    staged_digests = [None] * size
+    dist.all_gather_object(staged_digests, digest(staged))
+
     # rank 0's hook state on every rank
     rank0 = [saved["hook"]]
     dist.broadcast_object_list(rank0, src=0)
@@ -109,6 +159,8 @@ def main(out: Path) -> None:
         other.load_state_dict(rank0[0])
     digests = [None] * size
     dist.all_gather_object(digests, digest(full))
+    corrupt = {mode: corrupt_step(mode) for mode in ("allgather", "twostage")}
+    dist.barrier()  # every rank came out of the failed steps
     result = {
         "rank": rank,
         "size": size,
@@ -122,10 +174,18 @@ def main(out: Path) -> None:
         "rank0_state_warnings": [str(w.message) for w in caught],
         "rank0_residuals_after": len(other.compressor.state_dict()["residuals"]),
         "bits_per_value": full_state.last_stats.bits_per_value,
+        "overlapping": full_state.overlapping,
+        "corrupt_errors": corrupt,
+        "twostage_kinds": kinds,
+        "twostage_digests": staged_digests,
+        "twostage_loss_first": sum(staged_losses[:5]) / 5,
+        "twostage_loss_last": sum(staged_losses[-5:]) / 5,
+        "twostage_pieces": sorted(staged_state.compressor.state_dict()["residuals"]),
+        "twostage_resume_equal": digest(staged) == digest(net3),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     # DDP's reducers hold the process group: gone before it is destroyed
-    del net2, opt2, state, other, full_state
+    del net2, opt2, state, other, full_state, staged_state, state3
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
