@@ -33,6 +33,7 @@ import math
 import queue
 import re
 import threading
+import time
 import warnings
 import weakref
 
@@ -226,6 +227,13 @@ class DDPHookState:
         ddp_model.register_comm_hook(self, ddp_hook)
         return self
 
+    def _dense_only(self, params) -> bool:
+        """Whether the bucket has nothing to compress: DDP's allreduce is then the
+        exchange (``_allreduce_like_ddp``)."""
+        return self.compressor.name == "none" or all(
+            p.numel() < self.compress_min_numel for p in params
+        )
+
     def exchange_of(self, part: Bucket):
         """The exchange of a part of a DDP bucket: the uncompressed parts' allreduce, or,
         for the compressed part, ``choose_exchanges``'s choice for ``exchange=`` (made once
@@ -398,6 +406,8 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
             f"DDP bucket {bucket.index()}: its buffer has {buffer.numel()} elements, its "
             f"parameters {offset}"
         )
+    if state._dense_only(params):
+        return _allreduce_like_ddp(state, buffer)
     started = []
     for compressed in (True, False):
         chosen = [
@@ -418,8 +428,9 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
         comp = state.compressor if compressed else state.uncompressed
         exchange = state.exchange_of(part)
         # the exchange averages the views of DDP's buffer in place (exchange.py)
+        t0 = time.perf_counter()
         flight = exchange.start(part, comp, [grads[i] for i in chosen])
-        started.append((part, comp, exchange, flight))
+        started.append((part, comp, exchange, flight, time.perf_counter() - t0))
     future = torch.futures.Future()
     job = _FinishBucket(state, started, buffer, future)
     if state._finisher is None:
@@ -438,6 +449,27 @@ def _raise_error(future) -> torch.Tensor:
     return value
 
 
+def _allreduce_like_ddp(state: DDPHookState, buffer: torch.Tensor):
+    """A bucket with nothing to compress (compression none, or every tensor below
+    ``compress_min_numel``) goes as DDP's own allreduce does: divided by the world size,
+    summed in place by one asynchronous allreduce on DDP's group, so it costs what DDP
+    costs and gives DDP's bits."""
+    import torch.distributed as dist
+
+    size = state.transport.size
+    stats = state.step_stats
+    nbytes = buffer.numel() * buffer.element_size()
+    stats.numel += buffer.numel()
+    stats.raw_bytes += nbytes
+    stats.payload_bytes += nbytes
+    stats.wire_bytes += 2.0 * (size - 1) / size * nbytes
+    stats.sent_bytes += (2 * (size - 1) * nbytes) // size
+    stats.collectives += 1
+    buffer.div_(size)
+    work = dist.all_reduce(buffer, group=state._group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
 class _FinishBucket:
     """Finish the started parts of one DDP bucket, in order, then complete the hook's
     future with the buffer (or the first error: the other parts still finish, without
@@ -450,7 +482,7 @@ class _FinishBucket:
         stats = self.state.step_stats
         scale = 1.0 / self.state.transport.size
         error = None
-        for part, comp, exchange, flight in self.started:
+        for part, comp, exchange, flight, start_s in self.started:
             try:
                 exchange.finish(part, comp, flight, scale, decode=error is None)
             except BaseException as err:  # noqa: BLE001 - the future carries it
@@ -458,6 +490,7 @@ class _FinishBucket:
             stats.numel += sum(p.numel() for p in part.params)
             stats.raw_bytes += sum(g.numel() * g.element_size() for g in flight.grads)
             stats.add(flight)
+            stats.compress_s += start_s  # encode (and, inline, the collectives too)
         if error is not None and isinstance(error, PayloadError):
             names = [n for part, *_ in self.started for n in part.names]
             error = PayloadError(

@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""Step time of DDP with hvdcompress's hook against what a user would pick instead, on a
+rate-limited link: DDP's own allreduce, torch's fp16 / bf16 / PowerSGD hooks, and
+hvdcompress's hook (overlapped, and inline for the comparison). Run as root:
+
+    python scripts/bench_peers.py                                  # the default matrix
+    python scripts/bench_peers.py --rates 100mbit --models mlp10m --rows ddp hvdc-3lc
+
+The driver creates a network namespace ``hvdc-peers-<pid>`` (scripts/_bench/netns.py, as
+bench_network.py), and per rate gives its loopback that rate with tc tbf and launches
+``torchrun --standalone --nproc_per_node N`` of this script's worker mode inside it. All
+ranks share the one link (a shared bus, not one NIC per node); no latency is emulated.
+Gloo on CPU, one torch thread per rank; with 2 cores, 4 ranks oversubscribe the CPU.
+
+Per (model, row): a fresh DDP model (the same seed on every rank, its own random batch
+per rank), ``--warmup`` steps (error feedback and PowerSGD's warm start build up; torch
+PowerSGD starts compressing at step 2), a barrier, then ``--steps`` timed steps. A step
+is forward, backward (the hook's collectives and DDP's wait for their futures) and
+SGD's step; its time is the slowest rank's. Reported: median step time and the spread
+(min-max) over the timed steps, bytes on the wire per step (MEASURED: the namespace's
+loopback tx bytes, every rank's sends with TCP/IP headers), the speedup over ``ddp`` on
+the same link and, for hvdcompress's rows, where a rank's step time goes (encode,
+waiting on collectives, decode: ``DDPHookState.last_stats``, summed over its buckets).
+
+Models: ``mlp10m`` (784-2048-2048-2048-10, 10.0 M parameters, little compute per
+parameter) and ``cnn`` (the Fashion-MNIST SmallCNN of scripts/train.py, 0.21 M).
+Rows: ``ddp`` (DDP's default allreduce), ``torch-fp16``, ``torch-bf16``,
+``torch-powersgd-r1`` / ``-r2`` / ``-r4`` (torch's hooks; PowerSGD with one bucket,
+``bucket_cap_mb=1000``: with DDP's 25 MB buckets it aborted or hung on gloo here), and
+``hvdc-<method>`` for none, fp16, 3lc, 3lc-1.75, powersgd, topk (the methods table of
+hvdcompress.training.methods), with ``-inline`` for the hook without overlap.
+Writes ``--out``/bench_peers.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+try:  # python scripts/bench_peers.py: scripts/ is first on sys.path
+    from _bench import netns
+except ModuleNotFoundError:  # loaded by file path from the repository root (the tests)
+    from scripts._bench import netns
+
+SCRIPT = Path(__file__).resolve()
+ROOT = SCRIPT.parents[1]
+PREFIX = "hvdc-peers-"
+MARK = "HVDC_PEERS "
+MODELS = ("mlp10m", "cnn")
+HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "topk")
+ROWS = (
+    "ddp", "torch-fp16", "torch-bf16", "torch-powersgd-r1", "torch-powersgd-r2",
+    "torch-powersgd-r4", *(f"hvdc-{m}" for m in HVDC_METHODS), "hvdc-none-inline",
+    "hvdc-3lc-inline",
+)  # fmt: skip
+DEFAULT_ROWS = ROWS
+
+
+# =========================================================================================
+# worker: one rank under torchrun, inside the namespace
+# =========================================================================================
+def build_model(name: str, rank: int, batch: int):
+    import torch
+
+    from hvdcompress.training.models import build_model as training_model
+
+    torch.manual_seed(0)  # the same parameters on every rank
+    if name == "mlp10m":
+        widths = (784, 2048, 2048, 2048, 10)
+        layers = []
+        for a, b in zip(widths, widths[1:], strict=False):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        model = torch.nn.Sequential(*layers[:-1])
+        shape = (784,)
+    else:
+        model, shape = training_model("cnn"), (1, 28, 28)
+    g = torch.Generator().manual_seed(1000 + rank)
+    return (
+        model,
+        torch.randn(batch, *shape, generator=g),
+        torch.randint(0, 10, (batch,), generator=g),
+    )
+
+
+def hooked(row: str, model):
+    """DDP of ``model`` with ``row``'s hook; (ddp model, hvdcompress hook state or None)."""
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hvdcompress
+    from hvdcompress.training.methods import METHODS
+
+    if row.startswith("torch-powersgd-r"):
+        ddp = DDP(model, bucket_cap_mb=1000)
+        rank = int(row.rsplit("r", 1)[1])
+        state = psgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2
+        )
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        return ddp, None
+    ddp = DDP(model)
+    if row == "torch-fp16":
+        ddp.register_comm_hook(None, default.fp16_compress_hook)
+    elif row == "torch-bf16":
+        ddp.register_comm_hook(None, default.bf16_compress_hook)
+    elif row.startswith("hvdc-"):
+        name = row[len("hvdc-") :].removesuffix("-inline")
+        method = METHODS[name]
+        state = hvdcompress.DDPHookState(
+            method.compressor(),
+            compress_min_numel=method.compress_min_numel,
+            overlap=not row.endswith("-inline"),
+        ).register(ddp)
+        return ddp, state
+    return ddp, None
+
+
+def run_row(args, model_name: str, row: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model, x, y = build_model(model_name, rank, args.batch)
+    ddp, state = hooked(row, model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    parts = {"compress": 0.0, "wait": 0.0, "decode": 0.0}
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    for _ in range(args.warmup):
+        step()
+    dist.barrier()
+    tx0 = netns.read_tx_bytes() if rank == 0 else 0
+    times = []
+    for _ in range(args.steps):
+        times.append(step())
+        if state is not None:
+            s = state.last_stats
+            parts["compress"] += s.compress_s
+            parts["wait"] += s.wait_s
+            parts["decode"] += s.decode_s
+    dist.barrier()
+    tx = netns.read_tx_bytes() - tx0 if rank == 0 else 0
+    every = [None] * size
+    dist.all_gather_object(every, times)
+    slowest = [max(ts) for ts in zip(*every, strict=True)]  # each step's slowest rank
+    return {
+        "model": model_name,
+        "row": row,
+        "ranks": size,
+        "step_s": statistics.median(slowest),
+        "step_min_s": min(slowest),
+        "step_max_s": max(slowest),
+        "wire_mb": tx / args.steps / 1e6,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "overlapping": bool(state is not None and state.overlapping),
+        "bits_per_value": state.last_stats.bits_per_value if state is not None else None,
+        **{f"{k}_s": v / args.steps for k, v in parts.items()},
+    }
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for model_name in args.models:
+        for row in args.rows:
+            try:
+                result = run_row(args, model_name, row)
+            except Exception as err:  # a row that fails is reported, the rest go on
+                result = {"model": model_name, "row": row, "error": f"{type(err).__name__}: {err}"}
+            if dist.get_rank() == 0:
+                print(MARK + json.dumps({**result, "rate": args.rate}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# =========================================================================================
+# driver
+# =========================================================================================
+def launch(args, ns: str, rate: str) -> list[dict]:
+    subprocess.run(["ip", "netns", "exec", ns, *netns.tc_rate_command(rate)], check=False)
+    cmd = [
+        "ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
+        "--standalone", f"--nproc_per_node={args.ranks}", str(SCRIPT), "--worker",
+        "--rate", rate, "--models", *args.models, "--rows", *args.rows,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    rows = [
+        json.loads(line[len(MARK) :]) for line in done.stdout.splitlines() if line.startswith(MARK)
+    ]
+    if done.returncode != 0:
+        print(f"bench_peers: the launch at {rate} ended with rc {done.returncode}:\n"
+              f"{done.stderr[-2000:]}", file=sys.stderr)  # fmt: skip
+    for r in rows:
+        if "error" not in r:
+            print(f"  {rate:>9} {r['model']:>7} {r['row']:>18}: {r['step_s']:.3f} s, "
+                  f"{r['wire_mb']:.2f} MB/step", flush=True)  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| model | row | rate | step s (median, min-max) | speedup over ddp "
+        "| MB on the wire per step | bits/value | encode / wait / decode s per step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    base = {
+        (r["model"], r["rate"]): r["step_s"]
+        for r in rows
+        if r.get("row") == "ddp" and "step_s" in r
+    }
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['model']} | {r['row']} | {r['rate']} | failed: {r['error'][:80]} | | | | |"
+            )
+            continue
+        ref = base.get((r["model"], r["rate"]))
+        speedup = f"{ref / r['step_s']:.2f}x" if ref else ""
+        bits = f"{r['bits_per_value']:.3f}" if r["bits_per_value"] is not None else ""
+        split = (f"{r['compress_s']:.3f} / {r['wait_s']:.3f} / {r['decode_s']:.3f}"
+                 if r["row"].startswith("hvdc") else "")  # fmt: skip
+        lines.append(
+            f"| {r['model']} | {r['row']} | {r['rate']} | {r['step_s']:.3f} "
+            f"({r['step_min_s']:.3f}-{r['step_max_s']:.3f}) | {speedup} | {r['wire_mb']:.2f} | "
+            f"{bits} | {split} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rate", default="unlimited", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--rates", nargs="+", type=netns.rate_arg, default=["100mbit", "1gbit", "unlimited"]
+    )
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(DEFAULT_ROWS))
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32, help="per rank")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rate")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "peers")
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    reason = netns.netns_available()
+    if reason:
+        print(f"bench_peers: {reason}", file=sys.stderr)
+        return 2
+    rows: list[dict] = []
+    ns = f"{PREFIX}{os.getpid()}"
+
+    def body() -> None:
+        for rate in args.rates:
+            rows.extend(launch(args, ns, rate))
+
+    interrupted = netns.in_namespace(ns, PREFIX, body)
+    args.out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    header = (f"bench_peers: {args.ranks} ranks, gloo, batch {args.batch} per rank, "
+              f"{args.steps} timed steps after {args.warmup}; load average at the end "
+              f"{load[0]:.2f}; no latency emulated")  # fmt: skip
+    text = header + "\n\n" + table(rows)
+    (args.out / "bench_peers.md").write_text(text + "\n")
+    (args.out / "bench_peers.json").write_text(
+        json.dumps({"header": header, "rows": rows}, indent=1)
+    )
+    print(text)
+    return 1 if interrupted or any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

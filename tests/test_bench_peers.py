@@ -1,0 +1,51 @@
+"""scripts/bench_peers.py: DDP's allreduce, torch's PowerSGD hook and hvdcompress's hook
+(overlapped and inline) through real TCP traffic on a rate-limited namespace loopback,
+2 ranks under torchrun, a few steps. Needs root and ``ip netns`` (skipped otherwise,
+except in CI, where that fails)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts._bench import netns
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench_peers.py"
+_SKIP = netns.netns_available()
+if _SKIP is not None and os.environ.get("CI"):
+    pytestmark = pytest.mark.usefixtures("_ci_must_run")
+else:
+    pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+
+
+@pytest.fixture
+def _ci_must_run():
+    pytest.fail(f"CI must run the peer benchmark test, but: {_SKIP}")
+
+
+def test_a_small_run_measures_steps_and_wire_bytes_of_each_hook(tmp_path):
+    rows = ["ddp", "torch-powersgd-r1", "hvdc-none", "hvdc-3lc", "hvdc-3lc-inline"]
+    cmd = [sys.executable, str(SCRIPT), "--ranks", "2", "--rates", "100mbit", "--models", "cnn",
+           "--rows", *rows, "--steps", "3", "--warmup", "2", "--out", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_peers.json").read_text())
+    got = {r["row"]: r for r in data["rows"]}
+    assert sorted(got) == sorted(rows)
+    ddp, none, threelc = got["ddp"], got["hvdc-none"], got["hvdc-3lc"]
+    # ring allreduce of B bytes of float32 gradients: each of the N = 2 ranks sends
+    # 2 (N - 1) / N x B, so the link carries 2 B (plus TCP/IP headers and the barriers)
+    assert 0.9 < ddp["wire_mb"] * 1e6 / (2 * ddp["parameters"] * 4) < 1.3, ddp
+    assert 0.9 < none["wire_mb"] / ddp["wire_mb"] < 1.1
+    assert threelc["wire_mb"] < ddp["wire_mb"] / 20 and threelc["bits_per_value"] < 1
+    assert threelc["overlapping"] and not got["hvdc-3lc-inline"]["overlapping"]
+    # at 100 Mbit/s the 0.83 MB of gradients take about 70 ms a step; 3LC's bytes do not
+    assert threelc["step_s"] < ddp["step_s"]
+    assert "| cnn | hvdc-3lc | 100mbit |" in (tmp_path / "bench_peers.md").read_text()
