@@ -8,15 +8,26 @@ DistributedDataParallel`` users without Horovod (docs/horovod-parity.md,
 DDP calls the hook with each gradient bucket (a flat buffer holding its gradients, in
 ``bucket.parameters()`` order). The hook moves the same payloads as
 ``hvdcompress.DistributedOptimizer``, through ``torch.distributed`` (gloo on CPU, NCCL on
-GPUs; ``transports.torch_dist``): gather-only compressors (3LC, top-k, ...) by an
-allgather that every rank decodes in rank order, summable ones (none, fp16, bf16,
-PowerSGD) by allreduce; tensors below ``compress_min_numel`` by an uncompressed
-allreduce. The exchange averages the buffer in place (views of it, no copy) and the hook
-returns the exchange's futures, chained to the buffer (today they complete inside the
-hook, so buckets do not overlap one another's communication). Invariants: on the gather
-path every rank holds bit-identical averaged gradients; the state (``state_dict``: this
-rank's residuals) is checkpointable like the optimizer's, with the same rule for another
-rank's state.
+GPUs; ``transports.torch_dist``), by the exchange ``choose_exchanges`` picks for
+``exchange=`` ("auto", "allgather", "twostage"): gather-only compressors (3LC, top-k,
+...) by an allgather that every rank decodes in rank order or by the two-stage exchange
+(shards planned per tensor: ``plan_shards_per_tensor``), summable ones (fp16, bf16,
+PowerSGD) by allreduce; a bucket with nothing to compress (compression none, or every
+tensor below ``compress_min_numel``) by DDP's own allreduce. The exchange averages the
+buffer in place (views of it, no copy).
+
+Overlap (``overlap=True``, on gloo over the world group): the hook encodes the bucket,
+starts its collectives on a threaded transport (a process group and a worker thread of
+its own) and returns a future at once, so backward goes on while the bytes move; a
+finisher thread waits for each bucket's collectives in the order the hook started them,
+starts the ones ``finish`` needs (stage 2, PowerSGD's second phase) on a second threaded
+transport, decodes and writes the average, and completes the future, which DDP waits
+for before backward returns. With NCCL, or ``overlap=False``, the hook finishes each
+bucket before it returns. Invariants: every transport's collectives are started from one
+thread, in bucket order, the same on every rank; on the gather paths every rank holds
+bit-identical averaged gradients; a payload error fails every rank's backward with the
+``PayloadError``'s text; the state (``state_dict``: this rank's residuals) is
+checkpointable like the optimizer's, with the same rule for another rank's state.
 
 The state binds late (docs/integrations.md): it can be built before any process group
 exists, as Lightning and Accelerate need, and takes its rank, size and group at
@@ -67,7 +78,9 @@ class DDPHookState:
     so that residuals are named as in the optimizer (``register`` takes them from the
     model); without either, parameters are named ``param.<k>`` in the order the hook
     first meets them (the same on every rank and in every run of the same model).
-    ``compress_min_numel``: smaller tensors travel uncompressed. ``step_stats``: the
+    ``compress_min_numel``: smaller tensors travel uncompressed. ``exchange``: as the
+    optimizer's (``choose_exchanges``). ``overlap``: finish buckets on the finisher thread
+    (module doc; ``overlapping`` says whether it does, once bound). ``step_stats``: the
     ``StepStats`` of the buckets reduced since the last step ended; ``last_stats``: those
     of the last optimizer step (``end_step``). ``hook_calls``: buckets reduced so far.
 

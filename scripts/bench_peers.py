@@ -29,7 +29,7 @@ Rows: ``ddp`` (DDP's default allreduce), ``torch-fp16``, ``torch-bf16``,
 ``bucket_cap_mb=1000``: with DDP's 25 MB buckets it aborted or hung on gloo here), and
 ``hvdc-<method>`` for none, fp16, 3lc, 3lc-1.75, powersgd, topk (the methods table of
 hvdcompress.training.methods), with ``-inline`` for the hook without overlap.
-Writes ``--out``/bench_peers.md and .json.
+Writes ``--out``/bench_peers.md, .json and .png (step time against link rate).
 """
 
 from __future__ import annotations
@@ -245,6 +245,37 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Median step time against the link rate, one panel per model, a line per row
+    (``unlimited`` drawn at 100 Gbit/s)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "step_s" in r]
+    models = sorted({r["model"] for r in ok})
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        for row in dict.fromkeys(r["row"] for r in ok if r["model"] == model):
+            points = sorted(
+                (netns.rate_bits(r["rate"]) or 1e11, r["step_s"])
+                for r in ok
+                if r["model"] == model and r["row"] == row
+            )
+            style = "-" if row.startswith("hvdc") else "--"
+            ax.plot(*zip(*points, strict=True), style, marker="o", label=row)
+        ax.set(xscale="log", yscale="log", xlabel="link rate, bit/s (unlimited at 1e11)",
+               ylabel="step s (median)", title=model)  # fmt: skip
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -286,6 +317,7 @@ def main(argv=None) -> int:
     (args.out / "bench_peers.json").write_text(
         json.dumps({"header": header, "rows": rows}, indent=1)
     )
+    plot(rows, args.out / "bench_peers.png")
     print(text)
     return 1 if interrupted or any("error" in r for r in rows) else 0
 

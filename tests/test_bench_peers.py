@@ -49,3 +49,4 @@ def test_a_small_run_measures_steps_and_wire_bytes_of_each_hook(tmp_path):
     # at 100 Mbit/s the 0.83 MB of gradients take about 70 ms a step; 3LC's bytes do not
     assert threelc["step_s"] < ddp["step_s"]
     assert "| cnn | hvdc-3lc | 100mbit |" in (tmp_path / "bench_peers.md").read_text()
+    assert (tmp_path / "bench_peers.png").stat().st_size > 0
