@@ -15,21 +15,27 @@ atheris):
                 (``check_optimizer_state``, ``DistributedOptimizer.load_state_dict``)
 
 The hvdcompress modules are instrumented (``atheris.instrument_imports``): coverage of the
-Python parsing and checks guides the mutations. The C library is not instrumented; to
-have its memory errors reported as findings, run under the sanitizer build of CI stage 4
-(scripts/run_tests.sh), ASan aborting so that libFuzzer saves the input:
+Python parsing and checks guides the mutations. The C library is not instrumented. Its
+memory errors are caught by replaying the corpus the fuzzer grew under the sanitizer
+build of CI stage 4 (scripts/run_tests.sh); ASan aborts at the first report:
 
+    python scripts/fuzz_coverage.py --target all --minutes 5      # grows fuzz-findings/corpus
     HVDC_SANITIZE=address,undefined \\
     LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \\
-    ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \\
-    python scripts/fuzz_coverage.py --target frame --minutes 5
+    ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \\
+    python scripts/fuzz_coverage.py --replay fuzz-findings/corpus/*
+
+Fuzzing itself under that preload runs, but blind: gcc's libasan then provides the
+coverage symbols, and atheris reports no coverage (cov 0). Coverage together with ASan
+needs atheris built from source with clang (its ``asan_with_fuzzer.so``).
 
 Each target runs in its own process (libFuzzer ends the process that runs it) on the
 corpus ``--corpus``/<target>, seeded with valid inputs of every codec and optimizer and
 kept between runs (libFuzzer adds what reaches new coverage). A finding (a target's
 exception, an input slower than ``--timeout`` seconds, the process over ``--rss-limit-mb``)
 stops that target; its input is written to ``--out`` as ``<target>-crash-<sha1>``
-(``-timeout-``, ``-oom-``) and replays with ``--replay FILE``. The summary gives, per
+(``-timeout-``, ``-oom-``) and replays with ``--replay FILE`` (in this process, no
+atheris needed; ``--replay DIR/corpus/frame`` replays a whole corpus). The summary gives, per
 target, the seconds, executions, coverage (libFuzzer's ``cov`` edges and ``ft``
 features, of the instrumented Python), corpus size and findings; the exit status is 1
 when any target found something.
@@ -143,13 +149,21 @@ def run_target(args, target: str) -> dict:
     return row
 
 
-def replay(path: Path) -> int:
-    """Run the target an artifact's name starts with on it, in this process."""
-    target = next((t for t in TARGETS if path.name.startswith(f"{t}-")), None)
-    if target is None:
-        raise SystemExit(f"{path.name}: not a <target>-... artifact of this script")
-    _targets().TARGETS[target](path.read_bytes())
-    print(f"{path}: {target} handled it as documented")
+def replay(paths: list[Path]) -> int:
+    """Run saved inputs through their target in this process, without atheris: findings
+    (named ``<target>-...``) or corpus folders (``.../<target>/``, every file in them).
+    Under the sanitizer build this checks the C library on everything the fuzzer kept."""
+    fuzz_targets = _targets()
+    count = 0
+    for path in paths:
+        files = sorted(path.iterdir()) if path.is_dir() else [path]
+        name = path.name if path.is_dir() else path.name.split("-", 1)[0]
+        if name not in TARGETS:
+            raise SystemExit(f"{path}: not a <target>-... finding or a corpus folder <target>/")
+        for f in files:
+            fuzz_targets.TARGETS[name](f.read_bytes())
+            count += 1
+    print(f"replayed {count} inputs: all handled as documented")
     return 0
 
 
@@ -168,7 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=10, help="an input slower than this: a hang")
     ap.add_argument("--rss-limit-mb", type=int, default=4096, help="a process over it: a finding")
     ap.add_argument("--quiet", action="store_true", help="libFuzzer's output to the log only")
-    ap.add_argument("--replay", type=Path, help="run a saved finding through its target")
+    ap.add_argument("--replay", type=Path, nargs="+", metavar="PATH",
+                    help="run saved findings or corpus folders through their target")  # fmt: skip
     args = ap.parse_args(argv)
     if args.replay:
         return replay(args.replay)
