@@ -45,6 +45,7 @@ __all__ = [
     "check_dict",
     "check_keys",
     "check_names",
+    "check_saved_value",
     "check_tensor",
     "check_tensor_map",
     "check_writable_dir",
@@ -290,9 +291,18 @@ def check_tensor(
     finite: bool = True,
 ) -> torch.Tensor:
     """``t`` is a tensor of ``dtype`` (and ``dim`` / ``numel`` / ``shape`` when given),
-    all finite when ``finite``; returns it."""
+    all finite when ``finite``; returns it. A dense tensor whose elements fit its storage:
+    a file holds each value once, and a view of a few bytes claiming 2**40 elements (stride
+    0; ``torch.save`` keeps views) is refused before anything walks it."""
     if not isinstance(t, torch.Tensor):
         raise CheckpointError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise CheckpointError(f"{what}: expected a dense tensor, got layout {t.layout}")
+    if t.numel() * t.element_size() > t.untyped_storage().nbytes():
+        raise CheckpointError(
+            f"{what}: {t.numel()} elements {tuple(t.shape)} over {t.untyped_storage().nbytes()} "
+            "bytes of storage (a view repeating its values, not saved state)"
+        )
     if dtype is not None and t.dtype != dtype:
         raise CheckpointError(f"{what}: dtype {t.dtype}, expected {dtype}")
     if dim is not None and t.dim() != dim:
@@ -340,6 +350,18 @@ def check_names(what: str, names, known) -> None:
         )
 
 
+def check_saved_value(what: str, value, expected) -> None:
+    """A configuration value a state was saved with (a seed, a ratio) is this object's
+    ``expected``: of its type and equal (a tensor or a list is refused, not compared);
+    CheckpointError otherwise."""
+    if type(value) is not type(expected) or value != expected:
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise CheckpointError(
+            f"state was saved with {what} {shown}, this compressor has {expected!r}"
+        )
+
+
 def check_finite_number(what: str, value, *, low: float | None = None) -> float:
     """``value`` is a finite int or float (>= ``low`` when given); returns it as float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -359,6 +381,12 @@ def check_optimizer_state(ours, *, rank: int, size: int, compressor: str, shapes
         "optimizer state 'hvdcompress'", ours,
         required=("rank", "size", "compressor", "compressor_state"), optional=("policy",),
     )  # fmt: skip
+    for key, kind in (("rank", int), ("size", int), ("compressor", str)):
+        if type(ours[key]) is not kind:  # compared below: a tensor, say, must not get there
+            raise CheckpointError(
+                f"optimizer state 'hvdcompress' {key}: expected {kind.__name__}, "
+                f"got {type(ours[key]).__name__}"
+            )
     if ours["size"] != size:
         raise CheckpointError(
             f"this optimizer state was saved by rank {ours['rank']} of {ours['size']}, "
@@ -408,8 +436,10 @@ def check_optimizer_state(ours, *, rank: int, size: int, compressor: str, shapes
         for key in ("current", "sums", "budgets", "levels", "numel"):
             if isinstance(policy.get(key), Mapping):
                 check_names(f"policy state {key}", policy[key], shapes)
-        for name, n in (policy.get("numel") or {}).items():
-            if n != math.prod(shapes[name]):
+        numel = policy.get("numel")
+        numel = {} if numel is None else check_dict("policy state numel", numel)
+        for name, n in numel.items():
+            if type(n) is not int or n != math.prod(shapes[name]):
                 raise CheckpointError(
                     f"policy state numel[{name!r}]: {n!r}, the parameter has "
                     f"{math.prod(shapes[name])} elements"
@@ -423,7 +453,9 @@ def without_other_ranks_state(ours: dict, rank: int, size: int) -> dict:
     the saver's own error-feedback entries (``PER_RANK_STATE``), with a warning that says
     what is lost; the shared compressor and policy state load as they are."""
     saver = ours.get("rank")
-    if not isinstance(saver, int) or saver == rank or ours.get("size") != size:
+    if type(saver) is not int or saver == rank or type(ours.get("size")) is not int:
+        return ours  # check_optimizer_state refuses what is not an int
+    if ours["size"] != size:
         return ours
     state = ours.get("compressor_state")
     dropped = []

@@ -15,6 +15,7 @@ import torch
 import hvdcompress
 from hvdcompress import checkpoint as ck
 from hvdcompress.checkpoint import CheckpointError
+from hvdcompress.policies import CAT, AffineCost
 from tests.helpers import LocalTransport
 from tests.mpi.helpers import batch, digest, make_model
 
@@ -378,3 +379,102 @@ def test_compressor_load_alone_is_atomic():
         c.load_state_dict(bad)
     assert torch.equal(c.state_dict()["residuals"]["w"], before["residuals"]["w"])
     assert set(c.state_dict()["residuals"]) == {"w"}
+
+
+# ---- found by the coverage-guided fuzzer (scripts/fuzz_coverage.py --target checkpoint) ------
+@pytest.mark.parametrize(
+    "compression",
+    [("dqsg", {"levels": 3}), ("qsgd", {"levels": 16})],
+    ids=lambda c: c[0],
+)
+def test_a_compressor_whose_levels_is_its_parameter_loads_its_own_state(compression):
+    """DQSG's and QSGD's ``levels`` is an int parameter, not a policy's per-tensor levels:
+    load_state_dict took one for the other (TypeError on every load)."""
+    name, kw = compression
+    model = make_model()
+    opt = _opt(model, hvdcompress.get_compressor(name, **kw))
+    _train(model, opt, 2)
+    target = _opt(make_model(seed=3), hvdcompress.get_compressor(name, **kw))
+    target.load_state_dict(opt.state_dict())
+    assert _snapshot(target) == _snapshot(opt)
+
+
+def _loaded(state: dict) -> dict:
+    """``state`` as a crafted checkpoint file gives it back (saved and loaded)."""
+    return ck.decode_checkpoint(ck.encode_checkpoint(state))
+
+
+def _refused(opt, state, message):
+    before = _snapshot(opt)
+    with pytest.raises(CheckpointError, match=message):
+        opt.load_state_dict(_loaded(state))
+    assert _snapshot(opt) == before
+
+
+@pytest.mark.parametrize(
+    "compression,key,value,message",
+    [
+        # a stateless compressor given state raised a plain ValueError
+        ("signsgd", "size", 1, r"signsgd state \(it keeps none\): unknown entries 'size'"),
+        # configuration values compared with != : a list was a ValueError, a tensor of
+        # several values (or none) a RuntimeError ("Boolean value of Tensor ... ambiguous")
+        ("qsgd", "seed", [["state", "state"], ["param_groups"]], r"saved with seed \[\["),
+        ("qsgd", "seed", torch.zeros(2), "saved with seed tensor"),
+        ("topk", "ratio", torch.ones(3), "saved with ratio tensor"),
+        ("3lc", "sparsity", torch.ones(0), "saved with sparsity tensor"),
+        ("powersgd", "matrix_rank", torch.ones(2), "saved with matrix_rank tensor"),
+    ],
+)
+def test_saved_configuration_of_another_type_is_a_checkpoint_error(
+    compression, key, value, message
+):
+    c = hvdcompress.get_compressor(compression)
+    model = make_model()
+    opt = _opt(model, c)
+    _train(model, opt, 1)
+    state = opt.state_dict()
+    state["hvdcompress"]["compressor_state"][key] = value
+    _refused(opt, state, message)
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("rank", torch.ones(0), "rank: expected int, got Tensor"),
+        ("size", torch.ones(2), "size: expected int, got Tensor"),
+        ("compressor", torch.ones(2), "compressor: expected str, got Tensor"),
+    ],
+)
+def test_rank_size_and_compressor_of_another_type_are_checkpoint_errors(key, value, message):
+    _, opt = _trained()
+    state = opt.state_dict()
+    state["hvdcompress"][key] = value
+    _refused(opt, state, message)
+
+
+def test_policy_numel_that_is_not_a_dict_of_ints_is_a_checkpoint_error():
+    pol = CAT("topk", cost_model=AffineCost(1e-5, 1e-9), recompute_every=1)
+    model = make_model()
+    opt = _opt(model, "topk", pol)
+    _train(model, opt, 2)
+    for numel, message in [
+        ([1, 2], "policy state numel: expected a dict, got list"),
+        ({"head.bias": torch.ones(2)}, r"numel\['head.bias'\]: tensor"),
+    ]:
+        state = opt.state_dict()
+        state["hvdcompress"]["policy"]["numel"] = numel
+        _refused(opt, state, message)
+
+
+def test_a_view_repeating_a_few_bytes_is_refused_before_it_is_walked():
+    """A 3 KB checkpoint can hold a stride-0 view of 2**40 elements over 4 bytes of storage
+    (torch.save keeps views): checking it for NaN allocated 2**40 values."""
+    _, opt = _trained()
+    state = opt.state_dict()
+    state["hvdcompress"]["compressor_state"]["residuals"]["head.bias"] = torch.zeros(1).expand(
+        2**40
+    )
+    assert len(ck.encode_checkpoint(state)) < 2**16
+    _refused(opt, state, r"residuals\['head.bias'\]: 1099511627776 elements .* over 4 bytes")
+    with pytest.raises(CheckpointError, match="dense"):
+        ck.check_tensor("t", torch.eye(3).to_sparse())

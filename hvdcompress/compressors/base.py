@@ -117,8 +117,11 @@ class Compressor:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError(f"{self.name} keeps no state, got keys {sorted(state)}")
+        """No state: anything but an empty dict is a CheckpointError, as the stateful
+        compressors' checks raise."""
+        from hvdcompress.checkpoint import check_keys
+
+        check_keys(f"{self.name} state (it keeps none)", state)
 
     def check_dtype(self, name: str, dtype: torch.dtype) -> None:
         """TypeError unless this compressor can send tensor ``name`` of ``dtype``."""

@@ -193,16 +193,18 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import CheckpointError, check_keys, check_tensor_map
+        from hvdcompress.checkpoint import (
+            CheckpointError,
+            check_keys,
+            check_saved_value,
+            check_tensor_map,
+        )
 
         check_keys(
             "powersgd state", state, required=("matrix_rank", "seed", "residuals"), optional=("qs",)
         )
-        if (state.get("matrix_rank"), state.get("seed")) != (self.matrix_rank, self.seed):
-            raise CheckpointError(
-                f"state was saved with matrix_rank {state.get('matrix_rank')} seed "
-                f"{state.get('seed')}, this compressor has {self.matrix_rank} {self.seed}"
-            )
+        check_saved_value("matrix_rank", state["matrix_rank"], self.matrix_rank)
+        check_saved_value("seed", state["seed"], self.seed)
         qs = check_tensor_map("powersgd qs", state.get("qs", {}), dim=2)  # Q: cols x rank
         for k, q in qs.items():
             if not 1 <= q.shape[1] <= MAX_RANK:

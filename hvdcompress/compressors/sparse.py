@@ -35,12 +35,9 @@ RATIO = Param(0.0, 1.0, low_open=True)
 
 def check_saved_ratio(state: dict, ratio: float) -> None:
     """A checkpoint's ratio is this compressor's (CheckpointError otherwise)."""
-    from hvdcompress.checkpoint import CheckpointError
+    from hvdcompress.checkpoint import check_saved_value
 
-    if state.get("ratio") != ratio:
-        raise CheckpointError(
-            f"state was saved with ratio {state.get('ratio')}, this compressor has {ratio}"
-        )
+    check_saved_value("ratio", state.get("ratio"), ratio)
 
 
 class RatioLevels(PerTensorLevels):

@@ -109,11 +109,7 @@ class Stochastic(GatherCompressor):
         self._load_rng_state(state)
 
     def _load_rng_state(self, state: dict) -> None:
-        if state.get("seed") != self.seed:
-            raise ValueError(
-                f"state was saved with seed {state.get('seed')}, this compressor has {self.seed}"
-            )
-        steps = state.get("steps", {})
-        if not all(isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in steps.items()):
-            raise ValueError("steps must map tensor names to non-negative ints")
-        self.steps = dict(steps)
+        from hvdcompress.checkpoint import check_count_map, check_saved_value
+
+        check_saved_value("seed", state.get("seed"), self.seed)
+        self.steps = check_count_map(f"{self.name} steps", state.get("steps", {}))

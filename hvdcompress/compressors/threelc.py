@@ -126,13 +126,9 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         return {"sparsity": self.sparsity, "residuals": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import CheckpointError, check_keys, check_tensor_map
+        from hvdcompress.checkpoint import check_keys, check_saved_value, check_tensor_map
 
         check_keys("3lc state", state, required=("sparsity", "residuals"))
-        if state.get("sparsity") != self.sparsity:
-            raise CheckpointError(
-                f"state was saved with sparsity {state.get('sparsity')}, this "
-                f"compressor has {self.sparsity}"
-            )
+        check_saved_value("sparsity", state["sparsity"], self.sparsity)
         check_tensor_map("3lc residuals", state["residuals"])
         self.memory.load_state_dict(state["residuals"], what="3lc residuals")

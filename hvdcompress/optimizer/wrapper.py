@@ -18,6 +18,7 @@ from hvdcompress.buckets import (
     resolve_groups,
 )
 from hvdcompress.compressors import Compressor, get_compressor
+from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.exchange import GatheredExchange, SummedExchange, choose_exchanges
 from hvdcompress.optimizer.options import Average, HorovodOptions, _check_int, _normalize_op
 from hvdcompress.optimizer.process_sets import _OutsideProcessSet
@@ -412,9 +413,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             shapes=shapes,
         )
         comp, policy = self._compressor, self._policy
+        # a policy's per-tensor levels (DQSG's and QSGD's ``levels`` is their int parameter)
+        levels = comp.levels if isinstance(comp, PerTensorLevels) else None
         before = (
             comp.state_dict(),
-            dict(comp.levels) if hasattr(comp, "levels") else None,
+            dict(levels) if levels is not None else None,
             copy.deepcopy(policy.state_dict()) if policy is not None else None,
         )
         try:
@@ -427,9 +430,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 comp.load_state_dict(before[0])
                 if policy is not None:
                     policy.load_state_dict(before[2])
-                if before[1] is not None:
-                    comp.levels.clear()
-                    comp.levels.update(before[1])
+                if levels is not None:
+                    levels.clear()
+                    levels.update(before[1])
             raise
 
     @property

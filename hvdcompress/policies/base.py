@@ -8,7 +8,7 @@ rank must make the same decision.
 
 from __future__ import annotations
 
-from hvdcompress.checkpoint import CheckpointError, check_dict
+from hvdcompress.checkpoint import CheckpointError, check_dict, check_keys
 
 
 class Policy:
@@ -32,8 +32,7 @@ class Policy:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
+        check_keys(f"{type(self).__name__} state (it keeps none)", state)
 
 
 def checked_levels(what: str, levels: dict, compressor) -> dict:

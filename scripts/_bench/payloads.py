@@ -282,6 +282,8 @@ def check_decode(c, payload_bytes: bytes, ctx, original=None, **decode_kwargs) -
             continue
         kind = "exact" if kind == "exact" else "valid"
         header = wire.parse_header(payload_bytes[: wire.MAX_HEADER], len(payload_bytes))
+        if how != "out":
+            expect_finite(out, header)
         if how == "expect":
             assert out.shape == torch.Size(ctx.shape) and out.dtype == ctx.dtype
             if original is not None:
@@ -324,6 +326,15 @@ def random_body_case(case, body: bytes, **decode_kwargs) -> Outcome:
     raw = bytearray(payload.numpy().tobytes()[: header.size]) + body
     raw[24:32] = len(body).to_bytes(8, "little")  # body_len
     return check_decode(c, bytes(fix_checksum(raw)), ctx, **decode_kwargs)
+
+
+def expect_finite(out: torch.Tensor, header: wire.Header) -> None:
+    """A decode into a new tensor is all NaN for a non-finite payload, else all finite
+    (values that overflow are a DecodeOverflowError, never infinities)."""
+    if header.nonfinite:
+        assert bool(torch.isnan(out).all()), "a non-finite payload decoded to non-NaN values"
+    else:
+        assert bool(torch.isfinite(out).all()), "a finite payload decoded to NaN or infinities"
 
 
 # ---- the fuzzed payloads ----------------------------------------------------------------------
@@ -397,3 +408,65 @@ def build_cases(seed: int = 0) -> tuple[dict[str, list], dict[str, list[str]]]:
                 f"{name} {params} rank {rank}: {tuple(x.shape)} {x.dtype} {tensor_name}"
             )
     return cases, described
+
+
+# ---- frames: the one-call receive path against the per-payload one ---------------------------
+FRAME_SIZES = [(0,), (1,), (7,), (33, 17), (100,), (513,)]
+FRAME_NAMES = [f"layer{i}" for i in range(len(FRAME_SIZES))]
+
+
+def frame_configs() -> list[tuple[str, dict, int]]:
+    """(compressor, params, the sender's rank of 2) of the frame checks: every example of
+    every gather-only compressor sent by rank 1, so that rank 1's payloads decode with the
+    side information of the ranks before it where the compressor has any (NDQSG: the
+    per-payload path only); and rank 0's frames of those (no side information, the one-call
+    path too)."""
+    gather = [(n, p) for n, p in registry.examples() if not registry.REGISTRY[n].summable]
+    return [(n, p, 1) for n, p in gather] + [
+        (n, p, 0) for n, p in gather if registry.REGISTRY[n].uses_side_info
+    ]
+
+
+def bucket_frame(name: str, params: dict, sender: int):
+    """A sender's frame of a mixed bucket of FRAME_SIZES (one tensor non-finite) and its
+    contexts."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=gen) for shape in FRAME_SIZES]
+    tensors[4][3] = float("inf")
+    return bound(name, sender, 2, **params).compress_bucket(tensors, FRAME_NAMES)
+
+
+def _frame_outcome(decode):
+    outs = [torch.linspace(-1, 1, torch.Size(s).numel()) for s in FRAME_SIZES]
+    try:
+        decode(outs)
+    except Exception as err:  # noqa: BLE001 - compared by the caller, whatever it is
+        return outs, err
+    return outs, None
+
+
+def _described(err):
+    return None if err is None else (type(err), str(err), getattr(err, "field", None))
+
+
+def frames_agree(config: tuple[str, dict, int], ctxs, frame: torch.Tensor) -> None:
+    """``decode_frame`` of ``frame`` (from rank ``config[2]``, a bucket of FRAME_SIZES with
+    contexts ``ctxs``) and ``decode_bucket`` of ``wire.unframe_parsed`` give the same
+    exception (type, field, message), or none, and the same accumulators bit for bit; an
+    exception is a PayloadError naming a field."""
+    name, params, sender = config
+    ref, fast = bound(name, 1 - sender, 2, **params), bound(name, 1 - sender, 2, **params)
+    want_outs, want = _frame_outcome(
+        lambda outs: ref.decode_bucket(
+            wire.unframe_parsed(frame, sender, FRAME_NAMES, torch.device("cpu")),
+            outs,
+            ctxs,
+            rank=sender,
+        )
+    )
+    got_outs, got = _frame_outcome(lambda outs: fast.decode_frame(frame, outs, ctxs, rank=sender))
+    assert _described(got) == _described(want), f"per-payload: {want!r}; one call: {got!r}"
+    if got is not None and not (isinstance(got, hvdcompress.PayloadError) and got.field):
+        raise got
+    for a, b in zip(got_outs, want_outs, strict=True):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))

@@ -15,58 +15,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hvdcompress import wire
-from hvdcompress.compressors import registry
+from scripts._bench.payloads import FRAME_NAMES as NAMES
+from scripts._bench.payloads import FRAME_SIZES as SIZES
+from scripts._bench.payloads import bucket_frame, frame_configs, frames_agree
 from tests.fuzz.harness import field_mutations, fix_checksum, mutate, mutations
-from tests.helpers import bound
 
-# (compressor, params, the sender's rank of 2). Rank 1 decodes with the side information of
-# the ranks before it where the compressor has any (NDQSG: the per-payload path only); rank
-# 0's frame gets none, so NDQSG's takes the one-call path too.
-CASES = [(n, p, 1) for n, p in registry.examples() if not registry.REGISTRY[n].summable] + [
-    (n, p, 0)
-    for n, p in registry.examples()
-    if not registry.REGISTRY[n].summable and registry.REGISTRY[n].uses_side_info
-]
-SIZES = [(0,), (1,), (7,), (33, 17), (100,), (513,)]
-NAMES = [f"layer{i}" for i in range(len(SIZES))]
-
-
-def _frame(name: str, params: dict, sender: int):
-    """A sender's frame of a mixed bucket (one tensor non-finite) and its contexts."""
-    gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(shape, generator=gen) for shape in SIZES]
-    tensors[4][3] = float("inf")
-    return bound(name, sender, 2, **params).compress_bucket(tensors, NAMES)
-
-
-FRAMES = {i: _frame(*case) for i, case in enumerate(CASES)}
-
-
-def _run(decode):
-    outs = [torch.linspace(-1, 1, torch.Size(s).numel()) for s in SIZES]
-    try:
-        decode(outs)
-    except Exception as err:  # noqa: BLE001 - compared below, whatever it is
-        return outs, (type(err), str(err), getattr(err, "field", None))
-    return outs, None
+# (compressor, params, the sender's rank of 2): scripts/_bench/payloads.py frame_configs
+CASES = frame_configs()
+FRAMES = {i: bucket_frame(*case) for i, case in enumerate(CASES)}
 
 
 def _agree(case: int, frame: torch.Tensor) -> None:
-    name, params, sender = CASES[case]
-    _, ctxs = FRAMES[case]
-    ref, fast = bound(name, 1 - sender, 2, **params), bound(name, 1 - sender, 2, **params)
-    want_outs, want = _run(
-        lambda outs: ref.decode_bucket(
-            wire.unframe_parsed(frame, sender, NAMES, torch.device("cpu")),
-            outs,
-            ctxs,
-            rank=sender,
-        )
-    )
-    got_outs, got = _run(lambda outs: fast.decode_frame(frame, outs, ctxs, rank=sender))
-    assert got == want, f"per-payload: {want}; one call: {got}"
-    for a, b in zip(got_outs, want_outs, strict=True):
-        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    frames_agree(CASES[case], FRAMES[case][1], frame)
 
 
 def _remade(case: int, index: int, ops, forge: bool) -> torch.Tensor:
