@@ -15,7 +15,9 @@
  *   hvdc_prim_bitunpack   the inverse, rejecting a wrong length or non-zero padding;
  *   hvdc_prim_add_rows    four staged rows of doubles added to four sums side by side
  *   hvdc_prim_chunk_sums  per-chunk sums of |x| or x^2 in double, accumulated strictly
- *                         left to right (an order-fixed, hence device-independent, sum).
+ *                         left to right (an order-fixed, hence device-independent, sum);
+ *   hvdc_prim_nonfinite   whether a float32, float16 or bfloat16 array holds a NaN or an
+ *                         Inf (all exponent bits set): the public decode's overflow check.
  *
  * Pure functions over caller-owned buffers; no allocation, no global state. Built with
  * -ffp-contract=off and without fast-math (C_FLAGS in hvdcompress/_native.py): s += v * v
@@ -393,4 +395,33 @@ void hvdc_prim_add_rows(const double *rows, int64_t stride, const int64_t *n, in
     }
     for (int64_t l = 0; l < lanes; l++)
         for (int64_t i = 0; i < n[l]; i++) s[l] += rows[l * stride + i];
+}
+
+/* 1 when some element of the n floats at x is a NaN or an Inf, else 0: an element of `width`
+ * bytes (4: float32, 2: float16 or bfloat16) whose bits hold every bit of `exponent` (the
+ * format's exponent field: 0x7f800000, 0x7c00, 0x7f80). One read pass at memory speed:
+ * blocks of PRIM_FINITE_BLOCK elements are or-reduced without a branch (vectorised), and
+ * the loop stops after the first block with a hit. The public decode into a new tensor
+ * (hvdcompress/compressors/receive.py checked_cast) asks this of every decoded tensor. */
+#define PRIM_FINITE_BLOCK 4096
+PRIM_VECTOR int64_t hvdc_prim_nonfinite(const void *x, int64_t n, int width, uint32_t exponent) {
+    if (width == 4) {
+        const uint32_t *v = (const uint32_t *)x;
+        for (int64_t lo = 0; lo < n; lo += PRIM_FINITE_BLOCK) {
+            int64_t hi = n - lo < PRIM_FINITE_BLOCK ? n : lo + PRIM_FINITE_BLOCK;
+            uint32_t hit = 0;
+            for (int64_t i = lo; i < hi; i++) hit |= (v[i] & exponent) == exponent;
+            if (hit) return 1;
+        }
+        return 0;
+    }
+    const uint16_t *v = (const uint16_t *)x;
+    const uint16_t e = (uint16_t)exponent;
+    for (int64_t lo = 0; lo < n; lo += PRIM_FINITE_BLOCK) {
+        int64_t hi = n - lo < PRIM_FINITE_BLOCK ? n : lo + PRIM_FINITE_BLOCK;
+        uint16_t hit = 0;
+        for (int64_t i = lo; i < hi; i++) hit |= (uint16_t)((v[i] & e) == e);
+        if (hit) return 1;
+    }
+    return 0;
 }

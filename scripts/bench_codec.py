@@ -5,7 +5,12 @@ For each size and compressor: encode (compress, with error feedback, header and
 checksum: what a rank does per gradient) and decode (validate + decode a payload
 into a new tensor, and the gather path's decode-and-accumulate), in GB/s of float32
 input, next to ``dst.copy_(x)`` of the same tensor into a preallocated one. Ratios
-to memcpy are what to compare across machines; absolute GB/s are noisy.
+to memcpy are what to compare across machines; absolute GB/s are noisy. Beside them,
+for gather-only compressors, the public path and the bucket path side by side, each
+in multiples of the same memcpy's time: ``compress`` + ``decode`` into a new tensor
+(the per-tensor API) against ``compress_bucket`` + ``decode_frame`` of a bucket of one
+tensor into an accumulator (what the allgather exchange runs), and their ratio
+(issue 31's target: public / bucket <= 2 for every codec).
 
     python scripts/bench_codec.py                      # CPU, one thread, 1e4..1e8
     python scripts/bench_codec.py --device cuda        # GPU (CuPy kernels)
@@ -105,6 +110,21 @@ def _phases(comp, t: torch.Tensor, side: torch.Tensor | None):
     return encode, decode, bits
 
 
+def _bucket_path(comp_for, t: torch.Tensor, run, reps: int, rank: int) -> float:
+    """Seconds of ``compress_bucket`` + ``decode_frame`` (into an accumulator) of a bucket
+    of the one tensor ``t``, by a compressor of its own (``comp_for()``), warmed up like
+    the public path. ``rank``: the sender (NDQSG decodes rank 1's frame with acc / 1)."""
+    comp = comp_for()
+    acc = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
+    for _ in range(3):
+        frame, ctxs = comp.compress_bucket([t], ["bench"])
+        comp.decode_frame(frame, [acc], ctxs, rank=rank)
+    encode = run(lambda: comp.compress_bucket([t], ["bench"]), reps)
+    frame, ctxs = comp.compress_bucket([t], ["bench"])
+    decode = run(lambda: comp.decode_frame(frame, [acc], ctxs, rank=rank), reps)
+    return encode + decode
+
+
 def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: float) -> list:
     x = gradient(n, device, seed=n % 9973)
     dst = torch.empty_like(x)
@@ -115,6 +135,9 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
     for case in cases:
         # memcpy again beside every case: on a shared machine the load drifts between cases
         memcpy = run(lambda: dst.copy_(x), reps)
+        # a new tensor's allocation and first write, which the public decode pays and the
+        # bucket path (an accumulator kept from step to step) does not
+        zeros = run(lambda: torch.zeros(n, device=device), reps)
         name, params = parse_case(case)
         comp = hvdcompress.get_compressor(name, **params)
         # NDQSG: the nested code, which every rank after the DQSG-coded first ones sends
@@ -136,8 +159,15 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
             bits = first_bits if comp.summable else comp.bits_per_value(payload)
             new = run(lambda d=decode_fn, p=payload, c=ctx: d(p, c), reps)
         if comp.summable:  # decoded after the allreduce: no gather-path decode to measure
-            decode = accumulate = None
+            decode = accumulate = bucket = None
         else:
+
+            def comp_for(name=name, params=params, side=side):
+                c = hvdcompress.get_compressor(name, **params)
+                c.bind(0, 1) if side is None else c.bind(1, 2)
+                return c
+
+            bucket = _bucket_path(comp_for, t, run, reps, 0 if side is None else 1)
             acc = torch.zeros(n, dtype=torch.float32, device=device)
             decode = run(
                 lambda comp=comp, p=payload, a=acc, y=side: comp.decode(p, out=a, side_info=y),
@@ -165,6 +195,12 @@ def bench_size(n: int, cases: list[str], device: torch.device, run, min_time: fl
                 "decode_vs_memcpy": None if decode is None else memcpy / decode,
                 "decode_new_tensor_vs_memcpy": memcpy / new,
                 "accumulate_vs_memcpy": None if accumulate is None else memcpy / accumulate,
+                # time in multiples of memcpy's: public = compress + decode into a new
+                # tensor, bucket = compress_bucket + decode_frame (a bucket of one)
+                "public_x_memcpy": None if bucket is None else (encode + new) / memcpy,
+                "bucket_x_memcpy": None if bucket is None else bucket / memcpy,
+                "public_vs_bucket": None if bucket is None else (encode + new) / bucket,
+                "new_zeros_x_memcpy": zeros / memcpy,
                 "reps": reps,
             }
         )
@@ -179,11 +215,15 @@ def _pct(value: float | None) -> str:
     return f"{'-':>7}" if value is None else f"{value:>6.0%}"
 
 
+def _times(value: float | None) -> str:
+    return f"{'-':>7}" if value is None else f"{value:>6.2f}x"
+
+
 def print_table(rows: list) -> None:
     head = (
         f"{'case':<24} {'numel':>9} {'bits/val':>8} {'1st call':>8} {'ratio':>7} {'memcpy':>8} "
         f"{'encode':>8} {'enc/mc':>7} {'decode':>8} {'dec/mc':>7} {'dec+acc':>8} {'acc/mc':>7} "
-        f"{'new/mc':>7}"
+        f"{'new/mc':>7} {'public':>7} {'bucket':>7} {'pub/bkt':>7} {'zeros':>7}"
     )
     report.print_fixed(
         head,
@@ -193,7 +233,9 @@ def print_table(rows: list) -> None:
             f"{r['ratio']:>6.0f}x {r['memcpy_gbs']:>7.2f}G {r['encode_gbs']:>7.2f}G "
             f"{r['encode_vs_memcpy']:>6.0%} {_gbs(r['decode_gbs'])} "
             f"{_pct(r['decode_vs_memcpy'])} {_gbs(r['accumulate_gbs'])} "
-            f"{_pct(r['accumulate_vs_memcpy'])} {r['decode_new_tensor_vs_memcpy']:>6.0%}"
+            f"{_pct(r['accumulate_vs_memcpy'])} {r['decode_new_tensor_vs_memcpy']:>6.0%} "
+            f"{_times(r['public_x_memcpy'])} {_times(r['bucket_x_memcpy'])} "
+            f"{_times(r['public_vs_bucket'])} {_times(r['new_zeros_x_memcpy'])}"
             for r in rows
         ),
     )
@@ -205,6 +247,11 @@ def print_table(rows: list) -> None:
         "timed just before each case in this run. encode: compress with error feedback, header\n"
         "and checksum. decode: into a preallocated tensor; dec+acc: added into one (the gather\n"
         "path); new: into a new tensor.\n"
+        "public / bucket: time of compress + decode into a new tensor (the per-tensor API)\n"
+        "and of compress_bucket + decode_frame into an accumulator (a bucket of one, what the\n"
+        "allgather exchange runs), in multiples of memcpy's time; pub/bkt: their ratio.\n"
+        "zeros: torch.zeros of the size (a new tensor's allocation and first write, part of\n"
+        "every decode into a new tensor), in multiples of memcpy's time.\n"
         "Summable compressors are decoded after the allreduce: only 'new' applies (PowerSGD:\n"
         "encode = P, new = Q from P + decompress, on one rank). NDQSG: rank 1 of 2 (the nested\n"
         "code), decoded with the input as side information."
@@ -227,8 +274,14 @@ TARGETS = [
 ]
 
 
+# issue 31's target: the public path (compress + decode) at most this many times the
+# bucket path's time, for every gather-only case
+PUBLIC_VS_BUCKET = 2.0
+
+
 def target_rows(rows: list) -> list:
-    """Each target of TARGETS against the rows of the largest size benchmarked."""
+    """Each target of TARGETS against the rows of the largest size benchmarked, then the
+    public / bucket target of every gather-only case benchmarked at that size."""
     n = max(r["numel"] for r in rows)
     by_case = {r["case"]: r for r in rows if r["numel"] == n}
     out = []
@@ -247,6 +300,17 @@ def target_rows(rows: list) -> list:
             text = f"{name} = {value:.0%} of memcpy (target >= {bound:.0%})"
         out.append({"case": case, "numel": n, "metric": what, "value": value,
                     "bound": bound, "met": met, "text": text})  # fmt: skip
+    for case, r in by_case.items():
+        value = r["public_vs_bucket"]
+        if value is None:
+            continue
+        text = (
+            f"public / bucket = {value:.2f}x ({r['public_x_memcpy']:.2f}x vs "
+            f"{r['bucket_x_memcpy']:.2f}x memcpy; target <= {PUBLIC_VS_BUCKET:g}x)"
+        )
+        out.append({"case": case, "numel": n, "metric": "pub", "value": value,
+                    "bound": PUBLIC_VS_BUCKET, "met": value <= PUBLIC_VS_BUCKET,
+                    "text": text})  # fmt: skip
     return out
 
 

@@ -59,6 +59,11 @@ class Backend(Protocol):
         """Per chunk of ``chunk`` elements the float64 sum, strictly left to right, of |x| (or
         x*x with ``square``)."""
 
+    def nonfinite(self, x: torch.Tensor) -> bool:
+        """Whether the contiguous float32, float16 or bfloat16 tensor ``x`` holds a NaN or an
+        Inf: the check of a decode into a new tensor (``compressors.receive.checked_cast``),
+        one read of ``x``."""
+
     def splits(self, n: int) -> bool:
         """Whether the codec threads cut a tensor of ``n`` elements (bucket ops take it in parts)."""
 

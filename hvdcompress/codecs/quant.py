@@ -88,6 +88,13 @@ def qsgd_decode_into(
     qsgd_decode_with(for_device(out.device), body, n, levels, bits, bucket, out, accumulate)
 
 
+def qsgd_decoded_bound(body: torch.Tensor, n: int, bucket: int) -> float:
+    """The largest norm of a decoded (so checked) body: every decoded |value|, fl32(fl32(l /
+    s) * norm_b) with l <= s, is at most its bucket's norm (rounding is monotone)."""
+    nb = num_buckets(n, bucket)
+    return float(body[: 4 * nb].clone().view(torch.float32).max()) if nb else 0.0
+
+
 def qsgd_decode_with(backend, body, n, levels, bits, bucket, out, accumulate) -> None:
     """One checked body through ``backend``'s bucket decoder (a bucket of one)."""
     prim.decode_one(  # -0.0 + v is v: written (not added) is added into -0.0

@@ -98,6 +98,13 @@ def topk_decode_into(
     _scatter(out, *topk_kept(body, n, k), accumulate)
 
 
+def topk_values_bound(body: torch.Tensor, n: int) -> float:
+    """The largest |kept value| of a decoded (so checked) body in top-k's layout (top-k,
+    DGC, GSpar): a decode into a new tensor writes those values and +0.0."""
+    k = body.numel() // (4 + index_dtype(n).itemsize)
+    return float(body[: 4 * k].clone().view(torch.float32).abs().max()) if k else 0.0
+
+
 def topk_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices int64, values float32) of a top-k body of k of n values, checked: its
     length, the indices ascending in [0, n), the values finite. Raises PayloadError."""
@@ -152,14 +159,17 @@ def randomk_decode_into(
     scale: float,
     out: torch.Tensor,
     accumulate: bool,
+    fresh: bool = False,
 ) -> None:
     """Write (or add) scale * the kept values at the regenerated indices; PayloadError,
     out untouched, when the body does not hold exactly the regenerated count of finite
     values. The backend's bucket decoder adds; a write adds into +0.0, then sets the kept
-    entries whose value * scale is -0.0 (+0.0 + v is v for every v but -0.0)."""
+    entries whose value * scale is -0.0 (+0.0 + v is v for every v but -0.0). ``fresh``:
+    ``out`` is a new tensor of +0.0 that the caller drops on a failure, written in place
+    (no copy to keep it untouched)."""
     backend, threshold = for_device(out.device), randomk_threshold(ratio)
     body = body.reshape(-1)
-    target = out if accumulate else torch.zeros_like(out)
+    target = out if accumulate or fresh else torch.zeros_like(out)
     failed = backend.randomk_decode_segments(
         body, one(0), one(body.numel()), one(n), [key], threshold, scale,
         [target],
@@ -174,7 +184,17 @@ def randomk_decode_into(
         if bool(negative_zero.any()):
             kept = backend.uniform(key, n, out.device) < threshold * 2.0**-24
             target[kept] = values
-    out.copy_(target)
+    if target is not out:
+        out.copy_(target)
+
+
+def randomk_decoded_bound(body: torch.Tensor, scale: float) -> float:
+    """fl32(max |kept value| * scale) of a decoded (so checked) random-k body: each decoded
+    value is the float32 product fl32(v * scale), at most that (rounding is monotone)."""
+    if body.numel() == 0:
+        return 0.0
+    top = body.reshape(-1).clone().view(torch.float32).abs().max()
+    return float(top * torch.tensor(scale, dtype=torch.float32, device=top.device))
 
 
 def _randomk_error(code: int, body_len: int) -> PayloadError:
@@ -244,6 +264,11 @@ def topk_sign_decode_into(
     body: torch.Tensor, n: int, k: int, out: torch.Tensor, accumulate: bool
 ) -> None:
     _scatter(out, *topk_sign_kept(body, n, k), accumulate)
+
+
+def topk_sign_bound(body: torch.Tensor) -> float:
+    """The magnitude m of a decoded (so checked) top-k + sign body: its values are +-m."""
+    return float(body[:4].clone().view(torch.float32))
 
 
 def topk_sign_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,6 +146,12 @@ def decode_with(
     out.copy_(torch.where(at_run, torch.zeros_like(out), q * float(np.float32(scale))))
 
 
+def fresh_fill(scale: float) -> float | None:
+    """What ``decode_with`` writes by adding into (``GatherCompressor.fresh_fill``): +0.0
+    for S > 0 (or not finite), None for S <= 0, which it writes another way."""
+    return None if scale <= 0.0 else 0.0
+
+
 def _raise_failed(failed) -> None:
     if failed is not None:
         raise PayloadError("body", failed[1])

@@ -245,6 +245,29 @@ class GatherCompressor(Compressor):
         """Write (or add) the decoded float32 values into flat ``out``."""
         raise NotImplementedError
 
+    def fresh_fill(self, header: wire.Header) -> float | None:
+        """v where this payload's written ``decode_into`` is, bit for bit, the added one
+        into a tensor filled with v (None: none), so that a new tensor needs no copy."""
+        return None
+
+    def decode_new(self, header: wire.Header, body: torch.Tensor, side_info) -> torch.Tensor:
+        """The checked body decoded into a new flat float32 tensor on the body's device:
+        added into one filled with ``fresh_fill`` where there is one, else written."""
+        fill = self.fresh_fill(header)
+        shape, dev = (header.numel,), body.device
+        if fill is None:
+            flat = torch.empty(shape, dtype=torch.float32, device=dev)
+        else:
+            flat = torch.full(shape, fill, dtype=torch.float32, device=dev)
+        self.decode_into(header, body, flat, fill is not None, side_info)
+        return flat
+
+    def decoded_bound(self, header: wire.Header, body: torch.Tensor) -> float | None:
+        """A float32 B >= |v| for every value v a decode of this (checked) body into a new
+        tensor writes, from the parameters or a sparse body's values (None: unknown):
+        ``checked_cast`` skips its read of the tensor where B fits the dtype."""
+        return None
+
     # ---- send ------------------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
         self.check_dtype(name, tensor.dtype)
@@ -541,9 +564,9 @@ class GatherCompressor(Compressor):
                 return torch.full(
                     header.shape, float("nan"), dtype=header.dtype, device=payload.device
                 )
-            flat = torch.empty(header.numel, dtype=torch.float32, device=payload.device)
-            self.decode_into(header, body, flat, False, side_info)
-            return checked_cast(flat.view(header.shape), header.dtype)
+            flat = self.decode_new(header, body, side_info)
+            bound = self.decoded_bound(header, body)  # the body decoded: checked
+            return checked_cast(flat.view(header.shape), header.dtype, bound)
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=name) from None
 

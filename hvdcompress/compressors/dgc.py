@@ -199,6 +199,9 @@ class DGC(GatherCompressor):
         k = sparse.topk_count(header.numel, density)
         sparse.topk_decode_into(body, header.numel, k, out, accumulate)
 
+    def decoded_bound(self, header, body):
+        return sparse.topk_values_bound(body, header.numel)
+
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
     ):

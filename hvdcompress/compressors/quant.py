@@ -82,6 +82,12 @@ class QSGD(BucketQuantizer):
     def decode_into(self, header, body, out, accumulate, side_info):
         quant.qsgd_decode_into(body, header.numel, self.levels, self.bucket_size, out, accumulate)
 
+    def fresh_fill(self, header):
+        return -0.0  # quant.qsgd_decode_with writes by adding into -0.0
+
+    def decoded_bound(self, header, body):
+        return quant.qsgd_decoded_bound(body, header.numel, self.bucket_size)
+
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
     ):
@@ -127,6 +133,13 @@ class TernGrad(Stochastic):
     def decode_into(self, header, body, out, accumulate, side_info):
         (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
         quant.terngrad_decode_into(body, header.numel, scale, out, accumulate)
+
+    def fresh_fill(self, header):
+        (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        return threelc.fresh_fill(scale)
+
+    def decoded_bound(self, header, body):
+        return TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0]  # +-M, 0
 
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None

@@ -10,6 +10,7 @@ import math
 import torch
 
 from hvdcompress import wire
+from hvdcompress.backends import for_device
 from hvdcompress.errors import DecodeOverflowError
 
 
@@ -40,12 +41,29 @@ def numel_limit(
     return min(limits)
 
 
-def checked_cast(flat32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def fits(bound: float, dtype: torch.dtype) -> bool:
+    """Whether every float32 of magnitude at most ``bound`` is finite in ``dtype``: the
+    float32 ``bound`` itself is finite and stays finite when rounded to ``dtype``."""
+    if not math.isfinite(bound):
+        return False
+    value = torch.tensor(bound, dtype=torch.float32)
+    return bool(torch.isfinite(value)) and bool(torch.isfinite(value.to(dtype)))
+
+
+def checked_cast(
+    flat32: torch.Tensor, dtype: torch.dtype, bound: float | None = None
+) -> torch.Tensor:
     """The decoded float32 values in the payload's dtype; DecodeOverflowError when a value
     is not finite (the header's non-finite flag is clear on this path): the float32
-    decode overflowed, or the cast to float16 / bfloat16 did."""
+    decode overflowed, or the cast to float16 / bfloat16 did. ``bound``: a bound on every
+    |value| the decode can give (``GatherCompressor.decoded_bound``); when it ``fits``
+    the dtype the answer is known without reading the values. Else the check is one read
+    of the cast values by the device's backend (``nonfinite``: on the CPU a native pass
+    over the bits, no boolean tensor); the error's text is worked out when it fails."""
     cast = flat32.to(dtype)
-    if cast.numel() and not bool(torch.isfinite(cast).all()):
+    if bound is not None and fits(bound, dtype):
+        return cast
+    if for_device(cast.device).nonfinite(cast):
         finite32 = bool(torch.isfinite(flat32).all())
         where = f"the cast to {dtype}" if finite32 else "the float32 decode"
         big = float(flat32[torch.isfinite(flat32)].abs().max()) if finite32 else math.inf

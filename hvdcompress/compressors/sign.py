@@ -58,6 +58,12 @@ class SignSGD(GatherCompressor):
     def decode_into(self, header, body, out, accumulate, side_info):
         sign.decode_into(body, header.numel, None, out, accumulate)
 
+    def fresh_fill(self, header):
+        return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
+
+    def decoded_bound(self, header, body):
+        return 1.0  # +1 or -1
+
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         return not any(params) and bool((nonfinite | (numels <= 8 * body_lens)).all())
@@ -120,6 +126,12 @@ class EFSignSGD(GatherCompressor):
     def decode_into(self, header, body, out, accumulate, side_info):
         (scale,) = EF_PARAMS.unpack(header.params)
         sign.decode_into(body, header.numel, scale, out, accumulate)
+
+    def fresh_fill(self, header):
+        return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
+
+    def decoded_bound(self, header, body):
+        return EF_PARAMS.unpack(header.params)[0]  # +-scale, checked finite
 
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         # check_params and max_numel of every payload, as array arithmetic

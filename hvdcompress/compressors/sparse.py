@@ -116,6 +116,9 @@ class TopK(RatioLevels, GatherCompressor):
         k = sparse.topk_count(header.numel, ratio)
         self.decode_kept_into(body, header.numel, k, out, accumulate)
 
+    def decoded_bound(self, header, body):
+        return sparse.topk_values_bound(body, header.numel)
+
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
     ):
@@ -145,6 +148,9 @@ class TopKSign(TopK):
     decode_kept_into = staticmethod(sparse.topk_sign_decode_into)
     encode_segments = staticmethod(sparse.topk_sign_encode_segments)
     decode_kept_segments = staticmethod(sparse.topk_sign_decode_segments)
+
+    def decoded_bound(self, header, body):
+        return sparse.topk_sign_bound(body)
 
     def __repr__(self) -> str:
         return f"TopKSign(ratio={self.ratio})"
@@ -292,6 +298,17 @@ class RandomK(SeededSparseState, Stochastic):
             body, key, header.numel, self.ratio, self._scale, out, accumulate
         )
 
+    def decode_new(self, header, body, side_info):
+        flat = torch.zeros(header.numel, dtype=torch.float32, device=body.device)
+        key = self._stream_key(header.params)
+        sparse.randomk_decode_into(
+            body, key, header.numel, self.ratio, self._scale, flat, False, fresh=True
+        )
+        return flat
+
+    def decoded_bound(self, header, body):
+        return sparse.randomk_decoded_bound(body, self._scale)
+
 
 @register
 class GSpar(RatioLevels, SeededSparseState, Stochastic):
@@ -360,6 +377,9 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
 
     def decode_into(self, header, body, out, accumulate, side_info):
         sparse.gspar_decode_into(body, header.numel, out, accumulate)
+
+    def decoded_bound(self, header, body):
+        return sparse.topk_values_bound(body, header.numel)
 
     def decode_segments(
         self, frame, params, body_starts, body_lens, numels, outs, names, rank=None

@@ -101,6 +101,12 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         _, scale = threelc.PARAMS.unpack(header.params)
         threelc.decode_into(body, header.numel, scale, out, accumulate)
 
+    def fresh_fill(self, header):
+        return threelc.fresh_fill(threelc.PARAMS.unpack(header.params)[1])
+
+    def decoded_bound(self, header, body):
+        return threelc.PARAMS.unpack(header.params)[1]  # S * q, q in {-1, 0, 1}
+
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         # check_params and max_numel of every payload, as array arithmetic
         if any(len(p) != threelc.PARAMS.size for p in params):

@@ -92,6 +92,7 @@ SAME_CALL = {
         5,
     ),
     "chunk_sums": lambda gen: (_x(gen), 1024, True),
+    "nonfinite": lambda gen: (_x(gen).index_fill_(0, torch.tensor([2999]), float("inf")),),
     "quartic_decode": lambda gen: (
         cpu_backend.quartic_encode(torch.randint(-1, 2, (3001,), generator=gen).to(torch.int8)),
         3001,

@@ -31,6 +31,7 @@ from hvdcompress.backends.cpu.primitives import (  # noqa: F401  (re-exports)
     bitpack,
     bitunpack,
     chunk_sums,
+    nonfinite,
     uniform,
 )
 from hvdcompress.backends.cpu.quant import (  # noqa: F401  (re-exports)

@@ -49,6 +49,7 @@ _SIGNATURES = {
     "hvdc_prim_bitpack": (None, [_p, _i64, _int, _p]),
     "hvdc_prim_bitunpack": (_i64, [_p, _i64, _i64, _int, _p]),
     "hvdc_prim_chunk_sums": (None, [_p, _i64, _i64, _int, _p]),
+    "hvdc_prim_nonfinite": (_i64, [_p, _i64, _int, _u32]),
     # sign codecs (kernels/sign.c)
     "hvdc_sign_encode_segments": (None, [_i64, _p, _p, _p, _p]),
     "hvdc_sign_decode_segments": (_i64, [_i64, _p, _p, _p, _p, _p]),

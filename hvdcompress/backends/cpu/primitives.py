@@ -1,5 +1,6 @@
 """The shared primitives on the CPU (kernels/primitives.c; see
-hvdcompress.codecs.primitives): counter-based uniforms, bit packing and chunk sums."""
+hvdcompress.codecs.primitives): counter-based uniforms, bit packing, chunk sums and the
+non-finite check."""
 
 from __future__ import annotations
 
@@ -40,3 +41,18 @@ def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
     if n:
         LIB.hvdc_prim_chunk_sums(_ptr(x), n, chunk, int(square), _ptr(out))
     return out
+
+
+# A floating dtype's exponent field (all bits set: a NaN or an Inf) and its element width.
+EXPONENT_BITS = {
+    torch.float32: (4, 0x7F800000),
+    torch.float16: (2, 0x7C00),
+    torch.bfloat16: (2, 0x7F80),
+}
+
+
+def nonfinite(x: torch.Tensor) -> bool:
+    width, exponent = EXPONENT_BITS[x.dtype]
+    if not x.is_contiguous():
+        raise ValueError("nonfinite takes a contiguous tensor")
+    return bool(x.numel()) and bool(LIB.hvdc_prim_nonfinite(_ptr(x), x.numel(), width, exponent))

@@ -69,6 +69,7 @@ from hvdcompress.backends.cuda.primitives import (  # noqa: F401  (re-exports)
     bitpack,
     bitunpack,
     chunk_sums,
+    nonfinite,
     uniform,
 )
 from hvdcompress.backends.cuda.quant import (  # noqa: F401  (re-exports)

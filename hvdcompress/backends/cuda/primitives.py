@@ -84,3 +84,11 @@ def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
                 _ptr(out),
             )
     return out
+
+
+def nonfinite(x: torch.Tensor) -> bool:
+    # one torch reduction on the device (a GPU reads at its own bandwidth); the answer,
+    # not bytes, is what both backends share
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not x.is_contiguous():
+        raise ValueError("nonfinite takes a contiguous float32, float16 or bfloat16 tensor")
+    return bool(x.numel()) and not bool(torch.isfinite(x).all())
