@@ -74,6 +74,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -594,17 +595,44 @@ def main(argv=None) -> int:
             raise SystemExit(f"simulated ranks ended with different parameters: {digests}")
         return 0
     if args.launcher == "torchrun":
-        import torch.distributed
-
-        from hvdcompress.transports.torch_dist import TorchDistTransport
-
-        torch.distributed.init_process_group(args.ddp_backend)
-        train_rank(args, TorchDistTransport())
-        torch.distributed.destroy_process_group()
+        train_torchrun(args)
         return 0
     dist = make_transport(args.backend)  # the optimizer's transport too
     train_rank(args, dist)
     return 0
+
+
+def train_torchrun(args) -> None:
+    """``--launcher torchrun``: this rank's run in a torch.distributed world that it creates
+    and destroys, in order (docs/checkpoints-and-faults.md, "Clean exits"): the world
+    outlives every object that holds it (the DDP model, its reducer), every rank has left
+    its last collective (a barrier) before any rank destroys it, and it is destroyed on
+    the way out of an exception too, so that gloo's native threads (``pt_gloo_runloop``,
+    ``gloo_tcp_loop``) end at ``destroy_process_group`` and not during interpreter
+    shutdown."""
+    import torch.distributed as tdist
+
+    # Before the world exists: the functions of torch.distributed.nn.functional take
+    # ``group=group.WORLD`` as a default argument, evaluated when the module is first
+    # imported, and DDP imports it (through FSDP) when it is first built. Imported then,
+    # ten default arguments keep the world's ProcessGroup alive after destroy_process_group,
+    # with its threads and store connection, until the interpreter tears the module down.
+    import torch.distributed.nn.functional  # noqa: F401
+
+    from hvdcompress.transports.torch_dist import TorchDistTransport
+
+    tdist.init_process_group(args.ddp_backend)
+    try:
+        train_rank(args, TorchDistTransport())
+        tdist.barrier()  # no rank closes its connections while another is in a collective
+    except BaseException as err:
+        # The traceback keeps train_rank's frame, hence the DDP model and the group it
+        # holds, alive: drop those locals (the traceback prints the same) so that the
+        # group below is freed now, not at interpreter shutdown.
+        traceback.clear_frames(err.__traceback__)
+        raise
+    finally:
+        tdist.destroy_process_group()
 
 
 def load_data(args):

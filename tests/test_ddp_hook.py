@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ import pytest
 from hvdcompress.ddp import PIECE
 
 WORKER = Path(__file__).parent / "torchrun" / "ddp_worker.py"
+# a native abort at exit (docs/checkpoints-and-faults.md, "Clean exits")
+NATIVE_ABORT = re.compile(r"terminate called|Aborted|core dumped|Segmentation fault")
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["np2", "np4"])
@@ -93,6 +96,7 @@ def test_train_py_under_torchrun_trains_with_the_hook_and_prints_progress_lines(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not NATIVE_ABORT.search(done.stdout + done.stderr), done.stderr[-3000:]
     summary = [line for line in done.stdout.splitlines() if line.startswith("summary:")]
     assert len(summary) == 1 and "backend torch.distributed compression 3lc" in summary[0]
     fields = summary[0].split()

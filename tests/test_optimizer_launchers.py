@@ -41,6 +41,8 @@ def _env() -> dict:
     return env
 
 
+# a native abort at exit (docs/checkpoints-and-faults.md, "Clean exits")
+NATIVE_ABORT = re.compile(r"terminate called|Aborted|core dumped|Segmentation fault")
 MPIRUN = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1"]
 
 
@@ -70,6 +72,7 @@ def test_train_under_horovodrun_np4_loss_goes_down(tmp_path):
            "--compression", "3lc", "--log-dir", str(tmp_path)]  # fmt: skip
     proc, _ = _run(cmd, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not NATIVE_ABORT.search(proc.stdout + proc.stderr), proc.stderr[-3000:]
     s = _summary(proc.stdout)
     assert s["ranks"] == "4" and s["steps"] == "24"
     assert float(s["last_loss"]) < float(s["first_loss"]) - 0.2, s
@@ -96,6 +99,7 @@ def test_train_np10_oversubscribed_tiny_model_finishes():
            "--compression", "3lc", "--threads", "1"]  # fmt: skip
     proc, _ = _run(cmd, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not NATIVE_ABORT.search(proc.stdout + proc.stderr), proc.stderr[-3000:]
     s = _summary(proc.stdout)
     assert s["ranks"] == "10" and s["steps"] == "4", s
 

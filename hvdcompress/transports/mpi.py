@@ -8,6 +8,11 @@ the others how many collectives it started, so a rank waiting for one it never w
 aborts; Horovod's ``HOROVOD_STALL_*`` variables drive the stall check. The side channel
 is its own duplicated communicator, used only by one watcher thread per transport
 (``_Watcher``), so the worker's collective order is untouched.
+
+Exit (docs/checkpoints-and-faults.md, "Clean exits"): an atexit function ends each
+transport's worker thread (``stop_worker``) and then its watcher. mpi4py calls
+``MPI_Finalize`` later, from ``Py_AtExit`` at the end of interpreter shutdown, when daemon
+threads still exist: none of this module's may be inside MPI then.
 """
 
 from __future__ import annotations
@@ -329,9 +334,14 @@ def _excepthook(exc_type, exc, tb) -> None:
 
 
 def _at_exit() -> None:
+    """Before mpi4py's MPI_Finalize: each transport's worker ends first (so that no
+    collective runs on it during or after MPI_Finalize, and the count of collectives it
+    started is final), then its watcher tells the others that count and stops."""
     for ref in list(_WATCHERS):
         w = ref()
         if w is not None and not w._stop.is_set():
+            with contextlib.suppress(Exception):  # the transport may be gone
+                w.t.stop_worker(ABORT_GRACE_S)
             with contextlib.suppress(Exception):  # MPI may already be finalized
                 w.notify_exit()
 
@@ -344,10 +354,13 @@ def _install_hooks() -> None:
     if _HOOKED:
         return
     _HOOKED = True
-    atexit.register(_at_exit)  # after mpi4py's: runs before MPI_Finalize
+    atexit.register(_at_exit)  # mpi4py's MPI_Finalize is a Py_AtExit function: later
     if os.environ.get("HVDC_ABORT_ON_EXCEPTION", "1") != "0":
         _PREVIOUS_HOOK = sys.excepthook
         sys.excepthook = _excepthook
+
+
+_STOP = object()  # the worker's last queue item
 
 
 class MPITransport(Transport):
@@ -375,13 +388,17 @@ class MPITransport(Transport):
         _install_hooks()
         _WATCHERS.append(weakref.ref(self._watcher))
         self._queue: queue.Queue = queue.Queue()
+        self._stopped = False  # stop_worker was called: no more collectives
         self._worker = threading.Thread(target=self._run, name="hvdcompress-mpi", daemon=True)
         self._worker.start()
 
     def _run(self) -> None:
         p = self._progress
         while True:
-            job, handle, what = self._queue.get()
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            job, handle, what = item
             handle.began = time.perf_counter()  # queued until now behind earlier jobs
             p.started += 1
             p.last_start = time.monotonic()
@@ -393,7 +410,35 @@ class MPITransport(Transport):
             finally:
                 p.data_now = None
 
+    def stop_worker(self, timeout: float) -> bool:
+        """End the worker thread (at exit, before MPI_Finalize; the transport cannot start
+        collectives afterwards): the collectives queued but not started fail with a
+        RuntimeError, the one in progress finishes (waited for up to ``timeout`` s).
+        True when the worker has ended."""
+        self._stopped = True
+        if not self._worker.is_alive():
+            return True
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not _STOP:
+                job[1]._finish(error=RuntimeError(f"{job[2]}: not started, the process exits"))
+        self._queue.put(_STOP)
+        self._worker.join(timeout)
+        if self._worker.is_alive():
+            what = self._progress.data_now
+            _say(
+                f"at exit: the worker is still in collective {what} after {timeout:g} s; "
+                "exiting without it",
+                self.rank,
+            )
+        return not self._worker.is_alive()
+
     def _submit(self, job: Callable[[], object], what: str) -> Handle:
+        if self._stopped:
+            raise RuntimeError(f"{what}: the mpi4py transport's worker has stopped (process exit)")
         handle = Handle()
         self._progress.submitted += 1
         self._queue.put((job, handle, what))
