@@ -9,23 +9,21 @@ tests/integrations/accelerate_worker.py and report in JSON."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integrations.common import (
+    check_bit_identical_and_none_exact,
+    check_every_bucket_of_every_step_hooked,
+    check_resume,
+    run,
+)
+
 WORKER = Path(__file__).parent / "integrations" / "accelerate_worker.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
-
-
-def run(cmd, out: Path) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-    written = sorted(f.name for f in out.iterdir())
-    assert done.returncode == 0, f"{written}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -45,29 +43,18 @@ def test_accelerate_launch_runs_ddp_over_gloo(reports):
 
 
 def test_every_bucket_of_every_step_passes_through_the_hook(reports):
-    for r in reports:
-        assert len(r["steps"]) == 24
-        calls = [c for c, _ in r["steps"]]
-        assert min(calls) >= 1 and max(calls) >= 2  # several buckets (bucket_cap_mb)
-        assert all(numel == r["numel"] for _, numel in r["steps"])
-        assert 0 < r["bits_per_value"] < 2
+    check_every_bucket_of_every_step_hooked(reports, steps=24)
+    assert all(0 < r["bits_per_value"] < 2 for r in reports)
 
 
-def test_ranks_end_bit_identical(reports):
-    assert len(set(reports[0]["digests_3lc"])) == 1 and len(reports[0]["digests_3lc"]) == 2
-
-
-def test_compression_none_equals_accelerates_plain_ddp_exactly(reports):
-    assert [r["none_vs_plain_max_diff"] for r in reports] == [0.0, 0.0]
+def test_ranks_end_bit_identical_and_none_equals_accelerates_plain_ddp(reports):
+    check_bit_identical_and_none_exact(reports)
 
 
 def test_save_state_mid_run_resumes_to_the_uninterrupted_parameters(reports):
     for r in reports:
         assert r["state_files"] == ["hvdcompress_model0_rank0.pt", "hvdcompress_model0_rank1.pt"]
-        assert r["resume_equal"] and r["resume_max_diff"] == 0.0
-        assert not r["bare_resume_equal"]  # the control: without the hook states it differs
-        (warning,) = r["bare_warnings"]
-        assert "no hvdcompress state" in warning
+    check_resume(reports, "no hvdcompress state")
 
 
 def test_register_refuses_a_model_accelerate_did_not_prepare(reports):

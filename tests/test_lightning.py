@@ -8,21 +8,19 @@ ranks run tests/integrations/lightning_worker.py and report in JSON."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integrations.common import (
+    check_bit_identical_and_none_exact,
+    check_every_bucket_of_every_step_hooked,
+    check_resume,
+    run,
+)
+
 WORKER = Path(__file__).parent / "integrations" / "lightning_worker.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-
-
-def run(cmd, out: Path) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-    written = sorted(f.name for f in out.iterdir())
-    assert done.returncode == 0, f"{written}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -40,28 +38,17 @@ def reports(run_dir):
 
 
 def test_every_bucket_of_every_step_passes_through_the_hook(reports):
-    for r in reports:
-        assert len(r["steps"]) == 40  # 2 epochs of 20 steps
-        calls = [c for c, _ in r["steps"]]
-        assert min(calls) >= 1 and max(calls) >= 2  # several buckets (bucket_cap_mb)
-        assert all(numel == r["numel"] for _, numel in r["steps"])  # every gradient, each step
+    check_every_bucket_of_every_step_hooked(reports, steps=40)  # 2 epochs of 20 steps
 
 
-def test_ranks_end_bit_identical(reports):
-    assert len(set(reports[0]["digests_3lc"])) == 1 and len(reports[0]["digests_3lc"]) == 2
-
-
-def test_compression_none_equals_lightnings_plain_ddp_exactly(reports):
-    assert [r["none_vs_plain_max_diff"] for r in reports] == [0.0, 0.0]
+def test_ranks_end_bit_identical_and_none_equals_lightnings_plain_ddp(reports):
+    check_bit_identical_and_none_exact(reports)
 
 
 def test_a_mid_run_checkpoint_resumes_to_the_uninterrupted_parameters(reports):
     for r in reports:
         assert r["checkpoints"] == ["epoch=0-step=20.ckpt"] and r["saved_ranks"] == 2
-        assert r["resume_equal"] and r["resume_max_diff"] == 0.0
-        assert not r["bare_resume_equal"]  # the control: without the hook states it differs
-        (warning,) = r["bare_warnings"]
-        assert "no hvdcompress hook state" in warning
+    check_resume(reports, "no hvdcompress hook state")
 
 
 def test_bits_per_value_and_bytes_reach_lightnings_logger(reports):

@@ -16,7 +16,6 @@ that state resumed for the last STEPS steps; the same resume without the hook st
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -31,6 +30,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 import hvdcompress.accelerate
 from hvdcompress.training.data import load_fashion_mnist
 from hvdcompress.training.models import build_model
+from tests.integrations.common import digest, max_diff
 
 STEPS = 12
 DDP_KWARGS = DistributedDataParallelKwargs(bucket_cap_mb=0.25)  # several DDP buckets
@@ -65,19 +65,6 @@ def train(accelerator, model, optimizer, steps: range, state=None) -> list:
             recorded.append([state.hook_calls - calls, state.last_stats.numel])
             calls = state.hook_calls
     return recorded
-
-
-def digest(model) -> str:
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().numpy().tobytes())
-    return h.hexdigest()
-
-
-def max_diff(a, b) -> float:
-    pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
-    return max(float((x - y).abs().max()) for x, y in pairs)
 
 
 def error_of(fn) -> str | None:

@@ -15,7 +15,6 @@ of resuming the 2-rank checkpoint on one rank.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import warnings
@@ -34,6 +33,7 @@ from lightning_fmnist import FashionMNISTClassifier  # noqa: E402
 import hvdcompress  # noqa: E402
 from hvdcompress.lightning import CompressedDDPStrategy  # noqa: E402
 from hvdcompress.training.data import load_fashion_mnist  # noqa: E402
+from tests.integrations.common import digest, max_diff  # noqa: E402
 
 EXAMPLES = 1280  # 20 steps per epoch per rank at batch 32 on 2 ranks
 BUCKET_MB = 0.25  # the CNN's 0.83 MB of gradients in several DDP buckets
@@ -87,19 +87,6 @@ def fit(strategy, epochs: int, *, devices: int = 2, ckpt_path=None, callbacks=()
     )  # fmt: skip
     trainer.fit(module, loader(), ckpt_path=ckpt_path)
     return module, trainer
-
-
-def digest(module: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, p in sorted(module.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
-def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
-    return max(float((x - y).abs().max()) for x, y in pairs)
 
 
 def saved_ranks(path) -> list:
