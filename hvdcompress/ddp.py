@@ -42,7 +42,6 @@ never called the hook, so a model that silently trains uncompressed (Lightning's
 import copy
 import math
 import queue
-import re
 import threading
 import time
 import warnings
@@ -55,7 +54,7 @@ from hvdcompress.buckets import Bucket
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.errors import PayloadError
-from hvdcompress.exchange import EXCHANGES, SummedExchange, choose_exchanges
+from hvdcompress.exchange import EXCHANGES, PIECE, SummedExchange, choose_exchanges
 from hvdcompress.stats import StepStats
 
 __all__ = ["DDPHookState", "ddp_hook", "hooked_optimizer"]
@@ -350,11 +349,6 @@ def _residual_tensors(state: dict) -> dict:
             if isinstance(comp.get(key), dict):
                 out.update({n: t for n, t in comp[key].items() if isinstance(t, torch.Tensor)})
     return out
-
-
-# a two-stage piece's state name (``exchange.Piece``): "<tensor>[<start>:<stop>]", and
-# "@owner" for the owner's stage-2 state
-PIECE = re.compile(r"(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\](?:@owner)?")
 
 
 def _state_names(state: dict) -> set:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdcompress.ddp import PIECE
+from hvdcompress.exchange import PIECE
 
 WORKER = Path(__file__).parent / "torchrun" / "ddp_worker.py"
 # a native abort at exit (docs/checkpoints-and-faults.md, "Clean exits")

@@ -30,6 +30,7 @@ from hvdcompress.exchange.choose import (
 )
 from hvdcompress.exchange.summed import SummedExchange
 from hvdcompress.exchange.twostage import (
+    PIECE,
     STATUS_DRAINING,
     STATUS_FAILED,
     STATUS_OK,
@@ -42,6 +43,7 @@ from hvdcompress.exchange.twostage import (
 __all__ = [
     "EXCHANGES",
     "LOW_PRECISION",
+    "PIECE",
     "PROBE_NUMEL",
     "STATUS_DRAINING",
     "STATUS_FAILED",

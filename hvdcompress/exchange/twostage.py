@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import time
 import zlib
 from dataclasses import dataclass
@@ -48,6 +49,10 @@ class Piece:
     @property
     def owner_key(self) -> str:
         return f"{self.name}[{self.start}:{self.stop}]@owner"
+
+
+# a piece's state names, as ``sender_key`` and ``owner_key`` write them
+PIECE = re.compile(r"(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\](?:@owner)?")
 
 
 def plan_shards(
