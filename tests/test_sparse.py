@@ -185,6 +185,35 @@ def test_randomk_error_feedback_invariant():
     assert_error_feedback_invariant(c, n=400, steps=30, seed=2)
 
 
+def test_randomk_default_is_stich_et_al_mem_sgd():
+    """The default random-k (memory, kept values unscaled) run under SGD is MEM-SGD
+    (Stich et al. 2018, Algorithm 1: v = comp_k(m + eta g), x -= v, m += eta g - v) with
+    m = eta e: the same iterates on a least-squares problem, step for step, and it
+    converges. Only the kept coordinates come from the codec (its mask is tested above)."""
+    torch.manual_seed(5)
+    n, eta, steps = 200, 0.02, 300
+    a_mat = 0.3 * torch.randn(n, n, dtype=torch.float64) / n**0.5 + torch.eye(
+        n, dtype=torch.float64
+    )
+    b = torch.randn(n, dtype=torch.float64)
+
+    def grad(x):
+        return a_mat.T @ (a_mat @ x - b)
+
+    c = comp("randomk", ratio=0.1, seed=3)
+    x = torch.zeros(n, dtype=torch.float64)
+    x_ref, m = x.clone(), torch.zeros(n, dtype=torch.float64)
+    for _ in range(steps):
+        decoded = c.decode(c.compress(grad(x).float(), "w")[0]).double()
+        x -= eta * decoded
+        g_ref = grad(x_ref)
+        v = torch.where(decoded != 0, m + eta * g_ref, torch.zeros_like(m))
+        x_ref, m = x_ref - v, m + eta * g_ref - v
+        torch.testing.assert_close(x, x_ref, rtol=1e-3, atol=1e-4)  # float32 g and e
+    loss = float(((a_mat @ x - b) ** 2).sum())
+    assert loss < 0.1 * float((b**2).sum())
+
+
 def _randomk_reference(a: torch.Tensor, key: int, ratio: float) -> np.ndarray:
     """The mask of the codec's definition: u_i < T / 2**24 with NumPy's uniforms."""
     return prim.uniform_numpy(key, a.numel()) < sparse.randomk_threshold(ratio) / 2**24
@@ -432,6 +461,67 @@ def test_gspar_is_unbiased_and_spends_its_budget_on_average():
     sd = (x.double().abs() * torch.sqrt((1 - p) / p) / math.sqrt(draws)).clamp(min=1e-12)
     z = ((total / draws - x.double()) / sd).abs()
     assert float(z.max()) < 6.0  # 2000 coordinates, none beyond 6 sigma
+
+
+def _gspar_variance(mag: torch.Tensor, budget: float) -> float:
+    """E||decode - a||^2 / ||a||^2 of the unbiased estimate at expected budget T, from
+    p_i = min(1, c |a_i|) solved for T by bisection in float64 (independent of the codec)."""
+    m = mag.double()
+    lo, hi = 0.0, 1.0
+    while float(torch.clamp(hi * m, max=1.0).sum()) < budget:
+        hi *= 2.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if float(torch.clamp(mid * m, max=1.0).sum()) < budget else (lo, mid)
+    p = torch.clamp(hi * m, max=1.0)
+    nz = m > 0
+    return float(((1 / p[nz] - 1) * m[nz] ** 2).sum() / (m**2).sum())
+
+
+@pytest.mark.parametrize("variance", [0.05, 1.0, 9.0])
+@pytest.mark.parametrize("shape", ["gauss", "heavy", "one_large"])
+def test_gspar_variance_budget_is_the_least_budget_within_the_variance(variance, shape):
+    """Wangni et al.'s problem: the fewest expected kept entries whose estimate's variance
+    is at most variance * ||a||^2. The budget meets the bound (to rounding) and a budget 1%
+    smaller does not: the least one."""
+    torch.manual_seed(7)
+    a = {
+        "gauss": torch.randn(3000),
+        "heavy": torch.randn(3000) ** 3,
+        "one_large": torch.cat([torch.tensor([1e3]), torch.randn(999) * 1e-2]),
+    }[shape]
+    budget = sparse.gspar_variance_budget(a, variance)
+    assert 0 < budget < a.numel()
+    assert _gspar_variance(a.abs(), budget) == pytest.approx(variance, rel=1e-6)
+    assert _gspar_variance(a.abs(), budget * 0.99) > variance
+    assert sparse.gspar_variance_budget(torch.zeros(5), variance) == 0.0
+    assert sparse.gspar_variance_budget(torch.tensor([1.0, math.nan]), variance) == 0.0
+
+
+def test_gspar_with_a_variance_budget_is_unbiased_within_its_variance():
+    """The paper's own budget through the compressor: unbiased over seeds, the measured
+    E||decode - a||^2 at most variance ||a||^2 (within sampling error), the kept count
+    the budget's on average, and no policy may set a ratio."""
+    torch.manual_seed(3)
+    n, variance, draws = 2000, 0.5, 300
+    x = torch.randn(n) * torch.linspace(0.01, 3.0, n)
+    budget = sparse.gspar_variance_budget(x, variance)
+    total, err, kept = torch.zeros(n, dtype=torch.float64), 0.0, 0
+    for seed in range(draws):
+        c = comp("gspar", variance=variance, seed=seed)
+        dec = c.decode(c.compress(x, "w")[0]).double()
+        total += dec
+        err += float(((dec - x.double()) ** 2).sum())
+        kept += int((dec != 0).sum())
+    norm2 = float((x.double() ** 2).sum())
+    assert err / draws / norm2 == pytest.approx(variance, rel=0.15)
+    assert abs(kept / draws - budget) < 5 * math.sqrt(budget / draws)
+    assert float(((total / draws - x.double()) ** 2).sum() / norm2) < 3 * variance / draws
+    with pytest.raises(ValueError, match="cannot set its ratio"):
+        comp("gspar", variance=variance).set_level("w", 0.1)
+    for bad in (0.0, -1.0, math.nan, math.inf, True):
+        with pytest.raises(ValueError, match="gspar variance must be"):
+            comp("gspar", variance=bad)
 
 
 # ---- DGC (docs/baselines.md) ---------------------------------------------------------------

@@ -105,18 +105,22 @@ KNOWN: dict[str, str] = {
     "gspar-ratio=0.1|huge32|*|*": "GSpar without error feedback: a_i / p_i overflows "
     "float32: flagged non-finite, decodes to NaN (test_gspar_scaled_values_that_overflow_"
     "travel_as_nonfinite)",
+    "gspar-variance=1.0|huge32|*|*": "GSpar without error feedback (variance budget): a_i / "
+    "p_i overflows float32: flagged non-finite, decodes to NaN",
     "gspar-ratio=0.2-error_feedback=True|huge32|*|ranks": _SUM,
+    "gspar-variance=0.25-error_feedback=True|huge32|*|ranks": _SUM,
     "fp16|huge32|*|*": "fp16: |x| > 65504 casts to Inf",
     "randomk-ratio=0.5-error_feedback=True|huge32|*|ranks": _SUM,
     "terngrad|huge32|*|ranks": _SUM,
     "3lc-sparsity=1.[79]*|huge16|f16|ranks": _SUM,
     "gspar-ratio=0.1|huge16|f16|ranks": _SUM,
+    "gspar-variance=1.0|huge16|f16|twostage": _SUM,
     "qsgd-levels=1|huge16|f16|ranks": _SUM,
     "randomk-ratio=0.1-unbiased=True|huge16|f16|ranks": _SUM,
 }
 # values near float16's maximum in float16: configurations that decode past 65504
 _PAST_F16 = "3lc-sparsity=1.[279]* dgc-* dqsg-levels=[13]-* ndqsg-bucket_size=64 qsgd-*"
-_PAST_F16 += " randomk-ratio=0.1-unbiased=True gspar-ratio=0.1"
+_PAST_F16 += " randomk-ratio=0.1-unbiased=True gspar-ratio=0.1 gspar-variance=1.0"
 for _case in _PAST_F16.split():
     KNOWN[f"{_case}|huge16|f16|tensor"] = _HUGE_F16
     KNOWN[f"{_case}|huge16|f16|ddp"] = "the decoded gradient passes float16's 65504: written as Inf"

@@ -346,6 +346,41 @@ def gspar_scale(mag: torch.Tensor, budget: float) -> tuple[float, int]:
     raise AssertionError("gspar_scale did not converge")  # c grows monotonically: unreachable
 
 
+def gspar_variance_budget(a: torch.Tensor, variance: float) -> float:
+    """The expected budget T of Wangni et al.'s variance-constrained GSpar (their problem
+    (5): fewest expected kept entries subject to E||decode - a||^2 <= variance ||a||^2):
+    with p_i = min(1, c |a_i|), the estimate a_i / p_i has E||decode - a||^2 =
+    sum_{i not in S} (|a_i| / c - a_i^2), S = {i : c |a_i| >= 1} saturated, so the least c is
+
+        c = sum_{i not in S} |a_i| / (variance ||a||^2 + sum_{i not in S} a_i^2)
+
+    and T = |S| + c sum_{i not in S} |a_i|. c is the fixed point reached from S = {} (c only
+    grows, S only gains entries: an entry joins S only when |a_i| >= 1 / c, and removing
+    such entries from the sums never lowers c). In float64 over the sorted magnitudes, on
+    a's device; the encoder then solves its own c for T (``gspar_scale``), so the bytes
+    follow from T by the ratio budget's rules. 0.0 for a tensor without finite non-zeros
+    (nothing to keep, or a non-finite tensor, which the encoder flags)."""
+    mag = a.detach().reshape(-1).abs().double()
+    if not bool(torch.isfinite(mag).all()):
+        return 0.0
+    mag = mag[mag > 0].sort(descending=True).values
+    if mag.numel() == 0:
+        return 0.0
+    s1 = mag.flip(0).cumsum(0).flip(0).cpu()  # s1[j]: sum of |a_i| over all but the j largest
+    s2 = (mag * mag).flip(0).cumsum(0).flip(0).cpu()
+    negated = -mag.cpu()  # ascending, for searchsorted
+    floor = variance * float(s2[0])
+    j = 0
+    while j < negated.numel():
+        c = float(s1[j]) / (floor + float(s2[j]))
+        bound = torch.tensor([-1.0 / c], dtype=torch.float64)
+        saturated = int(torch.searchsorted(negated, bound, right=True))  # |a_i| >= 1 / c
+        if saturated <= j:  # no new entry reaches p = 1: c is the fixed point
+            return j + c * float(s1[j])
+        j = saturated
+    return float(negated.numel())  # every non-zero entry kept: variance 0
+
+
 def gspar_encode(
     a: torch.Tensor, budget: float, key: int, scaled: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:

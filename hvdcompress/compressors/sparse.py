@@ -316,14 +316,33 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
     expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
     E[decode] = a. Optional error feedback: then a_i travels unscaled (contractive, so the
     residual e = a - decode stays bounded; biased like top-k). A policy may set ``ratio``
-    per tensor (``set_level``); the header carries it."""
+    per tensor (``set_level``); the header carries it.
+
+    ``variance`` (epsilon) is the paper's own budget instead: each tensor keeps the fewest
+    expected entries whose estimate has E||decode - a||^2 <= epsilon ||a||^2
+    (``sparse.gspar_variance_budget``), so the kept count follows the gradient's shape and
+    SGD runs at its usual learning rate (docs/codecs.md, "Defaults that train"). The
+    payload is the ratio budget's with that T (the header still carries ``ratio``, which
+    a variance budget leaves unused: decoding does not depend on the budget); no policy
+    may set levels then."""
 
     name = "gspar"
     wire_id = 12
     cuda_decode_segments = True  # top-k's layout: sparse.topk_decode_segments
     cat_kind = "randomk"
-    params = {"ratio": RATIO, "error_feedback": FLAG, "seed": SEED, "rank": RANK}
-    examples = ({"ratio": 0.1}, {"ratio": 0.2, "error_feedback": True})
+    params = {
+        "ratio": RATIO,
+        "error_feedback": FLAG,
+        "variance": Param(0.0, None, low_open=True, optional=True, doc="None: the ratio budget"),
+        "seed": SEED,
+        "rank": RANK,
+    }
+    examples = (
+        {"ratio": 0.1},
+        {"ratio": 0.2, "error_feedback": True},
+        {"variance": 1.0},
+        {"variance": 0.25, "error_feedback": True},
+    )
     benchmarks = ({"ratio": 0.01},)
     # a_i / p_i has variance sum (1 / p_i - 1) a_i^2, about ||a||_1 / c: at ratio 0.01 the
     # job's SGD diverged, and trained at a tenth of its learning rate (docs/codecs.md,
@@ -331,15 +350,32 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
     sgd_lr_factor = 0.1
 
     def __init__(
-        self, ratio: float = 0.01, error_feedback: bool = False, seed: int = 0, rank: int = 0
+        self,
+        ratio: float = 0.01,
+        error_feedback: bool = False,
+        variance: float | None = None,
+        seed: int = 0,
+        rank: int = 0,
     ) -> None:
         self.ratio = sparse.check_ratio(ratio, "gspar")
         self.error_feedback = bool(error_feedback)
+        if variance is not None:
+            variance = float(self.params["variance"].check("gspar", "variance", variance))
+        self.variance = variance
         self.memory = ErrorFeedback()
         self._init_rng(seed, rank)
 
     def __repr__(self) -> str:
-        return f"GSpar(ratio={self.ratio}, error_feedback={self.error_feedback}, seed={self.seed})"
+        budget = f"ratio={self.ratio}" if self.variance is None else f"variance={self.variance}"
+        return f"GSpar({budget}, error_feedback={self.error_feedback}, seed={self.seed})"
+
+    def set_level(self, name: str, value) -> None:
+        if self.variance is not None and value != self.ratio:  # the exchange sets shards'
+            raise ValueError(
+                f"gspar: variance={self.variance} sets every tensor's budget; a policy "
+                "cannot set its ratio (build it without variance for CAT)"
+            )
+        super().set_level(name, value)
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
@@ -348,7 +384,11 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
         es = self.bucket_residuals(gs, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         ratios = [self.level(name) for name in names]
-        budgets = [r * g.numel() for r, g in zip(ratios, gs, strict=True)]
+        if self.variance is None:
+            budgets = [r * g.numel() for r, g in zip(ratios, gs, strict=True)]
+        else:  # of what is encoded: a = g + e with error feedback
+            sources = gs if es is None else [g.reshape(-1) + e for g, e in zip(gs, es, strict=True)]
+            budgets = [sparse.gspar_variance_budget(a, self.variance) for a in sources]
         bodies, nonfinite = sparse.gspar_encode_segments(gs, [k for _, k in rngs], budgets, es)
         return [
             Encoded(wire.FLAG_NONFINITE if bad else 0, rng + TOPK_PARAMS.pack(r), body)
