@@ -11,7 +11,9 @@ hash of the sources and flags. Sources, flags and where to find them (the repo's
 Each call passes raw data pointers of contiguous tensors; the C functions neither
 allocate nor keep pointers, so the GIL is released (ctypes does this) and tensors
 stay owned by torch. The package re-exports the protocol's operations, the CPU-only
-extras and what tests and the codecs name; private names stay in their modules.
+extras and what tests and the codecs name; private names stay in their modules. Each
+operation's signature, types and contract are the protocol's (``backends.protocol``);
+a module's docstrings say only how the CPU does it.
 """
 
 from hvdcompress.backends.cpu._library import (  # noqa: F401  (re-exports)

@@ -15,7 +15,7 @@ from hvdcompress.backends.cpu._library import (
 from hvdcompress.backends.records import FIXED_HEADER_BYTES, SCAN, FrameScan
 
 
-def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
+def checksum_segments(buf, starts, lengths):
     """One native call."""
     count = len(starts)
     table = np.array([starts, lengths], dtype=np.int64)
@@ -25,7 +25,7 @@ def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) 
     return out.tolist()
 
 
-def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
+def store_checksums(buf, starts, lengths, field):
     sums = np.asarray(checksum_segments(buf, starts, lengths), dtype="<u4")
     at = np.asarray(starts, dtype=np.int64)[:, None] + field + np.arange(4)
     buf.numpy()[at.reshape(-1)] = sums.view(np.uint8)
@@ -34,7 +34,7 @@ def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], fi
 SCAN_FIELDS = 10  # kernels/frame.c (FRAME_FIELDS); their names: records.SCAN_FIELDS
 
 
-def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
+def frame_scan(frame, count):
     """One native call (kernels/frame.c, hvdc_frame_scan), then the accepted parameters."""
     fields = np.empty((count, SCAN_FIELDS), dtype=np.int64)
     shapes = np.zeros((count, 8), dtype=np.uint64)

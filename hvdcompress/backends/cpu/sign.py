@@ -18,7 +18,7 @@ from hvdcompress.backends.cpu._library import (
 )
 
 
-def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+def sign_encode_segments(xs):
     """One native call over a segment table (a tensor the threads cut: a call a part)."""
     sizes = [x.numel() for x in xs]
     nbytes = [(n + 7) // 8 for n in sizes]
@@ -37,13 +37,7 @@ def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
 EF_CHUNK = 1024  # elements per order-fixed partial sum of EF-signSGD's mean |a|
 
 
-def sign_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    ns: np.ndarray,
-    scales: np.ndarray,
-    outs: list[torch.Tensor],
-) -> tuple[int, str] | None:
+def sign_decode_segments(frame, starts, ns, scales, outs):
     """One native call."""
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
     table = _i64_array(starts), _i64_array(ns)
@@ -51,9 +45,7 @@ def sign_decode_segments(
     return None if rc == 0 else (-1 - rc, _PRIM_ERRORS[-4])
 
 
-def efsign_sums_segments(
-    gs: list[torch.Tensor], es: list[torch.Tensor]
-) -> tuple[list[list[float]], list[bool]]:
+def efsign_sums_segments(gs, es):
     """One native call over a segment table (a tensor the threads cut: a call a part)."""
     count = len(gs)
     ns = _numels(gs)
@@ -75,9 +67,7 @@ def efsign_sums_segments(
     return [sums[a:b].tolist() for a, b in bounds], rows.any_per_tensor(bad, count)
 
 
-def efsign_encode_segments(
-    gs: list[torch.Tensor], es: list[torch.Tensor], scales: list[float], skip: list[bool]
-) -> list[torch.Tensor]:
+def efsign_encode_segments(gs, es, scales, skip):
     """One native call over a segment table (a tensor the threads cut: a call a part)."""
     count = len(gs)
     ns = _numels(gs)
