@@ -16,7 +16,8 @@ reuse is safe). The scans of the zero-run coder are ``torch.cummax`` (in two lev
 ``_running_max``) and ``torch.cumsum`` on that stream. Device-to-host copies are few and
 small (a bucket's ``*_segments`` call: mostly one for the whole bucket, after one launch
 sequence over a segment table); a decode reads its checks before writing anything, so a
-corrupt body leaves ``out`` untouched. Each function's docstring counts its launches and
+corrupt body leaves ``out`` untouched. Each operation's signature, types and contract
+are the protocol's (``backends.protocol``); a function's docstring counts its launches and
 reads.
 
 The package (one module per kernel family and codec family): ``_runtime`` (CuPy, the
