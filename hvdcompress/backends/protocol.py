@@ -365,3 +365,14 @@ class Backend(Protocol):
 OPERATIONS = tuple(
     name for name, value in vars(Backend).items() if not name.startswith("_") and callable(value)
 )
+
+
+def bind_operations(namespace: dict, *modules) -> None:
+    """Bind each of ``OPERATIONS`` in a backend package's ``namespace`` (its ``globals()``)
+    from the one of the package's ``modules`` that defines it; an operation defined in none
+    or in two fails the package's import."""
+    for name in OPERATIONS:
+        owners = [m for m in modules if getattr(vars(m).get(name), "__module__", "") == m.__name__]
+        if len(owners) != 1:
+            raise ImportError(f"{name} is defined in {len(owners)} of the backend's modules")
+        namespace[name] = vars(owners[0])[name]
