@@ -11,7 +11,7 @@ hash of the sources and flags. Sources, flags and where to find them (the repo's
 Each call passes raw data pointers of contiguous tensors; the C functions neither
 allocate nor keep pointers, so the GIL is released (ctypes does this) and tensors
 stay owned by torch. The package binds the protocol's operations from its modules
-(``bind_operations``) and re-exports the CPU-only extras and what tests and the codecs
+(``protocol.bind_operations``) and re-exports the CPU-only extras and what tests and the codecs
 name; private names stay in their modules. Each operation's signature, types and contract
 are the protocol's (``backends.protocol``); a module's docstrings say only how the CPU
 does it.
@@ -20,10 +20,9 @@ does it.
 # ruff: noqa: F401 - re-exports
 
 from hvdcompress.backends import protocol
-from hvdcompress.backends.cpu import _library, frame, primitives, quant, sign, sparse, threelc
 from hvdcompress.backends.cpu._library import LIB, NONFINITE_BITS, _ptr, num_threads
 from hvdcompress.backends.cpu.frame import frame_write
 from hvdcompress.backends.cpu.sparse import _TOPKQ_ERRORS, TOPK_MIN_STRIDE, TOPK_SAMPLE
 from hvdcompress.backends.cpu.threelc import scale_for
 
-protocol.bind_operations(globals(), _library, frame, primitives, quant, sign, sparse, threelc)
+protocol.bind_operations(globals())

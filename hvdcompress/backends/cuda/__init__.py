@@ -26,26 +26,15 @@ tables, the kernels' constants), ``_bucket`` (the helpers a bucket's segment cal
 ``primitives``, ``threelc`` (3LC and its zero-run coder), ``frame`` (checksums and
 frames), ``sign``, ``quant`` (QSGD, the packed codes, TernGrad), ``dqsg`` (DQSG's and
 NDQSG's digits), ``sparse`` (top-k, top-k + sign, DGC) and ``sparse_random`` (random-k,
-GSpar), each an attribute of the package. Every name is defined once, in one of them; the
-package binds the protocol's operations from them (``bind_operations``) and re-exports the
-kernel families and what tests and scripts name; private names stay in their modules.
+GSpar). Every name is defined once, in one of them; the package binds the protocol's
+operations from them (``protocol.bind_operations``) and re-exports the kernel families and
+what tests and scripts name; private names stay in their modules.
 """
 
 # ruff: noqa: F401 - re-exports
 
 from hvdcompress._native import NVRTC_OPTIONS, kernel_dir
 from hvdcompress.backends import protocol
-from hvdcompress.backends.cuda import (
-    _bucket,
-    dqsg,
-    frame,
-    primitives,
-    quant,
-    sign,
-    sparse,
-    sparse_random,
-    threelc,
-)
 from hvdcompress.backends.cuda._runtime import (
     FAMILIES,
     FRAME,
@@ -59,6 +48,4 @@ from hvdcompress.backends.cuda._runtime import (
 )
 from hvdcompress.backends.cuda.frame import length_prefixes
 
-protocol.bind_operations(
-    globals(), _bucket, dqsg, frame, primitives, quant, sign, sparse, sparse_random, threelc
-)
+protocol.bind_operations(globals())
