@@ -34,9 +34,6 @@ def scale_for(max_bits: int, sparsity: float) -> tuple[float, bool]:
     return scale, False
 
 
-# ---- building blocks --------------------------------------------------------------------
-
-
 def quantize(x, sparsity):
     n = x.numel()
     scale, nonfinite = scale_for(LIB.hvdc_threelc_absmax_bits(_ptr(x), None, n), sparsity)

@@ -243,9 +243,6 @@ def _digits_ternary_decode(
     return failed, aliased
 
 
-# ---- NDQSG's coset and side-information decoder: torch ops on the device ---------------------
-
-
 def ndqsg_coset(k, rho, code_offset):
     """Torch ops on the device."""
     kf = k.to(torch.float32)

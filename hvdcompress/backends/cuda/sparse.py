@@ -40,8 +40,6 @@ from hvdcompress.backends.cuda._runtime import (
     _stacked_tilings,
 )
 
-# ---- top-k selection (torch on the device; the CPU backend's twin is kernels/sparse.c) -------
-
 TOPK_SAMPLE = 65536  # elements of the strided sample that bounds the threshold from below
 
 
@@ -286,9 +284,6 @@ def _kept_decode_segments(frame, starts, ks, ns, outs, signs: bool) -> tuple[int
             k.tiles("sparse_topk_add_segments", _first_rows(seg, units, good), flag)
         del body  # stream-ordered: the launches above are queued before its reuse
     return None if not len(refused) else (good, int(errors[good]))
-
-
-# ---- DGC's momentum correction: torch ops on the device ---------------------------------------
 
 
 def dgc_update(g, u, v, momentum):
