@@ -14,7 +14,8 @@ stay owned by torch. The package binds the protocol's operations from its module
 (``protocol.bind_operations``) and re-exports the CPU-only extras and what tests and the codecs
 name; private names stay in their modules. Each operation's signature, types and contract
 are the protocol's (``backends.protocol``); a module's docstrings say only how the CPU
-does it.
+does it. An operation without a docstring of its own is one native call (the sign codecs'
+bucket operations: a call a part for a tensor the codec threads cut, ``_library._Rows``).
 """
 
 # ruff: noqa: F401 - re-exports

@@ -16,7 +16,6 @@ from hvdcompress.backends.records import FIXED_HEADER_BYTES, MAX_NDIM, SCAN, SCA
 
 
 def checksum_segments(buf, starts, lengths):
-    """One native call."""
     count = len(starts)
     table = np.array([starts, lengths], dtype=np.int64)
     out = np.empty(count, dtype=np.uint32)

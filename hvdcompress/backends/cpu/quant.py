@@ -94,7 +94,6 @@ def qsgd_encode_segments(xs, levels, bits, bucket, keys):
 
 
 def qsgd_decode_segments(frame, starts, ns, levels, bits, bucket, outs):
-    """One native call."""
     fn, out_at = LIB.hvdc_qsgd_decode_segments, _addresses(outs)
     failed = _decode(fn, len(outs), frame, (starts, ns), levels, bits, bucket, out_at)
     return None if failed is None else (failed[0], _message(failed[1], _PRIM_ERRORS))
@@ -149,7 +148,6 @@ def _terngrad_bucket(
 
 
 def dqsg_encode_segments(xs, keys, levels, bits, bucket):
-    """One native call."""
     count = len(xs)
     ns = _numels(xs)
     nb = (ns + bucket - 1) // bucket
@@ -168,7 +166,6 @@ def dqsg_encode_segments(xs, keys, levels, bits, bucket):
 
 
 def dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs):
-    """One native call."""
     key_array = np.asarray(keys, dtype=np.uint64).reshape(len(outs))
     codes = np.empty(max(int(ns.max()) if len(outs) else 0, 1), dtype=np.uint8)
     args = key_array, levels, bits, bucket, _addresses(outs), codes
@@ -176,7 +173,6 @@ def dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, ou
 
 
 def digits_encode_segments(xs, keys, levels, rho, bits, bucket):
-    """One native call (kernels/quant.c ``hvdc_digits_encode_segments``)."""
     count = len(xs)
     ns = _numels(xs)
     nb = (ns + bucket - 1) // bucket

@@ -19,7 +19,6 @@ from hvdcompress.backends.cpu._library import (
 
 
 def sign_encode_segments(xs):
-    """One native call over a segment table (a tensor the threads cut: a call a part)."""
     sizes = [x.numel() for x in xs]
     nbytes = [(n + 7) // 8 for n in sizes]
     buf = torch.empty(sum(nbytes), dtype=torch.uint8)
@@ -38,7 +37,6 @@ EF_CHUNK = 1024  # elements per order-fixed partial sum of EF-signSGD's mean |a|
 
 
 def sign_decode_segments(frame, starts, ns, scales, outs):
-    """One native call."""
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
     table = _i64_array(starts), _i64_array(ns)
     rc = _native(LIB.hvdc_sign_decode_segments, len(outs), frame, *table, scales32, out_at)
@@ -46,7 +44,6 @@ def sign_decode_segments(frame, starts, ns, scales, outs):
 
 
 def efsign_sums_segments(gs, es):
-    """One native call over a segment table (a tensor the threads cut: a call a part)."""
     count = len(gs)
     ns = _numels(gs)
     chunks = (ns + EF_CHUNK - 1) // EF_CHUNK
@@ -68,7 +65,6 @@ def efsign_sums_segments(gs, es):
 
 
 def efsign_encode_segments(gs, es, scales, skip):
-    """One native call over a segment table (a tensor the threads cut: a call a part)."""
     count = len(gs)
     ns = _numels(gs)
     nbytes = np.where(np.asarray(skip, dtype=bool), 0, (ns + 7) // 8)

@@ -109,7 +109,6 @@ def _randomk_call(gs, keys, threshold: int, es, ns: np.ndarray, caps: np.ndarray
 
 
 def randomk_decode_segments(frame, starts, lens, ns, keys, threshold, scale, outs):
-    """One native call."""
     count = len(outs)
     most = int(np.minimum(lens // 4, ns).max()) if count else 0
     idx = np.empty(max(most, 1), dtype=np.int64)
@@ -187,7 +186,6 @@ _TOPK_ERRORS = {  # kernels/sparse.c (TOPK_ERR_*): the messages of codecs/sparse
 
 
 def topk_decode_segments(frame, starts, ks, ns, outs):
-    """One native call."""
     failed = _kept_decode_segments(LIB.hvdc_topk_decode_segments, frame, starts, ks, ns, outs)
     if failed is None:
         return None
@@ -203,7 +201,6 @@ def _kept_decode_segments(fn, frame, starts, ks, ns, outs) -> tuple[int, int] | 
 
 
 def topk_encode_segments(gs, es, ks, us=None, momentum=0.0):
-    """One native call (kernels/sparse.c, hvdc_topk_encode_segments)."""
     count = len(gs)
     ns = _numels(gs)
     k = np.asarray(ks, dtype=np.int64).reshape(count)
@@ -252,7 +249,6 @@ class TopKSignSelection:
 
 
 def topkq_select_segments(gs, es, ks):
-    """One native call (kernels/sparse.c, hvdc_topkq_select_segments)."""
     sel = TopKSignSelection(gs, es, ks)
     most = int(sel.ks.max()) if len(gs) else 0
     cand_idx = np.empty(4 * most + 4097, dtype=np.int64)
@@ -267,7 +263,6 @@ def topkq_select_segments(gs, es, ks):
 
 
 def topkq_write_segments(sel, magnitudes):
-    """One native call."""
     skip = sel.nonfinite
     room = np.where(skip == 1, 0, 4 + sel.ks * np.where(sel.wide == 1, 8, 4) + (sel.ks + 7) // 8)
     buf, out_starts = _bodies_buffer(room)

@@ -78,7 +78,6 @@ def zero_run_decode(buf, expected_len=None):
 
 
 def threelc_encode_segments(gs, es, sparsities):
-    """One native call."""
     count = len(gs)
     ns = _numels(gs)
     room = (ns + 4) // 5 + 2
@@ -94,7 +93,6 @@ def threelc_encode_segments(gs, es, sparsities):
 
 
 def threelc_decode_segments(frame, starts, lens, ns, scales, outs):
-    """One native call."""
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
     fn, tables = LIB.hvdc_threelc_decode_segments, (starts, lens, ns)
     failed = _decode(fn, len(outs), frame, tables, scales32, out_at)
