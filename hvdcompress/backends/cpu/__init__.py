@@ -9,13 +9,13 @@ hash of the sources and flags. Sources, flags and where to find them (the repo's
 ``kernels/`` or the installed package's copy) come from ``hvdcompress._native``.
 
 Each call passes raw data pointers of contiguous tensors; the C functions neither
-allocate nor keep pointers, so the GIL is released (ctypes does this) and tensors
-stay owned by torch. The package binds the protocol's operations from its modules
-(``protocol.bind_operations``) and re-exports the CPU-only extras and what tests and the codecs
-name; private names stay in their modules. Each operation's signature, types and contract
-are the protocol's (``backends.protocol``); a module's docstrings say only how the CPU
-does it. An operation without a docstring of its own is one native call (the sign codecs'
-bucket operations: a call a part for a tensor the codec threads cut, ``_library._Rows``).
+allocate nor keep pointers, so the GIL is released (ctypes does this) and tensors stay
+owned by torch. The package binds the protocol's operations from its modules
+(``protocol.bind_operations``) and re-exports the CPU-only extras and what tests and the
+codecs name. Each operation's signature, types and contract are the protocol's
+(``backends.protocol``); a module's docstrings say only how the CPU does it. An operation
+without a docstring of its own is one native call (the sign encoders and EF-signSGD's sums: a
+call a part for a tensor the codec threads cut, ``_library._Rows``).
 """
 
 # ruff: noqa: F401 - re-exports

@@ -20,15 +20,11 @@ corrupt body leaves ``out`` untouched. Each operation's signature, types and con
 are the protocol's (``backends.protocol``); a function's docstring counts its launches and
 reads.
 
-The package (one module per kernel family and codec family): ``_runtime`` (CuPy, the
-kernel families and their compiled modules, the launches on torch's stream, segment
-tables, the kernels' constants), ``_bucket`` (the helpers a bucket's segment calls share),
-``primitives``, ``threelc`` (3LC and its zero-run coder), ``frame`` (checksums and
-frames), ``sign``, ``quant`` (QSGD, the packed codes, TernGrad), ``dqsg`` (DQSG's and
-NDQSG's digits), ``sparse`` (top-k, top-k + sign, DGC) and ``sparse_random`` (random-k,
-GSpar). Every name is defined once, in one of them; the package binds the protocol's
-operations from them (``protocol.bind_operations``) and re-exports the kernel families and
-what tests and scripts name; private names stay in their modules.
+The package: ``_runtime`` (CuPy, the kernel families, the launches on torch's stream,
+segment tables, the kernels' constants), ``_bucket`` (what a bucket's segment calls share)
+and a module per codec family, each described by its docstring. Every name is defined once;
+the package binds the protocol's operations (``protocol.bind_operations``) and re-exports
+the kernel families and what tests and scripts name.
 """
 
 # ruff: noqa: F401 - re-exports
