@@ -17,6 +17,8 @@ input. Each backend also has what only its device needs (CPU: ``frame_write``,
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -365,3 +367,19 @@ class Backend(Protocol):
 OPERATIONS = tuple(
     name for name, value in vars(Backend).items() if not name.startswith("_") and callable(value)
 )
+
+
+def bind_operations(namespace: dict) -> None:
+    """Bind each of ``OPERATIONS`` in a backend package's ``namespace`` (its ``globals()``)
+    from the one of the package's modules that defines it; an operation defined in none or
+    in two fails the package's import."""
+    package = namespace["__name__"]
+    modules = [
+        importlib.import_module(f"{package}.{info.name}")
+        for info in pkgutil.iter_modules(namespace["__path__"])
+    ]
+    for name in OPERATIONS:
+        owners = [m for m in modules if getattr(vars(m).get(name), "__module__", "") == m.__name__]
+        if len(owners) != 1:
+            raise ImportError(f"{name} is defined in {len(owners)} of {package}'s modules")
+        namespace[name] = vars(owners[0])[name]

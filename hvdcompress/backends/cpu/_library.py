@@ -211,7 +211,7 @@ def num_threads() -> int:
     return _threads_for(os.environ.get("HVDC_NUM_THREADS", "").strip())
 
 
-def splits(n: int) -> bool:
+def splits(n):
     """Two parts' worth of elements or more, and more than one codec thread."""
     return n >= 2 * _MIN_PART and num_threads() > 1
 

@@ -12,11 +12,10 @@ from hvdcompress.backends.cpu._library import (
     _i64_array,
     _native,
 )
-from hvdcompress.backends.records import FIXED_HEADER_BYTES, SCAN, FrameScan
+from hvdcompress.backends.records import FIXED_HEADER_BYTES, MAX_NDIM, SCAN, SCAN_FIELDS, FrameScan
 
 
-def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
-    """One native call."""
+def checksum_segments(buf, starts, lengths):
     count = len(starts)
     table = np.array([starts, lengths], dtype=np.int64)
     out = np.empty(count, dtype=np.uint32)
@@ -25,19 +24,16 @@ def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) 
     return out.tolist()
 
 
-def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
+def store_checksums(buf, starts, lengths, field):
     sums = np.asarray(checksum_segments(buf, starts, lengths), dtype="<u4")
     at = np.asarray(starts, dtype=np.int64)[:, None] + field + np.arange(4)
     buf.numpy()[at.reshape(-1)] = sums.view(np.uint8)
 
 
-SCAN_FIELDS = 10  # kernels/frame.c (FRAME_FIELDS); their names: records.SCAN_FIELDS
-
-
-def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
+def frame_scan(frame, count):
     """One native call (kernels/frame.c, hvdc_frame_scan), then the accepted parameters."""
-    fields = np.empty((count, SCAN_FIELDS), dtype=np.int64)
-    shapes = np.zeros((count, 8), dtype=np.uint64)
+    fields = np.empty((count, len(SCAN_FIELDS)), dtype=np.int64)  # kernels/frame.c FRAME_FIELDS
+    shapes = np.zeros((count, MAX_NDIM), dtype=np.uint64)
     rc = _native(LIB.hvdc_frame_scan, frame, frame.numel(), count, fields, shapes)
     if rc < 0:
         return None

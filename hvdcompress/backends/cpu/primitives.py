@@ -14,14 +14,14 @@ from hvdcompress.backends.cpu._library import (
 )
 
 
-def uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
+def uniform(key, n, device=None):
     out = torch.empty(n, dtype=torch.float32)
     if n:
         LIB.hvdc_prim_uniform(key, 0, n, _ptr(out))
     return out
 
 
-def bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def bitpack(codes, bits):
     n = codes.numel()
     out = torch.empty((n * bits + 7) // 8, dtype=torch.uint8)
     if n:
@@ -29,13 +29,13 @@ def bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+def bitunpack(buf, n, bits):
     codes = torch.empty(n, dtype=torch.uint8)
     _check(LIB.hvdc_prim_bitunpack(_ptr(buf), buf.numel(), n, bits, _ptr(codes)), _PRIM_ERRORS)
     return codes
 
 
-def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
+def chunk_sums(x, chunk, square):
     n = x.numel()
     out = torch.empty((n + chunk - 1) // chunk, dtype=torch.float64)
     if n:
@@ -51,7 +51,7 @@ EXPONENT_BITS = {
 }
 
 
-def nonfinite(x: torch.Tensor) -> bool:
+def nonfinite(x):
     width, exponent = EXPONENT_BITS[x.dtype]
     if not x.is_contiguous():
         raise ValueError("nonfinite takes a contiguous tensor")

@@ -28,9 +28,7 @@ from hvdcompress.backends.cpu._library import (
 )
 
 
-def dqsg_quantize(
-    w: torch.Tensor, levels: int, bucket: int, key: int, code_offset: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def dqsg_quantize(w, levels, bucket, key, code_offset):
     """A native call a part (``_parts``, whole buckets) on the codec threads."""
     n = w.numel()
     nb = (n + bucket - 1) // bucket
@@ -47,14 +45,7 @@ def dqsg_quantize(
     return None if any(_run_parts(part, _parts(n, bucket))) else (q, deltas)
 
 
-def dqsg_dequantize(
-    q: torch.Tensor,
-    deltas: torch.Tensor,
-    bucket: int,
-    key: int,
-    out: torch.Tensor,
-    accumulate: bool,
-) -> None:
+def dqsg_dequantize(q, deltas, bucket, key, out, accumulate):
     """A native call a part (``_parts``, whole buckets) on the codec threads."""
     n = q.numel()
     pq, pd, po = _ptr(q), _ptr(deltas), _ptr(out)
@@ -68,31 +59,19 @@ def dqsg_dequantize(
     _run_parts(part, _parts(n, bucket))
 
 
-def ndqsg_coset(k: torch.Tensor, rho: int, code_offset: int) -> torch.Tensor:
+def ndqsg_coset(k, rho, code_offset):
     out = torch.empty(k.numel(), dtype=torch.uint8)
     LIB.hvdc_ndqsg_coset(_ptr(k), k.numel(), rho, code_offset, _ptr(out))
     return out
 
 
-def ndqsg_side_decode(
-    m: torch.Tensor,
-    deltas: torch.Tensor,
-    y: torch.Tensor,
-    rho: int,
-    bucket: int,
-    key: int,
-    out: torch.Tensor | None,
-    accumulate: bool,
-    k_true: torch.Tensor | None,
-) -> int:
+def ndqsg_side_decode(m, deltas, y, rho, bucket, key, out, accumulate, k_true):
     """One pass."""
     fn = LIB.hvdc_ndqsg_side_decode
     return int(_native(fn, m, m.numel(), deltas, y, rho, bucket, key, out, int(accumulate), k_true))
 
 
-def qsgd_encode_segments(
-    xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
-) -> list[torch.Tensor | None]:
+def qsgd_encode_segments(xs, levels, bits, bucket, keys):
     """A native call a tensor (a part a thread for a tensor they cut), no native bucket
     encoder: QSGD's encode is bound by its codec (norms, uniforms, codes), not by the call."""
     bodies: list[torch.Tensor | None] = []
@@ -114,24 +93,13 @@ def qsgd_encode_segments(
     return bodies
 
 
-def qsgd_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    ns: np.ndarray,
-    levels: int,
-    bits: int,
-    bucket: int,
-    outs: list[torch.Tensor],
-) -> tuple[int, str] | None:
-    """One native call."""
+def qsgd_decode_segments(frame, starts, ns, levels, bits, bucket, outs):
     fn, out_at = LIB.hvdc_qsgd_decode_segments, _addresses(outs)
     failed = _decode(fn, len(outs), frame, (starts, ns), levels, bits, bucket, out_at)
     return None if failed is None else (failed[0], _message(failed[1], _PRIM_ERRORS))
 
 
-def terngrad_encode_segments(
-    xs: list[torch.Tensor], keys: list[int]
-) -> list[tuple[torch.Tensor, float] | None]:
+def terngrad_encode_segments(xs, keys):
     """One native call, except for the tensors the codec threads cut (``splits``): their
     quartic digits a part a thread, then their zero-run encode."""
     cut = [i for i, x in enumerate(xs) if splits(x.numel())]
@@ -179,10 +147,7 @@ def _terngrad_bucket(
     return [None if n < 0 else (buf[a : a + n], m) for a, n, m in spans]
 
 
-def dqsg_encode_segments(
-    xs: list[torch.Tensor], keys: list[int], levels: int, bits: int, bucket: int
-) -> list[torch.Tensor | None]:
-    """One native call."""
+def dqsg_encode_segments(xs, keys, levels, bits, bucket):
     count = len(xs)
     ns = _numels(xs)
     nb = (ns + bucket - 1) // bucket
@@ -200,28 +165,14 @@ def dqsg_encode_segments(
     return [None if b else buf[a : a + r] for a, r, b in spans]
 
 
-def dqsg_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    lens: np.ndarray,
-    ns: np.ndarray,
-    keys: list[int],
-    levels: int,
-    bits: int,
-    bucket: int,
-    outs: list[torch.Tensor],
-) -> tuple[int, int] | None:
-    """One native call."""
+def dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs):
     key_array = np.asarray(keys, dtype=np.uint64).reshape(len(outs))
     codes = np.empty(max(int(ns.max()) if len(outs) else 0, 1), dtype=np.uint8)
     args = key_array, levels, bits, bucket, _addresses(outs), codes
     return _decode(LIB.hvdc_dqsg_decode_segments, len(outs), frame, (starts, lens, ns), *args)
 
 
-def digits_encode_segments(
-    xs: list[torch.Tensor], keys: list[int], levels: int, rho: int, bits: int, bucket: int
-) -> tuple[list[torch.Tensor | None], torch.Tensor]:
-    """One native call (kernels/quant.c ``hvdc_digits_encode_segments``)."""
+def digits_encode_segments(xs, keys, levels, rho, bits, bucket):
     count = len(xs)
     ns = _numels(xs)
     nb = (ns + bucket - 1) // bucket
@@ -246,18 +197,8 @@ def digits_encode_segments(
 
 
 def digits_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    lens: np.ndarray,
-    ns: np.ndarray,
-    keys: list[int],
-    bucket: int,
-    outs: list[torch.Tensor],
-    rho: int = 0,
-    bits: int = 0,
-    divisor: int = 1,
-    k_trues: list[torch.Tensor | None] | None = None,
-) -> tuple[np.ndarray, tuple[int, int] | None]:
+    frame, starts, lens, ns, keys, bucket, outs, rho=0, bits=0, divisor=1, k_trues=None
+):
     """One native call (NDQSG's side information formed in the same pass)."""
     count = len(outs)
     key_array = np.asarray(keys, dtype=np.uint64).reshape(count)

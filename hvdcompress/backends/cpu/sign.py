@@ -18,8 +18,7 @@ from hvdcompress.backends.cpu._library import (
 )
 
 
-def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """One native call over a segment table (a tensor the threads cut: a call a part)."""
+def sign_encode_segments(xs):
     sizes = [x.numel() for x in xs]
     nbytes = [(n + 7) // 8 for n in sizes]
     buf = torch.empty(sum(nbytes), dtype=torch.uint8)
@@ -37,24 +36,14 @@ def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
 EF_CHUNK = 1024  # elements per order-fixed partial sum of EF-signSGD's mean |a|
 
 
-def sign_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    ns: np.ndarray,
-    scales: np.ndarray,
-    outs: list[torch.Tensor],
-) -> tuple[int, str] | None:
-    """One native call."""
+def sign_decode_segments(frame, starts, ns, scales, outs):
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
     table = _i64_array(starts), _i64_array(ns)
     rc = _native(LIB.hvdc_sign_decode_segments, len(outs), frame, *table, scales32, out_at)
     return None if rc == 0 else (-1 - rc, _PRIM_ERRORS[-4])
 
 
-def efsign_sums_segments(
-    gs: list[torch.Tensor], es: list[torch.Tensor]
-) -> tuple[list[list[float]], list[bool]]:
-    """One native call over a segment table (a tensor the threads cut: a call a part)."""
+def efsign_sums_segments(gs, es):
     count = len(gs)
     ns = _numels(gs)
     chunks = (ns + EF_CHUNK - 1) // EF_CHUNK
@@ -75,10 +64,7 @@ def efsign_sums_segments(
     return [sums[a:b].tolist() for a, b in bounds], rows.any_per_tensor(bad, count)
 
 
-def efsign_encode_segments(
-    gs: list[torch.Tensor], es: list[torch.Tensor], scales: list[float], skip: list[bool]
-) -> list[torch.Tensor]:
-    """One native call over a segment table (a tensor the threads cut: a call a part)."""
+def efsign_encode_segments(gs, es, scales, skip):
     count = len(gs)
     ns = _numels(gs)
     nbytes = np.where(np.asarray(skip, dtype=bool), 0, (ns + 7) // 8)

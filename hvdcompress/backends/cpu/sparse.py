@@ -30,7 +30,7 @@ _ABS = 0x7FFFFFFF
 _ALL = 0xFFFFFFFF
 
 
-def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
+def topk_select(a, k):
     """t = the k-th largest abs bits by radix select, then one ordered pass. A strided
     sample's bound first narrows the work to about 2 k candidates (one pass over a); the
     candidates hold every element >= t whenever there are at least k of them, so the
@@ -64,9 +64,7 @@ def _kept_room(n: int, mean: float) -> int:
     return min(n, math.ceil(mean + 8.0 * math.sqrt(mean) + 64))
 
 
-def randomk_encode_segments(
-    gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
-) -> tuple[list[torch.Tensor], list[bool]]:
+def randomk_encode_segments(gs, keys, threshold, es):
     """One pass of hashes in one native call; a tensor that keeps more than its room (mean
     + 8 standard deviations) is encoded again on its own, with exact room."""
     ns = _numels(gs)
@@ -110,17 +108,7 @@ def _randomk_call(gs, keys, threshold: int, es, ns: np.ndarray, caps: np.ndarray
     return buf, starts, ks, bad
 
 
-def randomk_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    lens: np.ndarray,
-    ns: np.ndarray,
-    keys: list[int],
-    threshold: int,
-    scale: float,
-    outs: list[torch.Tensor],
-) -> tuple[int, int] | None:
-    """One native call."""
+def randomk_decode_segments(frame, starts, lens, ns, keys, threshold, scale, outs):
     count = len(outs)
     most = int(np.minimum(lens // 4, ns).max()) if count else 0
     idx = np.empty(max(most, 1), dtype=np.int64)
@@ -129,18 +117,12 @@ def randomk_decode_segments(
     return _decode(LIB.hvdc_randomk_decode_segments, count, frame, (starts, lens, ns), *args)
 
 
-def dgc_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:
+def dgc_update(g, u, v, momentum):
     n = g.numel()
     return bool(LIB.hvdc_dgc_update(_ptr(g), _ptr(u), _ptr(v), n, momentum, int(momentum == 0)))
 
 
-def gspar_encode_segments(
-    gs: list[torch.Tensor],
-    keys: list[int],
-    budgets: list[float],
-    chunk: int,
-    es: list[torch.Tensor] | None = None,
-) -> tuple[list[torch.Tensor | None], list[bool]]:
+def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
     """One native call; None for a tensor that keeps more than its room or whose scale
     iteration the native sum does not finish."""
     count = len(gs)
@@ -175,15 +157,13 @@ def gspar_encode_segments(
     return bodies, flags
 
 
-def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:
+def gspar_round(a, c, chunk):
     sums = torch.empty((a.numel() + chunk - 1) // chunk, dtype=torch.float64)
     count = LIB.hvdc_gspar_round(_ptr(a), a.numel(), c, chunk, _ptr(sums))
     return int(count), sums
 
 
-def gspar_draw(
-    a: torch.Tensor, c: float, key: int, scaled: bool, budget: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gspar_draw(a, c, key, scaled, budget):
     """One pass of hashed counters into room for the budget (again, exact, if it keeps more)."""
     n = a.numel()
     inf = math.isinf(c)
@@ -205,14 +185,7 @@ _TOPK_ERRORS = {  # kernels/sparse.c (TOPK_ERR_*): the messages of codecs/sparse
 }
 
 
-def topk_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    ks: np.ndarray,
-    ns: np.ndarray,
-    outs: list[torch.Tensor],
-) -> tuple[int, str] | None:
-    """One native call."""
+def topk_decode_segments(frame, starts, ks, ns, outs):
     failed = _kept_decode_segments(LIB.hvdc_topk_decode_segments, frame, starts, ks, ns, outs)
     if failed is None:
         return None
@@ -227,14 +200,7 @@ def _kept_decode_segments(fn, frame, starts, ks, ns, outs) -> tuple[int, int] | 
     return _decode(fn, len(outs), frame, (starts, ks, ns), wide, _addresses(outs))
 
 
-def topk_encode_segments(
-    gs: list[torch.Tensor],
-    es: list[torch.Tensor],
-    ks: list[int],
-    us: list[torch.Tensor] | None = None,
-    momentum: float = 0.0,
-) -> tuple[list[torch.Tensor], list[bool]]:
-    """One native call (kernels/sparse.c, hvdc_topk_encode_segments)."""
+def topk_encode_segments(gs, es, ks, us=None, momentum=0.0):
     count = len(gs)
     ns = _numels(gs)
     k = np.asarray(ks, dtype=np.int64).reshape(count)
@@ -282,8 +248,7 @@ class TopKSignSelection:
         return [self.sums[a:b].tolist() for a, b in bounds]
 
 
-def topkq_select_segments(gs, es, ks) -> TopKSignSelection:
-    """One native call (kernels/sparse.c, hvdc_topkq_select_segments)."""
+def topkq_select_segments(gs, es, ks):
     sel = TopKSignSelection(gs, es, ks)
     most = int(sel.ks.max()) if len(gs) else 0
     cand_idx = np.empty(4 * most + 4097, dtype=np.int64)
@@ -297,8 +262,7 @@ def topkq_select_segments(gs, es, ks) -> TopKSignSelection:
     return sel
 
 
-def topkq_write_segments(sel: TopKSignSelection, magnitudes: list[float]) -> list[torch.Tensor]:
-    """One native call."""
+def topkq_write_segments(sel, magnitudes):
     skip = sel.nonfinite
     room = np.where(skip == 1, 0, 4 + sel.ks * np.where(sel.wide == 1, 8, 4) + (sel.ks + 7) // 8)
     buf, out_starts = _bodies_buffer(room)
@@ -313,12 +277,6 @@ def topkq_write_segments(sel: TopKSignSelection, magnitudes: list[float]) -> lis
 _TOPKQ_ERRORS = {**_TOPK_ERRORS, -5: _PRIM_ERRORS[-4]}  # -4: the magnitude (the caller's text)
 
 
-def topkq_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    ks: np.ndarray,
-    ns: np.ndarray,
-    outs: list[torch.Tensor],
-) -> tuple[int, int] | None:
+def topkq_decode_segments(frame, starts, ks, ns, outs):
     """One native call; the index codes' messages are ``_TOPK_ERRORS``."""
     return _kept_decode_segments(LIB.hvdc_topkq_decode_segments, frame, starts, ks, ns, outs)

@@ -34,10 +34,7 @@ def scale_for(max_bits: int, sparsity: float) -> tuple[float, bool]:
     return scale, False
 
 
-# ---- building blocks --------------------------------------------------------------------
-
-
-def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x, sparsity):
     n = x.numel()
     scale, nonfinite = scale_for(LIB.hvdc_threelc_absmax_bits(_ptr(x), None, n), sparsity)
     if nonfinite:
@@ -47,7 +44,7 @@ def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tens
     return q, torch.tensor(scale, dtype=torch.float32)
 
 
-def quartic_encode(q: torch.Tensor) -> torch.Tensor:
+def quartic_encode(q):
     if q.numel() and (q.min() < -1 or q.max() > 1):
         raise ValueError("quartic_encode: digits must be in {-1, 0, 1}")
     out = torch.empty((q.numel() + 4) // 5, dtype=torch.uint8)
@@ -55,13 +52,13 @@ def quartic_encode(q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
+def quartic_decode(buf, numel):
     q = torch.empty(numel, dtype=torch.int8)
     _check(LIB.hvdc_threelc_quartic_decode(_ptr(buf), numel, _ptr(q)))
     return q
 
 
-def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
+def zero_run_encode(buf):
     if buf.numel() and buf.max() > 242:
         raise ValueError("zero_run_encode: quartic bytes are at most 242")
     out = torch.empty(buf.numel() + 2, dtype=torch.uint8)  # 2 bytes of encoder slack
@@ -69,7 +66,7 @@ def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
     return out[:length].clone()
 
 
-def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch.Tensor:
+def zero_run_decode(buf, expected_len=None):
     total = LIB.hvdc_threelc_zre_decoded_len(_ptr(buf), buf.numel())
     if expected_len is not None and total != expected_len:
         raise PayloadError(
@@ -80,10 +77,7 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
     return out
 
 
-def threelc_encode_segments(
-    gs: list[torch.Tensor], es: list[torch.Tensor | None], sparsities: list[float]
-) -> tuple[list[torch.Tensor], list[float], list[bool]]:
-    """One native call."""
+def threelc_encode_segments(gs, es, sparsities):
     count = len(gs)
     ns = _numels(gs)
     room = (ns + 4) // 5 + 2
@@ -98,15 +92,7 @@ def threelc_encode_segments(
     return bodies, scales.tolist(), (lens < 0).tolist()
 
 
-def threelc_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    lens: np.ndarray,
-    ns: np.ndarray,
-    scales: np.ndarray,
-    outs: list[torch.Tensor],
-) -> tuple[int, str] | None:
-    """One native call."""
+def threelc_decode_segments(frame, starts, lens, ns, scales, outs):
     scales32, out_at = np.ascontiguousarray(scales, dtype=np.float32), _addresses(outs)
     fn, tables = LIB.hvdc_threelc_decode_segments, (starts, lens, ns)
     failed = _decode(fn, len(outs), frame, tables, scales32, out_at)

@@ -37,7 +37,7 @@ def _bucket_device(ts: list[torch.Tensor], name: str) -> torch.device:
     return device
 
 
-def splits(n: int) -> bool:
+def splits(n):
     """No host threads here: no tensor leaves a bucket's segment calls."""
     return False
 

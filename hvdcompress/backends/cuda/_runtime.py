@@ -36,7 +36,6 @@ THREELC = KernelFamily(
         "threelc_zre_lengths",
         "threelc_zre_decode_check",
         "threelc_zre_expand",
-        "threelc_quartic_decode_scale",
         "threelc_quartic_decode",
         "threelc_absmax_segments",
         "threelc_quantize_quartic_segments",
@@ -50,7 +49,6 @@ THREELC = KernelFamily(
 FRAME = KernelFamily(
     "frame.cu",
     (
-        "hvd_checksum",
         "hvd_checksum_segments",
         "hvd_checksum_store",
         "hvd_frame_table",

@@ -52,18 +52,14 @@ from hvdcompress.backends.cuda.threelc import (
 )
 
 
-def dqsg_encode_segments(
-    xs: list[torch.Tensor], keys: list[int], levels: int, bits: int, bucket: int
-) -> list[torch.Tensor | None]:
+def dqsg_encode_segments(xs, keys, levels, bits, bucket):
     """s > 1: ``_packed_bucket_encode``; s = 1: ``_digits_ternary_encode``."""
     if levels == 1:
         return _digits_ternary_encode(xs, keys, bucket)
     return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=True)
 
 
-def digits_encode_segments(
-    xs: list[torch.Tensor], keys: list[int], levels: int, rho: int, bits: int, bucket: int
-) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+def digits_encode_segments(xs, keys, levels, rho, bits, bucket):
     """``_digits_ternary_encode`` for rho <= 3, else ``_packed_bucket_encode``."""
     ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
     device = _bucket_device(xs, "x") if xs else torch.device(DEVICE_TYPE)
@@ -130,17 +126,7 @@ def _digits_ternary_encode(
 _DQSG_ERRORS = ((_QUANT_ERR_NORM, -12), (_PRIM_ERR_PADDING, -14), (_QUANT_ERR_CODE, -15))
 
 
-def dqsg_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    lens: np.ndarray,
-    ns: np.ndarray,
-    keys: list[int],
-    levels: int,
-    bits: int,
-    bucket: int,
-    outs: list[torch.Tensor],
-) -> tuple[int, int] | None:
+def dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs):
     """s > 1: the lengths checked on the host, then ``_packed_bucket_decode``. s = 1:
     ``_digits_ternary_decode``, whose refusal (p, error bits) the codec words from the
     per-payload decoder."""
@@ -160,18 +146,8 @@ def dqsg_decode_segments(
 
 
 def digits_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    lens: np.ndarray,
-    ns: np.ndarray,
-    keys: list[int],
-    bucket: int,
-    outs: list[torch.Tensor],
-    rho: int = 0,
-    bits: int = 0,
-    divisor: int = 1,
-    k_trues: list[torch.Tensor | None] | None = None,
-) -> tuple[np.ndarray, tuple[int, int] | None]:
+    frame, starts, lens, ns, keys, bucket, outs, rho=0, bits=0, divisor=1, k_trues=None
+):
     """``_digits_ternary_decode`` for rho <= 3, else ``_packed_bucket_decode``; a
     refusal is (p, error bits), -1 for a length the host refused."""
     nested = (rho, divisor, k_trues)
@@ -267,27 +243,14 @@ def _digits_ternary_decode(
     return failed, aliased
 
 
-# ---- NDQSG's coset and side-information decoder: torch ops on the device ---------------------
-
-
-def ndqsg_coset(k: torch.Tensor, rho: int, code_offset: int) -> torch.Tensor:
+def ndqsg_coset(k, rho, code_offset):
     """Torch ops on the device."""
     kf = k.to(torch.float32)
     m = kf - rho * torch.round(kf / torch.full((), float(rho), device=k.device))
     return (m.to(torch.int16) + code_offset).to(torch.uint8)
 
 
-def ndqsg_side_decode(
-    m: torch.Tensor,
-    deltas: torch.Tensor,
-    y: torch.Tensor,
-    rho: int,
-    bucket: int,
-    key: int,
-    out: torch.Tensor | None,
-    accumulate: bool,
-    k_true: torch.Tensor | None,
-) -> int:
+def ndqsg_side_decode(m, deltas, y, rho, bucket, key, out, accumulate, k_true):
     """The CPU backend's ndqsg_side_decode (the same float32 operations) with torch ops."""
     n = m.numel()
     nb = (n + bucket - 1) // bucket

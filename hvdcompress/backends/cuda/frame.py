@@ -31,7 +31,7 @@ def _checksum_table(buf: torch.Tensor, starts: list[int], lengths: list[int]) ->
     return table
 
 
-def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> list[int]:
+def checksum_segments(buf, starts, lengths):
     """One launch, one device-to-host copy for all."""
     _check_tensor(buf, "buf", torch.uint8)
     if not starts:
@@ -45,7 +45,7 @@ def checksum_segments(buf: torch.Tensor, starts: list[int], lengths: list[int]) 
     return [int(w) for w in host[:, _ST_SUM]]
 
 
-def store_checksums(buf: torch.Tensor, starts: list[int], lengths: list[int], field: int) -> None:
+def store_checksums(buf, starts, lengths, field):
     """Two launches, no host round trip."""
     _check_tensor(buf, "buf", torch.uint8)
     if not starts:
@@ -72,7 +72,7 @@ _FRAME_OK, _FRAME_PARAMS_LEN = SCAN["ok"], SCAN["params_len"]
 _FRAME_ROW = _FRAME_PARAMS + 256 // 8
 
 
-def frame_scan(frame: torch.Tensor, count: int) -> FrameScan | None:
+def frame_scan(frame, count):
     """Three launches (length table, checksums, headers), one read of 440 bytes a payload."""
     _check_tensor(frame, "frame", torch.uint8)
     length = frame.numel()

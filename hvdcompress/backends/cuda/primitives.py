@@ -16,7 +16,7 @@ from hvdcompress.backends.cuda._runtime import (
 from hvdcompress.errors import PayloadError
 
 
-def uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tensor:
+def uniform(key, n, device=None):
     out = torch.empty(n, dtype=torch.float32, device=device)
     if n:
         with _Launcher(out.device) as k:
@@ -24,7 +24,7 @@ def uniform(key: int, n: int, device: torch.device | None = None) -> torch.Tenso
     return out
 
 
-def bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def bitpack(codes, bits):
     _check_tensor(codes, "codes", torch.uint8)
     n = codes.numel()
     nbytes = (n * bits + 7) // 8
@@ -43,7 +43,7 @@ def bitpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return out
 
 
-def bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+def bitunpack(buf, n, bits):
     _check_tensor(buf, "buf", torch.uint8)
     if buf.numel() != (n * bits + 7) // 8:
         raise PayloadError("body", "the packed body does not have ceil(numel * bits / 8) bytes")
@@ -67,7 +67,7 @@ def bitunpack(buf: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return codes
 
 
-def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
+def chunk_sums(x, chunk, square):
     _check_tensor(x, "x", torch.float32)
     n = x.numel()
     chunks = (n + chunk - 1) // chunk
@@ -86,7 +86,7 @@ def chunk_sums(x: torch.Tensor, chunk: int, square: bool) -> torch.Tensor:
     return out
 
 
-def nonfinite(x: torch.Tensor) -> bool:
+def nonfinite(x):
     # one torch reduction on the device (a GPU reads at its own bandwidth); the answer,
     # not bytes, is what both backends share
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not x.is_contiguous():

@@ -34,9 +34,7 @@ from hvdcompress.backends.cuda._runtime import (
 from hvdcompress.backends.cuda.threelc import _quartic_bucket, _quartic_table
 
 
-def qsgd_encode_segments(
-    xs: list[torch.Tensor], levels: int, bits: int, bucket: int, keys: list[int]
-) -> list[torch.Tensor | None]:
+def qsgd_encode_segments(xs, levels, bits, bucket, keys):
     """Every norm, then every code, one launch each (quant.cu section 9), one read."""
     return _packed_bucket_encode(xs, keys, levels, bits, bucket, dqsg=False)
 
@@ -85,15 +83,7 @@ def _packed_bucket_encode(
     return bodies
 
 
-def qsgd_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    ns: np.ndarray,
-    levels: int,
-    bits: int,
-    bucket: int,
-    outs: list[torch.Tensor],
-) -> tuple[int, str] | None:
+def qsgd_decode_segments(frame, starts, ns, levels, bits, bucket, outs):
     """Every body checked (one launch, one read), then one launch adds those before."""
     failed, _ = _packed_bucket_decode(frame, starts, ns, None, bits, bucket, outs, "qsgd", levels)
     return None if failed is None else (failed[0], _qsgd_refusal(failed[1]))
@@ -176,9 +166,7 @@ def _qsgd_refusal(err: int) -> str:
     return "a QSGD level is above the levels or a zero is signed"
 
 
-def terngrad_encode_segments(
-    xs: list[torch.Tensor], keys: list[int]
-) -> list[tuple[torch.Tensor, float] | None]:
+def terngrad_encode_segments(xs, keys):
     """max|x|, the quartic digits, the zero-run encode, then one read of the states."""
     if not xs:
         return []
@@ -197,9 +185,7 @@ def terngrad_encode_segments(
     return encoded
 
 
-def dqsg_quantize(
-    w: torch.Tensor, levels: int, bucket: int, key: int, code_offset: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def dqsg_quantize(w, levels, bucket, key, code_offset):
     """Two launches, one device-to-host copy (the non-finite flag)."""
     _check_tensor(w, "w", torch.float32)
     n = w.numel()
@@ -235,14 +221,7 @@ def dqsg_quantize(
         return None if _read_state(state)[_ST_NONFINITE] else (q, deltas)
 
 
-def dqsg_dequantize(
-    q: torch.Tensor,
-    deltas: torch.Tensor,
-    bucket: int,
-    key: int,
-    out: torch.Tensor,
-    accumulate: bool,
-) -> None:
+def dqsg_dequantize(q, deltas, bucket, key, out, accumulate):
     """One launch."""
     _check_tensor(out, "out", torch.float32)
     n = q.numel()

@@ -32,7 +32,7 @@ from hvdcompress.backends.cuda._runtime import (
 EF_CHUNK = 1024  # elements per order-fixed partial sum of EF-signSGD's mean |a| (cpu.EF_CHUNK)
 
 
-def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+def sign_encode_segments(xs):
     """One launch over a segment table (kernels/sign.cu section 5), one read."""
     if not xs:
         return []
@@ -57,7 +57,7 @@ def sign_encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
     return bodies
 
 
-def efsign_sums_segments(gs, es) -> tuple[list[np.ndarray], list[bool]]:
+def efsign_sums_segments(gs, es):
     """One launch over a segment table, one read (the sums as host arrays)."""
     if not gs:
         return [], []
@@ -86,7 +86,7 @@ def efsign_sums_segments(gs, es) -> tuple[list[np.ndarray], list[bool]]:
     return [sums[a : a + c] for a, c in zip(first.tolist(), chunks.tolist(), strict=True)], bad
 
 
-def efsign_encode_segments(gs, es, scales, skip) -> list[torch.Tensor]:
+def efsign_encode_segments(gs, es, scales, skip):
     """One launch over a segment table, no host copy."""
     if not gs:
         return []
@@ -106,13 +106,7 @@ def efsign_encode_segments(gs, es, scales, skip) -> list[torch.Tensor]:
     return bodies
 
 
-def sign_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    ns: np.ndarray,
-    scales: np.ndarray,
-    outs: list[torch.Tensor],
-) -> tuple[int, str] | None:
+def sign_decode_segments(frame, starts, ns, scales, outs):
     """Every body checked (one launch, one read), then one launch adds those before."""
     if not outs:
         return None

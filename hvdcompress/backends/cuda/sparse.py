@@ -40,8 +40,6 @@ from hvdcompress.backends.cuda._runtime import (
     _stacked_tilings,
 )
 
-# ---- top-k selection (torch on the device; the CPU backend's twin is kernels/sparse.c) -------
-
 TOPK_SAMPLE = 65536  # elements of the strided sample that bounds the threshold from below
 
 
@@ -61,7 +59,7 @@ def _topk_candidates(mag: torch.Tensor, k: int) -> torch.Tensor | None:
     return cand if cand.numel() >= k else None
 
 
-def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
+def topk_select(a, k):
     """t = the k-th largest |a| (torch.topk, exact), every |a| > t, then the |a| == t in
     index order (torch.topk alone may break ties differently on the CPU and the GPU)."""
     mag = a.abs()
@@ -128,13 +126,7 @@ def _topk_select(k: _Launcher, elements: _Segments, total: int, momentum, states
     k.tiles("sparse_topk_gather_segments", elements, *args)
 
 
-def topk_encode_segments(
-    gs: list[torch.Tensor],
-    es: list[torch.Tensor],
-    ks: list[int],
-    us: list[torch.Tensor] | None = None,
-    momentum: float = 0.0,
-) -> tuple[list[torch.Tensor], list[bool]]:
+def topk_encode_segments(gs, es, ks, us=None, momentum=0.0):
     """One launch sequence (kernels/sparse.cu, "Top-k's bucket encode"), one read."""
     count = len(gs)
     if not count:
@@ -208,7 +200,7 @@ class TopKSignSelection:
         return out
 
 
-def topkq_select_segments(gs, es, ks) -> TopKSignSelection:
+def topkq_select_segments(gs, es, ks):
     """Top-k's select sequence into slots, their chunk sums, one read of both."""
     device = _bucket_device(gs, "g")
     sel = TopKSignSelection(gs, es, ks, device)
@@ -231,7 +223,7 @@ def topkq_select_segments(gs, es, ks) -> TopKSignSelection:
     return sel
 
 
-def topkq_write_segments(sel: TopKSignSelection, magnitudes: list[float]) -> list[torch.Tensor]:
+def topkq_write_segments(sel, magnitudes):
     """One launch."""
     bodies = [torch.empty(0, dtype=torch.uint8, device=sel.device)] * len(sel.ks)
     if not len(sel.live):
@@ -247,17 +239,13 @@ def topkq_write_segments(sel: TopKSignSelection, magnitudes: list[float]) -> lis
     return bodies
 
 
-def topk_decode_segments(
-    frame: torch.Tensor, starts: np.ndarray, ks: np.ndarray, ns: np.ndarray, outs
-) -> tuple[int, int] | None:
+def topk_decode_segments(frame, starts, ks, ns, outs):
     """Every entry checked (one launch, one read), then one launch adds those before;
     a refusal is (p, its error bits)."""
     return _kept_decode_segments(frame, starts, ks, ns, outs, signs=False)
 
 
-def topkq_decode_segments(
-    frame: torch.Tensor, starts: np.ndarray, ks: np.ndarray, ns: np.ndarray, outs
-) -> tuple[int, int] | None:
+def topkq_decode_segments(frame, starts, ks, ns, outs):
     """``topk_decode_segments`` of top-k + sign bodies (m, the indices, the sign bits)."""
     return _kept_decode_segments(frame, starts, ks, ns, outs, signs=True)
 
@@ -298,10 +286,7 @@ def _kept_decode_segments(frame, starts, ks, ns, outs, signs: bool) -> tuple[int
     return None if not len(refused) else (good, int(errors[good]))
 
 
-# ---- DGC's momentum correction: torch ops on the device ---------------------------------------
-
-
-def dgc_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:
+def dgc_update(g, u, v, momentum):
     """The CPU backend's dgc_update (the same float32 operations) with torch temporaries."""
     u_new = u * momentum + g if momentum else g.clone()
     v_new = v + u_new

@@ -42,9 +42,7 @@ from hvdcompress.backends.cuda.primitives import chunk_sums, uniform
 _GSPAR_MAX_SCALE = float(np.finfo(np.float32).max)
 
 
-def randomk_encode_segments(
-    gs: list[torch.Tensor], keys: list[int], threshold: int, es: list[torch.Tensor] | None
-) -> tuple[list[torch.Tensor], list[bool]]:
+def randomk_encode_segments(gs, keys, threshold, es):
     """Kept flags, one scan, counts (one read), then one launch writes the bodies."""
     if not gs:
         return [], []
@@ -85,16 +83,7 @@ def randomk_encode_segments(
     return bodies, nonfinite
 
 
-def randomk_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    lens: np.ndarray,
-    ns: np.ndarray,
-    keys: list[int],
-    threshold: int,
-    scale: float,
-    outs: list[torch.Tensor],
-) -> tuple[int, int] | None:
+def randomk_decode_segments(frame, starts, lens, ns, keys, threshold, scale, outs):
     """Flags regenerated, one scan, every body checked (one read), then one add."""
     count = len(outs)
     if not count:
@@ -137,13 +126,7 @@ def randomk_decode_segments(
 _GSPAR_SEG_CHUNK = 4  # HVD_GSPAR_SEG_CHUNK of kernels/quant.cu: a segment's first chunk
 
 
-def gspar_encode_segments(
-    gs: list[torch.Tensor],
-    keys: list[int],
-    budgets: list[float],
-    chunk: int,
-    es: list[torch.Tensor] | None = None,
-) -> tuple[list[torch.Tensor | None], list[bool]]:
+def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
     """kernels/sparse.cu, "GSpar's buckets": every tensor's scale iteration at once, a
     launch and a read a round (the host sums the chunk sums with ``math.fsum``, as the CPU)."""
     if not gs:
@@ -229,7 +212,7 @@ def gspar_encode_segments(
     return bodies, nonfinite
 
 
-def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tensor]:
+def gspar_round(a, c, chunk):
     """Torch ops and ``chunk_sums``."""
     mag = a.abs()
     saturated = mag * c >= 1.0
@@ -237,9 +220,7 @@ def gspar_round(a: torch.Tensor, c: float, chunk: int) -> tuple[int, torch.Tenso
     return int(saturated.sum()), chunk_sums(rest, chunk, False)
 
 
-def gspar_draw(
-    a: torch.Tensor, c: float, key: int, scaled: bool, budget: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gspar_draw(a, c, key, scaled, budget):
     """Torch ops (p from the same float32 product; ``budget`` only sizes the CPU's output)."""
     mag = a.abs()
     if math.isinf(c):

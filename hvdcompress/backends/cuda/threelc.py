@@ -184,14 +184,7 @@ def _zre_prepare(k: _Launcher, body: torch.Tensor, numel: int, state: torch.Tens
     return incl
 
 
-def threelc_decode_segments(
-    frame: torch.Tensor,
-    starts: np.ndarray,
-    lens: np.ndarray,
-    ns: np.ndarray,
-    scales: np.ndarray,
-    outs: list[torch.Tensor],
-) -> tuple[int, str] | None:
+def threelc_decode_segments(frame, starts, lens, ns, scales, outs):
     """One launch sequence (threelc.cu section 7): every body checked, one read,
     then the expansion and scaled add of the bodies before the first refused one."""
     count = len(outs)
@@ -283,7 +276,7 @@ def _zre_expand_rows(k, table, ms, rows: int, body, incl, run_byte: int, states)
 # ---- building blocks -----------------------------------------------------------------------
 
 
-def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x, sparsity):
     _check_tensor(x, "x", torch.float32)
     s = _sparsity(sparsity)
     n = x.numel()
@@ -299,7 +292,7 @@ def quantize(x: torch.Tensor, sparsity: float) -> tuple[torch.Tensor, torch.Tens
     return q, state[_ST_SCALE : _ST_SCALE + 1].view(torch.float32)[0].clone()
 
 
-def quartic_encode(q: torch.Tensor) -> torch.Tensor:
+def quartic_encode(q):
     _check_tensor(q, "q", torch.int8)
     n = q.numel()
     out = torch.empty((n + 4) // 5, dtype=torch.uint8, device=q.device)
@@ -313,7 +306,7 @@ def quartic_encode(q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
+def quartic_decode(buf, numel):
     _check_tensor(buf, "buf", torch.uint8)
     m = (numel + 4) // 5
     if buf.numel() != m:
@@ -332,7 +325,7 @@ def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
     return q
 
 
-def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
+def zero_run_encode(buf):
     _check_tensor(buf, "buf", torch.uint8)
     m = buf.numel()
     if m == 0:
@@ -346,7 +339,7 @@ def zero_run_encode(buf: torch.Tensor) -> torch.Tensor:
     return out[: _count(host)].clone()
 
 
-def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch.Tensor:
+def zero_run_decode(buf, expected_len=None):
     _check_tensor(buf, "buf", torch.uint8)
     length = buf.numel()
     if length == 0:
@@ -378,9 +371,7 @@ def zero_run_decode(buf: torch.Tensor, expected_len: int | None = None) -> torch
     return out
 
 
-def threelc_encode_segments(
-    gs: list[torch.Tensor], es: list[torch.Tensor | None], sparsities: list[float]
-) -> tuple[list[torch.Tensor], list[float], list[bool]]:
+def threelc_encode_segments(gs, es, sparsities):
     """One launch sequence (threelc.cu section 7), one zero-run encode of the
     bucket (runs stop at tensor ends), one read of the states."""
     if not gs:
