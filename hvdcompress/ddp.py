@@ -41,8 +41,6 @@ never called the hook, so a model that silently trains uncompressed (Lightning's
 # (torch.futures.Future[torch.Tensor]) as an object.
 import copy
 import math
-import queue
-import threading
 import time
 import warnings
 import weakref
@@ -56,6 +54,7 @@ from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.errors import PayloadError
 from hvdcompress.exchange import EXCHANGES, PIECE, SummedExchange, choose_exchanges
 from hvdcompress.stats import StepStats
+from hvdcompress.transports.base import start_worker
 
 __all__ = ["DDPHookState", "ddp_hook", "hooked_optimizer"]
 
@@ -112,7 +111,7 @@ class DDPHookState:
         self.overlap = overlap
         self.overlapping = False  # set by bind: whether buckets finish on the finisher
         self._finish_transport = None
-        self._finisher: _Finisher | None = None
+        self._finisher = None  # the queue of the thread that finishes buckets (overlap)
         self._transport = None
         self._group = None  # the DDP model's group (a threaded transport has its own)
         self._exchanges: dict[tuple, object] = {}  # the compressed parts', by their names
@@ -209,7 +208,7 @@ class DDPHookState:
         self.compressor.bind(transport.rank, transport.size)
         self._transport, self._finish_transport, self._group = transport, finish, group
         self.overlapping = overlapping
-        self._finisher = _Finisher() if overlapping else None
+        self._finisher = start_worker(self, "hvdcompress-ddp-finish") if overlapping else None
         self._dense_exchange = SummedExchange(transport, finish)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -486,6 +485,14 @@ class _FinishBucket:
         self.state, self.started, self.buffer, self.future = state, started, buffer, future
 
     def __call__(self) -> None:
+        try:
+            result = self._finish()
+        except BaseException as err:  # noqa: BLE001 - never leave DDP waiting
+            result = err
+        if not self.future.done():
+            self.future.set_result(result)
+
+    def _finish(self):
         stats = self.state.step_stats
         scale = 1.0 / self.state.transport.size
         error = None
@@ -507,38 +514,7 @@ class _FinishBucket:
                 rank=error.rank,
                 tensor=error.tensor,
             )
-        self.future.set_result(self.buffer if error is None else error)
-
-
-class _Finisher:
-    """The thread that finishes an overlapping state's buckets, in the order the hook
-    started them (the same on every rank): it waits for each bucket's collectives,
-    starts the ones ``finish`` needs on the state's finish transport, decodes and writes
-    the average. A daemon: it ends with the state, or with the process."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        thread = threading.Thread(
-            target=_finish_jobs, args=(self._jobs,), name="hvdcompress-ddp-finish", daemon=True
-        )
-        thread.start()
-        weakref.finalize(self, self._jobs.put, None)
-
-    def put(self, job: _FinishBucket) -> None:
-        self._jobs.put(job)
-
-
-def _finish_jobs(jobs: queue.SimpleQueue) -> None:
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        try:
-            job()
-        except BaseException as err:  # noqa: BLE001 - never leave DDP waiting
-            if not job.future.done():
-                job.future.set_result(err)
-        del job
+        return self.buffer if error is None else error
 
 
 class _HookedOptimizer(torch.optim.Optimizer):

@@ -403,12 +403,8 @@ class MPITransport(Transport):
             p.started += 1
             p.last_start = time.monotonic()
             p.data_now = (p.started, what, p.last_start)
-            try:
-                handle._finish(job())
-            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-                handle._finish(error=err)
-            finally:
-                p.data_now = None
+            handle._run(job)
+            p.data_now = None
 
     def stop_worker(self, timeout: float) -> bool:
         """End the worker thread (at exit, before MPI_Finalize; the transport cannot start
