@@ -1,40 +1,25 @@
 """A DDP communication hook: hvdcompress's compressors for ``torch.nn.parallel.
-DistributedDataParallel`` users without Horovod (docs/horovod-parity.md,
-"Horovod parity and the DDP hook").
+DistributedDataParallel`` users without Horovod (docs/horovod-parity.md, "Horovod parity
+and the DDP hook", for the exchanges, the uncompressed buckets and the overlap; the late
+binding: docs/integrations.md, "The hook state binds late").
 
     state = hvdcompress.DDPHookState("3lc")   # before or after init_process_group
     state.register(ddp_model)                  # = ddp_model.register_comm_hook(state, ddp_hook)
 
-DDP calls the hook with each gradient bucket (a flat buffer holding its gradients, in
-``bucket.parameters()`` order). The hook moves the same payloads as
-``hvdcompress.DistributedOptimizer``, through ``torch.distributed`` (gloo on CPU, NCCL on
-GPUs; ``transports.torch_dist``), by the exchange ``choose_exchanges`` picks for
-``exchange=`` ("auto", "allgather", "twostage"): gather-only compressors (3LC, top-k,
-...) by an allgather that every rank decodes in rank order or by the two-stage exchange
-(shards planned per tensor: ``plan_shards_per_tensor``), summable ones (fp16, bf16,
-PowerSGD) by allreduce; a bucket with nothing to compress (compression none, or every
-tensor below ``compress_min_numel``) by DDP's own allreduce. The exchange averages the
-buffer in place (views of it, no copy).
+DDP calls the hook with each gradient bucket; the hook moves the same payloads as
+``hvdcompress.DistributedOptimizer``, over ``transports.torch_dist``, by the exchange
+``choose_exchanges`` picks (two-stage shards planned per tensor), and averages the
+bucket's buffer in place. With ``overlap=True`` on gloo over the world group, the
+hook's collectives run on a threaded transport and a finisher thread completes each
+bucket's future, so backward goes on while the bytes move.
 
-Overlap (``overlap=True``, on gloo over the world group): the hook encodes the bucket,
-starts its collectives on a threaded transport (a process group and a worker thread of
-its own) and returns a future at once, so backward goes on while the bytes move; a
-finisher thread waits for each bucket's collectives in the order the hook started them,
-starts the ones ``finish`` needs (stage 2, PowerSGD's second phase) on a second threaded
-transport, decodes and writes the average, and completes the future, which DDP waits
-for before backward returns. With NCCL, or ``overlap=False``, the hook finishes each
-bucket before it returns. Invariants: every transport's collectives are started from one
-thread, in bucket order, the same on every rank; on the gather paths every rank holds
-bit-identical averaged gradients; a payload error fails every rank's backward with the
-``PayloadError``'s text; the state (``state_dict``: this rank's residuals) is
-checkpointable like the optimizer's, with the same rule for another rank's state.
-
-The state binds late (docs/integrations.md): it can be built before any process group
-exists, as Lightning and Accelerate need, and takes its rank, size and group at
-``register``, ``bind`` or the first bucket. Each optimizer step over the state's
-parameters ends the state's step (``last_stats``); the first such step warns when DDP
-never called the hook, so a model that silently trains uncompressed (Lightning's
-``DDPStrategy`` registers comm hooks on CUDA only) does not go unnoticed.
+Invariants: every transport's collectives are started from one thread, in bucket order,
+the same on every rank; on the gather paths every rank holds bit-identical averaged
+gradients; a payload error fails every rank's backward with the ``PayloadError``'s text;
+the state (``state_dict``: this rank's residuals) is checkpointable like the optimizer's,
+with the same rule for another rank's state. The first optimizer step over the state's
+parameters warns when DDP never called the hook (Lightning's ``DDPStrategy`` registers
+comm hooks on CUDA only).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's return annotation
@@ -99,9 +84,11 @@ class DDPHookState:
             raise ValueError(
                 f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}"
             )
-        if isinstance(compress_min_numel, bool) or not isinstance(compress_min_numel, int):
-            raise ValueError(f"compress_min_numel must be an int >= 0, got {compress_min_numel!r}")
-        if compress_min_numel < 0:
+        if (
+            isinstance(compress_min_numel, bool)
+            or not isinstance(compress_min_numel, int)
+            or compress_min_numel < 0
+        ):
             raise ValueError(f"compress_min_numel must be an int >= 0, got {compress_min_numel!r}")
         self.compressor: Compressor = resolve_compressor(compression)
         self.uncompressed: Compressor = get_compressor("none")

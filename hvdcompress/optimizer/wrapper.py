@@ -111,9 +111,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         # Horovod's own keywords (gradient_predivide_factor, num_groups, groups,
         # sparse_as_dense, process_set): see HorovodOptions.
-        horovod = self._horovod_options = horovod_options or HorovodOptions()
-        # Which exchange gather-only buckets use: "auto", "allgather" or "twostage".
-        self._exchange_mode = exchange
+        horovod = horovod_options or HorovodOptions()
         self._raise_on_nonfinite = raise_on_nonfinite
         self._compressor = compressor
         self._uncompressed = get_compressor("none")  # buckets below compress_min_numel
@@ -235,7 +233,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for name, g in zip(part.names, grads, strict=True):
                 self._policy.observe(name, g)  # the uncompressed local gradient
         flight = None
-        exchange = self._exchange(bucket)
+        exchange = self._exchanges[bucket.index]
         if sparse:  # the bucket's planned exchange may not fit a part of it: a plain one
             comp = self._comp(bucket)
             exchange = (SummedExchange if comp.summable else GatheredExchange)(self._transport)
@@ -249,10 +247,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         s.numel += sum(p.grad.numel() for p in bucket.params)
         s.raw_bytes += sum(p.grad.numel() * p.grad.element_size() for p in bucket.params)
         s.compress_s += time.perf_counter() - t0
-
-    def _exchange(self, bucket: Bucket):
-        """The exchange that moves ``bucket`` (chosen at construction)."""
-        return self._exchanges[bucket.index]
 
     def _comp(self, bucket: Bucket) -> Compressor:
         return self._compressor if bucket.compressed else self._uncompressed
