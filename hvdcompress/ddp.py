@@ -314,51 +314,38 @@ class DDPHookState:
         transport = self._bound_transport()
         rank, size = transport.rank, transport.size
         state = without_other_ranks_state(dict(state), rank, size)
-        shapes = dict(self._shapes)  # with named_parameters: every name the model has
-        if not self._named_given:  # names not met yet (before the first bucket): their
-            # sizes are checked when the compressor first uses them
-            for name, t in _residual_tensors(state).items():
-                if not PIECE.fullmatch(name):
-                    shapes.setdefault(name, (int(t.numel()),))
-        shapes.update(_piece_shapes(_state_names(state), shapes))
+        # with named_parameters: every name the model has
+        shapes = _state_shapes(state, self._shapes, guess=not self._named_given)
         check_optimizer_state(
             state, rank=rank, size=size, compressor=repr(self.compressor), shapes=shapes
         )
         self.compressor.load_state_dict(copy.deepcopy(state["compressor_state"]))
 
 
-def _residual_tensors(state: dict) -> dict:
+def _state_shapes(state: dict, shapes: dict, guess: bool) -> dict:
+    """``shapes`` (the tensors' names and shapes known so far) with those of ``state``'s
+    two-stage pieces: DDP's buckets, and so the pieces, are known only once DDP hands
+    them over, so a piece of a known tensor is accepted where it lies within that tensor.
+    With ``guess`` (no names met yet: before the first bucket), the residuals' own sizes
+    too, which the compressor checks when it first uses them."""
+    shapes = dict(shapes)
     comp = state.get("compressor_state")
-    out = {}
-    if isinstance(comp, dict):
+    entries = (
+        {k: v for k, v in comp.items() if isinstance(v, dict)} if isinstance(comp, dict) else {}
+    )
+    if guess:
         for key in ("residuals", "velocity"):
-            if isinstance(comp.get(key), dict):
-                out.update({n: t for n, t in comp[key].items() if isinstance(t, torch.Tensor)})
-    return out
-
-
-def _state_names(state: dict) -> set:
-    comp = state.get("compressor_state")
-    names = set()
-    if isinstance(comp, dict):
-        for entry in comp.values():
-            if isinstance(entry, dict):
-                names.update(n for n in entry if isinstance(n, str))
-    return names
-
-
-def _piece_shapes(names, shapes: dict) -> dict:
-    """The shapes of the two-stage pieces among ``names``: DDP's buckets, and so the
-    pieces, are known only once DDP hands them over, so a piece of a known tensor is
-    accepted where it lies within that tensor."""
-    out = {}
-    for name in names:
+            for name, t in entries.get(key, {}).items():
+                if isinstance(t, torch.Tensor) and not PIECE.fullmatch(name):
+                    shapes.setdefault(name, (int(t.numel()),))
+    tensors = dict(shapes)  # a piece lies within one of these, not within another piece
+    for name in {n for entry in entries.values() for n in entry if isinstance(n, str)}:
         m = PIECE.fullmatch(name)
-        if m and m["name"] in shapes:
+        if m and m["name"] in tensors:
             start, stop = int(m["start"]), int(m["stop"])
-            if start < stop <= math.prod(shapes[m["name"]]):
-                out[name] = (stop - start,)
-    return out
+            if start < stop <= math.prod(tensors[m["name"]]):
+                shapes[name] = (stop - start,)
+    return shapes
 
 
 def _world_if_none(group):

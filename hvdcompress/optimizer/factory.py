@@ -110,8 +110,8 @@ def DistributedOptimizer(
         0,
         " (bytes; 0: one tensor per bucket)",
     )
-    _check_int("backward_passes_per_step", backward_passes_per_step, 1)
-    _check_int("compress_min_numel", compress_min_numel, 0)
+    backward_passes_per_step = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
+    compress_min_numel = _check_int("compress_min_numel", compress_min_numel, 0)
     if not isinstance(raise_on_nonfinite, bool):
         raise TypeError(f"raise_on_nonfinite must be a bool, got {raise_on_nonfinite!r}")
     if not isinstance(backend, (str, Transport)):

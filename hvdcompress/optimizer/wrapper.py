@@ -115,7 +115,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._raise_on_nonfinite = raise_on_nonfinite
         self._compressor = compressor
         self._uncompressed = get_compressor("none")  # buckets below compress_min_numel
-        self._min_numel = _check_int("compress_min_numel", compress_min_numel, 0)
+        self._min_numel = compress_min_numel
         # None: this rank is outside process_set (no collectives, local steps).
         self._included = transport is not None
         transport = transport if transport is not None else _OutsideProcessSet()
@@ -127,9 +127,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Our step() synchronizes exactly as Horovod's does, so we answer as Horovod's.
         self.__module__ = "horovod.torch.optimizer"
         # Horovod's attributes, with its names and values.
-        self.backward_passes_per_step = _check_int(
-            "backward_passes_per_step", backward_passes_per_step, 1
-        )
+        self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = horovod.gradient_predivide_factor
         self.sparse_as_dense = horovod.sparse_as_dense
