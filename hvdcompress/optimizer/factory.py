@@ -1,6 +1,4 @@
-"""``DistributedOptimizer(...)``: checks the arguments and builds the wrapper (``wrapper``)
-over the transport of ``process_set`` (``process_sets``), or returns Horovod's own
-optimizer for ``op=hvd.Adasum`` (``adasum``)."""
+"""``DistributedOptimizer(...)``: checks the arguments and builds the wrapper (package doc)."""
 
 from __future__ import annotations
 
@@ -137,7 +135,6 @@ def DistributedOptimizer(
         compress_min_numel,
         horovod_options=HorovodOptions(
             gradient_predivide_factor=gradient_predivide_factor,
-            num_groups=num_groups,
             groups=groups,
             sparse_as_dense=sparse_as_dense,
             process_set=process_set,

@@ -109,8 +109,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         raise_on_nonfinite: bool = False,
     ):
         super(self.__class__, self).__init__(params)
-        # Horovod's own keywords (gradient_predivide_factor, num_groups, groups,
-        # sparse_as_dense, process_set): see HorovodOptions.
+        # Horovod's own keywords (gradient_predivide_factor, groups, sparse_as_dense,
+        # process_set): see HorovodOptions.
         horovod = horovod_options or HorovodOptions()
         self._raise_on_nonfinite = raise_on_nonfinite
         self._compressor = compressor
@@ -362,15 +362,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """Load the inner optimizer's state and the hvdcompress part (compressor and policy
-        state). The hvdcompress part is checked first (``hvdcompress.CheckpointError``
-        naming the entry: another rank's state, unknown tensor names, residuals of the
-        wrong size or dtype, NaN or Inf); on any error nothing stays loaded.
-
-        A state saved by another rank of the same job size (Horovod's recipe: rank 0 saves,
-        every rank loads) loads without that rank's error-feedback residuals (and DGC
-        velocities), which belong to it alone: this rank's restart from zero, and a
-        UserWarning says what is lost. A state saved by this rank resumes exactly. As in
-        Horovod, loading ends any gradient accumulation in progress."""
+        state), which is checked first (``check_optimizer_state``: ``CheckpointError``
+        naming the entry); on any error nothing stays loaded. Another rank's state of the
+        same job size loads by ``without_other_ranks_state``'s rule. As in Horovod,
+        loading ends any gradient accumulation in progress."""
         import copy
 
         from hvdcompress.checkpoint import check_optimizer_state, without_other_ranks_state
