@@ -136,12 +136,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         factor = horovod.gradient_predivide_factor
         # Horovod's Average: scaled by 1/f before the sum and by f/size after.
         self._prescale = 1.0 / factor if self._op == Average and factor != 1.0 else 1.0
-        if self._op != Average:
-            self._scale = 1.0
-        elif factor == 1.0:
-            self._scale = 1.0 / transport.size
-        else:
-            self._scale = factor / transport.size
+        self._scale = factor / transport.size if self._op == Average else 1.0
         named = named_params(self, named_parameters)
         self._parameter_names = {p: n for n, p in named}
         self._groups = resolve_groups(horovod.groups, named)

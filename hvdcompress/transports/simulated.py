@@ -1,14 +1,12 @@
 """A simulated world: N ranks as N threads of one process (docs/horovod-parity.md,
 "The simulated world", for the rendezvous and why its digests equal a real run's).
 
-``SimulatedWorld(size)`` is the rendezvous every rank's ``SimulatedTransport`` shares;
-``hvdcompress.training.simulate.run_ranks`` runs one function per rank on it. A collective
-is a slot of the world, matched by its position in one of two sequences (the started
-``start_*`` ones and the blocking ones, as on the mpi4py transport's two communicators);
-the last rank to arrive combines the contributions, and each rank's ``wait()`` takes its
-own copy. Numerics are the real transports': allgatherv in rank order; allreduce summed
-in rank order, float16 / bfloat16 added in float32 and rounded back after every add
-(Horovod's rule); objects pickled, as over MPI.
+``SimulatedWorld(size)`` is the rendezvous every rank's ``SimulatedTransport`` shares
+(``hvdcompress.training.simulate.run_ranks`` runs one function per rank on it); a
+collective is a slot of the world, matched by its position in the started or the
+blocking sequence. Numerics are the real transports': allgatherv in rank order;
+allreduce summed in rank order, float16 / bfloat16 added in float32 and rounded back
+after every add (Horovod's rule); objects pickled, as over MPI.
 
 Invariants: a rank that starts a different collective at a position than rank 0 did gets
 ``RankMismatch`` instead of a wrong result; every rank waiting in (or later starting) a

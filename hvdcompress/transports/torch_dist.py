@@ -13,10 +13,7 @@ Two ways to run (``threaded``):
   order on every rank, so the worker's order is the same on every rank; a group of its
   own keeps them apart from DDP's and the user's collectives on the other groups.
 
-``start_allgatherv`` all-gathers the byte counts, then every rank's bytes padded to the
-largest; ``start_alltoallv`` all-to-alls the counts, then the bytes
-(``all_to_all_single`` with split sizes). NCCL moves only device tensors, so with it the
-bytes travel on the current CUDA device.
+NCCL moves only device tensors, so with it the bytes travel on the current CUDA device.
 """
 
 from __future__ import annotations
