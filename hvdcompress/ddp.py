@@ -11,7 +11,8 @@ DDP calls the hook with each gradient bucket; the hook moves the same payloads a
 ``choose_exchanges`` picks (two-stage shards planned per tensor), and averages the
 bucket's buffer in place. With ``overlap=True`` on gloo over the world group, the
 hook's collectives run on a threaded transport and a finisher thread completes each
-bucket's future, so backward goes on while the bytes move.
+bucket's future, so backward goes on while the bytes move; otherwise each bucket
+finishes inside the hook.
 
 Invariants: every transport's collectives are started from one thread, in bucket order,
 the same on every rank; on the gather paths every rank holds bit-identical averaged
@@ -314,7 +315,7 @@ class DDPHookState:
         transport = self._bound_transport()
         rank, size = transport.rank, transport.size
         state = without_other_ranks_state(dict(state), rank, size)
-        # with named_parameters: every name the model has
+        # self._shapes: with named_parameters, every name the model has
         shapes = _state_shapes(state, self._shapes, guess=not self._named_given)
         check_optimizer_state(
             state, rank=rank, size=size, compressor=repr(self.compressor), shapes=shapes
