@@ -1,17 +1,13 @@
 """Hugging Face Accelerate: compressed gradient exchange in one call after ``prepare``
-(docs/integrations.md).
+(docs/integrations.md, "Accelerate: register", for what it finds and what it refuses).
 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     state = hvdcompress.accelerate.register(accelerator, model, compression="3lc")
 
-``register`` finds the ``DistributedDataParallel`` model Accelerate made (also under
-``torch.compile``), registers ``hvdcompress.ddp_hook`` on it with a ``DDPHookState`` it
-returns, and hooks that state into ``accelerator.save_state`` / ``load_state``: every
-rank writes its own state to ``hvdcompress_model<i>_rank<r>.pt`` in the checkpoint folder
-(``i``: the model's place among those prepared) and
-resumes from it, with the rule of ``DDPHookState.load_state_dict`` (a folder written by
-another world size is refused). Accelerate's ``DistributedDataParallelKwargs
-(comm_hook=...)`` takes only its own hook types, which is why this is a call of its own.
+Every rank saves its own hook state to ``STATE_FILE`` in the ``save_state`` folder and
+resumes from it, with the rule of ``DDPHookState.load_state_dict``. A call of its own,
+because Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only its own
+hook types.
 
 Needs ``pip install 'hvdcompress[accelerate]'`` (tested with accelerate 1.16.0).
 """

@@ -1,48 +1,32 @@
 """A DDP communication hook: hvdcompress's compressors for ``torch.nn.parallel.
-DistributedDataParallel`` users without Horovod (docs/horovod-parity.md,
-"Horovod parity and the DDP hook").
+DistributedDataParallel`` users without Horovod (docs/horovod-parity.md, "Horovod parity
+and the DDP hook", for the exchanges, the uncompressed buckets and the overlap; the late
+binding: docs/integrations.md, "The hook state binds late").
 
     state = hvdcompress.DDPHookState("3lc")   # before or after init_process_group
     state.register(ddp_model)                  # = ddp_model.register_comm_hook(state, ddp_hook)
 
-DDP calls the hook with each gradient bucket (a flat buffer holding its gradients, in
-``bucket.parameters()`` order). The hook moves the same payloads as
-``hvdcompress.DistributedOptimizer``, through ``torch.distributed`` (gloo on CPU, NCCL on
-GPUs; ``transports.torch_dist``), by the exchange ``choose_exchanges`` picks for
-``exchange=`` ("auto", "allgather", "twostage"): gather-only compressors (3LC, top-k,
-...) by an allgather that every rank decodes in rank order or by the two-stage exchange
-(shards planned per tensor: ``plan_shards_per_tensor``), summable ones (fp16, bf16,
-PowerSGD) by allreduce; a bucket with nothing to compress (compression none, or every
-tensor below ``compress_min_numel``) by DDP's own allreduce. The exchange averages the
-buffer in place (views of it, no copy).
+DDP calls the hook with each gradient bucket; the hook moves the same payloads as
+``hvdcompress.DistributedOptimizer``, over ``transports.torch_dist``, by the exchange
+``choose_exchanges`` picks (two-stage shards planned per tensor), and averages the
+bucket's buffer in place. With ``overlap=True`` on gloo over the world group, the
+hook's collectives run on a threaded transport and a finisher thread completes each
+bucket's future, so backward goes on while the bytes move; otherwise each bucket
+finishes inside the hook.
 
-Overlap (``overlap=True``, on gloo over the world group): the hook encodes the bucket,
-starts its collectives on a threaded transport (a process group and a worker thread of
-its own) and returns a future at once, so backward goes on while the bytes move; a
-finisher thread waits for each bucket's collectives in the order the hook started them,
-starts the ones ``finish`` needs (stage 2, PowerSGD's second phase) on a second threaded
-transport, decodes and writes the average, and completes the future, which DDP waits
-for before backward returns. With NCCL, or ``overlap=False``, the hook finishes each
-bucket before it returns. Invariants: every transport's collectives are started from one
-thread, in bucket order, the same on every rank; on the gather paths every rank holds
-bit-identical averaged gradients; a payload error fails every rank's backward with the
-``PayloadError``'s text; the state (``state_dict``: this rank's residuals) is
-checkpointable like the optimizer's, with the same rule for another rank's state.
-
-The state binds late (docs/integrations.md): it can be built before any process group
-exists, as Lightning and Accelerate need, and takes its rank, size and group at
-``register``, ``bind`` or the first bucket. Each optimizer step over the state's
-parameters ends the state's step (``last_stats``); the first such step warns when DDP
-never called the hook, so a model that silently trains uncompressed (Lightning's
-``DDPStrategy`` registers comm hooks on CUDA only) does not go unnoticed.
+Invariants: every transport's collectives are started from one thread, in bucket order,
+the same on every rank; on the gather paths every rank holds bit-identical averaged
+gradients; a payload error fails every rank's backward with the ``PayloadError``'s text;
+the state (``state_dict``: this rank's residuals) is checkpointable like the optimizer's,
+with the same rule for another rank's state. The first optimizer step over the state's
+parameters warns when DDP never called the hook (Lightning's ``DDPStrategy`` registers
+comm hooks on CUDA only).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's return annotation
 # (torch.futures.Future[torch.Tensor]) as an object.
 import copy
 import math
-import queue
-import threading
 import time
 import warnings
 import weakref
@@ -56,6 +40,7 @@ from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.errors import PayloadError
 from hvdcompress.exchange import EXCHANGES, PIECE, SummedExchange, choose_exchanges
 from hvdcompress.stats import StepStats
+from hvdcompress.transports.base import start_worker
 
 __all__ = ["DDPHookState", "ddp_hook", "hooked_optimizer"]
 
@@ -100,9 +85,11 @@ class DDPHookState:
             raise ValueError(
                 f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}"
             )
-        if isinstance(compress_min_numel, bool) or not isinstance(compress_min_numel, int):
-            raise ValueError(f"compress_min_numel must be an int >= 0, got {compress_min_numel!r}")
-        if compress_min_numel < 0:
+        if (
+            isinstance(compress_min_numel, bool)
+            or not isinstance(compress_min_numel, int)
+            or compress_min_numel < 0
+        ):
             raise ValueError(f"compress_min_numel must be an int >= 0, got {compress_min_numel!r}")
         self.compressor: Compressor = resolve_compressor(compression)
         self.uncompressed: Compressor = get_compressor("none")
@@ -112,7 +99,7 @@ class DDPHookState:
         self.overlap = overlap
         self.overlapping = False  # set by bind: whether buckets finish on the finisher
         self._finish_transport = None
-        self._finisher: _Finisher | None = None
+        self._finisher = None  # the queue of the thread that finishes buckets (overlap)
         self._transport = None
         self._group = None  # the DDP model's group (a threaded transport has its own)
         self._exchanges: dict[tuple, object] = {}  # the compressed parts', by their names
@@ -209,7 +196,7 @@ class DDPHookState:
         self.compressor.bind(transport.rank, transport.size)
         self._transport, self._finish_transport, self._group = transport, finish, group
         self.overlapping = overlapping
-        self._finisher = _Finisher() if overlapping else None
+        self._finisher = start_worker(self, "hvdcompress-ddp-finish") if overlapping else None
         self._dense_exchange = SummedExchange(transport, finish)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
@@ -328,51 +315,38 @@ class DDPHookState:
         transport = self._bound_transport()
         rank, size = transport.rank, transport.size
         state = without_other_ranks_state(dict(state), rank, size)
-        shapes = dict(self._shapes)  # with named_parameters: every name the model has
-        if not self._named_given:  # names not met yet (before the first bucket): their
-            # sizes are checked when the compressor first uses them
-            for name, t in _residual_tensors(state).items():
-                if not PIECE.fullmatch(name):
-                    shapes.setdefault(name, (int(t.numel()),))
-        shapes.update(_piece_shapes(_state_names(state), shapes))
+        # self._shapes: with named_parameters, every name the model has
+        shapes = _state_shapes(state, self._shapes, guess=not self._named_given)
         check_optimizer_state(
             state, rank=rank, size=size, compressor=repr(self.compressor), shapes=shapes
         )
         self.compressor.load_state_dict(copy.deepcopy(state["compressor_state"]))
 
 
-def _residual_tensors(state: dict) -> dict:
+def _state_shapes(state: dict, shapes: dict, guess: bool) -> dict:
+    """``shapes`` (the tensors' names and shapes known so far) with those of ``state``'s
+    two-stage pieces: DDP's buckets, and so the pieces, are known only once DDP hands
+    them over, so a piece of a known tensor is accepted where it lies within that tensor.
+    With ``guess`` (no names met yet: before the first bucket), the residuals' own sizes
+    too, which the compressor checks when it first uses them."""
+    shapes = dict(shapes)
     comp = state.get("compressor_state")
-    out = {}
-    if isinstance(comp, dict):
+    entries = (
+        {k: v for k, v in comp.items() if isinstance(v, dict)} if isinstance(comp, dict) else {}
+    )
+    if guess:
         for key in ("residuals", "velocity"):
-            if isinstance(comp.get(key), dict):
-                out.update({n: t for n, t in comp[key].items() if isinstance(t, torch.Tensor)})
-    return out
-
-
-def _state_names(state: dict) -> set:
-    comp = state.get("compressor_state")
-    names = set()
-    if isinstance(comp, dict):
-        for entry in comp.values():
-            if isinstance(entry, dict):
-                names.update(n for n in entry if isinstance(n, str))
-    return names
-
-
-def _piece_shapes(names, shapes: dict) -> dict:
-    """The shapes of the two-stage pieces among ``names``: DDP's buckets, and so the
-    pieces, are known only once DDP hands them over, so a piece of a known tensor is
-    accepted where it lies within that tensor."""
-    out = {}
-    for name in names:
+            for name, t in entries.get(key, {}).items():
+                if isinstance(t, torch.Tensor) and not PIECE.fullmatch(name):
+                    shapes.setdefault(name, (int(t.numel()),))
+    tensors = dict(shapes)  # a piece lies within one of these, not within another piece
+    for name in {n for entry in entries.values() for n in entry if isinstance(n, str)}:
         m = PIECE.fullmatch(name)
-        if m and m["name"] in shapes:
+        if m and m["name"] in tensors:
             start, stop = int(m["start"]), int(m["stop"])
-            if start < stop <= math.prod(shapes[m["name"]]):
-                out[name] = (stop - start,)
-    return out
+            if start < stop <= math.prod(tensors[m["name"]]):
+                shapes[name] = (stop - start,)
+    return shapes
 
 
 def _world_if_none(group):
@@ -486,6 +460,14 @@ class _FinishBucket:
         self.state, self.started, self.buffer, self.future = state, started, buffer, future
 
     def __call__(self) -> None:
+        try:
+            result = self._finish()
+        except BaseException as err:  # noqa: BLE001 - never leave DDP waiting
+            result = err
+        if not self.future.done():
+            self.future.set_result(result)
+
+    def _finish(self):
         stats = self.state.step_stats
         scale = 1.0 / self.state.transport.size
         error = None
@@ -507,38 +489,7 @@ class _FinishBucket:
                 rank=error.rank,
                 tensor=error.tensor,
             )
-        self.future.set_result(self.buffer if error is None else error)
-
-
-class _Finisher:
-    """The thread that finishes an overlapping state's buckets, in the order the hook
-    started them (the same on every rank): it waits for each bucket's collectives,
-    starts the ones ``finish`` needs on the state's finish transport, decodes and writes
-    the average. A daemon: it ends with the state, or with the process."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        thread = threading.Thread(
-            target=_finish_jobs, args=(self._jobs,), name="hvdcompress-ddp-finish", daemon=True
-        )
-        thread.start()
-        weakref.finalize(self, self._jobs.put, None)
-
-    def put(self, job: _FinishBucket) -> None:
-        self._jobs.put(job)
-
-
-def _finish_jobs(jobs: queue.SimpleQueue) -> None:
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        try:
-            job()
-        except BaseException as err:  # noqa: BLE001 - never leave DDP waiting
-            if not job.future.done():
-                job.future.set_result(err)
-        del job
+        return self.buffer if error is None else error
 
 
 class _HookedOptimizer(torch.optim.Optimizer):

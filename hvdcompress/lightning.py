@@ -1,22 +1,17 @@
-"""PyTorch Lightning: compressed gradient exchange as a strategy (docs/integrations.md).
+"""PyTorch Lightning: compressed gradient exchange as a strategy (docs/integrations.md,
+"Lightning: CompressedDDPStrategy", for the hook, the checkpoints and the logging).
 
     from hvdcompress.lightning import CompressedDDPStrategy
     trainer = Trainer(strategy=CompressedDDPStrategy("3lc"), accelerator="cpu", devices=2)
 
-``CompressedDDPStrategy`` is Lightning's ``DDPStrategy`` (every DDP keyword argument
-passes through) whose DDP model gets ``hvdcompress.ddp_hook`` on every device type;
-Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers comm hooks on CUDA only and
-trains a CPU model uncompressed. The hook's state (``hook_state``, a ``DDPHookState``)
-binds when Lightning has created the process group and wrapped the model. Invariants:
-every bucket of every step passes through the hook (``hook_state.hook_calls``); each
-checkpoint Lightning writes carries every rank's hook state under ``"hvdcompress"``
-(gathered to rank 0, which writes the file), and each rank resumes from its own entry
-with the rule of ``DDPHookState.load_state_dict``; bits per value and bytes sent go to
-the trainer's loggers every ``log_every_n_steps``.
+``CompressedDDPStrategy`` is Lightning's ``DDPStrategy`` whose DDP model gets
+``hvdcompress.ddp_hook`` on every device type (Lightning's own ``ddp_comm_hook`` is
+registered on CUDA only). Invariants: every bucket of every step passes through the hook;
+each checkpoint carries every rank's hook state under ``"hvdcompress"`` (gathered to rank
+0, which writes the file), and each rank resumes from its own entry with the rule of
+``DDPHookState.load_state_dict``.
 
-Needs ``pip install 'hvdcompress[lightning]'`` (tested with pytorch-lightning 2.6.6);
-the ``lightning`` package's ``lightning.pytorch`` is used when ``pytorch_lightning`` is
-not installed.
+Needs ``pip install 'hvdcompress[lightning]'`` (tested with pytorch-lightning 2.6.6).
 """
 
 from __future__ import annotations

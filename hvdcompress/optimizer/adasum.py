@@ -7,7 +7,6 @@ def _adasum_optimizer(
     optimizer, named_parameters, compressor, backward_passes_per_step, op,
     gradient_predivide_factor, groups, sparse_as_dense, process_set, *, backend, policy,
 ):  # fmt: skip
-    """``op=hvd.Adasum``: Horovod's own optimizer, for a compression Horovod has."""
     if not compressor.summable:
         raise ValueError(
             f"op=Adasum cannot be combined with {compressor!r}: Adasum merges the ranks' "

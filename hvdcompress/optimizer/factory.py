@@ -1,6 +1,4 @@
-"""``DistributedOptimizer(...)``: checks the arguments and builds the wrapper (``wrapper``)
-over the transport of ``process_set`` (``process_sets``), or returns Horovod's own
-optimizer for ``op=hvd.Adasum`` (``adasum``)."""
+"""``DistributedOptimizer(...)``: checks the arguments and builds the wrapper (package doc)."""
 
 from __future__ import annotations
 
@@ -110,8 +108,8 @@ def DistributedOptimizer(
         0,
         " (bytes; 0: one tensor per bucket)",
     )
-    _check_int("backward_passes_per_step", backward_passes_per_step, 1)
-    _check_int("compress_min_numel", compress_min_numel, 0)
+    backward_passes_per_step = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
+    compress_min_numel = _check_int("compress_min_numel", compress_min_numel, 0)
     if not isinstance(raise_on_nonfinite, bool):
         raise TypeError(f"raise_on_nonfinite must be a bool, got {raise_on_nonfinite!r}")
     if not isinstance(backend, (str, Transport)):
@@ -137,7 +135,6 @@ def DistributedOptimizer(
         compress_min_numel,
         horovod_options=HorovodOptions(
             gradient_predivide_factor=gradient_predivide_factor,
-            num_groups=num_groups,
             groups=groups,
             sparse_as_dense=sparse_as_dense,
             process_set=process_set,

@@ -36,10 +36,10 @@ def _check_int(what: str, value, low: int, hint: str = "") -> int:
 @dataclass(frozen=True)
 class HorovodOptions:
     """The keywords of ``hvd.DistributedOptimizer`` (Horovod 0.28.1) beyond those every
-    hvdcompress optimizer has, with Horovod's defaults and meaning."""
+    hvdcompress optimizer has, with Horovod's defaults and meaning (``num_groups``: folded
+    into ``groups`` by the factory)."""
 
     gradient_predivide_factor: float = 1.0
-    num_groups: int = 0
     groups: object = None
     sparse_as_dense: bool = False
     process_set: object = None

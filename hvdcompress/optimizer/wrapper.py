@@ -109,15 +109,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         raise_on_nonfinite: bool = False,
     ):
         super(self.__class__, self).__init__(params)
-        # Horovod's own keywords (gradient_predivide_factor, num_groups, groups,
-        # sparse_as_dense, process_set): see HorovodOptions.
-        horovod = self._horovod_options = horovod_options or HorovodOptions()
-        # Which exchange gather-only buckets use: "auto", "allgather" or "twostage".
-        self._exchange_mode = exchange
+        # Horovod's own keywords (gradient_predivide_factor, groups, sparse_as_dense,
+        # process_set): see HorovodOptions.
+        horovod = horovod_options or HorovodOptions()
         self._raise_on_nonfinite = raise_on_nonfinite
         self._compressor = compressor
         self._uncompressed = get_compressor("none")  # buckets below compress_min_numel
-        self._min_numel = _check_int("compress_min_numel", compress_min_numel, 0)
+        self._min_numel = compress_min_numel
         # None: this rank is outside process_set (no collectives, local steps).
         self._included = transport is not None
         transport = transport if transport is not None else _OutsideProcessSet()
@@ -129,9 +127,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Our step() synchronizes exactly as Horovod's does, so we answer as Horovod's.
         self.__module__ = "horovod.torch.optimizer"
         # Horovod's attributes, with its names and values.
-        self.backward_passes_per_step = _check_int(
-            "backward_passes_per_step", backward_passes_per_step, 1
-        )
+        self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = horovod.gradient_predivide_factor
         self.sparse_as_dense = horovod.sparse_as_dense
@@ -140,12 +136,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         factor = horovod.gradient_predivide_factor
         # Horovod's Average: scaled by 1/f before the sum and by f/size after.
         self._prescale = 1.0 / factor if self._op == Average and factor != 1.0 else 1.0
-        if self._op != Average:
-            self._scale = 1.0
-        elif factor == 1.0:
-            self._scale = 1.0 / transport.size
-        else:
-            self._scale = factor / transport.size
+        self._scale = factor / transport.size if self._op == Average else 1.0
         named = named_params(self, named_parameters)
         self._parameter_names = {p: n for n, p in named}
         self._groups = resolve_groups(horovod.groups, named)
@@ -235,7 +226,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for name, g in zip(part.names, grads, strict=True):
                 self._policy.observe(name, g)  # the uncompressed local gradient
         flight = None
-        exchange = self._exchange(bucket)
+        exchange = self._exchanges[bucket.index]
         if sparse:  # the bucket's planned exchange may not fit a part of it: a plain one
             comp = self._comp(bucket)
             exchange = (SummedExchange if comp.summable else GatheredExchange)(self._transport)
@@ -249,10 +240,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         s.numel += sum(p.grad.numel() for p in bucket.params)
         s.raw_bytes += sum(p.grad.numel() * p.grad.element_size() for p in bucket.params)
         s.compress_s += time.perf_counter() - t0
-
-    def _exchange(self, bucket: Bucket):
-        """The exchange that moves ``bucket`` (chosen at construction)."""
-        return self._exchanges[bucket.index]
 
     def _comp(self, bucket: Bucket) -> Compressor:
         return self._compressor if bucket.compressed else self._uncompressed
@@ -370,15 +357,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """Load the inner optimizer's state and the hvdcompress part (compressor and policy
-        state). The hvdcompress part is checked first (``hvdcompress.CheckpointError``
-        naming the entry: another rank's state, unknown tensor names, residuals of the
-        wrong size or dtype, NaN or Inf); on any error nothing stays loaded.
-
-        A state saved by another rank of the same job size (Horovod's recipe: rank 0 saves,
-        every rank loads) loads without that rank's error-feedback residuals (and DGC
-        velocities), which belong to it alone: this rank's restart from zero, and a
-        UserWarning says what is lost. A state saved by this rank resumes exactly. As in
-        Horovod, loading ends any gradient accumulation in progress."""
+        state), which is checked first (``check_optimizer_state``: ``CheckpointError``
+        naming the entry); on any error nothing stays loaded. Another rank's state of the
+        same job size loads by ``without_other_ranks_state``'s rule. As in Horovod,
+        loading ends any gradient accumulation in progress."""
         import copy
 
         from hvdcompress.checkpoint import check_optimizer_state, without_other_ranks_state

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from hvdcompress.checkpoint import CheckpointError, check_dict, check_finite_number, check_keys
+from hvdcompress.checkpoint import CheckpointError, check_count_map, check_finite_number, check_keys
 from hvdcompress.compressors import registry
 from hvdcompress.policies.base import Policy, checked_levels
 
@@ -348,17 +348,13 @@ class CAT(Policy):
         steps = state["steps"]
         if type(steps) is not int or steps < 0:
             raise CheckpointError(f"CAT steps: expected an int >= 0, got {steps!r}")
-        maps = {}
-        for key in ("budgets", "numel"):
-            maps[key] = check_dict(f"CAT {key}", state[key])
-            for name, v in maps[key].items():
-                if not isinstance(name, str) or type(v) is not int or v < 0:
-                    raise CheckpointError(f"CAT {key}[{name!r}]: expected an int >= 0, got {v!r}")
+        budgets = check_count_map("CAT budgets", state["budgets"])
+        numel = check_count_map("CAT numel", state["numel"])
         levels = checked_levels("CAT levels", state["levels"], self._compressor)
         self.cost.c0, self.cost.c1 = c0, c1
         self.cost.observations = observations
         self._steps = steps
-        self._numel = dict(maps["numel"])
-        self.budgets = dict(maps["budgets"])
+        self._numel = numel
+        self.budgets = budgets
         for name, level in levels.items():
             self._compressor.set_level(name, level)

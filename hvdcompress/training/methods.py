@@ -51,17 +51,14 @@ def level_param(compression: str) -> tuple[str, Param]:
     """(the name, the declared range) of ``compression``'s per-tensor level: the
     parameter a policy sets (3lc ``sparsity``, topk ``ratio``, powersgd ``matrix_rank``);
     ValueError for a compressor without per-tensor levels."""
-    cls = hvdcompress.compressors.REGISTRY.get(compression)
+    registry = hvdcompress.compressors.REGISTRY
+    cls = registry.get(compression)
     if cls is None:
         raise ValueError(f"unknown compressor {compression!r}")
     name = getattr(cls, "level_param", "")
     if not name:
         with_levels = ", ".join(
-            sorted(
-                n
-                for n, c in hvdcompress.compressors.REGISTRY.items()
-                if getattr(c, "level_param", "")
-            )
+            sorted(n for n, c in registry.items() if getattr(c, "level_param", ""))
         )
         raise ValueError(
             f"{compression} has no per-tensor level (compressors with one: {with_levels})"

@@ -114,15 +114,6 @@ class LRSchedule:
             group["lr"] = rate
         return rate
 
-    def describe(self) -> str:
-        text = self.kind
-        if self.kind == "step":
-            ms = ",".join(f"{m:g}" for m in self.milestones) or "none"
-            text += f" (x{self.gamma:g} after epochs {ms})"
-        if self.warmup_epochs:
-            text += f", warmup {self.warmup_epochs:g} epochs"
-        return text
-
     def state_dict(self) -> dict:
         """Plain values (checkpoints load no code): every field."""
         state = asdict(self)

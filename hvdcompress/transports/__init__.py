@@ -2,9 +2,6 @@
 operations, their ordering invariant and how ``MPITransport`` and ``HorovodTransport``
 implement them).
 
-``moves_on(device)``: when true, ``start_allgatherv`` and ``start_alltoallv`` take and give
-bytes on that device and nothing reaches the host but the byte counts; else host bytes.
-
 Traffic: every ``start_*`` of every subclass is counted in one place, this base class
 (``__init_subclass__`` wraps what a subclass defines): ``Handle.sent_bytes`` /
 ``Handle.received_bytes`` of each collective and the running totals in

@@ -4,8 +4,10 @@ transports' package docstring (``hvdcompress.transports``) describes the operati
 from __future__ import annotations
 
 import functools
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -42,6 +44,13 @@ class Handle:
         self.ended = time.perf_counter()
         self._done.set()
 
+    def _run(self, fn: Callable[[], object]) -> None:
+        """Finish with ``fn()``'s result, or with its error."""
+        try:
+            self._finish(fn())
+        except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait
+            self._finish(error=err)
+
     def wait(self, timeout: float | None = None):
         if not self._done.wait(timeout):
             raise TimeoutError(f"collective did not finish within {timeout} s")
@@ -59,11 +68,27 @@ class _DoneHandle(Handle):
 
     def wait(self, timeout: float | None = None):
         if not self._done.is_set():
-            try:
-                self._finish(self._fn())
-            except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait
-                self._finish(error=err)
+            self._run(self._fn)
         return super().wait(timeout)
+
+
+def start_worker(owner, name: str) -> queue.SimpleQueue:
+    """A queue whose callables a daemon thread ``name`` runs in order, until ``owner`` is
+    collected (the thread holds no reference to ``owner``, so it can be); a callable must
+    not raise."""
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True).start()
+    weakref.finalize(owner, jobs.put, None)
+    return jobs
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job()
+        del job  # not held while the thread waits for the next one
 
 
 class Transport:

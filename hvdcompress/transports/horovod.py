@@ -111,15 +111,14 @@ class HorovodTransport(Transport):
         if src.dtype == torch.bfloat16 and not src.is_cuda:
             # Horovod 0.28.1 has no bfloat16 CPU allreduce: gather the bits, sum in rank
             # order in float32 rounding each add to bfloat16 (same on every rank).
+            from hvdcompress.transports.simulated import sum_in_rank_order
+
             handle = self._launch("bf16sum", hvd.allgather_async, src.view(torch.int16))
             n, size = src.numel(), self.size
 
             def finish():
                 parts = hvd.synchronize(handle).view(torch.bfloat16).view(size, n)
-                total = parts[0].clone()
-                for r in range(1, size):
-                    total = (total.float() + parts[r].float()).to(torch.bfloat16)
-                return total.to(dense.device)
+                return sum_in_rank_order(list(parts)).to(dense.device)
 
             return _DoneHandle(finish)
         handle = self._launch("allreduce", hvd.allreduce_async, src, op=hvd.Sum)

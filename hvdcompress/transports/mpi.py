@@ -56,6 +56,12 @@ def _add_16bit(dtype: torch.dtype):
 _OPS_16BIT: dict = {}
 
 
+def _parts_spec(buf: np.ndarray, sizes: np.ndarray, MPI) -> list:
+    """mpi4py's spec of the bytes ``buf`` as parts of ``sizes`` bytes, one after another."""
+    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    return [buf, (sizes.tolist(), displs.tolist()), MPI.UNSIGNED_CHAR]
+
+
 def _sum_ops_16bit(MPI) -> dict:
     """The float16/bfloat16 sum ops, created once per process (MPI allows few user ops)."""
     if not _OPS_16BIT:
@@ -403,12 +409,8 @@ class MPITransport(Transport):
             p.started += 1
             p.last_start = time.monotonic()
             p.data_now = (p.started, what, p.last_start)
-            try:
-                handle._finish(job())
-            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-                handle._finish(error=err)
-            finally:
-                p.data_now = None
+            handle._run(job)
+            p.data_now = None
 
     def stop_worker(self, timeout: float) -> bool:
         """End the worker thread (at exit, before MPI_Finalize; the transport cannot start
@@ -463,13 +465,8 @@ class MPITransport(Transport):
         def job():
             sizes = np.zeros(self.size, dtype=np.int64)
             comm.Allgather(np.array([buf.size], dtype=np.int64), sizes)
-            displs = np.zeros(self.size, dtype=np.int64)
-            displs[1:] = np.cumsum(sizes)[:-1]
             recv = np.empty(int(sizes.sum()), dtype=np.uint8)
-            comm.Allgatherv(
-                [buf, MPI.UNSIGNED_CHAR],
-                [recv, (sizes.tolist(), displs.tolist()), MPI.UNSIGNED_CHAR],
-            )
+            comm.Allgatherv([buf, MPI.UNSIGNED_CHAR], _parts_spec(recv, sizes, MPI))
             return torch.from_numpy(recv), [int(s) for s in sizes]
 
         return self._submit(job, f"allgatherv of {buf.size} bytes")
@@ -485,12 +482,7 @@ class MPITransport(Transport):
             comm.Alltoall(send_sizes, recv_sizes)  # each rank learns what comes its way
             send = np.concatenate(bufs) if bufs else np.empty(0, dtype=np.uint8)
             recv = np.empty(int(recv_sizes.sum()), dtype=np.uint8)
-            send_displs = np.concatenate([[0], np.cumsum(send_sizes)[:-1]])
-            recv_displs = np.concatenate([[0], np.cumsum(recv_sizes)[:-1]])
-            comm.Alltoallv(
-                [send, (send_sizes.tolist(), send_displs.tolist()), MPI.UNSIGNED_CHAR],
-                [recv, (recv_sizes.tolist(), recv_displs.tolist()), MPI.UNSIGNED_CHAR],
-            )
+            comm.Alltoallv(_parts_spec(send, send_sizes, MPI), _parts_spec(recv, recv_sizes, MPI))
             return list(torch.from_numpy(recv).split(recv_sizes.tolist()))
 
         return self._submit(job, f"alltoallv of {sum(b.size for b in bufs)} bytes")

@@ -1,14 +1,12 @@
 """A simulated world: N ranks as N threads of one process (docs/horovod-parity.md,
 "The simulated world", for the rendezvous and why its digests equal a real run's).
 
-``SimulatedWorld(size)`` is the rendezvous every rank's ``SimulatedTransport`` shares;
-``hvdcompress.training.simulate.run_ranks`` runs one function per rank on it. A collective
-is a slot of the world, matched by its position in one of two sequences (the started
-``start_*`` ones and the blocking ones, as on the mpi4py transport's two communicators);
-the last rank to arrive combines the contributions, and each rank's ``wait()`` takes its
-own copy. Numerics are the real transports': allgatherv in rank order; allreduce summed
-in rank order, float16 / bfloat16 added in float32 and rounded back after every add
-(Horovod's rule); objects pickled, as over MPI.
+``SimulatedWorld(size)`` is the rendezvous every rank's ``SimulatedTransport`` shares
+(``hvdcompress.training.simulate.run_ranks`` runs one function per rank on it); a
+collective is a slot of the world, matched by its position in the started or the
+blocking sequence. Numerics are the real transports': allgatherv in rank order;
+allreduce summed in rank order, float16 / bfloat16 added in float32 and rounded back
+after every add (Horovod's rule); objects pickled, as over MPI.
 
 Invariants: a rank that starts a different collective at a position than rank 0 did gets
 ``RankMismatch`` instead of a wrong result; every rank waiting in (or later starting) a
@@ -166,7 +164,7 @@ class SimulatedWorld:
         """Rank ``rank``'s function returned: collectives it never started cannot finish."""
         t = self._transports[rank]
         with self._cond:
-            self._returned[rank] = {"started": t._started, "blocking": t._blocking}
+            self._returned[rank] = dict(t._counts)
             self._cond.notify_all()
 
 
@@ -180,26 +178,21 @@ class SimulatedTransport(Transport):
         self.rank = rank
         self.size = world.size
         self.local_size = world.size  # every rank shares this process's cores
-        self._started = 0  # collectives of the started sequence so far
-        self._blocking = 0  # blocking collectives of this rank so far
+        self._counts = {"started": 0, "blocking": 0}  # collectives of each sequence so far
 
-    def _start(self, value, what: str, signature: tuple, combine, finish=None) -> Handle:
-        index = self._started
-        self._started += 1
-        slot = self.world.contribute("started", index, self.rank, value, what, signature, combine)
+    def _collective(self, sequence: str, value, what: str, signature: tuple, combine, finish=None):
+        """Contribute ``value`` to this rank's next collective of ``sequence``; ``wait()``
+        gives this rank's result (through ``finish`` when given)."""
+        index = self._counts[sequence]
+        self._counts[sequence] += 1
         world, rank = self.world, self.rank
+        slot = world.contribute(sequence, index, rank, value, what, signature, combine)
 
         def wait():
-            out = world.result("started", index, rank, slot)
+            out = world.result(sequence, index, rank, slot)
             return out if finish is None else finish(out)
 
         return _DoneHandle(wait)
-
-    def _blocking_collective(self, value, what: str, signature: tuple, combine):
-        index = self._blocking
-        self._blocking += 1
-        slot = self.world.contribute("blocking", index, self.rank, value, what, signature, combine)
-        return self.world.result("blocking", index, self.rank, slot)
 
     # ---- the data collectives ------------------------------------------------------------------
     def start_allgatherv(self, local: torch.Tensor) -> Handle:
@@ -210,7 +203,9 @@ class SimulatedTransport(Transport):
             gathered = torch.cat(values)
             return [(gathered.clone(), list(sizes)) for _ in values]
 
-        return self._start(buf, f"allgatherv of {buf.numel()} bytes", ("allgatherv",), combine)
+        return self._collective(
+            "started", buf, f"allgatherv of {buf.numel()} bytes", ("allgatherv",), combine
+        )
 
     def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
         if dense.dtype not in SUMMABLE:
@@ -224,7 +219,9 @@ class SimulatedTransport(Transport):
 
         what = f"allreduce of {src.numel()} {str(src.dtype)[6:]}"
         signature = ("allreduce", src.dtype, src.numel())
-        return self._start(src, what, signature, combine, finish=lambda out: out.to(device))
+        return self._collective(
+            "started", src, what, signature, combine, finish=lambda out: out.to(device)
+        )
 
     def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
         check_alltoallv_parts(parts, self.size)
@@ -236,7 +233,7 @@ class SimulatedTransport(Transport):
             ]
 
         what = f"alltoallv of {sum(int(p.numel()) for p in mine)} bytes"
-        return self._start(mine, what, ("alltoallv",), combine)
+        return self._collective("started", mine, what, ("alltoallv",), combine)
 
     # ---- the blocking collectives ----------------------------------------------------------
     def allgather_object(self, obj) -> list:
@@ -245,7 +242,8 @@ class SimulatedTransport(Transport):
         def combine(values):
             return [[pickle.loads(b) for b in values] for _ in values]
 
-        return self._blocking_collective(blob, "allgather_object", ("allgather_object",), combine)
+        what, signature = "allgather_object", ("allgather_object",)
+        return self._collective("blocking", blob, what, signature, combine).wait()
 
     def broadcast_(self, tensors, root: int = 0) -> None:
         tensors = list(tensors)
@@ -256,6 +254,6 @@ class SimulatedTransport(Transport):
             return [values[root]] * len(values)  # read-only: copied into each rank's tensors
 
         what = f"broadcast of {len(tensors)} tensors from rank {root}"
-        theirs = self._blocking_collective(mine, what, signature, combine)
+        theirs = self._collective("blocking", mine, what, signature, combine).wait()
         for t, value in zip(tensors, theirs, strict=True):
             t.data.copy_(value)

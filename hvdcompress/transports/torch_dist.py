@@ -13,30 +13,18 @@ Two ways to run (``threaded``):
   order on every rank, so the worker's order is the same on every rank; a group of its
   own keeps them apart from DDP's and the user's collectives on the other groups.
 
-``start_allgatherv`` all-gathers the byte counts, then every rank's bytes padded to the
-largest; ``start_alltoallv`` all-to-alls the counts, then the bytes
-(``all_to_all_single`` with split sizes). NCCL moves only device tensors, so with it the
-bytes travel on the current CUDA device.
+NCCL moves only device tensors, so with it the bytes travel on the current CUDA device.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
-import threading
-import weakref
 
 import torch
 
-from hvdcompress.transports.base import Handle, Transport, check_alltoallv_parts
-
-
-class _Ready(Handle):
-    """A handle whose collective has already run."""
-
-    def __init__(self, result) -> None:
-        super().__init__()
-        self._finish(result)
+from hvdcompress.transports.base import Handle, Transport, check_alltoallv_parts, start_worker
 
 
 class TorchDistTransport(Transport):
@@ -67,29 +55,14 @@ class TorchDistTransport(Transport):
             # collective over the world: every rank builds its transport at the same point
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
             self.group = dist.new_group(ranks, backend=backend)
-            self._jobs = queue.SimpleQueue()
-            worker = threading.Thread(
-                target=_serve, args=(self._jobs,), name="hvdcompress-torch-dist", daemon=True
-            )
-            worker.start()
-            self._worker = worker
-            weakref.finalize(self, self._jobs.put, None)  # the worker ends with the transport
-
-    @property
-    def threaded(self) -> bool:
-        return self._jobs is not None
-
-    def close(self, timeout: float = 10.0) -> None:
-        """End the worker thread after the collectives already started (threaded only)."""
-        if self._jobs is not None:
-            self._jobs.put(None)
-            self._worker.join(timeout)
+            self._jobs = start_worker(self, "hvdcompress-torch-dist")
 
     def _run(self, job) -> Handle:
-        if self._jobs is None:
-            return _Ready(job())
         handle = Handle()
-        self._jobs.put((job, handle))
+        if self._jobs is None:  # inline: the collective runs now
+            handle._finish(job())
+        else:
+            self._jobs.put(functools.partial(handle._run, job))
         return handle
 
     def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
@@ -168,19 +141,3 @@ class TorchDistTransport(Transport):
 
     def barrier(self) -> None:
         self._run(lambda: self.dist.barrier(group=self.group)).wait()
-
-
-def _serve(jobs: queue.SimpleQueue) -> None:
-    """The worker thread of a threaded transport: run each job, in order, into its
-    handle, until the ``None`` that ends it (not a method: the thread holds no reference
-    to the transport, which may then be collected)."""
-    while True:
-        item = jobs.get()
-        if item is None:
-            return
-        job, handle = item
-        try:
-            handle._finish(job())
-        except BaseException as err:  # noqa: BLE001 - re-raised by Handle.wait
-            handle._finish(error=err)
-        del job, handle, item
