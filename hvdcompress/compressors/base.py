@@ -47,9 +47,12 @@ def check_scale(header, scale: float) -> None:
         raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
 
 
-def as_float32(value: float) -> float:
-    """Round a Python float to the nearest float32 (as the wire stores it)."""
-    return float(np.float32(value))
+def check_agreed(field: str, expected, got) -> None:
+    """PayloadError ``field`` unless a header's codec parameter(s) are this rank's own."""
+    if got != expected:
+        raise PayloadError(
+            field, f"expected {expected}, got {got} (ranks disagree on the compressor)"
+        )
 
 
 class Ctx(NamedTuple):  # a NamedTuple: a bucket makes one per tensor and step
@@ -229,6 +232,13 @@ class GatherCompressor(Compressor):
         """Validate a received header's codec parameters against what this rank expects
         for tensor ``name`` (None: not known); raise PayloadError."""
         raise NotImplementedError
+
+    def _check_params_len(self, header: wire.Header, size: int) -> None:
+        if len(header.params) != size:
+            raise PayloadError(
+                "params_len",
+                f"{self.name} has {size} bytes of parameters, got {len(header.params)}",
+            )
 
     def max_numel(self, body_len: int, name: str | None) -> int:
         """The most elements a body of this many bytes can describe (guards allocation)."""
@@ -573,11 +583,11 @@ class GatherCompressor(Compressor):
         payload: torch.Tensor,
         expect: Ctx | None,
         name: str | None,
-        limit: int | None = None,
-        source: str = "",
+        limit: int,
+        source: str,
     ) -> None:
         """Every header check before any allocation or body access; ``limit``: the most
-        elements the receiver accepts (``_numel_limit``; None: the default bound)."""
+        elements the receiver accepts (``receive.numel_limit``, from ``source``)."""
         if header.codec != self.name:
             raise PayloadError("codec", f"expected {self.name!r}, got {header.codec!r}")
         if expect is not None:
@@ -585,8 +595,6 @@ class GatherCompressor(Compressor):
                 raise PayloadError("shape", f"expected {tuple(expect.shape)}, got {header.shape}")
             if header.dtype != expect.dtype:
                 raise PayloadError("dtype", f"expected {expect.dtype}, got {header.dtype}")
-        if limit is None:
-            limit, source = wire.decode_limit(), "the default bound"
         wire.check_numel_bound(header, limit, source)
         self.check_params(header, name)
         if header.nonfinite and header.body_len != 0:

@@ -22,7 +22,7 @@ import struct
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
+from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
@@ -174,15 +174,9 @@ class DGC(GatherCompressor):
         ]
 
     def check_params(self, header, name):
-        if len(header.params) != PARAMS.size:
-            raise PayloadError(
-                "params_len", f"dgc has {PARAMS.size} bytes of parameters, got {len(header.params)}"
-            )
+        self._check_params_len(header, PARAMS.size)
         ratio, step, density = PARAMS.unpack(header.params)
-        if ratio != self.ratio:
-            raise PayloadError(
-                "ratio", f"expected {self.ratio}, got {ratio} (ranks disagree on the compressor)"
-            )
+        check_agreed("ratio", self.ratio, ratio)
         if density != self.density(step):
             raise PayloadError(
                 "density",

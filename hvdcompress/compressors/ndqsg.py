@@ -20,6 +20,7 @@ import torch
 
 from hvdcompress.codecs import dqsg, ndqsg, quant
 from hvdcompress.codecs import primitives as prim
+from hvdcompress.compressors.base import check_agreed
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.registry import register
@@ -138,12 +139,7 @@ class NDQSG(Stochastic):
         self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)
         self._rng_check(header.params, name)
         *theirs, mode = PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        if tuple(theirs) != self._config():
-            raise PayloadError(
-                "levels",
-                f"expected fine/coarse levels, bucket_size, dqsg_fraction {self._config()}, got "
-                f"{tuple(theirs)} (ranks disagree on the compressor)",
-            )
+        check_agreed("levels", self._config(), tuple(theirs))
         sender = prim.RNG_PARAMS.unpack_from(header.params, 0)[3]
         if mode != self.mode_of(sender):
             raise PayloadError(

@@ -13,11 +13,10 @@ import numpy as np
 
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant, threelc
-from hvdcompress.compressors.base import Encoded, check_scale
+from hvdcompress.compressors.base import Encoded, check_agreed, check_scale
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic, encoded, with_fields
-from hvdcompress.errors import PayloadError
 
 QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields; DQSG too)
 TERNGRAD_PARAMS = struct.Struct("<f")  # scale M (after the RNG fields)
@@ -48,13 +47,8 @@ class BucketQuantizer(Stochastic):
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + QSGD_PARAMS.size)
         self._rng_check(header.params, name)
-        levels, bucket = QSGD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        if (levels, bucket) != (self.levels, self.bucket_size):
-            raise PayloadError(
-                "levels",
-                f"expected levels {self.levels} bucket_size {self.bucket_size}, got {levels} "
-                f"{bucket} (ranks disagree on the compressor)",
-            )
+        theirs = QSGD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        check_agreed("levels", (self.levels, self.bucket_size), theirs)  # (levels, bucket_size)
 
 
 @register

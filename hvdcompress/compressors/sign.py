@@ -16,7 +16,6 @@ from hvdcompress.compressors.base import GatherCompressor, check_scale
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import encoded
-from hvdcompress.errors import PayloadError
 
 EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
 
@@ -47,10 +46,7 @@ class SignSGD(GatherCompressor):
         return [encoded(b"", body, x.device) for x, body in zip(xs, bodies, strict=True)]
 
     def check_params(self, header, name):
-        if header.params:
-            raise PayloadError(
-                "params_len", f"signsgd has no parameters, got {len(header.params)} bytes"
-            )
+        self._check_params_len(header, 0)
 
     def max_numel(self, body_len, name):
         return 8 * body_len
@@ -113,10 +109,7 @@ class EFSignSGD(GatherCompressor):
         ]
 
     def check_params(self, header, name):
-        if len(header.params) != EF_PARAMS.size:
-            raise PayloadError(
-                "params_len", f"efsignsgd has 4 bytes of parameters, got {len(header.params)}"
-            )
+        self._check_params_len(header, EF_PARAMS.size)
         (scale,) = EF_PARAMS.unpack(header.params)
         check_scale(header, scale)
 

@@ -20,13 +20,12 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Encoded, GatherCompressor
+from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic, encoded
-from hvdcompress.errors import PayloadError
 
 TOPK_PARAMS = struct.Struct("<d")  # ratio
 RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
@@ -47,13 +46,6 @@ class RatioLevels(PerTensorLevels):
 
     def _check_level(self, value):
         return sparse.check_ratio(value, self.name)
-
-    def _check_ratio(self, ratio: float, name: str | None) -> None:
-        expected = self.level(name)
-        if ratio != expected:
-            raise PayloadError(
-                "ratio", f"expected {expected}, got {ratio} (ranks disagree on the compressor)"
-            )
 
 
 @register
@@ -101,11 +93,8 @@ class TopK(RatioLevels, GatherCompressor):
         return sparse.topk_count(numel, self.ratio) / numel if numel else 1.0
 
     def check_params(self, header, name):
-        if len(header.params) != TOPK_PARAMS.size:
-            raise PayloadError(
-                "params_len", f"topk has 8 bytes of parameters, got {len(header.params)}"
-            )
-        self._check_ratio(TOPK_PARAMS.unpack(header.params)[0], name)
+        self._check_params_len(header, TOPK_PARAMS.size)
+        check_agreed("ratio", self.level(name), TOPK_PARAMS.unpack(header.params)[0])
 
     def max_numel(self, body_len, name):
         k = body_len // 8  # each kept value costs at least 4 + 4 bytes
@@ -278,13 +267,8 @@ class RandomK(SeededSparseState, Stochastic):
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + RANDOMK_PARAMS.size)
         self._rng_check(header.params, name)
-        ratio, unbiased = RANDOMK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        if ratio != self.ratio or unbiased != int(self.unbiased):
-            raise PayloadError(
-                "ratio",
-                f"expected ratio {self.ratio} unbiased {int(self.unbiased)}, got {ratio} "
-                f"{unbiased} (ranks disagree on the compressor)",
-            )
+        theirs = RANDOMK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        check_agreed("ratio", (self.ratio, int(self.unbiased)), theirs)  # (ratio, unbiased)
 
     def max_numel(self, body_len, name):
         # A legitimate payload keeps far more than n p / 16 - 64 values (Chernoff): a
@@ -366,7 +350,8 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
     def check_params(self, header, name):
         self._check_params_len(header, prim.RNG_PARAMS.size + TOPK_PARAMS.size)
         self._rng_check(header.params, name)
-        self._check_ratio(TOPK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0], name)
+        ratio = TOPK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0]
+        check_agreed("ratio", self.level(name), ratio)
 
     def max_numel(self, body_len, name):
         # No bound from the body: a gradient with no more non-zeros than the budget keeps

@@ -88,13 +88,6 @@ class Stochastic(GatherCompressor):
         seed, step, tid, rank = prim.RNG_PARAMS.unpack_from(params, 0)
         return prim.rng_key(seed, step, rank, tid)
 
-    def _check_params_len(self, header, size: int) -> None:
-        if len(header.params) != size:
-            raise PayloadError(
-                "params_len",
-                f"{self.name} has {size} bytes of parameters, got {len(header.params)}",
-            )
-
     def _rng_state(self) -> dict:
         return {"seed": self.seed, "steps": dict(self.steps)}
 

@@ -13,12 +13,11 @@ import numpy as np
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
-from hvdcompress.compressors.base import Encoded, GatherCompressor, as_float32, check_scale
+from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed, check_scale
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
-from hvdcompress.errors import PayloadError
 
 
 @register
@@ -80,18 +79,9 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         ]
 
     def check_params(self, header, name):
-        if len(header.params) != threelc.PARAMS.size:
-            raise PayloadError(
-                "params_len",
-                f"3LC has {threelc.PARAMS.size} bytes of parameters, got {len(header.params)}",
-            )
+        self._check_params_len(header, threelc.PARAMS.size)
         sparsity, scale = threelc.PARAMS.unpack(header.params)
-        expected = self.level(name)
-        if sparsity != as_float32(expected):
-            raise PayloadError(
-                "sparsity",
-                f"expected {expected}, got {sparsity} (ranks disagree on the compressor)",
-            )
+        check_agreed("sparsity", float(np.float32(self.level(name))), sparsity)  # as sent
         check_scale(header, scale)
 
     def max_numel(self, body_len, name):
@@ -132,9 +122,8 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         return {"sparsity": self.sparsity, "residuals": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys, check_saved_value, check_tensor_map
+        from hvdcompress.checkpoint import check_keys, check_saved_value
 
         check_keys("3lc state", state, required=("sparsity", "residuals"))
         check_saved_value("sparsity", state["sparsity"], self.sparsity)
-        check_tensor_map("3lc residuals", state["residuals"])
         self.memory.load_state_dict(state["residuals"], what="3lc residuals")
