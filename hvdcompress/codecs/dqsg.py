@@ -154,8 +154,7 @@ def decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
-    ``outs[i]``: None, or (i, its PayloadError) for the first bad body, the ones before it
-    added, ``outs[i]`` untouched (docs/backends.md, "One call per bucket")."""
+    ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     from hvdcompress.backends import cpu
 
     bits = dqsg_bits(levels)

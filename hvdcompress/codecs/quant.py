@@ -20,7 +20,6 @@ import torch
 
 from hvdcompress.backends import for_device
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.codecs import threelc
 from hvdcompress.errors import PayloadError
 
 MAX_LEVELS = 127
@@ -132,12 +131,6 @@ def terngrad_encode_segments(
     return for_device(xs[0].device).terngrad_encode_segments(xs, keys)
 
 
-def terngrad_decode_into(
-    body: torch.Tensor, n: int, scale: float, out: torch.Tensor, accumulate: bool
-) -> None:
-    threelc.decode_into(body, n, scale, out, accumulate)
-
-
 def qsgd_decode_segments(
     frame: torch.Tensor,
     starts: np.ndarray,
@@ -148,8 +141,7 @@ def qsgd_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``qsgd_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
-    ``outs[i]``: None, or (i, its PayloadError) for the first bad body, the ones before it
-    added, ``outs[i]`` untouched (docs/backends.md, "One call per bucket")."""
+    ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     backend = for_device(outs[0].device) if outs else for_device(frame.device)
     levels = check_levels(levels, "QSGD")
     bits = qsgd_bits(levels)

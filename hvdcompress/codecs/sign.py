@@ -106,9 +106,7 @@ def decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``, ``ns[i]``
-    signs of magnitude ``scales[i]``, into ``outs[i]``: None, or (i, its PayloadError) for
-    the first bad body, the ones before it added, ``outs[i]`` untouched (docs/backends.md,
-    "One call per bucket")."""
+    signs of magnitude ``scales[i]``, into ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     backend = for_device(outs[0].device) if outs else for_device(frame.device)
 
     def decode(upto: int):

@@ -211,10 +211,8 @@ def _randomk_error(code: int, body_len: int) -> PayloadError:
 def randomk_encode_segments(
     gs: list[torch.Tensor], keys: list[int], ratio: float, es: list[torch.Tensor] | None = None
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """``randomk_encode`` of a bucket's tensors (flat float32 on one device) in one native
-    call (CPU) or launch sequence (CUDA): (bodies, non-finite flags). With the residuals
-    ``es`` (error feedback), of a = g + e, and each e becomes a with the kept entries
-    zeroed (untouched where a is not finite)."""
+    """``randomk_encode`` of a bucket's tensors (flat float32 on one device), with the
+    residuals ``es`` or without: the backend's ``randomk_encode_segments``."""
     return for_device(gs[0].device).randomk_encode_segments(gs, keys, randomk_threshold(ratio), es)
 
 
@@ -308,9 +306,8 @@ def _scatter(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, accumul
 
 # ---- DGC's momentum correction (hvdcompress/compressors/dgc.py) -------------------------------
 def momentum_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:
-    """DGC's u <- momentum * u + g (u <- g at momentum 0) and v <- v + u, in place, each one
-    float32 operation. True, with u and v untouched, when the new v would hold a NaN or an
-    Inf."""
+    """DGC's momentum correction: the backend's ``dgc_update``, each step one float32
+    operation."""
     return for_device(g.device).dgc_update(g, u, v, momentum)
 
 
@@ -418,9 +415,7 @@ def topk_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``topk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``, ``ks[i]``
-    of ``ns[i]`` values, into ``outs[i]``: None, or (i, its PayloadError) for the first bad
-    body, the ones before it added, ``outs[i]`` untouched (docs/backends.md, "One call per
-    bucket")."""
+    of ``ns[i]`` values, into ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     need = ks * np.where(ns >= INDEX32_LIMIT, 12, 8)
     return _kept_decode_segments(
         frame, starts, lens, ns, ks, outs, need, "top-k", "topk_decode_segments", topk_kept,

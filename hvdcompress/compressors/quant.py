@@ -126,7 +126,7 @@ class TernGrad(Stochastic):
 
     def decode_into(self, header, body, out, accumulate, side_info):
         (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        quant.terngrad_decode_into(body, header.numel, scale, out, accumulate)
+        threelc.decode_into(body, header.numel, scale, out, accumulate)  # 3LC's layout
 
     def fresh_fill(self, header):
         (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
