@@ -29,7 +29,13 @@ import torch
 
 from hvdcompress import wire
 from hvdcompress.compressors.params import Param
-from hvdcompress.compressors.receive import check_out, checked_cast, numel_limit
+from hvdcompress.compressors.receive import (
+    check_header,
+    check_out,
+    checked_cast,
+    numel_limit,
+    scan_accepted,
+)
 from hvdcompress.errors import PayloadError
 
 
@@ -364,7 +370,7 @@ class GatherCompressor(Compressor):
         ``accepts_bucket`` the codec parameters, ``decode_segments`` adds the bodies;
         what they do not accept goes the per-payload way, whose errors name the field."""
         names = [ctx.name for ctx in ctxs]
-        scanned = self._scan_accepted(frame, outs, ctxs, names)
+        scanned = scan_accepted(self, frame, outs, ctxs, names)
         if scanned is None:
             device = outs[0].device if outs else torch.device("cpu")
             parsed = wire.unframe_parsed(frame, rank, names, device)
@@ -394,35 +400,6 @@ class GatherCompressor(Compressor):
             outs[i].fill_(float("nan"))
         if failed is not None:
             raise failed[1].locate(rank=rank, tensor=names[stop]) from None
-
-    def _scan_accepted(self, frame, outs, ctxs, names):
-        """decode_frame's fast-path checks: (params, body starts, body lengths, numels,
-        non-finite flags) of every payload when the scan, ``accepts_bucket`` and the
-        outputs' sizes accept the frame, else None (the per-payload way)."""
-        devices = {o.device for o in outs}
-        if len(devices) > 1:
-            return None
-        device = devices.pop() if devices else torch.device("cpu")
-        if device.type != "cpu" and not (device.type == "cuda" and self.cuda_decode_segments):
-            return None
-        if device.type == "cpu" and frame.device.type != "cpu":
-            return None  # the per-payload path moves each payload
-        scanned = wire.scan_frame(frame, self.frame_layout(ctxs))  # on the frame's device
-        if scanned is None:
-            return None
-        fields, params = scanned
-        col = wire.SCAN
-        flags = fields[:, col["flags"]]
-        lens = np.ascontiguousarray(fields[:, col["body_len"]])
-        starts = fields[:, col["start"]] + fields[:, col["length"]] - lens
-        numels = np.ascontiguousarray(fields[:, col["numel"]])
-        sizes = np.fromiter((o.numel() for o in outs), dtype=np.int64, count=len(outs))
-        nonfinite = (flags & wire.FLAG_NONFINITE) != 0
-        if not np.array_equal(sizes, numels) or not bool((lens[nonfinite] == 0).all()):
-            return None  # decode_parsed names the mismatch ("numel", "body_len")
-        if not self.accepts_bucket(names, flags, params, lens, numels):
-            return None
-        return params, starts, lens, numels, nonfinite
 
     def accepts_bucket(
         self,
@@ -555,7 +532,7 @@ class GatherCompressor(Compressor):
             check_out(out)
         limit, source = numel_limit(None if expect is None else expect.shape, out, max_numel)
         try:
-            self._validate(header, payload, expect, name, limit, source)
+            check_header(self, header, payload, expect, name, limit, source)
             body = payload[header.size :]
             if out is not None:
                 if header.numel != out.numel():
@@ -576,33 +553,3 @@ class GatherCompressor(Compressor):
             return checked_cast(flat.view(header.shape), header.dtype, bound)
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=name) from None
-
-    def _validate(
-        self,
-        header: wire.Header,
-        payload: torch.Tensor,
-        expect: Ctx | None,
-        name: str | None,
-        limit: int,
-        source: str,
-    ) -> None:
-        """Every header check before any allocation or body access; ``limit``: the most
-        elements the receiver accepts (``receive.numel_limit``, from ``source``)."""
-        if header.codec != self.name:
-            raise PayloadError("codec", f"expected {self.name!r}, got {header.codec!r}")
-        if expect is not None:
-            if header.shape != tuple(expect.shape):
-                raise PayloadError("shape", f"expected {tuple(expect.shape)}, got {header.shape}")
-            if header.dtype != expect.dtype:
-                raise PayloadError("dtype", f"expected {expect.dtype}, got {header.dtype}")
-        wire.check_numel_bound(header, limit, source)
-        self.check_params(header, name)
-        if header.nonfinite and header.body_len != 0:
-            raise PayloadError(
-                "body_len", f"a non-finite payload carries no body, got {header.body_len} bytes"
-            )
-        if not header.nonfinite and header.numel > self.max_numel(header.body_len, name):
-            raise PayloadError(
-                "numel", f"{header.numel} elements cannot come from {header.body_len} body bytes"
-            )
-        wire.verify_checksum(header, payload)
