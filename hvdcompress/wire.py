@@ -36,6 +36,7 @@ changed byte changes it. A bucket's payloads travel in one frame per rank
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from typing import NamedTuple
@@ -135,10 +136,7 @@ class Header(NamedTuple):  # a NamedTuple: built once per payload on the hot pat
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nonfinite(self) -> bool:
@@ -406,7 +404,7 @@ def unframe_parsed(
 class FrameLayout:
     """The per-tensor parts of a bucket's payloads that do not change from step to step:
     the codec, and each tensor's dtype and shape. Holds the packed header templates the
-    sender's frame is written from (``write_frame``: flags, params and body are the
+    sender's frame is written from (``frame_bucket``: flags, params and body are the
     step's) and the expectations a receiver checks a scanned frame against
     (``scan_frame``)."""
 
@@ -436,13 +434,28 @@ def frame_bucket(
 ) -> torch.Tensor:
     """One rank's frame of a bucket: ``frame`` of the payloads ``assemble`` makes of each
     tensor's header (the layout's codec, dtype and shape) and its ``(flags, params,
-    body)``, byte for byte. Bodies on the CPU: one native call (``write_frame``); on a
-    GPU: one buffer on the bodies' device (``device_frame``)."""
+    body)``, byte for byte. Bodies on the CPU (contiguous uint8): written by one native
+    call; on a GPU: one buffer on the bodies' device (``device_frame``)."""
     bodies = [body for _, _, body in encoded]
     if all(b.device.type == "cpu" for b in bodies):
-        flags = [f for f, _, _ in encoded]
+        from hvdcompress.backends import cpu
+
         params = [p for _, p, _ in encoded]
-        return write_frame(layout, flags, params, bodies)
+        params_lens = np.fromiter(map(len, params), dtype=np.int64, count=len(params))
+        if params_lens.size and int(params_lens.max()) > MAX_PARAMS:
+            raise ValueError(
+                f"codec parameters of at most {MAX_PARAMS} bytes, got {params_lens.max()}"
+            )
+        flags = np.array([f for f, _, _ in encoded], dtype=np.uint8)
+        return cpu.frame_write(
+            layout.heads,
+            layout.head_starts,
+            layout.head_lens,
+            flags,
+            b"".join(params),
+            params_lens,
+            bodies,
+        )
     heads = [
         Header(layout.codec, flags, dtype, shape, params, body.numel()).pack()
         for shape, dtype, (flags, params, body) in zip(
@@ -471,28 +484,6 @@ def device_frame(heads: list[bytes], bodies: list[torch.Tensor]) -> torch.Tensor
     frame = torch.cat(pieces)
     for_device(device).store_checksums(frame, starts, lengths, CHECKSUM_OFFSET)
     return frame
-
-
-def write_frame(
-    layout: FrameLayout, flags: list[int], params: list[bytes], bodies: list[torch.Tensor]
-) -> torch.Tensor:
-    """``frame`` of the payloads ``assemble`` makes of each tensor's header (the layout's,
-    with these flags and params) and body (contiguous uint8 on the CPU), byte for byte,
-    written by one native call."""
-    from hvdcompress.backends import cpu
-
-    params_lens = np.fromiter(map(len, params), dtype=np.int64, count=len(params))
-    if params_lens.size and int(params_lens.max()) > MAX_PARAMS:
-        raise ValueError(f"codec parameters of at most {MAX_PARAMS} bytes, got {params_lens.max()}")
-    return cpu.frame_write(
-        layout.heads,
-        layout.head_starts,
-        layout.head_lens,
-        np.asarray(flags, dtype=np.uint8),
-        b"".join(params),
-        params_lens,
-        bodies,
-    )
 
 
 def scan_frame(frame: torch.Tensor, layout: FrameLayout) -> tuple[np.ndarray, list[bytes]] | None:
