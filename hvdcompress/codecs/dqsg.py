@@ -120,9 +120,8 @@ def dequantize_into(
 def encode_segments(
     ws: list[torch.Tensor], levels: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """``encode`` of each (w, key) of a bucket (contiguous float32 on one device), one
-    native call (CPU) or launch sequence (CUDA) for the tensors the codec threads do not
-    cut into parts (``splits``), ``encode`` for those."""
+    """``encode`` of each (w, key) of a bucket (contiguous float32 on one device): one
+    backend call for the tensors the codec threads do not cut (``splits``)."""
     from hvdcompress.backends import cpu
 
     backend = for_device(ws[0].device)

@@ -114,8 +114,7 @@ def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | N
 def qsgd_encode_segments(
     xs: list[torch.Tensor], levels: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """``qsgd_encode`` of each (x, key) of a bucket (contiguous float32 on one device): on
-    CUDA one launch sequence for the bucket."""
+    """``qsgd_encode`` of each (x, key) of a bucket (contiguous float32 on one device)."""
     levels = check_levels(levels, "QSGD")
     return for_device(xs[0].device).qsgd_encode_segments(
         xs, levels, qsgd_bits(levels), bucket, keys
@@ -125,9 +124,7 @@ def qsgd_encode_segments(
 def terngrad_encode_segments(
     xs: list[torch.Tensor], keys: list[int]
 ) -> list[tuple[torch.Tensor, float] | None]:
-    """``terngrad_encode`` of each (x, key) of a bucket (contiguous float32 on one device):
-    one native call (CPU; a tensor the codec threads cut, ``splits``, on its own) or
-    launch sequence (CUDA)."""
+    """``terngrad_encode`` of each (x, key) of a bucket (contiguous float32 on one device)."""
     return for_device(xs[0].device).terngrad_encode_segments(xs, keys)
 
 

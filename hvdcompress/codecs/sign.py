@@ -30,8 +30,7 @@ def encode(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """``encode`` of each flat float32 tensor of a bucket (all on one device): one native
-    call over a segment table on the CPU."""
+    """``encode`` of each flat float32 tensor of a bucket (all on one device)."""
     if not xs:
         return []
     return for_device(xs[0].device).sign_encode_segments(xs)
@@ -57,8 +56,7 @@ def ef_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor]
 ) -> list[tuple[torch.Tensor, float] | None]:
     """``ef_encode`` of each (g, e) of a bucket (flat float32 on one device): the same two
-    passes, each one native call (CPU; a tensor the codec threads cut, a call a part) or
-    one launch (CUDA) for the bucket's tensors."""
+    passes, each one backend call for the bucket."""
     backend = for_device(gs[0].device)
     sums, nonfinite = backend.efsign_sums_segments(gs, es)
     scales = [

@@ -368,13 +368,10 @@ def gspar_encode_segments(
     budgets: list[float],
     es: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """``gspar_encode`` of a bucket's tensors (flat float32 on one device, finite or
-    flagged) in one native call (on CUDA one launch sequence, a read a round of the scale
-    iteration): (bodies, non-finite flags). Scaled; or with the residuals ``es`` (error
-    feedback) of a = g + e, unscaled, each e becoming a with the kept entries zeroed
-    (untouched where a is not finite). A tensor the call leaves to its caller (more kept
-    than its room) is encoded alone; a scaled body that overflowed is flagged
-    (``gspar_values_finite``)."""
+    """``gspar_encode`` of a bucket's tensors (flat float32 on one device): the backend's
+    ``gspar_encode_segments``, scaled, or unscaled with the residuals ``es``. A tensor the
+    call leaves to its caller (more kept than its room) is encoded alone; a scaled body
+    that overflowed is flagged (``gspar_values_finite``)."""
     if not gs:
         return [], []
     backend = for_device(gs[0].device)
@@ -481,12 +478,9 @@ def topk_encode_segments(
     us: list[torch.Tensor] | None = None,
     momentum: float = 0.0,
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """Top-k with error feedback of a bucket's tensors (flat float32 on one device) in one
-    native call (kernels/sparse.c; on CUDA one launch sequence of kernels/sparse.cu): for
-    each (g, e, k), unless g + e is not finite (flagged, e untouched), e = g + e, the body
-    of ``topk_encode(e, k)``, then e[kept] = 0 (the compressor's ``TopK.encode``, byte for
-    byte). With the velocities ``us`` (DGC): ``momentum_update`` (g, u, e) instead of
-    e = g + e, and u[kept] = 0 too (``DGC.encode``, byte for byte)."""
+    """Top-k with error feedback of a bucket's tensors (flat float32 on one device): the
+    backend's ``topk_encode_segments``, each body ``topk_encode``'s of g + e, byte for byte
+    (with the velocities ``us``, DGC's: ``DGC.encode``'s)."""
     if not gs:
         return [], []
     return for_device(gs[0].device).topk_encode_segments(gs, es, ks, us, momentum)
@@ -496,10 +490,9 @@ def topk_sign_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor], ks: list[int]
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """Top-k + sign with error feedback of a bucket's tensors (contiguous float32 on one
-    device), two native calls (on CUDA two launch sequences; ``TopKSign.encode`` of each,
-    byte for byte): e = g + e, the kept set, m = float32(correctly rounded sum of |kept| /
-    k) per tensor here, then the bodies and e[kept] -= +-m. (bodies, non-finite flags: e
-    untouched there.)"""
+    device): the backend's selection, m = float32(correctly rounded sum of |kept| / k) per
+    tensor here, then the backend's bodies (``topk_sign_encode``'s of g + e, byte for
+    byte); (bodies, non-finite flags)."""
     if not gs:
         return [], []
     backend = for_device(gs[0].device)
