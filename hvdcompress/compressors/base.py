@@ -110,6 +110,11 @@ class Compressor:
     def compression_attribute(cls) -> str:
         return cls.attribute or cls.name
 
+    def __repr__(self) -> str:
+        """The class and its constructor parameters (``params``) but the rank ``bind`` sets."""
+        args = ", ".join(f"{p}={getattr(self, p)}" for p in self.params if p != "rank")
+        return f"{type(self).__name__}({args})"
+
     # ---- life cycle in the optimizer (defaults: nothing to do) ---------------------------
     def bind(self, rank: int, size: int) -> None:
         """Told by the optimizer which rank this is, out of how many. Compressors that

@@ -93,12 +93,6 @@ class DGC(GatherCompressor):
         self.memory = ErrorFeedback()  # v (the error-feedback residual)
         self.steps: dict[str, int] = {}
 
-    def __repr__(self) -> str:
-        return (
-            f"DGC(ratio={self.ratio}, momentum={self.momentum}, clip_norm={self.clip_norm}, "
-            f"warmup_steps={self.warmup_steps}, warmup_stages={self.warmup_stages})"
-        )
-
     def bind(self, rank: int, size: int) -> None:
         self.size = max(1, int(size))
 

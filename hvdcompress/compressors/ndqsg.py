@@ -82,13 +82,6 @@ class NDQSG(Stochastic):
         self._counts = {"estimate": [0, 0], "own": [0, 0]}
         self.last_aliasing_rate: float | None = None
 
-    def __repr__(self) -> str:
-        return (
-            f"NDQSG(fine_levels={self.fine_levels}, coarse_levels={self.coarse_levels}, "
-            f"bucket_size={self.bucket_size}, dqsg_fraction={self.dqsg_fraction}, "
-            f"seed={self.seed})"
-        )
-
     def bind(self, rank: int, size: int) -> None:
         super().bind(rank, size)
         if isinstance(size, bool) or int(size) != size or size < 1:

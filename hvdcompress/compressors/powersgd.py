@@ -82,9 +82,6 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         self.qs: dict[str, torch.Tensor] = {}
         self._pending: dict[str, tuple] = {}
 
-    def __repr__(self) -> str:
-        return f"PowerSGD(matrix_rank={self.matrix_rank}, seed={self.seed})"
-
     def _check_level(self, value):
         if isinstance(value, bool) or int(value) != value or not (1 <= value <= MAX_RANK):
             raise ValueError(

@@ -36,10 +36,6 @@ class BucketQuantizer(Stochastic):
     def shard_alignment(self) -> int:
         return self.bucket_size  # one scale per bucket (docs/codecs.md, "Quantisation buckets")
 
-    def __repr__(self) -> str:
-        name, levels, bucket = type(self).__name__, self.levels, self.bucket_size
-        return f"{name}(levels={levels}, bucket_size={bucket}, seed={self.seed})"
-
     def encode_bucket(self, tensors, names):
         fields = QSGD_PARAMS.pack(self.levels, self.bucket_size)
         return self._encode_bucket_with(tensors, names, self._encode_segments, with_fields(fields))
@@ -106,9 +102,6 @@ class TernGrad(Stochastic):
 
     def shard_alignment(self) -> int:
         return 5  # a quartic byte holds 5 values (docs/codecs.md, "Quartic encoding")
-
-    def __repr__(self) -> str:
-        return f"TernGrad(seed={self.seed})"
 
     def encode_bucket(self, tensors, names):
         return self._encode_bucket_with(

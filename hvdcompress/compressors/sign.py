@@ -35,9 +35,6 @@ class SignSGD(GatherCompressor):
     def __init__(self) -> None:
         pass
 
-    def __repr__(self) -> str:
-        return "SignSGD()"
-
     def encode_bucket(self, tensors, names):
         xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({x.device for x in xs}) > 1:
@@ -88,9 +85,6 @@ class EFSignSGD(GatherCompressor):
 
     def __init__(self) -> None:
         self.memory = ErrorFeedback()
-
-    def __repr__(self) -> str:
-        return "EFSignSGD()"
 
     def contraction(self, numel):
         # ||a - mean|a| sign(a)||^2 = ||a||^2 - ||a||_1^2 / n >= (1 - 1 / n) ||a||^2 at worst

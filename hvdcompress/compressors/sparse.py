@@ -65,9 +65,6 @@ class TopK(RatioLevels, GatherCompressor):
         self.ratio = sparse.check_ratio(ratio, "topk")
         self.memory = ErrorFeedback()
 
-    def __repr__(self) -> str:
-        return f"TopK(ratio={self.ratio})"
-
     # the codec's decoder and bucket forms (kernels/sparse.c, kernels/sparse.cu): TopKSign
     # sets its own
     decode_kept_into = staticmethod(sparse.topk_decode_into)
@@ -140,9 +137,6 @@ class TopKSign(TopK):
 
     def decoded_bound(self, header, body):
         return sparse.topk_sign_bound(body)
-
-    def __repr__(self) -> str:
-        return f"TopKSign(ratio={self.ratio})"
 
     def contraction(self, numel):
         # ||a_S - m sign(a_S)||^2 = ||a_S||^2 - k m^2 and k m^2 = (sum |a_S|)^2 / k
@@ -232,12 +226,6 @@ class RandomK(SeededSparseState, Stochastic):
         self._scale = sparse.randomk_scale(self.ratio, self.unbiased)
         self._init_rng(seed, rank)
 
-    def __repr__(self) -> str:
-        return (
-            f"RandomK(ratio={self.ratio}, unbiased={self.unbiased}, "
-            f"error_feedback={self.error_feedback}, seed={self.seed})"
-        )
-
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({g.device for g in gs}) != 1:  # none, or several devices
@@ -321,9 +309,6 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
         self.error_feedback = bool(error_feedback)
         self.memory = ErrorFeedback()
         self._init_rng(seed, rank)
-
-    def __repr__(self) -> str:
-        return f"GSpar(ratio={self.ratio}, error_feedback={self.error_feedback}, seed={self.seed})"
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only

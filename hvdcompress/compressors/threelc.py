@@ -42,9 +42,6 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         self.sparsity = threelc.check_sparsity(sparsity)
         self.memory = ErrorFeedback()
 
-    def __repr__(self) -> str:
-        return f"ThreeLC(sparsity={self.sparsity})"
-
     def _check_level(self, value):
         return threelc.check_sparsity(value)
 
