@@ -433,20 +433,20 @@ class GatherCompressor(Compressor):
         self,
         frame: torch.Tensor,
         params: list[bytes],
-        body_starts: np.ndarray,
-        body_lens: np.ndarray,
+        starts: np.ndarray,
+        lens: np.ndarray,
         numels: np.ndarray,
         outs: list[torch.Tensor],
         names: list[str],
         rank: int | None = None,
     ) -> tuple[int, PayloadError] | None:
-        """Add the accepted bodies ``frame[body_starts[i]:][:body_lens[i]]`` decoded into
+        """Add the accepted bodies ``frame[starts[i]:][:lens[i]]`` decoded into
         ``outs[i]``: None, or (i, the PayloadError) of the first that does not decode (the
         ones before it added, ``outs[i]`` untouched). ``decode_into`` of each by default; a
         codec with a batched native decoder overrides it with one call (docs/backends.md,
         "One call per bucket"); side information as in ``decode_bucket``."""
         for i, (param, start, length, numel) in enumerate(
-            zip(params, body_starts.tolist(), body_lens.tolist(), numels.tolist(), strict=True)
+            zip(params, starts.tolist(), lens.tolist(), numels.tolist(), strict=True)
         ):
             header = wire.Header(self.name, 0, torch.float32, (numel,), param, length)
             side = outs[i] / rank if self.uses_side_info and rank else None

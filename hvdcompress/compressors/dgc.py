@@ -190,12 +190,10 @@ class DGC(GatherCompressor):
     def decoded_bound(self, header, body):
         return sparse.topk_values_bound(body, header.numel)
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         # top-k's bodies: one native call (accepts_bucket checked the densities)
         ks = sparse.topk_counts(numels, (PARAMS.unpack(p)[2] for p in params))
-        return sparse.topk_decode_segments(frame, body_starts, body_lens, numels, ks, outs)
+        return sparse.topk_decode_segments(frame, starts, lens, numels, ks, outs)
 
     def state_dict(self) -> dict:
         return {

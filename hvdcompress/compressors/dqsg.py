@@ -44,10 +44,8 @@ class DQSG(BucketQuantizer):
         key = self._stream_key(header.params)
         dqsg.decode_into(body, header.numel, self.levels, self.bucket_size, key, out, accumulate)
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         keys = [self._stream_key(p) for p in params]  # accepts_bucket checked the fields
         return dqsg.decode_segments(
-            frame, body_starts, body_lens, numels, self.levels, self.bucket_size, keys, outs
+            frame, starts, lens, numels, self.levels, self.bucket_size, keys, outs
         )

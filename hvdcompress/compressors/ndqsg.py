@@ -189,27 +189,21 @@ class NDQSG(Stochastic):
     # device) for the rest.
     cuda_decode_segments = True
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         modes = {p[-1] for p in params}  # the mode byte ends the params (checked)
         keys = [self._stream_key(p) for p in params]
         if not rank and modes == {MODE_DQSG}:  # no side information: DQSG's decode
             return dqsg.decode_segments(
-                frame, body_starts, body_lens, numels, self.fine_levels, self.bucket_size,
-                keys, outs,
-            )  # fmt: skip
+                frame, starts, lens, numels, self.fine_levels, self.bucket_size, keys, outs
+            )
         if not rank or modes != {MODE_NESTED}:
             # DQSG-mode payloads of ranks 1 .. D-1 (each re-decoded for the aliasing
             # estimate), and nested ones without side information ("side_info")
-            return super().decode_segments(
-                frame, params, body_starts, body_lens, numels, outs, names, rank
-            )
+            return super().decode_segments(frame, params, starts, lens, numels, outs, names, rank)
         owns = [self._own_k(p, int(n)) for p, n in zip(params, numels.tolist(), strict=True)]
         aliased, failed = ndqsg.decode_segments(
-            frame, body_starts, body_lens, numels, self.rho, self.bucket_size, keys, rank,
-            outs, owns,
-        )  # fmt: skip
+            frame, starts, lens, numels, self.rho, self.bucket_size, keys, rank, outs, owns
+        )
         done = len(outs) if failed is None else failed[0]
         for k, bad, n in zip(owns[:done], aliased.tolist(), numels.tolist(), strict=False):
             if k is not None and n:

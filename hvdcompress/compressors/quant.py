@@ -78,12 +78,10 @@ class QSGD(BucketQuantizer):
     def decoded_bound(self, header, body):
         return quant.qsgd_decoded_bound(body, header.numel, self.bucket_size)
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         # accepts_bucket checked every payload's levels and bucket size against these
         return quant.qsgd_decode_segments(
-            frame, body_starts, body_lens, numels, self.levels, self.bucket_size, outs
+            frame, starts, lens, numels, self.levels, self.bucket_size, outs
         )
 
 
@@ -128,12 +126,10 @@ class TernGrad(Stochastic):
     def decoded_bound(self, header, body):
         return TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0]  # +-M, 0
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         at = prim.RNG_PARAMS.size
         scales = np.array([TERNGRAD_PARAMS.unpack_from(p, at)[0] for p in params], np.float32)
-        return threelc.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
+        return threelc.decode_segments(frame, starts, lens, numels, scales, outs)
 
 
 def _terngrad_payload(rng: bytes, coded, device) -> Encoded:

@@ -63,11 +63,9 @@ class SignSGD(GatherCompressor):
 
     cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         ones = np.ones(len(outs), dtype=np.float32)
-        return sign.decode_segments(frame, body_starts, body_lens, numels, ones, outs)
+        return sign.decode_segments(frame, starts, lens, numels, ones, outs)
 
 
 @register
@@ -132,11 +130,9 @@ class EFSignSGD(GatherCompressor):
 
     cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         scales = np.frombuffer(b"".join(params), dtype="<f4")
-        return sign.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
+        return sign.decode_segments(frame, starts, lens, numels, scales, outs)
 
     def state_dict(self) -> dict:
         return {"residuals": self.memory.state_dict()}

@@ -105,11 +105,9 @@ class TopK(RatioLevels, GatherCompressor):
     def decoded_bound(self, header, body):
         return sparse.topk_values_bound(body, header.numel)
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         ks = sparse.topk_counts(numels, (TOPK_PARAMS.unpack(p)[0] for p in params))
-        return self.decode_kept_segments(frame, body_starts, body_lens, numels, ks, outs)
+        return self.decode_kept_segments(frame, starts, lens, numels, ks, outs)
 
     def state_dict(self) -> dict:
         return {"ratio": self.ratio, "residuals": self.memory.state_dict()}
@@ -239,12 +237,10 @@ class RandomK(SeededSparseState, Stochastic):
             for g, (rng, _), body, bad in zip(gs, rngs, bodies, nonfinite, strict=True)
         ]
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         keys = [self._stream_key(p) for p in params]  # accepts_bucket checked the fields
         return sparse.randomk_decode_segments(
-            frame, body_starts, body_lens, numels, keys, self.ratio, self._scale, outs
+            frame, starts, lens, numels, keys, self.ratio, self._scale, outs
         )
 
     def contraction(self, numel):
@@ -351,7 +347,5 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
     def decoded_bound(self, header, body):
         return sparse.topk_values_bound(body, header.numel)
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
-        return sparse.gspar_decode_segments(frame, body_starts, body_lens, numels, outs)
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
+        return sparse.gspar_decode_segments(frame, starts, lens, numels, outs)

@@ -109,11 +109,9 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         ok &= nonfinite | (numels <= body_lens * threelc.MAX_VALUES_PER_BYTE)
         return bool(ok.all())
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         scales = np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)[:, 1]
-        return threelc.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
+        return threelc.decode_segments(frame, starts, lens, numels, scales, outs)
 
     def state_dict(self) -> dict:
         return {"sparsity": self.sparsity, "residuals": self.memory.state_dict()}
