@@ -13,7 +13,7 @@ from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
 from hvdcompress.compressors.base import GatherCompressor, check_scale
-from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import encoded
 
@@ -69,7 +69,7 @@ class SignSGD(GatherCompressor):
 
 
 @register
-class EFSignSGD(GatherCompressor):
+class EFSignSGD(ResidualState, GatherCompressor):
     """EF-signSGD: mean|g + e| * sign(g + e), one bit per value plus one float32 scale."""
 
     name = "efsignsgd"
@@ -133,12 +133,3 @@ class EFSignSGD(GatherCompressor):
     def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         scales = np.frombuffer(b"".join(params), dtype="<f4")
         return sign.decode_segments(frame, starts, lens, numels, scales, outs)
-
-    def state_dict(self) -> dict:
-        return {"residuals": self.memory.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys
-
-        check_keys(f"{self.name} state", state, required=("residuals",))
-        self.memory.load_state_dict(state["residuals"], what=f"{self.name} residuals")

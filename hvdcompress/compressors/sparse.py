@@ -22,7 +22,7 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
 from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed
 from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
 from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic, encoded
@@ -49,7 +49,7 @@ class RatioLevels(PerTensorLevels):
 
 
 @register
-class TopK(RatioLevels, GatherCompressor):
+class TopK(ResidualState, RatioLevels, GatherCompressor):
     """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|; a policy
     may set it per tensor (``set_level(name, ratio)``), the header carries it."""
 
@@ -60,6 +60,7 @@ class TopK(RatioLevels, GatherCompressor):
     examples = ({"ratio": 0.05},)
     benchmarks = ({"ratio": 0.01},)
     error_feedback = True
+    saved_settings = ("ratio",)
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = sparse.check_ratio(ratio, "topk")
@@ -108,16 +109,6 @@ class TopK(RatioLevels, GatherCompressor):
     def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         ks = sparse.topk_counts(numels, (TOPK_PARAMS.unpack(p)[0] for p in params))
         return self.decode_kept_segments(frame, starts, lens, numels, ks, outs)
-
-    def state_dict(self) -> dict:
-        return {"ratio": self.ratio, "residuals": self.memory.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys
-
-        check_keys(f"{self.name} state", state, required=("ratio", "residuals"))
-        check_saved_ratio(state, self.ratio)
-        self.memory.load_state_dict(state["residuals"], what=f"{self.name} residuals")
 
 
 @register

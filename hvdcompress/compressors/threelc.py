@@ -15,13 +15,13 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
 from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed, check_scale
 from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
 
 
 @register
-class ThreeLC(PerTensorLevels, GatherCompressor):
+class ThreeLC(ResidualState, PerTensorLevels, GatherCompressor):
     """3LC with sparsity multiplication ``sparsity`` in [1, 2) (default 1.0); a policy may
     set it per tensor (``set_level(name, s)``), the header carries it."""
 
@@ -33,6 +33,7 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
     benchmarks = ({"sparsity": 1.0}, {"sparsity": 1.75})
     error_feedback = True
     level_param = "sparsity"
+    saved_settings = ("sparsity",)
     cuda_decode_segments = True  # threelc.decode_segments: one launch sequence a frame
 
     def shard_alignment(self) -> int:
@@ -112,13 +113,3 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
     def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         scales = np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)[:, 1]
         return threelc.decode_segments(frame, starts, lens, numels, scales, outs)
-
-    def state_dict(self) -> dict:
-        return {"sparsity": self.sparsity, "residuals": self.memory.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys, check_saved_value
-
-        check_keys("3lc state", state, required=("sparsity", "residuals"))
-        check_saved_value("sparsity", state["sparsity"], self.sparsity)
-        self.memory.load_state_dict(state["residuals"], what="3lc residuals")
