@@ -480,7 +480,7 @@ def topk_encode_segments(
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """Top-k with error feedback of a bucket's tensors (flat float32 on one device): the
     backend's ``topk_encode_segments``, each body ``topk_encode``'s of g + e, byte for byte
-    (with the velocities ``us``, DGC's: ``DGC.encode``'s)."""
+    (with the velocities ``us``, DGC's, after ``momentum_update``)."""
     if not gs:
         return [], []
     return for_device(gs[0].device).topk_encode_segments(gs, es, ks, us, momentum)

@@ -128,34 +128,22 @@ class DGC(GatherCompressor):
             stage, stages = step, T
         return WARMUP_START * (self.ratio / WARMUP_START) ** (stage / stages)
 
-    def encode(self, tensor, name):
-        g = prim.flat_f32(tensor)
-        u = self.velocity.residual(name, g)
-        v = self.memory.residual(name, g)
-        step = self.steps.get(name, 0)
-        self.steps[name] = step + 1
-        density = self.density(step)
-        params = PARAMS.pack(self.ratio, step, density)
-        if self.clip_norm > 0.0 and prim.all_finite(g):
-            limit = self.clip_norm / math.sqrt(self.size)
-            norm = math.sqrt(math.fsum(prim.chunk_sums(g, 1024, True).cpu().tolist()))
-            if norm > limit:
-                g = g * float(limit / (norm + 1e-6))
-        if sparse.momentum_update(g, u, v, self.momentum):  # u and v untouched
-            return wire.FLAG_NONFINITE, params, empty_body(g.device)
-        body, idx = sparse.topk_encode(v, sparse.topk_count(v.numel(), density))
-        v[idx] = 0.0
-        u[idx] = 0.0
-        return 0, params, body
+    def _clipped(self, g):
+        """The finite g scaled to a norm of at most clip_norm / sqrt(N) (local clipping)."""
+        limit = self.clip_norm / math.sqrt(self.size)
+        norm = math.sqrt(math.fsum(prim.chunk_sums(g.view(-1), 1024, True).cpu().tolist()))
+        return g * float(limit / (norm + 1e-6)) if norm > limit else g
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if self.clip_norm > 0.0 or len({g.device for g in gs}) != 1:
-            return super().encode_bucket(tensors, names)  # clipping: tensor by tensor
+        if len({g.device for g in gs}) != 1:  # none, or on several devices
+            return super().encode_bucket(tensors, names)
+        if self.clip_norm > 0.0:
+            gs = [self._clipped(g) if prim.all_finite(g) else g for g in gs]
         us = [self.velocity.residual(name, g) for g, name in zip(gs, names, strict=True)]
         vs = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
         params, ks = [], []
-        for g, name in zip(gs, names, strict=True):  # steps advance as in encode
+        for g, name in zip(gs, names, strict=True):
             step = self.steps.get(name, 0)
             self.steps[name] = step + 1
             density = self.density(step)
