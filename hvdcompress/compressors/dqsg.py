@@ -1,9 +1,8 @@
 """DQSG compressor (docs/codecs.md, "DQSG and NDQSG"), codec in hvdcompress.codecs.dqsg.
 
 No error feedback (the dithered quantiser is unbiased and its error independent of the
-input). The dither comes from the counter-based generator keyed by (seed, step, rank,
-tensor id); those travel in the header, so a receiver decodes any rank's payload from
-the payload alone. Non-finite input travels as the flag.
+input); the dither is the seeded compressors' (hvdcompress.compressors.stochastic).
+Non-finite input travels as the flag.
 """
 
 from __future__ import annotations

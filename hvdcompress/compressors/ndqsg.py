@@ -111,21 +111,16 @@ class NDQSG(Stochastic):
             )  # fmt: skip
 
         def payload(rng: bytes, coded, device):
-            if coded is None:
-                return encoded(rng + fields, None, device)
-            self._remember(rng, coded[1])  # k, for this rank's own aliasing rate
-            return encoded(rng + fields, coded[0], device)
+            if coded is not None:  # keep k, for this rank's own aliasing rate (_own_k)
+                _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
+                self._sent[tid] = (step, coded[1])
+            return encoded(rng + fields, None if coded is None else coded[0], device)
 
         return self._encode_bucket_with(
             tensors, names,
             lambda ws, keys: ndqsg.encode_nested_segments(ws, s1, self.rho, bucket, keys),
             payload,
         )  # fmt: skip
-
-    def _remember(self, rng: bytes, k: torch.Tensor) -> None:
-        """Keep the fine indices k of this rank's nested payload with these RNG fields."""
-        _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
-        self._sent[tid] = (step, k)
 
     # ---- decode ---------------------------------------------------------------------------
     def check_params(self, header, name):

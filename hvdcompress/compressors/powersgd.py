@@ -148,8 +148,6 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         return self.decompress_exact(payload, ctx).to(ctx.dtype)
 
     def decompress_exact(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        """``decompress`` before the cast to the gradient's dtype (float32), so that the
-        optimizer rounds once, after averaging, and can feed that rounding back."""
         pending = self._pending.pop(ctx.name, None)
         if (
             pending is None

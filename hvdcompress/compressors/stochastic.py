@@ -1,16 +1,14 @@
 """Shared machinery of the compressors that draw random numbers (randomk, gspar, qsgd,
 terngrad, dqsg, ndqsg): a seed, this rank's id, a step counter per tensor, and the header
-fields that let any receiver regenerate the sender's random numbers
-(hvdcompress.codecs.primitives).
+fields from which any receiver regenerates the sender's random numbers, the same on every
+backend (hvdcompress.codecs.primitives).
 
-The random numbers of a payload are a deterministic function of (seed, step, rank,
-tensor id): every backend gives the same bytes, tests are reproducible, and the
-receiver needs nothing but the header. ``step`` counts this compressor's compress calls
-for that tensor name (saved in ``state_dict``). ``rank`` must differ between ranks that
-compress the same tensor (their random numbers are then independent); the optimizer sets
-it through ``bind(rank, size)``. Decoding checks that the payload's seed is this
-compressor's (ranks agree on it at start-up) and, when the receiver names the tensor,
-that the payload's tensor id is that name's.
+``step`` counts this compressor's compress calls for that tensor name (saved in
+``state_dict``). ``rank`` must differ between ranks that compress the same tensor (their
+random numbers are then independent); the optimizer sets it through ``bind(rank, size)``.
+Decoding checks that the payload's seed is this compressor's (ranks agree on it at
+start-up) and, when the receiver names the tensor, that the payload's tensor id is that
+name's.
 """
 
 from __future__ import annotations
