@@ -149,16 +149,15 @@ class SeededSparseState:
         return [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
 
     def state_dict(self) -> dict:
-        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **self._rng_state()}
+        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **super().state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_count_map, check_keys, check_tensor_map
+        from hvdcompress.checkpoint import check_keys, check_tensor_map
 
         check_keys(f"{self.name} state", state, required=("ratio", "residuals", "seed", "steps"))
         check_saved_ratio(state, self.ratio)
         what = f"{self.name} residuals"
-        check_tensor_map(what, state["residuals"])  # all checked before anything is loaded
-        check_count_map(f"{self.name} steps", state["steps"])
+        check_tensor_map(what, state["residuals"])  # checked before the steps are loaded
         self._load_rng_state(state)
         self.memory.load_state_dict(state["residuals"], what=what)
 

@@ -86,20 +86,17 @@ class Stochastic(GatherCompressor):
         seed, step, tid, rank = prim.RNG_PARAMS.unpack_from(params, 0)
         return prim.rng_key(seed, step, rank, tid)
 
-    def _rng_state(self) -> dict:
+    def state_dict(self) -> dict:
         return {"seed": self.seed, "steps": dict(self.steps)}
 
-    def state_dict(self) -> dict:
-        return self._rng_state()
-
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_count_map, check_keys
+        from hvdcompress.checkpoint import check_keys
 
         check_keys(f"{self.name} state", state, required=("seed",), optional=("steps",))
-        check_count_map(f"{self.name} steps", state.get("steps", {}))
         self._load_rng_state(state)
 
     def _load_rng_state(self, state: dict) -> None:
+        """The seed checked, then the steps (checked before they replace the current ones)."""
         from hvdcompress.checkpoint import check_count_map, check_saved_value
 
         check_saved_value("seed", state.get("seed"), self.seed)
