@@ -30,9 +30,9 @@ def int_in(v, lo: int, hi: int) -> bool:
     return not isinstance(v, bool) and int(v) == v and lo <= v <= hi
 
 
-def check_levels(levels: int, name: str, hi: int = MAX_LEVELS) -> int:
-    if not int_in(levels, 1, hi):
-        raise ValueError(f"{name} levels must be an int in [1, {hi}], got {levels!r}")
+def check_levels(levels: int, name: str) -> int:
+    if not int_in(levels, 1, MAX_LEVELS):
+        raise ValueError(f"{name} levels must be an int in [1, {MAX_LEVELS}], got {levels!r}")
     return int(levels)
 
 

@@ -14,7 +14,7 @@ Invariants (every backend, every rank):
   * The CPU and CUDA backends produce identical bytes.
 
 The functions here dispatch on the tensor's device and are the public building
-blocks; ``encode`` / ``decode_into`` are the fused paths the compressor uses.
+blocks; ``encode_segments`` / ``decode_segments`` are the fused paths the compressor uses.
 """
 
 from __future__ import annotations
