@@ -22,11 +22,11 @@ import struct
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed, empty_body
+from hvdcompress.compressors.base import Encoded, check_agreed, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
-from hvdcompress.compressors.sparse import check_saved_ratio
+from hvdcompress.compressors.sparse import TopKLayout, check_saved_ratio
 from hvdcompress.errors import PayloadError
 
 PARAMS = struct.Struct("<dQd")  # ratio, step, density of this step
@@ -34,7 +34,7 @@ WARMUP_START = 0.25  # density at step 0 of the warm-up (75 % sparsity)
 
 
 @register
-class DGC(GatherCompressor):
+class DGC(TopKLayout):
     """Top-k (``ratio``, default 0.001) with momentum correction (``momentum`` in [0, 1),
     default 0.9), momentum factor masking, optional local clipping (``clip_norm`` > 0 per
     tensor, scaled by N^-1/2; 0 disables) and sparsity warm-up (``warmup_steps``,
@@ -42,7 +42,6 @@ class DGC(GatherCompressor):
 
     name = "dgc"
     wire_id = 6
-    cuda_decode_segments = True  # top-k's layout: sparse.topk_decode_segments
     params = {
         "ratio": Param(0.0, 1.0, low_open=True),
         "momentum": Param(0.0, 1.0, high_open=True),
@@ -170,18 +169,8 @@ class DGC(GatherCompressor):
         k = body_len // 8  # each kept value costs at least 4 + 4 bytes; density >= ratio
         return math.floor((k + 1) / self.ratio) + 1
 
-    def decode_into(self, header, body, out, accumulate, side_info):
-        _, _, density = PARAMS.unpack(header.params)
-        k = sparse.topk_count(header.numel, density)
-        sparse.topk_decode_into(body, header.numel, k, out, accumulate)
-
-    def decoded_bound(self, header, body):
-        return sparse.topk_values_bound(body, header.numel)
-
-    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
-        # top-k's bodies: one native call (accepts_bucket checked the densities)
-        ks = sparse.topk_counts(numels, (PARAMS.unpack(p)[2] for p in params))
-        return sparse.topk_decode_segments(frame, starts, lens, numels, ks, outs)
+    def kept_ratio(self, params):
+        return PARAMS.unpack(params)[2]  # this step's density
 
     def state_dict(self) -> dict:
         return {

@@ -48,8 +48,28 @@ class RatioLevels(PerTensorLevels):
         return sparse.check_ratio(value, self.name)
 
 
+class TopKLayout(GatherCompressor):
+    """Decoding bodies in top-k's layout (TopK, DGC; TopKSign sets its own codec functions):
+    k = topk_count(n, the payload's ``kept_ratio``), checked by ``check_params``."""
+
+    cuda_decode_segments = True  # the codec's bucket decoder: kernels/sparse.cu
+    decode_kept_into = staticmethod(sparse.topk_decode_into)
+    decode_kept_segments = staticmethod(sparse.topk_decode_segments)
+
+    def decode_into(self, header, body, out, accumulate, side_info):
+        k = sparse.topk_count(header.numel, self.kept_ratio(header.params))
+        self.decode_kept_into(body, header.numel, k, out, accumulate)
+
+    def decoded_bound(self, header, body):
+        return sparse.topk_values_bound(body, header.numel)
+
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
+        ks = sparse.topk_counts(numels, map(self.kept_ratio, params))
+        return self.decode_kept_segments(frame, starts, lens, numels, ks, outs)
+
+
 @register
-class TopK(ResidualState, RatioLevels, GatherCompressor):
+class TopK(ResidualState, RatioLevels, TopKLayout):
     """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|; a policy
     may set it per tensor (``set_level(name, ratio)``), the header carries it."""
 
@@ -66,12 +86,7 @@ class TopK(ResidualState, RatioLevels, GatherCompressor):
         self.ratio = sparse.check_ratio(ratio, "topk")
         self.memory = ErrorFeedback()
 
-    # the codec's decoder and bucket forms (kernels/sparse.c, kernels/sparse.cu): TopKSign
-    # sets its own
-    decode_kept_into = staticmethod(sparse.topk_decode_into)
-    encode_segments = staticmethod(sparse.topk_encode_segments)
-    decode_kept_segments = staticmethod(sparse.topk_decode_segments)
-    cuda_decode_segments = True
+    encode_segments = staticmethod(sparse.topk_encode_segments)  # TopKSign sets its own
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
@@ -98,17 +113,8 @@ class TopK(ResidualState, RatioLevels, GatherCompressor):
         k = body_len // 8  # each kept value costs at least 4 + 4 bytes
         return math.floor((k + 1) / self.level(name)) + 1
 
-    def decode_into(self, header, body, out, accumulate, side_info):
-        (ratio,) = TOPK_PARAMS.unpack(header.params)  # checked against level(name)
-        k = sparse.topk_count(header.numel, ratio)
-        self.decode_kept_into(body, header.numel, k, out, accumulate)
-
-    def decoded_bound(self, header, body):
-        return sparse.topk_values_bound(body, header.numel)
-
-    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
-        ks = sparse.topk_counts(numels, (TOPK_PARAMS.unpack(p)[0] for p in params))
-        return self.decode_kept_segments(frame, starts, lens, numels, ks, outs)
+    def kept_ratio(self, params):
+        return TOPK_PARAMS.unpack(params)[0]
 
 
 @register
