@@ -20,8 +20,31 @@ from hvdcompress.compressors.stochastic import encoded
 EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
 
 
+class SignBits(GatherCompressor):
+    """What signSGD and EF-signSGD share: a body of one sign bit per value, decoded to
+    +-``scale_of`` the payload's parameters."""
+
+    cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
+
+    def max_numel(self, body_len, name):
+        return 8 * body_len
+
+    def decode_into(self, header, body, out, accumulate, side_info):
+        sign.decode_into(body, header.numel, self.scale_of(header.params), out, accumulate)
+
+    def fresh_fill(self, header):
+        return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
+
+    def decoded_bound(self, header, body):
+        return self.scale_of(header.params)  # +-scale, checked finite
+
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
+        scales = np.array([self.scale_of(p) for p in params], dtype=np.float32)
+        return sign.decode_segments(frame, starts, lens, numels, scales, outs)
+
+
 @register
-class SignSGD(GatherCompressor):
+class SignSGD(SignBits):
     """One bit per value; decodes to +1 / -1 (scale-free, no state)."""
 
     name = "signsgd"
@@ -45,31 +68,16 @@ class SignSGD(GatherCompressor):
     def check_params(self, header, name):
         self._check_params_len(header, 0)
 
-    def max_numel(self, body_len, name):
-        return 8 * body_len
-
-    def decode_into(self, header, body, out, accumulate, side_info):
-        sign.decode_into(body, header.numel, None, out, accumulate)
-
-    def fresh_fill(self, header):
-        return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
-
-    def decoded_bound(self, header, body):
+    def scale_of(self, params):
         return 1.0  # +1 or -1
 
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         return not any(params) and bool((nonfinite | (numels <= 8 * body_lens)).all())
 
-    cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
-
-    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
-        ones = np.ones(len(outs), dtype=np.float32)
-        return sign.decode_segments(frame, starts, lens, numels, ones, outs)
-
 
 @register
-class EFSignSGD(ResidualState, GatherCompressor):
+class EFSignSGD(ResidualState, SignBits):
     """EF-signSGD: mean|g + e| * sign(g + e), one bit per value plus one float32 scale."""
 
     name = "efsignsgd"
@@ -105,18 +113,8 @@ class EFSignSGD(ResidualState, GatherCompressor):
         (scale,) = EF_PARAMS.unpack(header.params)
         check_scale(header, scale)
 
-    def max_numel(self, body_len, name):
-        return 8 * body_len
-
-    def decode_into(self, header, body, out, accumulate, side_info):
-        (scale,) = EF_PARAMS.unpack(header.params)
-        sign.decode_into(body, header.numel, scale, out, accumulate)
-
-    def fresh_fill(self, header):
-        return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
-
-    def decoded_bound(self, header, body):
-        return EF_PARAMS.unpack(header.params)[0]  # +-scale, checked finite
+    def scale_of(self, params):
+        return EF_PARAMS.unpack(params)[0]
 
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         # check_params and max_numel of every payload, as array arithmetic
@@ -127,9 +125,3 @@ class EFSignSGD(ResidualState, GatherCompressor):
         with np.errstate(invalid="ignore"):
             ok = np.where(nonfinite, scale == 0.0, np.isfinite(scale) & (scale >= 0.0))
         return bool((ok & (nonfinite | (numels <= 8 * body_lens))).all())
-
-    cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
-
-    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
-        scales = np.frombuffer(b"".join(params), dtype="<f4")
-        return sign.decode_segments(frame, starts, lens, numels, scales, outs)
