@@ -12,11 +12,12 @@ import struct
 import numpy as np
 
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.codecs import quant, threelc
+from hvdcompress.codecs import quant
 from hvdcompress.compressors.base import Encoded, check_agreed, check_scale
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic, encoded, with_fields
+from hvdcompress.compressors.threelc import TernaryLayout
 
 QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields; DQSG too)
 TERNGRAD_PARAMS = struct.Struct("<f")  # scale M (after the RNG fields)
@@ -86,20 +87,16 @@ class QSGD(BucketQuantizer):
 
 
 @register
-class TernGrad(Stochastic):
+class TernGrad(TernaryLayout, Stochastic):
     """TernGrad: stochastic {-1, 0, 1} * max|x| per tensor, quartic + zero-run coded."""
 
     name = "terngrad"
     wire_id = 8
     params = {"seed": SEED, "rank": RANK}
     error_feedback = False
-    cuda_decode_segments = True  # 3LC's body layout: threelc.decode_segments
 
     def __init__(self, seed: int = 0, rank: int = 0) -> None:
         self._init_rng(seed, rank)
-
-    def shard_alignment(self) -> int:
-        return 5  # a quartic byte holds 5 values (docs/codecs.md, "Quartic encoding")
 
     def encode_bucket(self, tensors, names):
         return self._encode_bucket_with(
@@ -112,24 +109,9 @@ class TernGrad(Stochastic):
         (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
         check_scale(header, scale)
 
-    def max_numel(self, body_len, name):
-        return body_len * threelc.MAX_VALUES_PER_BYTE
-
-    def decode_into(self, header, body, out, accumulate, side_info):
-        (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        threelc.decode_into(body, header.numel, scale, out, accumulate)  # 3LC's layout
-
-    def fresh_fill(self, header):
-        (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        return threelc.fresh_fill(scale)
-
-    def decoded_bound(self, header, body):
-        return TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0]  # +-M, 0
-
-    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
-        at = prim.RNG_PARAMS.size
-        scales = np.array([TERNGRAD_PARAMS.unpack_from(p, at)[0] for p in params], np.float32)
-        return threelc.decode_segments(frame, starts, lens, numels, scales, outs)
+    def scales(self, params):
+        at = prim.RNG_PARAMS.size  # the scale M: +-M or 0 decoded
+        return np.array([TERNGRAD_PARAMS.unpack_from(p, at)[0] for p in params], np.float32)
 
 
 def _terngrad_payload(rng: bytes, coded, device) -> Encoded:

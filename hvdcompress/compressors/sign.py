@@ -22,7 +22,7 @@ EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
 
 class SignBits(GatherCompressor):
     """What signSGD and EF-signSGD share: a body of one sign bit per value, decoded to
-    +-``scale_of`` the payload's parameters."""
+    +-scale (``scales``: each payload's, from its checked parameters)."""
 
     cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
 
@@ -30,17 +30,17 @@ class SignBits(GatherCompressor):
         return 8 * body_len
 
     def decode_into(self, header, body, out, accumulate, side_info):
-        sign.decode_into(body, header.numel, self.scale_of(header.params), out, accumulate)
+        scale = float(self.scales([header.params])[0])
+        sign.decode_into(body, header.numel, scale, out, accumulate)
 
     def fresh_fill(self, header):
         return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
 
     def decoded_bound(self, header, body):
-        return self.scale_of(header.params)  # +-scale, checked finite
+        return float(self.scales([header.params])[0])  # +-scale, checked finite
 
     def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
-        scales = np.array([self.scale_of(p) for p in params], dtype=np.float32)
-        return sign.decode_segments(frame, starts, lens, numels, scales, outs)
+        return sign.decode_segments(frame, starts, lens, numels, self.scales(params), outs)
 
 
 @register
@@ -68,8 +68,8 @@ class SignSGD(SignBits):
     def check_params(self, header, name):
         self._check_params_len(header, 0)
 
-    def scale_of(self, params):
-        return 1.0  # +1 or -1
+    def scales(self, params):
+        return np.ones(len(params), dtype=np.float32)  # +1 or -1
 
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
@@ -113,14 +113,14 @@ class EFSignSGD(ResidualState, SignBits):
         (scale,) = EF_PARAMS.unpack(header.params)
         check_scale(header, scale)
 
-    def scale_of(self, params):
-        return EF_PARAMS.unpack(params)[0]
+    def scales(self, params):
+        return np.frombuffer(b"".join(params), dtype="<f4")  # EF_PARAMS
 
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         # check_params and max_numel of every payload, as array arithmetic
         if any(len(p) != EF_PARAMS.size for p in params):
             return False
-        scale = np.frombuffer(b"".join(params), dtype="<f4")
+        scale = self.scales(params)
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         with np.errstate(invalid="ignore"):
             ok = np.where(nonfinite, scale == 0.0, np.isfinite(scale) & (scale >= 0.0))

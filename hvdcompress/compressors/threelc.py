@@ -20,8 +20,34 @@ from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
 
 
+class TernaryLayout(GatherCompressor):
+    """What 3LC and TernGrad share: 3LC's body (digits q in {-1, 0, 1}, quartic + zero-run
+    coded) decoded to S q (``scales``: each payload's S, from its checked parameters)."""
+
+    cuda_decode_segments = True  # threelc.decode_segments: one launch sequence a frame
+
+    def shard_alignment(self) -> int:
+        return 5  # a quartic byte holds 5 values (docs/codecs.md, "Quartic encoding")
+
+    def max_numel(self, body_len, name):
+        return body_len * threelc.MAX_VALUES_PER_BYTE
+
+    def decode_into(self, header, body, out, accumulate, side_info):
+        scale = float(self.scales([header.params])[0])
+        threelc.decode_into(body, header.numel, scale, out, accumulate)
+
+    def fresh_fill(self, header):
+        return threelc.fresh_fill(float(self.scales([header.params])[0]))
+
+    def decoded_bound(self, header, body):
+        return float(self.scales([header.params])[0])  # S * q, q in {-1, 0, 1}
+
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
+        return threelc.decode_segments(frame, starts, lens, numels, self.scales(params), outs)
+
+
 @register
-class ThreeLC(ResidualState, PerTensorLevels, GatherCompressor):
+class ThreeLC(ResidualState, PerTensorLevels, TernaryLayout):
     """3LC with sparsity multiplication ``sparsity`` in [1, 2) (default 1.0); a policy may
     set it per tensor (``set_level(name, s)``), the header carries it."""
 
@@ -34,10 +60,6 @@ class ThreeLC(ResidualState, PerTensorLevels, GatherCompressor):
     error_feedback = True
     level_param = "sparsity"
     saved_settings = ("sparsity",)
-    cuda_decode_segments = True  # threelc.decode_segments: one launch sequence a frame
-
-    def shard_alignment(self) -> int:
-        return 5  # a quartic byte holds 5 values (docs/codecs.md, "Quartic encoding")
 
     def __init__(self, sparsity: float = 1.0) -> None:
         self.sparsity = threelc.check_sparsity(sparsity)
@@ -82,25 +104,15 @@ class ThreeLC(ResidualState, PerTensorLevels, GatherCompressor):
         check_agreed("sparsity", float(np.float32(self.level(name))), sparsity)  # as sent
         check_scale(header, scale)
 
-    def max_numel(self, body_len, name):
-        return body_len * threelc.MAX_VALUES_PER_BYTE
-
-    def decode_into(self, header, body, out, accumulate, side_info):
-        _, scale = threelc.PARAMS.unpack(header.params)
-        threelc.decode_into(body, header.numel, scale, out, accumulate)
-
-    def fresh_fill(self, header):
-        return threelc.fresh_fill(threelc.PARAMS.unpack(header.params)[1])
-
-    def decoded_bound(self, header, body):
-        return threelc.PARAMS.unpack(header.params)[1]  # S * q, q in {-1, 0, 1}
+    def scales(self, params):
+        return np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)[:, 1]  # PARAMS
 
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         # check_params and max_numel of every payload, as array arithmetic
         if any(len(p) != threelc.PARAMS.size for p in params):
             return False
-        values = np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)
-        sparsity, scale = values[:, 0], values[:, 1]
+        sparsity = np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)[:, 0]
+        scale = self.scales(params)
         expected = np.array([self.level(name) for name in names], dtype=np.float32)
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         with np.errstate(invalid="ignore"):
@@ -109,7 +121,3 @@ class ThreeLC(ResidualState, PerTensorLevels, GatherCompressor):
             )
         ok &= nonfinite | (numels <= body_lens * threelc.MAX_VALUES_PER_BYTE)
         return bool(ok.all())
-
-    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
-        scales = np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)[:, 1]
-        return threelc.decode_segments(frame, starts, lens, numels, scales, outs)
