@@ -124,9 +124,7 @@ class NDQSG(Stochastic):
 
     # ---- decode ---------------------------------------------------------------------------
     def check_params(self, header, name):
-        self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)
-        self._rng_check(header.params, name)
-        *theirs, mode = PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        *theirs, mode = self._checked_fields(header, name, PARAMS)
         check_agreed("levels", self._config(), tuple(theirs))
         sender = prim.RNG_PARAMS.unpack_from(header.params, 0)[3]
         if mode != self.mode_of(sender):

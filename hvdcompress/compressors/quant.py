@@ -42,9 +42,7 @@ class BucketQuantizer(Stochastic):
         return self._encode_bucket_with(tensors, names, self._encode_segments, with_fields(fields))
 
     def check_params(self, header, name):
-        self._check_params_len(header, prim.RNG_PARAMS.size + QSGD_PARAMS.size)
-        self._rng_check(header.params, name)
-        theirs = QSGD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        theirs = self._checked_fields(header, name, QSGD_PARAMS)
         check_agreed("levels", (self.levels, self.bucket_size), theirs)  # (levels, bucket_size)
 
 
@@ -104,9 +102,7 @@ class TernGrad(TernaryLayout, Stochastic):
         )
 
     def check_params(self, header, name):
-        self._check_params_len(header, prim.RNG_PARAMS.size + TERNGRAD_PARAMS.size)
-        self._rng_check(header.params, name)
-        (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        (scale,) = self._checked_fields(header, name, TERNGRAD_PARAMS)
         check_scale(header, scale)
 
     def scales(self, params):

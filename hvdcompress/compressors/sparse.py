@@ -245,9 +245,7 @@ class RandomK(SeededSparseState, Stochastic):
         return sparse.randomk_threshold(self.ratio) / sparse.RANDOMK_ONE  # p
 
     def check_params(self, header, name):
-        self._check_params_len(header, prim.RNG_PARAMS.size + RANDOMK_PARAMS.size)
-        self._rng_check(header.params, name)
-        theirs = RANDOMK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        theirs = self._checked_fields(header, name, RANDOMK_PARAMS)
         check_agreed("ratio", (self.ratio, int(self.unbiased)), theirs)  # (ratio, unbiased)
 
     def max_numel(self, body_len, name):
@@ -325,9 +323,7 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
         return min(1.0, self.ratio)
 
     def check_params(self, header, name):
-        self._check_params_len(header, prim.RNG_PARAMS.size + TOPK_PARAMS.size)
-        self._rng_check(header.params, name)
-        ratio = TOPK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0]
+        (ratio,) = self._checked_fields(header, name, TOPK_PARAMS)
         check_agreed("ratio", self.level(name), ratio)
 
     def max_numel(self, body_len, name):

@@ -65,10 +65,12 @@ class Stochastic(GatherCompressor):
             for x, (rng, _), result in zip(xs, rngs, results, strict=True)
         ]
 
-    def _rng_check(self, params: bytes, name: str | None) -> None:
-        """Validate the RNG fields at the start of ``params``: this compressor's seed and,
-        when the receiver names the tensor, that tensor's id."""
-        seed, _, tid, _ = prim.RNG_PARAMS.unpack_from(params, 0)
+    def _checked_fields(self, header, name: str | None, fields) -> tuple:
+        """The codec's ``fields`` (a struct.Struct) after the RNG fields, once the length of
+        the parameters, this compressor's seed and, when the receiver names the tensor,
+        that tensor's id are checked."""
+        self._check_params_len(header, prim.RNG_PARAMS.size + fields.size)
+        seed, _, tid, _ = prim.RNG_PARAMS.unpack_from(header.params, 0)
         if seed != self.seed:
             raise PayloadError(
                 "seed", f"expected {self.seed}, got {seed} (ranks disagree on the seed)"
@@ -79,6 +81,7 @@ class Stochastic(GatherCompressor):
                 f"payload is for tensor id 0x{tid:016x}, expected {name!r} "
                 f"(0x{prim.tensor_id(name):016x}): ranks disagree on tensor order",
             )
+        return fields.unpack_from(header.params, prim.RNG_PARAMS.size)
 
     @staticmethod
     def _stream_key(params: bytes) -> int:
