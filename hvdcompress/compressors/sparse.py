@@ -273,16 +273,16 @@ class RandomK(SeededSparseState, Stochastic):
 
 
 @register
-class GSpar(RatioLevels, SeededSparseState, Stochastic):
+class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
     """Keep entry i with probability p_i = min(1, c |a_i|), sum p_i = ``ratio`` * n in
     expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
     E[decode] = a. Optional error feedback: then a_i travels unscaled (contractive, so the
     residual e = a - decode stays bounded; biased like top-k). A policy may set ``ratio``
-    per tensor (``set_level``); the header carries it."""
+    per tensor (``set_level``); the header carries it. Top-k's layout, k from the body's
+    length (``decode_into``, ``decode_segments``)."""
 
     name = "gspar"
     wire_id = 12
-    cuda_decode_segments = True  # top-k's layout: sparse.topk_decode_segments
     cat_kind = "randomk"
     params = {"ratio": RATIO, "error_feedback": FLAG, "seed": SEED, "rank": RANK}
     examples = ({"ratio": 0.1}, {"ratio": 0.2, "error_feedback": True})
@@ -335,9 +335,6 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
 
     def decode_into(self, header, body, out, accumulate, side_info):
         sparse.gspar_decode_into(body, header.numel, out, accumulate)
-
-    def decoded_bound(self, header, body):
-        return sparse.topk_values_bound(body, header.numel)
 
     def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         return sparse.gspar_decode_segments(frame, starts, lens, numels, outs)
