@@ -26,7 +26,7 @@ from hvdcompress.compressors.base import Encoded, check_agreed, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
-from hvdcompress.compressors.sparse import TopKLayout, check_saved_ratio
+from hvdcompress.compressors.sparse import TopKLayout
 from hvdcompress.errors import PayloadError
 
 PARAMS = struct.Struct("<dQd")  # ratio, step, density of this step
@@ -181,12 +181,17 @@ class DGC(TopKLayout):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_count_map, check_keys, check_tensor_map
+        from hvdcompress.checkpoint import (
+            check_count_map,
+            check_keys,
+            check_saved_value,
+            check_tensor_map,
+        )
 
         check_keys(
             "dgc state", state, required=("ratio", "velocity", "residuals"), optional=("steps",)
         )
-        check_saved_ratio(state, self.ratio)
+        check_saved_value("ratio", state["ratio"], self.ratio)
         steps = check_count_map("dgc steps", state.get("steps", {}))
         check_tensor_map("dgc velocity", state["velocity"])  # all checked before loading
         check_tensor_map("dgc residuals", state["residuals"])

@@ -32,13 +32,6 @@ RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
 RATIO = Param(0.0, 1.0, low_open=True)
 
 
-def check_saved_ratio(state: dict, ratio: float) -> None:
-    """A checkpoint's ratio is this compressor's (CheckpointError otherwise)."""
-    from hvdcompress.checkpoint import check_saved_value
-
-    check_saved_value("ratio", state.get("ratio"), ratio)
-
-
 class RatioLevels(PerTensorLevels):
     """Per-tensor ``ratio`` (set by a policy), carried in the header and checked on decode."""
 
@@ -158,10 +151,10 @@ class SeededSparseState:
         return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **super().state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys, check_tensor_map
+        from hvdcompress.checkpoint import check_keys, check_saved_value, check_tensor_map
 
         check_keys(f"{self.name} state", state, required=("ratio", "residuals", "seed", "steps"))
-        check_saved_ratio(state, self.ratio)
+        check_saved_value("ratio", state["ratio"], self.ratio)
         what = f"{self.name} residuals"
         check_tensor_map(what, state["residuals"])  # checked before the steps are loaded
         self._load_rng_state(state)
