@@ -149,11 +149,7 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
 
     def decompress_exact(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         pending = self._pending.pop(ctx.name, None)
-        if (
-            pending is None
-            or len(pending) not in (2, 4)
-            or (len(pending) == 2 and pending[0] != "done")
-        ):
+        if pending is None or (len(pending) == 2 and pending[0] != "done"):  # no next_phase yet
             raise RuntimeError(f"powersgd: decompress({ctx.name!r}) before next_phase")
         if len(pending) == 2:
             return pending[1].view(ctx.shape)
