@@ -25,8 +25,9 @@ no field is trusted before it is checked, and nothing is allocated from an
 unchecked size: what a payload may make a receiver allocate is bounded by the receiver
 (the tensor it expects, its output tensor, or ``decode_limit``: an explicit
 ``max_numel``, ``$HVDCOMPRESS_MAX_DECODE_NUMEL`` or ``DEFAULT_MAX_DECODE_NUMEL``), checked
-by ``check_numel_bound`` before anything is allocated. A shape whose non-zero dimensions
-multiply past 2**63 - 1 (not a torch shape, even when empty) fails at the header.
+(``compressors.receive.check_header``) before anything is allocated. A shape whose
+non-zero dimensions multiply past 2**63 - 1 (not a torch shape, even when empty) fails at
+the header.
 
 The checksum (``checksum_numpy``, docs/wire-format.md) is a position-weighted byte sum
 that a GPU computes as an order-independent reduction with the CPU's result; any single
@@ -264,17 +265,6 @@ def decode_limit(max_numel: int | None = None) -> int:
     if not 0 <= max_numel <= 2**60:
         raise ValueError(f"max_numel must be in [0, 2**60], got {max_numel}")
     return int(max_numel)
-
-
-def check_numel_bound(header: Header, limit: int, source: str) -> None:
-    """PayloadError ("numel") unless the header's element count is at most ``limit``, the
-    receiver's own bound (``source`` says where it came from). Before any allocation."""
-    if header.numel > limit:
-        raise PayloadError(
-            "numel",
-            f"header claims {header.numel} elements {tuple(header.shape)}, more than the "
-            f"{limit} this receiver accepts ({source})",
-        )
 
 
 _FIELD_MIX = [int(w) for w in mix(np.arange(CHECKSUM_OFFSET, CHECKSUM_OFFSET + 4))]

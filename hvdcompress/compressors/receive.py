@@ -53,7 +53,12 @@ def check_header(comp, header: wire.Header, payload: torch.Tensor, expect, name,
             raise PayloadError("shape", f"expected {tuple(expect.shape)}, got {header.shape}")
         if header.dtype != expect.dtype:
             raise PayloadError("dtype", f"expected {expect.dtype}, got {header.dtype}")
-    wire.check_numel_bound(header, limit, source)
+    if header.numel > limit:  # before any allocation
+        raise PayloadError(
+            "numel",
+            f"header claims {header.numel} elements {tuple(header.shape)}, more than the "
+            f"{limit} this receiver accepts ({source})",
+        )
     comp.check_params(header, name)
     if header.nonfinite and header.body_len != 0:
         raise PayloadError(
