@@ -415,15 +415,14 @@ def topk_decode_segments(
     of ``ns[i]`` values, into ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     need = ks * np.where(ns >= INDEX32_LIMIT, 12, 8)
     return _kept_decode_segments(
-        frame, starts, lens, ns, ks, outs, need, "top-k", "topk_decode_segments", topk_kept,
-        lambda i, message: PayloadError("body", message),
-    )  # fmt: skip
+        frame, starts, lens, ns, ks, outs, need, "top-k", "topk_decode_segments", topk_kept
+    )
 
 
-def _kept_decode_segments(frame, starts, lens, ns, ks, outs, need, what, native, kept, cpu_error):
+def _kept_decode_segments(frame, starts, lens, ns, ks, outs, need, what, native, kept):
     """The bucket decoder of top-k's or top-k + sign's bodies (``need[i]`` bytes each, a
     ``what`` of ``ks[i]`` values): the backend's ``native`` decoder; the error of a bad
-    body is ``cpu_error(i, the CPU's failure)`` or, on a device, what ``kept`` raises."""
+    body is what the per-payload ``kept`` raises for it."""
     from hvdcompress.backends import cpu
 
     backend = for_device(outs[0].device) if outs else cpu
@@ -434,8 +433,6 @@ def _kept_decode_segments(frame, starts, lens, ns, ks, outs, need, what, native,
         if failed is None:
             return None
         i = failed[0]
-        if backend is cpu:
-            return i, cpu_error(i, failed[1])
         body = frame[int(starts[i]) : int(starts[i]) + int(need[i])]
         return i, refusal(lambda: kept(body, int(ns[i]), int(ks[i])))
 
@@ -514,18 +511,8 @@ def topk_sign_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``topk_decode_segments`` for top-k + sign's bodies (``topk_sign_decode_into``)."""
-    from hvdcompress.backends import cpu
-
     need = 4 + ks * np.where(ns >= INDEX32_LIMIT, 8, 4) + (ks + 7) // 8
-
-    def cpu_error(i: int, code: int) -> PayloadError:
-        if code == -4:
-            at = int(starts[i])
-            m = float(frame[at : at + 4].clone().view(torch.float32))
-            return PayloadError("body", f"top-k + sign magnitude {m} is not finite and >= 0")
-        return PayloadError("body", cpu._TOPKQ_ERRORS[code].format(n=int(ns[i])))
-
     return _kept_decode_segments(
         frame, starts, lens, ns, ks, outs, need, "top-k + sign", "topkq_decode_segments",
-        topk_sign_kept, cpu_error,
+        topk_sign_kept,
     )  # fmt: skip
