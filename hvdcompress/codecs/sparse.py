@@ -415,32 +415,28 @@ def topk_decode_segments(
     of ``ns[i]`` values, into ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     need = ks * np.where(ns >= INDEX32_LIMIT, 12, 8)
     return _kept_decode_segments(
-        frame, starts, lens, ns, ks, outs, need, "top-k", "topk_decode_segments", topk_kept
+        frame, starts, lens, ns, ks, outs, need, "topk_decode_segments", topk_kept
     )
 
 
-def _kept_decode_segments(frame, starts, lens, ns, ks, outs, need, what, native, kept):
-    """The bucket decoder of top-k's or top-k + sign's bodies (``need[i]`` bytes each, a
-    ``what`` of ``ks[i]`` values): the backend's ``native`` decoder; the error of a bad
-    body is what the per-payload ``kept`` raises for it."""
+def _kept_decode_segments(frame, starts, lens, ns, ks, outs, need, native, kept):
+    """The bucket decoder of top-k's or top-k + sign's bodies (``need[i]`` bytes each, of
+    ``ks[i]`` values): the backend's ``native`` decoder; the error of a bad body, or of one
+    of the wrong length, is what the per-payload ``kept`` raises for it."""
     from hvdcompress.backends import cpu
 
     backend = for_device(outs[0].device) if outs else cpu
 
+    def error(i: int) -> PayloadError:
+        body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
+        return refusal(lambda: kept(body, int(ns[i]), int(ks[i])))
+
     def decode(upto: int):
         args = (frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto])
         failed = getattr(backend, native)(*args)
-        if failed is None:
-            return None
-        i = failed[0]
-        body = frame[int(starts[i]) : int(starts[i]) + int(need[i])]
-        return i, refusal(lambda: kept(body, int(ns[i]), int(ks[i])))
+        return None if failed is None else (failed[0], error(failed[0]))
 
-    def length_error(i: int) -> PayloadError:
-        k, got = int(ks[i]), int(lens[i])
-        return PayloadError("body", f"{what} of {k} values needs {int(need[i])} bytes, got {got}")
-
-    return decode_to_wrong_length(lens, need, decode, length_error)
+    return decode_to_wrong_length(lens, need, decode, error)
 
 
 def gspar_decode_segments(
@@ -513,6 +509,5 @@ def topk_sign_decode_segments(
     """``topk_decode_segments`` for top-k + sign's bodies (``topk_sign_decode_into``)."""
     need = 4 + ks * np.where(ns >= INDEX32_LIMIT, 8, 4) + (ks + 7) // 8
     return _kept_decode_segments(
-        frame, starts, lens, ns, ks, outs, need, "top-k + sign", "topkq_decode_segments",
-        topk_sign_kept,
-    )  # fmt: skip
+        frame, starts, lens, ns, ks, outs, need, "topkq_decode_segments", topk_sign_kept
+    )
