@@ -9,11 +9,10 @@ and step, ``pop_metrics`` per step, ``state_dict`` in checkpoints.
 * ``GatherCompressor``: ``compress`` encodes a tensor into a self-describing uint8
   payload (``hvdcompress.wire``); the payloads of all ranks are gathered and every rank
   decodes every payload in rank order (``decode_parsed``, accumulating into float32). A
-  subclass implements ``encode`` (to flags, codec parameters and body),
-  ``check_params`` and ``max_numel`` (validation of a received header) and
-  ``decode_into`` (the body into a float32 output). Invariant: a payload either decodes
-  to a tensor of exactly the header's (and, when given, the receiver's expected) shape
-  and dtype, or raises ``PayloadError`` naming the field; the output is untouched then.
+  subclass implements what the class lists under "to implement". Invariant: a payload
+  either decodes to a tensor of exactly the header's (and, when given, the receiver's
+  expected) shape and dtype, or raises ``PayloadError`` naming the field; the output is
+  untouched then.
 * ``SummableCompressor``: ``compress`` gives a dense tensor that an allreduce may sum;
   ``phases`` > 1 (PowerSGD: P, then Q) makes the next phase's dense tensor from the
   summed one (``next_phase``); ``decompress`` turns the last sum into the gradient sum.
