@@ -46,13 +46,7 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
-from hvdcompress.backends.records import (  # noqa: F401 - also wire.SCAN_FIELDS, wire.mix
-    CHECKSUM_FIELD,
-    FIXED_HEADER_BYTES,
-    SCAN,
-    SCAN_FIELDS,
-    mix,
-)
+from hvdcompress.backends.records import CHECKSUM_FIELD, FIXED_HEADER_BYTES, SCAN, mix
 from hvdcompress.errors import PayloadError  # noqa: F401 - also wire.PayloadError
 
 MAGIC = b"HVDC"
@@ -477,7 +471,7 @@ def device_frame(heads: list[bytes], bodies: list[torch.Tensor]) -> torch.Tensor
 
 
 def scan_frame(frame: torch.Tensor, layout: FrameLayout) -> tuple[np.ndarray, list[bytes]] | None:
-    """The scanned fields (``SCAN_FIELDS`` columns, a row per payload) and codec parameters
+    """The scanned fields (``records.SCAN_FIELDS`` columns, a row per payload) and codec parameters
     of one rank's frame when it holds ``layout.count`` payloads each of which ``parse``
     accepts (checksum included) and whose codec, dtype and shape are the layout's, and
     whose flags are known; else None (the caller then takes ``unframe_parsed``, whose
