@@ -27,14 +27,8 @@ import numpy as np
 import torch
 
 from hvdcompress import wire
+from hvdcompress.compressors import receive
 from hvdcompress.compressors.params import Param
-from hvdcompress.compressors.receive import (
-    check_header,
-    check_out,
-    checked_cast,
-    numel_limit,
-    scan_accepted,
-)
 from hvdcompress.errors import PayloadError
 
 
@@ -374,7 +368,7 @@ class GatherCompressor(Compressor):
         ``accepts_bucket`` the codec parameters, ``decode_segments`` adds the bodies;
         what they do not accept goes the per-payload way, whose errors name the field."""
         names = [ctx.name for ctx in ctxs]
-        scanned = scan_accepted(self, frame, outs, ctxs, names)
+        scanned = receive.scan_accepted(self, frame, outs, ctxs, names)
         if scanned is None:
             device = outs[0].device if outs else torch.device("cpu")
             parsed = wire.unframe_parsed(frame, rank, names, device)
@@ -382,7 +376,7 @@ class GatherCompressor(Compressor):
             return
         params, starts, lens, numels, nonfinite = scanned
         for out in outs:
-            check_out(out)
+            receive.check_out(out)
         outs = [out if out.dim() == 1 else out.view(-1) for out in outs]
         finite = np.flatnonzero(~nonfinite)
         pick = finite.tolist()
@@ -533,10 +527,12 @@ class GatherCompressor(Compressor):
         if side_info is not None and not self.uses_side_info:
             raise TypeError(f"{self.name} decodes without side information")
         if out is not None:
-            check_out(out)
-        limit, source = numel_limit(None if expect is None else expect.shape, out, max_numel)
+            receive.check_out(out)
+        limit, source = receive.numel_limit(
+            None if expect is None else expect.shape, out, max_numel
+        )
         try:
-            check_header(self, header, payload, expect, name, limit, source)
+            receive.check_header(self, header, payload, expect, name, limit, source)
             body = payload[header.size :]
             if out is not None:
                 if header.numel != out.numel():
@@ -554,6 +550,6 @@ class GatherCompressor(Compressor):
                 )
             flat = self.decode_new(header, body, side_info)
             bound = self.decoded_bound(header, body)  # the body decoded: checked
-            return checked_cast(flat.view(header.shape), header.dtype, bound)
+            return receive.checked_cast(flat.view(header.shape), header.dtype, bound)
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=name) from None
