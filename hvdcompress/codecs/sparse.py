@@ -29,15 +29,7 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
-from hvdcompress.codecs.primitives import (
-    abs_sum,
-    bitpack,
-    bitunpack,
-    decode_to_wrong_length,
-    one,
-    packed_len,
-    refusal,
-)
+from hvdcompress.codecs import primitives as prim
 from hvdcompress.errors import PayloadError
 
 INDEX32_LIMIT = 2**31
@@ -171,7 +163,7 @@ def randomk_decode_into(
     body = body.reshape(-1)
     target = out if accumulate or fresh else torch.zeros_like(out)
     failed = backend.randomk_decode_segments(
-        body, one(0), one(body.numel()), one(n), [key], threshold, scale,
+        body, prim.one(0), prim.one(body.numel()), prim.one(n), [key], threshold, scale,
         [target],
     )  # fmt: skip
     if failed is not None:
@@ -245,8 +237,8 @@ def topk_sign_encode(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     """(body uint8, kept indices int64, magnitude m) for the flat float32 a."""
     idx = topk_select(a, k)
     kept = a[idx]
-    m = float(torch.tensor(abs_sum(kept) / k if k else 0.0, dtype=torch.float32))
-    signs = bitpack((kept < 0).to(torch.uint8), 1)
+    m = float(torch.tensor(prim.abs_sum(kept) / k if k else 0.0, dtype=torch.float32))
+    signs = prim.bitpack((kept < 0).to(torch.uint8), 1)
     head = torch.tensor([m], dtype=torch.float32, device=a.device).view(torch.uint8)
     index = idx.to(index_dtype(a.numel())).view(torch.uint8)
     return torch.cat([head, index, signs]), idx, m
@@ -274,7 +266,7 @@ def topk_sign_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, to
     its length, m finite and >= 0, the indices ascending in [0, n), the padding bits
     zero. Raises PayloadError."""
     isz = index_dtype(n).itemsize
-    need = 4 + k * isz + packed_len(k, 1)
+    need = 4 + k * isz + prim.packed_len(k, 1)
     if body.numel() != need:
         raise PayloadError(
             "body", f"top-k + sign of {k} values needs {need} bytes, got {body.numel()}"
@@ -284,7 +276,7 @@ def topk_sign_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, to
         raise PayloadError("body", f"top-k + sign magnitude {m} is not finite and >= 0")
     idx = body[4 : 4 + k * isz].clone().view(index_dtype(n)).to(torch.int64)
     _check_indices(idx, n)
-    return idx, topk_sign_values(m, bitunpack(body[4 + k * isz :], k, 1))
+    return idx, topk_sign_values(m, prim.bitunpack(body[4 + k * isz :], k, 1))
 
 
 def _check_indices(idx: torch.Tensor, n: int) -> None:
@@ -429,14 +421,14 @@ def _kept_decode_segments(frame, starts, lens, ns, ks, outs, need, native, kept)
 
     def error(i: int) -> PayloadError:
         body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
-        return refusal(lambda: kept(body, int(ns[i]), int(ks[i])))
+        return prim.refusal(lambda: kept(body, int(ns[i]), int(ks[i])))
 
     def decode(upto: int):
         args = (frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto])
         failed = getattr(backend, native)(*args)
         return None if failed is None else (failed[0], error(failed[0]))
 
-    return decode_to_wrong_length(lens, need, decode, error)
+    return prim.decode_to_wrong_length(lens, need, decode, error)
 
 
 def gspar_decode_segments(
