@@ -25,8 +25,9 @@ no field is trusted before it is checked, and nothing is allocated from an
 unchecked size: what a payload may make a receiver allocate is bounded by the receiver
 (the tensor it expects, its output tensor, or ``decode_limit``: an explicit
 ``max_numel``, ``$HVDCOMPRESS_MAX_DECODE_NUMEL`` or ``DEFAULT_MAX_DECODE_NUMEL``), checked
-by ``check_numel_bound`` before anything is allocated. A shape whose non-zero dimensions
-multiply past 2**63 - 1 (not a torch shape, even when empty) fails at the header.
+(``compressors.receive.check_header``) before anything is allocated. A shape whose
+non-zero dimensions multiply past 2**63 - 1 (not a torch shape, even when empty) fails at
+the header.
 
 The checksum (``checksum_numpy``, docs/wire-format.md) is a position-weighted byte sum
 that a GPU computes as an order-independent reduction with the CPU's result; any single
@@ -36,6 +37,7 @@ changed byte changes it. A bucket's payloads travel in one frame per rank
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from typing import NamedTuple
@@ -44,13 +46,7 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
-from hvdcompress.backends.records import (  # noqa: F401 - also wire.SCAN_FIELDS, wire.mix
-    CHECKSUM_FIELD,
-    FIXED_HEADER_BYTES,
-    SCAN,
-    SCAN_FIELDS,
-    mix,
-)
+from hvdcompress.backends.records import CHECKSUM_FIELD, FIXED_HEADER_BYTES, SCAN, mix
 from hvdcompress.errors import PayloadError  # noqa: F401 - also wire.PayloadError
 
 MAGIC = b"HVDC"
@@ -135,10 +131,7 @@ class Header(NamedTuple):  # a NamedTuple: built once per payload on the hot pat
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nonfinite(self) -> bool:
@@ -268,17 +261,6 @@ def decode_limit(max_numel: int | None = None) -> int:
     return int(max_numel)
 
 
-def check_numel_bound(header: Header, limit: int, source: str) -> None:
-    """PayloadError ("numel") unless the header's element count is at most ``limit``, the
-    receiver's own bound (``source`` says where it came from). Before any allocation."""
-    if header.numel > limit:
-        raise PayloadError(
-            "numel",
-            f"header claims {header.numel} elements {tuple(header.shape)}, more than the "
-            f"{limit} this receiver accepts ({source})",
-        )
-
-
 _FIELD_MIX = [int(w) for w in mix(np.arange(CHECKSUM_OFFSET, CHECKSUM_OFFSET + 4))]
 
 
@@ -406,7 +388,7 @@ def unframe_parsed(
 class FrameLayout:
     """The per-tensor parts of a bucket's payloads that do not change from step to step:
     the codec, and each tensor's dtype and shape. Holds the packed header templates the
-    sender's frame is written from (``write_frame``: flags, params and body are the
+    sender's frame is written from (``frame_bucket``: flags, params and body are the
     step's) and the expectations a receiver checks a scanned frame against
     (``scan_frame``)."""
 
@@ -436,13 +418,28 @@ def frame_bucket(
 ) -> torch.Tensor:
     """One rank's frame of a bucket: ``frame`` of the payloads ``assemble`` makes of each
     tensor's header (the layout's codec, dtype and shape) and its ``(flags, params,
-    body)``, byte for byte. Bodies on the CPU: one native call (``write_frame``); on a
-    GPU: one buffer on the bodies' device (``device_frame``)."""
+    body)``, byte for byte. Bodies on the CPU (contiguous uint8): written by one native
+    call; on a GPU: one buffer on the bodies' device (``device_frame``)."""
     bodies = [body for _, _, body in encoded]
     if all(b.device.type == "cpu" for b in bodies):
-        flags = [f for f, _, _ in encoded]
+        from hvdcompress.backends import cpu
+
         params = [p for _, p, _ in encoded]
-        return write_frame(layout, flags, params, bodies)
+        params_lens = np.fromiter(map(len, params), dtype=np.int64, count=len(params))
+        if params_lens.size and int(params_lens.max()) > MAX_PARAMS:
+            raise ValueError(
+                f"codec parameters of at most {MAX_PARAMS} bytes, got {params_lens.max()}"
+            )
+        flags = np.array([f for f, _, _ in encoded], dtype=np.uint8)
+        return cpu.frame_write(
+            layout.heads,
+            layout.head_starts,
+            layout.head_lens,
+            flags,
+            b"".join(params),
+            params_lens,
+            bodies,
+        )
     heads = [
         Header(layout.codec, flags, dtype, shape, params, body.numel()).pack()
         for shape, dtype, (flags, params, body) in zip(
@@ -473,30 +470,8 @@ def device_frame(heads: list[bytes], bodies: list[torch.Tensor]) -> torch.Tensor
     return frame
 
 
-def write_frame(
-    layout: FrameLayout, flags: list[int], params: list[bytes], bodies: list[torch.Tensor]
-) -> torch.Tensor:
-    """``frame`` of the payloads ``assemble`` makes of each tensor's header (the layout's,
-    with these flags and params) and body (contiguous uint8 on the CPU), byte for byte,
-    written by one native call."""
-    from hvdcompress.backends import cpu
-
-    params_lens = np.fromiter(map(len, params), dtype=np.int64, count=len(params))
-    if params_lens.size and int(params_lens.max()) > MAX_PARAMS:
-        raise ValueError(f"codec parameters of at most {MAX_PARAMS} bytes, got {params_lens.max()}")
-    return cpu.frame_write(
-        layout.heads,
-        layout.head_starts,
-        layout.head_lens,
-        np.asarray(flags, dtype=np.uint8),
-        b"".join(params),
-        params_lens,
-        bodies,
-    )
-
-
 def scan_frame(frame: torch.Tensor, layout: FrameLayout) -> tuple[np.ndarray, list[bytes]] | None:
-    """The scanned fields (``SCAN_FIELDS`` columns, a row per payload) and codec parameters
+    """The scanned fields (``records.SCAN_FIELDS`` columns, a row per payload) and codec parameters
     of one rank's frame when it holds ``layout.count`` payloads each of which ``parse``
     accepts (checksum included) and whose codec, dtype and shape are the layout's, and
     whose flags are known; else None (the caller then takes ``unframe_parsed``, whose

@@ -120,9 +120,8 @@ def dequantize_into(
 def encode_segments(
     ws: list[torch.Tensor], levels: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """``encode`` of each (w, key) of a bucket (contiguous float32 on one device), one
-    native call (CPU) or launch sequence (CUDA) for the tensors the codec threads do not
-    cut into parts (``splits``), ``encode`` for those."""
+    """``encode`` of each (w, key) of a bucket (contiguous float32 on one device): one
+    backend call for the tensors the codec threads do not cut (``splits``)."""
     from hvdcompress.backends import cpu
 
     backend = for_device(ws[0].device)
@@ -154,8 +153,7 @@ def decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
-    ``outs[i]``: None, or (i, its PayloadError) for the first bad body, the ones before it
-    added, ``outs[i]`` untouched (docs/backends.md, "One call per bucket")."""
+    ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     from hvdcompress.backends import cpu
 
     bits = dqsg_bits(levels)
@@ -168,18 +166,6 @@ def decode_segments(
         )
     if failed is None:
         return None
-    i = failed[0]
-    if levels == 1:
-        body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
-        return i, prim.refusal(lambda: decode_q(body, int(ns[i]), levels, bucket))
-    n, length, code = int(ns[i]), int(lens[i]), failed[1]
-    nb = num_buckets(n, bucket)
-    rest, packed = length - 4 * nb, prim.packed_len(n, bits)
-    message = {
-        -11: f"{length} bytes cannot hold {nb} bucket deltas",
-        -12: "a DQSG delta is negative or not finite",
-        -13: f"{rest} packed bytes cannot hold {n} values of {bits} bits (expected {packed})",
-        -14: "a padding bit after the last packed value is set",
-        -15: f"a DQSG code is above {2 * levels}",
-    }[code]
-    return i, PayloadError("body", message)
+    i = failed[0]  # the per-payload decoder's error names the check
+    body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
+    return i, prim.refusal(lambda: decode_q(body, int(ns[i]), levels, bucket))

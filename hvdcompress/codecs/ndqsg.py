@@ -72,9 +72,8 @@ def encode_nested_segments(
     ws: list[torch.Tensor], levels: int, rho: int, bucket: int, keys: list[int]
 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """``encode_nested`` of each (w, key) of a bucket (contiguous float32 on one device),
-    None for a w with a NaN or an Inf: one native call (on CUDA one launch sequence) for
-    the tensors the codec threads do not cut into parts (``splits``), ``encode_nested``
-    for those."""
+    None for a w with a NaN or an Inf: one backend call for the tensors the codec threads
+    do not cut (``splits``)."""
     if not ws:
         return []
     backend = for_device(ws[0].device)
@@ -146,11 +145,9 @@ def decode_segments(
 ) -> tuple[np.ndarray, tuple[int, PayloadError] | None]:
     """``decode_m`` then ``side_decode_into`` (accumulating) of each nested body
     ``frame[starts[i]:][:lens[i]]`` into ``outs[i]`` with the gather path's side
-    information ``outs[i] / rank`` (rank >= 1), in order, one native call over a host frame
-    (on CUDA one launch sequence; the side information formed in the same pass, no tensor
-    of it): (the aliasing count of each body against ``k_trues[i]``, 0 where None; None, or
-    (i, the PayloadError ``decode_m`` raises) for the first bad body, the ones before it
-    added, ``outs[i]`` untouched)."""
+    information ``outs[i] / rank`` (rank >= 1), formed in the same pass: (the aliasing count
+    of each body against ``k_trues[i]``, 0 where None; what
+    ``GatherCompressor.decode_segments`` returns)."""
     backend = for_device(outs[0].device) if outs else None
     if backend is None:
         return np.zeros(0, dtype=np.int64), None

@@ -135,9 +135,7 @@ def abs_sum(x: torch.Tensor, chunk: int = 1024) -> float:
 
 def flat_f32(x: torch.Tensor) -> torch.Tensor:
     """x as a flat contiguous float32 tensor (a view when it is one already)."""
-    if x.dtype == torch.float32 and x.is_contiguous():
-        return x.detach().view(-1)
-    return x.detach().reshape(-1).to(torch.float32).contiguous()
+    return f32_data(x).detach().view(-1)
 
 
 def batched_except_split(items: list, numel, splits, batched, single) -> list:

@@ -20,7 +20,6 @@ import torch
 
 from hvdcompress.backends import for_device
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.codecs import threelc
 from hvdcompress.errors import PayloadError
 
 MAX_LEVELS = 127
@@ -31,9 +30,9 @@ def int_in(v, lo: int, hi: int) -> bool:
     return not isinstance(v, bool) and int(v) == v and lo <= v <= hi
 
 
-def check_levels(levels: int, name: str, hi: int = MAX_LEVELS) -> int:
-    if not int_in(levels, 1, hi):
-        raise ValueError(f"{name} levels must be an int in [1, {hi}], got {levels!r}")
+def check_levels(levels: int, name: str) -> int:
+    if not int_in(levels, 1, MAX_LEVELS):
+        raise ValueError(f"{name} levels must be an int in [1, {MAX_LEVELS}], got {levels!r}")
     return int(levels)
 
 
@@ -115,8 +114,7 @@ def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | N
 def qsgd_encode_segments(
     xs: list[torch.Tensor], levels: int, bucket: int, keys: list[int]
 ) -> list[torch.Tensor | None]:
-    """``qsgd_encode`` of each (x, key) of a bucket (contiguous float32 on one device): on
-    CUDA one launch sequence for the bucket."""
+    """``qsgd_encode`` of each (x, key) of a bucket (contiguous float32 on one device)."""
     levels = check_levels(levels, "QSGD")
     return for_device(xs[0].device).qsgd_encode_segments(
         xs, levels, qsgd_bits(levels), bucket, keys
@@ -126,16 +124,8 @@ def qsgd_encode_segments(
 def terngrad_encode_segments(
     xs: list[torch.Tensor], keys: list[int]
 ) -> list[tuple[torch.Tensor, float] | None]:
-    """``terngrad_encode`` of each (x, key) of a bucket (contiguous float32 on one device):
-    one native call (CPU; a tensor the codec threads cut, ``splits``, on its own) or
-    launch sequence (CUDA)."""
+    """``terngrad_encode`` of each (x, key) of a bucket (contiguous float32 on one device)."""
     return for_device(xs[0].device).terngrad_encode_segments(xs, keys)
-
-
-def terngrad_decode_into(
-    body: torch.Tensor, n: int, scale: float, out: torch.Tensor, accumulate: bool
-) -> None:
-    threelc.decode_into(body, n, scale, out, accumulate)
 
 
 def qsgd_decode_segments(
@@ -148,8 +138,7 @@ def qsgd_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``qsgd_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` into
-    ``outs[i]``: None, or (i, its PayloadError) for the first bad body, the ones before it
-    added, ``outs[i]`` untouched (docs/backends.md, "One call per bucket")."""
+    ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     backend = for_device(outs[0].device) if outs else for_device(frame.device)
     levels = check_levels(levels, "QSGD")
     bits = qsgd_bits(levels)

@@ -30,8 +30,7 @@ def encode(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def encode_segments(xs: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """``encode`` of each flat float32 tensor of a bucket (all on one device): one native
-    call over a segment table on the CPU."""
+    """``encode`` of each flat float32 tensor of a bucket (all on one device)."""
     if not xs:
         return []
     return for_device(xs[0].device).sign_encode_segments(xs)
@@ -57,8 +56,7 @@ def ef_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor]
 ) -> list[tuple[torch.Tensor, float] | None]:
     """``ef_encode`` of each (g, e) of a bucket (flat float32 on one device): the same two
-    passes, each one native call (CPU; a tensor the codec threads cut, a call a part) or
-    one launch (CUDA) for the bucket's tensors."""
+    passes, each one backend call for the bucket."""
     backend = for_device(gs[0].device)
     sums, nonfinite = backend.efsign_sums_segments(gs, es)
     scales = [
@@ -106,9 +104,7 @@ def decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``, ``ns[i]``
-    signs of magnitude ``scales[i]``, into ``outs[i]``: None, or (i, its PayloadError) for
-    the first bad body, the ones before it added, ``outs[i]`` untouched (docs/backends.md,
-    "One call per bucket")."""
+    signs of magnitude ``scales[i]``, into ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     backend = for_device(outs[0].device) if outs else for_device(frame.device)
 
     def decode(upto: int):

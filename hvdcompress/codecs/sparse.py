@@ -29,15 +29,7 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
-from hvdcompress.codecs.primitives import (
-    abs_sum,
-    bitpack,
-    bitunpack,
-    decode_to_wrong_length,
-    one,
-    packed_len,
-    refusal,
-)
+from hvdcompress.codecs import primitives as prim
 from hvdcompress.errors import PayloadError
 
 INDEX32_LIMIT = 2**31
@@ -171,7 +163,7 @@ def randomk_decode_into(
     body = body.reshape(-1)
     target = out if accumulate or fresh else torch.zeros_like(out)
     failed = backend.randomk_decode_segments(
-        body, one(0), one(body.numel()), one(n), [key], threshold, scale,
+        body, prim.one(0), prim.one(body.numel()), prim.one(n), [key], threshold, scale,
         [target],
     )  # fmt: skip
     if failed is not None:
@@ -211,10 +203,8 @@ def _randomk_error(code: int, body_len: int) -> PayloadError:
 def randomk_encode_segments(
     gs: list[torch.Tensor], keys: list[int], ratio: float, es: list[torch.Tensor] | None = None
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """``randomk_encode`` of a bucket's tensors (flat float32 on one device) in one native
-    call (CPU) or launch sequence (CUDA): (bodies, non-finite flags). With the residuals
-    ``es`` (error feedback), of a = g + e, and each e becomes a with the kept entries
-    zeroed (untouched where a is not finite)."""
+    """``randomk_encode`` of a bucket's tensors (flat float32 on one device), with the
+    residuals ``es`` or without: the backend's ``randomk_encode_segments``."""
     return for_device(gs[0].device).randomk_encode_segments(gs, keys, randomk_threshold(ratio), es)
 
 
@@ -247,8 +237,8 @@ def topk_sign_encode(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     """(body uint8, kept indices int64, magnitude m) for the flat float32 a."""
     idx = topk_select(a, k)
     kept = a[idx]
-    m = float(torch.tensor(abs_sum(kept) / k if k else 0.0, dtype=torch.float32))
-    signs = bitpack((kept < 0).to(torch.uint8), 1)
+    m = float(torch.tensor(prim.abs_sum(kept) / k if k else 0.0, dtype=torch.float32))
+    signs = prim.bitpack((kept < 0).to(torch.uint8), 1)
     head = torch.tensor([m], dtype=torch.float32, device=a.device).view(torch.uint8)
     index = idx.to(index_dtype(a.numel())).view(torch.uint8)
     return torch.cat([head, index, signs]), idx, m
@@ -276,7 +266,7 @@ def topk_sign_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, to
     its length, m finite and >= 0, the indices ascending in [0, n), the padding bits
     zero. Raises PayloadError."""
     isz = index_dtype(n).itemsize
-    need = 4 + k * isz + packed_len(k, 1)
+    need = 4 + k * isz + prim.packed_len(k, 1)
     if body.numel() != need:
         raise PayloadError(
             "body", f"top-k + sign of {k} values needs {need} bytes, got {body.numel()}"
@@ -286,7 +276,7 @@ def topk_sign_kept(body: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, to
         raise PayloadError("body", f"top-k + sign magnitude {m} is not finite and >= 0")
     idx = body[4 : 4 + k * isz].clone().view(index_dtype(n)).to(torch.int64)
     _check_indices(idx, n)
-    return idx, topk_sign_values(m, bitunpack(body[4 + k * isz :], k, 1))
+    return idx, topk_sign_values(m, prim.bitunpack(body[4 + k * isz :], k, 1))
 
 
 def _check_indices(idx: torch.Tensor, n: int) -> None:
@@ -308,9 +298,8 @@ def _scatter(out: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, accumul
 
 # ---- DGC's momentum correction (hvdcompress/compressors/dgc.py) -------------------------------
 def momentum_update(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float) -> bool:
-    """DGC's u <- momentum * u + g (u <- g at momentum 0) and v <- v + u, in place, each one
-    float32 operation. True, with u and v untouched, when the new v would hold a NaN or an
-    Inf."""
+    """DGC's momentum correction: the backend's ``dgc_update``, each step one float32
+    operation."""
     return for_device(g.device).dgc_update(g, u, v, momentum)
 
 
@@ -406,13 +395,10 @@ def gspar_encode_segments(
     budgets: list[float],
     es: list[torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """``gspar_encode`` of a bucket's tensors (flat float32 on one device, finite or
-    flagged) in one native call (on CUDA one launch sequence, a read a round of the scale
-    iteration): (bodies, non-finite flags). Scaled; or with the residuals ``es`` (error
-    feedback) of a = g + e, unscaled, each e becoming a with the kept entries zeroed
-    (untouched where a is not finite). A tensor the call leaves to its caller (more kept
-    than its room) is encoded alone; a scaled body that overflowed is flagged
-    (``gspar_values_finite``)."""
+    """``gspar_encode`` of a bucket's tensors (flat float32 on one device): the backend's
+    ``gspar_encode_segments``, scaled, or unscaled with the residuals ``es``. A tensor the
+    call leaves to its caller (more kept than its room) is encoded alone; a scaled body
+    that overflowed is flagged (``gspar_values_finite``)."""
     if not gs:
         return [], []
     backend = for_device(gs[0].device)
@@ -453,40 +439,31 @@ def topk_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``topk_decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]``, ``ks[i]``
-    of ``ns[i]`` values, into ``outs[i]``: None, or (i, its PayloadError) for the first bad
-    body, the ones before it added, ``outs[i]`` untouched (docs/backends.md, "One call per
-    bucket")."""
+    of ``ns[i]`` values, into ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     need = ks * np.where(ns >= INDEX32_LIMIT, 12, 8)
     return _kept_decode_segments(
-        frame, starts, lens, ns, ks, outs, need, "top-k", "topk_decode_segments", topk_kept,
-        lambda i, message: PayloadError("body", message),
-    )  # fmt: skip
+        frame, starts, lens, ns, ks, outs, need, "topk_decode_segments", topk_kept
+    )
 
 
-def _kept_decode_segments(frame, starts, lens, ns, ks, outs, need, what, native, kept, cpu_error):
-    """The bucket decoder of top-k's or top-k + sign's bodies (``need[i]`` bytes each, a
-    ``what`` of ``ks[i]`` values): the backend's ``native`` decoder; the error of a bad
-    body is ``cpu_error(i, the CPU's failure)`` or, on a device, what ``kept`` raises."""
+def _kept_decode_segments(frame, starts, lens, ns, ks, outs, need, native, kept):
+    """The bucket decoder of top-k's or top-k + sign's bodies (``need[i]`` bytes each, of
+    ``ks[i]`` values): the backend's ``native`` decoder; the error of a bad body, or of one
+    of the wrong length, is what the per-payload ``kept`` raises for it."""
     from hvdcompress.backends import cpu
 
     backend = for_device(outs[0].device) if outs else cpu
 
+    def error(i: int) -> PayloadError:
+        body = frame[int(starts[i]) : int(starts[i]) + int(lens[i])]
+        return prim.refusal(lambda: kept(body, int(ns[i]), int(ks[i])))
+
     def decode(upto: int):
         args = (frame, starts[:upto].copy(), ks[:upto].copy(), ns[:upto].copy(), outs[:upto])
         failed = getattr(backend, native)(*args)
-        if failed is None:
-            return None
-        i = failed[0]
-        if backend is cpu:
-            return i, cpu_error(i, failed[1])
-        body = frame[int(starts[i]) : int(starts[i]) + int(need[i])]
-        return i, refusal(lambda: kept(body, int(ns[i]), int(ks[i])))
+        return None if failed is None else (failed[0], error(failed[0]))
 
-    def length_error(i: int) -> PayloadError:
-        k, got = int(ks[i]), int(lens[i])
-        return PayloadError("body", f"{what} of {k} values needs {int(need[i])} bytes, got {got}")
-
-    return decode_to_wrong_length(lens, need, decode, length_error)
+    return prim.decode_to_wrong_length(lens, need, decode, error)
 
 
 def gspar_decode_segments(
@@ -521,12 +498,9 @@ def topk_encode_segments(
     us: list[torch.Tensor] | None = None,
     momentum: float = 0.0,
 ) -> tuple[list[torch.Tensor], list[bool]]:
-    """Top-k with error feedback of a bucket's tensors (flat float32 on one device) in one
-    native call (kernels/sparse.c; on CUDA one launch sequence of kernels/sparse.cu): for
-    each (g, e, k), unless g + e is not finite (flagged, e untouched), e = g + e, the body
-    of ``topk_encode(e, k)``, then e[kept] = 0 (the compressor's ``TopK.encode``, byte for
-    byte). With the velocities ``us`` (DGC): ``momentum_update`` (g, u, e) instead of
-    e = g + e, and u[kept] = 0 too (``DGC.encode``, byte for byte)."""
+    """Top-k with error feedback of a bucket's tensors (flat float32 on one device): the
+    backend's ``topk_encode_segments``, each body ``topk_encode``'s of g + e, byte for byte
+    (with the velocities ``us``, DGC's, after ``momentum_update``)."""
     if not gs:
         return [], []
     return for_device(gs[0].device).topk_encode_segments(gs, es, ks, us, momentum)
@@ -536,10 +510,9 @@ def topk_sign_encode_segments(
     gs: list[torch.Tensor], es: list[torch.Tensor], ks: list[int]
 ) -> tuple[list[torch.Tensor], list[bool]]:
     """Top-k + sign with error feedback of a bucket's tensors (contiguous float32 on one
-    device), two native calls (on CUDA two launch sequences; ``TopKSign.encode`` of each,
-    byte for byte): e = g + e, the kept set, m = float32(correctly rounded sum of |kept| /
-    k) per tensor here, then the bodies and e[kept] -= +-m. (bodies, non-finite flags: e
-    untouched there.)"""
+    device): the backend's selection, m = float32(correctly rounded sum of |kept| / k) per
+    tensor here, then the backend's bodies (``topk_sign_encode``'s of g + e, byte for
+    byte); (bodies, non-finite flags)."""
     if not gs:
         return [], []
     backend = for_device(gs[0].device)
@@ -561,18 +534,7 @@ def topk_sign_decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``topk_decode_segments`` for top-k + sign's bodies (``topk_sign_decode_into``)."""
-    from hvdcompress.backends import cpu
-
     need = 4 + ks * np.where(ns >= INDEX32_LIMIT, 8, 4) + (ks + 7) // 8
-
-    def cpu_error(i: int, code: int) -> PayloadError:
-        if code == -4:
-            at = int(starts[i])
-            m = float(frame[at : at + 4].clone().view(torch.float32))
-            return PayloadError("body", f"top-k + sign magnitude {m} is not finite and >= 0")
-        return PayloadError("body", cpu._TOPKQ_ERRORS[code].format(n=int(ns[i])))
-
     return _kept_decode_segments(
-        frame, starts, lens, ns, ks, outs, need, "top-k + sign", "topkq_decode_segments",
-        topk_sign_kept, cpu_error,
-    )  # fmt: skip
+        frame, starts, lens, ns, ks, outs, need, "topkq_decode_segments", topk_sign_kept
+    )

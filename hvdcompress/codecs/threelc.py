@@ -14,7 +14,7 @@ Invariants (every backend, every rank):
   * The CPU and CUDA backends produce identical bytes.
 
 The functions here dispatch on the tensor's device and are the public building
-blocks; ``encode`` / ``decode_into`` are the fused paths the compressor uses.
+blocks; ``encode_segments`` / ``decode_segments`` are the fused paths the compressor uses.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from hvdcompress.codecs import primitives as prim
 from hvdcompress.errors import PayloadError
 
 ZERO_GROUP = 121
-MAX_QUARTIC = 242
 MAX_RUN = 14
 MAX_VALUES_PER_BYTE = 5 * MAX_RUN  # 70: one byte of 255 stands for 14 zero groups
 PARAMS = struct.Struct("<ff")  # sparsity, scale S (both float32)
@@ -51,13 +50,9 @@ def quartic_len(numel: int) -> int:
     return (numel + 4) // 5
 
 
-def _flat_f32(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().reshape(-1).to(torch.float32).contiguous()
-
-
 def quantize(x: torch.Tensor, sparsity: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Ternarise x (no error feedback): returns (q int8 flat, S float32 0-dim tensor)."""
-    return for_device(x.device).quantize(_flat_f32(x), check_sparsity(sparsity))
+    return for_device(x.device).quantize(prim.flat_f32(x), check_sparsity(sparsity))
 
 
 def quartic_encode(q: torch.Tensor) -> torch.Tensor:
@@ -69,8 +64,6 @@ def quartic_encode(q: torch.Tensor) -> torch.Tensor:
 
 def quartic_decode(buf: torch.Tensor, numel: int) -> torch.Tensor:
     """Unpack numel int8 digits; raises PayloadError on bytes > 242, bad padding or length."""
-    from hvdcompress.errors import PayloadError
-
     buf = _bytes(buf)
     if buf.numel() != quartic_len(numel):
         raise PayloadError(
@@ -180,10 +173,7 @@ def decode_segments(
     outs: list[torch.Tensor],
 ) -> tuple[int, PayloadError] | None:
     """``decode_into`` (accumulating) of each body ``frame[starts[i]:][:lens[i]]`` of ``ns[i]``
-    values with scale ``scales[i]`` into ``outs[i]``, in order, as one native call (CPU
-    outputs, host frame) or one launch sequence (outputs on one CUDA device, the frame on
-    the host or that device): None, or (i, the PayloadError ``decode_into`` raises) for the
-    first body that does not decode, the ones before it added, ``outs[i]`` untouched."""
+    values with scale ``scales[i]`` into ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     backend = for_device(outs[0].device) if outs else for_device(frame.device)
     failed = backend.threelc_decode_segments(frame, starts, lens, ns, scales, outs)
     return None if failed is None else (failed[0], PayloadError("body", failed[1]))

@@ -9,11 +9,10 @@ and step, ``pop_metrics`` per step, ``state_dict`` in checkpoints.
 * ``GatherCompressor``: ``compress`` encodes a tensor into a self-describing uint8
   payload (``hvdcompress.wire``); the payloads of all ranks are gathered and every rank
   decodes every payload in rank order (``decode_parsed``, accumulating into float32). A
-  subclass implements ``encode`` (to flags, codec parameters and body),
-  ``check_params`` and ``max_numel`` (validation of a received header) and
-  ``decode_into`` (the body into a float32 output). Invariant: a payload either decodes
-  to a tensor of exactly the header's (and, when given, the receiver's expected) shape
-  and dtype, or raises ``PayloadError`` naming the field; the output is untouched then.
+  subclass implements what the class lists under "to implement". Invariant: a payload
+  either decodes to a tensor of exactly the header's (and, when given, the receiver's
+  expected) shape and dtype, or raises ``PayloadError`` naming the field; the output is
+  untouched then.
 * ``SummableCompressor``: ``compress`` gives a dense tensor that an allreduce may sum;
   ``phases`` > 1 (PowerSGD: P, then Q) makes the next phase's dense tensor from the
   summed one (``next_phase``); ``decompress`` turns the last sum into the gradient sum.
@@ -28,8 +27,8 @@ import numpy as np
 import torch
 
 from hvdcompress import wire
+from hvdcompress.compressors import receive
 from hvdcompress.compressors.params import Param
-from hvdcompress.compressors.receive import check_out, checked_cast, numel_limit
 from hvdcompress.errors import PayloadError
 
 
@@ -47,9 +46,12 @@ def check_scale(header, scale: float) -> None:
         raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
 
 
-def as_float32(value: float) -> float:
-    """Round a Python float to the nearest float32 (as the wire stores it)."""
-    return float(np.float32(value))
+def check_agreed(field: str, expected, got) -> None:
+    """PayloadError ``field`` unless a header's codec parameter(s) are this rank's own."""
+    if got != expected:
+        raise PayloadError(
+            field, f"expected {expected}, got {got} (ranks disagree on the compressor)"
+        )
 
 
 class Ctx(NamedTuple):  # a NamedTuple: a bucket makes one per tensor and step
@@ -100,6 +102,11 @@ class Compressor:
     @classmethod
     def compression_attribute(cls) -> str:
         return cls.attribute or cls.name
+
+    def __repr__(self) -> str:
+        """The class and its constructor parameters (``params``) but the rank ``bind`` sets."""
+        args = ", ".join(f"{p}={getattr(self, p)}" for p in self.params if p != "rank")
+        return f"{type(self).__name__}({args})"
 
     # ---- life cycle in the optimizer (defaults: nothing to do) ---------------------------
     def bind(self, rank: int, size: int) -> None:
@@ -230,6 +237,13 @@ class GatherCompressor(Compressor):
         for tensor ``name`` (None: not known); raise PayloadError."""
         raise NotImplementedError
 
+    def _check_params_len(self, header: wire.Header, size: int) -> None:
+        if len(header.params) != size:
+            raise PayloadError(
+                "params_len",
+                f"{self.name} has {size} bytes of parameters, got {len(header.params)}",
+            )
+
     def max_numel(self, body_len: int, name: str | None) -> int:
         """The most elements a body of this many bytes can describe (guards allocation)."""
         raise NotImplementedError
@@ -354,7 +368,7 @@ class GatherCompressor(Compressor):
         ``accepts_bucket`` the codec parameters, ``decode_segments`` adds the bodies;
         what they do not accept goes the per-payload way, whose errors name the field."""
         names = [ctx.name for ctx in ctxs]
-        scanned = self._scan_accepted(frame, outs, ctxs, names)
+        scanned = receive.scan_accepted(self, frame, outs, ctxs, names)
         if scanned is None:
             device = outs[0].device if outs else torch.device("cpu")
             parsed = wire.unframe_parsed(frame, rank, names, device)
@@ -362,7 +376,7 @@ class GatherCompressor(Compressor):
             return
         params, starts, lens, numels, nonfinite = scanned
         for out in outs:
-            check_out(out)
+            receive.check_out(out)
         outs = [out if out.dim() == 1 else out.view(-1) for out in outs]
         finite = np.flatnonzero(~nonfinite)
         pick = finite.tolist()
@@ -384,35 +398,6 @@ class GatherCompressor(Compressor):
             outs[i].fill_(float("nan"))
         if failed is not None:
             raise failed[1].locate(rank=rank, tensor=names[stop]) from None
-
-    def _scan_accepted(self, frame, outs, ctxs, names):
-        """decode_frame's fast-path checks: (params, body starts, body lengths, numels,
-        non-finite flags) of every payload when the scan, ``accepts_bucket`` and the
-        outputs' sizes accept the frame, else None (the per-payload way)."""
-        devices = {o.device for o in outs}
-        if len(devices) > 1:
-            return None
-        device = devices.pop() if devices else torch.device("cpu")
-        if device.type != "cpu" and not (device.type == "cuda" and self.cuda_decode_segments):
-            return None
-        if device.type == "cpu" and frame.device.type != "cpu":
-            return None  # the per-payload path moves each payload
-        scanned = wire.scan_frame(frame, self.frame_layout(ctxs))  # on the frame's device
-        if scanned is None:
-            return None
-        fields, params = scanned
-        col = wire.SCAN
-        flags = fields[:, col["flags"]]
-        lens = np.ascontiguousarray(fields[:, col["body_len"]])
-        starts = fields[:, col["start"]] + fields[:, col["length"]] - lens
-        numels = np.ascontiguousarray(fields[:, col["numel"]])
-        sizes = np.fromiter((o.numel() for o in outs), dtype=np.int64, count=len(outs))
-        nonfinite = (flags & wire.FLAG_NONFINITE) != 0
-        if not np.array_equal(sizes, numels) or not bool((lens[nonfinite] == 0).all()):
-            return None  # decode_parsed names the mismatch ("numel", "body_len")
-        if not self.accepts_bucket(names, flags, params, lens, numels):
-            return None
-        return params, starts, lens, numels, nonfinite
 
     def accepts_bucket(
         self,
@@ -441,20 +426,20 @@ class GatherCompressor(Compressor):
         self,
         frame: torch.Tensor,
         params: list[bytes],
-        body_starts: np.ndarray,
-        body_lens: np.ndarray,
+        starts: np.ndarray,
+        lens: np.ndarray,
         numels: np.ndarray,
         outs: list[torch.Tensor],
         names: list[str],
         rank: int | None = None,
     ) -> tuple[int, PayloadError] | None:
-        """Add the accepted bodies ``frame[body_starts[i]:][:body_lens[i]]`` decoded into
+        """Add the accepted bodies ``frame[starts[i]:][:lens[i]]`` decoded into
         ``outs[i]``: None, or (i, the PayloadError) of the first that does not decode (the
         ones before it added, ``outs[i]`` untouched). ``decode_into`` of each by default; a
         codec with a batched native decoder overrides it with one call (docs/backends.md,
         "One call per bucket"); side information as in ``decode_bucket``."""
         for i, (param, start, length, numel) in enumerate(
-            zip(params, body_starts.tolist(), body_lens.tolist(), numels.tolist(), strict=True)
+            zip(params, starts.tolist(), lens.tolist(), numels.tolist(), strict=True)
         ):
             header = wire.Header(self.name, 0, torch.float32, (numel,), param, length)
             side = outs[i] / rank if self.uses_side_info and rank else None
@@ -542,10 +527,12 @@ class GatherCompressor(Compressor):
         if side_info is not None and not self.uses_side_info:
             raise TypeError(f"{self.name} decodes without side information")
         if out is not None:
-            check_out(out)
-        limit, source = numel_limit(None if expect is None else expect.shape, out, max_numel)
+            receive.check_out(out)
+        limit, source = receive.numel_limit(
+            None if expect is None else expect.shape, out, max_numel
+        )
         try:
-            self._validate(header, payload, expect, name, limit, source)
+            receive.check_header(self, header, payload, expect, name, limit, source)
             body = payload[header.size :]
             if out is not None:
                 if header.numel != out.numel():
@@ -563,38 +550,6 @@ class GatherCompressor(Compressor):
                 )
             flat = self.decode_new(header, body, side_info)
             bound = self.decoded_bound(header, body)  # the body decoded: checked
-            return checked_cast(flat.view(header.shape), header.dtype, bound)
+            return receive.checked_cast(flat.view(header.shape), header.dtype, bound)
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=name) from None
-
-    def _validate(
-        self,
-        header: wire.Header,
-        payload: torch.Tensor,
-        expect: Ctx | None,
-        name: str | None,
-        limit: int | None = None,
-        source: str = "",
-    ) -> None:
-        """Every header check before any allocation or body access; ``limit``: the most
-        elements the receiver accepts (``_numel_limit``; None: the default bound)."""
-        if header.codec != self.name:
-            raise PayloadError("codec", f"expected {self.name!r}, got {header.codec!r}")
-        if expect is not None:
-            if header.shape != tuple(expect.shape):
-                raise PayloadError("shape", f"expected {tuple(expect.shape)}, got {header.shape}")
-            if header.dtype != expect.dtype:
-                raise PayloadError("dtype", f"expected {expect.dtype}, got {header.dtype}")
-        if limit is None:
-            limit, source = wire.decode_limit(), "the default bound"
-        wire.check_numel_bound(header, limit, source)
-        self.check_params(header, name)
-        if header.nonfinite and header.body_len != 0:
-            raise PayloadError(
-                "body_len", f"a non-finite payload carries no body, got {header.body_len} bytes"
-            )
-        if not header.nonfinite and header.numel > self.max_numel(header.body_len, name):
-            raise PayloadError(
-                "numel", f"{header.numel} elements cannot come from {header.body_len} body bytes"
-            )
-        wire.verify_checksum(header, payload)

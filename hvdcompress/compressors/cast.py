@@ -24,9 +24,6 @@ class Cast(SummableCompressor):
     def __init__(self) -> None:
         pass
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
         ctx = Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device)
         wire = self.wire_dtype or tensor.dtype

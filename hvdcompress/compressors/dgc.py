@@ -22,11 +22,11 @@ import struct
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
+from hvdcompress.compressors.base import Encoded, check_agreed, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
-from hvdcompress.compressors.sparse import check_saved_ratio
+from hvdcompress.compressors.sparse import TopKLayout
 from hvdcompress.errors import PayloadError
 
 PARAMS = struct.Struct("<dQd")  # ratio, step, density of this step
@@ -34,7 +34,7 @@ WARMUP_START = 0.25  # density at step 0 of the warm-up (75 % sparsity)
 
 
 @register
-class DGC(GatherCompressor):
+class DGC(TopKLayout):
     """Top-k (``ratio``, default 0.001) with momentum correction (``momentum`` in [0, 1),
     default 0.9), momentum factor masking, optional local clipping (``clip_norm`` > 0 per
     tensor, scaled by N^-1/2; 0 disables) and sparsity warm-up (``warmup_steps``,
@@ -42,7 +42,6 @@ class DGC(GatherCompressor):
 
     name = "dgc"
     wire_id = 6
-    cuda_decode_segments = True  # top-k's layout: sparse.topk_decode_segments
     params = {
         "ratio": Param(0.0, 1.0, low_open=True),
         "momentum": Param(0.0, 1.0, high_open=True),
@@ -93,12 +92,6 @@ class DGC(GatherCompressor):
         self.memory = ErrorFeedback()  # v (the error-feedback residual)
         self.steps: dict[str, int] = {}
 
-    def __repr__(self) -> str:
-        return (
-            f"DGC(ratio={self.ratio}, momentum={self.momentum}, clip_norm={self.clip_norm}, "
-            f"warmup_steps={self.warmup_steps}, warmup_stages={self.warmup_stages})"
-        )
-
     def bind(self, rank: int, size: int) -> None:
         self.size = max(1, int(size))
 
@@ -134,34 +127,22 @@ class DGC(GatherCompressor):
             stage, stages = step, T
         return WARMUP_START * (self.ratio / WARMUP_START) ** (stage / stages)
 
-    def encode(self, tensor, name):
-        g = prim.flat_f32(tensor)
-        u = self.velocity.residual(name, g)
-        v = self.memory.residual(name, g)
-        step = self.steps.get(name, 0)
-        self.steps[name] = step + 1
-        density = self.density(step)
-        params = PARAMS.pack(self.ratio, step, density)
-        if self.clip_norm > 0.0 and prim.all_finite(g):
-            limit = self.clip_norm / math.sqrt(self.size)
-            norm = math.sqrt(math.fsum(prim.chunk_sums(g, 1024, True).cpu().tolist()))
-            if norm > limit:
-                g = g * float(limit / (norm + 1e-6))
-        if sparse.momentum_update(g, u, v, self.momentum):  # u and v untouched
-            return wire.FLAG_NONFINITE, params, empty_body(g.device)
-        body, idx = sparse.topk_encode(v, sparse.topk_count(v.numel(), density))
-        v[idx] = 0.0
-        u[idx] = 0.0
-        return 0, params, body
+    def _clipped(self, g):
+        """The finite g scaled to a norm of at most clip_norm / sqrt(N) (local clipping)."""
+        limit = self.clip_norm / math.sqrt(self.size)
+        norm = math.sqrt(math.fsum(prim.chunk_sums(g.view(-1), 1024, True).cpu().tolist()))
+        return g * float(limit / (norm + 1e-6)) if norm > limit else g
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
-        if self.clip_norm > 0.0 or len({g.device for g in gs}) != 1:
-            return super().encode_bucket(tensors, names)  # clipping: tensor by tensor
+        if len({g.device for g in gs}) != 1:  # none, or on several devices
+            return super().encode_bucket(tensors, names)
+        if self.clip_norm > 0.0:
+            gs = [self._clipped(g) if prim.all_finite(g) else g for g in gs]
         us = [self.velocity.residual(name, g) for g, name in zip(gs, names, strict=True)]
         vs = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
         params, ks = [], []
-        for g, name in zip(gs, names, strict=True):  # steps advance as in encode
+        for g, name in zip(gs, names, strict=True):
             step = self.steps.get(name, 0)
             self.steps[name] = step + 1
             density = self.density(step)
@@ -174,15 +155,9 @@ class DGC(GatherCompressor):
         ]
 
     def check_params(self, header, name):
-        if len(header.params) != PARAMS.size:
-            raise PayloadError(
-                "params_len", f"dgc has {PARAMS.size} bytes of parameters, got {len(header.params)}"
-            )
+        self._check_params_len(header, PARAMS.size)
         ratio, step, density = PARAMS.unpack(header.params)
-        if ratio != self.ratio:
-            raise PayloadError(
-                "ratio", f"expected {self.ratio}, got {ratio} (ranks disagree on the compressor)"
-            )
+        check_agreed("ratio", self.ratio, ratio)
         if density != self.density(step):
             raise PayloadError(
                 "density",
@@ -194,20 +169,8 @@ class DGC(GatherCompressor):
         k = body_len // 8  # each kept value costs at least 4 + 4 bytes; density >= ratio
         return math.floor((k + 1) / self.ratio) + 1
 
-    def decode_into(self, header, body, out, accumulate, side_info):
-        _, _, density = PARAMS.unpack(header.params)
-        k = sparse.topk_count(header.numel, density)
-        sparse.topk_decode_into(body, header.numel, k, out, accumulate)
-
-    def decoded_bound(self, header, body):
-        return sparse.topk_values_bound(body, header.numel)
-
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
-        # top-k's bodies: one native call (accepts_bucket checked the densities)
-        ks = sparse.topk_counts(numels, (PARAMS.unpack(p)[2] for p in params))
-        return sparse.topk_decode_segments(frame, body_starts, body_lens, numels, ks, outs)
+    def kept_ratio(self, params):
+        return PARAMS.unpack(params)[2]  # this step's density
 
     def state_dict(self) -> dict:
         return {
@@ -218,12 +181,17 @@ class DGC(GatherCompressor):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_count_map, check_keys, check_tensor_map
+        from hvdcompress.checkpoint import (
+            check_count_map,
+            check_keys,
+            check_saved_value,
+            check_tensor_map,
+        )
 
         check_keys(
             "dgc state", state, required=("ratio", "velocity", "residuals"), optional=("steps",)
         )
-        check_saved_ratio(state, self.ratio)
+        check_saved_value("ratio", state["ratio"], self.ratio)
         steps = check_count_map("dgc steps", state.get("steps", {}))
         check_tensor_map("dgc velocity", state["velocity"])  # all checked before loading
         check_tensor_map("dgc residuals", state["residuals"])

@@ -1,9 +1,8 @@
 """DQSG compressor (docs/codecs.md, "DQSG and NDQSG"), codec in hvdcompress.codecs.dqsg.
 
 No error feedback (the dithered quantiser is unbiased and its error independent of the
-input). The dither comes from the counter-based generator keyed by (seed, step, rank,
-tensor id); those travel in the header, so a receiver decodes any rank's payload from
-the payload alone. Non-finite input travels as the flag.
+input); the dither is the seeded compressors' (hvdcompress.compressors.stochastic).
+Non-finite input travels as the flag.
 """
 
 from __future__ import annotations
@@ -44,10 +43,8 @@ class DQSG(BucketQuantizer):
         key = self._stream_key(header.params)
         dqsg.decode_into(body, header.numel, self.levels, self.bucket_size, key, out, accumulate)
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         keys = [self._stream_key(p) for p in params]  # accepts_bucket checked the fields
         return dqsg.decode_segments(
-            frame, body_starts, body_lens, numels, self.levels, self.bucket_size, keys, outs
+            frame, starts, lens, numels, self.levels, self.bucket_size, keys, outs
         )

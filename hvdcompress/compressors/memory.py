@@ -50,3 +50,22 @@ class ErrorFeedback:
             device = current.device if current is not None else e.device
             loaded[name] = e.detach().to(device=device, copy=True)
         self.residuals = loaded
+
+
+class ResidualState:
+    """``state_dict`` of a compressor whose state is its ``memory``: the residuals, and the
+    settings a checkpoint must match (``saved_settings``, attribute names)."""
+
+    saved_settings: tuple[str, ...] = ()
+
+    def state_dict(self) -> dict:
+        settings = {key: getattr(self, key) for key in self.saved_settings}
+        return {**settings, "residuals": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        from hvdcompress.checkpoint import check_keys, check_saved_value
+
+        check_keys(f"{self.name} state", state, required=(*self.saved_settings, "residuals"))
+        for key in self.saved_settings:
+            check_saved_value(key, state[key], getattr(self, key))
+        self.memory.load_state_dict(state["residuals"], what=f"{self.name} residuals")

@@ -20,6 +20,7 @@ import torch
 
 from hvdcompress.codecs import dqsg, ndqsg, quant
 from hvdcompress.codecs import primitives as prim
+from hvdcompress.compressors.base import check_agreed
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.registry import register
@@ -81,13 +82,6 @@ class NDQSG(Stochastic):
         self._counts = {"estimate": [0, 0], "own": [0, 0]}
         self.last_aliasing_rate: float | None = None
 
-    def __repr__(self) -> str:
-        return (
-            f"NDQSG(fine_levels={self.fine_levels}, coarse_levels={self.coarse_levels}, "
-            f"bucket_size={self.bucket_size}, dqsg_fraction={self.dqsg_fraction}, "
-            f"seed={self.seed})"
-        )
-
     def bind(self, rank: int, size: int) -> None:
         super().bind(rank, size)
         if isinstance(size, bool) or int(size) != size or size < 1:
@@ -117,10 +111,10 @@ class NDQSG(Stochastic):
             )  # fmt: skip
 
         def payload(rng: bytes, coded, device):
-            if coded is None:
-                return encoded(rng + fields, None, device)
-            self._remember(rng, coded[1])  # k, for this rank's own aliasing rate
-            return encoded(rng + fields, coded[0], device)
+            if coded is not None:  # keep k, for this rank's own aliasing rate (_own_k)
+                _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
+                self._sent[tid] = (step, coded[1])
+            return encoded(rng + fields, None if coded is None else coded[0], device)
 
         return self._encode_bucket_with(
             tensors, names,
@@ -128,22 +122,10 @@ class NDQSG(Stochastic):
             payload,
         )  # fmt: skip
 
-    def _remember(self, rng: bytes, k: torch.Tensor) -> None:
-        """Keep the fine indices k of this rank's nested payload with these RNG fields."""
-        _, step, tid, _ = prim.RNG_PARAMS.unpack_from(rng, 0)
-        self._sent[tid] = (step, k)
-
     # ---- decode ---------------------------------------------------------------------------
     def check_params(self, header, name):
-        self._check_params_len(header, prim.RNG_PARAMS.size + PARAMS.size)
-        self._rng_check(header.params, name)
-        *theirs, mode = PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        if tuple(theirs) != self._config():
-            raise PayloadError(
-                "levels",
-                f"expected fine/coarse levels, bucket_size, dqsg_fraction {self._config()}, got "
-                f"{tuple(theirs)} (ranks disagree on the compressor)",
-            )
+        *theirs, mode = self._checked_fields(header, name, PARAMS)
+        check_agreed("levels", self._config(), tuple(theirs))
         sender = prim.RNG_PARAMS.unpack_from(header.params, 0)[3]
         if mode != self.mode_of(sender):
             raise PayloadError(
@@ -200,27 +182,21 @@ class NDQSG(Stochastic):
     # device) for the rest.
     cuda_decode_segments = True
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         modes = {p[-1] for p in params}  # the mode byte ends the params (checked)
         keys = [self._stream_key(p) for p in params]
         if not rank and modes == {MODE_DQSG}:  # no side information: DQSG's decode
             return dqsg.decode_segments(
-                frame, body_starts, body_lens, numels, self.fine_levels, self.bucket_size,
-                keys, outs,
-            )  # fmt: skip
+                frame, starts, lens, numels, self.fine_levels, self.bucket_size, keys, outs
+            )
         if not rank or modes != {MODE_NESTED}:
             # DQSG-mode payloads of ranks 1 .. D-1 (each re-decoded for the aliasing
             # estimate), and nested ones without side information ("side_info")
-            return super().decode_segments(
-                frame, params, body_starts, body_lens, numels, outs, names, rank
-            )
+            return super().decode_segments(frame, params, starts, lens, numels, outs, names, rank)
         owns = [self._own_k(p, int(n)) for p, n in zip(params, numels.tolist(), strict=True)]
         aliased, failed = ndqsg.decode_segments(
-            frame, body_starts, body_lens, numels, self.rho, self.bucket_size, keys, rank,
-            outs, owns,
-        )  # fmt: skip
+            frame, starts, lens, numels, self.rho, self.bucket_size, keys, rank, outs, owns
+        )
         done = len(outs) if failed is None else failed[0]
         for k, bad, n in zip(owns[:done], aliased.tolist(), numels.tolist(), strict=False):
             if k is not None and n:

@@ -82,9 +82,6 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         self.qs: dict[str, torch.Tensor] = {}
         self._pending: dict[str, tuple] = {}
 
-    def __repr__(self) -> str:
-        return f"PowerSGD(matrix_rank={self.matrix_rank}, seed={self.seed})"
-
     def _check_level(self, value):
         if isinstance(value, bool) or int(value) != value or not (1 <= value <= MAX_RANK):
             raise ValueError(
@@ -151,14 +148,8 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         return self.decompress_exact(payload, ctx).to(ctx.dtype)
 
     def decompress_exact(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        """``decompress`` before the cast to the gradient's dtype (float32), so that the
-        optimizer rounds once, after averaging, and can feed that rounding back."""
         pending = self._pending.pop(ctx.name, None)
-        if (
-            pending is None
-            or len(pending) not in (2, 4)
-            or (len(pending) == 2 and pending[0] != "done")
-        ):
+        if pending is None or (len(pending) == 2 and pending[0] != "done"):  # no next_phase yet
             raise RuntimeError(f"powersgd: decompress({ctx.name!r}) before next_phase")
         if len(pending) == 2:
             return pending[1].view(ctx.shape)

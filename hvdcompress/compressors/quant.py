@@ -12,12 +12,12 @@ import struct
 import numpy as np
 
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.codecs import quant, threelc
-from hvdcompress.compressors.base import Encoded, check_scale
+from hvdcompress.codecs import quant
+from hvdcompress.compressors.base import Encoded, check_agreed, check_scale
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic, encoded, with_fields
-from hvdcompress.errors import PayloadError
+from hvdcompress.compressors.threelc import TernaryLayout
 
 QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields; DQSG too)
 TERNGRAD_PARAMS = struct.Struct("<f")  # scale M (after the RNG fields)
@@ -37,24 +37,13 @@ class BucketQuantizer(Stochastic):
     def shard_alignment(self) -> int:
         return self.bucket_size  # one scale per bucket (docs/codecs.md, "Quantisation buckets")
 
-    def __repr__(self) -> str:
-        name, levels, bucket = type(self).__name__, self.levels, self.bucket_size
-        return f"{name}(levels={levels}, bucket_size={bucket}, seed={self.seed})"
-
     def encode_bucket(self, tensors, names):
         fields = QSGD_PARAMS.pack(self.levels, self.bucket_size)
         return self._encode_bucket_with(tensors, names, self._encode_segments, with_fields(fields))
 
     def check_params(self, header, name):
-        self._check_params_len(header, prim.RNG_PARAMS.size + QSGD_PARAMS.size)
-        self._rng_check(header.params, name)
-        levels, bucket = QSGD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        if (levels, bucket) != (self.levels, self.bucket_size):
-            raise PayloadError(
-                "levels",
-                f"expected levels {self.levels} bucket_size {self.bucket_size}, got {levels} "
-                f"{bucket} (ranks disagree on the compressor)",
-            )
+        theirs = self._checked_fields(header, name, QSGD_PARAMS)
+        check_agreed("levels", (self.levels, self.bucket_size), theirs)  # (levels, bucket_size)
 
 
 @register
@@ -88,33 +77,24 @@ class QSGD(BucketQuantizer):
     def decoded_bound(self, header, body):
         return quant.qsgd_decoded_bound(body, header.numel, self.bucket_size)
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         # accepts_bucket checked every payload's levels and bucket size against these
         return quant.qsgd_decode_segments(
-            frame, body_starts, body_lens, numels, self.levels, self.bucket_size, outs
+            frame, starts, lens, numels, self.levels, self.bucket_size, outs
         )
 
 
 @register
-class TernGrad(Stochastic):
+class TernGrad(TernaryLayout, Stochastic):
     """TernGrad: stochastic {-1, 0, 1} * max|x| per tensor, quartic + zero-run coded."""
 
     name = "terngrad"
     wire_id = 8
     params = {"seed": SEED, "rank": RANK}
     error_feedback = False
-    cuda_decode_segments = True  # 3LC's body layout: threelc.decode_segments
 
     def __init__(self, seed: int = 0, rank: int = 0) -> None:
         self._init_rng(seed, rank)
-
-    def shard_alignment(self) -> int:
-        return 5  # a quartic byte holds 5 values (docs/codecs.md, "Quartic encoding")
-
-    def __repr__(self) -> str:
-        return f"TernGrad(seed={self.seed})"
 
     def encode_bucket(self, tensors, names):
         return self._encode_bucket_with(
@@ -122,31 +102,12 @@ class TernGrad(Stochastic):
         )
 
     def check_params(self, header, name):
-        self._check_params_len(header, prim.RNG_PARAMS.size + TERNGRAD_PARAMS.size)
-        self._rng_check(header.params, name)
-        (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
+        (scale,) = self._checked_fields(header, name, TERNGRAD_PARAMS)
         check_scale(header, scale)
 
-    def max_numel(self, body_len, name):
-        return body_len * threelc.MAX_VALUES_PER_BYTE
-
-    def decode_into(self, header, body, out, accumulate, side_info):
-        (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        quant.terngrad_decode_into(body, header.numel, scale, out, accumulate)
-
-    def fresh_fill(self, header):
-        (scale,) = TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        return threelc.fresh_fill(scale)
-
-    def decoded_bound(self, header, body):
-        return TERNGRAD_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0]  # +-M, 0
-
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
-        at = prim.RNG_PARAMS.size
-        scales = np.array([TERNGRAD_PARAMS.unpack_from(p, at)[0] for p in params], np.float32)
-        return threelc.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
+    def scales(self, params):
+        at = prim.RNG_PARAMS.size  # the scale M: +-M or 0 decoded
+        return np.array([TERNGRAD_PARAMS.unpack_from(p, at)[0] for p in params], np.float32)
 
 
 def _terngrad_payload(rng: bytes, coded, device) -> Encoded:

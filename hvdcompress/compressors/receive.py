@@ -1,17 +1,19 @@
-"""What a decode checks of its caller and of its result, before and after the payload's
-own checks (``GatherCompressor.decode_parsed``): the output tensor the caller hands in,
-the most elements a payload may make the receiver allocate (a bound the receiver sets,
-never the payload), and a decoded float32 tensor's cast to the payload's dtype."""
+"""What a decode checks (``GatherCompressor.decode_parsed`` and ``decode_frame``): the
+output tensor the caller hands in, the most elements a payload may make the receiver
+allocate (a bound the receiver sets, never the payload), every header check before the
+body is touched (one payload's, or a whole frame's scan), and a decoded float32 tensor's
+cast to the payload's dtype."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from hvdcompress import wire
 from hvdcompress.backends import for_device
-from hvdcompress.errors import DecodeOverflowError
+from hvdcompress.errors import DecodeOverflowError, PayloadError
 
 
 def check_out(out: torch.Tensor) -> None:
@@ -39,6 +41,64 @@ def numel_limit(
     if not limits:
         return wire.decode_limit(), "the default bound; pass expect= or max_numel="
     return min(limits)
+
+
+def check_header(comp, header: wire.Header, payload: torch.Tensor, expect, name, limit, source):
+    """Every check of a payload's header for compressor ``comp`` (``expect``: a Ctx or None)
+    before any allocation or body access; ``limit`` from ``numel_limit``, as ``source``."""
+    if header.codec != comp.name:
+        raise PayloadError("codec", f"expected {comp.name!r}, got {header.codec!r}")
+    if expect is not None:
+        if header.shape != tuple(expect.shape):
+            raise PayloadError("shape", f"expected {tuple(expect.shape)}, got {header.shape}")
+        if header.dtype != expect.dtype:
+            raise PayloadError("dtype", f"expected {expect.dtype}, got {header.dtype}")
+    if header.numel > limit:  # before any allocation
+        raise PayloadError(
+            "numel",
+            f"header claims {header.numel} elements {tuple(header.shape)}, more than the "
+            f"{limit} this receiver accepts ({source})",
+        )
+    comp.check_params(header, name)
+    if header.nonfinite and header.body_len != 0:
+        raise PayloadError(
+            "body_len", f"a non-finite payload carries no body, got {header.body_len} bytes"
+        )
+    if not header.nonfinite and header.numel > comp.max_numel(header.body_len, name):
+        raise PayloadError(
+            "numel", f"{header.numel} elements cannot come from {header.body_len} body bytes"
+        )
+    wire.verify_checksum(header, payload)
+
+
+def scan_accepted(comp, frame: torch.Tensor, outs: list[torch.Tensor], ctxs, names: list[str]):
+    """``decode_frame``'s fast-path checks for compressor ``comp``: (params, body starts, body
+    lengths, numels, non-finite flags) of every payload when the scan, ``comp.accepts_bucket``
+    and the outputs' sizes accept the frame, else None (the per-payload way)."""
+    devices = {o.device for o in outs}
+    if len(devices) > 1:
+        return None
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type != "cpu" and not (device.type == "cuda" and comp.cuda_decode_segments):
+        return None
+    if device.type == "cpu" and frame.device.type != "cpu":
+        return None  # the per-payload path moves each payload
+    scanned = wire.scan_frame(frame, comp.frame_layout(ctxs))  # on the frame's device
+    if scanned is None:
+        return None
+    fields, params = scanned
+    col = wire.SCAN
+    flags = fields[:, col["flags"]]
+    lens = np.ascontiguousarray(fields[:, col["body_len"]])
+    starts = fields[:, col["start"]] + fields[:, col["length"]] - lens
+    numels = np.ascontiguousarray(fields[:, col["numel"]])
+    sizes = np.fromiter((o.numel() for o in outs), dtype=np.int64, count=len(outs))
+    nonfinite = (flags & wire.FLAG_NONFINITE) != 0
+    if not np.array_equal(sizes, numels) or not bool((lens[nonfinite] == 0).all()):
+        return None  # decode_parsed names the mismatch ("numel", "body_len")
+    if not comp.accepts_bucket(names, flags, params, lens, numels):
+        return None
+    return params, starts, lens, numels, nonfinite
 
 
 def fits(bound: float, dtype: torch.dtype) -> bool:

@@ -1,22 +1,13 @@
 """The compressor registry: a compressor registers itself, everything else derives from it.
 
-A compressor class declares what the rest of the project needs to know about it and is
-decorated with ``@register``::
-
-    @register
-    class TopK(GatherCompressor):
-        name = "topk"                 # get_compressor("topk"), train.py --compression topk
-        wire_id = 4                   # codec id in the payload header (fixed forever)
-        params = {"ratio": Param(0.0, 1.0, low_open=True)}   # every __init__ parameter
-        examples = ({"ratio": 0.05},) # configurations the tests exercise
-        benchmarks = ({"ratio": 0.01},)  # what bench_codec times by default
-
-From the registry derive: ``get_compressor`` / ``available`` (names and parameter
-ranges), ``hvdcompress.Compression.<attribute>`` entries, the wire codec-id table
-(``wire.CODEC_IDS``), CAT's compressor for each budget kind (``cat_kind``), the
-configurations the fuzz tests, the per-codec MPI bit-identity test and the API tests run,
-and bench_codec's default cases. Modules in ``hvdcompress/compressors/`` are imported
-when the package is, so a new compressor is one new module there (docs/adding-a-compressor.md).
+A compressor class declares what the rest of the project needs to know about it (the
+``Compressor`` class attributes) and is decorated with ``@register``; a new compressor is
+one new module in ``hvdcompress/compressors/``, imported with the package
+(docs/adding-a-compressor.md). From the registry derive: ``get_compressor`` /
+``available`` (names and parameter ranges), ``hvdcompress.Compression.<attribute>``
+entries, the wire codec-id table (``wire.CODEC_IDS``), CAT's compressor for each budget
+kind (``cat_kind``), the configurations the fuzz tests, the per-codec MPI bit-identity test
+and the API tests run, and bench_codec's default cases.
 
 Registration checks the declaration: a unique name, a unique wire id (gather-only
 compressors carry one, summable ones do not), a ``Param`` for every constructor

@@ -13,16 +13,38 @@ from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
 from hvdcompress.compressors.base import GatherCompressor, check_scale
-from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import encoded
-from hvdcompress.errors import PayloadError
 
 EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
 
 
+class SignBits(GatherCompressor):
+    """What signSGD and EF-signSGD share: a body of one sign bit per value, decoded to
+    +-scale (``scales``: each payload's, from its checked parameters)."""
+
+    cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
+
+    def max_numel(self, body_len, name):
+        return 8 * body_len
+
+    def decode_into(self, header, body, out, accumulate, side_info):
+        scale = float(self.scales([header.params])[0])
+        sign.decode_into(body, header.numel, scale, out, accumulate)
+
+    def fresh_fill(self, header):
+        return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
+
+    def decoded_bound(self, header, body):
+        return float(self.scales([header.params])[0])  # +-scale, checked finite
+
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
+        return sign.decode_segments(frame, starts, lens, numels, self.scales(params), outs)
+
+
 @register
-class SignSGD(GatherCompressor):
+class SignSGD(SignBits):
     """One bit per value; decodes to +1 / -1 (scale-free, no state)."""
 
     name = "signsgd"
@@ -36,9 +58,6 @@ class SignSGD(GatherCompressor):
     def __init__(self) -> None:
         pass
 
-    def __repr__(self) -> str:
-        return "SignSGD()"
-
     def encode_bucket(self, tensors, names):
         xs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({x.device for x in xs}) > 1:
@@ -47,38 +66,18 @@ class SignSGD(GatherCompressor):
         return [encoded(b"", body, x.device) for x, body in zip(xs, bodies, strict=True)]
 
     def check_params(self, header, name):
-        if header.params:
-            raise PayloadError(
-                "params_len", f"signsgd has no parameters, got {len(header.params)} bytes"
-            )
+        self._check_params_len(header, 0)
 
-    def max_numel(self, body_len, name):
-        return 8 * body_len
-
-    def decode_into(self, header, body, out, accumulate, side_info):
-        sign.decode_into(body, header.numel, None, out, accumulate)
-
-    def fresh_fill(self, header):
-        return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
-
-    def decoded_bound(self, header, body):
-        return 1.0  # +1 or -1
+    def scales(self, params):
+        return np.ones(len(params), dtype=np.float32)  # +1 or -1
 
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         return not any(params) and bool((nonfinite | (numels <= 8 * body_lens)).all())
 
-    cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
-
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
-        ones = np.ones(len(outs), dtype=np.float32)
-        return sign.decode_segments(frame, body_starts, body_lens, numels, ones, outs)
-
 
 @register
-class EFSignSGD(GatherCompressor):
+class EFSignSGD(ResidualState, SignBits):
     """EF-signSGD: mean|g + e| * sign(g + e), one bit per value plus one float32 scale."""
 
     name = "efsignsgd"
@@ -92,9 +91,6 @@ class EFSignSGD(GatherCompressor):
 
     def __init__(self) -> None:
         self.memory = ErrorFeedback()
-
-    def __repr__(self) -> str:
-        return "EFSignSGD()"
 
     def contraction(self, numel):
         # ||a - mean|a| sign(a)||^2 = ||a||^2 - ||a||_1^2 / n >= (1 - 1 / n) ||a||^2 at worst
@@ -113,49 +109,19 @@ class EFSignSGD(GatherCompressor):
         ]
 
     def check_params(self, header, name):
-        if len(header.params) != EF_PARAMS.size:
-            raise PayloadError(
-                "params_len", f"efsignsgd has 4 bytes of parameters, got {len(header.params)}"
-            )
+        self._check_params_len(header, EF_PARAMS.size)
         (scale,) = EF_PARAMS.unpack(header.params)
         check_scale(header, scale)
 
-    def max_numel(self, body_len, name):
-        return 8 * body_len
-
-    def decode_into(self, header, body, out, accumulate, side_info):
-        (scale,) = EF_PARAMS.unpack(header.params)
-        sign.decode_into(body, header.numel, scale, out, accumulate)
-
-    def fresh_fill(self, header):
-        return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
-
-    def decoded_bound(self, header, body):
-        return EF_PARAMS.unpack(header.params)[0]  # +-scale, checked finite
+    def scales(self, params):
+        return np.frombuffer(b"".join(params), dtype="<f4")  # EF_PARAMS
 
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         # check_params and max_numel of every payload, as array arithmetic
         if any(len(p) != EF_PARAMS.size for p in params):
             return False
-        scale = np.frombuffer(b"".join(params), dtype="<f4")
+        scale = self.scales(params)
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         with np.errstate(invalid="ignore"):
             ok = np.where(nonfinite, scale == 0.0, np.isfinite(scale) & (scale >= 0.0))
         return bool((ok & (nonfinite | (numels <= 8 * body_lens))).all())
-
-    cuda_decode_segments = True  # sign.decode_segments: one launch sequence a frame
-
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
-        scales = np.frombuffer(b"".join(params), dtype="<f4")
-        return sign.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
-
-    def state_dict(self) -> dict:
-        return {"residuals": self.memory.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys
-
-        check_keys(f"{self.name} state", state, required=("residuals",))
-        self.memory.load_state_dict(state["residuals"], what=f"{self.name} residuals")

@@ -20,24 +20,16 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Encoded, GatherCompressor
+from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed
 from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
 from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic, encoded
-from hvdcompress.errors import PayloadError
 
 TOPK_PARAMS = struct.Struct("<d")  # ratio
 RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
 RATIO = Param(0.0, 1.0, low_open=True)
-
-
-def check_saved_ratio(state: dict, ratio: float) -> None:
-    """A checkpoint's ratio is this compressor's (CheckpointError otherwise)."""
-    from hvdcompress.checkpoint import check_saved_value
-
-    check_saved_value("ratio", state.get("ratio"), ratio)
 
 
 class RatioLevels(PerTensorLevels):
@@ -48,16 +40,29 @@ class RatioLevels(PerTensorLevels):
     def _check_level(self, value):
         return sparse.check_ratio(value, self.name)
 
-    def _check_ratio(self, ratio: float, name: str | None) -> None:
-        expected = self.level(name)
-        if ratio != expected:
-            raise PayloadError(
-                "ratio", f"expected {expected}, got {ratio} (ranks disagree on the compressor)"
-            )
+
+class TopKLayout(GatherCompressor):
+    """Decoding bodies in top-k's layout (TopK, DGC; TopKSign sets its own codec functions):
+    k = topk_count(n, the payload's ``kept_ratio``), checked by ``check_params``."""
+
+    cuda_decode_segments = True  # the codec's bucket decoder: kernels/sparse.cu
+    decode_kept_into = staticmethod(sparse.topk_decode_into)
+    decode_kept_segments = staticmethod(sparse.topk_decode_segments)
+
+    def decode_into(self, header, body, out, accumulate, side_info):
+        k = sparse.topk_count(header.numel, self.kept_ratio(header.params))
+        self.decode_kept_into(body, header.numel, k, out, accumulate)
+
+    def decoded_bound(self, header, body):
+        return sparse.topk_values_bound(body, header.numel)
+
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
+        ks = sparse.topk_counts(numels, map(self.kept_ratio, params))
+        return self.decode_kept_segments(frame, starts, lens, numels, ks, outs)
 
 
 @register
-class TopK(RatioLevels, GatherCompressor):
+class TopK(ResidualState, RatioLevels, TopKLayout):
     """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|; a policy
     may set it per tensor (``set_level(name, ratio)``), the header carries it."""
 
@@ -68,20 +73,13 @@ class TopK(RatioLevels, GatherCompressor):
     examples = ({"ratio": 0.05},)
     benchmarks = ({"ratio": 0.01},)
     error_feedback = True
+    saved_settings = ("ratio",)
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = sparse.check_ratio(ratio, "topk")
         self.memory = ErrorFeedback()
 
-    def __repr__(self) -> str:
-        return f"TopK(ratio={self.ratio})"
-
-    # the codec's decoder and bucket forms (kernels/sparse.c, kernels/sparse.cu): TopKSign
-    # sets its own
-    decode_kept_into = staticmethod(sparse.topk_decode_into)
-    encode_segments = staticmethod(sparse.topk_encode_segments)
-    decode_kept_segments = staticmethod(sparse.topk_decode_segments)
-    cuda_decode_segments = True
+    encode_segments = staticmethod(sparse.topk_encode_segments)  # TopKSign sets its own
 
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
@@ -101,39 +99,15 @@ class TopK(RatioLevels, GatherCompressor):
         return sparse.topk_count(numel, self.ratio) / numel if numel else 1.0
 
     def check_params(self, header, name):
-        if len(header.params) != TOPK_PARAMS.size:
-            raise PayloadError(
-                "params_len", f"topk has 8 bytes of parameters, got {len(header.params)}"
-            )
-        self._check_ratio(TOPK_PARAMS.unpack(header.params)[0], name)
+        self._check_params_len(header, TOPK_PARAMS.size)
+        check_agreed("ratio", self.level(name), TOPK_PARAMS.unpack(header.params)[0])
 
     def max_numel(self, body_len, name):
         k = body_len // 8  # each kept value costs at least 4 + 4 bytes
         return math.floor((k + 1) / self.level(name)) + 1
 
-    def decode_into(self, header, body, out, accumulate, side_info):
-        (ratio,) = TOPK_PARAMS.unpack(header.params)  # checked against level(name)
-        k = sparse.topk_count(header.numel, ratio)
-        self.decode_kept_into(body, header.numel, k, out, accumulate)
-
-    def decoded_bound(self, header, body):
-        return sparse.topk_values_bound(body, header.numel)
-
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
-        ks = sparse.topk_counts(numels, (TOPK_PARAMS.unpack(p)[0] for p in params))
-        return self.decode_kept_segments(frame, body_starts, body_lens, numels, ks, outs)
-
-    def state_dict(self) -> dict:
-        return {"ratio": self.ratio, "residuals": self.memory.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys
-
-        check_keys(f"{self.name} state", state, required=("ratio", "residuals"))
-        check_saved_ratio(state, self.ratio)
-        self.memory.load_state_dict(state["residuals"], what=f"{self.name} residuals")
+    def kept_ratio(self, params):
+        return TOPK_PARAMS.unpack(params)[0]
 
 
 @register
@@ -151,9 +125,6 @@ class TopKSign(TopK):
 
     def decoded_bound(self, header, body):
         return sparse.topk_sign_bound(body)
-
-    def __repr__(self) -> str:
-        return f"TopKSign(ratio={self.ratio})"
 
     def contraction(self, numel):
         # ||a_S - m sign(a_S)||^2 = ||a_S||^2 - k m^2 and k m^2 = (sum |a_S|)^2 / k
@@ -177,16 +148,15 @@ class SeededSparseState:
         return [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
 
     def state_dict(self) -> dict:
-        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **self._rng_state()}
+        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **super().state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_count_map, check_keys, check_tensor_map
+        from hvdcompress.checkpoint import check_keys, check_saved_value, check_tensor_map
 
         check_keys(f"{self.name} state", state, required=("ratio", "residuals", "seed", "steps"))
-        check_saved_ratio(state, self.ratio)
+        check_saved_value("ratio", state["ratio"], self.ratio)
         what = f"{self.name} residuals"
-        check_tensor_map(what, state["residuals"])  # all checked before anything is loaded
-        check_count_map(f"{self.name} steps", state["steps"])
+        check_tensor_map(what, state["residuals"])  # checked before the steps are loaded
         self._load_rng_state(state)
         self.memory.load_state_dict(state["residuals"], what=what)
 
@@ -243,12 +213,6 @@ class RandomK(SeededSparseState, Stochastic):
         self._scale = sparse.randomk_scale(self.ratio, self.unbiased)
         self._init_rng(seed, rank)
 
-    def __repr__(self) -> str:
-        return (
-            f"RandomK(ratio={self.ratio}, unbiased={self.unbiased}, "
-            f"error_feedback={self.error_feedback}, seed={self.seed})"
-        )
-
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({g.device for g in gs}) != 1:  # none, or several devices
@@ -262,12 +226,10 @@ class RandomK(SeededSparseState, Stochastic):
             for g, (rng, _), body, bad in zip(gs, rngs, bodies, nonfinite, strict=True)
         ]
 
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         keys = [self._stream_key(p) for p in params]  # accepts_bucket checked the fields
         return sparse.randomk_decode_segments(
-            frame, body_starts, body_lens, numels, keys, self.ratio, self._scale, outs
+            frame, starts, lens, numels, keys, self.ratio, self._scale, outs
         )
 
     def contraction(self, numel):
@@ -276,15 +238,8 @@ class RandomK(SeededSparseState, Stochastic):
         return sparse.randomk_threshold(self.ratio) / sparse.RANDOMK_ONE  # p
 
     def check_params(self, header, name):
-        self._check_params_len(header, prim.RNG_PARAMS.size + RANDOMK_PARAMS.size)
-        self._rng_check(header.params, name)
-        ratio, unbiased = RANDOMK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)
-        if ratio != self.ratio or unbiased != int(self.unbiased):
-            raise PayloadError(
-                "ratio",
-                f"expected ratio {self.ratio} unbiased {int(self.unbiased)}, got {ratio} "
-                f"{unbiased} (ranks disagree on the compressor)",
-            )
+        theirs = self._checked_fields(header, name, RANDOMK_PARAMS)
+        check_agreed("ratio", (self.ratio, int(self.unbiased)), theirs)  # (ratio, unbiased)
 
     def max_numel(self, body_len, name):
         # A legitimate payload keeps far more than n p / 16 - 64 values (Chernoff): a
@@ -311,12 +266,13 @@ class RandomK(SeededSparseState, Stochastic):
 
 
 @register
-class GSpar(RatioLevels, SeededSparseState, Stochastic):
+class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
     """Keep entry i with probability p_i = min(1, c |a_i|), sum p_i = ``ratio`` * n in
     expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
     E[decode] = a. Optional error feedback: then a_i travels unscaled (contractive, so the
     residual e = a - decode stays bounded; biased like top-k). A policy may set ``ratio``
-    per tensor (``set_level``); the header carries it.
+    per tensor (``set_level``); the header carries it. Top-k's layout, k from the body's
+    length (``decode_into``, ``decode_segments``).
 
     ``variance`` (epsilon) is the paper's own budget instead: each tensor keeps the fewest
     expected entries whose estimate has E||decode - a||^2 <= epsilon ||a||^2
@@ -328,7 +284,6 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
 
     name = "gspar"
     wire_id = 12
-    cuda_decode_segments = True  # top-k's layout: sparse.topk_decode_segments
     cat_kind = "randomk"
     params = {
         "ratio": RATIO,
@@ -365,10 +320,6 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
         self.memory = ErrorFeedback()
         self._init_rng(seed, rank)
 
-    def __repr__(self) -> str:
-        budget = f"ratio={self.ratio}" if self.variance is None else f"variance={self.variance}"
-        return f"GSpar({budget}, error_feedback={self.error_feedback}, seed={self.seed})"
-
     def set_level(self, name: str, value) -> None:
         if self.variance is not None and value != self.ratio:  # the exchange sets shards'
             raise ValueError(
@@ -404,9 +355,8 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
         return min(1.0, self.ratio)
 
     def check_params(self, header, name):
-        self._check_params_len(header, prim.RNG_PARAMS.size + TOPK_PARAMS.size)
-        self._rng_check(header.params, name)
-        self._check_ratio(TOPK_PARAMS.unpack_from(header.params, prim.RNG_PARAMS.size)[0], name)
+        (ratio,) = self._checked_fields(header, name, TOPK_PARAMS)
+        check_agreed("ratio", self.level(name), ratio)
 
     def max_numel(self, body_len, name):
         # No bound from the body: a gradient with no more non-zeros than the budget keeps
@@ -418,10 +368,5 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic):
     def decode_into(self, header, body, out, accumulate, side_info):
         sparse.gspar_decode_into(body, header.numel, out, accumulate)
 
-    def decoded_bound(self, header, body):
-        return sparse.topk_values_bound(body, header.numel)
-
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
-        return sparse.gspar_decode_segments(frame, body_starts, body_lens, numels, outs)
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
+        return sparse.gspar_decode_segments(frame, starts, lens, numels, outs)

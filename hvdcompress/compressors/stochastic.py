@@ -1,16 +1,14 @@
 """Shared machinery of the compressors that draw random numbers (randomk, gspar, qsgd,
 terngrad, dqsg, ndqsg): a seed, this rank's id, a step counter per tensor, and the header
-fields that let any receiver regenerate the sender's random numbers
-(hvdcompress.codecs.primitives).
+fields from which any receiver regenerates the sender's random numbers, the same on every
+backend (hvdcompress.codecs.primitives).
 
-The random numbers of a payload are a deterministic function of (seed, step, rank,
-tensor id): every backend gives the same bytes, tests are reproducible, and the
-receiver needs nothing but the header. ``step`` counts this compressor's compress calls
-for that tensor name (saved in ``state_dict``). ``rank`` must differ between ranks that
-compress the same tensor (their random numbers are then independent); the optimizer sets
-it through ``bind(rank, size)``. Decoding checks that the payload's seed is this
-compressor's (ranks agree on it at start-up) and, when the receiver names the tensor,
-that the payload's tensor id is that name's.
+``step`` counts this compressor's compress calls for that tensor name (saved in
+``state_dict``). ``rank`` must differ between ranks that compress the same tensor (their
+random numbers are then independent); the optimizer sets it through ``bind(rank, size)``.
+Decoding checks that the payload's seed is this compressor's (ranks agree on it at
+start-up) and, when the receiver names the tensor, that the payload's tensor id is that
+name's.
 """
 
 from __future__ import annotations
@@ -67,10 +65,12 @@ class Stochastic(GatherCompressor):
             for x, (rng, _), result in zip(xs, rngs, results, strict=True)
         ]
 
-    def _rng_check(self, params: bytes, name: str | None) -> None:
-        """Validate the RNG fields at the start of ``params``: this compressor's seed and,
-        when the receiver names the tensor, that tensor's id."""
-        seed, _, tid, _ = prim.RNG_PARAMS.unpack_from(params, 0)
+    def _checked_fields(self, header, name: str | None, fields) -> tuple:
+        """The codec's ``fields`` (a struct.Struct) after the RNG fields, once the length of
+        the parameters, this compressor's seed and, when the receiver names the tensor,
+        that tensor's id are checked."""
+        self._check_params_len(header, prim.RNG_PARAMS.size + fields.size)
+        seed, _, tid, _ = prim.RNG_PARAMS.unpack_from(header.params, 0)
         if seed != self.seed:
             raise PayloadError(
                 "seed", f"expected {self.seed}, got {seed} (ranks disagree on the seed)"
@@ -81,6 +81,7 @@ class Stochastic(GatherCompressor):
                 f"payload is for tensor id 0x{tid:016x}, expected {name!r} "
                 f"(0x{prim.tensor_id(name):016x}): ranks disagree on tensor order",
             )
+        return fields.unpack_from(header.params, prim.RNG_PARAMS.size)
 
     @staticmethod
     def _stream_key(params: bytes) -> int:
@@ -88,27 +89,17 @@ class Stochastic(GatherCompressor):
         seed, step, tid, rank = prim.RNG_PARAMS.unpack_from(params, 0)
         return prim.rng_key(seed, step, rank, tid)
 
-    def _check_params_len(self, header, size: int) -> None:
-        if len(header.params) != size:
-            raise PayloadError(
-                "params_len",
-                f"{self.name} has {size} bytes of parameters, got {len(header.params)}",
-            )
-
-    def _rng_state(self) -> dict:
+    def state_dict(self) -> dict:
         return {"seed": self.seed, "steps": dict(self.steps)}
 
-    def state_dict(self) -> dict:
-        return self._rng_state()
-
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_count_map, check_keys
+        from hvdcompress.checkpoint import check_keys
 
         check_keys(f"{self.name} state", state, required=("seed",), optional=("steps",))
-        check_count_map(f"{self.name} steps", state.get("steps", {}))
         self._load_rng_state(state)
 
     def _load_rng_state(self, state: dict) -> None:
+        """The seed checked, then the steps (checked before they replace the current ones)."""
         from hvdcompress.checkpoint import check_count_map, check_saved_value
 
         check_saved_value("seed", state.get("seed"), self.seed)

@@ -13,16 +13,41 @@ import numpy as np
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
-from hvdcompress.compressors.base import Encoded, GatherCompressor, as_float32, check_scale
+from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed, check_scale
 from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
-from hvdcompress.errors import PayloadError
+
+
+class TernaryLayout(GatherCompressor):
+    """What 3LC and TernGrad share: 3LC's body (digits q in {-1, 0, 1}, quartic + zero-run
+    coded) decoded to S q (``scales``: each payload's S, from its checked parameters)."""
+
+    cuda_decode_segments = True  # threelc.decode_segments: one launch sequence a frame
+
+    def shard_alignment(self) -> int:
+        return 5  # a quartic byte holds 5 values (docs/codecs.md, "Quartic encoding")
+
+    def max_numel(self, body_len, name):
+        return body_len * threelc.MAX_VALUES_PER_BYTE
+
+    def decode_into(self, header, body, out, accumulate, side_info):
+        scale = float(self.scales([header.params])[0])
+        threelc.decode_into(body, header.numel, scale, out, accumulate)
+
+    def fresh_fill(self, header):
+        return threelc.fresh_fill(float(self.scales([header.params])[0]))
+
+    def decoded_bound(self, header, body):
+        return float(self.scales([header.params])[0])  # S * q, q in {-1, 0, 1}
+
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
+        return threelc.decode_segments(frame, starts, lens, numels, self.scales(params), outs)
 
 
 @register
-class ThreeLC(PerTensorLevels, GatherCompressor):
+class ThreeLC(ResidualState, PerTensorLevels, TernaryLayout):
     """3LC with sparsity multiplication ``sparsity`` in [1, 2) (default 1.0); a policy may
     set it per tensor (``set_level(name, s)``), the header carries it."""
 
@@ -34,17 +59,11 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
     benchmarks = ({"sparsity": 1.0}, {"sparsity": 1.75})
     error_feedback = True
     level_param = "sparsity"
-    cuda_decode_segments = True  # threelc.decode_segments: one launch sequence a frame
-
-    def shard_alignment(self) -> int:
-        return 5  # a quartic byte holds 5 values (docs/codecs.md, "Quartic encoding")
+    saved_settings = ("sparsity",)
 
     def __init__(self, sparsity: float = 1.0) -> None:
         self.sparsity = threelc.check_sparsity(sparsity)
         self.memory = ErrorFeedback()
-
-    def __repr__(self) -> str:
-        return f"ThreeLC(sparsity={self.sparsity})"
 
     def _check_level(self, value):
         return threelc.check_sparsity(value)
@@ -80,39 +99,20 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
         ]
 
     def check_params(self, header, name):
-        if len(header.params) != threelc.PARAMS.size:
-            raise PayloadError(
-                "params_len",
-                f"3LC has {threelc.PARAMS.size} bytes of parameters, got {len(header.params)}",
-            )
+        self._check_params_len(header, threelc.PARAMS.size)
         sparsity, scale = threelc.PARAMS.unpack(header.params)
-        expected = self.level(name)
-        if sparsity != as_float32(expected):
-            raise PayloadError(
-                "sparsity",
-                f"expected {expected}, got {sparsity} (ranks disagree on the compressor)",
-            )
+        check_agreed("sparsity", float(np.float32(self.level(name))), sparsity)  # as sent
         check_scale(header, scale)
 
-    def max_numel(self, body_len, name):
-        return body_len * threelc.MAX_VALUES_PER_BYTE
-
-    def decode_into(self, header, body, out, accumulate, side_info):
-        _, scale = threelc.PARAMS.unpack(header.params)
-        threelc.decode_into(body, header.numel, scale, out, accumulate)
-
-    def fresh_fill(self, header):
-        return threelc.fresh_fill(threelc.PARAMS.unpack(header.params)[1])
-
-    def decoded_bound(self, header, body):
-        return threelc.PARAMS.unpack(header.params)[1]  # S * q, q in {-1, 0, 1}
+    def scales(self, params):
+        return np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)[:, 1]  # PARAMS
 
     def accepts_bucket(self, names, flags, params, body_lens, numels):
         # check_params and max_numel of every payload, as array arithmetic
         if any(len(p) != threelc.PARAMS.size for p in params):
             return False
-        values = np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)
-        sparsity, scale = values[:, 0], values[:, 1]
+        sparsity = np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)[:, 0]
+        scale = self.scales(params)
         expected = np.array([self.level(name) for name in names], dtype=np.float32)
         nonfinite = (flags & wire.FLAG_NONFINITE) != 0
         with np.errstate(invalid="ignore"):
@@ -121,20 +121,3 @@ class ThreeLC(PerTensorLevels, GatherCompressor):
             )
         ok &= nonfinite | (numels <= body_lens * threelc.MAX_VALUES_PER_BYTE)
         return bool(ok.all())
-
-    def decode_segments(
-        self, frame, params, body_starts, body_lens, numels, outs, names, rank=None
-    ):
-        scales = np.frombuffer(b"".join(params), dtype="<f4").reshape(-1, 2)[:, 1]
-        return threelc.decode_segments(frame, body_starts, body_lens, numels, scales, outs)
-
-    def state_dict(self) -> dict:
-        return {"sparsity": self.sparsity, "residuals": self.memory.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys, check_saved_value, check_tensor_map
-
-        check_keys("3lc state", state, required=("sparsity", "residuals"))
-        check_saved_value("sparsity", state["sparsity"], self.sparsity)
-        check_tensor_map("3lc residuals", state["residuals"])
-        self.memory.load_state_dict(state["residuals"], what="3lc residuals")
