@@ -47,7 +47,7 @@ def run_case(case: str, data, args) -> dict:
         params.setdefault("momentum", momentum)
         momentum = 0.0
     compressor = hvdcompress.get_compressor(name, **params)
-    lr = args.lr * cls.sgd_lr_factor
+    lr = args.lr * compressor.sgd_lr_factor  # an instance may declare its own
     opt = steps.distributed_sgd(model, compressor, "mpi4py", lr=lr, momentum=momentum)
     (x, y), _ = data
     gen = torch.Generator().manual_seed(args.seed)

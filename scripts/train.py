@@ -374,16 +374,23 @@ def milestones_arg(text: str) -> list[float]:
 def recommend_sgd(args) -> None:
     """Fill in --lr and --momentum where not given: the job's defaults, with the factor and
     momentum the compressor declares (``Compressor.sgd_lr_factor`` / ``sgd_momentum``;
-    docs/codecs.md, "Defaults that train"). ``args.sgd_note`` says what was applied."""
-    cls = hvdcompress.compressors.REGISTRY[args.compression]
+    docs/codecs.md, "Defaults that train"), as built with --compression-param (a bad
+    parameter: the class's, and make_compression reports it). ``args.sgd_note`` says what
+    was applied."""
+    declared = hvdcompress.compressors.REGISTRY[args.compression]
+    try:
+        params = parse_params(args.compression_param)
+        declared = hvdcompress.get_compressor(args.compression, **params)
+    except (TypeError, ValueError):
+        pass
     applied = []
     if args.lr is None:
-        args.lr = BASE_LR * cls.sgd_lr_factor
-        if cls.sgd_lr_factor != 1.0:
-            applied.append(f"lr {args.lr:g} ({BASE_LR} x {cls.sgd_lr_factor:g})")
+        args.lr = BASE_LR * declared.sgd_lr_factor
+        if declared.sgd_lr_factor != 1.0:
+            applied.append(f"lr {args.lr:g} ({BASE_LR} x {declared.sgd_lr_factor:g})")
     if args.momentum is None:
-        args.momentum = BASE_MOMENTUM if cls.sgd_momentum is None else cls.sgd_momentum
-        if cls.sgd_momentum is not None:
+        args.momentum = BASE_MOMENTUM if declared.sgd_momentum is None else declared.sgd_momentum
+        if declared.sgd_momentum is not None:
             applied.append(f"momentum {args.momentum:g}")
     args.sgd_note = (
         f"train: {args.compression}'s recommended SGD settings: {', '.join(applied)} "

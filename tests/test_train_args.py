@@ -252,3 +252,19 @@ def test_accordion_returns_to_low_after_each_rate_drop_and_its_trace_is_plotted(
     assert changes[first][1][0] == pytest.approx(abs(a - b) / a)
     out = plot_policy.plot(tmp_path / "acc", tmp_path / "acc" / "policy.png")
     assert out.stat().st_size > 10_000
+
+
+def test_recommended_sgd_settings_come_from_the_built_compressor():
+    """--compression-param may change what a compressor declares: GSpar with a variance
+    budget runs at the job's rate, at its ratio budget at a tenth of it; a bad parameter
+    falls back to the class's declaration (make_compression then reports it)."""
+    parser = train.build_parser()
+    ratio = parser.parse_args(["--compression", "gspar"])
+    train.recommend_sgd(ratio)
+    assert ratio.lr == pytest.approx(0.005) and "lr 0.005 (0.05 x 0.1)" in ratio.sgd_note
+    variance = parser.parse_args(["--compression", "gspar", "--compression-param", "variance=1"])
+    train.recommend_sgd(variance)
+    assert variance.lr == 0.05 and variance.sgd_note == ""
+    bad = parser.parse_args(["--compression", "gspar", "--compression-param", "variance=-1"])
+    train.recommend_sgd(bad)
+    assert bad.lr == pytest.approx(0.005)

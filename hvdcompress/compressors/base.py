@@ -84,10 +84,11 @@ class Compressor:
     attribute: ClassVar[str | None] = None  # Compression.<attribute>; None: the name
     cat_kind: ClassVar[str | None] = None  # the CAT budget kind this compressor implements
     # Plain SGD's settings that train with this compressor (docs/codecs.md, "Defaults that
-    # train"): a factor on the job's learning rate, and a momentum (None: the job's).
-    # scripts/train.py and the benchmarks apply them unless --lr / --momentum are given.
-    sgd_lr_factor: ClassVar[float] = 1.0
-    sgd_momentum: ClassVar[float | None] = None
+    # train"): a factor on the job's learning rate, and a momentum (None: the job's); an
+    # instance may set its own (GSpar with a variance budget). scripts/train.py and the
+    # benchmarks apply the instance's unless --lr / --momentum are given.
+    sgd_lr_factor: float = 1.0
+    sgd_momentum: float | None = None
 
     summable: ClassVar[bool] = False
     error_feedback: bool = False  # an instance attribute where it is a parameter

@@ -317,6 +317,8 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
         if variance is not None:
             variance = float(self.params["variance"].check("gspar", "variance", variance))
         self.variance = variance
+        if variance is not None:  # bounded variance: SGD's own rate (docs/codecs.md)
+            self.sgd_lr_factor = 1.0
         self.memory = ErrorFeedback()
         self._init_rng(seed, rank)
 
