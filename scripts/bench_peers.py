@@ -28,7 +28,9 @@ Rows: ``ddp`` (DDP's default allreduce), ``torch-fp16``, ``torch-bf16``,
 ``torch-powersgd-r1`` / ``-r2`` / ``-r4`` (torch's hooks; PowerSGD with one bucket,
 ``bucket_cap_mb=1000``: with DDP's 25 MB buckets it aborted or hung on gloo here), and
 ``hvdc-<method>`` for none, fp16, 3lc, 3lc-1.75, powersgd, topk (the methods table of
-hvdcompress.training.methods), with ``-inline`` for the hook without overlap.
+hvdcompress.training.methods), with ``-inline`` for the hook without overlap, and
+``hvdc-3lc-allgather`` / ``hvdc-3lc-twostage`` (``exchange=``; not in the default rows),
+whose bytes per rank it compares with the two-stage exchange's 2 (N - 1) / N x payload.
 Writes ``--out``/bench_peers.md, .json and .png (step time against link rate).
 """
 
@@ -57,9 +59,10 @@ HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "topk")
 ROWS = (
     "ddp", "torch-fp16", "torch-bf16", "torch-powersgd-r1", "torch-powersgd-r2",
     "torch-powersgd-r4", *(f"hvdc-{m}" for m in HVDC_METHODS), "hvdc-none-inline",
-    "hvdc-3lc-inline",
+    "hvdc-3lc-inline", "hvdc-3lc-allgather", "hvdc-3lc-twostage",
 )  # fmt: skip
-DEFAULT_ROWS = ROWS
+DEFAULT_ROWS = ROWS[:-2]  # the exchange rows are for the bytes check (--rows)
+EXCHANGE_SUFFIXES = {"-allgather": "allgather", "-twostage": "twostage"}  # else "auto"
 
 
 # =========================================================================================
@@ -112,11 +115,16 @@ def hooked(row: str, model):
         ddp.register_comm_hook(None, default.bf16_compress_hook)
     elif row.startswith("hvdc-"):
         name = row[len("hvdc-") :].removesuffix("-inline")
+        exchange = "auto"
+        for suffix, mode in EXCHANGE_SUFFIXES.items():
+            if name.endswith(suffix):
+                name, exchange = name.removesuffix(suffix), mode
         method = METHODS[name]
         state = hvdcompress.DDPHookState(
             method.compressor(),
             compress_min_numel=method.compress_min_numel,
             overlap=not row.endswith("-inline"),
+            exchange=exchange,
         ).register(ddp)
         return ddp, state
     return ddp, None
@@ -131,6 +139,7 @@ def run_row(args, model_name: str, row: str) -> dict:
     ddp, state = hooked(row, model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     parts = {"compress": 0.0, "wait": 0.0, "decode": 0.0}
+    counted = {"payload": 0, "sent": 0}  # this rank's, from the transport's own counts
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -151,11 +160,14 @@ def run_row(args, model_name: str, row: str) -> dict:
             parts["compress"] += s.compress_s
             parts["wait"] += s.wait_s
             parts["decode"] += s.decode_s
+            counted["payload"] += s.payload_bytes
+            counted["sent"] += s.sent_bytes
     dist.barrier()
     tx = netns.read_tx_bytes() - tx0 if rank == 0 else 0
     every = [None] * size
-    dist.all_gather_object(every, times)
-    slowest = [max(ts) for ts in zip(*every, strict=True)]  # each step's slowest rank
+    dist.all_gather_object(every, (times, counted))
+    slowest = [max(ts) for ts in zip(*(t for t, _ in every), strict=True)]  # slowest rank's
+    per_rank = {k: sum(c[k] for _, c in every) / size / args.steps / 1e3 for k in counted}
     return {
         "model": model_name,
         "row": row,
@@ -164,6 +176,8 @@ def run_row(args, model_name: str, row: str) -> dict:
         "step_min_s": min(slowest),
         "step_max_s": max(slowest),
         "wire_mb": tx / args.steps / 1e6,
+        "payload_kb_per_rank": per_rank["payload"],  # handed to the transport per step
+        "sent_kb_per_rank": per_rank["sent"],  # sent per step, as the transport counted
         "parameters": sum(p.numel() for p in model.parameters()),
         "overlapping": bool(state is not None and state.overlapping),
         "bits_per_value": state.last_stats.bits_per_value if state is not None else None,
@@ -245,6 +259,28 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def twostage_bytes(rows: list[dict], ranks: int) -> str:
+    """The two-stage hook's bytes against its model: per rank 2 (N - 1) / N x P, P the
+    payload a rank hands the allgather (the ``-allgather`` row's, on the same model and
+    link); target within 15%."""
+    lines = []
+    got = {(r["model"], r["rate"], r["row"]): r for r in rows if "sent_kb_per_rank" in r}
+    for (model, rate, row), r in got.items():
+        gather = got.get((model, rate, "hvdc-3lc-allgather"))
+        if row != "hvdc-3lc-twostage" or gather is None:
+            continue
+        model_kb = 2 * (ranks - 1) / ranks * gather["payload_kb_per_rank"]
+        ratio = r["sent_kb_per_rank"] / model_kb if model_kb else float("nan")
+        verdict = "MET " if abs(ratio - 1) <= 0.15 else "MISS"
+        lines.append(
+            f"  {verdict} {model} {rate}, {ranks} ranks: two-stage sends "
+            f"{r['sent_kb_per_rank']:.1f} kB per rank per step, 2 (N - 1) / N x payload "
+            f"{gather['payload_kb_per_rank']:.1f} kB = {model_kb:.1f} kB: {ratio:.2f}x "
+            f"(target within 15%); the allgather sends {gather['sent_kb_per_rank']:.1f} kB"
+        )
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Median step time against the link rate, one panel per model, a line per row
     (``unlimited`` drawn at 100 Gbit/s)."""
@@ -313,6 +349,9 @@ def main(argv=None) -> int:
               f"{args.steps} timed steps after {args.warmup}; load average at the end "
               f"{load[0]:.2f}; no latency emulated")  # fmt: skip
     text = header + "\n\n" + table(rows)
+    bytes_check = twostage_bytes(rows, args.ranks)
+    if bytes_check:
+        text += "\n\nTwo-stage bytes (DDPHookState(exchange=...), 3lc):\n" + bytes_check
     (args.out / "bench_peers.md").write_text(text + "\n")
     (args.out / "bench_peers.json").write_text(
         json.dumps({"header": header, "rows": rows}, indent=1)
