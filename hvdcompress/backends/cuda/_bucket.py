@@ -58,6 +58,16 @@ def _rows(xs: list[torch.Tensor], live: np.ndarray, es=None) -> np.ndarray:
     return table
 
 
+def _decode_rows(at, outs: list[torch.Tensor], live: np.ndarray, ns: np.ndarray) -> np.ndarray:
+    """A decode's segment table: row r reads the body at ``at[r]`` (0: the caller's column)
+    and adds into ``outs[live[r]]``, of ``ns[live[r]]`` elements."""
+    table = np.zeros((len(live), rt._SEG_COLS), dtype=np.int64)
+    table[:, rt._SEG_IN] = at
+    table[:, rt._SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
+    table[:, rt._SEG_N] = ns[live]
+    return table
+
+
 def _bodies_on(
     frame: torch.Tensor, starts: np.ndarray, lens: np.ndarray, device: torch.device
 ) -> tuple[torch.Tensor, np.ndarray]:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from hvdcompress.backends.cuda import _runtime as rt
-from hvdcompress.backends.cuda._bucket import _bucket_device, _first_rows
+from hvdcompress.backends.cuda._bucket import _bucket_device, _decode_rows, _first_rows
 from hvdcompress.backends.cuda.primitives import uniform
 from hvdcompress.backends.cuda.quant import (
     _aliased,
@@ -179,10 +179,7 @@ def _digits_ternary_decode(
     body = torch.cat(pieces).to(device)  # the zero-run parts, then the deltas
     length = int(zl.sum())
     deltas_at = body.data_ptr() + length + 4 * (np.cumsum(lnb) - lnb)
-    table = np.zeros((len(live), rt._SEG_COLS), dtype=np.int64)
-    table[:, rt._SEG_IN] = deltas_at
-    table[:, rt._SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
-    table[:, rt._SEG_N] = ns[live]
+    table = _decode_rows(deltas_at, outs, live, ns)
     table[:, rt._SEG_QOFF] = np.cumsum(lms) - lms
     table[:, rt._SEG_BOFF] = np.cumsum(zl) - zl
     table[:, rt._SEG_BLEN] = zl

@@ -11,11 +11,16 @@ from hvdcompress.backends.cuda import _runtime as rt
 from hvdcompress.backends.records import CHECKSUM_FIELD, SCAN, FrameScan, mix
 
 
-def _checksum_table(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> np.ndarray:
+def _sum_segments(k: rt._Launcher, buf: torch.Tensor, starts: list[int], lengths: list[int]):
+    """The segments ``buf[starts[i]:][:lengths[i]]`` as a table on the device, and their
+    checksum state rows (hvd_checksum_segments, one launch)."""
     table = np.zeros((len(starts), rt._SEG_COLS), dtype=np.int64)
     table[:, rt._SEG_IN] = buf.data_ptr() + np.asarray(starts, dtype=np.int64)
     table[:, rt._SEG_N] = lengths
-    return table
+    seg = rt._segments(table, table[:, rt._SEG_N], buf.device)
+    states = k.states(seg.count)
+    k.tiles("hvd_checksum_segments", seg, rt._ptr(states))
+    return seg, states
 
 
 def checksum_segments(buf, starts, lengths):
@@ -23,11 +28,8 @@ def checksum_segments(buf, starts, lengths):
     rt._check_tensor(buf, "buf", torch.uint8)
     if not starts:
         return []
-    table = _checksum_table(buf, starts, lengths)
     with rt._Launcher(buf.device) as k:
-        seg = rt._segments(table, table[:, rt._SEG_N], buf.device)
-        states = k.states(seg.count)
-        k.tiles("hvd_checksum_segments", seg, rt._ptr(states))
+        seg, states = _sum_segments(k, buf, starts, lengths)
         host = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)
     return [int(w) for w in host[:, rt._ST_SUM]]
 
@@ -37,11 +39,8 @@ def store_checksums(buf, starts, lengths, field):
     rt._check_tensor(buf, "buf", torch.uint8)
     if not starts:
         return
-    table = _checksum_table(buf, starts, lengths)
     with rt._Launcher(buf.device) as k:
-        seg = rt._segments(table, table[:, rt._SEG_N], buf.device)
-        states = k.states(seg.count)
-        k.tiles("hvd_checksum_segments", seg, rt._ptr(states))
+        seg, states = _sum_segments(k, buf, starts, lengths)
         k(
             "hvd_checksum_store",
             seg.count,

@@ -8,7 +8,13 @@ import numpy as np
 import torch
 
 from hvdcompress.backends.cuda import _runtime as rt
-from hvdcompress.backends.cuda._bucket import _bodies_on, _bucket_device, _first_rows, _rows
+from hvdcompress.backends.cuda._bucket import (
+    _bodies_on,
+    _bucket_device,
+    _decode_rows,
+    _first_rows,
+    _rows,
+)
 from hvdcompress.backends.cuda.threelc import _quartic_bucket, _quartic_table
 
 
@@ -107,10 +113,7 @@ def _packed_bucket_decode(
         return None, aliased
     sizes = 4 * nb + (ns * bits + 7) // 8
     body, at = _bodies_on(frame, np.asarray(starts, dtype=np.int64)[live], sizes[live], device)
-    table = np.zeros((len(live), rt._SEG_COLS), dtype=np.int64)
-    table[:, rt._SEG_IN] = at
-    table[:, rt._SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
-    table[:, rt._SEG_N] = ns[live]
+    table = _decode_rows(at, outs, live, ns)
     if keys is not None:
         table[:, rt._QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     units = np.maximum(groups, nb)[live]

@@ -10,6 +10,8 @@ from hvdcompress.backends.cuda._bucket import (
     _bodies_on,
     _bucket_device,
     _check_residuals,
+    _decode_rows,
+    _encode_bucket,
     _first_rows,
     _rows,
 )
@@ -46,12 +48,9 @@ def efsign_sums_segments(gs, es):
     """One launch over a segment table, one read (the sums as host arrays)."""
     if not gs:
         return [], []
-    device = _bucket_device(gs, "g")
-    _check_residuals(gs, es)
-    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=len(gs))
+    device, ns, live, _, bad = _encode_bucket(gs, es)
     chunks = (ns + EF_CHUNK - 1) // EF_CHUNK
     first = np.cumsum(chunks) - chunks
-    live = np.flatnonzero(ns > 0)
     total = int(chunks.sum())
     # the chunk sums, then the state rows (4 doubles = 8 words each): one read for both
     scratch = torch.zeros(total + 4 * len(live), dtype=torch.float64, device=device)
@@ -65,7 +64,6 @@ def efsign_sums_segments(gs, es):
     host = rt._read_state(scratch)
     sums = host[: 2 * total].view(np.float64)
     words = host[2 * total :].reshape(-1, rt._STATE_WORDS)
-    bad = [False] * len(gs)
     for row, i in enumerate(live.tolist()):
         bad[i] = bool(words[row, rt._ST_NONFINITE])
     return [sums[a : a + c] for a, c in zip(first.tolist(), chunks.tolist(), strict=True)], bad
@@ -102,10 +100,7 @@ def sign_decode_segments(frame, starts, ns, scales, outs):
     if not len(live):
         return None
     body, at = _bodies_on(frame, np.asarray(starts, dtype=np.int64)[live], nbytes[live], device)
-    table = np.zeros((len(live), rt._SEG_COLS), dtype=np.int64)
-    table[:, rt._SEG_IN] = at
-    table[:, rt._SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
-    table[:, rt._SEG_N] = ns[live]
+    table = _decode_rows(at, outs, live, ns)
     table[:, rt._SEG_F32] = rt._f32_bits(np.asarray(scales, dtype=np.float32)[live])
     with rt._Launcher(device) as k:
         seg = rt._segments(table, nbytes[live], device)

@@ -12,6 +12,7 @@ from hvdcompress.backends.cuda import _runtime as rt
 from hvdcompress.backends.cuda._bucket import (
     _bodies_on,
     _bucket_device,
+    _decode_rows,
     _encode_bucket,
     _first_rows,
     _rows,
@@ -72,10 +73,7 @@ def randomk_decode_segments(frame, starts, lens, ns, keys, threshold, scale, out
     starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
     body, at = _bodies_on(frame, starts, lens, device)
     total = int(ns.sum())
-    table = np.zeros((count, rt._SEG_COLS), dtype=np.int64)
-    table[:, rt._SEG_IN] = at
-    table[:, rt._SEG_AUX] = [out.data_ptr() for out in outs]
-    table[:, rt._SEG_N] = ns
+    table = _decode_rows(at, outs, np.arange(count), ns)
     table[:, rt._QUANT_SEG_FLAGS] = np.cumsum(ns) - ns
     table[:, rt._QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64).view(np.int64)
     table[:, rt._QUANT_SEG_BODY_LEN] = lens

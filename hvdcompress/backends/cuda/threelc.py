@@ -11,6 +11,7 @@ from hvdcompress.backends.cuda import _runtime as rt
 from hvdcompress.backends.cuda._bucket import (
     _bucket_device,
     _check_residuals,
+    _decode_rows,
     _first_rows,
     _gather_bodies,
     _rows,
@@ -173,9 +174,7 @@ def threelc_decode_segments(frame, starts, lens, ns, scales, outs):
     if not len(live):
         return failed
     blens, lms = lens[live], ms[live]
-    table = np.zeros((len(live), rt._SEG_COLS), dtype=np.int64)
-    table[:, rt._SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
-    table[:, rt._SEG_N] = ns[live]
+    table = _decode_rows(0, outs, live, ns)  # no address: a row's body is at _SEG_BOFF
     table[:, rt._SEG_QOFF] = np.cumsum(lms) - lms
     table[:, rt._SEG_BOFF] = np.cumsum(blens) - blens
     table[:, rt._SEG_BLEN] = blens
@@ -191,7 +190,7 @@ def threelc_decode_segments(frame, starts, lens, ns, scales, outs):
         if len(refused):
             row = int(refused[0])
             good, p = row, int(live[row])
-            total = int(host[row, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64)[0])
+            total = rt._count(host[row])
             failed = (p, _body_error(int(host[row, rt._ST_ERROR]), total, int(ms[p])).detail)
         if good == 0:
             return failed
