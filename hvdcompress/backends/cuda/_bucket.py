@@ -59,8 +59,9 @@ def _rows(xs: list[torch.Tensor], live: np.ndarray, es=None) -> np.ndarray:
 
 
 def _decode_rows(at, outs: list[torch.Tensor], live: np.ndarray, ns: np.ndarray) -> np.ndarray:
-    """A decode's segment table: row r reads the body at ``at[r]`` (0: the caller's column)
-    and adds into ``outs[live[r]]``, of ``ns[live[r]]`` elements."""
+    """A decode's segment table: row r reads its body at address ``at[r]`` (0 where the
+    caller places bodies by another column) and adds into ``outs[live[r]]``, of
+    ``ns[live[r]]`` elements."""
     table = np.zeros((len(live), rt._SEG_COLS), dtype=np.int64)
     table[:, rt._SEG_IN] = at
     table[:, rt._SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
