@@ -23,7 +23,7 @@ call a part for a tensor the codec threads cut, ``_library._Rows``).
 from hvdcompress.backends import protocol
 from hvdcompress.backends.cpu._library import LIB, NONFINITE_BITS, _ptr, num_threads
 from hvdcompress.backends.cpu.frame import frame_write
-from hvdcompress.backends.cpu.sparse import _TOPKQ_ERRORS, TOPK_MIN_STRIDE, TOPK_SAMPLE
+from hvdcompress.backends.cpu.sparse import TOPK_MIN_STRIDE, TOPK_SAMPLE
 from hvdcompress.backends.cpu.threelc import scale_for
 
 protocol.bind_operations(globals())

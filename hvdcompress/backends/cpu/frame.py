@@ -6,12 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hvdcompress.backends.cpu._library import (
-    LIB,
-    _addresses,
-    _i64_array,
-    _native,
-)
+from hvdcompress.backends.cpu._library import LIB, _addresses, _i64_array, _native, _numels
 from hvdcompress.backends.records import FIXED_HEADER_BYTES, MAX_NDIM, SCAN, SCAN_FIELDS, FrameScan
 
 
@@ -58,7 +53,7 @@ def frame_write(
     template (``heads[head_starts[p]:][:head_lens[p]]``), flags, params and body, each
     payload's checksum in place."""
     count = len(bodies)
-    body_lens = np.fromiter((b.numel() for b in bodies), dtype=np.int64, count=count)
+    body_lens = _numels(bodies)
     param_starts = np.zeros(count, dtype=np.int64)
     np.cumsum(params_lens[:-1], out=param_starts[1:])
     total = 8 * (count + 1) + int(head_lens.sum() + params_lens.sum() + body_lens.sum())

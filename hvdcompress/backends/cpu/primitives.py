@@ -6,12 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hvdcompress.backends.cpu._library import (
-    _PRIM_ERRORS,
-    LIB,
-    _check,
-    _ptr,
-)
+from hvdcompress.backends.cpu._library import _PRIM_ERRORS, LIB, _check, _ptr
 
 
 def uniform(key, n, device=None):

@@ -206,11 +206,7 @@ def digits_decode_segments(
     digits = np.empty(most, dtype=np.int8)
     quartic = np.empty((most + 4) // 5, dtype=np.uint8)
     aliased = np.zeros(count, dtype=np.int64)
-    k_at = np.fromiter(
-        (0 if k is None else k.data_ptr() for k in k_trues or [None] * count),
-        dtype=np.uint64,
-        count=count,
-    )
+    k_at = _addresses(k_trues or [None] * count).reshape(count)
     args = key_array, rho, bits, bucket, float(divisor), _addresses(outs), k_at, aliased
     fn, tables = LIB.hvdc_digits_decode_segments, (starts, lens, ns)
     return aliased, _decode(fn, count, frame, tables, *args, digits, quartic)

@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from hvdcompress.backends.cpu._library import (
-    _PRIM_ERRORS,
     LIB,
     _addresses,
     _bodies_buffer,
@@ -272,9 +271,6 @@ def topkq_write_segments(sel, magnitudes):
         sel.kept, sel.starts, sel.wide, buf, out_starts,
     )  # fmt: skip
     return [buf[a : a + r] for a, r in zip(out_starts.tolist(), room.tolist(), strict=True)]
-
-
-_TOPKQ_ERRORS = {**_TOPK_ERRORS, -5: _PRIM_ERRORS[-4]}  # -4: the magnitude (the caller's text)
 
 
 def topkq_decode_segments(frame, starts, ks, ns, outs):

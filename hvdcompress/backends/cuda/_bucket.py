@@ -7,19 +7,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hvdcompress.backends.cuda._runtime import (
-    _SEG_AUX,
-    _SEG_COLS,
-    _SEG_IN,
-    _SEG_N,
-    _check_tensor,
-    _Segments,
-)
+from hvdcompress.backends.cuda import _runtime as rt
 
 
 def _check_residuals(gs: list[torch.Tensor], es: list[torch.Tensor]) -> None:
     for g, e in zip(gs, es, strict=True):
-        _check_tensor(e, "e", torch.float32)
+        rt._check_tensor(e, "e", torch.float32)
         if e.numel() != g.numel() or e.device != g.device:
             raise ValueError(
                 f"residual has {e.numel()} elements on {e.device}, "
@@ -31,7 +24,7 @@ def _bucket_device(ts: list[torch.Tensor], name: str) -> torch.device:
     """The one device of a bucket's float32 tensors (checked)."""
     device = ts[0].device
     for t in ts:
-        _check_tensor(t, name, torch.float32)
+        rt._check_tensor(t, name, torch.float32)
         if t.device != device:
             raise ValueError(f"a bucket's tensors are on {device} and {t.device}")
     return device
@@ -57,11 +50,22 @@ def _encode_bucket(gs: list[torch.Tensor], es) -> tuple:
 def _rows(xs: list[torch.Tensor], live: np.ndarray, es=None) -> np.ndarray:
     """A segment table of the tensors ``xs[i]`` for i in ``live``: each row's input,
     residual (``es``; none: column 1 stays 0) and size filled in."""
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = [xs[i].data_ptr() for i in live.tolist()]
+    table = np.zeros((len(live), rt._SEG_COLS), dtype=np.int64)
+    table[:, rt._SEG_IN] = [xs[i].data_ptr() for i in live.tolist()]
     if es is not None:
-        table[:, _SEG_AUX] = [es[i].data_ptr() for i in live.tolist()]
-    table[:, _SEG_N] = [xs[i].numel() for i in live.tolist()]
+        table[:, rt._SEG_AUX] = [es[i].data_ptr() for i in live.tolist()]
+    table[:, rt._SEG_N] = [xs[i].numel() for i in live.tolist()]
+    return table
+
+
+def _decode_rows(at, outs: list[torch.Tensor], live: np.ndarray, ns: np.ndarray) -> np.ndarray:
+    """A decode's segment table: row r reads its body at address ``at[r]`` (0 where the
+    caller places bodies by another column) and adds into ``outs[live[r]]``, of
+    ``ns[live[r]]`` elements."""
+    table = np.zeros((len(live), rt._SEG_COLS), dtype=np.int64)
+    table[:, rt._SEG_IN] = at
+    table[:, rt._SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
+    table[:, rt._SEG_N] = ns[live]
     return table
 
 
@@ -84,7 +88,7 @@ def _gather_bodies(
     return torch.cat(pieces).to(device)
 
 
-def _first_rows(seg: _Segments, units: np.ndarray, count: int) -> _Segments:
+def _first_rows(seg: rt._Segments, units: np.ndarray, count: int) -> rt._Segments:
     """The first ``count`` rows of a segment table (their tiles are the first ones)."""
     tiles = int(-(-units[:count] // seg.tile).sum())
-    return _Segments(seg.rows, count, tiles, seg.tile)
+    return rt._Segments(seg.rows, count, tiles, seg.tile)

@@ -7,35 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hvdcompress.backends.cuda._bucket import _bucket_device, _first_rows
-from hvdcompress.backends.cuda._runtime import (
-    _MAX_RUN,
-    _PRIM_ERR_PADDING,
-    _QUANT_ERR_CODE,
-    _QUANT_ERR_NORM,
-    _QUANT_SEG_DECODE_KEY,
-    _QUANT_SEG_DELTAS,
-    _QUANT_SEG_KEY,
-    _QUANT_SEG_KS,
-    _QUANT_SEG_QUARTIC,
-    _SEG_AUX,
-    _SEG_BLEN,
-    _SEG_BOFF,
-    _SEG_COLS,
-    _SEG_IN,
-    _SEG_N,
-    _SEG_QOFF,
-    _SEG_TILE,
-    _ST_ERROR,
-    _ST_NONFINITE,
-    _STATE_WORDS,
-    _ZERO_GROUP,
-    DEVICE_TYPE,
-    _Launcher,
-    _ptr,
-    _read_state,
-    _stacked_tilings,
-)
+from hvdcompress.backends.cuda import _runtime as rt
+from hvdcompress.backends.cuda._bucket import _bucket_device, _decode_rows, _first_rows
 from hvdcompress.backends.cuda.primitives import uniform
 from hvdcompress.backends.cuda.quant import (
     _aliased,
@@ -62,7 +35,7 @@ def dqsg_encode_segments(xs, keys, levels, bits, bucket):
 def digits_encode_segments(xs, keys, levels, rho, bits, bucket):
     """``_digits_ternary_encode`` for rho <= 3, else ``_packed_bucket_encode``."""
     ns = np.fromiter((x.numel() for x in xs), dtype=np.int64, count=len(xs))
-    device = _bucket_device(xs, "x") if xs else torch.device(DEVICE_TYPE)
+    device = _bucket_device(xs, "x") if xs else torch.device(rt.DEVICE_TYPE)
     ks = torch.empty(int(ns.sum()), dtype=torch.int8, device=device)
     if rho <= 3:
         return _digits_ternary_encode(xs, keys, bucket, levels, rho, ks), ks
@@ -89,25 +62,25 @@ def _digits_ternary_encode(
     deltas = torch.empty(int(nb.sum()), dtype=torch.float32, device=device)
     dfirst = np.cumsum(nb) - nb
     digits = zre.copy()  # the digit kernel reads column 3 as the deltas, 1 as the quartic
-    digits[:, _QUANT_SEG_QUARTIC] = zre[:, _SEG_QOFF]
-    digits[:, _QUANT_SEG_DELTAS] = deltas.data_ptr() + 4 * dfirst
-    digits[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    digits[:, rt._QUANT_SEG_QUARTIC] = zre[:, rt._SEG_QOFF]
+    digits[:, rt._QUANT_SEG_DELTAS] = deltas.data_ptr() + 4 * dfirst
+    digits[:, rt._QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     if ks is not None:
-        digits[:, _QUANT_SEG_KS] = ks.data_ptr() + (np.cumsum(ns) - ns)[live]
-    (per_bucket, groups), (runs,) = _stacked_tilings(
-        [(digits, {_SEG_BOFF: nb, _SEG_TILE: ms}), (zre, {_SEG_TILE: ms})], device
+        digits[:, rt._QUANT_SEG_KS] = ks.data_ptr() + (np.cumsum(ns) - ns)[live]
+    (per_bucket, groups), (runs,) = rt._stacked_tilings(
+        [(digits, {rt._SEG_BOFF: nb, rt._SEG_TILE: ms}), (zre, {rt._SEG_TILE: ms})], device
     )
-    with _Launcher(device) as k:
+    with rt._Launcher(device) as k:
         states = k.states(len(live))
-        args = (np.int32(levels), np.int64(bucket), np.int32(1), _ptr(states))
-        k.tiles("quant_bucket_floats_segments", per_bucket, np.int32(_SEG_BOFF), *args)
+        args = (np.int32(levels), np.int64(bucket), np.int32(1), rt._ptr(states))
+        k.tiles("quant_bucket_floats_segments", per_bucket, np.int32(rt._SEG_BOFF), *args)
         quartic = k.empty(int(ms.sum()), torch.uint8)
-        digit_args = (np.int64(bucket), np.int32(levels), np.int32(rho), _ptr(states))
-        k.tiles("quant_dqsg_quartic_segments", groups, *digit_args, _ptr(quartic))
+        digit_args = (np.int64(bucket), np.int32(levels), np.int32(rho), rt._ptr(states))
+        k.tiles("quant_dqsg_quartic_segments", groups, *digit_args, rt._ptr(quartic))
         out = _zre_encode_segments(k, runs, quartic, states)
-        host = _read_state(states).reshape(len(live), _STATE_WORDS)
+        host = rt._read_state(states).reshape(len(live), rt._STATE_WORDS)
     coded = _segment_bodies(out, host)
-    keep = [r for r in range(len(live)) if not host[r, _ST_NONFINITE]]
+    keep = [r for r in range(len(live)) if not host[r, rt._ST_NONFINITE]]
     delta_bytes = deltas.view(torch.uint8)
     pieces = []
     for r in keep:
@@ -115,7 +88,7 @@ def _digits_ternary_encode(
     joined = torch.cat(pieces) if pieces else delta_bytes[:0]
     at = 0
     for r, i in enumerate(live.tolist()):
-        if host[r, _ST_NONFINITE]:
+        if host[r, rt._ST_NONFINITE]:
             bodies[i] = None
             continue
         size = 4 * int(nb[r]) + coded[r].numel()
@@ -123,7 +96,7 @@ def _digits_ternary_encode(
     return bodies
 
 
-_DQSG_ERRORS = ((_QUANT_ERR_NORM, -12), (_PRIM_ERR_PADDING, -14), (_QUANT_ERR_CODE, -15))
+_DQSG_ERRORS = ((rt._QUANT_ERR_NORM, -12), (rt._PRIM_ERR_PADDING, -14), (rt._QUANT_ERR_CODE, -15))
 
 
 def dqsg_decode_segments(frame, starts, lens, ns, keys, levels, bits, bucket, outs):
@@ -190,7 +163,7 @@ def _digits_ternary_decode(
     starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
     nb, ms = (ns + bucket - 1) // bucket, (ns + 4) // 5
     zlens = lens - 4 * nb
-    bad = np.flatnonzero((zlens < 0) | (zlens > ms) | (zlens * _MAX_RUN < ms))
+    bad = np.flatnonzero((zlens < 0) | (zlens > ms) | (zlens * rt._MAX_RUN < ms))
     stop = int(bad[0]) if len(bad) else count
     failed = None if stop == count else (stop, -1)
     live = np.flatnonzero(ms[:stop] > 0)
@@ -206,38 +179,35 @@ def _digits_ternary_decode(
     body = torch.cat(pieces).to(device)  # the zero-run parts, then the deltas
     length = int(zl.sum())
     deltas_at = body.data_ptr() + length + 4 * (np.cumsum(lnb) - lnb)
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = deltas_at
-    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
-    table[:, _SEG_N] = ns[live]
-    table[:, _SEG_QOFF] = np.cumsum(lms) - lms
-    table[:, _SEG_BOFF] = np.cumsum(zl) - zl
-    table[:, _SEG_BLEN] = zl
-    table[:, _QUANT_SEG_DECODE_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    table = _decode_rows(deltas_at, outs, live, ns)
+    table[:, rt._SEG_QOFF] = np.cumsum(lms) - lms
+    table[:, rt._SEG_BOFF] = np.cumsum(zl) - zl
+    table[:, rt._SEG_BLEN] = zl
+    table[:, rt._QUANT_SEG_DECODE_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     check = np.zeros_like(table)
-    check[:, _SEG_IN], check[:, _SEG_N] = deltas_at, ns[live]
-    (seg,), (per_bucket,) = _stacked_tilings(
-        [(table, {_SEG_TILE: lms}), (check, {_SEG_TILE: lnb})], device
+    check[:, rt._SEG_IN], check[:, rt._SEG_N] = deltas_at, ns[live]
+    (seg,), (per_bucket,) = rt._stacked_tilings(
+        [(table, {rt._SEG_TILE: lms}), (check, {rt._SEG_TILE: lnb})], device
     )
-    with _Launcher(device) as k:
+    with rt._Launcher(device) as k:
         states = k.states(seg.count)
         trues, counts = _aliasing_counts(k, live, k_trues)
         incl = _zre_check_segments(k, seg, body[:length], states)
-        at = np.int32(_SEG_TILE)
+        at = np.int32(rt._SEG_TILE)
         k.tiles("quant_dqsg_deltas_check_segments", per_bucket, at, np.int64(bucket),
-                _ptr(states))  # fmt: skip
-        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
-        refused = np.flatnonzero(host[:, _ST_ERROR])
+                rt._ptr(states))  # fmt: skip
+        host = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)
+        refused = np.flatnonzero(host[:, rt._ST_ERROR])
         good = int(refused[0]) if len(refused) else seg.count
         if len(refused):
-            failed = (int(live[good]), int(host[good, _ST_ERROR]))
+            failed = (int(live[good]), int(host[good, rt._ST_ERROR]))
         if good:
             # run groups expanded as plain zero groups: a zero q adds its dither term too
-            quartic = _zre_expand_rows(k, table, lms, good, body, incl, _ZERO_GROUP, states)
+            quartic = _zre_expand_rows(k, table, lms, good, body, incl, rt._ZERO_GROUP, states)
             part = _first_rows(seg, lms, good)
-            side = (np.int32(rho), np.float32(divisor), _ptr(trues), _ptr(counts))
+            side = (np.int32(rho), np.float32(divisor), rt._ptr(trues), rt._ptr(counts))
             k.tiles("quant_dqsg_quartic_decode_add_segments", part, np.int64(bucket),
-                    _ptr(quartic), *side)  # fmt: skip
+                    rt._ptr(quartic), *side)  # fmt: skip
         aliased = _aliased(counts, live, count)
         del body  # stream-ordered: the launches above are queued before its reuse
     return failed, aliased

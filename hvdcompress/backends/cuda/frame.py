@@ -7,61 +7,47 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hvdcompress.backends.cuda._runtime import (
-    _SEG_COLS,
-    _SEG_IN,
-    _SEG_N,
-    _ST_SUM,
-    _STATE_WORDS,
-    SEGMENT_TILE,
-    _check_tensor,
-    _Launcher,
-    _ptr,
-    _read_state,
-    _Segments,
-    _segments,
-)
+from hvdcompress.backends.cuda import _runtime as rt
 from hvdcompress.backends.records import CHECKSUM_FIELD, SCAN, FrameScan, mix
 
 
-def _checksum_table(buf: torch.Tensor, starts: list[int], lengths: list[int]) -> np.ndarray:
-    table = np.zeros((len(starts), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = buf.data_ptr() + np.asarray(starts, dtype=np.int64)
-    table[:, _SEG_N] = lengths
-    return table
+def _sum_segments(k: rt._Launcher, buf: torch.Tensor, starts: list[int], lengths: list[int]):
+    """The segments ``buf[starts[i]:][:lengths[i]]`` as a table on the device, and their
+    checksum state rows (hvd_checksum_segments, one launch)."""
+    table = np.zeros((len(starts), rt._SEG_COLS), dtype=np.int64)
+    table[:, rt._SEG_IN] = buf.data_ptr() + np.asarray(starts, dtype=np.int64)
+    table[:, rt._SEG_N] = lengths
+    seg = rt._segments(table, table[:, rt._SEG_N], buf.device)
+    states = k.states(seg.count)
+    k.tiles("hvd_checksum_segments", seg, rt._ptr(states))
+    return seg, states
 
 
 def checksum_segments(buf, starts, lengths):
     """One launch, one device-to-host copy for all."""
-    _check_tensor(buf, "buf", torch.uint8)
+    rt._check_tensor(buf, "buf", torch.uint8)
     if not starts:
         return []
-    table = _checksum_table(buf, starts, lengths)
-    with _Launcher(buf.device) as k:
-        seg = _segments(table, table[:, _SEG_N], buf.device)
-        states = k.states(seg.count)
-        k.tiles("hvd_checksum_segments", seg, _ptr(states))
-        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
-    return [int(w) for w in host[:, _ST_SUM]]
+    with rt._Launcher(buf.device) as k:
+        seg, states = _sum_segments(k, buf, starts, lengths)
+        host = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)
+    return [int(w) for w in host[:, rt._ST_SUM]]
 
 
 def store_checksums(buf, starts, lengths, field):
     """Two launches, no host round trip."""
-    _check_tensor(buf, "buf", torch.uint8)
+    rt._check_tensor(buf, "buf", torch.uint8)
     if not starts:
         return
-    table = _checksum_table(buf, starts, lengths)
-    with _Launcher(buf.device) as k:
-        seg = _segments(table, table[:, _SEG_N], buf.device)
-        states = k.states(seg.count)
-        k.tiles("hvd_checksum_segments", seg, _ptr(states))
+    with rt._Launcher(buf.device) as k:
+        seg, states = _sum_segments(k, buf, starts, lengths)
         k(
             "hvd_checksum_store",
             seg.count,
-            _ptr(seg.rows),
+            rt._ptr(seg.rows),
             np.int64(seg.count),
             np.int64(field),
-            _ptr(states),
+            rt._ptr(states),
         )
 
 
@@ -74,34 +60,36 @@ _FRAME_ROW = _FRAME_PARAMS + 256 // 8
 
 def frame_scan(frame, count):
     """Three launches (length table, checksums, headers), one read of 440 bytes a payload."""
-    _check_tensor(frame, "frame", torch.uint8)
+    rt._check_tensor(frame, "frame", torch.uint8)
     length = frame.numel()
     words = 1 + count * _FRAME_ROW
-    with _Launcher(frame.device) as k:
+    with rt._Launcher(frame.device) as k:
         # the scan's rows and the checksum states, one buffer: one read
-        out = torch.zeros(words + count * _STATE_WORDS // 2, dtype=torch.int64, device=k.device)
+        out = torch.zeros(words + count * rt._STATE_WORDS // 2, dtype=torch.int64, device=k.device)
         states = out[words:].view(torch.int32)
-        rows = torch.zeros((max(count, 1), _SEG_COLS), dtype=torch.int64, device=k.device)
+        rows = torch.zeros((max(count, 1), rt._SEG_COLS), dtype=torch.int64, device=k.device)
         k(
             "hvd_frame_table",
             1,
-            _ptr(frame),
+            rt._ptr(frame),
             np.int64(length),
             np.int64(count),
-            np.int64(SEGMENT_TILE),
-            _ptr(out),
-            _ptr(rows),
+            np.int64(rt.SEGMENT_TILE),
+            rt._ptr(out),
+            rt._ptr(rows),
         )
         if count:
             # the table's tiles are counted on the device: launch for the most a frame of
             # this length can have (a payload adds at most one partial tile); the surplus
             # tiles sum no bytes
-            tiles = -(-length // SEGMENT_TILE) + count
+            tiles = -(-length // rt.SEGMENT_TILE) + count
             k.tiles(
-                "hvd_checksum_segments", _Segments(rows, count, tiles, SEGMENT_TILE), _ptr(states)
+                "hvd_checksum_segments",
+                rt._Segments(rows, count, tiles, rt.SEGMENT_TILE),
+                rt._ptr(states),
             )
-            k("hvd_frame_headers", count, _ptr(frame), np.int64(count), _ptr(out))
-        host = _read_state(out)
+            k("hvd_frame_headers", count, rt._ptr(frame), np.int64(count), rt._ptr(out))
+        host = rt._read_state(out)
     scan = host[: 2 * words].view(np.int64)
     if scan[0] != 1:
         return None
@@ -113,7 +101,7 @@ def frame_scan(frame, count):
     field = CHECKSUM_FIELD + np.arange(4, dtype=np.uint64)
     stored_bytes = (stored[:, None] >> (np.uint64(8) * np.arange(4, dtype=np.uint64))) & 0xFF
     extra = (stored_bytes * mix(field)[None, :]).sum(axis=1)
-    sums = host[2 * words :].reshape(count, _STATE_WORDS)[:, _ST_SUM].astype(np.uint64)
+    sums = host[2 * words :].reshape(count, rt._STATE_WORDS)[:, rt._ST_SUM].astype(np.uint64)
     zeroed = (sums - extra) & np.uint64(0xFFFFFFFF)
     ok = (fields[:, _FRAME_OK] == 1) & (zeroed == stored)
     fields[:, _FRAME_OK] = ok
@@ -131,8 +119,15 @@ def length_prefixes(buf: torch.Tensor, size: int) -> np.ndarray:
     """The verdict on a device allgather's framing (``size`` x (8-byte length, bytes);
     kernels/threelc.cu, hvd_length_prefixes): int64 [verdict, where, each rank's count],
     one launch and one read of 8 (size + 2) bytes."""
-    _check_tensor(buf, "buf", torch.uint8)
-    with _Launcher(buf.device) as k:
+    rt._check_tensor(buf, "buf", torch.uint8)
+    with rt._Launcher(buf.device) as k:
         out = torch.zeros(size + 2, dtype=torch.int64, device=k.device)
-        k("hvd_length_prefixes", 1, _ptr(buf), np.int64(buf.numel()), np.int64(size), _ptr(out))
-        return _read_state(out).view(np.int64)
+        k(
+            "hvd_length_prefixes",
+            1,
+            rt._ptr(buf),
+            np.int64(buf.numel()),
+            np.int64(size),
+            rt._ptr(out),
+        )
+        return rt._read_state(out).view(np.int64)

@@ -5,83 +5,76 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hvdcompress.backends.cuda._runtime import (
-    _PRIM_ERR_PADDING,
-    _ST_ERROR,
-    _check_tensor,
-    _Launcher,
-    _ptr,
-    _read_state,
-)
+from hvdcompress.backends.cuda import _runtime as rt
 from hvdcompress.errors import PayloadError
 
 
 def uniform(key, n, device=None):
     out = torch.empty(n, dtype=torch.float32, device=device)
     if n:
-        with _Launcher(out.device) as k:
-            k("primitives_uniform", n, np.uint64(key), np.int64(0), np.int64(n), _ptr(out))
+        with rt._Launcher(out.device) as k:
+            k("primitives_uniform", n, np.uint64(key), np.int64(0), np.int64(n), rt._ptr(out))
     return out
 
 
 def bitpack(codes, bits):
-    _check_tensor(codes, "codes", torch.uint8)
+    rt._check_tensor(codes, "codes", torch.uint8)
     n = codes.numel()
     nbytes = (n * bits + 7) // 8
     out = torch.empty(nbytes, dtype=torch.uint8, device=codes.device)
     if n:
-        with _Launcher(codes.device) as k:
+        with rt._Launcher(codes.device) as k:
             k(
                 "primitives_bitpack",
                 nbytes,
-                _ptr(codes),
+                rt._ptr(codes),
                 np.int64(n),
                 np.int32(bits),
-                _ptr(out),
+                rt._ptr(out),
                 np.int64(nbytes),
             )
     return out
 
 
 def bitunpack(buf, n, bits):
-    _check_tensor(buf, "buf", torch.uint8)
+    rt._check_tensor(buf, "buf", torch.uint8)
     if buf.numel() != (n * bits + 7) // 8:
         raise PayloadError("body", "the packed body does not have ceil(numel * bits / 8) bytes")
     codes = torch.empty(n, dtype=torch.uint8, device=buf.device)
     if n:
-        with _Launcher(buf.device) as k:
+        with rt._Launcher(buf.device) as k:
             state = k.state()
             k(
                 "primitives_bitunpack",
                 n,
-                _ptr(buf),
+                rt._ptr(buf),
                 np.int64(buf.numel()),
                 np.int64(n),
                 np.int32(bits),
-                _ptr(codes),
-                _ptr(state),
+                rt._ptr(codes),
+                rt._ptr(state),
             )
-            err = int(_read_state(state)[_ST_ERROR])
-        if err & _PRIM_ERR_PADDING:
+            err = int(rt._read_state(state)[rt._ST_ERROR])
+        if err & rt._PRIM_ERR_PADDING:
             raise PayloadError("body", "a padding bit after the last packed value is set")
     return codes
 
 
 def chunk_sums(x, chunk, square):
-    _check_tensor(x, "x", torch.float32)
+    rt._check_tensor(x, "x", torch.float32)
     n = x.numel()
     chunks = (n + chunk - 1) // chunk
     out = torch.empty(chunks, dtype=torch.float64, device=x.device)
     if n:
-        with _Launcher(x.device) as k:
+        with rt._Launcher(x.device) as k:
             k(
                 "primitives_chunk_sums",
                 chunks,
-                _ptr(x),
+                rt._ptr(x),
                 np.int64(n),
                 np.int64(chunk),
                 np.int32(bool(square)),
-                _ptr(out),
+                rt._ptr(out),
             )
     return out
 

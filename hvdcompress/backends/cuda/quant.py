@@ -7,29 +7,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hvdcompress.backends.cuda._bucket import _bodies_on, _bucket_device, _first_rows, _rows
-from hvdcompress.backends.cuda._runtime import (
-    _PRIM_ERR_PADDING,
-    _QUANT_ERR_NORM,
-    _QUANT_SEG_KEY,
-    _SEG_AUX,
-    _SEG_BLEN,
-    _SEG_BOFF,
-    _SEG_COLS,
-    _SEG_IN,
-    _SEG_N,
-    _SEG_TILE,
-    _SIGN_SEG_OUT,
-    _ST_ABSMAX,
-    _ST_ERROR,
-    _ST_NONFINITE,
-    _STATE_WORDS,
-    _check_tensor,
-    _f32,
-    _Launcher,
-    _ptr,
-    _read_state,
-    _tilings,
+from hvdcompress.backends.cuda import _runtime as rt
+from hvdcompress.backends.cuda._bucket import (
+    _bodies_on,
+    _bucket_device,
+    _decode_rows,
+    _first_rows,
+    _rows,
 )
 from hvdcompress.backends.cuda.threelc import _quartic_bucket, _quartic_table
 
@@ -63,20 +47,20 @@ def _packed_bucket_encode(
     if not len(live):
         return bodies
     table = _rows(xs, live)
-    table[:, _SIGN_SEG_OUT] = buf.data_ptr() + firsts[live]
-    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    table[:, rt._SIGN_SEG_OUT] = buf.data_ptr() + firsts[live]
+    table[:, rt._QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     if ks is not None:
-        table[:, _SEG_AUX] = ks.data_ptr() + (np.cumsum(ns) - ns)[live]
-    tilings = {_SEG_BOFF: nb[live], _SEG_TILE: (ns[live] + 7) // 8}
-    per_bucket, groups = _tilings(table, device, tilings)
-    with _Launcher(device) as k:
+        table[:, rt._SEG_AUX] = ks.data_ptr() + (np.cumsum(ns) - ns)[live]
+    tilings = {rt._SEG_BOFF: nb[live], rt._SEG_TILE: (ns[live] + 7) // 8}
+    per_bucket, groups = rt._tilings(table, device, tilings)
+    with rt._Launcher(device) as k:
         states = k.states(per_bucket.count)
-        at, flag = np.int32(_SEG_BOFF), np.int32(dqsg)
-        args = (np.int32(levels), np.int64(bucket), flag, _ptr(states))
+        at, flag = np.int32(rt._SEG_BOFF), np.int32(dqsg)
+        args = (np.int32(levels), np.int64(bucket), flag, rt._ptr(states))
         k.tiles("quant_bucket_floats_segments", per_bucket, at, *args)
         args = (np.int32(levels), np.int32(bits), np.int64(bucket), flag, np.int32(rho))
-        k.tiles("quant_packed_encode_segments", groups, np.int32(_SEG_TILE), *args)
-        bad = _read_state(states).reshape(per_bucket.count, _STATE_WORDS)[:, _ST_NONFINITE]
+        k.tiles("quant_packed_encode_segments", groups, np.int32(rt._SEG_TILE), *args)
+        bad = rt._read_state(states).reshape(per_bucket.count, rt._STATE_WORDS)[:, rt._ST_NONFINITE]
     for row, i in enumerate(live.tolist()):
         if bad[row]:
             bodies[i] = None
@@ -103,7 +87,7 @@ def _aliasing_counts(k, live: np.ndarray, k_trues) -> tuple[torch.Tensor | None,
 def _aliased(counts: torch.Tensor | None, live: np.ndarray, count: int) -> np.ndarray:
     out = np.zeros(count, dtype=np.int64)
     if counts is not None:
-        out[live] = _read_state(counts).view(np.int64)
+        out[live] = rt._read_state(counts).view(np.int64)
     return out
 
 
@@ -129,28 +113,25 @@ def _packed_bucket_decode(
         return None, aliased
     sizes = 4 * nb + (ns * bits + 7) // 8
     body, at = _bodies_on(frame, np.asarray(starts, dtype=np.int64)[live], sizes[live], device)
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = at
-    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
-    table[:, _SEG_N] = ns[live]
+    table = _decode_rows(at, outs, live, ns)
     if keys is not None:
-        table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+        table[:, rt._QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     units = np.maximum(groups, nb)[live]
-    check, decode = _tilings(table, device, {_SEG_TILE: units, _SEG_BOFF: groups[live]})
+    check, decode = rt._tilings(table, device, {rt._SEG_TILE: units, rt._SEG_BOFF: groups[live]})
     args = (np.int32(levels), np.int32(bits), np.int64(bucket))
-    with _Launcher(device) as k:
+    with rt._Launcher(device) as k:
         states = k.states(check.count)
         trues, counts = _aliasing_counts(k, live, k_trues)
         rule = np.int32(codec == "dqsg")
-        at = np.int32(_SEG_TILE)
-        k.tiles("quant_packed_check_segments", check, at, *args, rule, _ptr(states))
-        errors = _read_state(states).reshape(check.count, _STATE_WORDS)[:, _ST_ERROR]
+        at = np.int32(rt._SEG_TILE)
+        k.tiles("quant_packed_check_segments", check, at, *args, rule, rt._ptr(states))
+        errors = rt._read_state(states).reshape(check.count, rt._STATE_WORDS)[:, rt._ST_ERROR]
         refused = np.flatnonzero(errors)
         good = int(refused[0]) if len(refused) else check.count
         if good:
             part = _first_rows(decode, groups[live], good)
-            at = np.int32(_SEG_BOFF)
-            side = (np.int32(rho), np.float32(divisor), _ptr(trues), _ptr(counts))
+            at = np.int32(rt._SEG_BOFF)
+            side = (np.int32(rho), np.float32(divisor), rt._ptr(trues), rt._ptr(counts))
             k.tiles("quant_packed_decode_add_segments", part, at, *args, rule, *side)
         aliased = _aliased(counts, live, len(outs))
         del body  # stream-ordered: the launches above are queued before its reuse
@@ -159,9 +140,9 @@ def _packed_bucket_decode(
 
 def _qsgd_refusal(err: int) -> str:
     """The QSGD decoder's message for the check's error bits (the CPU backend's order)."""
-    if err & _QUANT_ERR_NORM:
+    if err & rt._QUANT_ERR_NORM:
         return "a QSGD norm is negative or not finite"
-    if err & _PRIM_ERR_PADDING:
+    if err & rt._PRIM_ERR_PADDING:
         return "a padding bit after the last packed value is set"
     return "a QSGD level is above the levels or a zero is signed"
 
@@ -172,7 +153,7 @@ def terngrad_encode_segments(xs, keys):
         return []
     device = _bucket_device(xs, "x")
     ns, live, table = _quartic_table(xs)
-    table[:, _SEG_BLEN] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)  # the key
+    table[:, rt._SEG_BLEN] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)  # the key
     encoded: list[tuple[torch.Tensor, float] | None] = [
         (torch.empty(0, dtype=torch.uint8, device=device), 0.0)
     ] * len(xs)
@@ -180,62 +161,62 @@ def terngrad_encode_segments(xs, keys):
         return encoded
     host, bodies = _quartic_bucket(device, table, ns, "quant_terngrad_quartic_segments")
     for row, (i, body) in enumerate(zip(live.tolist(), bodies, strict=True)):
-        max_bits = int(host[row, _ST_ABSMAX])
-        encoded[i] = None if max_bits >= 0x7F800000 else (body, _f32(max_bits))
+        max_bits = int(host[row, rt._ST_ABSMAX])
+        encoded[i] = None if max_bits >= 0x7F800000 else (body, rt._f32(max_bits))
     return encoded
 
 
 def dqsg_quantize(w, levels, bucket, key, code_offset):
     """Two launches, one device-to-host copy (the non-finite flag)."""
-    _check_tensor(w, "w", torch.float32)
+    rt._check_tensor(w, "w", torch.float32)
     n = w.numel()
     nb = (n + bucket - 1) // bucket
     deltas = torch.empty(nb, dtype=torch.float32, device=w.device)
     q = torch.empty(n, dtype=torch.uint8, device=w.device)
     if n == 0:
         return q, deltas
-    with _Launcher(w.device) as k:
+    with rt._Launcher(w.device) as k:
         state = k.state()
         k(
             "quant_dqsg_deltas",
             nb,
-            _ptr(w),
+            rt._ptr(w),
             np.int64(n),
             np.int32(levels),
             np.int64(bucket),
-            _ptr(deltas),
-            _ptr(state),
+            rt._ptr(deltas),
+            rt._ptr(state),
         )
         k(
             "quant_dqsg_quantize",
             n,
-            _ptr(w),
+            rt._ptr(w),
             np.int64(n),
             np.int32(levels),
             np.int64(bucket),
             np.uint64(key),
             np.int32(code_offset),
-            _ptr(deltas),
-            _ptr(q),
+            rt._ptr(deltas),
+            rt._ptr(q),
         )
-        return None if _read_state(state)[_ST_NONFINITE] else (q, deltas)
+        return None if rt._read_state(state)[rt._ST_NONFINITE] else (q, deltas)
 
 
 def dqsg_dequantize(q, deltas, bucket, key, out, accumulate):
     """One launch."""
-    _check_tensor(out, "out", torch.float32)
+    rt._check_tensor(out, "out", torch.float32)
     n = q.numel()
     if n == 0:
         return
-    with _Launcher(out.device) as k:
+    with rt._Launcher(out.device) as k:
         k(
             "quant_dqsg_dequantize",
             n,
-            _ptr(q),
+            rt._ptr(q),
             np.int64(n),
-            _ptr(deltas),
+            rt._ptr(deltas),
             np.int64(bucket),
             np.uint64(key),
-            _ptr(out),
+            rt._ptr(out),
             np.int32(bool(accumulate)),
         )

@@ -5,28 +5,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hvdcompress.backends.cuda import _runtime as rt
 from hvdcompress.backends.cuda._bucket import (
     _bodies_on,
     _bucket_device,
     _check_residuals,
+    _decode_rows,
+    _encode_bucket,
     _first_rows,
     _rows,
-)
-from hvdcompress.backends.cuda._runtime import (
-    _SEG_AUX,
-    _SEG_COLS,
-    _SEG_F32,
-    _SEG_IN,
-    _SEG_N,
-    _SIGN_SEG_OUT,
-    _ST_ERROR,
-    _ST_NONFINITE,
-    _STATE_WORDS,
-    _f32_bits,
-    _Launcher,
-    _ptr,
-    _read_state,
-    _segments,
 )
 
 EF_CHUNK = 1024  # elements per order-fixed partial sum of EF-signSGD's mean |a| (cpu.EF_CHUNK)
@@ -45,12 +32,12 @@ def sign_encode_segments(xs):
     if not len(live):
         return bodies
     table = _rows(xs, live)
-    table[:, _SIGN_SEG_OUT] = [bodies[i].data_ptr() for i in live.tolist()]
-    with _Launcher(device) as k:
-        seg = _segments(table, nbytes[live], device)
+    table[:, rt._SIGN_SEG_OUT] = [bodies[i].data_ptr() for i in live.tolist()]
+    with rt._Launcher(device) as k:
+        seg = rt._segments(table, nbytes[live], device)
         states = k.states(seg.count)
-        k.tiles("sign_encode_segments", seg, _ptr(states))
-        bad = _read_state(states).reshape(seg.count, _STATE_WORDS)[:, _ST_NONFINITE]
+        k.tiles("sign_encode_segments", seg, rt._ptr(states))
+        bad = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)[:, rt._ST_NONFINITE]
     for row, i in enumerate(live.tolist()):
         if bad[row]:
             bodies[i] = None
@@ -61,28 +48,24 @@ def efsign_sums_segments(gs, es):
     """One launch over a segment table, one read (the sums as host arrays)."""
     if not gs:
         return [], []
-    device = _bucket_device(gs, "g")
-    _check_residuals(gs, es)
-    ns = np.fromiter((g.numel() for g in gs), dtype=np.int64, count=len(gs))
+    device, ns, live, _, bad = _encode_bucket(gs, es)
     chunks = (ns + EF_CHUNK - 1) // EF_CHUNK
     first = np.cumsum(chunks) - chunks
-    live = np.flatnonzero(ns > 0)
     total = int(chunks.sum())
     # the chunk sums, then the state rows (4 doubles = 8 words each): one read for both
     scratch = torch.zeros(total + 4 * len(live), dtype=torch.float64, device=device)
     if len(live):
         states = scratch[total:].view(torch.int32)
         table = _rows(gs, live, es)
-        table[:, _SIGN_SEG_OUT] = scratch.data_ptr() + 8 * first[live]
-        with _Launcher(device) as k:
-            seg = _segments(table, chunks[live], device)
-            k.tiles("sign_ef_sums_segments", seg, np.int64(EF_CHUNK), _ptr(states))
-    host = _read_state(scratch)
+        table[:, rt._SIGN_SEG_OUT] = scratch.data_ptr() + 8 * first[live]
+        with rt._Launcher(device) as k:
+            seg = rt._segments(table, chunks[live], device)
+            k.tiles("sign_ef_sums_segments", seg, np.int64(EF_CHUNK), rt._ptr(states))
+    host = rt._read_state(scratch)
     sums = host[: 2 * total].view(np.float64)
-    words = host[2 * total :].reshape(-1, _STATE_WORDS)
-    bad = [False] * len(gs)
+    words = host[2 * total :].reshape(-1, rt._STATE_WORDS)
     for row, i in enumerate(live.tolist()):
-        bad[i] = bool(words[row, _ST_NONFINITE])
+        bad[i] = bool(words[row, rt._ST_NONFINITE])
     return [sums[a : a + c] for a, c in zip(first.tolist(), chunks.tolist(), strict=True)], bad
 
 
@@ -99,10 +82,10 @@ def efsign_encode_segments(gs, es, scales, skip):
     live = np.flatnonzero(nbytes > 0)
     if len(live):
         table = _rows(gs, live, es)
-        table[:, _SIGN_SEG_OUT] = [bodies[i].data_ptr() for i in live.tolist()]
-        table[:, _SEG_F32] = _f32_bits(np.asarray(scales, dtype=np.float32)[live])
-        with _Launcher(device) as k:
-            k.tiles("sign_ef_encode_segments", _segments(table, nbytes[live], device))
+        table[:, rt._SIGN_SEG_OUT] = [bodies[i].data_ptr() for i in live.tolist()]
+        table[:, rt._SEG_F32] = rt._f32_bits(np.asarray(scales, dtype=np.float32)[live])
+        with rt._Launcher(device) as k:
+            k.tiles("sign_ef_encode_segments", rt._segments(table, nbytes[live], device))
     return bodies
 
 
@@ -117,22 +100,21 @@ def sign_decode_segments(frame, starts, ns, scales, outs):
     if not len(live):
         return None
     body, at = _bodies_on(frame, np.asarray(starts, dtype=np.int64)[live], nbytes[live], device)
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = at
-    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
-    table[:, _SEG_N] = ns[live]
-    table[:, _SEG_F32] = _f32_bits(np.asarray(scales, dtype=np.float32)[live])
-    with _Launcher(device) as k:
-        seg = _segments(table, nbytes[live], device)
+    table = _decode_rows(at, outs, live, ns)
+    table[:, rt._SEG_F32] = rt._f32_bits(np.asarray(scales, dtype=np.float32)[live])
+    with rt._Launcher(device) as k:
+        seg = rt._segments(table, nbytes[live], device)
         states = k.states(seg.count)
         k(
             "sign_decode_check_segments",
             seg.count,
-            _ptr(seg.rows),
+            rt._ptr(seg.rows),
             np.int64(seg.count),
-            _ptr(states),
+            rt._ptr(states),
         )
-        refused = np.flatnonzero(_read_state(states).reshape(seg.count, _STATE_WORDS)[:, _ST_ERROR])
+        refused = np.flatnonzero(
+            rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)[:, rt._ST_ERROR]
+        )
         good = int(refused[0]) if len(refused) else seg.count
         if good:
             k.tiles("sign_decode_add_segments", _first_rows(seg, nbytes[live], good))

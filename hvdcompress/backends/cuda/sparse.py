@@ -9,35 +9,13 @@ import math
 import numpy as np
 import torch
 
+from hvdcompress.backends.cuda import _runtime as rt
 from hvdcompress.backends.cuda._bucket import (
     _bodies_on,
     _bucket_device,
     _check_residuals,
     _first_rows,
     _rows,
-)
-from hvdcompress.backends.cuda._runtime import (
-    _SEG_AUX,
-    _SEG_COLS,
-    _SEG_N,
-    _SEG_TILE,
-    _SPARSE_SEG_INDICES,
-    _SPARSE_SEG_K,
-    _SPARSE_SEG_N,
-    _SPARSE_SEG_OUT,
-    _SPARSE_SEG_SIGNS,
-    _SPARSE_SEG_VALUES,
-    _SPARSE_SEG_WIDE,
-    _ST_ERROR,
-    _ST_NONFINITE,
-    _STATE_WORDS,
-    TOPK_INDEX32_LIMIT,
-    _Launcher,
-    _ptr,
-    _read_state,
-    _Segments,
-    _segments,
-    _stacked_tilings,
 )
 
 TOPK_SAMPLE = 65536  # elements of the strided sample that bounds the threshold from below
@@ -102,27 +80,33 @@ def _topk_table(gs, es, ks, us, empty_rows=False) -> tuple[np.ndarray, np.ndarra
     return ns, live, table
 
 
-def _topk_select(k: _Launcher, elements: _Segments, total: int, momentum, states, slots=None):
+def _topk_select(k: rt._Launcher, elements: rt._Segments, total: int, momentum, states, slots=None):
     """The launch sequence of a bucket's top-k select (kernels/sparse.cu, "Top-k's bucket
     encode") over ``elements`` (``total`` elements in all), through the gather: into the
     bodies, or with ``slots`` (values, indices) into those. No read."""
     m = np.float32(momentum)
     hist = torch.zeros(elements.count * _TOPK_BINS, dtype=torch.int32, device=k.device)
-    k.tiles("sparse_topk_finite_segments", elements, m, _ptr(states))
-    k.tiles("sparse_topk_update_segments", elements, m, _ptr(states), _ptr(hist))
+    k.tiles("sparse_topk_finite_segments", elements, m, rt._ptr(states))
+    k.tiles("sparse_topk_update_segments", elements, m, rt._ptr(states), rt._ptr(hist))
     for digit in range(3):
         if digit:
-            args = (np.int32(digit), _ptr(states), _ptr(hist))
+            args = (np.int32(digit), rt._ptr(states), rt._ptr(hist))
             k.tiles("sparse_topk_histogram_segments", elements, *args)
-        pick = (_ptr(elements.rows), np.int64(elements.count), np.int32(digit))
-        k("sparse_topk_pick_segments", elements.count, *pick, _ptr(hist), _ptr(states))
+        pick = (rt._ptr(elements.rows), np.int64(elements.count), np.int32(digit))
+        k("sparse_topk_pick_segments", elements.count, *pick, rt._ptr(hist), rt._ptr(states))
     flags = k.empty(total, torch.uint8)
-    k.tiles("sparse_topk_ties_segments", elements, _ptr(states), _ptr(flags))
+    k.tiles("sparse_topk_ties_segments", elements, rt._ptr(states), rt._ptr(flags))
     ties = torch.cumsum(flags, 0, dtype=torch.int64)
-    k.tiles("sparse_topk_keep_segments", elements, _ptr(states), _ptr(ties), _ptr(flags))
+    k.tiles("sparse_topk_keep_segments", elements, rt._ptr(states), rt._ptr(ties), rt._ptr(flags))
     incl = torch.cumsum(flags, 0, dtype=torch.int64)
     values, indices = (None, None) if slots is None else slots
-    args = (np.int64(TOPK_INDEX32_LIMIT), _ptr(flags), _ptr(incl), _ptr(values), _ptr(indices))
+    args = (
+        np.int64(rt.TOPK_INDEX32_LIMIT),
+        rt._ptr(flags),
+        rt._ptr(incl),
+        rt._ptr(values),
+        rt._ptr(indices),
+    )
     k.tiles("sparse_topk_gather_segments", elements, *args)
 
 
@@ -138,16 +122,19 @@ def topk_encode_segments(gs, es, ks, us=None, momentum=0.0):
     if not len(live):
         return bodies, nonfinite
     lns, lks = ns[live], table[:, _TOPK_SEG_K]
-    sizes = lks * np.where(lns >= TOPK_INDEX32_LIMIT, 12, 8)
+    sizes = lks * np.where(lns >= rt.TOPK_INDEX32_LIMIT, 12, 8)
     rooms = -(-sizes // 8) * 8  # every body 8-byte aligned
     firsts = np.cumsum(rooms) - rooms
-    with _Launcher(device) as k:
+    with rt._Launcher(device) as k:
         buf = k.empty(max(int(rooms.sum()), 8), torch.uint8)
         table[:, _TOPK_SEG_BODY] = buf.data_ptr() + firsts
-        elements = _segments(table, lns, device)
+        elements = rt._segments(table, lns, device)
         states = k.states(elements.count)
         _topk_select(k, elements, int(lns.sum()), momentum, states)
-        bad = _read_state(states).reshape(elements.count, _STATE_WORDS)[:, _ST_NONFINITE] != 0
+        bad = (
+            rt._read_state(states).reshape(elements.count, rt._STATE_WORDS)[:, rt._ST_NONFINITE]
+            != 0
+        )
     for row, i in enumerate(live.tolist()):
         nonfinite[i] = bool(bad[row])
         if not bad[row]:
@@ -177,18 +164,18 @@ class TopKSignSelection:
         self.indices = torch.empty(slots, dtype=torch.int64, device=device)
         slot_at = self.values.data_ptr() + 4 * TOPKQ_CHUNK * self.first_chunk
         table[:, _TOPK_SEG_BODY] = slot_at
-        self.sizes = 4 + lks * np.where(lns >= TOPK_INDEX32_LIMIT, 8, 4) + (lks + 7) // 8
+        self.sizes = 4 + lks * np.where(lns >= rt.TOPK_INDEX32_LIMIT, 8, 4) + (lks + 7) // 8
         rooms = -(-self.sizes // 4) * 4  # 4-byte aligned: m and the index words
         self.firsts = np.cumsum(rooms) - rooms
         self.buf = torch.empty(max(int(rooms.sum()), 4), dtype=torch.uint8, device=device)
         writes = np.zeros_like(table)
-        writes[:, _TOPKQ_SEG_A] = table[:, _SEG_AUX]
+        writes[:, _TOPKQ_SEG_A] = table[:, rt._SEG_AUX]
         writes[:, _TOPKQ_SEG_BODY] = self.buf.data_ptr() + self.firsts
-        writes[:, _SEG_N] = lns
+        writes[:, rt._SEG_N] = lns
         writes[:, _TOPK_SEG_K] = lks
         writes[:, _TOPK_SEG_BODY] = slot_at
-        (self.elements,), (self.slots,) = _stacked_tilings(
-            [(table, {_SEG_TILE: lns}), (writes, {_SEG_TILE: np.maximum(lks, 1)})], device
+        (self.elements,), (self.slots,) = rt._stacked_tilings(
+            [(table, {rt._SEG_TILE: lns}), (writes, {rt._SEG_TILE: np.maximum(lks, 1)})], device
         )
         self.states = self.sums = None
 
@@ -207,19 +194,19 @@ def topkq_select_segments(gs, es, ks):
     if not len(sel.live):
         return sel
     count = sel.elements.count
-    with _Launcher(device) as k:
-        size = count * _STATE_WORDS + 2 * sel.values.numel() // TOPKQ_CHUNK
+    with rt._Launcher(device) as k:
+        size = count * rt._STATE_WORDS + 2 * sel.values.numel() // TOPKQ_CHUNK
         words = torch.zeros(size, dtype=torch.int32, device=device)  # states, then sums
-        states = words[: count * _STATE_WORDS]
-        sums = words[count * _STATE_WORDS :].view(torch.float64)
+        states = words[: count * rt._STATE_WORDS]
+        sums = words[count * rt._STATE_WORDS :].view(torch.float64)
         _topk_select(k, sel.elements, sel.total, 0.0, states, (sel.values, sel.indices))
         chunk_args = (np.int64(sel.values.numel()), np.int64(TOPKQ_CHUNK), np.int32(0))
-        k("primitives_chunk_sums", sums.numel(), _ptr(sel.values), *chunk_args, _ptr(sums))
-        host = _read_state(words)
+        k("primitives_chunk_sums", sums.numel(), rt._ptr(sel.values), *chunk_args, rt._ptr(sums))
+        host = rt._read_state(words)
     sel.states = states
-    state_words = host[: count * _STATE_WORDS].reshape(count, _STATE_WORDS)
-    sel.nonfinite[sel.live] = state_words[:, _ST_NONFINITE] != 0
-    sel.sums = host[count * _STATE_WORDS :].view(np.float64)
+    state_words = host[: count * rt._STATE_WORDS].reshape(count, rt._STATE_WORDS)
+    sel.nonfinite[sel.live] = state_words[:, rt._ST_NONFINITE] != 0
+    sel.sums = host[count * rt._STATE_WORDS :].view(np.float64)
     return sel
 
 
@@ -229,10 +216,15 @@ def topkq_write_segments(sel, magnitudes):
     if not len(sel.live):
         return bodies
     ms = np.asarray(magnitudes, dtype=np.float32).reshape(len(sel.ks))[sel.live]
-    with _Launcher(sel.device) as k:
+    with rt._Launcher(sel.device) as k:
         dms = torch.from_numpy(ms).to(sel.device)
-        args = (np.int64(TOPK_INDEX32_LIMIT), _ptr(sel.values), _ptr(sel.indices), _ptr(dms))
-        k.tiles("sparse_topkq_write_segments", sel.slots, *args, _ptr(sel.states))
+        args = (
+            np.int64(rt.TOPK_INDEX32_LIMIT),
+            rt._ptr(sel.values),
+            rt._ptr(sel.indices),
+            rt._ptr(dms),
+        )
+        k.tiles("sparse_topkq_write_segments", sel.slots, *args, rt._ptr(sel.states))
     for row, i in enumerate(sel.live.tolist()):
         if not sel.nonfinite[i]:
             bodies[i] = sel.buf[int(sel.firsts[row]) :][: int(sel.sizes[row])]
@@ -255,7 +247,7 @@ def _kept_decode_segments(frame, starts, ks, ns, outs, signs: bool) -> tuple[int
         return None
     device = _bucket_device(outs, "out")
     starts, ks, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, ks, ns))
-    isz = np.where(ns >= TOPK_INDEX32_LIMIT, 8, 4)
+    isz = np.where(ns >= rt.TOPK_INDEX32_LIMIT, 8, 4)
     if signs:  # m, the indices, the sign bits
         sizes = 4 + ks * isz + (ks + 7) // 8
         first_index = 4
@@ -263,21 +255,21 @@ def _kept_decode_segments(frame, starts, ks, ns, outs, signs: bool) -> tuple[int
         sizes = ks * (4 + isz)
         first_index = 4 * ks
     body, at = _bodies_on(frame, starts, sizes, device)
-    table = np.zeros((len(outs), _SEG_COLS), dtype=np.int64)
-    table[:, _SPARSE_SEG_VALUES] = at
-    table[:, _SPARSE_SEG_OUT] = [out.data_ptr() for out in outs]
-    table[:, _SPARSE_SEG_N] = ns
-    table[:, _SPARSE_SEG_INDICES] = at + first_index
-    table[:, _SPARSE_SEG_SIGNS] = at + 4 + ks * isz
-    table[:, _SPARSE_SEG_K] = ks
-    table[:, _SPARSE_SEG_WIDE] = isz == 8
+    table = np.zeros((len(outs), rt._SEG_COLS), dtype=np.int64)
+    table[:, rt._SPARSE_SEG_VALUES] = at
+    table[:, rt._SPARSE_SEG_OUT] = [out.data_ptr() for out in outs]
+    table[:, rt._SPARSE_SEG_N] = ns
+    table[:, rt._SPARSE_SEG_INDICES] = at + first_index
+    table[:, rt._SPARSE_SEG_SIGNS] = at + 4 + ks * isz
+    table[:, rt._SPARSE_SEG_K] = ks
+    table[:, rt._SPARSE_SEG_WIDE] = isz == 8
     units = np.maximum(ks, 1)  # a tile for every body: top-k + sign checks m even at k = 0
-    seg = _segments(table, units, device)
+    seg = rt._segments(table, units, device)
     flag = np.int32(signs)
-    with _Launcher(device) as k:
+    with rt._Launcher(device) as k:
         states = k.states(seg.count)
-        k.tiles("sparse_topk_check_segments", seg, flag, _ptr(states))
-        errors = _read_state(states).reshape(seg.count, _STATE_WORDS)[:, _ST_ERROR]
+        k.tiles("sparse_topk_check_segments", seg, flag, rt._ptr(states))
+        errors = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)[:, rt._ST_ERROR]
         refused = np.flatnonzero(errors)
         good = int(refused[0]) if len(refused) else seg.count
         if good:

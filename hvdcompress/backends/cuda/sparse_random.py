@@ -8,33 +8,14 @@ import math
 import numpy as np
 import torch
 
+from hvdcompress.backends.cuda import _runtime as rt
 from hvdcompress.backends.cuda._bucket import (
     _bodies_on,
     _bucket_device,
+    _decode_rows,
     _encode_bucket,
     _first_rows,
     _rows,
-)
-from hvdcompress.backends.cuda._runtime import (
-    _QUANT_SEG_BODY_LEN,
-    _QUANT_SEG_FLAGS,
-    _QUANT_SEG_KEY,
-    _QUANT_SEG_VALUE_TILE,
-    _SEG_AUX,
-    _SEG_COLS,
-    _SEG_IN,
-    _SEG_N,
-    _SEG_TILE,
-    _ST_COUNT,
-    _ST_ERROR,
-    _ST_NONFINITE,
-    _STATE_WORDS,
-    TOPK_INDEX32_LIMIT,
-    _Launcher,
-    _ptr,
-    _read_state,
-    _segments,
-    _tilings,
 )
 from hvdcompress.backends.cuda.primitives import chunk_sums, uniform
 
@@ -51,20 +32,20 @@ def randomk_encode_segments(gs, keys, threshold, es):
         return bodies, nonfinite
     lns = ns[live]
     table = _rows(gs, live, es)
-    table[:, _QUANT_SEG_FLAGS] = np.cumsum(lns) - lns
-    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
-    elements = _segments(table, lns, device)
+    table[:, rt._QUANT_SEG_FLAGS] = np.cumsum(lns) - lns
+    table[:, rt._QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    elements = rt._segments(table, lns, device)
     total = int(lns.sum())
-    with _Launcher(device) as k:
+    with rt._Launcher(device) as k:
         states = k.states(elements.count)
         flags = k.empty(total, torch.uint8)
         limit = np.float32(threshold * 2.0**-24)  # exact: T <= 2^24
-        k.tiles("quant_randomk_flags_segments", elements, limit, _ptr(flags))
+        k.tiles("quant_randomk_flags_segments", elements, limit, rt._ptr(flags))
         incl = torch.cumsum(flags, 0, dtype=torch.int64)
-        k.tiles("quant_randomk_count_segments", elements, _ptr(incl), _ptr(states))
-        host = _read_state(states).reshape(elements.count, _STATE_WORDS)
-        kept = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
-        bad = host[:, _ST_NONFINITE] != 0
+        k.tiles("quant_randomk_count_segments", elements, rt._ptr(incl), rt._ptr(states))
+        host = rt._read_state(states).reshape(elements.count, rt._STATE_WORDS)
+        kept = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        bad = host[:, rt._ST_NONFINITE] != 0
         sizes = np.where(bad, 0, 4 * kept)
         firsts = np.cumsum(sizes) - sizes
         buf = k.empty(max(int(sizes.sum()), 4), torch.uint8)
@@ -72,10 +53,10 @@ def randomk_encode_segments(gs, keys, threshold, es):
         k.tiles(
             "quant_randomk_gather_segments",
             elements,
-            _ptr(flags),
-            _ptr(incl),
-            _ptr(at),
-            _ptr(states),
+            rt._ptr(flags),
+            rt._ptr(incl),
+            rt._ptr(at),
+            rt._ptr(states),
         )
     for row, i in enumerate(live.tolist()):
         nonfinite[i] = bool(bad[row])
@@ -92,31 +73,30 @@ def randomk_decode_segments(frame, starts, lens, ns, keys, threshold, scale, out
     starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
     body, at = _bodies_on(frame, starts, lens, device)
     total = int(ns.sum())
-    table = np.zeros((count, _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_IN] = at
-    table[:, _SEG_AUX] = [out.data_ptr() for out in outs]
-    table[:, _SEG_N] = ns
-    table[:, _QUANT_SEG_FLAGS] = np.cumsum(ns) - ns
-    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64).view(np.int64)
-    table[:, _QUANT_SEG_BODY_LEN] = lens
-    elements, values = _tilings(
-        table, device, {_SEG_TILE: ns, _QUANT_SEG_VALUE_TILE: np.maximum(lens // 4, 1)}
+    table = _decode_rows(at, outs, np.arange(count), ns)
+    table[:, rt._QUANT_SEG_FLAGS] = np.cumsum(ns) - ns
+    table[:, rt._QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64).view(np.int64)
+    table[:, rt._QUANT_SEG_BODY_LEN] = lens
+    elements, values = rt._tilings(
+        table, device, {rt._SEG_TILE: ns, rt._QUANT_SEG_VALUE_TILE: np.maximum(lens // 4, 1)}
     )
-    with _Launcher(device) as k:
+    with rt._Launcher(device) as k:
         states = k.states(count)
         flags = k.empty(max(total, 1), torch.uint8)
         limit = np.float32(threshold * 2.0**-24)  # exact: T <= 2^24
-        k.tiles("quant_randomk_flags_segments", elements, limit, _ptr(flags))
+        k.tiles("quant_randomk_flags_segments", elements, limit, rt._ptr(flags))
         incl = torch.cumsum(flags[:total], 0, dtype=torch.int64) if total else flags.long()
-        k.tiles("quant_randomk_check_segments", values, _ptr(incl), _ptr(states))
-        host = _read_state(states).reshape(count, _STATE_WORDS)
-        kept = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        k.tiles("quant_randomk_check_segments", values, rt._ptr(incl), rt._ptr(states))
+        host = rt._read_state(states).reshape(count, rt._STATE_WORDS)
+        kept = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
         wrong = 4 * kept != lens
-        refused = np.flatnonzero(wrong | (host[:, _ST_ERROR] != 0))
+        refused = np.flatnonzero(wrong | (host[:, rt._ST_ERROR] != 0))
         good = int(refused[0]) if len(refused) else count
         if good:
             part = _first_rows(elements, ns, good)
-            k.tiles("quant_randomk_add_segments", part, _ptr(flags), _ptr(incl), np.float32(scale))
+            k.tiles(
+                "quant_randomk_add_segments", part, rt._ptr(flags), rt._ptr(incl), np.float32(scale)
+            )
         del body  # stream-ordered: the launches above are queued before its reuse
     if not len(refused):
         return None
@@ -139,20 +119,20 @@ def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
     first_chunk = np.cumsum(chunks) - chunks
     nchunks = int(chunks.sum())
     table = _rows(gs, live, es)
-    table[:, _QUANT_SEG_FLAGS] = np.cumsum(lns) - lns
+    table[:, rt._QUANT_SEG_FLAGS] = np.cumsum(lns) - lns
     table[:, _GSPAR_SEG_CHUNK] = first_chunk
-    table[:, _QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
+    table[:, rt._QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     budget = np.asarray(budgets, dtype=np.float64).reshape(len(gs))[live]
-    elements = _segments(table, lns, device)
-    rows, nrows = _ptr(elements.rows), np.int64(elements.count)
-    with _Launcher(device) as k:
+    elements = rt._segments(table, lns, device)
+    rows, nrows = rt._ptr(elements.rows), np.int64(elements.count)
+    with rt._Launcher(device) as k:
         states = k.states(elements.count)
-        k.tiles("quant_gspar_prepare_segments", elements, _ptr(states))
-        host = _read_state(states).reshape(elements.count, _STATE_WORDS)
-        bad = host[:, _ST_NONFINITE] != 0
-        nonzero = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        k.tiles("quant_gspar_prepare_segments", elements, rt._ptr(states))
+        host = rt._read_state(states).reshape(elements.count, rt._STATE_WORDS)
+        bad = host[:, rt._ST_NONFINITE] != 0
+        nonzero = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
         if es is not None:
-            k.tiles("quant_gspar_form_segments", elements, _ptr(states))
+            k.tiles("quant_gspar_form_segments", elements, rt._ptr(states))
         scales = np.where(budget >= nonzero, np.inf, -1.0).astype(np.float32)
         scales[bad] = -1.0
         iterating = ~bad & (budget < nonzero)
@@ -167,9 +147,9 @@ def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
             words.zero_()
             counts, sums = words[: 2 * elements.count], words[2 * elements.count :]
             at = torch.from_numpy(np.where(iterating, c32, np.float32(-1.0))).to(device)
-            args = (rows, nrows, np.int64(nchunks), np.int64(chunk), _ptr(at))
-            k("quant_gspar_round_segments", nchunks, *args, _ptr(counts), _ptr(sums))
-            read = _read_state(words)
+            args = (rows, nrows, np.int64(nchunks), np.int64(chunk), rt._ptr(at))
+            k("quant_gspar_round_segments", nchunks, *args, rt._ptr(counts), rt._ptr(sums))
+            read = rt._read_state(words)
             now = read[: 2 * elements.count].view(np.int64)
             totals = read[2 * elements.count :].view(np.float64)
             for row in np.flatnonzero(iterating).tolist():
@@ -189,19 +169,19 @@ def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
         draw = np.where(bad | left_over, np.float32(-1.0), c32).astype(np.float32)
         scales_at = torch.from_numpy(draw).to(device)
         flags = k.empty(int(lns.sum()), torch.uint8)
-        k.tiles("quant_gspar_flags_segments", elements, _ptr(scales_at), _ptr(flags))
+        k.tiles("quant_gspar_flags_segments", elements, rt._ptr(scales_at), rt._ptr(flags))
         incl = torch.cumsum(flags, 0, dtype=torch.int64)
-        k("quant_gspar_count_segments", elements.count, rows, nrows, _ptr(incl), _ptr(states))
-        host = _read_state(states).reshape(elements.count, _STATE_WORDS)
-        kept = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
-        sizes = np.where(draw >= 0, kept * np.where(lns >= TOPK_INDEX32_LIMIT, 12, 8), 0)
+        k("quant_gspar_count_segments", elements.count, rows, nrows, rt._ptr(incl), rt._ptr(states))
+        host = rt._read_state(states).reshape(elements.count, rt._STATE_WORDS)
+        kept = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+        sizes = np.where(draw >= 0, kept * np.where(lns >= rt.TOPK_INDEX32_LIMIT, 12, 8), 0)
         rooms = -(-sizes // 8) * 8
         firsts = np.cumsum(rooms) - rooms
         buf = k.empty(max(int(rooms.sum()), 8), torch.uint8)
         at = np.where(draw >= 0, buf.data_ptr() + firsts, 0).astype(np.int64)
         body_at = torch.from_numpy(at).to(device)
-        args = (np.int32(es is None), np.int64(TOPK_INDEX32_LIMIT), _ptr(scales_at))
-        gather = (*args, _ptr(flags), _ptr(incl), _ptr(body_at), _ptr(states))
+        args = (np.int32(es is None), np.int64(rt.TOPK_INDEX32_LIMIT), rt._ptr(scales_at))
+        gather = (*args, rt._ptr(flags), rt._ptr(incl), rt._ptr(body_at), rt._ptr(states))
         k.tiles("quant_gspar_gather_segments", elements, *gather)
     for row, i in enumerate(live.tolist()):
         nonfinite[i] = bool(bad[row])

@@ -7,41 +7,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hvdcompress.backends.cuda import _runtime as rt
 from hvdcompress.backends.cuda._bucket import (
     _bucket_device,
     _check_residuals,
+    _decode_rows,
     _first_rows,
     _gather_bodies,
     _rows,
-)
-from hvdcompress.backends.cuda._runtime import (
-    _MAX_RUN,
-    _RUN_GROUP,
-    _SEG_AUX,
-    _SEG_BLEN,
-    _SEG_BOFF,
-    _SEG_COLS,
-    _SEG_F32,
-    _SEG_N,
-    _SEG_QOFF,
-    _ST_COUNT,
-    _ST_ERROR,
-    _ST_NONFINITE,
-    _ST_SCALE,
-    _STATE_WORDS,
-    _ZERO_GROUP,
-    ERR_BYTE,
-    ERR_INPUT,
-    ERR_LENGTH,
-    ERR_PADDING,
-    _check_tensor,
-    _count,
-    _f32_bits,
-    _Launcher,
-    _ptr,
-    _read_state,
-    _Segments,
-    _segments,
 )
 from hvdcompress.errors import PayloadError
 
@@ -54,15 +27,15 @@ def _sparsity(sparsity: float) -> np.float32:
 
 
 def _body_error(err: int, total: int | None = None, m: int | None = None) -> PayloadError:
-    if err & ERR_LENGTH:
+    if err & rt.ERR_LENGTH:
         got = "" if total is None else f" ({total} bytes, expected {m})"
         return PayloadError(
             "body",
             f"zero-run decoding does not give exactly ceil(numel / 5) quartic bytes{got}",
         )
-    if err & ERR_BYTE:
+    if err & rt.ERR_BYTE:
         return PayloadError("body", "a quartic byte is above 242")
-    if err & ERR_PADDING:
+    if err & rt.ERR_PADDING:
         return PayloadError("body", "a padding digit of the last group is not zero")
     return PayloadError("body", f"decoding kernels reported error bits 0x{err:x}")
 
@@ -71,7 +44,7 @@ def _body_error(err: int, total: int | None = None, m: int | None = None) -> Pay
 
 
 def _quantize_quartic(
-    k: _Launcher,
+    k: rt._Launcher,
     x: torch.Tensor,
     e: torch.Tensor | None,
     s: np.float32,
@@ -82,18 +55,18 @@ def _quantize_quartic(
     ceil(n / 5) quartic bytes; S and the non-finite flag go to state, e (when given) is
     updated and q_out (int8, when given) written. x must have n >= 1 elements."""
     n = x.numel()
-    k("threelc_absmax", n, _ptr(x), _ptr(e), np.int64(n), _ptr(state))
+    k("threelc_absmax", n, rt._ptr(x), rt._ptr(e), np.int64(n), rt._ptr(state))
     quartic = k.empty((n + 4) // 5, torch.uint8)
     k(
         "threelc_quantize_quartic",
         quartic.numel(),
-        _ptr(x),
-        _ptr(e),
+        rt._ptr(x),
+        rt._ptr(e),
         np.int64(n),
         s,
-        _ptr(state),
-        _ptr(quartic),
-        _ptr(q_out),
+        rt._ptr(state),
+        rt._ptr(quartic),
+        rt._ptr(q_out),
     )
     return quartic
 
@@ -122,12 +95,12 @@ def _running_max(x: torch.Tensor) -> torch.Tensor:
     return scanned.view(-1)[:n]
 
 
-def _zre_encode(k: _Launcher, qb: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+def _zre_encode(k: rt._Launcher, qb: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """Zero-run encode qb (m >= 1 bytes) into a new m-byte tensor; the length goes to
-    state[_ST_COUNT], input bytes > 242 set ERR_INPUT. No host synchronisation."""
+    state[rt._ST_COUNT], input bytes > 242 set rt.ERR_INPUT. No host synchronisation."""
     m = qb.numel()
     start = k.empty(m, torch.int64)
-    k("threelc_zre_run_starts", m, _ptr(qb), np.int64(m), _ptr(start))
+    k("threelc_zre_run_starts", m, rt._ptr(qb), np.int64(m), rt._ptr(start))
     run_start = _running_max(start)
     del start  # stream-ordered: reused only by later work on this stream
     incl = _zre_emit_scan(k, qb, run_start, state)
@@ -135,19 +108,19 @@ def _zre_encode(k: _Launcher, qb: torch.Tensor, state: torch.Tensor) -> torch.Te
     k(
         "threelc_zre_scatter",
         m,
-        _ptr(qb),
-        _ptr(run_start),
-        _ptr(incl),
+        rt._ptr(qb),
+        rt._ptr(run_start),
+        rt._ptr(incl),
         np.int64(m),
-        _ptr(out),
+        rt._ptr(out),
         np.int64(m),
-        _ptr(state),
+        rt._ptr(state),
     )
     return out
 
 
 def _zre_emit_scan(
-    k: _Launcher, qb: torch.Tensor, run_start: torch.Tensor, state: torch.Tensor
+    k: rt._Launcher, qb: torch.Tensor, run_start: torch.Tensor, state: torch.Tensor
 ) -> torch.Tensor:
     """The inclusive scan of the zero-run encoder's emit flags (which position writes an
     output byte): each emitting position's output index + 1."""
@@ -156,30 +129,30 @@ def _zre_emit_scan(
     k(
         "threelc_zre_flags",
         m,
-        _ptr(qb),
-        _ptr(run_start),
+        rt._ptr(qb),
+        rt._ptr(run_start),
         np.int64(m),
-        _ptr(emit),
-        _ptr(state),
+        rt._ptr(emit),
+        rt._ptr(state),
     )
     return torch.cumsum(emit, 0, dtype=torch.int64)
 
 
-def _zre_prepare(k: _Launcher, body: torch.Tensor, numel: int, state: torch.Tensor):
+def _zre_prepare(k: rt._Launcher, body: torch.Tensor, numel: int, state: torch.Tensor):
     """Expansion lengths, their inclusive scan and the check kernel (total length, and
     with numel >= 0 the length / padding checks) into state. Returns the scan."""
     length = body.numel()
     lens = k.empty(length, torch.uint8)
-    k("threelc_zre_lengths", length, _ptr(body), np.int64(length), _ptr(lens))
+    k("threelc_zre_lengths", length, rt._ptr(body), np.int64(length), rt._ptr(lens))
     incl = torch.cumsum(lens, 0, dtype=torch.int64)
     k(
         "threelc_zre_decode_check",
         1,
-        _ptr(body),
-        _ptr(incl),
+        rt._ptr(body),
+        rt._ptr(incl),
         np.int64(length),
         np.int64(numel),
-        _ptr(state),
+        rt._ptr(state),
     )
     return incl
 
@@ -194,60 +167,58 @@ def threelc_decode_segments(frame, starts, lens, ns, scales, outs):
     starts, lens, ns = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (starts, lens, ns))
     ms = (ns + 4) // 5
     # the host-side bounds of threelc_decode: each body byte expands to 1..14 quartic bytes
-    bad = np.flatnonzero((lens > ms) | (lens * _MAX_RUN < ms))
+    bad = np.flatnonzero((lens > ms) | (lens * rt._MAX_RUN < ms))
     stop = int(bad[0]) if len(bad) else count
-    failed = None if stop == count else (stop, _body_error(ERR_LENGTH).detail)
+    failed = None if stop == count else (stop, _body_error(rt.ERR_LENGTH).detail)
     live = np.flatnonzero(ms[:stop] > 0)
     if not len(live):
         return failed
     blens, lms = lens[live], ms[live]
-    table = np.zeros((len(live), _SEG_COLS), dtype=np.int64)
-    table[:, _SEG_AUX] = [outs[p].data_ptr() for p in live.tolist()]
-    table[:, _SEG_N] = ns[live]
-    table[:, _SEG_QOFF] = np.cumsum(lms) - lms
-    table[:, _SEG_BOFF] = np.cumsum(blens) - blens
-    table[:, _SEG_BLEN] = blens
-    table[:, _SEG_F32] = _f32_bits(np.asarray(scales, dtype=np.float32)[live])
+    table = _decode_rows(0, outs, live, ns)  # no address: a row's body is at _SEG_BOFF
+    table[:, rt._SEG_QOFF] = np.cumsum(lms) - lms
+    table[:, rt._SEG_BOFF] = np.cumsum(blens) - blens
+    table[:, rt._SEG_BLEN] = blens
+    table[:, rt._SEG_F32] = rt._f32_bits(np.asarray(scales, dtype=np.float32)[live])
     body = _gather_bodies(frame, starts[live], blens, device)  # one host copy in, at most
-    with _Launcher(device) as k:
-        seg = _segments(table, lms, device)
+    with rt._Launcher(device) as k:
+        seg = rt._segments(table, lms, device)
         states = k.states(seg.count)
         incl = _zre_check_segments(k, seg, body, states)
-        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
-        refused = np.flatnonzero(host[:, _ST_ERROR])
+        host = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)
+        refused = np.flatnonzero(host[:, rt._ST_ERROR])
         good = seg.count
         if len(refused):
             row = int(refused[0])
             good, p = row, int(live[row])
-            total = int(host[row, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64)[0])
-            failed = (p, _body_error(int(host[row, _ST_ERROR]), total, int(ms[p])).detail)
+            total = rt._count(host[row])
+            failed = (p, _body_error(int(host[row, rt._ST_ERROR]), total, int(ms[p])).detail)
         if good == 0:
             return failed
-        quartic = _zre_expand_rows(k, table, lms, good, body, incl, _RUN_GROUP, states)
+        quartic = _zre_expand_rows(k, table, lms, good, body, incl, rt._RUN_GROUP, states)
         part = _first_rows(seg, lms, good)
-        k.tiles("threelc_quartic_decode_add_segments", part, _ptr(quartic), _ptr(states))
+        k.tiles("threelc_quartic_decode_add_segments", part, rt._ptr(quartic), rt._ptr(states))
     return failed
 
 
 def _zre_check_segments(
-    k: _Launcher, seg: _Segments, body: torch.Tensor, states: torch.Tensor
+    k: rt._Launcher, seg: rt._Segments, body: torch.Tensor, states: torch.Tensor
 ) -> torch.Tensor:
     """The zero-run bodies of a bucket (side by side in ``body``; the table's BOFF / BLEN
     columns): their expansion lengths, one scan, each body's total and padding checked
     into its state row (kernels/threelc.cu section 7). Returns the inclusive scan."""
     length = body.numel()
     lengths = k.empty(length, torch.uint8)
-    k("threelc_zre_lengths", length, _ptr(body), np.int64(length), _ptr(lengths))
+    k("threelc_zre_lengths", length, rt._ptr(body), np.int64(length), rt._ptr(lengths))
     incl = torch.cumsum(lengths, 0, dtype=torch.int64)
     del lengths
     k(
         "threelc_zre_decode_check_segments",
         seg.count,
-        _ptr(seg.rows),
+        rt._ptr(seg.rows),
         np.int64(seg.count),
-        _ptr(body),
-        _ptr(incl),
-        _ptr(states),
+        rt._ptr(body),
+        rt._ptr(incl),
+        rt._ptr(states),
     )
     return incl
 
@@ -256,19 +227,19 @@ def _zre_expand_rows(k, table, ms, rows: int, body, incl, run_byte: int, states)
     """The quartic bytes of the first ``rows`` checked bodies (their bodies and quartic
     bytes are prefixes of the bucket's, and their tiles the first ones), a zero group from
     a run code written as ``run_byte``."""
-    used_len = int(table[rows - 1, _SEG_BOFF] + table[rows - 1, _SEG_BLEN])
-    used_m = int(table[rows - 1, _SEG_QOFF] + ms[rows - 1])
+    used_len = int(table[rows - 1, rt._SEG_BOFF] + table[rows - 1, rt._SEG_BLEN])
+    used_m = int(table[rows - 1, rt._SEG_QOFF] + ms[rows - 1])
     quartic = k.empty(used_m, torch.uint8)
     k(
         "threelc_zre_expand",
         used_len,
-        _ptr(body),
-        _ptr(incl),
+        rt._ptr(body),
+        rt._ptr(incl),
         np.int64(used_len),
         np.uint8(run_byte),
-        _ptr(quartic),
+        rt._ptr(quartic),
         np.int64(used_m),
-        _ptr(states),
+        rt._ptr(states),
     )
     return quartic
 
@@ -277,37 +248,44 @@ def _zre_expand_rows(k, table, ms, rows: int, body, incl, run_byte: int, states)
 
 
 def quantize(x, sparsity):
-    _check_tensor(x, "x", torch.float32)
+    rt._check_tensor(x, "x", torch.float32)
     s = _sparsity(sparsity)
     n = x.numel()
     q = torch.empty(n, dtype=torch.int8, device=x.device)
     if n == 0:
         return q, torch.zeros((), dtype=torch.float32, device=x.device)
-    with _Launcher(x.device) as k:
+    with rt._Launcher(x.device) as k:
         state = k.state()
         _quantize_quartic(k, x, None, s, state, q)
-        host = _read_state(state)
-    if host[_ST_NONFINITE]:
+        host = rt._read_state(state)
+    if host[rt._ST_NONFINITE]:
         raise ValueError("quantize: input holds NaN or Inf (or max|x| * sparsity overflows)")
-    return q, state[_ST_SCALE : _ST_SCALE + 1].view(torch.float32)[0].clone()
+    return q, state[rt._ST_SCALE : rt._ST_SCALE + 1].view(torch.float32)[0].clone()
 
 
 def quartic_encode(q):
-    _check_tensor(q, "q", torch.int8)
+    rt._check_tensor(q, "q", torch.int8)
     n = q.numel()
     out = torch.empty((n + 4) // 5, dtype=torch.uint8, device=q.device)
     if n == 0:
         return out
-    with _Launcher(q.device) as k:
+    with rt._Launcher(q.device) as k:
         state = k.state()
-        k("threelc_quartic_encode", out.numel(), _ptr(q), np.int64(n), _ptr(out), _ptr(state))
-        if _read_state(state)[_ST_ERROR]:
+        k(
+            "threelc_quartic_encode",
+            out.numel(),
+            rt._ptr(q),
+            np.int64(n),
+            rt._ptr(out),
+            rt._ptr(state),
+        )
+        if rt._read_state(state)[rt._ST_ERROR]:
             raise ValueError("quartic_encode: digits must be -1, 0 or 1")
     return out
 
 
 def quartic_decode(buf, numel):
-    _check_tensor(buf, "buf", torch.uint8)
+    rt._check_tensor(buf, "buf", torch.uint8)
     m = (numel + 4) // 5
     if buf.numel() != m:
         raise PayloadError(
@@ -316,57 +294,57 @@ def quartic_decode(buf, numel):
     q = torch.empty(numel, dtype=torch.int8, device=buf.device)
     if numel == 0:
         return q
-    with _Launcher(buf.device) as k:
+    with rt._Launcher(buf.device) as k:
         state = k.state()
-        k("threelc_quartic_decode", m, _ptr(buf), np.int64(numel), _ptr(q), _ptr(state))
-        err = int(_read_state(state)[_ST_ERROR])
+        k("threelc_quartic_decode", m, rt._ptr(buf), np.int64(numel), rt._ptr(q), rt._ptr(state))
+        err = int(rt._read_state(state)[rt._ST_ERROR])
     if err:
         raise _body_error(err)
     return q
 
 
 def zero_run_encode(buf):
-    _check_tensor(buf, "buf", torch.uint8)
+    rt._check_tensor(buf, "buf", torch.uint8)
     m = buf.numel()
     if m == 0:
         return torch.empty(0, dtype=torch.uint8, device=buf.device)
-    with _Launcher(buf.device) as k:
+    with rt._Launcher(buf.device) as k:
         state = k.state()
         out = _zre_encode(k, buf, state)
-        host = _read_state(state)
-    if host[_ST_ERROR] & ERR_INPUT:
+        host = rt._read_state(state)
+    if host[rt._ST_ERROR] & rt.ERR_INPUT:
         raise ValueError("zero_run_encode: input bytes must be quartic bytes (<= 242)")
-    return out[: _count(host)].clone()
+    return out[: rt._count(host)].clone()
 
 
 def zero_run_decode(buf, expected_len=None):
-    _check_tensor(buf, "buf", torch.uint8)
+    rt._check_tensor(buf, "buf", torch.uint8)
     length = buf.numel()
     if length == 0:
         total = 0
     else:
-        with _Launcher(buf.device) as k:
+        with rt._Launcher(buf.device) as k:
             state = k.state()
             incl = _zre_prepare(k, buf, -1, state)
-            total = _count(_read_state(state))
+            total = rt._count(rt._read_state(state))
     if expected_len is not None and total != expected_len:
         raise PayloadError(
             "body", f"zero-run decoding gives {total} bytes, expected {expected_len}"
         )
     out = torch.empty(total, dtype=torch.uint8, device=buf.device)
     if length:
-        with _Launcher(buf.device) as k:
+        with rt._Launcher(buf.device) as k:
             state = k.state()
             k(
                 "threelc_zre_expand",
                 length,
-                _ptr(buf),
-                _ptr(incl),
+                rt._ptr(buf),
+                rt._ptr(incl),
                 np.int64(length),
-                np.uint8(_ZERO_GROUP),
-                _ptr(out),
+                np.uint8(rt._ZERO_GROUP),
+                rt._ptr(out),
                 np.int64(total),
-                _ptr(state),
+                rt._ptr(state),
             )
     return out
 
@@ -380,16 +358,16 @@ def threelc_encode_segments(gs, es, sparsities):
     _check_residuals(gs, [g if e is None else e for g, e in zip(gs, es, strict=True)])
     ss = [_sparsity(s) for s in sparsities]
     ns, live, table = _quartic_table(gs)
-    table[:, _SEG_AUX] = [0 if es[i] is None else es[i].data_ptr() for i in live.tolist()]
-    table[:, _SEG_F32] = _f32_bits([ss[i] for i in live.tolist()])
+    table[:, rt._SEG_AUX] = [0 if es[i] is None else es[i].data_ptr() for i in live.tolist()]
+    table[:, rt._SEG_F32] = rt._f32_bits([ss[i] for i in live.tolist()])
     bodies = [torch.empty(0, dtype=torch.uint8, device=device)] * len(gs)
     scales, nonfinite = [0.0] * len(gs), [False] * len(gs)
     if not len(live):
         return bodies, scales, nonfinite
     host, encoded = _quartic_bucket(device, table, ns, "threelc_quantize_quartic_segments")
-    words = host[:, _ST_SCALE].copy().view(np.float32)
+    words = host[:, rt._ST_SCALE].copy().view(np.float32)
     for row, (i, body) in enumerate(zip(live.tolist(), encoded, strict=True)):
-        if host[row, _ST_NONFINITE]:  # no body, scale 0, the residual untouched
+        if host[row, rt._ST_NONFINITE]:  # no body, scale 0, the residual untouched
             nonfinite[i] = True
         else:
             bodies[i], scales[i] = body, float(words[row])
@@ -403,7 +381,7 @@ def _quartic_table(xs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.n
     live = np.flatnonzero(ns > 0)
     ms = (ns[live] + 4) // 5
     table = _rows(xs, live)
-    table[:, _SEG_QOFF] = np.cumsum(ms) - ms
+    table[:, rt._SEG_QOFF] = np.cumsum(ms) - ms
     return ns, live, table
 
 
@@ -414,26 +392,26 @@ def _quartic_bucket(
     every tensor's max|g + e| into its state row, the ``digits`` kernel (which reads it)
     writing the bucket's quartic bytes, the bucket's zero-run encode, one read. Returns
     the state rows and each table row's body."""
-    live_ms = (table[:, _SEG_N] + 4) // 5
-    with _Launcher(device) as k:
-        seg = _segments(table, live_ms, device)
+    live_ms = (table[:, rt._SEG_N] + 4) // 5
+    with rt._Launcher(device) as k:
+        seg = rt._segments(table, live_ms, device)
         states = k.states(seg.count)
-        k.tiles("threelc_absmax_segments", seg, _ptr(states))
+        k.tiles("threelc_absmax_segments", seg, rt._ptr(states))
         quartic = k.empty(int(((ns + 4) // 5).sum()), torch.uint8)
-        k.tiles(digits, seg, _ptr(states), _ptr(quartic))
+        k.tiles(digits, seg, rt._ptr(states), rt._ptr(quartic))
         out = _zre_encode_segments(k, seg, quartic, states)
-        host = _read_state(states).reshape(seg.count, _STATE_WORDS)
+        host = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)
     return host, _segment_bodies(out, host)
 
 
 def _zre_encode_segments(
-    k: _Launcher, seg: _Segments, quartic: torch.Tensor, states: torch.Tensor
+    k: rt._Launcher, seg: rt._Segments, quartic: torch.Tensor, states: torch.Tensor
 ) -> torch.Tensor:
     """Zero-run encode a bucket's quartic bytes, each tensor's on its own (runs stop at
     its end), into one new buffer; each tensor's body length goes to its state row."""
     total = quartic.numel()
     start = k.empty(total, torch.int64)
-    k.tiles("threelc_zre_run_starts_segments", seg, _ptr(quartic), _ptr(start))
+    k.tiles("threelc_zre_run_starts_segments", seg, rt._ptr(quartic), rt._ptr(start))
     run_start = _running_max(start)
     del start
     # input errors cannot happen here (quartic bytes are <= 242): a scratch state
@@ -442,20 +420,20 @@ def _zre_encode_segments(
     k.tiles(
         "threelc_zre_scatter_segments",
         seg,
-        _ptr(quartic),
-        _ptr(run_start),
-        _ptr(incl),
-        _ptr(out),
+        rt._ptr(quartic),
+        rt._ptr(run_start),
+        rt._ptr(incl),
+        rt._ptr(out),
         np.int64(total),
-        _ptr(states),
+        rt._ptr(states),
     )
     return out
 
 
 def _segment_bodies(out: torch.Tensor, host: np.ndarray) -> list[torch.Tensor]:
     """Each tensor's body, in order, from the state rows' lengths (a view of ``out``)."""
-    if host[:, _ST_ERROR].any():
+    if host[:, rt._ST_ERROR].any():
         raise RuntimeError("bucket zero-run encode: a write past the buffer was refused")
-    lengths = host[:, _ST_COUNT : _ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+    lengths = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
     firsts = np.cumsum(lengths) - lengths
     return [out[a : a + n] for a, n in zip(firsts.tolist(), lengths.tolist(), strict=True)]
