@@ -406,7 +406,7 @@ def check_optimizer_state(ours, *, rank: int, size: int, compressor: str, shapes
             f"state saved with compressor {ours['compressor']}, this optimizer has {compressor}"
         )
     state = check_dict("compressor state", ours["compressor_state"])
-    for key in ("residuals", "velocity"):
+    for key in PER_RANK_STATE:
         if key in state:
             tensors = check_tensor_map(f"compressor state {key}", state[key], dim=1)
             check_names(f"compressor state {key}", tensors, shapes)

@@ -294,20 +294,12 @@ def assemble(header: Header, body: torch.Tensor) -> torch.Tensor:
     head = header.pack()  # checksum field zero
     size = len(head)
     payload = torch.empty(size + body.numel(), dtype=torch.uint8, device=body.device)
-    backend = for_device(body.device)
-    if body.device.type == "cpu":
-        view = payload.numpy()
-        view[:size] = np.frombuffer(head, dtype=np.uint8)
-        view[size:] = body.numpy()
-        csum = _payload_checksum(backend, payload).to_bytes(4, "little")
-        view[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4] = np.frombuffer(csum, dtype=np.uint8)
-    else:
-        payload[size:].copy_(body)
-        payload[:size].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-        csum = _payload_checksum(backend, payload).to_bytes(4, "little")
-        payload[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4].copy_(
-            torch.frombuffer(bytearray(csum), dtype=torch.uint8)
-        )
+    payload[size:].copy_(body)
+    payload[:size].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    csum = _payload_checksum(for_device(body.device), payload).to_bytes(4, "little")
+    payload[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4].copy_(
+        torch.frombuffer(bytearray(csum), dtype=torch.uint8)
+    )
     return payload
 
 
@@ -358,11 +350,7 @@ def unframe(frame: torch.Tensor, count: int, rank: int, names: list[str]) -> lis
             rank=rank,
             tensor=names[0] if count == 1 else None,
         )
-    out, offset = [], head_len
-    for n in lengths:
-        out.append(frame[offset : offset + n])
-        offset += n
-    return out
+    return list(frame[head_len:].split(lengths))
 
 
 def unframe_parsed(

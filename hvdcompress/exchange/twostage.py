@@ -18,7 +18,7 @@ from hvdcompress.buckets import Bucket
 from hvdcompress.compressors import Ctx, GatherCompressor
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.errors import PayloadError
-from hvdcompress.exchange.base import Collective, InFlight, _Exchange
+from hvdcompress.exchange.base import Collective, InFlight, _Exchange, waited
 from hvdcompress.transports import Transport
 
 
@@ -201,10 +201,8 @@ class TwoStageExchange(_Exchange):
         the report of a stage-1 payload it could not decode, or with ``decode`` False only
         a placeholder), run stage 2 and decode it. Stage 2 runs on every rank in every
         case, so no rank is left waiting in it."""
-        t0 = time.perf_counter()
-        received = flight.collectives[0].handle.wait()
+        received = waited(flight, flight.collectives[0])
         t1 = time.perf_counter()
-        flight.wait_s += t1 - t0
         local_error = None  # raised after stage 2, which every rank must take part in
         device = self._bytes_device(flight.ctxs[0].device if flight.ctxs else None)
         message = torch.tensor([STATUS_DRAINING], dtype=torch.uint8, device=device)
@@ -213,8 +211,7 @@ class TwoStageExchange(_Exchange):
                 message = self._owner_message(comp, flight, received, scale).to(device)
             except Exception as err:  # noqa: BLE001 - the others learn of it from the status
                 local_error = err
-        t2 = time.perf_counter()
-        flight.decode_s += t2 - t1
+        flight.decode_s += time.perf_counter() - t1
         size = self.transport.size
         stage2 = Collective(
             self.finish_transport.start_allgatherv(message),
@@ -222,14 +219,13 @@ class TwoStageExchange(_Exchange):
             (size - 1) * message.numel(),
         )
         flight.collectives.append(stage2)
-        result = stage2.handle.wait()
-        t3 = time.perf_counter()
-        flight.wait_s += t3 - t2
+        result = waited(flight, stage2)
         if local_error is not None:
             raise local_error
         if decode:
+            t2 = time.perf_counter()
             self._complete(bucket, comp, flight, result, scale)
-            flight.decode_s += time.perf_counter() - t3
+            flight.decode_s += time.perf_counter() - t2
 
     def _bytes_device(self, device: torch.device | None) -> torch.device:
         """Where this rank's stage messages go: the tensors' device where the transport

@@ -225,13 +225,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._policy is not None and bucket.compressed:
             for name, g in zip(part.names, grads, strict=True):
                 self._policy.observe(name, g)  # the uncompressed local gradient
-        flight = None
-        exchange = self._exchanges[bucket.index]
+        comp, exchange = self._comp(bucket), self._exchanges[bucket.index]
         if sparse:  # the bucket's planned exchange may not fit a part of it: a plain one
-            comp = self._comp(bucket)
             exchange = (SummedExchange if comp.summable else GatheredExchange)(self._transport)
-        if dense:
-            flight = exchange.start(part, self._comp(bucket), grads)
+        flight = exchange.start(part, comp, grads) if dense else None
         sparse_flights = [(p, *start_sparse(self._transport, p.grad)) for p in sparse]
         self._in_flight[bucket.index] = _Launched(
             part if dense else None, exchange, flight, sparse_flights, densified
