@@ -398,7 +398,6 @@ class FrameLayout:
         self.shapes = np.zeros((self.count, MAX_NDIM), dtype=np.uint64)
         for row, sh in zip(self.shapes, shapes, strict=True):
             row[: len(sh)] = sh
-        self.numels = np.array([int(np.prod(sh, dtype=object)) for sh in shapes], dtype=np.int64)
 
 
 def frame_bucket(

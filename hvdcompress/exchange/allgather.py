@@ -16,8 +16,6 @@ class GatheredExchange(_Exchange):
     kind = "allgather"
 
     def start(self, bucket: Bucket, comp: GatherCompressor, grads: list[torch.Tensor]) -> InFlight:
-        # One call per bucket (compress_bucket, then wire.frame_bucket): the frame of the
-        # bucket's payloads, one checksum pass over all of them.
         frame, ctxs = comp.compress_bucket(grads, list(bucket.names))
         if not self.transport.moves_on(frame.device):
             frame = frame.cpu()

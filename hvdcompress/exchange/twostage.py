@@ -122,11 +122,10 @@ STATUS_OK, STATUS_FAILED, STATUS_DRAINING = 0, 1, 2
 
 
 class TwoStageExchange(_Exchange):
-    """Compressed reduce-scatter (alltoallv), re-compression by the shard's owner, then an
-    allgatherv of the re-compressed shards (module doc). One per bucket; the shards of
-    what is launched (the bucket, or its dense part when some gradients are sparse) are
-    ``plan_shards`` of its tensors with the compressor's ``shard_alignment``
-    (``plan_shards_per_tensor`` with ``per_tensor``: the DDP hook's)."""
+    """The two-stage exchange of one bucket (module doc): the shards of what is launched
+    (the bucket, or its dense part when some gradients are sparse) are ``plan_shards`` of
+    its tensors with the compressor's ``shard_alignment`` (``plan_shards_per_tensor`` with
+    ``per_tensor``: the DDP hook's)."""
 
     kind = "twostage"
 

@@ -109,8 +109,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         raise_on_nonfinite: bool = False,
     ):
         super(self.__class__, self).__init__(params)
-        # Horovod's own keywords (gradient_predivide_factor, groups, sparse_as_dense,
-        # process_set): see HorovodOptions.
         horovod = horovod_options or HorovodOptions()
         self._raise_on_nonfinite = raise_on_nonfinite
         self._compressor = compressor
@@ -146,7 +144,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for b in self._buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
-        # per bucket: allreduce, allgather or two-stage (exchange.choose_exchanges)
         self._exchanges = choose_exchanges(
             compressor, self._uncompressed, transport, self._buckets, exchange
         )
