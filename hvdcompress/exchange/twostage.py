@@ -68,9 +68,7 @@ def plan_shards(
     ``alignment``. The same on every rank (it depends on the arguments only)."""
     if size < 1 or alignment < 1:
         raise ValueError(f"size and alignment must be >= 1, got {size}, {alignment}")
-    offsets = [0]
-    for n in numels:
-        offsets.append(offsets[-1] + n)
+    offsets = [0, *itertools.accumulate(numels)]
     total = offsets[-1]
     cuts = [0]
     for k in range(1, size):
