@@ -38,27 +38,6 @@ _HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, sha256
 DEFAULT_KEEP = 3
 PER_RANK_STATE = ("residuals", "velocity")  # compressor state that belongs to one rank
 
-__all__ = [
-    "DEFAULT_KEEP",
-    "CheckpointError",
-    "check_count_map",
-    "check_dict",
-    "check_keys",
-    "check_names",
-    "check_saved_value",
-    "check_tensor",
-    "check_tensor_map",
-    "check_writable_dir",
-    "checkpoint_path",
-    "list_checkpoints",
-    "load_checkpoint",
-    "prune_checkpoints",
-    "save_checkpoint",
-    "save_rank_checkpoint",
-    "verified_steps",
-    "without_other_ranks_state",
-]
-
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be saved or loaded: corrupt, modified, of the wrong
