@@ -141,7 +141,8 @@ class Header(NamedTuple):  # a NamedTuple: built once per payload on the hot pat
     def size(self) -> int:
         return FIXED_HEADER.size + 8 * len(self.shape) + len(self.params)
 
-    def pack(self, checksum: int = 0) -> bytes:
+    def pack(self) -> bytes:
+        """The header's bytes, its checksum field zero (``assemble`` fills it in)."""
         if len(self.shape) > MAX_NDIM:
             raise ValueError(
                 f"hvdcompress payloads hold tensors of at most {MAX_NDIM} dims, "
@@ -156,7 +157,7 @@ class Header(NamedTuple):  # a NamedTuple: built once per payload on the hot pat
             len(self.shape),
             0,
             len(self.params),
-            checksum,
+            0,
             self.numel,
             self.body_len,
         )
@@ -291,7 +292,7 @@ def parse(payload: torch.Tensor) -> Header:
 def assemble(header: Header, body: torch.Tensor) -> torch.Tensor:
     """Header + body in one tensor on the body's device; the checksum is one pass over the
     whole payload by the device's backend."""
-    head = header.pack()  # checksum field zero
+    head = header.pack()
     size = len(head)
     payload = torch.empty(size + body.numel(), dtype=torch.uint8, device=body.device)
     payload[size:].copy_(body)
