@@ -140,10 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = resolve_groups(horovod.groups, named)
         self._buckets = make_buckets(named, fusion_threshold, self._min_numel, self._groups)
         _check_dtypes(compressor, self._buckets)
-        self._where: dict[int, tuple[Bucket, int]] = {}
-        for b in self._buckets:
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
+        self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._exchanges = choose_exchanges(
             compressor, self._uncompressed, transport, self._buckets, exchange
         )
@@ -291,8 +288,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _reset_round(self) -> None:
         for b in self._buckets:
             b.ready.clear()
-        for key in self._passes_left:
-            self._passes_left[key] = self.backward_passes_per_step
+        self._passes_left = dict.fromkeys(self._passes_left, self.backward_passes_per_step)
         self._next_bucket = 0
 
     @contextlib.contextmanager
@@ -308,8 +304,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Change ``backward_passes_per_step`` (Horovod's method): the count of the current
         accumulation starts again."""
         self.backward_passes_per_step = _check_int("backward_passes_per_step", passes, 1)
-        for key in self._passes_left:
-            self._passes_left[key] = self.backward_passes_per_step
+        self._passes_left = dict.fromkeys(self._passes_left, self.backward_passes_per_step)
 
     def step(self, closure=None):
         if self._should_synchronize:
