@@ -9,6 +9,7 @@ once, at construction, and raises ``RankAgreementError`` on every rank otherwise
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -115,37 +116,28 @@ def make_buckets(
     bucket (split only where dtype, device or compression differ), whatever its size;
     groups start in the order their last parameter's gradient becomes ready (the one
     latest in parameter order first)."""
-    if groups is not None:
-        return _group_buckets(named, min_numel, groups)
-    buckets: list[Bucket] = []
-    open_by_kind: dict[tuple, Bucket] = {}
-    for name, p in reversed(named):
-        compressed = p.numel() >= min_numel
-        kind = (p.dtype, p.device, compressed)
-        nbytes = p.numel() * p.element_size()
-        b = open_by_kind.get(kind)
-        if b is None or (b.params and b.nbytes + nbytes > threshold):
-            b = Bucket(len(buckets), [], [], compressed=compressed)
-            buckets.append(b)
-            open_by_kind[kind] = b
-        b.add(name, p)
-    return buckets
-
-
-def _group_buckets(named, min_numel: int, groups: list[list[str]]) -> list[Bucket]:
-    position = {n: i for i, (n, _) in enumerate(named)}
     param = dict(named)
+    if groups is None:
+        runs = [[n for n, _ in reversed(named)]]
+    else:
+        position = {n: i for i, (n, _) in enumerate(named)}
+        runs = [
+            sorted(g, key=lambda n: -position[n])
+            for g in sorted(groups, key=lambda g: -max(position[n] for n in g))
+        ]
+        threshold = math.inf  # a group is one bucket whatever its size
     buckets: list[Bucket] = []
-    for group in sorted(groups, key=lambda g: -max(position[n] for n in g)):
-        by_kind: dict[tuple, Bucket] = {}
-        for name in sorted(group, key=lambda n: -position[n]):
+    for run in runs:
+        open_by_kind: dict[tuple, Bucket] = {}
+        for name in run:
             p = param[name]
             compressed = p.numel() >= min_numel
             kind = (p.dtype, p.device, compressed)
-            if kind not in by_kind:
-                by_kind[kind] = Bucket(len(buckets), [], [], compressed=compressed)
-                buckets.append(by_kind[kind])
-            by_kind[kind].add(name, p)
+            b = open_by_kind.get(kind)
+            if b is None or (b.params and b.nbytes + p.numel() * p.element_size() > threshold):
+                b = open_by_kind[kind] = Bucket(len(buckets), [], [], compressed=compressed)
+                buckets.append(b)
+            b.add(name, p)
     return buckets
 
 

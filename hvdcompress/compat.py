@@ -17,7 +17,6 @@ from hvdcompress.compressors import Compressor, get_compressor, registry
 class _CastCompression:
     """Horovod's Compressor protocol for a dtype cast (static methods, used as a class)."""
 
-    name = "none"
     wire_dtype: torch.dtype | None = None
 
     @classmethod

@@ -226,13 +226,6 @@ class DDPHookState:
         ddp_model.register_comm_hook(self, ddp_hook)
         return self
 
-    def _dense_only(self, params) -> bool:
-        """Whether the bucket has nothing to compress: DDP's allreduce is then the
-        exchange (``_allreduce_like_ddp``)."""
-        return self.compressor.name == "none" or all(
-            p.numel() < self.compress_min_numel for p in params
-        )
-
     def exchange_of(self, part: Bucket):
         """The exchange of a part of a DDP bucket: the uncompressed parts' allreduce, or,
         for the compressed part, ``choose_exchanges``'s choice for ``exchange=`` (made once
@@ -387,7 +380,7 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
             f"DDP bucket {bucket.index()}: its buffer has {buffer.numel()} elements, its "
             f"parameters {offset}"
         )
-    if state._dense_only(params):
+    if state.compressor.name == "none" or all(p.numel() < state.compress_min_numel for p in params):
         return _allreduce_like_ddp(state, buffer)
     started = []
     for compressed in (True, False):

@@ -141,7 +141,8 @@ class Header(NamedTuple):  # a NamedTuple: built once per payload on the hot pat
     def size(self) -> int:
         return FIXED_HEADER.size + 8 * len(self.shape) + len(self.params)
 
-    def pack(self, checksum: int = 0) -> bytes:
+    def pack(self) -> bytes:
+        """The header's bytes, its checksum field zero (``assemble`` fills it in)."""
         if len(self.shape) > MAX_NDIM:
             raise ValueError(
                 f"hvdcompress payloads hold tensors of at most {MAX_NDIM} dims, "
@@ -156,7 +157,7 @@ class Header(NamedTuple):  # a NamedTuple: built once per payload on the hot pat
             len(self.shape),
             0,
             len(self.params),
-            checksum,
+            0,
             self.numel,
             self.body_len,
         )
@@ -291,23 +292,15 @@ def parse(payload: torch.Tensor) -> Header:
 def assemble(header: Header, body: torch.Tensor) -> torch.Tensor:
     """Header + body in one tensor on the body's device; the checksum is one pass over the
     whole payload by the device's backend."""
-    head = header.pack()  # checksum field zero
+    head = header.pack()
     size = len(head)
     payload = torch.empty(size + body.numel(), dtype=torch.uint8, device=body.device)
-    backend = for_device(body.device)
-    if body.device.type == "cpu":
-        view = payload.numpy()
-        view[:size] = np.frombuffer(head, dtype=np.uint8)
-        view[size:] = body.numpy()
-        csum = _payload_checksum(backend, payload).to_bytes(4, "little")
-        view[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4] = np.frombuffer(csum, dtype=np.uint8)
-    else:
-        payload[size:].copy_(body)
-        payload[:size].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
-        csum = _payload_checksum(backend, payload).to_bytes(4, "little")
-        payload[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4].copy_(
-            torch.frombuffer(bytearray(csum), dtype=torch.uint8)
-        )
+    payload[size:].copy_(body)
+    payload[:size].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    csum = _payload_checksum(for_device(body.device), payload).to_bytes(4, "little")
+    payload[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 4].copy_(
+        torch.frombuffer(bytearray(csum), dtype=torch.uint8)
+    )
     return payload
 
 
@@ -358,11 +351,7 @@ def unframe(frame: torch.Tensor, count: int, rank: int, names: list[str]) -> lis
             rank=rank,
             tensor=names[0] if count == 1 else None,
         )
-    out, offset = [], head_len
-    for n in lengths:
-        out.append(frame[offset : offset + n])
-        offset += n
-    return out
+    return list(frame[head_len:].split(lengths))
 
 
 def unframe_parsed(
@@ -410,7 +399,6 @@ class FrameLayout:
         self.shapes = np.zeros((self.count, MAX_NDIM), dtype=np.uint64)
         for row, sh in zip(self.shapes, shapes, strict=True):
             row[: len(sh)] = sh
-        self.numels = np.array([int(np.prod(sh, dtype=object)) for sh in shapes], dtype=np.int64)
 
 
 def frame_bucket(

@@ -16,8 +16,6 @@ class GatheredExchange(_Exchange):
     kind = "allgather"
 
     def start(self, bucket: Bucket, comp: GatherCompressor, grads: list[torch.Tensor]) -> InFlight:
-        # One call per bucket (compress_bucket, then wire.frame_bucket): the frame of the
-        # bucket's payloads, one checksum pass over all of them.
         frame, ctxs = comp.compress_bucket(grads, list(bucket.names))
         if not self.transport.moves_on(frame.device):
             frame = frame.cpu()
@@ -36,10 +34,7 @@ class GatheredExchange(_Exchange):
         gathered, sizes = result
         device = flight.grads[0].device
         accs = [torch.zeros(g.numel(), dtype=torch.float32, device=device) for g in flight.grads]
-        offset = 0
-        for rank, size in enumerate(sizes):
-            frame = gathered[offset : offset + size]
-            offset += size
+        for rank, frame in enumerate(gathered.split(sizes)):
             # Rank order; NDQSG gets the mean of the lower ranks' tensors (decode_bucket).
             comp.decode_frame(frame, accs, flight.ctxs, rank=rank)
         for grad, acc, ctx in zip(flight.grads, accs, flight.ctxs, strict=True):

@@ -40,6 +40,14 @@ class InFlight:
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 
+def waited(flight: InFlight, collective: Collective):
+    """``collective``'s result, the time waited for it counted in ``flight.wait_s``."""
+    t0 = time.perf_counter()
+    result = collective.handle.wait()
+    flight.wait_s += time.perf_counter() - t0
+    return result
+
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -79,13 +87,11 @@ class _Exchange:
             )
 
     def _finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
-        t0 = time.perf_counter()
-        result = flight.collectives[0].handle.wait()
-        t1 = time.perf_counter()
-        flight.wait_s += t1 - t0
+        result = waited(flight, flight.collectives[0])
         if decode:
+            t0 = time.perf_counter()
             self._complete(bucket, comp, flight, result, scale)
-            flight.decode_s += time.perf_counter() - t1
+            flight.decode_s += time.perf_counter() - t0
 
     def _complete(self, bucket, comp, flight, result, scale) -> None:
         raise NotImplementedError

@@ -15,12 +15,7 @@ from hvdcompress.compressors import Compressor, GatherCompressor, SummableCompre
 from hvdcompress.exchange.allgather import GatheredExchange
 from hvdcompress.exchange.base import _Exchange
 from hvdcompress.exchange.summed import SummedExchange
-from hvdcompress.exchange.twostage import (
-    Piece,
-    TwoStageExchange,
-    plan_shards,
-    plan_shards_per_tensor,
-)
+from hvdcompress.exchange.twostage import Piece, TwoStageExchange
 from hvdcompress.transports import Transport
 
 EXCHANGES = ("auto", "allgather", "twostage")
@@ -113,20 +108,19 @@ def choose_exchanges(
         if not b.compressed or isinstance(compressor, SummableCompressor):
             chosen[b.index] = SummedExchange(transport, finish_transport)
             continue
-        if mode == "allgather" or not compressor.recompressible:
-            chosen[b.index] = GatheredExchange(transport, finish_transport)
-            continue
-        numels = [p.numel() for p in b.params]
-        alignment = compressor.shard_alignment()
-        if mode == "auto":
-            if size < 3:
-                chosen[b.index] = GatheredExchange(transport, finish_transport)
+        if mode == "twostage" or (mode == "auto" and compressor.recompressible and size >= 3):
+            twostage = TwoStageExchange(
+                transport, b, compressor.shard_alignment(), finish_transport, per_tensor
+            )
+            if mode == "twostage":
+                chosen[b.index] = twostage
                 continue
             estimate = estimate or estimate_payload(compressor, size)
-            planner = plan_shards_per_tensor if per_tensor else plan_shards
-            shards = planner(b.names, numels, size, alignment)
-            if twostage_bytes(size, shards, estimate) >= allgather_bytes(size, numels, estimate):
-                chosen[b.index] = GatheredExchange(transport, finish_transport)
+            numels = [p.numel() for p in b.params]
+            if twostage_bytes(size, twostage.plan(b), estimate) < allgather_bytes(
+                size, numels, estimate
+            ):
+                chosen[b.index] = twostage
                 continue
-        chosen[b.index] = TwoStageExchange(transport, b, alignment, finish_transport, per_tensor)
+        chosen[b.index] = GatheredExchange(transport, finish_transport)
     return chosen

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from hvdcompress.buckets import Bucket
 from hvdcompress.compressors import SummableCompressor
-from hvdcompress.exchange.base import Collective, InFlight, _Exchange
+from hvdcompress.exchange.base import Collective, InFlight, _Exchange, waited
 
 
 class SummedExchange(_Exchange):
@@ -42,11 +40,9 @@ class SummedExchange(_Exchange):
         scale: float,
     ) -> None:
         summed = self._next_phases(comp, flight, summed)
-        offset = 0
-        for grad, ctx, n in zip(flight.grads, flight.ctxs, flight.sizes, strict=True):
-            value = comp.decompress_exact(summed[offset : offset + n], ctx)
-            offset += n
-            self._write(grad, ctx.name, value, comp, scale, flight)
+        parts = summed.split(flight.sizes)
+        for grad, ctx, part in zip(flight.grads, flight.ctxs, parts, strict=True):
+            self._write(grad, ctx.name, comp.decompress_exact(part, ctx), comp, scale, flight)
 
     def _next_phases(self, comp, flight: InFlight, summed: torch.Tensor) -> torch.Tensor:
         """Phases 2.. of a multi-phase compressor (PowerSGD: P, then Q): every rank runs
@@ -61,11 +57,9 @@ class SummedExchange(_Exchange):
             flight.sizes = [t.numel() for t in nxt]
             dense = torch.cat(nxt)
             if dense.numel():
-                t0 = time.perf_counter()
                 collective = self._allreduce(dense, self.finish_transport)
                 flight.collectives.append(collective)
-                summed = collective.handle.wait()
-                flight.wait_s += time.perf_counter() - t0
+                summed = waited(flight, collective)
             else:
                 summed = dense
         return summed

@@ -18,7 +18,7 @@ from hvdcompress.buckets import Bucket
 from hvdcompress.compressors import Ctx, GatherCompressor
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.errors import PayloadError
-from hvdcompress.exchange.base import Collective, InFlight, _Exchange
+from hvdcompress.exchange.base import Collective, InFlight, _Exchange, waited
 from hvdcompress.transports import Transport
 
 
@@ -68,9 +68,7 @@ def plan_shards(
     ``alignment``. The same on every rank (it depends on the arguments only)."""
     if size < 1 or alignment < 1:
         raise ValueError(f"size and alignment must be >= 1, got {size}, {alignment}")
-    offsets = [0]
-    for n in numels:
-        offsets.append(offsets[-1] + n)
+    offsets = [0, *itertools.accumulate(numels)]
     total = offsets[-1]
     cuts = [0]
     for k in range(1, size):
@@ -122,11 +120,10 @@ STATUS_OK, STATUS_FAILED, STATUS_DRAINING = 0, 1, 2
 
 
 class TwoStageExchange(_Exchange):
-    """Compressed reduce-scatter (alltoallv), re-compression by the shard's owner, then an
-    allgatherv of the re-compressed shards (module doc). One per bucket; the shards of
-    what is launched (the bucket, or its dense part when some gradients are sparse) are
-    ``plan_shards`` of its tensors with the compressor's ``shard_alignment``
-    (``plan_shards_per_tensor`` with ``per_tensor``: the DDP hook's)."""
+    """The two-stage exchange of one bucket (module doc): the shards of what is launched
+    (the bucket, or its dense part when some gradients are sparse) are ``plan_shards`` of
+    its tensors with the compressor's ``shard_alignment`` (``plan_shards_per_tensor`` with
+    ``per_tensor``: the DDP hook's)."""
 
     kind = "twostage"
 
@@ -201,10 +198,8 @@ class TwoStageExchange(_Exchange):
         the report of a stage-1 payload it could not decode, or with ``decode`` False only
         a placeholder), run stage 2 and decode it. Stage 2 runs on every rank in every
         case, so no rank is left waiting in it."""
-        t0 = time.perf_counter()
-        received = flight.collectives[0].handle.wait()
+        received = waited(flight, flight.collectives[0])
         t1 = time.perf_counter()
-        flight.wait_s += t1 - t0
         local_error = None  # raised after stage 2, which every rank must take part in
         device = self._bytes_device(flight.ctxs[0].device if flight.ctxs else None)
         message = torch.tensor([STATUS_DRAINING], dtype=torch.uint8, device=device)
@@ -224,7 +219,7 @@ class TwoStageExchange(_Exchange):
         flight.collectives.append(stage2)
         result = stage2.handle.wait()
         t3 = time.perf_counter()
-        flight.wait_s += t3 - t2
+        flight.wait_s += t3 - t2  # from the start: an inline transport moves the bytes there
         if local_error is not None:
             raise local_error
         if decode:

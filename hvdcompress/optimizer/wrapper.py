@@ -109,8 +109,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         raise_on_nonfinite: bool = False,
     ):
         super(self.__class__, self).__init__(params)
-        # Horovod's own keywords (gradient_predivide_factor, groups, sparse_as_dense,
-        # process_set): see HorovodOptions.
         horovod = horovod_options or HorovodOptions()
         self._raise_on_nonfinite = raise_on_nonfinite
         self._compressor = compressor
@@ -142,11 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = resolve_groups(horovod.groups, named)
         self._buckets = make_buckets(named, fusion_threshold, self._min_numel, self._groups)
         _check_dtypes(compressor, self._buckets)
-        self._where: dict[int, tuple[Bucket, int]] = {}
-        for b in self._buckets:
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
-        # per bucket: allreduce, allgather or two-stage (exchange.choose_exchanges)
+        self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._exchanges = choose_exchanges(
             compressor, self._uncompressed, transport, self._buckets, exchange
         )
@@ -225,13 +219,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._policy is not None and bucket.compressed:
             for name, g in zip(part.names, grads, strict=True):
                 self._policy.observe(name, g)  # the uncompressed local gradient
-        flight = None
-        exchange = self._exchanges[bucket.index]
+        comp, exchange = self._comp(bucket), self._exchanges[bucket.index]
         if sparse:  # the bucket's planned exchange may not fit a part of it: a plain one
-            comp = self._comp(bucket)
             exchange = (SummedExchange if comp.summable else GatheredExchange)(self._transport)
-        if dense:
-            flight = exchange.start(part, self._comp(bucket), grads)
+        flight = exchange.start(part, comp, grads) if dense else None
         sparse_flights = [(p, *start_sparse(self._transport, p.grad)) for p in sparse]
         self._in_flight[bucket.index] = _Launched(
             part if dense else None, exchange, flight, sparse_flights, densified
@@ -297,8 +288,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _reset_round(self) -> None:
         for b in self._buckets:
             b.ready.clear()
-        for key in self._passes_left:
-            self._passes_left[key] = self.backward_passes_per_step
+        self._passes_left = dict.fromkeys(self._passes_left, self.backward_passes_per_step)
         self._next_bucket = 0
 
     @contextlib.contextmanager
@@ -314,8 +304,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Change ``backward_passes_per_step`` (Horovod's method): the count of the current
         accumulation starts again."""
         self.backward_passes_per_step = _check_int("backward_passes_per_step", passes, 1)
-        for key in self._passes_left:
-            self._passes_left[key] = self.backward_passes_per_step
+        self._passes_left = dict.fromkeys(self._passes_left, self.backward_passes_per_step)
 
     def step(self, closure=None):
         if self._should_synchronize:

@@ -75,7 +75,6 @@ class Accordion(Policy):
         self._optimizer, self._compressor, self._transport = optimizer, compressor, transport
         self.names = list(names)
         self._sums = dict.fromkeys(self.names, 0.0)
-        self._lr_at_decision = self._lrs()
         self._apply(dict.fromkeys(self.names, True), reason="first")
 
     def observe(self, name: str, grad) -> None:
@@ -111,7 +110,6 @@ class Accordion(Policy):
             critical, reason = accordion_critical(self._prev, cur, self.eta), "norms"
         self._prev = cur
         self._sums = dict.fromkeys(self.names, 0.0)
-        self._lr_at_decision = self._lrs()
         self._fresh_interval = True
         self._apply(dict(zip(self.names, critical, strict=True)), reason=reason, norms=cur)
 

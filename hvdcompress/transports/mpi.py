@@ -116,7 +116,6 @@ class _Progress:
     """What one rank has done, as shared with the others (plain ints and tuples)."""
 
     def __init__(self) -> None:
-        self.submitted = 0  # data collectives handed to the worker
         self.started = 0  # data collectives the worker has entered
         self.data_now: tuple[int, str, float] | None = None  # (index, what, since)
         self.control = 0  # blocking collectives of the main thread entered
@@ -125,7 +124,6 @@ class _Progress:
 
     def snapshot(self) -> dict:
         return {
-            "submitted": self.submitted,
             "started": self.started,
             "control": self.control,
             "idle_s": time.monotonic() - self.last_start,
@@ -442,7 +440,6 @@ class MPITransport(Transport):
         if self._stopped:
             raise RuntimeError(f"{what}: the mpi4py transport's worker has stopped (process exit)")
         handle = Handle()
-        self._progress.submitted += 1
         self._queue.put((job, handle, what))
         return handle
 

@@ -162,9 +162,8 @@ class SimulatedWorld:
 
     def returned(self, rank: int) -> None:
         """Rank ``rank``'s function returned: collectives it never started cannot finish."""
-        t = self._transports[rank]
         with self._cond:
-            self._returned[rank] = dict(t._counts)
+            self._returned[rank] = dict(self._transports[rank]._counts)
             self._cond.notify_all()
 
 
