@@ -46,13 +46,12 @@ import numpy as np
 import torch
 
 from hvdcompress.backends import for_device
-from hvdcompress.backends.records import CHECKSUM_FIELD, FIXED_HEADER_BYTES, SCAN, mix
+from hvdcompress.backends.records import CHECKSUM_FIELD, FIXED_HEADER_BYTES, MAX_NDIM, SCAN, mix
 from hvdcompress.errors import PayloadError  # noqa: F401 - also wire.PayloadError
 
 MAGIC = b"HVDC"
 VERSION = 1
 FIXED_HEADER = struct.Struct("<4sBBBBBBHIQQ")  # 32 bytes, fields as in the table above
-MAX_NDIM = 8
 MAX_PARAMS = 256
 MAX_HEADER = 32 + 8 * MAX_NDIM + MAX_PARAMS  # read this many bytes to parse any header
 # The fixed header's fields: name -> (offset, size), as in the table above ("shape" is
@@ -74,7 +73,6 @@ HEADER_FIELDS = {
 CHECKSUM_OFFSET = HEADER_FIELDS["checksum"][0]
 # the backends' kernels compile this layout in (hvdcompress.backends.records)
 assert FIXED_HEADER.size == FIXED_HEADER_BYTES and CHECKSUM_OFFSET == CHECKSUM_FIELD
-assert MAX_NDIM == 8
 MAX_SHAPE_PRODUCT = 2**63 - 1  # the product of a shape's non-zero dims (torch's int64)
 
 # The most elements the public ``decode`` allocates for a payload when the caller gives
