@@ -345,29 +345,26 @@ def gspar_variance_budget(a: torch.Tensor, variance: float) -> float:
 
     and T = |S| + c sum_{i not in S} |a_i|. c is the fixed point reached from S = {} (c only
     grows, S only gains entries: an entry joins S only when |a_i| >= 1 / c, and removing
-    such entries from the sums never lowers c). In float64 over the sorted magnitudes, on
-    a's device; the encoder then solves its own c for T (``gspar_scale``), so the bytes
-    follow from T by the ratio budget's rules. 0.0 for a tensor without finite non-zeros
-    (nothing to keep, or a non-finite tensor, which the encoder flags)."""
+    such entries from the sums never lowers c). The magnitudes are sorted on a's device
+    and summed in float64 on the host (NaN / Inf show in the total); the encoder then
+    solves its own c for T (``gspar_scale``), so the bytes follow from T by the ratio
+    budget's rules. 0.0 for a tensor without finite non-zeros (nothing to keep, or a
+    non-finite tensor, which the encoder flags)."""
     mag = a.detach().reshape(-1).abs().double()
-    if not bool(torch.isfinite(mag).all()):
+    ascending = mag[mag != 0].sort().values.cpu()  # NaN sorts last and stays in the sums
+    s1 = ascending.cumsum(0)  # s1[r - 1]: sum of |a_i| over the r smallest
+    s2 = (ascending * ascending).cumsum(0)
+    if ascending.numel() == 0 or not math.isfinite(float(s2[-1])):
         return 0.0
-    mag = mag[mag > 0].sort(descending=True).values
-    if mag.numel() == 0:
-        return 0.0
-    s1 = mag.flip(0).cumsum(0).flip(0).cpu()  # s1[j]: sum of |a_i| over all but the j largest
-    s2 = (mag * mag).flip(0).cumsum(0).flip(0).cpu()
-    negated = -mag.cpu()  # ascending, for searchsorted
-    floor = variance * float(s2[0])
-    j = 0
-    while j < negated.numel():
-        c = float(s1[j]) / (floor + float(s2[j]))
-        bound = torch.tensor([-1.0 / c], dtype=torch.float64)
-        saturated = int(torch.searchsorted(negated, bound, right=True))  # |a_i| >= 1 / c
-        if saturated <= j:  # no new entry reaches p = 1: c is the fixed point
-            return j + c * float(s1[j])
-        j = saturated
-    return float(negated.numel())  # every non-zero entry kept: variance 0
+    floor = variance * float(s2[-1])
+    r = ascending.numel()  # entries not saturated
+    while r > 0:
+        c = float(s1[r - 1]) / (floor + float(s2[r - 1]))
+        below = int(torch.searchsorted(ascending, torch.tensor([1.0 / c], dtype=torch.float64)))
+        if below >= r:  # no new entry reaches |a_i| >= 1 / c: c is the fixed point
+            return ascending.numel() - r + c * float(s1[r - 1])
+        r = below
+    return float(ascending.numel())  # every non-zero entry kept: variance 0
 
 
 def gspar_encode(
