@@ -519,6 +519,9 @@ def test_gspar_with_a_variance_budget_is_unbiased_within_its_variance():
     assert float(((total / draws - x.double()) ** 2).sum() / norm2) < 3 * variance / draws
     with pytest.raises(ValueError, match="cannot set its ratio"):
         comp("gspar", variance=variance).set_level("w", 0.1)
+    # with error feedback, E||a - C(a)||^2 = sum (1 - p_i) a_i^2 <= variance ||a||^2
+    assert comp("gspar", variance=0.25, error_feedback=True).contraction(100) == 0.75
+    assert comp("gspar", variance=1.0, error_feedback=True).contraction(100) is None
     for bad in (0.0, -1.0, math.nan, math.inf, True):
         with pytest.raises(ValueError, match="gspar variance must be"):
             comp("gspar", variance=bad)

@@ -353,7 +353,10 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
             return None
         # E||a - C(a)||^2 = sum (1 - p_i) a_i^2 and p_i grows with |a_i|, so by Chebyshev's
         # sum inequality sum p_i a_i^2 >= (sum p_i / n) ||a||^2 = ratio ||a||^2 (the smallest
-        # level a policy may set is not known here: the default ratio is declared)
+        # level a policy may set is not known here: the default ratio is declared). With a
+        # variance budget, 1 - p_i <= 1 / p_i - 1 bounds it by the budget: delta >= 1 - eps
+        if self.variance is not None:
+            return 1.0 - self.variance if self.variance < 1.0 else None
         return min(1.0, self.ratio)
 
     def check_params(self, header, name):
