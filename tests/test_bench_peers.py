@@ -50,3 +50,26 @@ def test_a_small_run_measures_steps_and_wire_bytes_of_each_hook(tmp_path):
     assert threelc["step_s"] < ddp["step_s"]
     assert "| cnn | hvdc-3lc | 100mbit |" in (tmp_path / "bench_peers.md").read_text()
     assert (tmp_path / "bench_peers.png").stat().st_size > 0
+
+
+def test_the_two_stage_bytes_are_checked_against_the_allgather_payload():
+    """twostage_bytes: sent per rank over 2 (N - 1) / N x the -allgather row's payload, MET
+    within 15%, MISS outside, nothing without the allgather row of the same model and rate."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_peers_under_test", SCRIPT)
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+
+    def row(name, payload, sent, rate="unlimited"):
+        return {"model": "cnn", "rate": rate, "row": name, "payload_kb_per_rank": payload,
+                "sent_kb_per_rank": sent}  # fmt: skip
+
+    gather = row("hvdc-3lc-allgather", 9.0, 27.0)
+    met = peers.twostage_bytes([gather, row("hvdc-3lc-twostage", 5.0, 15.1)], 4)
+    assert met.startswith("  MET ") and "1.12x" in met  # 15.1 / (1.5 x 9.0)
+    miss = peers.twostage_bytes([gather, row("hvdc-3lc-twostage", 5.0, 22.0)], 4)
+    assert miss.startswith("  MISS") and "1.63x" in miss
+    assert peers.twostage_bytes([row("hvdc-3lc-twostage", 5.0, 15.1)], 4) == ""
+    other_rate = row("hvdc-3lc-twostage", 5.0, 15.1, rate="1gbit")
+    assert peers.twostage_bytes([gather, other_rate], 4) == ""
