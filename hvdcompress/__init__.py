@@ -19,7 +19,8 @@ from hvdcompress.optimizer import (
     RankAgreementError,
     Sum,
 )
-from hvdcompress.policies import CAT, Accordion, AffineCost, PacketCost, calibrate
+from hvdcompress.policies import CAT, Accordion
+from hvdcompress.transports.cost import AffineCost, LinkCost, PacketCost, calibrate, calibrate_link
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,8 @@ __all__ = [
     "AffineCost",
     "PacketCost",
     "calibrate",
+    "calibrate_link",
+    "LinkCost",
     "Average",
     "CheckpointError",
     "Compression",

@@ -41,6 +41,7 @@ from hvdcompress.errors import PayloadError
 from hvdcompress.exchange import EXCHANGES, PIECE, SummedExchange, choose_exchanges
 from hvdcompress.stats import StepStats
 from hvdcompress.transports.base import start_worker
+from hvdcompress.transports.cost import LinkCost, calibrate_link
 
 __all__ = ["DDPHookState", "ddp_hook", "hooked_optimizer"]
 
@@ -62,11 +63,13 @@ class DDPHookState:
     so that residuals are named as in the optimizer (``register`` takes them from the
     model); without either, parameters are named ``param.<k>`` in the order the hook
     first meets them (the same on every rank and in every run of the same model).
-    ``compress_min_numel``: smaller tensors travel uncompressed. ``exchange``: as the
-    optimizer's (``choose_exchanges``). ``overlap``: finish buckets on the finisher thread
-    (module doc; ``overlapping`` says whether it does, once bound). ``step_stats``: the
-    ``StepStats`` of the buckets reduced since the last step ended; ``last_stats``: those
-    of the last optimizer step (``end_step``). ``hook_calls``: buckets reduced so far.
+    ``compress_min_numel``: smaller tensors travel uncompressed. ``exchange`` and
+    ``link_cost``: as the optimizer's (``choose_exchanges``; "measure" calibrates at
+    ``bind``, and ``link_cost`` then holds the fitted ``LinkCost``). ``overlap``: finish
+    buckets on the finisher thread (module doc; ``overlapping`` says whether it does,
+    once bound). ``step_stats``: the ``StepStats`` of the buckets reduced since the last
+    step ended; ``last_stats``: those of the last optimizer step (``end_step``).
+    ``hook_calls``: buckets reduced so far.
 
     The state is unbound until ``bind`` (called by ``register`` and by the first bucket):
     then ``transport`` exists, and a ``load_state_dict`` made before waits for it.
@@ -80,6 +83,7 @@ class DDPHookState:
         compress_min_numel: int = 0,
         exchange: str = "auto",
         overlap: bool = True,
+        link_cost=None,
     ) -> None:
         if exchange not in EXCHANGES:
             raise ValueError(
@@ -96,6 +100,9 @@ class DDPHookState:
         self.process_group = process_group
         self.compress_min_numel = compress_min_numel
         self.exchange = exchange
+        if not (link_cost is None or link_cost == "measure" or isinstance(link_cost, LinkCost)):
+            raise TypeError(f"link_cost must be None, 'measure' or a LinkCost, got {link_cost!r}")
+        self.link_cost = link_cost
         self.overlap = overlap
         self.overlapping = False  # set by bind: whether buckets finish on the finisher
         self._finish_transport = None
@@ -198,6 +205,8 @@ class DDPHookState:
         self.overlapping = overlapping
         self._finisher = start_worker(self, "hvdcompress-ddp-finish") if overlapping else None
         self._dense_exchange = SummedExchange(transport, finish)
+        if self.link_cost == "measure" and self.exchange == "auto":
+            self.link_cost = calibrate_link(transport)
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
@@ -229,7 +238,8 @@ class DDPHookState:
     def exchange_of(self, part: Bucket):
         """The exchange of a part of a DDP bucket: the uncompressed parts' allreduce, or,
         for the compressed part, ``choose_exchanges``'s choice for ``exchange=`` (made once
-        per set of tensors: DDP rebuilds its buckets after the first step)."""
+        per set of tensors: DDP rebuilds its buckets after the first step). A part that
+        choice sends dense is marked ``compressed = False``."""
         if not part.compressed:
             return self._dense_exchange
         key = tuple(part.names)
@@ -237,8 +247,12 @@ class DDPHookState:
             chosen = choose_exchanges(
                 self.compressor, self.uncompressed, self._transport, [part], self.exchange,
                 finish_transport=self._finish_transport, per_tensor=True,
+                link_cost=self.link_cost,
             )  # fmt: skip
-            self._exchanges[key] = chosen[part.index]
+            self._exchanges[key] = chosen[part.index] if part.compressed else None
+        if self._exchanges[key] is None:
+            part.compressed = False
+            return self._dense_exchange
         return self._exchanges[key]
 
     # -- steps ---------------------------------------------------------------------------
@@ -382,7 +396,7 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
         )
     if state.compressor.name == "none" or all(p.numel() < state.compress_min_numel for p in params):
         return _allreduce_like_ddp(state, buffer)
-    started = []
+    parts = []
     for compressed in (True, False):
         chosen = [
             i for i, p in enumerate(params) if (p.numel() >= state.compress_min_numel) == compressed
@@ -399,8 +413,12 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
             [names[i] for i in chosen],
             compressed=compressed,
         )
-        comp = state.compressor if compressed else state.uncompressed
-        exchange = state.exchange_of(part)
+        parts.append((part, state.exchange_of(part), chosen))
+    if not any(part.compressed for part, _, _ in parts):  # "auto" sent it all dense
+        return _allreduce_like_ddp(state, buffer)
+    started = []
+    for part, exchange, chosen in parts:
+        comp = state.compressor if part.compressed else state.uncompressed
         # the exchange averages the views of DDP's buffer in place (exchange.py)
         t0 = time.perf_counter()
         flight = exchange.start(part, comp, [grads[i] for i in chosen])
@@ -424,10 +442,10 @@ def _raise_error(future) -> torch.Tensor:
 
 
 def _allreduce_like_ddp(state: DDPHookState, buffer: torch.Tensor):
-    """A bucket with nothing to compress (compression none, or every tensor below
-    ``compress_min_numel``) goes as DDP's own allreduce does: divided by the world size,
-    summed in place by one asynchronous allreduce on DDP's group, so it costs what DDP
-    costs and gives DDP's bits."""
+    """A bucket with nothing to compress (compression none, every tensor below
+    ``compress_min_numel``, or all sent dense by "auto") goes as DDP's own allreduce
+    does: divided by the world size, summed in place by one asynchronous allreduce on
+    DDP's group, so it costs what DDP costs and gives DDP's bits."""
     import torch.distributed as dist
 
     size = state.transport.size

@@ -28,9 +28,11 @@ Rows: ``ddp`` (DDP's default allreduce), ``torch-fp16``, ``torch-bf16``,
 ``torch-powersgd-r1`` / ``-r2`` / ``-r4`` (torch's hooks; PowerSGD with one bucket,
 ``bucket_cap_mb=1000``: with DDP's 25 MB buckets it aborted or hung on gloo here), and
 ``hvdc-<method>`` for none, fp16, 3lc, 3lc-1.75, powersgd, topk (the methods table of
-hvdcompress.training.methods), with ``-inline`` for the hook without overlap, and
-``hvdc-3lc-allgather`` / ``hvdc-3lc-twostage`` (``exchange=``; not in the default rows),
-whose bytes per rank it compares with the two-stage exchange's 2 (N - 1) / N x payload.
+hvdcompress.training.methods), with ``-inline`` for the hook without overlap,
+``hvdc-3lc-measured`` (``exchange="auto"`` with ``link_cost="measure"``: by seconds on the
+link, timed at start), and ``hvdc-3lc-allgather`` / ``hvdc-3lc-twostage`` (``exchange=``;
+not in the default rows), whose bytes per rank it compares with the two-stage exchange's
+2 (N - 1) / N x payload.
 Writes ``--out``/bench_peers.md, .json and .png (step time against link rate).
 """
 
@@ -59,10 +61,15 @@ HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "topk")
 ROWS = (
     "ddp", "torch-fp16", "torch-bf16", "torch-powersgd-r1", "torch-powersgd-r2",
     "torch-powersgd-r4", *(f"hvdc-{m}" for m in HVDC_METHODS), "hvdc-none-inline",
-    "hvdc-3lc-inline", "hvdc-3lc-allgather", "hvdc-3lc-twostage",
+    "hvdc-3lc-inline", "hvdc-3lc-measured", "hvdc-3lc-allgather", "hvdc-3lc-twostage",
 )  # fmt: skip
 DEFAULT_ROWS = ROWS[:-2]  # the exchange rows are for the bytes check (--rows)
-EXCHANGE_SUFFIXES = {"-allgather": "allgather", "-twostage": "twostage"}  # else "auto"
+# (exchange, link_cost) of a row's suffix; else ("auto", None)
+EXCHANGE_SUFFIXES = {
+    "-allgather": ("allgather", None),
+    "-twostage": ("twostage", None),
+    "-measured": ("auto", "measure"),
+}
 
 
 # =========================================================================================
@@ -115,16 +122,17 @@ def hooked(row: str, model):
         ddp.register_comm_hook(None, default.bf16_compress_hook)
     elif row.startswith("hvdc-"):
         name = row[len("hvdc-") :].removesuffix("-inline")
-        exchange = "auto"
-        for suffix, mode in EXCHANGE_SUFFIXES.items():
+        exchange, link_cost = "auto", None
+        for suffix, (mode, cost) in EXCHANGE_SUFFIXES.items():
             if name.endswith(suffix):
-                name, exchange = name.removesuffix(suffix), mode
+                name, exchange, link_cost = name.removesuffix(suffix), mode, cost
         method = METHODS[name]
         state = hvdcompress.DDPHookState(
             method.compressor(),
             compress_min_numel=method.compress_min_numel,
             overlap=not row.endswith("-inline"),
             exchange=exchange,
+            link_cost=link_cost,
         ).register(ddp)
         return ddp, state
     return ddp, None
@@ -181,6 +189,10 @@ def run_row(args, model_name: str, row: str) -> dict:
         "parameters": sum(p.numel() for p in model.parameters()),
         "overlapping": bool(state is not None and state.overlapping),
         "bits_per_value": state.last_stats.bits_per_value if state is not None else None,
+        # the compressed parts' exchanges ("dense": sent uncompressed by "auto")
+        "exchanges": sorted(e.kind if e else "dense" for e in state._exchanges.values())
+        if state is not None
+        else [],
         **{f"{k}_s": v / args.steps for k, v in parts.items()},
     }
 

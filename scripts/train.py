@@ -296,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="gather-only codecs: one allgather, the two-stage exchange (reduce-scatter + "
         "allgather of re-compressed shards), or per bucket by bytes (docs/exchanges.md)",
     )
+    p.add_argument(
+        "--link-cost",
+        choices=["bytes", "measure"],
+        default="bytes",
+        help="--exchange auto: choose by modelled bytes, or by seconds from timing the "
+        "link and the codec at start (link_cost='measure')",
+    )
     p.add_argument("--epochs", type=POSITIVE, default=1)
     p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many steps in all")
     p.add_argument("--batch-size", type=POSITIVE, default=64, help="per rank")
@@ -669,7 +676,10 @@ def train_rank(args, dist, data=None) -> str:
             raise SystemExit("--launcher torchrun: --accordion / --cat need the optimizer")
         forward = torch.nn.parallel.DistributedDataParallel(model)
         hook_state = hvdcompress.DDPHookState(
-            compression, compress_min_numel=args.compress_min_numel
+            compression,
+            compress_min_numel=args.compress_min_numel,
+            exchange=args.exchange,
+            link_cost=None if args.link_cost == "bytes" else "measure",
         ).register(forward)
         opt = hooked_optimizer(
             torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum), hook_state
@@ -684,6 +694,7 @@ def train_rank(args, dist, data=None) -> str:
             policy=policy,
             compress_min_numel=args.compress_min_numel,
             exchange=args.exchange,
+            link_cost=None if args.link_cost == "bytes" else "measure",
             raise_on_nonfinite=True,  # a diverged run stops (stop_if_nonfinite), no summary
         )
 

@@ -67,6 +67,14 @@ def test_twostage_hook_leaves_bit_identical_parameters_trains_and_resumes_exactl
         assert r["twostage_resume_equal"], r["rank"]
 
 
+def test_hook_chooses_by_the_measured_link_the_same_on_every_rank(reports):
+    r0 = reports[0]
+    assert r0["timed_link_cost"] == "LinkCost"  # fitted at bind
+    assert len(set(r0["timed_digests"])) == 1 and len(r0["timed_digests"]) == r0["size"]
+    assert r0["timed_loss_last"] < r0["timed_loss_first"]
+    assert all(r["timed_kinds"] == r0["timed_kinds"] for r in reports)
+
+
 def test_hook_state_resumes_exactly_from_each_ranks_own_state(reports):
     for r in reports:
         assert r["resume_equal"], r["rank"]

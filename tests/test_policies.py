@@ -249,7 +249,7 @@ def test_calibration_recovers_c0_c1():
 
 
 def test_fit_keeps_a_positive_fixed_cost_on_noisy_timings():
-    from hvdcompress.policies.cat import fit_affine
+    from hvdcompress.transports.cost import fit_affine
 
     c0, c1 = fit_affine([8, 8e3, 8e6, 8e7], [3e-4, 2e-4, 1e-3, 2.0e-2])  # lstsq c0 < 0
     assert c0 == pytest.approx(2e-4) and c1 > 0

@@ -180,26 +180,33 @@ def test_every_transport_counts_its_traffic_in_the_base_class():
 
 def test_choose_exchanges_by_mode():
     model = torch.nn.Sequential(torch.nn.Linear(100, 200), torch.nn.Linear(200, 1))
-    buckets = _buckets(model)
     none = hvdcompress.get_compressor("none")
     t = _Fake(rank=0, size=4)
-    kinds = lambda chosen: [chosen[b.index].kind for b in buckets]  # noqa: E731
-    three = hvdcompress.get_compressor("3lc")
-    assert set(kinds(choose_exchanges(three, none, t, buckets, "allgather"))) == {"allgather"}
-    assert set(kinds(choose_exchanges(three, none, t, buckets, "twostage"))) == {"twostage"}
-    auto = kinds(choose_exchanges(three, none, t, buckets, "auto"))
+    buckets = _buckets(model)
     sizes = [sum(p.numel() for p in b.params) for b in buckets]
-    # 20000 values gain; 200 values (shards of 50) lose to the extra headers
+
+    def kinds(comp, transport, mode, **kw):
+        fresh = _buckets(model)  # "auto" marks the buckets it sends dense
+        chosen = choose_exchanges(comp, none, transport, fresh, mode, **kw)
+        return [chosen[b.index].kind for b in fresh]
+
+    three = hvdcompress.get_compressor("3lc")
+    assert set(kinds(three, t, "allgather")) == {"allgather"}
+    assert set(kinds(three, t, "twostage")) == {"twostage"}
+    auto = kinds(three, t, "auto")
+    # 20000 values gain; 200 values (shards of 50) lose to the extra headers; one value
+    # is smaller dense (4 bytes) than its header, so it goes dense
     assert auto[sizes.index(20000)] == "twostage" and auto[sizes.index(200)] == "allgather"
+    assert auto[sizes.index(1)] == "allreduce"
     two = _Fake(rank=0, size=2)
-    assert set(kinds(choose_exchanges(three, none, two, buckets, "auto"))) == {"allgather"}
+    assert kinds(three, two, "auto") == ["allgather" if n > 1 else "allreduce" for n in sizes]
     fp16 = hvdcompress.get_compressor("fp16")
-    assert set(kinds(choose_exchanges(fp16, none, t, buckets, "auto"))) == {"allreduce"}
+    assert set(kinds(fp16, t, "auto")) == {"allreduce"}
     for name in ("ndqsg", "dgc"):
         comp = hvdcompress.get_compressor(name)
         with pytest.raises(ValueError, match=f"{name} cannot"):
             choose_exchanges(comp, none, t, buckets, "twostage")
-        assert set(kinds(choose_exchanges(comp, none, t, buckets, "auto"))) == {"allgather"}
+        assert set(kinds(comp, t, "auto")) == {"allgather", "allreduce"}
     with pytest.raises(ValueError, match="summable"):
         choose_exchanges(fp16, none, t, buckets, "twostage")
     with pytest.raises(ValueError, match="exchange must be one of"):

@@ -1,10 +1,13 @@
 """Which exchange each bucket takes (``exchange=`` "auto", "allgather", "twostage"),
-from a measured payload model and the bytes per rank each exchange moves."""
+from a measured payload model and either the bytes per rank each exchange moves or, with
+a ``LinkCost``, the seconds it takes (docs/exchanges.md, "Choosing the exchange")."""
 
 from __future__ import annotations
 
 import copy
 import math
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +20,10 @@ from hvdcompress.exchange.base import _Exchange
 from hvdcompress.exchange.summed import SummedExchange
 from hvdcompress.exchange.twostage import Piece, TwoStageExchange
 from hvdcompress.transports import Transport
+from hvdcompress.transports.cost import LinkCost, calibrate_link
 
 EXCHANGES = ("auto", "allgather", "twostage")
+LINK_COSTS = (None, "measure")  # or a LinkCost
 PROBE_NUMEL = 1 << 16  # elements of the cost model's probe payload
 
 
@@ -59,6 +64,54 @@ def twostage_bytes(size: int, shards: list[list[Piece]], est: PayloadEstimate) -
     return 2.0 * (size - 1) / size * frames + (size - 1)  # + the status byte
 
 
+@dataclass(frozen=True)
+class ComputeCost:
+    """Seconds per value of a compressor's encode and of one decode (of one rank's
+    payload), measured on the probe of ``estimate_payload`` and averaged over ranks."""
+
+    encode: float
+    decode: float
+
+
+def measure_compute(compressor: GatherCompressor, transport: Transport) -> ComputeCost:
+    """Time a copy of the compressor on the probe (median of 3 after a warm-up);
+    collective: the ranks' timings are averaged, so every rank gets the same numbers."""
+    probe = copy.deepcopy(compressor)
+    probe.bind(0, transport.size)
+    x = torch.randn(PROBE_NUMEL, generator=torch.Generator().manual_seed(0))
+    enc, dec = [], []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        payload, ctx = probe.compress(x, "hvdcompress.exchange.probe")
+        t1 = time.perf_counter()
+        probe.decompress(payload, ctx)
+        enc.append(t1 - t0)
+        dec.append(time.perf_counter() - t1)
+    mine = [statistics.median(enc[1:]) / PROBE_NUMEL, statistics.median(dec[1:]) / PROBE_NUMEL]
+    encode, decode = transport.sum_floats(mine)
+    return ComputeCost(encode / transport.size, decode / transport.size)
+
+
+def predicted_seconds(
+    link: LinkCost, compute: ComputeCost, size: int, numel: int, frames: list[float]
+) -> float:
+    """Seconds of a gather exchange of ``numel`` values: one frame per rank
+    (``frames == [frame]``: encode, one allgatherv, decode N payloads) or the two-stage
+    exchange's shard frames (encode, the alltoallv of the shards, decode N payloads of a
+    shard, re-encode it, the allgatherv of the shards, decode N shards)."""
+    if len(frames) == 1:
+        return (compute.encode + size * compute.decode) * numel + link.seconds(
+            "allgatherv", frames[0]
+        )
+    shard = sum(frames) / len(frames)
+    return (
+        compute.encode * numel * (1 + 1 / size)
+        + 2 * compute.decode * numel
+        + link.seconds("alltoallv", sum(frames))
+        + link.seconds("allgatherv", shard)
+    )
+
+
 def choose_exchanges(
     compressor: Compressor,
     uncompressed: SummableCompressor,
@@ -67,6 +120,7 @@ def choose_exchanges(
     mode: str = "auto",
     finish_transport: Transport | None = None,
     per_tensor: bool = False,
+    link_cost: LinkCost | str | None = None,
 ) -> dict[int, _Exchange]:
     """The exchange of every bucket (by ``Bucket.index``), for ``exchange=mode``.
 
@@ -77,7 +131,16 @@ def choose_exchanges(
     N >= 3 (at N = 2 both move the payload once) and a bucket whose payload outweighs the
     extra headers; compressors that cannot re-compress stay on the allgather. The choice
     depends only on the buckets, N and the compressor's configuration: the same on every
-    rank. ``finish_transport``: where the exchanges' ``finish`` starts its collectives
+    rank. In "auto", a gather-only bucket whose chosen exchange would move more bytes per
+    rank than its dense allreduce goes dense: it gets a ``SummedExchange`` and is marked
+    ``compressed = False`` (the caller sends it with its uncompressed compressor).
+
+    ``link_cost`` (``LinkCost``, or "measure" to ``calibrate_link`` the transport now,
+    collectively): "auto" picks, among the dense allreduce, the allgather and the
+    two-stage exchange, the least ``predicted_seconds`` on that link with the encode and
+    decode seconds ``measure_compute`` times (the same on every rank; timings vary from
+    run to run, so two runs may choose differently: pass a ``LinkCost`` to fix it).
+    ``finish_transport``: where the exchanges' ``finish`` starts its collectives
     (``_Exchange.finish_transport``; default ``transport``); ``per_tensor``: two-stage
     shards planned per tensor (``plan_shards_per_tensor``, the DDP hook's)."""
     if mode not in EXCHANGES:
@@ -102,25 +165,49 @@ def choose_exchanges(
             "it decodes with other ranks' payloads or its compress does more than encode): "
             "use exchange='allgather' or 'auto'"
         )
-    estimate = None
+    if link_cost == "measure" and mode == "auto":
+        link_cost = calibrate_link(transport)
+    elif not (link_cost is None or link_cost == "measure" or isinstance(link_cost, LinkCost)):
+        raise TypeError(f"link_cost must be None, 'measure' or a LinkCost, got {link_cost!r}")
+    estimate = compute = None
     chosen: dict[int, _Exchange] = {}
     for b in buckets:
         if not b.compressed or isinstance(compressor, SummableCompressor):
             chosen[b.index] = SummedExchange(transport, finish_transport)
             continue
+        gathered = GatheredExchange(transport, finish_transport)
+        twostage = None
         if mode == "twostage" or (mode == "auto" and compressor.recompressible and size >= 3):
             twostage = TwoStageExchange(
                 transport, b, compressor.shard_alignment(), finish_transport, per_tensor
             )
-            if mode == "twostage":
-                chosen[b.index] = twostage
-                continue
-            estimate = estimate or estimate_payload(compressor, size)
-            numels = [p.numel() for p in b.params]
-            if twostage_bytes(size, twostage.plan(b), estimate) < allgather_bytes(
-                size, numels, estimate
-            ):
-                chosen[b.index] = twostage
-                continue
-        chosen[b.index] = GatheredExchange(transport, finish_transport)
+        if mode != "auto":
+            chosen[b.index] = twostage or gathered
+            continue
+        estimate = estimate or estimate_payload(compressor, size)
+        numels = [p.numel() for p in b.params]
+        raw = sum(p.numel() * p.element_size() for p in b.params)
+        frames = {gathered: [8 * (len(numels) + 1) + sum(estimate.bytes(n) for n in numels)]}
+        if twostage is not None:
+            frames[twostage] = [
+                8 * (len(p) + 1) + sum(estimate.bytes(pc.numel) for pc in p)
+                for p in twostage.plan(b)
+            ]
+        if isinstance(link_cost, LinkCost):
+            compute = compute or measure_compute(compressor, transport)
+            dense = link_cost.seconds("allreduce", raw)
+            costs = {
+                e: predicted_seconds(link_cost, compute, size, sum(numels), f)
+                for e, f in frames.items()
+            }
+        else:
+            dense = 2.0 * (size - 1) / size * raw  # the ring allreduce's bytes per rank
+            costs = {gathered: allgather_bytes(size, numels, estimate)}
+            if twostage is not None:
+                costs[twostage] = twostage_bytes(size, list(twostage.plan(b)), estimate)
+        best = min(costs, key=costs.get)  # a tie keeps the allgather (inserted first)
+        if dense < costs[best]:
+            b.compressed = False
+            best = SummedExchange(transport, finish_transport)
+        chosen[b.index] = best
     return chosen

@@ -39,6 +39,7 @@ def DistributedOptimizer(
     policy=None,
     compress_min_numel: int = 0,
     exchange: str = "auto",
+    link_cost=None,
     raise_on_nonfinite: bool = False,
 ):
     """Wrap ``optimizer`` so gradients are compressed, exchanged and averaged across ranks.
@@ -52,7 +53,11 @@ def DistributedOptimizer(
     ``compress_min_numel``: tensors with fewer elements are sent uncompressed (one float32
     allreduce per bucket of them), the switch for links fast enough that compressing a
     small tensor costs more time than it saves (see docs/benchmarks.md,
-    "Step time on a rate-limited link"). ``raise_on_nonfinite``: ``synchronize()`` raises
+    "Step time on a rate-limited link"). ``exchange``: "auto" (per bucket: the allgather,
+    the two-stage exchange, or dense when that moves fewer bytes), "allgather" or
+    "twostage"; ``link_cost="measure"`` makes "auto" time the link and the codec at start
+    and pick by seconds instead (or a ``LinkCost``; docs/exchanges.md, "Choosing the
+    exchange"). ``raise_on_nonfinite``: ``synchronize()`` raises
     ``NonFiniteGradientError`` naming the tensors whose averaged gradient holds a NaN or
     an Inf, on every rank, before the inner optimizer steps (default: such a gradient is
     written as it is, so that torch.amp's GradScaler skips the step).
@@ -140,5 +145,6 @@ def DistributedOptimizer(
             process_set=process_set,
         ),
         exchange=exchange,
+        link_cost=link_cost,
         raise_on_nonfinite=raise_on_nonfinite,
     )

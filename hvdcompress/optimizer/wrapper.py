@@ -106,6 +106,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         *,
         horovod_options: HorovodOptions | None = None,
         exchange: str = "auto",
+        link_cost=None,
         raise_on_nonfinite: bool = False,
     ):
         super(self.__class__, self).__init__(params)
@@ -142,8 +143,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         _check_dtypes(compressor, self._buckets)
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._exchanges = choose_exchanges(
-            compressor, self._uncompressed, transport, self._buckets, exchange
-        )
+            compressor, self._uncompressed, transport, self._buckets, exchange,
+            link_cost=link_cost if self._included else None,
+        )  # fmt: skip
         self._passes_left = {id(p): self.backward_passes_per_step for _, p in named}
         self._in_flight: dict[int, _Launched] = {}
         self._next_bucket = 0  # buckets start strictly in order

@@ -5,14 +5,8 @@ The interface is ``Policy`` (hvdcompress.policies.base); Accordion and CAT imple
 
 from hvdcompress.policies.accordion import Accordion, accordion_critical
 from hvdcompress.policies.base import Policy
-from hvdcompress.policies.cat import (
-    CAT,
-    AffineCost,
-    CostModel,
-    PacketCost,
-    calibrate,
-    cat_best_budget,
-)
+from hvdcompress.policies.cat import CAT, cat_best_budget
+from hvdcompress.transports.cost import AffineCost, CostModel, PacketCost, calibrate
 
 __all__ = [
     "CAT",

@@ -49,7 +49,14 @@ def digest(model) -> str:
 
 
 def train(
-    compression, steps: int, start: int = 0, model=None, state=None, saved=None, exchange="auto"
+    compression,
+    steps: int,
+    start: int = 0,
+    model=None,
+    state=None,
+    saved=None,
+    exchange="auto",
+    link_cost=None,
 ):
     """DDP with ddp_hook and hvdcompress.hooked_optimizer (compression None: DDP's own
     allreduce and plain SGD); ``saved``: an optimizer state_dict to load first."""
@@ -59,7 +66,10 @@ def train(
     if compression is not None:
         if state is None:
             state = hvdcompress.DDPHookState(
-                compression, named_parameters=net.named_parameters(), exchange=exchange
+                compression,
+                named_parameters=net.named_parameters(),
+                exchange=exchange,
+                link_cost=link_cost,
             )
         ddp.register_comm_hook(state, hvdcompress.ddp_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
@@ -149,6 +159,11 @@ def main(out: Path) -> None:
     net3, _, _, _ = train("3lc", 18, start=12, model=net3, state=state3, saved=saved2["opt"])
     staged_digests = [None] * size
     dist.all_gather_object(staged_digests, digest(staged))
+    # "auto" by the link's measured seconds: calibrated at the first bucket, the same
+    # exchanges on every rank
+    timed, _, timed_state, timed_losses = train("3lc", 20, link_cost="measure")
+    timed_digests = [None] * size
+    dist.all_gather_object(timed_digests, digest(timed))
 
     # rank 0's hook state on every rank
     rank0 = [saved["hook"]]
@@ -182,10 +197,15 @@ def main(out: Path) -> None:
         "twostage_loss_last": sum(staged_losses[-5:]) / 5,
         "twostage_pieces": sorted(staged_state.compressor.state_dict()["residuals"]),
         "twostage_resume_equal": digest(staged) == digest(net3),
+        "timed_digests": timed_digests,
+        "timed_link_cost": type(timed_state.link_cost).__name__,
+        "timed_kinds": sorted({e.kind for e in timed_state._exchanges.values() if e}),
+        "timed_loss_first": sum(timed_losses[:5]) / 5,
+        "timed_loss_last": sum(timed_losses[-5:]) / 5,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     # DDP's reducers hold the process group: gone before it is destroyed
-    del net2, opt2, state, other, full_state, staged_state, state3
+    del net2, opt2, state, other, full_state, staged_state, state3, timed_state
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,112 @@
+"""Choosing each bucket's exchange (``choose_exchanges``, docs/exchanges.md, "Choosing the
+exchange"): dense where compression would send more, and by seconds with a ``LinkCost``
+(fitted by ``calibrate_link``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hvdcompress
+from hvdcompress.buckets import make_buckets
+from hvdcompress.exchange import choose_exchanges
+from hvdcompress.exchange.choose import ComputeCost, predicted_seconds
+from hvdcompress.transports import Handle, Transport
+from hvdcompress.transports.cost import COLLECTIVES, LinkCost, calibrate_link
+
+NONE = hvdcompress.get_compressor("none")
+
+
+class Clocked(Transport):
+    """``size`` ranks that agree with this one; each collective advances ``now`` by the
+    seconds ``cost`` gives for the bytes this rank hands it."""
+
+    name = "clocked"
+
+    def __init__(self, size: int, cost: LinkCost) -> None:
+        self.rank, self.size, self.cost, self.now = 0, size, cost, 0.0
+
+    def _done(self, kind, nbytes, result) -> Handle:
+        self.now += self.cost.seconds(kind, nbytes)
+        handle = Handle()
+        handle._finish(result)
+        return handle
+
+    def start_allgatherv(self, local):
+        return self._done(
+            "allgatherv", local.numel(), (local.repeat(self.size), [local.numel()] * self.size)
+        )
+
+    def start_alltoallv(self, parts):
+        return self._done("alltoallv", sum(p.numel() for p in parts), [p.clone() for p in parts])
+
+    def start_allreduce_sum(self, dense):
+        return self._done("allreduce", dense.numel() * dense.element_size(), dense * self.size)
+
+    def allgather_object(self, obj):
+        return [obj] * self.size
+
+
+def _kinds(compressor, transport, link_cost=None, model=None):
+    model = model or torch.nn.Sequential(torch.nn.Linear(100, 200), torch.nn.Linear(200, 1))
+    buckets = make_buckets(list(model.named_parameters()), 0)
+    chosen = choose_exchanges(compressor, NONE, transport, buckets, "auto", link_cost=link_cost)
+    out = {}
+    for b in buckets:
+        out[b.names[0]] = chosen[b.index].kind
+        assert b.compressed == (chosen[b.index].kind != "allreduce")  # dense: marked
+    return out
+
+
+def test_calibrate_link_fits_each_collective():
+    truth = LinkCost(allgatherv=(1e-3, 2e-8), allreduce=(5e-4, 4e-8), alltoallv=(2e-3, 1e-8))
+    t = Clocked(4, truth)
+    fitted = calibrate_link(t, clock=lambda: t.now)
+    for kind in COLLECTIVES:
+        assert getattr(fitted, kind) == pytest.approx(getattr(truth, kind), rel=1e-6)
+
+
+def test_auto_goes_dense_where_compression_would_send_more_bytes():
+    t = Clocked(4, LinkCost((0, 0), (0, 0), (0, 0)))
+    # top-k at ratio 0.9: 8 bytes per kept value against 4 dense
+    assert set(_kinds(hvdcompress.get_compressor("topk", ratio=0.9), t).values()) == {"allreduce"}
+    three = _kinds(hvdcompress.get_compressor("3lc"), t)
+    assert three == {
+        "0.weight": "twostage",
+        "0.bias": "allgather",
+        "1.weight": "allgather",
+        "1.bias": "allreduce",
+    }
+    # one rank: no bytes either way; compression stays (a tie keeps the compressed exchange)
+    assert "allreduce" not in _kinds(hvdcompress.get_compressor("3lc"), Clocked(1, t.cost)).values()
+
+
+def test_a_link_cost_chooses_by_seconds():
+    three = hvdcompress.get_compressor("3lc")
+    free_allreduce = LinkCost(allgatherv=(1.0, 1.0), allreduce=(0.0, 0.0), alltoallv=(1.0, 1.0))
+    assert set(_kinds(three, Clocked(4, free_allreduce), free_allreduce).values()) == {"allreduce"}
+    # a slow link, per byte a rank hands each collective as a ring moves them (an
+    # allgatherv sends its part N - 1 times), no latency: the bytes model's choice
+    slow = LinkCost(allgatherv=(1e-6, 3e-6), allreduce=(1e-6, 1.5e-6), alltoallv=(1e-6, 7.5e-7))
+    assert _kinds(three, Clocked(4, slow), slow) == _kinds(three, Clocked(4, slow))
+    # an alltoallv with a latency of a second: never the two-stage exchange
+    late = LinkCost(allgatherv=(1e-3, 1e-6), allreduce=(1.0, 1e-6), alltoallv=(1.0, 1e-6))
+    assert set(_kinds(three, Clocked(4, late), late).values()) == {"allgather"}
+    with pytest.raises(TypeError, match="link_cost"):
+        _kinds(three, Clocked(4, slow), link_cost=(1, 2))
+
+
+def test_predicted_seconds_counts_encode_collectives_and_decodes():
+    link = LinkCost(allgatherv=(1.0, 0.01), allreduce=(0, 0), alltoallv=(2.0, 0.1))
+    compute = ComputeCost(encode=1e-3, decode=1e-4)
+    # allgather: encode n, one allgatherv of the frame, decode N payloads of n
+    assert predicted_seconds(link, compute, 4, 1000, [100.0]) == pytest.approx(1 + 0.4 + 1 + 1)
+    # two-stage: encode n and the own shard again, decode twice n in all, both collectives
+    two = predicted_seconds(link, compute, 4, 1000, [30.0, 30.0, 30.0, 30.0])
+    assert two == pytest.approx(1.25 + 0.2 + 2 + 12 + 1 + 0.3)
+
+
+def test_measure_on_a_one_process_world_runs_and_agrees_with_itself():
+    t = Clocked(1, LinkCost((0, 0), (0, 0), (0, 0)))
+    kinds = _kinds(hvdcompress.get_compressor("3lc"), t, "measure")
+    assert set(kinds) == {"0.weight", "0.bias", "1.weight", "1.bias"}
