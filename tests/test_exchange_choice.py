@@ -11,6 +11,7 @@ import hvdcompress
 from hvdcompress.buckets import make_buckets
 from hvdcompress.exchange import choose_exchanges
 from hvdcompress.exchange.choose import ComputeCost, predicted_seconds
+from hvdcompress.training.simulate import run_ranks
 from hvdcompress.transports import Handle, Transport
 from hvdcompress.transports.cost import COLLECTIVES, LinkCost, calibrate_link
 
@@ -110,3 +111,43 @@ def test_measure_on_a_one_process_world_runs_and_agrees_with_itself():
     t = Clocked(1, LinkCost((0, 0), (0, 0), (0, 0)))
     kinds = _kinds(hvdcompress.get_compressor("3lc"), t, "measure")
     assert set(kinds) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+class TwoTensors(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+        self.w = torch.nn.Parameter(torch.zeros(20000))
+
+
+def test_a_bucket_sent_dense_is_averaged_exactly_and_left_out_of_the_policy():
+    """The optimizer over 4 simulated ranks: the one-value tensor goes dense (allreduce,
+    no residual, not a policy's tensor), the large one by the two-stage exchange; every
+    rank ends with the same gradients, the dense one the float32 average."""
+    grads = [{"scale": torch.randn(1), "w": torch.randn(20000)} for _ in range(4)]
+
+    def rank(t):
+        model = TwoTensors()
+        policy = hvdcompress.Accordion(low=1.0, high=1.75, interval_steps=2)
+        opt = hvdcompress.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            compression="3lc",
+            backend=t,
+            fusion_threshold=0,
+            policy=policy,
+        )
+        for n, p in model.named_parameters():
+            p.grad = grads[t.rank][n].clone()
+        opt.synchronize()
+        kinds = {b.names[0]: opt._exchanges[b.index].kind for b in opt._buckets}
+        residuals = set(opt._compressor.state_dict()["residuals"])
+        return kinds, policy.names, residuals, model.scale.grad.clone(), model.w.grad.clone()
+
+    results = run_ranks(4, rank)
+    mean = (grads[0]["scale"] + grads[1]["scale"] + grads[2]["scale"] + grads[3]["scale"]) * 0.25
+    for kinds, policy_names, residuals, scale, w in results:
+        assert kinds == {"scale": "allreduce", "w": "twostage"}
+        assert policy_names == ["w"] and not any(r.startswith("scale") for r in residuals)
+        assert torch.equal(scale, mean)
+        assert torch.equal(w, results[0][4])

@@ -78,10 +78,11 @@ def main() -> None:
     if faulty and args.fault == "frame":
         start = transport.start_allgatherv
         calls = {"n": 0}
+        gathered = sum(b.compressed for b in opt.buckets)  # "auto" sends a few biases dense
 
         def start_allgatherv(local):
             calls["n"] += 1
-            if calls["n"] > args.step * len(opt.buckets):  # from step --step on
+            if calls["n"] > args.step * gathered:  # from step --step on
                 local = corrupt_frame(local, args.frame)
             return start(local)
 
