@@ -146,20 +146,10 @@ class Header(NamedTuple):  # a NamedTuple: built once per payload on the hot pat
                 f"hvdcompress payloads hold tensors of at most {MAX_NDIM} dims, "
                 f"got {len(self.shape)}"
             )
-        fixed = FIXED_HEADER.pack(
-            MAGIC,
-            VERSION,
-            CODEC_IDS[self.codec],
-            self.flags,
-            DTYPE_IDS[self.dtype],
-            len(self.shape),
-            0,
-            len(self.params),
-            0,
-            self.numel,
-            self.body_len,
-        )
-        return fixed + struct.pack(f"<{len(self.shape)}Q", *self.shape) + self.params
+        codec, dtype, ndim = CODEC_IDS[self.codec], DTYPE_IDS[self.dtype], len(self.shape)
+        sizes = (len(self.params), 0, self.numel, self.body_len)  # the checksum field is 0
+        fixed = FIXED_HEADER.pack(MAGIC, VERSION, codec, self.flags, dtype, ndim, 0, *sizes)
+        return fixed + struct.pack(f"<{ndim}Q", *self.shape) + self.params
 
 
 def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
@@ -174,19 +164,9 @@ def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
             f"{total_len} bytes is shorter than the "
             f"{FIXED_HEADER.size}-byte header (truncated payload)",
         )
-    (
-        magic,
-        version,
-        codec_id,
-        flags,
-        dtype_id,
-        ndim,
-        reserved,
-        params_len,
-        csum,
-        numel,
-        body_len,
-    ) = FIXED_HEADER.unpack_from(raw, 0)
+    fixed = FIXED_HEADER.unpack_from(raw, 0)
+    magic, version, codec_id, flags, dtype_id, ndim, reserved, params_len = fixed[:8]
+    csum, numel, body_len = fixed[8:]
     if magic != MAGIC:
         raise PayloadError(
             "magic", f"expected {MAGIC!r}, got {bytes(magic)!r} (not an hvdcompress payload)"
@@ -229,15 +209,9 @@ def parse_header(raw: bytes | memoryview, total_len: int) -> Header:
             "body_len", f"header says {body_len} body bytes, payload has {total_len - header_len}"
         )
     params = bytes(raw[FIXED_HEADER.size + 8 * ndim : header_len])
+    codec, dtype = CODEC_NAMES[codec_id], DTYPES[dtype_id]
     return Header(
-        CODEC_NAMES[codec_id],
-        flags,
-        DTYPES[dtype_id],
-        tuple(shape),
-        params,
-        body_len,
-        csum,
-        bytes(raw[:header_len]),
+        codec, flags, dtype, tuple(shape), params, body_len, csum, bytes(raw[:header_len])
     )
 
 
@@ -314,8 +288,7 @@ def verify_checksum(header: Header, payload: torch.Tensor) -> None:
     csum = checksum_without_field(_payload_checksum(for_device(payload.device), payload), field)
     if csum != header.checksum:
         raise PayloadError(
-            "checksum",
-            f"expected 0x{header.checksum:08x}, computed 0x{csum:08x} (corrupt payload)",
+            "checksum", f"expected 0x{header.checksum:08x}, computed 0x{csum:08x} (corrupt payload)"
         )
 
 
@@ -417,20 +390,12 @@ def frame_bucket(
                 f"codec parameters of at most {MAX_PARAMS} bytes, got {params_lens.max()}"
             )
         flags = np.array([f for f, _, _ in encoded], dtype=np.uint8)
-        return cpu.frame_write(
-            layout.heads,
-            layout.head_starts,
-            layout.head_lens,
-            flags,
-            b"".join(params),
-            params_lens,
-            bodies,
-        )
+        templates = (layout.heads, layout.head_starts, layout.head_lens)
+        return cpu.frame_write(*templates, flags, b"".join(params), params_lens, bodies)
+    rows = zip(layout.tensor_shapes, layout.dtypes, encoded, strict=True)
     heads = [
         Header(layout.codec, flags, dtype, shape, params, body.numel()).pack()
-        for shape, dtype, (flags, params, body) in zip(
-            layout.tensor_shapes, layout.dtypes, encoded, strict=True
-        )
+        for shape, dtype, (flags, params, body) in rows
     ]
     return device_frame(heads, bodies)
 
@@ -445,8 +410,7 @@ def device_frame(heads: list[bytes], bodies: list[torch.Tensor]) -> torch.Tensor
     lengths = [len(h) + b.numel() for h, b in zip(heads, bodies, strict=True)]
     table = struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths)
     starts = np.cumsum([len(table), *lengths[:-1]]).tolist() if lengths else []
-    staged = torch.frombuffer(bytearray(table + b"".join(heads)), dtype=torch.uint8)
-    staged = staged.to(device)
+    staged = torch.frombuffer(bytearray(table + b"".join(heads)), dtype=torch.uint8).to(device)
     pieces, at = [staged[: len(table)]], len(table)
     for head, body in zip(heads, bodies, strict=True):
         pieces += [staged[at : at + len(head)], body.reshape(-1).to(device)]

@@ -133,13 +133,10 @@ def encode_segments(
             return cpu.digits_encode_segments(xs, ks, 1, 0, 0, bucket)[0]
         return backend.dqsg_encode_segments(xs, ks, levels, bits, bucket)
 
-    return prim.batched_except_split(
-        list(zip(ws, keys, strict=True)),
-        lambda wk: wk[0].numel(),
-        backend.splits,
-        batched,
-        lambda wk: encode(wk[0], levels, bucket, wk[1]),
-    )
+    def single(w, key):
+        return encode(w, levels, bucket, key)
+
+    return prim.batched_except_split(ws, keys, backend.splits, batched, single)
 
 
 def decode_segments(
@@ -156,13 +153,12 @@ def decode_segments(
     ``outs[i]`` (``GatherCompressor.decode_segments``)."""
     from hvdcompress.backends import cpu
 
-    bits = dqsg_bits(levels)
     backend = for_device(outs[0].device) if outs else cpu
     if levels == 1 and backend is cpu:  # ternary q: quartic + zero-run codes
         failed = cpu.digits_decode_segments(frame, starts, lens, ns, keys, bucket, outs)[1]
     else:
         failed = backend.dqsg_decode_segments(
-            frame, starts, lens, ns, keys, levels, bits, bucket, outs
+            frame, starts, lens, ns, keys, levels, dqsg_bits(levels), bucket, outs
         )
     if failed is None:
         return None

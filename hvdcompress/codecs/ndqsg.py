@@ -79,23 +79,18 @@ def encode_nested_segments(
     backend = for_device(ws[0].device)
 
     def batched(pairs):
-        xs = [w for w, _ in pairs]
-        bodies, ks = backend.digits_encode_segments(
-            xs, [key for _, key in pairs], levels, rho, m_bits(rho), bucket
-        )
+        xs, xkeys = [w for w, _ in pairs], [key for _, key in pairs]
+        bodies, ks = backend.digits_encode_segments(xs, xkeys, levels, rho, m_bits(rho), bucket)
         ends = np.cumsum([x.numel() for x in xs]).tolist()
         return [
             None if body is None else (body, ks[end - x.numel() : end])
             for x, body, end in zip(xs, bodies, ends, strict=True)
         ]
 
-    def single(pair):
-        w, key = pair
+    def single(w, key):
         return encode_nested(w, levels, rho, bucket, key) if prim.all_finite(w) else None
 
-    return prim.batched_except_split(
-        list(zip(ws, keys, strict=True)), lambda wk: wk[0].numel(), backend.splits, batched, single
-    )
+    return prim.batched_except_split(ws, keys, backend.splits, batched, single)
 
 
 def max_numel(body_len: int, rho: int) -> int:

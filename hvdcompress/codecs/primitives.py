@@ -138,17 +138,18 @@ def flat_f32(x: torch.Tensor) -> torch.Tensor:
     return f32_data(x).detach().view(-1)
 
 
-def batched_except_split(items: list, numel, splits, batched, single) -> list:
-    """``batched(rest)`` for the items whose tensors the backend does not cut into parts
-    for its codec threads (``splits(numel(item))`` False) and ``single(item)`` for each of
-    the others, results in the items' order: a bucket's one-call encoders leave the big
+def batched_except_split(ws: list, keys: list, splits, batched, single) -> list:
+    """``batched(rest)`` for the (w, key) pairs whose tensors w the backend does not cut into
+    parts for its codec threads (``splits(w.numel())`` False) and ``single(w, key)`` for each
+    of the others, results in the pairs' order: a bucket's one-call encoders leave the big
     tensors to the threaded per-tensor path."""
-    large = {i for i, item in enumerate(items) if splits(numel(item))}
+    items = list(zip(ws, keys, strict=True))
+    large = {i for i, (w, _) in enumerate(items) if splits(w.numel())}
     if not large:
         return batched(items)
     small = [i for i in range(len(items)) if i not in large]
     results = dict(zip(small, batched([items[i] for i in small]) if small else [], strict=True))
-    results.update({i: single(items[i]) for i in large})
+    results.update({i: single(*items[i]) for i in large})
     return [results[i] for i in range(len(items))]
 
 

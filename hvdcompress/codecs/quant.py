@@ -96,13 +96,9 @@ def qsgd_decoded_bound(body: torch.Tensor, n: int, bucket: int) -> float:
 
 def qsgd_decode_with(backend, body, n, levels, bits, bucket, out, accumulate) -> None:
     """One checked body through ``backend``'s bucket decoder (a bucket of one)."""
-    prim.decode_one(  # -0.0 + v is v: written (not added) is added into -0.0
-        lambda target: backend.qsgd_decode_segments(
-            body, prim.one(0), prim.one(n), levels, bits, bucket, [target]
-        ),
-        out,
-        accumulate,
-    )
+    segment = body, prim.one(0), prim.one(n), levels, bits, bucket
+    # -0.0 + v is v: written (not added) is added into -0.0
+    prim.decode_one(lambda t: backend.qsgd_decode_segments(*segment, [t]), out, accumulate)
 
 
 def terngrad_encode(x: torch.Tensor, key: int) -> tuple[torch.Tensor, float] | None:

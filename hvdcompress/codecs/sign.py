@@ -85,14 +85,8 @@ def decode_into(
 
 def decode_with(backend, body, n: int, scale: float, out: torch.Tensor, accumulate: bool) -> None:
     """One checked body through ``backend``'s bucket decoder (a bucket of one)."""
-    scales = prim.one(scale, np.float32)
-    prim.decode_one(
-        lambda target: backend.sign_decode_segments(
-            body, prim.one(0), prim.one(n), scales, [target]
-        ),
-        out,
-        accumulate,
-    )
+    segment = body, prim.one(0), prim.one(n), prim.one(scale, np.float32)
+    prim.decode_one(lambda t: backend.sign_decode_segments(*segment, [t]), out, accumulate)
 
 
 def decode_segments(

@@ -53,11 +53,8 @@ def topk_count(n: int, ratio: float) -> int:
 def topk_counts(numels: np.ndarray, ratios) -> np.ndarray:
     """``topk_count`` of each (n, ratio) of a bucket, as an int64 array (ratios: one per
     numel, any iterable)."""
-    return np.fromiter(
-        (topk_count(n, r) for n, r in zip(numels.tolist(), ratios, strict=True)),
-        dtype=np.int64,
-        count=len(numels),
-    )
+    pairs = zip(numels.tolist(), ratios, strict=True)
+    return np.fromiter((topk_count(n, r) for n, r in pairs), dtype=np.int64, count=len(numels))
 
 
 def index_dtype(n: int) -> torch.dtype:
@@ -162,10 +159,8 @@ def randomk_decode_into(
     backend, threshold = for_device(out.device), randomk_threshold(ratio)
     body = body.reshape(-1)
     target = out if accumulate or fresh else torch.zeros_like(out)
-    failed = backend.randomk_decode_segments(
-        body, prim.one(0), prim.one(body.numel()), prim.one(n), [key], threshold, scale,
-        [target],
-    )  # fmt: skip
+    segment = prim.one(0), prim.one(body.numel()), prim.one(n)  # a bucket of one
+    failed = backend.randomk_decode_segments(body, *segment, [key], threshold, scale, [target])
     if failed is not None:
         raise _randomk_error(failed[1], body.numel())
     if accumulate:
@@ -482,10 +477,8 @@ def gspar_decode_segments(
     )
     if failed is not None or not wrong.size:
         return failed
-    length, n, k = int(lens[upto]), int(ns[upto]), int(ks[upto])
-    if length % int(pair[upto]):
-        return upto, PayloadError("body", f"{length} bytes are not whole (value, index) pairs")
-    return upto, PayloadError("body", f"{k} kept values for {n} elements")
+    body = frame[int(starts[upto]) : int(starts[upto]) + int(lens[upto])]  # refused by its length
+    return upto, prim.refusal(lambda: gspar_decode_into(body, int(ns[upto]), outs[upto], True))
 
 
 def topk_encode_segments(

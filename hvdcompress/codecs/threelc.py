@@ -118,12 +118,10 @@ def decode_with(
     if out.numel() != numel:
         raise ValueError(f"out has {out.numel()} elements, expected {numel}")
     body = _bytes(body)
+    segment = body, prim.one(0), prim.one(body.numel()), prim.one(numel)  # a bucket of one
 
     def add(target: torch.Tensor, s: float):
-        return backend.threelc_decode_segments(
-            body, prim.one(0), prim.one(body.numel()), prim.one(numel), prim.one(s, "float32"),
-            [target],
-        )  # fmt: skip
+        return backend.threelc_decode_segments(*segment, prim.one(s, "float32"), [target])
 
     if accumulate or not scale <= 0.0:  # S > 0, NaN or Inf
         fill = out if accumulate else torch.zeros_like(out)

@@ -383,16 +383,9 @@ class GatherCompressor(Compressor):
         pick = finite.tolist()
         failed = None
         if pick:
-            failed = self.decode_segments(
-                frame,
-                [params[i] for i in pick],
-                starts[finite],
-                lens[finite],
-                numels[finite],
-                [outs[i] for i in pick],
-                [names[i] for i in pick],
-                rank,
-            )
+            segments = [params[i] for i in pick], starts[finite], lens[finite], numels[finite]
+            picked = [outs[i] for i in pick], [names[i] for i in pick]
+            failed = self.decode_segments(frame, *segments, *picked, rank)
         # a non-finite payload's output is all NaN, in bucket order: up to a failed body
         stop = len(outs) if failed is None else pick[failed[0]]
         for i in np.flatnonzero(nonfinite[:stop]).tolist():

@@ -67,16 +67,14 @@ class DGC(TopKLayout):
         warmup_stages: int = 0,
     ) -> None:
         self.ratio = sparse.check_ratio(ratio, "dgc")
-        m = float(momentum)
-        if not 0.0 <= m < 1.0:
+        self.momentum = float(momentum)
+        if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"dgc momentum must be in [0, 1), got {momentum!r}")
-        self.momentum = m
-        c = float(clip_norm)
-        if not (c >= 0.0 and math.isfinite(c)):
+        self.clip_norm = float(clip_norm)
+        if not (self.clip_norm >= 0.0 and math.isfinite(self.clip_norm)):
             raise ValueError(
                 f"dgc clip_norm must be a finite float >= 0 (0: off), got {clip_norm!r}"
             )
-        self.clip_norm = c
         for what, v in (("warmup_steps", warmup_steps), ("warmup_stages", warmup_stages)):
             if isinstance(v, bool) or int(v) != v or not 0 <= v < 2**63:
                 raise ValueError(f"dgc {what} must be an int in [0, 2**63), got {v!r}")
@@ -181,20 +179,14 @@ class DGC(TopKLayout):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import (
-            check_count_map,
-            check_keys,
-            check_saved_value,
-            check_tensor_map,
-        )
+        from hvdcompress import checkpoint
 
-        check_keys(
-            "dgc state", state, required=("ratio", "velocity", "residuals"), optional=("steps",)
-        )
-        check_saved_value("ratio", state["ratio"], self.ratio)
-        steps = check_count_map("dgc steps", state.get("steps", {}))
-        check_tensor_map("dgc velocity", state["velocity"])  # all checked before loading
-        check_tensor_map("dgc residuals", state["residuals"])
+        required = ("ratio", "velocity", "residuals")
+        checkpoint.check_keys("dgc state", state, required=required, optional=("steps",))
+        checkpoint.check_saved_value("ratio", state["ratio"], self.ratio)
+        steps = checkpoint.check_count_map("dgc steps", state.get("steps", {}))
+        checkpoint.check_tensor_map("dgc velocity", state["velocity"])  # all checked before loading
+        checkpoint.check_tensor_map("dgc residuals", state["residuals"])
         velocity, memory = self.velocity.residuals, self.memory.residuals
         try:
             self.velocity.load_state_dict(state["velocity"], what="dgc velocity")

@@ -19,11 +19,7 @@ class DQSG(BucketQuantizer):
 
     name = "dqsg"
     wire_id = 2
-    examples = (
-        {"levels": 3, "bucket_size": 64},
-        {"levels": 1, "bucket_size": 64},
-        {"levels": 127},
-    )
+    examples = ({"levels": 3, "bucket_size": 64}, {"levels": 1, "bucket_size": 64}, {"levels": 127})
     benchmarks = ({},)
 
     def __init__(

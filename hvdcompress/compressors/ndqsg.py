@@ -72,10 +72,9 @@ class NDQSG(Stochastic):
         self.fine_levels = int(fine_levels)
         self.coarse_levels = int(coarse_levels)
         self.bucket_size = quant.check_bucket(bucket_size, "ndqsg")
-        f = float(dqsg_fraction)
-        if not 0.0 < f <= 1.0:
+        self.dqsg_fraction = float(dqsg_fraction)
+        if not 0.0 < self.dqsg_fraction <= 1.0:
             raise ValueError(f"ndqsg dqsg_fraction must be in (0, 1], got {dqsg_fraction!r}")
-        self.dqsg_fraction = f
         self.size = 1
         self._init_rng(seed, rank)
         self._sent: dict[int, tuple[int, torch.Tensor]] = {}  # tensor id -> (step, k)

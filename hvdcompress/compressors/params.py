@@ -74,16 +74,13 @@ class Param:
         if self.kind == "bool":
             return []
         out = []
-        step = 1 if self.kind == "int" else None
-        for end, is_low, is_open in (
-            (self.low, True, self.low_open),
-            (self.high, False, self.high_open),
-        ):
+        ends = ((self.low, True, self.low_open), (self.high, False, self.high_open))
+        for end, is_low, is_open in ends:
             if end is None:
                 continue
             if is_open:
                 out.append(int(end) if self.kind == "int" else float(end))
-            elif step is not None:
+            elif self.kind == "int":
                 out.append(int(end) - 1 if is_low else int(end) + 1)
             else:
                 out.append(math.nextafter(float(end), -math.inf if is_low else math.inf))

@@ -184,22 +184,16 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import (
-            CheckpointError,
-            check_keys,
-            check_saved_value,
-            check_tensor_map,
-        )
+        from hvdcompress import checkpoint
 
-        check_keys(
-            "powersgd state", state, required=("matrix_rank", "seed", "residuals"), optional=("qs",)
-        )
-        check_saved_value("matrix_rank", state["matrix_rank"], self.matrix_rank)
-        check_saved_value("seed", state["seed"], self.seed)
-        qs = check_tensor_map("powersgd qs", state.get("qs", {}), dim=2)  # Q: cols x rank
+        required = ("matrix_rank", "seed", "residuals")
+        checkpoint.check_keys("powersgd state", state, required=required, optional=("qs",))
+        checkpoint.check_saved_value("matrix_rank", state["matrix_rank"], self.matrix_rank)
+        checkpoint.check_saved_value("seed", state["seed"], self.seed)
+        qs = checkpoint.check_tensor_map("powersgd qs", state.get("qs", {}), dim=2)  # cols x rank
         for k, q in qs.items():
             if not 1 <= q.shape[1] <= MAX_RANK:
-                raise CheckpointError(
+                raise checkpoint.CheckpointError(
                     f"powersgd qs[{k!r}]: shape {tuple(q.shape)}, rank not in [1, {MAX_RANK}]"
                 )
         self.memory.load_state_dict(state["residuals"], what="powersgd residuals")

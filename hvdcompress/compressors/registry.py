@@ -39,10 +39,8 @@ def register(cls: type[Compressor]) -> type[Compressor]:
         if cls.wire_id is None:
             raise ValueError(f"{name}: a gather-only compressor needs a wire id (codec id)")
         wire.register_codec(name, cls.wire_id)
-        if (cls.encode, cls.encode_bucket) == (
-            GatherCompressor.encode,
-            GatherCompressor.encode_bucket,
-        ):
+        defaults = (GatherCompressor.encode, GatherCompressor.encode_bucket)
+        if (cls.encode, cls.encode_bucket) == defaults:
             raise TypeError(f"{name}: a gather-only compressor implements encode or encode_bucket")
     declared = set(cls.params)
     accepted = set(constructor_params(cls))

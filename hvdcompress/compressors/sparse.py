@@ -248,17 +248,13 @@ class RandomK(SeededSparseState, Stochastic):
         return math.ceil((body_len // 4 + 64) * 16 / p)
 
     def decode_into(self, header, body, out, accumulate, side_info):
-        key = self._stream_key(header.params)
-        sparse.randomk_decode_into(
-            body, key, header.numel, self.ratio, self._scale, out, accumulate
-        )
+        key, n = self._stream_key(header.params), header.numel
+        sparse.randomk_decode_into(body, key, n, self.ratio, self._scale, out, accumulate)
 
     def decode_new(self, header, body, side_info):
-        flat = torch.zeros(header.numel, dtype=torch.float32, device=body.device)
-        key = self._stream_key(header.params)
-        sparse.randomk_decode_into(
-            body, key, header.numel, self.ratio, self._scale, flat, False, fresh=True
-        )
+        key, n = self._stream_key(header.params), header.numel
+        flat = torch.zeros(n, dtype=torch.float32, device=body.device)
+        sparse.randomk_decode_into(body, key, n, self.ratio, self._scale, flat, False, fresh=True)
         return flat
 
     def decoded_bound(self, header, body):
@@ -314,10 +310,9 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
     ) -> None:
         self.ratio = sparse.check_ratio(ratio, "gspar")
         self.error_feedback = bool(error_feedback)
-        if variance is not None:
-            variance = float(self.params["variance"].check("gspar", "variance", variance))
         self.variance = variance
         if variance is not None:  # bounded variance: SGD's own rate (docs/codecs.md)
+            self.variance = float(self.params["variance"].check("gspar", "variance", variance))
             self.sgd_lr_factor = 1.0
         self.memory = ErrorFeedback()
         self._init_rng(seed, rank)

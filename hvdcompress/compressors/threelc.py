@@ -89,13 +89,10 @@ class ThreeLC(ResidualState, PerTensorLevels, TernaryLayout):
             return super().encode_bucket(tensors, names)
         es = [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
         levels = [self.level(name) for name in names]
+        coded = threelc.encode_segments(gs, es, levels)
         return [
-            Encoded(
-                wire.FLAG_NONFINITE if enc.nonfinite else 0,
-                threelc.PARAMS.pack(s, enc.scale),
-                enc.body,
-            )
-            for s, enc in zip(levels, threelc.encode_segments(gs, es, levels), strict=True)
+            Encoded(wire.FLAG_NONFINITE if bad else 0, threelc.PARAMS.pack(s, scale), body)
+            for s, (body, scale, bad) in zip(levels, coded, strict=True)
         ]
 
     def check_params(self, header, name):
