@@ -211,13 +211,8 @@ class _Watcher:
 
     def _waiting(self) -> list[tuple[str, int, str, float]]:
         """The collectives this rank waits in now: (sequence, index, what, since)."""
-        out = []
-        p = self.progress
-        if p.data_now is not None:
-            out.append(("data", *p.data_now))
-        if p.control_now is not None:
-            out.append(("control", *p.control_now))
-        return out
+        now = (("data", self.progress.data_now), ("control", self.progress.control_now))
+        return [(seq, *at) for seq, at in now if at is not None]
 
     def _check_exited(self) -> None:
         for seq, index, what, _ in self._waiting():

@@ -341,9 +341,7 @@ def _numels(tensors) -> np.ndarray:
 def _bodies_buffer(room: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
     """One new byte buffer for a bucket's bodies, ``room[p]`` bytes for body p (so that the
     bodies stay valid after the next call), and where each starts in it."""
-    starts = np.zeros(room.size, dtype=np.int64)
-    np.cumsum(room[:-1], out=starts[1:])
-    return torch.empty(int(room.sum()), dtype=torch.uint8), starts
+    return torch.empty(int(room.sum()), dtype=torch.uint8), np.cumsum(room) - room
 
 
 def _native(fn, *args):

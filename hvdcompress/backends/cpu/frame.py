@@ -54,8 +54,7 @@ def frame_write(
     payload's checksum in place."""
     count = len(bodies)
     body_lens = _numels(bodies)
-    param_starts = np.zeros(count, dtype=np.int64)
-    np.cumsum(params_lens[:-1], out=param_starts[1:])
+    param_starts = np.cumsum(params_lens) - params_lens
     total = 8 * (count + 1) + int(head_lens.sum() + params_lens.sum() + body_lens.sum())
     frame = torch.empty(total, dtype=torch.uint8)
     params_buf = np.frombuffer(params, dtype=np.uint8) if params else np.zeros(1, np.uint8)

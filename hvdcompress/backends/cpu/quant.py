@@ -179,8 +179,7 @@ def digits_encode_segments(xs, keys, levels, rho, bits, bucket):
     ternary = rho <= 3
     room = 4 * nb + ((ns + 4) // 5 + 2 if ternary else (ns * bits + 7) // 8)
     buf, starts = _bodies_buffer(room)
-    k_starts = np.zeros(count, dtype=np.int64)
-    np.cumsum(ns[:-1], out=k_starts[1:])
+    k_starts = np.cumsum(ns) - ns
     ks = torch.empty(int(ns.sum()), dtype=torch.int8)
     key_array = np.asarray(keys, dtype=np.uint64).reshape(count)
     lens = np.zeros(count, dtype=np.int64)

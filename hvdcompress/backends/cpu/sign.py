@@ -47,8 +47,7 @@ def efsign_sums_segments(gs, es):
     count = len(gs)
     ns = _numels(gs)
     chunks = (ns + EF_CHUNK - 1) // EF_CHUNK
-    starts = np.zeros(count, dtype=np.int64)
-    np.cumsum(chunks[:-1], out=starts[1:])
+    starts = np.cumsum(chunks) - chunks
     sums = np.zeros(max(int(chunks.sum()), 1), dtype=np.float64)
     rows = _Rows(ns.tolist(), EF_CHUNK)
     bad = np.zeros(len(rows.n), dtype=np.int32)

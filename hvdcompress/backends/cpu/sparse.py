@@ -229,11 +229,9 @@ class TopKSignSelection:
         count = len(gs)
         self.es, self.ns = es, _numels(gs)
         self.ks = np.asarray(ks, dtype=np.int64).reshape(count)
-        self.starts = np.zeros(count, dtype=np.int64)
-        np.cumsum(self.ks[:-1], out=self.starts[1:])
+        self.starts = np.cumsum(self.ks) - self.ks
         chunks = (self.ks + 1023) // 1024  # primitives.abs_sum's chunks
-        self.sum_starts = np.zeros(count, dtype=np.int64)
-        np.cumsum(chunks[:-1], out=self.sum_starts[1:])
+        self.sum_starts = np.cumsum(chunks) - chunks
         self.sum_ends = self.sum_starts + chunks
         total = max(int(self.ks.sum()), 1)
         self.sel = np.empty(total, dtype=np.int64)

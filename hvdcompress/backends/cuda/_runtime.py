@@ -361,7 +361,8 @@ class _Launcher:
 
     def __call__(self, name: str, work: int, *args) -> None:
         """Launch ``name`` with enough blocks of BLOCK threads for ``work`` items (capped:
-        the kernels are grid-stride loops)."""
+        the kernels are grid-stride loops); a tensor in ``args`` is passed as its device
+        pointer (``_ptr``; None: a NULL pointer), every other argument as it is."""
         if work <= 0:
             return
         family = _FAMILY_OF[name]
@@ -369,21 +370,19 @@ class _Launcher:
         if mod is None:
             mod = self._mods[family] = _module(self.index, family)
         blocks = min(-(-work // BLOCK), mod.max_blocks)
+        args = tuple(_ptr(a) if a is None or isinstance(a, torch.Tensor) else a for a in args)
         mod.functions[name]((blocks,), (BLOCK,), args)
 
     def tiles(self, name: str, table: _Segments, *args) -> None:
         """Launch a segment kernel of kernels/threelc.cu section 7 over ``table``'s tiles
         (one block a tile, capped: blocks loop over tiles): arguments (table, rows, tiles,
         tile size, *args)."""
-        self(
-            name,
-            table.tiles * BLOCK,
-            _ptr(table.rows),
-            np.int64(table.count),
-            np.int64(table.tiles),
-            np.int64(table.tile),
-            *args,
-        )
+        sizes = np.int64(table.count), np.int64(table.tiles), np.int64(table.tile)
+        self(name, table.tiles * BLOCK, table.rows, *sizes, *args)
+
+    def rows(self, name: str, table: _Segments, *args) -> None:
+        """Launch a kernel of one thread a row of ``table``: arguments (table, rows, *args)."""
+        self(name, table.count, table.rows, np.int64(table.count), *args)
 
     def state(self) -> torch.Tensor:
         return torch.zeros(_STATE_WORDS, dtype=torch.int32, device=self.device)
@@ -401,7 +400,8 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
 
 
 def _read_state(state: torch.Tensor) -> np.ndarray:
-    """The one device-to-host copy of a call (synchronises with the stream)."""
+    """The one device-to-host copy of a call (synchronises with the stream), as uint32
+    words: the rows of ``_Launcher.states`` stay rows."""
     return state.cpu().numpy().view(np.uint32).copy()
 
 

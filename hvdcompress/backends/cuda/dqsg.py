@@ -72,13 +72,13 @@ def _digits_ternary_encode(
     )
     with rt._Launcher(device) as k:
         states = k.states(len(live))
-        args = (np.int32(levels), np.int64(bucket), np.int32(1), rt._ptr(states))
+        args = (np.int32(levels), np.int64(bucket), np.int32(1), states)
         k.tiles("quant_bucket_floats_segments", per_bucket, np.int32(rt._SEG_BOFF), *args)
         quartic = k.empty(int(ms.sum()), torch.uint8)
-        digit_args = (np.int64(bucket), np.int32(levels), np.int32(rho), rt._ptr(states))
-        k.tiles("quant_dqsg_quartic_segments", groups, *digit_args, rt._ptr(quartic))
+        digit_args = (np.int64(bucket), np.int32(levels), np.int32(rho), states)
+        k.tiles("quant_dqsg_quartic_segments", groups, *digit_args, quartic)
         out = _zre_encode_segments(k, runs, quartic, states)
-        host = rt._read_state(states).reshape(len(live), rt._STATE_WORDS)
+        host = rt._read_state(states)
     coded = _segment_bodies(out, host)
     keep = [r for r in range(len(live)) if not host[r, rt._ST_NONFINITE]]
     delta_bytes = deltas.view(torch.uint8)
@@ -194,9 +194,8 @@ def _digits_ternary_decode(
         trues, counts = _aliasing_counts(k, live, k_trues)
         incl = _zre_check_segments(k, seg, body[:length], states)
         at = np.int32(rt._SEG_TILE)
-        k.tiles("quant_dqsg_deltas_check_segments", per_bucket, at, np.int64(bucket),
-                rt._ptr(states))  # fmt: skip
-        host = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)
+        k.tiles("quant_dqsg_deltas_check_segments", per_bucket, at, np.int64(bucket), states)
+        host = rt._read_state(states)
         refused = np.flatnonzero(host[:, rt._ST_ERROR])
         good = int(refused[0]) if len(refused) else seg.count
         if len(refused):
@@ -205,9 +204,8 @@ def _digits_ternary_decode(
             # run groups expanded as plain zero groups: a zero q adds its dither term too
             quartic = _zre_expand_rows(k, table, lms, good, body, incl, rt._ZERO_GROUP, states)
             part = _first_rows(seg, lms, good)
-            side = (np.int32(rho), np.float32(divisor), rt._ptr(trues), rt._ptr(counts))
-            k.tiles("quant_dqsg_quartic_decode_add_segments", part, np.int64(bucket),
-                    rt._ptr(quartic), *side)  # fmt: skip
+            args = (np.int64(bucket), quartic, np.int32(rho), np.float32(divisor), trues, counts)
+            k.tiles("quant_dqsg_quartic_decode_add_segments", part, *args)
         aliased = _aliased(counts, live, count)
         del body  # stream-ordered: the launches above are queued before its reuse
     return failed, aliased

@@ -19,7 +19,7 @@ def _sum_segments(k: rt._Launcher, buf: torch.Tensor, starts: list[int], lengths
     table[:, rt._SEG_N] = lengths
     seg = rt._segments(table, table[:, rt._SEG_N], buf.device)
     states = k.states(seg.count)
-    k.tiles("hvd_checksum_segments", seg, rt._ptr(states))
+    k.tiles("hvd_checksum_segments", seg, states)
     return seg, states
 
 
@@ -30,7 +30,7 @@ def checksum_segments(buf, starts, lengths):
         return []
     with rt._Launcher(buf.device) as k:
         seg, states = _sum_segments(k, buf, starts, lengths)
-        host = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)
+        host = rt._read_state(states)
     return [int(w) for w in host[:, rt._ST_SUM]]
 
 
@@ -41,14 +41,7 @@ def store_checksums(buf, starts, lengths, field):
         return
     with rt._Launcher(buf.device) as k:
         seg, states = _sum_segments(k, buf, starts, lengths)
-        k(
-            "hvd_checksum_store",
-            seg.count,
-            rt._ptr(seg.rows),
-            np.int64(seg.count),
-            np.int64(field),
-            rt._ptr(states),
-        )
+        k.rows("hvd_checksum_store", seg, np.int64(field), states)
 
 
 # A frame scan's rows (HVD_FRAME_* of kernels/frame.cu section 3): the fields, the shape,
@@ -68,27 +61,16 @@ def frame_scan(frame, count):
         out = torch.zeros(words + count * rt._STATE_WORDS // 2, dtype=torch.int64, device=k.device)
         states = out[words:].view(torch.int32)
         rows = torch.zeros((max(count, 1), rt._SEG_COLS), dtype=torch.int64, device=k.device)
-        k(
-            "hvd_frame_table",
-            1,
-            rt._ptr(frame),
-            np.int64(length),
-            np.int64(count),
-            np.int64(rt.SEGMENT_TILE),
-            rt._ptr(out),
-            rt._ptr(rows),
-        )
+        sizes = np.int64(length), np.int64(count), np.int64(rt.SEGMENT_TILE)
+        k("hvd_frame_table", 1, frame, *sizes, out, rows)
         if count:
             # the table's tiles are counted on the device: launch for the most a frame of
             # this length can have (a payload adds at most one partial tile); the surplus
             # tiles sum no bytes
             tiles = -(-length // rt.SEGMENT_TILE) + count
-            k.tiles(
-                "hvd_checksum_segments",
-                rt._Segments(rows, count, tiles, rt.SEGMENT_TILE),
-                rt._ptr(states),
-            )
-            k("hvd_frame_headers", count, rt._ptr(frame), np.int64(count), rt._ptr(out))
+            seg = rt._Segments(rows, count, tiles, rt.SEGMENT_TILE)
+            k.tiles("hvd_checksum_segments", seg, states)
+            k("hvd_frame_headers", count, frame, np.int64(count), out)
         host = rt._read_state(out)
     scan = host[: 2 * words].view(np.int64)
     if scan[0] != 1:
@@ -122,12 +104,5 @@ def length_prefixes(buf: torch.Tensor, size: int) -> np.ndarray:
     rt._check_tensor(buf, "buf", torch.uint8)
     with rt._Launcher(buf.device) as k:
         out = torch.zeros(size + 2, dtype=torch.int64, device=k.device)
-        k(
-            "hvd_length_prefixes",
-            1,
-            rt._ptr(buf),
-            np.int64(buf.numel()),
-            np.int64(size),
-            rt._ptr(out),
-        )
+        k("hvd_length_prefixes", 1, buf, np.int64(buf.numel()), np.int64(size), out)
         return rt._read_state(out).view(np.int64)

@@ -13,7 +13,7 @@ def uniform(key, n, device=None):
     out = torch.empty(n, dtype=torch.float32, device=device)
     if n:
         with rt._Launcher(out.device) as k:
-            k("primitives_uniform", n, np.uint64(key), np.int64(0), np.int64(n), rt._ptr(out))
+            k("primitives_uniform", n, np.uint64(key), np.int64(0), np.int64(n), out)
     return out
 
 
@@ -24,15 +24,8 @@ def bitpack(codes, bits):
     out = torch.empty(nbytes, dtype=torch.uint8, device=codes.device)
     if n:
         with rt._Launcher(codes.device) as k:
-            k(
-                "primitives_bitpack",
-                nbytes,
-                rt._ptr(codes),
-                np.int64(n),
-                np.int32(bits),
-                rt._ptr(out),
-                np.int64(nbytes),
-            )
+            sizes = np.int64(n), np.int32(bits)
+            k("primitives_bitpack", nbytes, codes, *sizes, out, np.int64(nbytes))
     return out
 
 
@@ -44,16 +37,8 @@ def bitunpack(buf, n, bits):
     if n:
         with rt._Launcher(buf.device) as k:
             state = k.state()
-            k(
-                "primitives_bitunpack",
-                n,
-                rt._ptr(buf),
-                np.int64(buf.numel()),
-                np.int64(n),
-                np.int32(bits),
-                rt._ptr(codes),
-                rt._ptr(state),
-            )
+            sizes = np.int64(buf.numel()), np.int64(n), np.int32(bits)
+            k("primitives_bitunpack", n, buf, *sizes, codes, state)
             err = int(rt._read_state(state)[rt._ST_ERROR])
         if err & rt._PRIM_ERR_PADDING:
             raise PayloadError("body", "a padding bit after the last packed value is set")
@@ -67,15 +52,8 @@ def chunk_sums(x, chunk, square):
     out = torch.empty(chunks, dtype=torch.float64, device=x.device)
     if n:
         with rt._Launcher(x.device) as k:
-            k(
-                "primitives_chunk_sums",
-                chunks,
-                rt._ptr(x),
-                np.int64(n),
-                np.int64(chunk),
-                np.int32(bool(square)),
-                rt._ptr(out),
-            )
+            sizes = np.int64(n), np.int64(chunk), np.int32(bool(square))
+            k("primitives_chunk_sums", chunks, x, *sizes, out)
     return out
 
 

@@ -56,11 +56,11 @@ def _packed_bucket_encode(
     with rt._Launcher(device) as k:
         states = k.states(per_bucket.count)
         at, flag = np.int32(rt._SEG_BOFF), np.int32(dqsg)
-        args = (np.int32(levels), np.int64(bucket), flag, rt._ptr(states))
+        args = (np.int32(levels), np.int64(bucket), flag, states)
         k.tiles("quant_bucket_floats_segments", per_bucket, at, *args)
         args = (np.int32(levels), np.int32(bits), np.int64(bucket), flag, np.int32(rho))
         k.tiles("quant_packed_encode_segments", groups, np.int32(rt._SEG_TILE), *args)
-        bad = rt._read_state(states).reshape(per_bucket.count, rt._STATE_WORDS)[:, rt._ST_NONFINITE]
+        bad = rt._read_state(states)[:, rt._ST_NONFINITE]
     for row, i in enumerate(live.tolist()):
         if bad[row]:
             bodies[i] = None
@@ -124,14 +124,14 @@ def _packed_bucket_decode(
         trues, counts = _aliasing_counts(k, live, k_trues)
         rule = np.int32(codec == "dqsg")
         at = np.int32(rt._SEG_TILE)
-        k.tiles("quant_packed_check_segments", check, at, *args, rule, rt._ptr(states))
-        errors = rt._read_state(states).reshape(check.count, rt._STATE_WORDS)[:, rt._ST_ERROR]
+        k.tiles("quant_packed_check_segments", check, at, *args, rule, states)
+        errors = rt._read_state(states)[:, rt._ST_ERROR]
         refused = np.flatnonzero(errors)
         good = int(refused[0]) if len(refused) else check.count
         if good:
             part = _first_rows(decode, groups[live], good)
             at = np.int32(rt._SEG_BOFF)
-            side = (np.int32(rho), np.float32(divisor), rt._ptr(trues), rt._ptr(counts))
+            side = (np.int32(rho), np.float32(divisor), trues, counts)
             k.tiles("quant_packed_decode_add_segments", part, at, *args, rule, *side)
         aliased = _aliased(counts, live, len(outs))
         del body  # stream-ordered: the launches above are queued before its reuse
@@ -177,28 +177,9 @@ def dqsg_quantize(w, levels, bucket, key, code_offset):
         return q, deltas
     with rt._Launcher(w.device) as k:
         state = k.state()
-        k(
-            "quant_dqsg_deltas",
-            nb,
-            rt._ptr(w),
-            np.int64(n),
-            np.int32(levels),
-            np.int64(bucket),
-            rt._ptr(deltas),
-            rt._ptr(state),
-        )
-        k(
-            "quant_dqsg_quantize",
-            n,
-            rt._ptr(w),
-            np.int64(n),
-            np.int32(levels),
-            np.int64(bucket),
-            np.uint64(key),
-            np.int32(code_offset),
-            rt._ptr(deltas),
-            rt._ptr(q),
-        )
+        sizes = np.int64(n), np.int32(levels), np.int64(bucket)
+        k("quant_dqsg_deltas", nb, w, *sizes, deltas, state)
+        k("quant_dqsg_quantize", n, w, *sizes, np.uint64(key), np.int32(code_offset), deltas, q)
         return None if rt._read_state(state)[rt._ST_NONFINITE] else (q, deltas)
 
 
@@ -209,14 +190,5 @@ def dqsg_dequantize(q, deltas, bucket, key, out, accumulate):
     if n == 0:
         return
     with rt._Launcher(out.device) as k:
-        k(
-            "quant_dqsg_dequantize",
-            n,
-            rt._ptr(q),
-            np.int64(n),
-            rt._ptr(deltas),
-            np.int64(bucket),
-            np.uint64(key),
-            rt._ptr(out),
-            np.int32(bool(accumulate)),
-        )
+        tail = np.int64(bucket), np.uint64(key), out, np.int32(bool(accumulate))
+        k("quant_dqsg_dequantize", n, q, np.int64(n), deltas, *tail)

@@ -36,8 +36,8 @@ def sign_encode_segments(xs):
     with rt._Launcher(device) as k:
         seg = rt._segments(table, nbytes[live], device)
         states = k.states(seg.count)
-        k.tiles("sign_encode_segments", seg, rt._ptr(states))
-        bad = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)[:, rt._ST_NONFINITE]
+        k.tiles("sign_encode_segments", seg, states)
+        bad = rt._read_state(states)[:, rt._ST_NONFINITE]
     for row, i in enumerate(live.tolist()):
         if bad[row]:
             bodies[i] = None
@@ -60,7 +60,7 @@ def efsign_sums_segments(gs, es):
         table[:, rt._SIGN_SEG_OUT] = scratch.data_ptr() + 8 * first[live]
         with rt._Launcher(device) as k:
             seg = rt._segments(table, chunks[live], device)
-            k.tiles("sign_ef_sums_segments", seg, np.int64(EF_CHUNK), rt._ptr(states))
+            k.tiles("sign_ef_sums_segments", seg, np.int64(EF_CHUNK), states)
     host = rt._read_state(scratch)
     sums = host[: 2 * total].view(np.float64)
     words = host[2 * total :].reshape(-1, rt._STATE_WORDS)
@@ -105,16 +105,8 @@ def sign_decode_segments(frame, starts, ns, scales, outs):
     with rt._Launcher(device) as k:
         seg = rt._segments(table, nbytes[live], device)
         states = k.states(seg.count)
-        k(
-            "sign_decode_check_segments",
-            seg.count,
-            rt._ptr(seg.rows),
-            np.int64(seg.count),
-            rt._ptr(states),
-        )
-        refused = np.flatnonzero(
-            rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)[:, rt._ST_ERROR]
-        )
+        k.rows("sign_decode_check_segments", seg, states)
+        refused = np.flatnonzero(rt._read_state(states)[:, rt._ST_ERROR])
         good = int(refused[0]) if len(refused) else seg.count
         if good:
             k.tiles("sign_decode_add_segments", _first_rows(seg, nbytes[live], good))

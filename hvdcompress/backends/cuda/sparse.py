@@ -86,27 +86,20 @@ def _topk_select(k: rt._Launcher, elements: rt._Segments, total: int, momentum, 
     bodies, or with ``slots`` (values, indices) into those. No read."""
     m = np.float32(momentum)
     hist = torch.zeros(elements.count * _TOPK_BINS, dtype=torch.int32, device=k.device)
-    k.tiles("sparse_topk_finite_segments", elements, m, rt._ptr(states))
-    k.tiles("sparse_topk_update_segments", elements, m, rt._ptr(states), rt._ptr(hist))
+    k.tiles("sparse_topk_finite_segments", elements, m, states)
+    k.tiles("sparse_topk_update_segments", elements, m, states, hist)
     for digit in range(3):
         if digit:
-            args = (np.int32(digit), rt._ptr(states), rt._ptr(hist))
+            args = (np.int32(digit), states, hist)
             k.tiles("sparse_topk_histogram_segments", elements, *args)
-        pick = (rt._ptr(elements.rows), np.int64(elements.count), np.int32(digit))
-        k("sparse_topk_pick_segments", elements.count, *pick, rt._ptr(hist), rt._ptr(states))
+        k.rows("sparse_topk_pick_segments", elements, np.int32(digit), hist, states)
     flags = k.empty(total, torch.uint8)
-    k.tiles("sparse_topk_ties_segments", elements, rt._ptr(states), rt._ptr(flags))
+    k.tiles("sparse_topk_ties_segments", elements, states, flags)
     ties = torch.cumsum(flags, 0, dtype=torch.int64)
-    k.tiles("sparse_topk_keep_segments", elements, rt._ptr(states), rt._ptr(ties), rt._ptr(flags))
+    k.tiles("sparse_topk_keep_segments", elements, states, ties, flags)
     incl = torch.cumsum(flags, 0, dtype=torch.int64)
     values, indices = (None, None) if slots is None else slots
-    args = (
-        np.int64(rt.TOPK_INDEX32_LIMIT),
-        rt._ptr(flags),
-        rt._ptr(incl),
-        rt._ptr(values),
-        rt._ptr(indices),
-    )
+    args = (np.int64(rt.TOPK_INDEX32_LIMIT), flags, incl, values, indices)
     k.tiles("sparse_topk_gather_segments", elements, *args)
 
 
@@ -131,10 +124,7 @@ def topk_encode_segments(gs, es, ks, us=None, momentum=0.0):
         elements = rt._segments(table, lns, device)
         states = k.states(elements.count)
         _topk_select(k, elements, int(lns.sum()), momentum, states)
-        bad = (
-            rt._read_state(states).reshape(elements.count, rt._STATE_WORDS)[:, rt._ST_NONFINITE]
-            != 0
-        )
+        bad = rt._read_state(states)[:, rt._ST_NONFINITE] != 0
     for row, i in enumerate(live.tolist()):
         nonfinite[i] = bool(bad[row])
         if not bad[row]:
@@ -201,7 +191,7 @@ def topkq_select_segments(gs, es, ks):
         sums = words[count * rt._STATE_WORDS :].view(torch.float64)
         _topk_select(k, sel.elements, sel.total, 0.0, states, (sel.values, sel.indices))
         chunk_args = (np.int64(sel.values.numel()), np.int64(TOPKQ_CHUNK), np.int32(0))
-        k("primitives_chunk_sums", sums.numel(), rt._ptr(sel.values), *chunk_args, rt._ptr(sums))
+        k("primitives_chunk_sums", sums.numel(), sel.values, *chunk_args, sums)
         host = rt._read_state(words)
     sel.states = states
     state_words = host[: count * rt._STATE_WORDS].reshape(count, rt._STATE_WORDS)
@@ -218,13 +208,8 @@ def topkq_write_segments(sel, magnitudes):
     ms = np.asarray(magnitudes, dtype=np.float32).reshape(len(sel.ks))[sel.live]
     with rt._Launcher(sel.device) as k:
         dms = torch.from_numpy(ms).to(sel.device)
-        args = (
-            np.int64(rt.TOPK_INDEX32_LIMIT),
-            rt._ptr(sel.values),
-            rt._ptr(sel.indices),
-            rt._ptr(dms),
-        )
-        k.tiles("sparse_topkq_write_segments", sel.slots, *args, rt._ptr(sel.states))
+        args = (np.int64(rt.TOPK_INDEX32_LIMIT), sel.values, sel.indices, dms)
+        k.tiles("sparse_topkq_write_segments", sel.slots, *args, sel.states)
     for row, i in enumerate(sel.live.tolist()):
         if not sel.nonfinite[i]:
             bodies[i] = sel.buf[int(sel.firsts[row]) :][: int(sel.sizes[row])]
@@ -268,8 +253,8 @@ def _kept_decode_segments(frame, starts, ks, ns, outs, signs: bool) -> tuple[int
     flag = np.int32(signs)
     with rt._Launcher(device) as k:
         states = k.states(seg.count)
-        k.tiles("sparse_topk_check_segments", seg, flag, rt._ptr(states))
-        errors = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)[:, rt._ST_ERROR]
+        k.tiles("sparse_topk_check_segments", seg, flag, states)
+        errors = rt._read_state(states)[:, rt._ST_ERROR]
         refused = np.flatnonzero(errors)
         good = int(refused[0]) if len(refused) else seg.count
         if good:

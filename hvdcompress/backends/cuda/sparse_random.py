@@ -40,24 +40,17 @@ def randomk_encode_segments(gs, keys, threshold, es):
         states = k.states(elements.count)
         flags = k.empty(total, torch.uint8)
         limit = np.float32(threshold * 2.0**-24)  # exact: T <= 2^24
-        k.tiles("quant_randomk_flags_segments", elements, limit, rt._ptr(flags))
+        k.tiles("quant_randomk_flags_segments", elements, limit, flags)
         incl = torch.cumsum(flags, 0, dtype=torch.int64)
-        k.tiles("quant_randomk_count_segments", elements, rt._ptr(incl), rt._ptr(states))
-        host = rt._read_state(states).reshape(elements.count, rt._STATE_WORDS)
+        k.tiles("quant_randomk_count_segments", elements, incl, states)
+        host = rt._read_state(states)
         kept = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
         bad = host[:, rt._ST_NONFINITE] != 0
         sizes = np.where(bad, 0, 4 * kept)
         firsts = np.cumsum(sizes) - sizes
         buf = k.empty(max(int(sizes.sum()), 4), torch.uint8)
         at = torch.from_numpy(buf.data_ptr() + firsts).to(device)
-        k.tiles(
-            "quant_randomk_gather_segments",
-            elements,
-            rt._ptr(flags),
-            rt._ptr(incl),
-            rt._ptr(at),
-            rt._ptr(states),
-        )
+        k.tiles("quant_randomk_gather_segments", elements, flags, incl, at, states)
     for row, i in enumerate(live.tolist()):
         nonfinite[i] = bool(bad[row])
         bodies[i] = buf[int(firsts[row]) :][: int(sizes[row])]
@@ -84,19 +77,17 @@ def randomk_decode_segments(frame, starts, lens, ns, keys, threshold, scale, out
         states = k.states(count)
         flags = k.empty(max(total, 1), torch.uint8)
         limit = np.float32(threshold * 2.0**-24)  # exact: T <= 2^24
-        k.tiles("quant_randomk_flags_segments", elements, limit, rt._ptr(flags))
+        k.tiles("quant_randomk_flags_segments", elements, limit, flags)
         incl = torch.cumsum(flags[:total], 0, dtype=torch.int64) if total else flags.long()
-        k.tiles("quant_randomk_check_segments", values, rt._ptr(incl), rt._ptr(states))
-        host = rt._read_state(states).reshape(count, rt._STATE_WORDS)
+        k.tiles("quant_randomk_check_segments", values, incl, states)
+        host = rt._read_state(states)
         kept = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
         wrong = 4 * kept != lens
         refused = np.flatnonzero(wrong | (host[:, rt._ST_ERROR] != 0))
         good = int(refused[0]) if len(refused) else count
         if good:
             part = _first_rows(elements, ns, good)
-            k.tiles(
-                "quant_randomk_add_segments", part, rt._ptr(flags), rt._ptr(incl), np.float32(scale)
-            )
+            k.tiles("quant_randomk_add_segments", part, flags, incl, np.float32(scale))
         del body  # stream-ordered: the launches above are queued before its reuse
     if not len(refused):
         return None
@@ -124,15 +115,14 @@ def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
     table[:, rt._QUANT_SEG_KEY] = np.asarray(keys, dtype=np.uint64)[live].view(np.int64)
     budget = np.asarray(budgets, dtype=np.float64).reshape(len(gs))[live]
     elements = rt._segments(table, lns, device)
-    rows, nrows = rt._ptr(elements.rows), np.int64(elements.count)
     with rt._Launcher(device) as k:
         states = k.states(elements.count)
-        k.tiles("quant_gspar_prepare_segments", elements, rt._ptr(states))
-        host = rt._read_state(states).reshape(elements.count, rt._STATE_WORDS)
+        k.tiles("quant_gspar_prepare_segments", elements, states)
+        host = rt._read_state(states)
         bad = host[:, rt._ST_NONFINITE] != 0
         nonzero = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
         if es is not None:
-            k.tiles("quant_gspar_form_segments", elements, rt._ptr(states))
+            k.tiles("quant_gspar_form_segments", elements, states)
         scales = np.where(budget >= nonzero, np.inf, -1.0).astype(np.float32)
         scales[bad] = -1.0
         iterating = ~bad & (budget < nonzero)
@@ -147,8 +137,8 @@ def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
             words.zero_()
             counts, sums = words[: 2 * elements.count], words[2 * elements.count :]
             at = torch.from_numpy(np.where(iterating, c32, np.float32(-1.0))).to(device)
-            args = (rows, nrows, np.int64(nchunks), np.int64(chunk), rt._ptr(at))
-            k("quant_gspar_round_segments", nchunks, *args, rt._ptr(counts), rt._ptr(sums))
+            args = (elements.rows, np.int64(elements.count), np.int64(nchunks), np.int64(chunk), at)
+            k("quant_gspar_round_segments", nchunks, *args, counts, sums)
             read = rt._read_state(words)
             now = read[: 2 * elements.count].view(np.int64)
             totals = read[2 * elements.count :].view(np.float64)
@@ -169,10 +159,10 @@ def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
         draw = np.where(bad | left_over, np.float32(-1.0), c32).astype(np.float32)
         scales_at = torch.from_numpy(draw).to(device)
         flags = k.empty(int(lns.sum()), torch.uint8)
-        k.tiles("quant_gspar_flags_segments", elements, rt._ptr(scales_at), rt._ptr(flags))
+        k.tiles("quant_gspar_flags_segments", elements, scales_at, flags)
         incl = torch.cumsum(flags, 0, dtype=torch.int64)
-        k("quant_gspar_count_segments", elements.count, rows, nrows, rt._ptr(incl), rt._ptr(states))
-        host = rt._read_state(states).reshape(elements.count, rt._STATE_WORDS)
+        k.rows("quant_gspar_count_segments", elements, incl, states)
+        host = rt._read_state(states)
         kept = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
         sizes = np.where(draw >= 0, kept * np.where(lns >= rt.TOPK_INDEX32_LIMIT, 12, 8), 0)
         rooms = -(-sizes // 8) * 8
@@ -180,8 +170,8 @@ def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
         buf = k.empty(max(int(rooms.sum()), 8), torch.uint8)
         at = np.where(draw >= 0, buf.data_ptr() + firsts, 0).astype(np.int64)
         body_at = torch.from_numpy(at).to(device)
-        args = (np.int32(es is None), np.int64(rt.TOPK_INDEX32_LIMIT), rt._ptr(scales_at))
-        gather = (*args, rt._ptr(flags), rt._ptr(incl), rt._ptr(body_at), rt._ptr(states))
+        args = (np.int32(es is None), np.int64(rt.TOPK_INDEX32_LIMIT), scales_at)
+        gather = (*args, flags, incl, body_at, states)
         k.tiles("quant_gspar_gather_segments", elements, *gather)
     for row, i in enumerate(live.tolist()):
         nonfinite[i] = bool(bad[row])

@@ -55,19 +55,9 @@ def _quantize_quartic(
     ceil(n / 5) quartic bytes; S and the non-finite flag go to state, e (when given) is
     updated and q_out (int8, when given) written. x must have n >= 1 elements."""
     n = x.numel()
-    k("threelc_absmax", n, rt._ptr(x), rt._ptr(e), np.int64(n), rt._ptr(state))
+    k("threelc_absmax", n, x, e, np.int64(n), state)
     quartic = k.empty((n + 4) // 5, torch.uint8)
-    k(
-        "threelc_quantize_quartic",
-        quartic.numel(),
-        rt._ptr(x),
-        rt._ptr(e),
-        np.int64(n),
-        s,
-        rt._ptr(state),
-        rt._ptr(quartic),
-        rt._ptr(q_out),
-    )
+    k("threelc_quantize_quartic", quartic.numel(), x, e, np.int64(n), s, state, quartic, q_out)
     return quartic
 
 
@@ -100,22 +90,12 @@ def _zre_encode(k: rt._Launcher, qb: torch.Tensor, state: torch.Tensor) -> torch
     state[rt._ST_COUNT], input bytes > 242 set rt.ERR_INPUT. No host synchronisation."""
     m = qb.numel()
     start = k.empty(m, torch.int64)
-    k("threelc_zre_run_starts", m, rt._ptr(qb), np.int64(m), rt._ptr(start))
+    k("threelc_zre_run_starts", m, qb, np.int64(m), start)
     run_start = _running_max(start)
     del start  # stream-ordered: reused only by later work on this stream
     incl = _zre_emit_scan(k, qb, run_start, state)
     out = k.empty(m, torch.uint8)
-    k(
-        "threelc_zre_scatter",
-        m,
-        rt._ptr(qb),
-        rt._ptr(run_start),
-        rt._ptr(incl),
-        np.int64(m),
-        rt._ptr(out),
-        np.int64(m),
-        rt._ptr(state),
-    )
+    k("threelc_zre_scatter", m, qb, run_start, incl, np.int64(m), out, np.int64(m), state)
     return out
 
 
@@ -126,15 +106,7 @@ def _zre_emit_scan(
     output byte): each emitting position's output index + 1."""
     m = qb.numel()
     emit = k.empty(m, torch.uint8)
-    k(
-        "threelc_zre_flags",
-        m,
-        rt._ptr(qb),
-        rt._ptr(run_start),
-        np.int64(m),
-        rt._ptr(emit),
-        rt._ptr(state),
-    )
+    k("threelc_zre_flags", m, qb, run_start, np.int64(m), emit, state)
     return torch.cumsum(emit, 0, dtype=torch.int64)
 
 
@@ -143,17 +115,9 @@ def _zre_prepare(k: rt._Launcher, body: torch.Tensor, numel: int, state: torch.T
     with numel >= 0 the length / padding checks) into state. Returns the scan."""
     length = body.numel()
     lens = k.empty(length, torch.uint8)
-    k("threelc_zre_lengths", length, rt._ptr(body), np.int64(length), rt._ptr(lens))
+    k("threelc_zre_lengths", length, body, np.int64(length), lens)
     incl = torch.cumsum(lens, 0, dtype=torch.int64)
-    k(
-        "threelc_zre_decode_check",
-        1,
-        rt._ptr(body),
-        rt._ptr(incl),
-        np.int64(length),
-        np.int64(numel),
-        rt._ptr(state),
-    )
+    k("threelc_zre_decode_check", 1, body, incl, np.int64(length), np.int64(numel), state)
     return incl
 
 
@@ -184,7 +148,7 @@ def threelc_decode_segments(frame, starts, lens, ns, scales, outs):
         seg = rt._segments(table, lms, device)
         states = k.states(seg.count)
         incl = _zre_check_segments(k, seg, body, states)
-        host = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)
+        host = rt._read_state(states)
         refused = np.flatnonzero(host[:, rt._ST_ERROR])
         good = seg.count
         if len(refused):
@@ -196,7 +160,7 @@ def threelc_decode_segments(frame, starts, lens, ns, scales, outs):
             return failed
         quartic = _zre_expand_rows(k, table, lms, good, body, incl, rt._RUN_GROUP, states)
         part = _first_rows(seg, lms, good)
-        k.tiles("threelc_quartic_decode_add_segments", part, rt._ptr(quartic), rt._ptr(states))
+        k.tiles("threelc_quartic_decode_add_segments", part, quartic, states)
     return failed
 
 
@@ -208,18 +172,10 @@ def _zre_check_segments(
     into its state row (kernels/threelc.cu section 7). Returns the inclusive scan."""
     length = body.numel()
     lengths = k.empty(length, torch.uint8)
-    k("threelc_zre_lengths", length, rt._ptr(body), np.int64(length), rt._ptr(lengths))
+    k("threelc_zre_lengths", length, body, np.int64(length), lengths)
     incl = torch.cumsum(lengths, 0, dtype=torch.int64)
     del lengths
-    k(
-        "threelc_zre_decode_check_segments",
-        seg.count,
-        rt._ptr(seg.rows),
-        np.int64(seg.count),
-        rt._ptr(body),
-        rt._ptr(incl),
-        rt._ptr(states),
-    )
+    k.rows("threelc_zre_decode_check_segments", seg, body, incl, states)
     return incl
 
 
@@ -230,18 +186,16 @@ def _zre_expand_rows(k, table, ms, rows: int, body, incl, run_byte: int, states)
     used_len = int(table[rows - 1, rt._SEG_BOFF] + table[rows - 1, rt._SEG_BLEN])
     used_m = int(table[rows - 1, rt._SEG_QOFF] + ms[rows - 1])
     quartic = k.empty(used_m, torch.uint8)
-    k(
-        "threelc_zre_expand",
-        used_len,
-        rt._ptr(body),
-        rt._ptr(incl),
-        np.int64(used_len),
-        np.uint8(run_byte),
-        rt._ptr(quartic),
-        np.int64(used_m),
-        rt._ptr(states),
-    )
+    _zre_expand(k, body, incl, used_len, run_byte, quartic, states)
     return quartic
+
+
+def _zre_expand(k: rt._Launcher, body, incl, length: int, run_byte: int, out, state) -> None:
+    """Expand the first ``length`` zero-run bytes of ``body`` into ``out`` (``incl``: the
+    inclusive scan of their expansion lengths), a run code's zero group written as
+    ``run_byte``."""
+    n, run, m = np.int64(length), np.uint8(run_byte), np.int64(out.numel())
+    k("threelc_zre_expand", length, body, incl, n, run, out, m, state)
 
 
 # ---- building blocks -----------------------------------------------------------------------
@@ -271,14 +225,7 @@ def quartic_encode(q):
         return out
     with rt._Launcher(q.device) as k:
         state = k.state()
-        k(
-            "threelc_quartic_encode",
-            out.numel(),
-            rt._ptr(q),
-            np.int64(n),
-            rt._ptr(out),
-            rt._ptr(state),
-        )
+        k("threelc_quartic_encode", out.numel(), q, np.int64(n), out, state)
         if rt._read_state(state)[rt._ST_ERROR]:
             raise ValueError("quartic_encode: digits must be -1, 0 or 1")
     return out
@@ -296,7 +243,7 @@ def quartic_decode(buf, numel):
         return q
     with rt._Launcher(buf.device) as k:
         state = k.state()
-        k("threelc_quartic_decode", m, rt._ptr(buf), np.int64(numel), rt._ptr(q), rt._ptr(state))
+        k("threelc_quartic_decode", m, buf, np.int64(numel), q, state)
         err = int(rt._read_state(state)[rt._ST_ERROR])
     if err:
         raise _body_error(err)
@@ -334,18 +281,7 @@ def zero_run_decode(buf, expected_len=None):
     out = torch.empty(total, dtype=torch.uint8, device=buf.device)
     if length:
         with rt._Launcher(buf.device) as k:
-            state = k.state()
-            k(
-                "threelc_zre_expand",
-                length,
-                rt._ptr(buf),
-                rt._ptr(incl),
-                np.int64(length),
-                np.uint8(rt._ZERO_GROUP),
-                rt._ptr(out),
-                np.int64(total),
-                rt._ptr(state),
-            )
+            _zre_expand(k, buf, incl, length, rt._ZERO_GROUP, out, k.state())
     return out
 
 
@@ -396,11 +332,11 @@ def _quartic_bucket(
     with rt._Launcher(device) as k:
         seg = rt._segments(table, live_ms, device)
         states = k.states(seg.count)
-        k.tiles("threelc_absmax_segments", seg, rt._ptr(states))
+        k.tiles("threelc_absmax_segments", seg, states)
         quartic = k.empty(int(((ns + 4) // 5).sum()), torch.uint8)
-        k.tiles(digits, seg, rt._ptr(states), rt._ptr(quartic))
+        k.tiles(digits, seg, states, quartic)
         out = _zre_encode_segments(k, seg, quartic, states)
-        host = rt._read_state(states).reshape(seg.count, rt._STATE_WORDS)
+        host = rt._read_state(states)
     return host, _segment_bodies(out, host)
 
 
@@ -411,21 +347,14 @@ def _zre_encode_segments(
     its end), into one new buffer; each tensor's body length goes to its state row."""
     total = quartic.numel()
     start = k.empty(total, torch.int64)
-    k.tiles("threelc_zre_run_starts_segments", seg, rt._ptr(quartic), rt._ptr(start))
+    k.tiles("threelc_zre_run_starts_segments", seg, quartic, start)
     run_start = _running_max(start)
     del start
     # input errors cannot happen here (quartic bytes are <= 242): a scratch state
     incl = _zre_emit_scan(k, quartic, run_start, k.state())
     out = k.empty(total, torch.uint8)
     k.tiles(
-        "threelc_zre_scatter_segments",
-        seg,
-        rt._ptr(quartic),
-        rt._ptr(run_start),
-        rt._ptr(incl),
-        rt._ptr(out),
-        np.int64(total),
-        rt._ptr(states),
+        "threelc_zre_scatter_segments", seg, quartic, run_start, incl, out, np.int64(total), states
     )
     return out
 
