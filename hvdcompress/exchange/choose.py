@@ -25,7 +25,6 @@ from hvdcompress.transports.cost import LinkCost, calibrate_link
 EXCHANGES = ("auto", "allgather", "twostage")
 LINK_COSTS = (None, "measure")  # or a LinkCost
 PROBE_NUMEL = 1 << 16  # elements of the cost model's probe payload
-COMPUTE_PROBE_NUMEL = 1 << 20  # larger than caches: the seconds per value of real buckets
 
 
 @dataclass(frozen=True)
@@ -68,18 +67,18 @@ def twostage_bytes(size: int, shards: list[list[Piece]], est: PayloadEstimate) -
 @dataclass(frozen=True)
 class ComputeCost:
     """Seconds per value of a compressor's encode and of one decode (of one rank's
-    payload), measured on ``COMPUTE_PROBE_NUMEL`` seeded values and averaged over ranks."""
+    payload), measured on the probe of ``estimate_payload`` and averaged over ranks."""
 
     encode: float
     decode: float
 
 
 def measure_compute(compressor: GatherCompressor, transport: Transport) -> ComputeCost:
-    """Time a copy of the compressor on a probe (median of 3 after a warm-up);
+    """Time a copy of the compressor on the probe (median of 3 after a warm-up);
     collective: the ranks' timings are averaged, so every rank gets the same numbers."""
     probe = copy.deepcopy(compressor)
     probe.bind(0, transport.size)
-    x = torch.randn(COMPUTE_PROBE_NUMEL, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(PROBE_NUMEL, generator=torch.Generator().manual_seed(0))
     enc, dec = [], []
     for _ in range(4):
         t0 = time.perf_counter()
@@ -88,7 +87,7 @@ def measure_compute(compressor: GatherCompressor, transport: Transport) -> Compu
         probe.decompress(payload, ctx)
         enc.append(t1 - t0)
         dec.append(time.perf_counter() - t1)
-    mine = [statistics.median(t[1:]) / COMPUTE_PROBE_NUMEL for t in (enc, dec)]
+    mine = [statistics.median(enc[1:]) / PROBE_NUMEL, statistics.median(dec[1:]) / PROBE_NUMEL]
     encode, decode = transport.sum_floats(mine)
     return ComputeCost(encode / transport.size, decode / transport.size)
 

@@ -139,22 +139,14 @@ def _collective(transport, kind: str, nbytes: int):
 
 
 def calibrate_link(
-    transport,
-    sizes=(1 << 10, 1 << 15, 1 << 18, 1 << 21, 1 << 23),
-    repeats: int = 3,
-    clock=time.perf_counter,
-    enough_s: float = 0.05,
+    transport, sizes=(1 << 10, 1 << 15, 1 << 18), repeats: int = 3, clock=time.perf_counter
 ) -> LinkCost:
-    """Time each collective of ``COLLECTIVES`` at growing sizes (bytes per rank; the
-    median of ``repeats`` after one untimed warm-up, averaged over ranks) and fit
-    ``LinkCost``. A collective's larger sizes are skipped once one of its sizes (the
-    second or later) takes ``enough_s``: a fast link is measured up to 8 MiB, where the
-    buckets are, and a slow one costs about ``4 (repeats + 1) enough_s`` seconds a
-    collective. Collective: every rank calls it with the same arguments, and the
-    pooled means (one ``allgather_object`` a size) make every rank stop alike."""
-    fits = {}
+    """Time each collective of ``COLLECTIVES`` at every size (bytes per rank; the median
+    of ``repeats`` after one untimed warm-up) and fit ``LinkCost``. Collective: every
+    rank calls it with the same arguments; each rank sends about ``4 (size + 2)
+    sum(sizes)`` bytes (6 MB at 4 ranks)."""
+    medians = []
     for kind in COLLECTIVES:
-        measured, seconds = [], []
         for nbytes in sizes:
             _collective(transport, kind, int(nbytes)).wait()
             times = []
@@ -162,10 +154,10 @@ def calibrate_link(
                 t0 = clock()
                 _collective(transport, kind, int(nbytes)).wait()
                 times.append(clock() - t0)
-            everyone = transport.allgather_object(statistics.median(times))
-            measured.append(nbytes)
-            seconds.append(sum(everyone) / len(everyone))
-            if len(measured) >= 2 and seconds[-1] >= enough_s:
-                break
-        fits[kind] = fit_affine(measured, seconds)
+            medians.append(statistics.median(times))
+    everyone = transport.allgather_object(medians)
+    mean = [sum(r[i] for r in everyone) / len(everyone) for i in range(len(medians))]
+    fits = {}
+    for k, kind in enumerate(COLLECTIVES):
+        fits[kind] = fit_affine(list(sizes), mean[k * len(sizes) : (k + 1) * len(sizes)])
     return LinkCost(**fits)
