@@ -131,9 +131,10 @@ def choose_exchanges(
     N >= 3 (at N = 2 both move the payload once) and a bucket whose payload outweighs the
     extra headers; compressors that cannot re-compress stay on the allgather. The choice
     depends only on the buckets, N and the compressor's configuration: the same on every
-    rank. In "auto", a gather-only bucket whose chosen exchange would move more bytes per
-    rank than its dense allreduce goes dense: it gets a ``SummedExchange`` and is marked
-    ``compressed = False`` (the caller sends it with its uncompressed compressor).
+    rank. In "auto", a gather-only bucket whose payload headers alone would move more
+    bytes per rank than its dense allreduce goes dense: it gets a ``SummedExchange`` and
+    is marked ``compressed = False`` (the caller sends it with its uncompressed
+    compressor).
 
     ``link_cost`` (``LinkCost``, or "measure" to ``calibrate_link`` the transport now,
     collectively): "auto" picks, among the dense allreduce, the allgather and the
@@ -201,10 +202,17 @@ def choose_exchanges(
                 for e, f in frames.items()
             }
         else:
-            dense = 2.0 * (size - 1) / size * raw  # the ring allreduce's bytes per rank
             costs = {gathered: allgather_bytes(size, numels, estimate)}
             if twostage is not None:
                 costs[twostage] = twostage_bytes(size, list(twostage.plan(b)), estimate)
+            # dense only where the headers alone outweigh the ring allreduce's bytes: the
+            # bodies' bytes change during training (DGC's warm-up, a policy's levels)
+            headers = PayloadEstimate(estimate.header_bytes, 0.0)
+            floor = allgather_bytes(size, numels, headers)
+            if twostage is not None:
+                floor = min(floor, twostage_bytes(size, list(twostage.plan(b)), headers))
+            ring = 2.0 * (size - 1) / size * raw
+            dense = ring if ring < floor else math.inf
         best = min(costs, key=costs.get)  # a tie keeps the allgather (inserted first)
         if dense < costs[best]:
             b.compressed = False
