@@ -8,12 +8,17 @@ one read of the decoded tensor by the backend's ``nonfinite``."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from hvdcompress import wire
 from hvdcompress.backends import cpu
+from hvdcompress.compressors import receive
 from hvdcompress.errors import DecodeOverflowError, PayloadError
 from tests.helpers import comp
 from tests.test_compressor_api import CONFIGS, IDS
@@ -119,3 +124,55 @@ def test_public_decode_reports_a_cast_overflow_as_before(name):
         pytest.fail(f"{name} sent no value past float16's range")
     with pytest.raises(DecodeOverflowError, match="the cast to torch.float16 gives non-finite"):
         c.decode(payload, expect=ctx)
+
+
+HUGE = 2 << 20
+
+
+def _advice(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        receive, "_MADVISE", lambda addr, length, advice: calls.append((addr, length, advice))
+    )
+    return calls
+
+
+@pytest.mark.parametrize("fill", [None, 0.0, -1.5])
+def test_a_large_new_output_is_advised_as_huge_pages_on_whole_pages_inside_it(monkeypatch, fill):
+    calls = _advice(monkeypatch)
+    n = 3 * HUGE // 4 + 17  # 3 MiB and a bit: at least one whole 2 MiB page inside
+    flat = receive.new_float32(n, torch.device("cpu"), fill)
+    assert flat.dtype == torch.float32 and flat.shape == (n,) and flat.is_contiguous()
+    if fill is not None:
+        assert torch.equal(flat, torch.full((n,), fill))
+    begin, end = flat.data_ptr(), flat.data_ptr() + 4 * n
+    ((addr, length, advice),) = calls
+    assert advice == receive._MADV_HUGEPAGE
+    assert addr % HUGE == 0 and length % HUGE == 0 and length > 0
+    assert begin <= addr and addr + length <= end  # never advice on memory it does not own
+
+
+def test_a_small_new_output_gets_no_advice(monkeypatch):
+    calls = _advice(monkeypatch)
+    receive.new_float32(HUGE // 4, torch.device("cpu"), 0.0)  # 2 MiB: below two pages
+    assert calls == []
+
+
+def test_the_public_decode_of_a_large_tensor_goes_through_the_advised_output(monkeypatch):
+    calls = _advice(monkeypatch)
+    for name, kw in [("signsgd", {}), ("randomk", {"ratio": 0.01})]:
+        sender, receiver = comp(name, **kw), comp(name, **kw)
+        x = _gradient((HUGE // 2,), torch.float32, 3)  # 4 MiB of float32
+        payload, ctx = sender.compress(x, "w")
+        got = receiver.decode(payload, expect=ctx)
+        out = torch.zeros_like(x)
+        receiver.decode(payload, expect=ctx, out=out)  # the written decode: no new tensor
+        assert torch.equal(got, out)
+    assert len(calls) == 2
+
+
+def test_huge_page_advice_can_be_turned_off():
+    code = "from hvdcompress.compressors import receive; print(receive._MADVISE is None)"
+    env = {**os.environ, "HVDCOMPRESS_HUGE_PAGES": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "True", out.stderr

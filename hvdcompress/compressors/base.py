@@ -268,9 +268,8 @@ class GatherCompressor(Compressor):
     def decode_new(self, header: wire.Header, body: torch.Tensor, side_info) -> torch.Tensor:
         """The checked body decoded into a new flat float32 tensor on the body's device:
         added into one filled with ``fresh_fill`` where there is one, else written."""
-        fill, shape, dev = self.fresh_fill(header), (header.numel,), body.device
-        flat = (torch.empty(shape, dtype=torch.float32, device=dev) if fill is None
-                else torch.full(shape, fill, dtype=torch.float32, device=dev))  # fmt: skip
+        fill = self.fresh_fill(header)
+        flat = receive.new_float32(header.numel, body.device, fill)
         self.decode_into(header, body, flat, fill is not None, side_info)
         return flat
 

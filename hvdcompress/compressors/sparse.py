@@ -20,6 +20,7 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
+from hvdcompress.compressors import receive
 from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
@@ -253,7 +254,7 @@ class RandomK(SeededSparseState, Stochastic):
 
     def decode_new(self, header, body, side_info):
         key, n = self._stream_key(header.params), header.numel
-        flat = torch.zeros(n, dtype=torch.float32, device=body.device)
+        flat = receive.new_float32(n, body.device, 0.0)
         sparse.randomk_decode_into(body, key, n, self.ratio, self._scale, flat, False, fresh=True)
         return flat
 
