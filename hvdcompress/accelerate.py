@@ -28,6 +28,7 @@ except ImportError as err:
         "'hvdcompress[accelerate]' (tested with accelerate 1.16.0)"
     ) from err
 
+from hvdcompress import checks
 from hvdcompress.checkpoint import CheckpointError
 from hvdcompress.ddp import DDPHookState
 
@@ -45,6 +46,7 @@ def register(
     hook's state (``last_stats`` of each optimizer step, ``hook_calls``), or None with a
     warning in a one-process run, where Accelerate wraps nothing and nothing is exchanged.
     """
+    compress_min_numel = checks.integer("compress_min_numel", compress_min_numel, 0)
     kind = accelerator.distributed_type
     if kind == DistributedType.NO:
         warnings.warn(

@@ -34,14 +34,15 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from hvdcompress import checks
 from hvdcompress.buckets import Bucket
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.errors import PayloadError
-from hvdcompress.exchange import EXCHANGES, PIECE, SummedExchange, choose_exchanges
+from hvdcompress.exchange import PIECE, SummedExchange, check_exchange, choose_exchanges
 from hvdcompress.stats import StepStats
 from hvdcompress.transports.base import start_worker
-from hvdcompress.transports.cost import LinkCost, calibrate_link
+from hvdcompress.transports.cost import calibrate_link
 
 __all__ = ["DDPHookState", "ddp_hook", "hooked_optimizer"]
 
@@ -85,25 +86,15 @@ class DDPHookState:
         overlap: bool = True,
         link_cost=None,
     ) -> None:
-        if exchange not in EXCHANGES:
-            raise ValueError(
-                f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {exchange!r}"
-            )
-        if (
-            isinstance(compress_min_numel, bool)
-            or not isinstance(compress_min_numel, int)
-            or compress_min_numel < 0
-        ):
-            raise ValueError(f"compress_min_numel must be an int >= 0, got {compress_min_numel!r}")
+        check_exchange(exchange, link_cost)
+        compress_min_numel = checks.integer("compress_min_numel", compress_min_numel, 0)
+        self.overlap = checks.boolean("overlap", overlap)
         self.compressor: Compressor = resolve_compressor(compression)
         self.uncompressed: Compressor = get_compressor("none")
         self.process_group = process_group
         self.compress_min_numel = compress_min_numel
         self.exchange = exchange
-        if not (link_cost is None or link_cost == "measure" or isinstance(link_cost, LinkCost)):
-            raise TypeError(f"link_cost must be None, 'measure' or a LinkCost, got {link_cost!r}")
         self.link_cost = link_cost
-        self.overlap = overlap
         self.overlapping = False  # set by bind: whether buckets finish on the finisher
         self._finish_transport = None
         self._finisher = None  # the queue of the thread that finishes buckets (overlap)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hvdcompress import wire
+from hvdcompress import checks, wire
 from hvdcompress.buckets import Bucket
 from hvdcompress.compressors import Compressor, GatherCompressor, SummableCompressor
 from hvdcompress.exchange.allgather import GatheredExchange
@@ -112,6 +112,17 @@ def predicted_seconds(
     )
 
 
+def check_exchange(mode, link_cost) -> None:
+    """The ``exchange`` and ``link_cost`` arguments of both adapters, checked once."""
+    checks.choice("exchange", mode, EXCHANGES)
+    if not (
+        link_cost is None
+        or (isinstance(link_cost, str) and link_cost == "measure")
+        or isinstance(link_cost, LinkCost)
+    ):
+        raise TypeError(f"link_cost must be None, 'measure' or a LinkCost, got {link_cost!r}")
+
+
 def choose_exchanges(
     compressor: Compressor,
     uncompressed: SummableCompressor,
@@ -144,8 +155,7 @@ def choose_exchanges(
     ``finish_transport``: where the exchanges' ``finish`` starts its collectives
     (``_Exchange.finish_transport``; default ``transport``); ``per_tensor``: two-stage
     shards planned per tensor (``plan_shards_per_tensor``, the DDP hook's)."""
-    if mode not in EXCHANGES:
-        raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}, got {mode!r}")
+    check_exchange(mode, link_cost)
     size = transport.size
     if isinstance(compressor, SummableCompressor):
         if mode == "twostage":
@@ -168,8 +178,6 @@ def choose_exchanges(
         )
     if link_cost == "measure" and mode == "auto":
         link_cost = calibrate_link(transport)
-    elif not (link_cost is None or link_cost == "measure" or isinstance(link_cost, LinkCost)):
-        raise TypeError(f"link_cost must be None, 'measure' or a LinkCost, got {link_cost!r}")
     estimate = compute = None
     chosen: dict[int, _Exchange] = {}
     for b in buckets:

@@ -6,14 +6,15 @@ import warnings
 
 import torch
 
+from hvdcompress import checks
 from hvdcompress.buckets import resolve_fusion_threshold
 from hvdcompress.compat import resolve_compressor
+from hvdcompress.exchange import check_exchange
 from hvdcompress.optimizer.adasum import _adasum_optimizer
 from hvdcompress.optimizer.options import (
     Adasum,
     Average,
     HorovodOptions,
-    _check_int,
     _normalize_op,
 )
 from hvdcompress.optimizer.process_sets import _transport_for
@@ -88,7 +89,10 @@ def DistributedOptimizer(
                 "gradient_predivide_factor must be a finite number > 0, got "
                 f"{gradient_predivide_factor!r}"
             )
-    if num_groups != 0:
+    raise_on_nonfinite = checks.boolean("raise_on_nonfinite", raise_on_nonfinite)
+    sparse_as_dense = checks.boolean("sparse_as_dense", sparse_as_dense)
+    check_exchange(exchange, link_cost)
+    if checks.integer("num_groups", num_groups, 0) != 0:
         warnings.warn(  # Horovod's warning
             "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
             DeprecationWarning,
@@ -107,16 +111,16 @@ def DistributedOptimizer(
             "policy must be None or an hvdcompress.Policy (hvdcompress.Accordion(...), "
             f"hvdcompress.CAT(...)), got {type(policy).__name__}"
         )
-    fusion_threshold = _check_int(
+    fusion_threshold = checks.integer(
         "fusion_threshold",
         resolve_fusion_threshold(fusion_threshold),
         0,
-        " (bytes; 0: one tensor per bucket)",
+        unit=" (bytes; 0: one tensor per bucket)",
     )
-    backward_passes_per_step = _check_int("backward_passes_per_step", backward_passes_per_step, 1)
-    compress_min_numel = _check_int("compress_min_numel", compress_min_numel, 0)
-    if not isinstance(raise_on_nonfinite, bool):
-        raise TypeError(f"raise_on_nonfinite must be a bool, got {raise_on_nonfinite!r}")
+    backward_passes_per_step = checks.integer(
+        "backward_passes_per_step", backward_passes_per_step, 1
+    )
+    compress_min_numel = checks.integer("compress_min_numel", compress_min_numel, 0)
     if not isinstance(backend, (str, Transport)):
         raise TypeError(
             "backend must be 'horovod', 'mpi4py' or a hvdcompress Transport, "

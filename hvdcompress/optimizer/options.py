@@ -21,18 +21,6 @@ def _normalize_op(op) -> str:
     )
 
 
-def _check_int(what: str, value, low: int, hint: str = "") -> int:
-    """``value`` as an int >= ``low``, else ValueError naming the valid values."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not float(value).is_integer()
-        or value < low
-    ):
-        raise ValueError(f"{what} must be an int >= {low}{hint}, got {value!r}")
-    return int(value)
-
-
 @dataclass(frozen=True)
 class HorovodOptions:
     """The keywords of ``hvd.DistributedOptimizer`` (Horovod 0.28.1) beyond those every

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hvdcompress import checks
 from hvdcompress.buckets import (
     Bucket,
     check_agreement,
@@ -20,7 +21,7 @@ from hvdcompress.buckets import (
 from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.exchange import GatheredExchange, SummedExchange, choose_exchanges
-from hvdcompress.optimizer.options import Average, HorovodOptions, _check_int, _normalize_op
+from hvdcompress.optimizer.options import Average, HorovodOptions, _normalize_op
 from hvdcompress.optimizer.process_sets import _OutsideProcessSet
 from hvdcompress.policies import Policy
 from hvdcompress.sparse_grads import finish_sparse, start_sparse
@@ -305,7 +306,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step`` (Horovod's method): the count of the current
         accumulation starts again."""
-        self.backward_passes_per_step = _check_int("backward_passes_per_step", passes, 1)
+        self.backward_passes_per_step = checks.integer("backward_passes_per_step", passes, 1)
         self._passes_left = dict.fromkeys(self._passes_left, self.backward_passes_per_step)
 
     def step(self, closure=None):

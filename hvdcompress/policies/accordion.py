@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from hvdcompress import checks
 from hvdcompress.checkpoint import (
     CheckpointError,
     check_dict,
@@ -40,12 +41,11 @@ class Accordion(Policy):
     """Switch every tensor between the levels ``low`` and ``high`` (see module doc)."""
 
     def __init__(self, low, high, eta: float = 0.5, interval_steps: int | None = None) -> None:
-        if not eta > 0:
-            raise ValueError(f"eta must be > 0, got {eta!r}")
-        if interval_steps is not None and int(interval_steps) < 1:
-            raise ValueError(f"interval_steps must be >= 1, got {interval_steps!r}")
-        self.low, self.high, self.eta = low, high, float(eta)
-        self.interval_steps = None if interval_steps is None else int(interval_steps)
+        self.low, self.high = low, high
+        self.eta = checks.number("eta", eta, 0.0, open_low=True)
+        self.interval_steps = (
+            None if interval_steps is None else checks.integer("interval_steps", interval_steps, 1)
+        )
         self.names: list[str] = []
         self.current: dict[str, object] = {}  # level in force per tensor
         self.history: list[dict] = []  # one record per decision

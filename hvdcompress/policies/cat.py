@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hvdcompress import checks
 from hvdcompress.checkpoint import CheckpointError, check_count_map, check_finite_number, check_keys
 from hvdcompress.compressors import registry
 from hvdcompress.policies.base import Policy, checked_levels
@@ -136,15 +137,13 @@ class CAT(Policy):
         header_bits: int = HEADER_BITS,
         refresh: bool = False,
     ) -> None:
-        if compressor not in KINDS:
-            raise ValueError(f"compressor must be one of {KINDS}, got {compressor!r}")
-        if int(recompute_every) < 1:
-            raise ValueError(f"recompute_every must be >= 1, got {recompute_every!r}")
-        self.kind = compressor
+        self.kind = checks.choice("compressor", compressor, KINDS)
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be None or a CostModel, got {cost_model!r}")
         self.cost = cost_model
-        self.recompute_every = int(recompute_every)
-        self.header_bits = int(header_bits)
-        self.refresh = bool(refresh)
+        self.recompute_every = checks.integer("recompute_every", recompute_every, 1)
+        self.header_bits = checks.integer("header_bits", header_bits, 0)
+        self.refresh = checks.boolean("refresh", refresh)
         self.budgets: dict[str, int] = {}  # T in force per tensor
         self._pending: dict[str, int] = {}
         self._fresh: list[tuple[float, float]] = []  # this rank's new (bits, seconds)

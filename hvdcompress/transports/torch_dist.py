@@ -12,6 +12,9 @@ Two ways to run (``threaded``):
   move. Invariant: collectives are started from one thread per transport, in the same
   order on every rank, so the worker's order is the same on every rank; a group of its
   own keeps them apart from DDP's and the user's collectives on the other groups.
+  That group inherits the timeout of the group it is made from (``group_timeout``: the
+  user's ``init_process_group(timeout=...)``), so a stalled rank fails the job after the
+  user's timeout, not after gloo's default of 30 minutes.
 
 NCCL moves only device tensors, so with it the bytes travel on the current CUDA device.
 """
@@ -21,10 +24,27 @@ from __future__ import annotations
 import functools
 import os
 import queue
+from datetime import timedelta
 
 import torch
 
 from hvdcompress.transports.base import Handle, Transport, check_alltoallv_parts, start_worker
+
+
+def group_timeout(process_group=None) -> timedelta | None:
+    """The timeout of ``process_group`` (None: the world) as its backend holds it: the
+    ``timeout=`` given to ``init_process_group`` / ``new_group``, else torch's default
+    for the backend. None where the backend does not say (an out-of-tree backend):
+    ``new_group`` then applies torch's default."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if process_group is None else process_group
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:  # gloo's and NCCL's options hold it; torch has no public getter (2.13)
+        timeout = group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 class TorchDistTransport(Transport):
@@ -54,7 +74,8 @@ class TorchDistTransport(Transport):
         if threaded:
             # collective over the world: every rank builds its transport at the same point
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-            self.group = dist.new_group(ranks, backend=backend)
+            timeout = group_timeout(process_group)
+            self.group = dist.new_group(ranks, backend=backend, timeout=timeout)
             self._jobs = start_worker(self, "hvdcompress-torch-dist")
 
     def _run(self, job) -> Handle:
