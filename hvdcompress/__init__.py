@@ -10,7 +10,7 @@ from hvdcompress.checkpoint import CheckpointError, load_checkpoint, save_checkp
 from hvdcompress.compat import Compression
 from hvdcompress.compressors import Compressor, Ctx, available, get_compressor
 from hvdcompress.ddp import DDPHookState, ddp_hook, hooked_optimizer
-from hvdcompress.errors import PayloadError
+from hvdcompress.errors import PayloadError, payload_error
 from hvdcompress.optimizer import (
     Adasum,
     Average,
@@ -42,6 +42,7 @@ __all__ = [
     "DistributedOptimizer",
     "NonFiniteGradientError",
     "PayloadError",
+    "payload_error",
     "RankAgreementError",
     "Sum",
     "available",

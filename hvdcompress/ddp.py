@@ -38,10 +38,10 @@ from hvdcompress import checks
 from hvdcompress.buckets import Bucket
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
-from hvdcompress.errors import PayloadError
+from hvdcompress.errors import PayloadError, remember
 from hvdcompress.exchange import PIECE, SummedExchange, check_exchange, choose_exchanges
 from hvdcompress.stats import StepStats
-from hvdcompress.transports.base import start_worker
+from hvdcompress.transports.base import drain_worker, start_worker
 from hvdcompress.transports.cost import calibrate_link
 
 __all__ = ["DDPHookState", "ddp_hook", "hooked_optimizer"]
@@ -96,6 +96,7 @@ class DDPHookState:
         self.exchange = exchange
         self.link_cost = link_cost
         self.overlapping = False  # set by bind: whether buckets finish on the finisher
+        self._closed = False  # by close(): the hook refuses buckets
         self._finish_transport = None
         self._finisher = None  # the queue of the thread that finishes buckets (overlap)
         self._transport = None
@@ -202,6 +203,34 @@ class DDPHookState:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
         return self
+
+    def close(self) -> None:
+        """End the hook's threads and free its own process groups at a known point, not
+        at interpreter shutdown (docs/checkpoints-and-faults.md, "Clean exits"). Every
+        bucket already handed to the hook finishes first; then the ranks meet in a
+        barrier on the DDP model's group, so that no rank frees a group another rank
+        still sends on. Collective: every rank calls it, at the same point. The hook
+        refuses buckets afterwards. Idempotent; nothing to do before ``bind``."""
+        import torch.distributed as dist
+
+        if self._transport is None or self._closed:
+            return
+        self._closed = True
+        if self._finisher is not None:
+            drain_worker(self._finisher)
+            self._finisher = None
+        dist.barrier(group=self._group)
+        self._transport.close()
+        self._finish_transport.close()
+
+    def __enter__(self) -> "DDPHookState":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        """``close()`` after the block; after an exception nothing: another rank may be
+        gone, and the exception, not a barrier that waits for it, is what ends the job."""
+        if kind is None:
+            self.close()
 
     def register(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> "DDPHookState":
         """Bind to ``ddp_model``'s process group, name the parameters as its module does,
@@ -371,6 +400,8 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
     bucket's gradients compressed with ``state.compressor`` and their collectives started
     here; the returned future completes when the average is written back into the
     bucket's buffer, on the finisher thread when the state overlaps (module doc)."""
+    if state._closed:
+        raise RuntimeError("this DDPHookState is closed (close() or its with-block ended)")
     if not state.bound:
         state.bind()
     state.hook_calls += 1
@@ -491,6 +522,7 @@ class _FinishBucket:
                 rank=error.rank,
                 tensor=error.tensor,
             )
+            remember(error)  # DDP keeps only its text: hvdcompress.payload_error finds it
         return self.buffer if error is None else error
 
 

@@ -55,3 +55,50 @@ class DecodeOverflowError(PayloadError, OverflowError):
 
     def __init__(self, message: str, *, rank: int | None = None, tensor: str | None = None) -> None:
         super().__init__("overflow", message, rank=rank, tensor=tensor)
+
+
+# The last PayloadErrors the DDP hook raised on this rank, by text (``payload_error``).
+_RAISED: dict[str, PayloadError] = {}
+_RAISED_KEPT = 16
+
+
+def remember(error: PayloadError) -> PayloadError:
+    """Keep ``error`` for ``payload_error`` (the DDP hook calls it before DDP turns the
+    error into text); the oldest of more than 16 are dropped. Returns ``error``."""
+    _RAISED.pop(str(error), None)
+    _RAISED[str(error)] = error
+    while len(_RAISED) > _RAISED_KEPT:
+        del _RAISED[next(iter(_RAISED))]
+    return error
+
+
+def payload_error(error: BaseException) -> PayloadError | None:
+    """The ``PayloadError`` behind ``error``, or None when it is not a payload failure.
+
+    DDP carries an error of a comm hook's future through C++ as a ``RuntimeError`` that
+    holds only its text, so ``except hvdcompress.PayloadError`` never catches one raised
+    in ``hvdcompress.ddp_hook``. This finds it: ``error`` itself, an error in its
+    ``__cause__`` / ``__context__`` chain, or the PayloadError this rank's hook raised
+    whose text ``error``'s text holds (the object itself, with ``rank``, ``tensor`` and
+    ``field``; every rank decodes every payload, so every rank's hook raised its own)::
+
+        try:
+            loss.backward()
+        except RuntimeError as err:
+            if (bad := hvdcompress.payload_error(err)) is not None:
+                print(f"corrupt payload from rank {bad.rank}, tensor {bad.tensor}")
+            raise
+    """
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, PayloadError):
+            return error
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    for link in chain:
+        text = str(link)
+        for known_text, known in reversed(_RAISED.items()):  # the newest first
+            if known_text in text:
+                return known
+    return None

@@ -10,6 +10,9 @@ threads of a rank end at a known point of its teardown, not during interpreter s
   the collectives queued but not started fail, and none starts afterwards (an MPI
   singleton in a subprocess).
 
+* The README's torchrun recipe with the DDP hook: 20 runs of 3 ranks, every one exits 0
+  without a native abort (the hook state's with-block ends its threads and groups).
+
 Linux only: threads are read from /proc/self/task/*/comm.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,6 +36,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 GLOO_THREADS = {"pt_gloo_runloop", "gloo_tcp_loop"}
+NATIVE_ABORT = re.compile(r"terminate called|Aborted|core dumped|Segmentation fault")
 
 ONE_RANK_TRAIN = textwrap.dedent(
     """
@@ -161,3 +166,43 @@ def test_mpi_transport_threads_end_before_mpi_finalize():
 
 def test_mpi_transport_stop_worker_finishes_the_running_collective_and_fails_the_queued():
     _run_mpi_singleton(MPI_STOP_WORKER)
+
+
+README_RUNS = 20  # issue: the README's torchrun recipe, 20 runs, 0 aborts
+
+
+def readme_ddp_recipe() -> str:
+    """The README's complete DDP-hook script: its python block with the hook's
+    with-block and ``init_process_group``, as a user copies it."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (recipe,) = [b for b in blocks if "init_process_group" in b and "DDPHookState(" in b]
+    return recipe
+
+
+def test_the_readmes_torchrun_recipe_ends_cleanly_every_time(tmp_path):
+    """The README's DDP-hook recipe under torchrun (3 ranks, gloo), 20 runs, two at a
+    time: every run exits 0 and no rank prints a native abort (``terminate called
+    without an active exception``: before the hook state's with-block ended the hook's
+    threads and groups, about 4 runs in 10 of the recipe did)."""
+    script = tmp_path / "recipe.py"
+    script.write_text(readme_ddp_recipe())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           str(script)]  # fmt: skip
+    failures = []
+    for pair in range(README_RUNS // 2):
+        procs = [
+            subprocess.Popen(
+                cmd,
+                env=_env(),
+                stdin=subprocess.DEVNULL,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            for _ in range(2)
+        ]
+        for k, proc in enumerate(procs):
+            out = proc.communicate(timeout=300)[0]
+            if proc.returncode != 0 or NATIVE_ABORT.search(out):
+                failures.append((2 * pair + k, proc.returncode, out[-1500:]))
+    assert failures == [], f"{len(failures)} of {README_RUNS} runs: {failures[:2]}"

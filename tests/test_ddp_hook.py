@@ -167,3 +167,11 @@ def test_a_corrupt_frame_in_the_hooks_future_fails_every_ranks_backward_by_name(
             assert "PayloadError: payload from rank 1: field 'frame'" in error, error
             assert "DDP bucket of" in error and "0.weight" in error, error
         assert "stage 1 (reduce-scatter)" in r["corrupt_errors"]["twostage"]
+
+
+def test_payload_error_finds_the_payload_error_behind_ddps_runtime_error(reports):
+    """hvdcompress.payload_error(err) on the RuntimeError DDP raised: the PayloadError
+    object this rank's hook raised, with the sending rank and the field."""
+    for r in reports:
+        for mode in ("allgather", "twostage"):
+            assert r["corrupt_found"][mode] == [1, "frame", None], (mode, r["corrupt_found"])

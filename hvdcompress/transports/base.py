@@ -72,23 +72,40 @@ class _DoneHandle(Handle):
         return super().wait(timeout)
 
 
+_WORKER_THREADS: dict[int, threading.Thread] = {}  # by id of the queue, while it runs
+
+
 def start_worker(owner, name: str) -> queue.SimpleQueue:
     """A queue whose callables a daemon thread ``name`` runs in order, until ``owner`` is
-    collected (the thread holds no reference to ``owner``, so it can be); a callable must
-    not raise."""
+    collected (the thread holds no reference to ``owner``, so it can be) or
+    ``drain_worker``; a callable must not raise."""
     jobs: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True).start()
+    thread = threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True)
+    _WORKER_THREADS[id(jobs)] = thread
+    thread.start()
     weakref.finalize(owner, jobs.put, None)
     return jobs
 
 
+def drain_worker(jobs: queue.SimpleQueue) -> None:
+    """Let the worker of ``jobs`` run every callable queued so far, then end it and wait
+    until its thread is gone."""
+    thread = _WORKER_THREADS.get(id(jobs))
+    jobs.put(None)
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+
+
 def _serve(jobs: queue.SimpleQueue) -> None:
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        job()
-        del job  # not held while the thread waits for the next one
+    try:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            job()
+            del job  # not held while the thread waits for the next one
+    finally:
+        _WORKER_THREADS.pop(id(jobs), None)
 
 
 class Transport:

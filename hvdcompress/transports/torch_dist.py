@@ -28,7 +28,13 @@ from datetime import timedelta
 
 import torch
 
-from hvdcompress.transports.base import Handle, Transport, check_alltoallv_parts, start_worker
+from hvdcompress.transports.base import (
+    Handle,
+    Transport,
+    check_alltoallv_parts,
+    drain_worker,
+    start_worker,
+)
 
 
 def group_timeout(process_group=None) -> timedelta | None:
@@ -77,6 +83,16 @@ class TorchDistTransport(Transport):
             timeout = group_timeout(process_group)
             self.group = dist.new_group(ranks, backend=backend, timeout=timeout)
             self._jobs = start_worker(self, "hvdcompress-torch-dist")
+
+    def close(self) -> None:
+        """Threaded: end the worker after the collectives already started, then free the
+        transport's own process group (its gloo threads end here, not at interpreter
+        shutdown). Inline: nothing (the group is the caller's). Idempotent."""
+        if self._jobs is None:
+            return
+        drain_worker(self._jobs)
+        self._jobs = None
+        self.dist.destroy_process_group(self.group)
 
     def _run(self, job) -> Handle:
         handle = Handle()

@@ -90,7 +90,8 @@ def train(
 
 def corrupt_step(exchange: str) -> str | None:
     """One step in which rank 1 sends bucket frames whose length table is off by one
-    (its transport's start wrapped); the error each rank's backward raises."""
+    (its transport's start wrapped); the error each rank's backward raises, and what
+    ``hvdcompress.payload_error`` finds in it (rank, field, tensor)."""
     net = make_net()
     ddp = DDP(net, bucket_cap_mb=0.001)
     state = hvdcompress.DDPHookState(
@@ -115,8 +116,10 @@ def corrupt_step(exchange: str) -> str | None:
     try:
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
     except Exception as err:  # what the test asserts on
-        return f"{type(err).__name__}: {err}"
-    return None
+        found = hvdcompress.payload_error(err)  # DDP's RuntimeError -> the PayloadError
+        where = None if found is None else [found.rank, found.field, found.tensor]
+        return f"{type(err).__name__}: {err}", where
+    return None, None
 
 
 def main(out: Path) -> None:
@@ -175,6 +178,8 @@ def main(out: Path) -> None:
     digests = [None] * size
     dist.all_gather_object(digests, digest(full))
     corrupt = {mode: corrupt_step(mode) for mode in ("allgather", "twostage")}
+    found = {mode: where for mode, (_, where) in corrupt.items()}
+    corrupt = {mode: text for mode, (text, _) in corrupt.items()}
     dist.barrier()  # every rank came out of the failed steps
     result = {
         "rank": rank,
@@ -191,6 +196,7 @@ def main(out: Path) -> None:
         "bits_per_value": full_state.last_stats.bits_per_value,
         "overlapping": full_state.overlapping,
         "corrupt_errors": corrupt,
+        "corrupt_found": found,
         "twostage_kinds": kinds,
         "twostage_digests": staged_digests,
         "twostage_loss_first": sum(staged_losses[:5]) / 5,
