@@ -4,6 +4,10 @@
 width); ``INPUT_SHAPES``: the shape of one example. ``IMAGE_MODELS`` are the Fashion-MNIST
 classifiers (1x28x28 -> 10 classes: scripts/train.py ``--model``); ``light`` is the MLP
 of scripts/bench_network.py (little compute per parameter, on random features).
+
+``width`` is each model's one size knob, and 16 (train.py's default ``--width``) is its
+reference size: the CNN's first channels, the ViT's embedding / 8 (128), the wide MLP's
+hidden layers / 128 (2048).
 """
 
 from __future__ import annotations
@@ -79,14 +83,68 @@ class LightMLP(torch.nn.Sequential):
         )
 
 
+class WideMLP(torch.nn.Sequential):
+    """784 -> 3 hidden layers of ``128 * width`` -> 10, ReLU between: at width 16,
+    784-2048-2048-2048-10, 10.0 M parameters, the peer benchmark's ``mlp10m`` (little
+    compute per byte of gradient: the model that needs compression most)."""
+
+    def __init__(self, width: int = 16) -> None:
+        hidden = 128 * width
+        super().__init__(
+            torch.nn.Flatten(),
+            torch.nn.Linear(784, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 10),
+        )
+
+
+class SmallViT(torch.nn.Module):
+    """A vision transformer (Dosovitskiy et al., ICLR 2021) for 28x28 images: 7x7 patches
+    (16 tokens and a class token), embedding ``8 * width``, 4 pre-norm encoder layers of
+    4 heads with an MLP of twice the embedding, GELU, no dropout; the class token's
+    output classifies. At width 16: embedding 128, 0.54 M parameters, the attention
+    (``in_proj_weight`` 384x128) and MLP matrices are the low-rank methods' case.
+    LayerNorm only: no running buffers to drift apart across ranks."""
+
+    patch = 7
+
+    def __init__(self, width: int = 16, layers: int = 4, heads: int = 4) -> None:
+        super().__init__()
+        dim = 8 * width
+        tokens = (28 // self.patch) ** 2
+        self.embed = torch.nn.Conv2d(1, dim, self.patch, stride=self.patch)
+        self.cls = torch.nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos = torch.nn.Parameter(torch.randn(1, tokens + 1, dim) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(
+            dim, heads, 2 * dim, dropout=0.0, activation="gelu", batch_first=True,
+            norm_first=True,
+        )  # fmt: skip
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, 10)
+
+    def forward(self, x):
+        x = self.embed(x).flatten(2).transpose(1, 2)  # (batch, tokens, dim)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        return self.head(self.norm(self.encoder(x)[:, 0]))
+
+
 MODELS: dict[str, type[torch.nn.Module]] = {
     "cnn": SmallCNN,
     "resnet": SmallResNet,
+    "vit": SmallViT,
+    "mlp10m": WideMLP,
     "light": LightMLP,
 }
 INPUT_SHAPES: dict[str, tuple[int, ...]] = {
     "cnn": (1, 28, 28),
     "resnet": (1, 28, 28),
+    "vit": (1, 28, 28),
+    "mlp10m": (1, 28, 28),
     "light": (1024,),
 }
 IMAGE_MODELS = tuple(name for name, shape in INPUT_SHAPES.items() if shape == (1, 28, 28))
