@@ -1,0 +1,115 @@
+"""Time to accuracy: the results file of the accuracy jobs and the arithmetic that joins
+it with the peer benchmark's step times (scripts/bench_tta.py).
+
+The results file is JSON lines, one per finished job, appended and synced as each job
+ends: a driver killed mid-job loses that job only, and a line cut short by the kill is
+skipped when the file is read. A job is keyed by (model, method, seed).
+
+Time to accuracy of a method on a link = the steps its mean test-accuracy curve (over its
+seeds, per epoch) needs to reach the target x its median step time on that link. The
+target of a model is the mean final accuracy of the baseline (DDP's allreduce) over its
+seeds minus ``MARGIN`` (0.3 points). Accuracy is read after each epoch, so the steps are
+those of the first epoch whose mean accuracy reaches the target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from pathlib import Path
+
+MARGIN = 0.003  # 0.3 points of accuracy below the baseline's final mean
+BASELINE = "ddp"
+
+
+def job_key(model: str, method: str, seed: int) -> str:
+    return f"{model}/{method}/seed{seed}"
+
+
+def append_result(path: Path, record: dict) -> None:
+    """Append one job's record as a line and sync it to disk before returning. A line a
+    killed writer left unfinished is ended first, so the new record has a line of its own."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab+") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write((json.dumps(record, sort_keys=True) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_results(path: Path) -> dict[str, dict]:
+    """The records by key (a later line of the same key wins); lines that do not parse as
+    a record (the tail a killed writer left) are skipped."""
+    records: dict[str, dict] = {}
+    if not path.is_file():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and {"model", "method", "seed"} <= record.keys():
+            records[job_key(record["model"], record["method"], record["seed"])] = record
+    return records
+
+
+def finished(records: dict[str, dict], model: str, method: str) -> list[dict]:
+    """The method's successful runs on ``model``, by seed."""
+    runs = [
+        r for r in records.values()
+        if r["model"] == model and r["method"] == method and r.get("status") == "ok"
+    ]  # fmt: skip
+    return sorted(runs, key=lambda r: r["seed"])
+
+
+def final_accuracy(runs: list[dict]) -> dict | None:
+    """Mean, standard deviation (0 for one seed), min and max of the runs' final accuracy."""
+    if not runs:
+        return None
+    finals = [r["curve"][-1]["acc"] for r in runs]
+    return {
+        "mean": statistics.fmean(finals),
+        "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
+        "min": min(finals),
+        "max": max(finals),
+        "seeds": [r["seed"] for r in runs],
+    }
+
+
+def target(records: dict[str, dict], model: str, baseline: str = BASELINE) -> float | None:
+    """The model's target accuracy: the baseline's mean final accuracy minus ``MARGIN``."""
+    acc = final_accuracy(finished(records, model, baseline))
+    return None if acc is None else acc["mean"] - MARGIN
+
+
+def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
+    """(step, mean accuracy over the runs) per evaluation that every run has."""
+    if not runs:
+        return []
+    length = min(len(r["curve"]) for r in runs)
+    return [
+        (runs[0]["curve"][i]["step"], statistics.fmean(r["curve"][i]["acc"] for r in runs))
+        for i in range(length)
+    ]
+
+
+def steps_to(curve: list[tuple[int, float]], goal: float) -> int | None:
+    """The step of the first evaluation at or above ``goal``; None if none reaches it."""
+    return next((step for step, acc in curve if acc >= goal), None)
+
+
+def time_to(steps: int | None, step_s: float | None) -> float | None:
+    if steps is None or step_s is None or not math.isfinite(step_s):
+        return None
+    return steps * step_s
+
+
+def step_times(peers: dict) -> dict[tuple[str, str, str], float]:
+    """{(model, row, rate): median step seconds} from bench_peers.json's rows."""
+    return {(r["model"], r["row"], r["rate"]): float(r["step_s"]) for r in peers.get("rows", [])}

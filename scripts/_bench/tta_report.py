@@ -1,0 +1,136 @@
+"""The time-to-accuracy report of scripts/bench_tta.py: per model, a table of final
+accuracy and time to the target at each link rate, a plot of test accuracy against
+wall-clock (one panel per rate), and the README's block, all from the results file and
+the peer benchmark's step times alone (the arithmetic: scripts/_bench/tta.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+try:
+    from _bench import tta
+except ModuleNotFoundError:
+    from scripts._bench import tta
+
+RATES = ("100mbit", "1gbit", "unlimited")
+RATE_NAMES = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unlimited"}
+README_BLOCK = re.compile(r"(<!-- tta:begin -->\n).*?(<!-- tta:end -->)", re.S)
+
+
+def rows(records: dict, peers: dict, model: str, methods, step_row: dict) -> list[dict]:
+    """One row per method with results: accuracy, steps to the target and seconds per rate."""
+    goal = tta.target(records, model)
+    times = tta.step_times(peers)
+    out = []
+    for method in methods:
+        runs = tta.finished(records, model, method)
+        if not runs:
+            continue
+        curve = tta.mean_curve(runs)
+        steps = None if goal is None else tta.steps_to(curve, goal)
+        row = step_row.get(method, method)
+        seconds = {rate: tta.time_to(steps, times.get((model, row, rate))) for rate in RATES}
+        has_time = {rate: (model, row, rate) in times for rate in RATES}
+        out.append({
+            "method": method, "final": tta.final_accuracy(runs), "steps": steps,
+            "seconds": seconds, "has_time": has_time, "borrowed": row != method,
+            "bits": sum(r["bits_per_value"] for r in runs) / len(runs), "curve": curve,
+            "step_row": row,
+        })  # fmt: skip
+    return out
+
+
+def _best_hvdc(table: list[dict], rate: str) -> str | None:
+    timed = [r for r in table if r["method"].startswith("hvdc-") and r["seconds"][rate]]
+    return min(timed, key=lambda r: r["seconds"][rate])["method"] if timed else None
+
+
+def _winner(table: list[dict], rate: str) -> str | None:
+    timed = [r for r in table if r["seconds"][rate]]
+    return min(timed, key=lambda r: r["seconds"][rate])["method"] if timed else None
+
+
+def markdown(records: dict, peers: dict, models, methods, step_row: dict) -> str:
+    lines = []
+    for model in models:
+        table = rows(records, peers, model, methods, step_row)
+        if not table:
+            continue
+        goal = tta.target(records, model)
+        head = "no DDP allreduce run yet" if goal is None else f"target {100 * goal:.2f}%"
+        lines += [f"#### {model} ({head}: DDP allreduce's mean final accuracy - 0.3 points)", ""]
+        rates = " | ".join(RATE_NAMES[r] for r in RATES)
+        lines.append("| method | seeds | final accuracy % (mean ± std, min-max) | bits/value "
+                     f"| steps to target | {rates} |")  # fmt: skip
+        lines.append("|---" * (5 + len(RATES)) + "|")
+        best = {rate: _best_hvdc(table, rate) for rate in RATES}
+        for r in table:
+            f = r["final"]
+            acc = (f"{100 * f['mean']:.2f} ± {100 * f['std']:.2f} "
+                   f"({100 * f['min']:.2f}-{100 * f['max']:.2f})")  # fmt: skip
+            cells = []
+            for rate in RATES:
+                s = r["seconds"][rate]
+                if not r["has_time"][rate]:
+                    cell = "no step time"
+                elif s is None:
+                    cell = "not reached"
+                else:
+                    cell = f"{s / 60:.1f} min" + (" †" if r["borrowed"] else "")
+                cells.append(f"**{cell}**" if best[rate] == r["method"] and s else cell)
+            seeds = ",".join(map(str, f["seeds"]))
+            steps = "-" if r["steps"] is None else str(r["steps"])
+            lines.append(f"| {r['method']} | {seeds} | {acc} | {r['bits']:.3f} | {steps} | "
+                         + " | ".join(cells) + " |")  # fmt: skip
+        winners = ", ".join(f"{RATE_NAMES[rate]}: {_winner(table, rate) or '-'}" for rate in RATES)
+        lines += ["", f"First to the target: {winners}. Bold: hvdcompress's best per rate.", ""]
+    if any(step_row.values()):
+        lines.append("† the step time of the bench_peers row " + ", ".join(
+            f"`{v}` for {k}" for k, v in step_row.items()) + " (no row of its own).")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: dict, peers: dict, model: str, methods, step_row: dict, path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = rows(records, peers, model, methods, step_row)
+    times = tta.step_times(peers)
+    if not table or not times:
+        return False
+    fig, axes = plt.subplots(1, len(RATES), figsize=(5 * len(RATES), 4), sharey=True)
+    goal = tta.target(records, model)
+    for ax, rate in zip(axes, RATES, strict=True):
+        for r in table:
+            step_s = times.get((model, r["step_row"], rate))
+            if step_s is None:
+                continue
+            xs = [step * step_s / 60 for step, _ in r["curve"]]
+            ax.plot(xs, [100 * acc for _, acc in r["curve"]], marker=".", label=r["method"])
+        if goal is not None:
+            ax.axhline(100 * goal, color="grey", linestyle="--", linewidth=0.8)
+        ax.set(title=f"{model}, {RATE_NAMES[rate]}", xlabel="wall-clock (min)")
+        ax.set_xscale("log")
+    axes[0].set_ylabel("test accuracy (%)")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_report(records, peers, out: Path, models, methods, step_row, readme: Path | None):
+    text = markdown(records, peers, models, methods, step_row)
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    (out / "results" / "time_to_accuracy.md").write_text(text)
+    for model in models:
+        plot(records, peers, model, methods, step_row, out / f"tta_{model}.png")
+    if readme is not None:
+        body = readme.read_text()
+        if not README_BLOCK.search(body):
+            raise SystemExit(f"{readme} has no <!-- tta:begin --> ... <!-- tta:end --> block")
+        readme.write_text(README_BLOCK.sub(lambda m: m.group(1) + text + m.group(2), body))
+    return text

@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Time to accuracy: which method reaches the accuracy a user wants first, on their link.
+
+    python scripts/bench_tta.py run --max-minutes 60          # more jobs of the matrix
+    python scripts/bench_tta.py run --models cnn --methods ddp hvdc-3lc --seeds 1
+    python scripts/bench_tta.py report                         # tables, plot, README
+
+``run`` works through the matrix of (model, method, seed) jobs, each one 4-rank
+scripts/train.py run (``hvdc-*``: the simulated world, ``--simulate-ranks 4``, which ends
+with the parameters of the real 4-rank run; ``ddp`` and ``torch-*``: torchrun with 4 ranks
+and torch's own communication, ``--torch-hook``), and appends one JSON line per finished
+job to the results file (default docs/results/accuracy_jobs.jsonl, kept in the
+repository): per-epoch test accuracy, steps, bits per value, wall-clock. A job already in
+the file is skipped, so the matrix is completed over several sittings; ``--max-minutes``
+stops starting jobs after that long; a job is killed after ``--job-minutes`` (15) and
+recorded as ``timeout``; a killed driver loses only the job in flight. Seeds go outer:
+every method's first seed before any second seed.
+
+``report`` joins the results with the step times of scripts/bench_peers.py (its JSON,
+copied to docs/results/peer_steps.json, same models, rows and batch per rank): per model
+and link rate, the wall-clock each method needs to reach the target accuracy, the
+baseline's (DDP allreduce) mean final accuracy minus 0.3 points (scripts/_bench/tta.py).
+Writes docs/results/time_to_accuracy.md, docs/tta_<model>.png (test accuracy against
+wall-clock, one panel per rate) and, with ``--readme``, the README's block between
+``<!-- tta:begin -->`` and ``<!-- tta:end -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+try:  # python scripts/bench_tta.py: scripts/ is first on sys.path
+    from _bench import launch, tta, tta_report
+    from bench_accuracy import parse_summary, read_curve
+except ModuleNotFoundError:  # loaded by file path from the repository root (the tests)
+    from scripts._bench import launch, tta, tta_report
+    from scripts.bench_accuracy import parse_summary, read_curve
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results" / "accuracy_jobs.jsonl"
+PEERS = ROOT / "docs" / "results" / "peer_steps.json"
+RANKS = 4
+MODELS = ("cnn", "vit", "mlp10m")
+# each model's training recipe, the same for every method (only the communication
+# differs): train.py's SGD (lr 0.05 x the compressor's declared factor, momentum 0.9),
+# batch 64 per rank, the step schedule; epochs such that a job stays under 15 minutes
+MODEL_FLAGS = {
+    "cnn": ["--epochs", "10"],
+    "vit": ["--epochs", "10"],
+    "mlp10m": ["--epochs", "5"],
+}
+# method -> the train.py flags of its communication
+TORCH_METHODS = {
+    "ddp": ["--torch-hook", "allreduce"],
+    "torch-bf16": ["--torch-hook", "bf16"],
+    "torch-powersgd-r1": ["--torch-hook", "powersgd", "--powersgd-rank", "1"],
+    "torch-powersgd-r2": ["--torch-hook", "powersgd", "--powersgd-rank", "2"],
+    "torch-powersgd-r4": ["--torch-hook", "powersgd", "--powersgd-rank", "4"],
+}
+HVDC_METHODS = ("hvdc-3lc", "hvdc-accordion-3lc", "hvdc-powersgd")
+METHODS = (*TORCH_METHODS, *HVDC_METHODS)
+# the bench_peers row whose step time a method takes where it has none of its own:
+# Accordion switches 3LC between sparsity 1.0 and 1.75, and the DDP hook runs no policy
+STEP_ROW = {"hvdc-accordion-3lc": "hvdc-3lc"}
+RATES = ("100mbit", "1gbit", "unlimited")
+
+
+def train_command(model: str, method: str, seed: int, log_dir: Path) -> list[str]:
+    """The job's command: train.py with the model's recipe and the method's communication."""
+    from hvdcompress.training.methods import METHODS as HVDC_TABLE
+
+    flags = [
+        "--model", model, *MODEL_FLAGS[model], "--seed", str(seed), "--lr-schedule", "step",
+        "--log-dir", str(log_dir), "--no-progress", "--threads", "1",
+    ]  # fmt: skip
+    script = str(ROOT / "scripts" / "train.py")
+    if method in TORCH_METHODS:
+        return [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={RANKS}", script, "--launcher", "torchrun",
+            *TORCH_METHODS[method], *flags,
+        ]  # fmt: skip
+    hvdc = HVDC_TABLE[method.removeprefix("hvdc-")]
+    return [sys.executable, script, *hvdc.train_flags(), *flags, "--simulate-ranks", str(RANKS)]
+
+
+def run_job(model: str, method: str, seed: int, timeout_s: float) -> dict:
+    """Run one job; its record (``status``: ok, failed or timeout)."""
+    record = {"model": model, "method": method, "seed": seed, "ranks": RANKS}
+    with tempfile.TemporaryDirectory(prefix="hvdc-tta-") as tmp:
+        log_dir = Path(tmp)
+        cmd = train_command(model, method, seed, log_dir)
+        record["command"] = " ".join(Path(c).name if i < 2 else c for i, c in enumerate(cmd))
+        record["load_avg_start"] = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout_s, env=launch.root_env(),
+                cwd=ROOT,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return {**record, "status": "timeout", "wall_s": time.perf_counter() - t0}
+        record["wall_s"] = time.perf_counter() - t0
+        summary = parse_summary(done.stdout + done.stderr)
+        if done.returncode != 0 or summary is None or not (log_dir / "epochs.csv").is_file():
+            tail = (done.stdout + done.stderr)[-1500:]
+            return {**record, "status": "failed", "returncode": done.returncode, "tail": tail}
+        curve = [
+            {"epoch": c["epoch"], "step": c["step"], "acc": c["acc"]} for c in read_curve(log_dir)
+        ]
+        return {
+            **record, "status": "ok", "curve": curve, "steps": summary["steps"],
+            "bits_per_value": summary["bits_per_value_ranks"],
+            "param_digest": summary["param_digest"],
+        }  # fmt: skip
+
+
+def plan(models, methods, seeds) -> list[tuple[str, str, int]]:
+    """Seeds outer, then models, then methods: a half-done matrix has whole first seeds."""
+    return [(m, k, s) for s in seeds for m in models for k in methods]
+
+
+def run_jobs(jobs, results: Path, runner, max_minutes: float, retry_failed: bool = False) -> int:
+    """Run the jobs not yet in ``results`` (failed ones too with ``retry_failed``),
+    appending each record as it finishes; no job starts after ``max_minutes``. Returns
+    how many ran."""
+    start, ran = time.monotonic(), 0
+    for model, method, seed in jobs:
+        done = tta.load_results(results).get(tta.job_key(model, method, seed))
+        if done is not None and (done.get("status") == "ok" or not retry_failed):
+            continue
+        if (time.monotonic() - start) / 60 >= max_minutes:
+            print(f"bench_tta: --max-minutes {max_minutes:g} reached: stopping", flush=True)
+            break
+        print(f"bench_tta: {model} {method} seed {seed} ...", flush=True)
+        record = runner(model, method, seed)
+        record["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
+        tta.append_result(results, record)
+        ran += 1
+        acc = record["curve"][-1]["acc"] if record.get("status") == "ok" else None
+        print(f"bench_tta:   {record['status']} acc {acc} in {record.get('wall_s', 0):.0f} s",
+              flush=True)  # fmt: skip
+    return ran
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the jobs of the matrix not yet in the results file")
+    run.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    run.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    run.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    run.add_argument("--max-minutes", type=float, default=60.0, help="start no job after")
+    run.add_argument("--job-minutes", type=float, default=15.0, help="kill a job after")
+    run.add_argument("--retry-failed", action="store_true")
+    run.add_argument("--results", type=Path, default=RESULTS)
+    rep = sub.add_parser("report", help="tables and plots from the results file")
+    rep.add_argument("--results", type=Path, default=RESULTS)
+    rep.add_argument("--peers", type=Path, default=PEERS, help="bench_peers.json")
+    rep.add_argument("--out", type=Path, default=ROOT / "docs")
+    rep.add_argument("--readme", action="store_true", help="rewrite the README's block")
+    args = ap.parse_args(argv)
+    if args.command == "run":
+        jobs = plan(args.models, args.methods, args.seeds)
+        timeout = 60 * args.job_minutes
+        run_jobs(jobs, args.results, lambda *job: run_job(*job, timeout), args.max_minutes,
+                 args.retry_failed)  # fmt: skip
+        return 0
+    peers = json.loads(args.peers.read_text()) if args.peers.is_file() else {}
+    text = tta_report.write_report(
+        tta.load_results(args.results), peers, args.out, MODELS, METHODS, STEP_ROW,
+        ROOT / "README.md" if args.readme else None,
+    )  # fmt: skip
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

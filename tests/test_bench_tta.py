@@ -1,0 +1,136 @@
+"""scripts/bench_tta.py: the driver skips what the results file holds, stops starting jobs
+after --max-minutes, survives a line cut short by a kill; the report's arithmetic (the
+target, the first epoch at it, the time on each link, the best hvdcompress row) on a
+tiny fake results file, and the README block it rewrites."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("_bench_tta", ROOT / "scripts" / "bench_tta.py")
+from scripts._bench import tta, tta_report  # noqa: E402
+
+
+def _record(model, method, seed, accs, status="ok", steps_per_epoch=100):
+    curve = [{"epoch": i, "step": (i + 1) * steps_per_epoch, "acc": a} for i, a in enumerate(accs)]
+    return {"model": model, "method": method, "seed": seed, "status": status, "curve": curve,
+            "bits_per_value": 1.0, "steps": len(accs) * steps_per_epoch}  # fmt: skip
+
+
+def test_the_driver_skips_finished_jobs_and_appends_each_record(tmp_path):
+    results = tmp_path / "jobs.jsonl"
+    tta.append_result(results, _record("cnn", "ddp", 1, [0.5, 0.9]))
+    ran = []
+
+    def runner(model, method, seed):
+        ran.append((model, method, seed))
+        return _record(model, method, seed, [0.4, 0.8])
+
+    jobs = bench.plan(["cnn"], ["ddp", "hvdc-3lc"], [1, 2])
+    assert jobs[:2] == [("cnn", "ddp", 1), ("cnn", "hvdc-3lc", 1)]  # seeds outer
+    assert bench.run_jobs(jobs, results, runner, max_minutes=60) == 3
+    assert ran == [("cnn", "hvdc-3lc", 1), ("cnn", "ddp", 2), ("cnn", "hvdc-3lc", 2)]
+    assert len(tta.load_results(results)) == 4
+    assert bench.run_jobs(jobs, results, runner, max_minutes=60) == 0  # all there
+    assert all("finished" in json.loads(line) for line in results.read_text().splitlines()[1:])
+
+
+def test_no_job_starts_after_max_minutes_and_failures_are_retried_only_on_request(tmp_path):
+    results = tmp_path / "jobs.jsonl"
+    jobs = bench.plan(["vit"], ["ddp"], [1])
+    assert bench.run_jobs(jobs, results, pytest.fail, max_minutes=0) == 0
+    failed = {**_record("vit", "ddp", 1, []), "status": "timeout"}
+    assert bench.run_jobs(jobs, results, lambda *j: dict(failed), max_minutes=60) == 1
+    assert bench.run_jobs(jobs, results, pytest.fail, max_minutes=60) == 0  # kept as it is
+    ok = lambda *job: _record(*job, [0.9])  # noqa: E731
+    assert bench.run_jobs(jobs, results, ok, max_minutes=60, retry_failed=True) == 1
+    assert tta.load_results(results)["vit/ddp/seed1"]["status"] == "ok"  # the later line wins
+
+
+def test_a_line_cut_short_by_a_kill_is_skipped(tmp_path):
+    results = tmp_path / "jobs.jsonl"
+    tta.append_result(results, _record("cnn", "ddp", 1, [0.9]))
+    with open(results, "a") as f:
+        f.write('{"model": "cnn", "method": "hvdc-3lc", "se')  # the writer was killed here
+    assert list(tta.load_results(results)) == ["cnn/ddp/seed1"]
+    tta.append_result(results, _record("cnn", "hvdc-3lc", 1, [0.9]))  # on a line of its own
+    assert sorted(tta.load_results(results)) == ["cnn/ddp/seed1", "cnn/hvdc-3lc/seed1"]
+
+
+PEERS = {"rows": [
+    {"model": "cnn", "row": r, "rate": rate, "step_s": s}
+    for r, per_rate in {"ddp": (2.0, 0.2, 0.05), "hvdc-3lc": (0.1, 0.1, 0.08),
+                        "hvdc-powersgd": (0.09, 0.09, 0.09)}.items()
+    for rate, s in zip(("100mbit", "1gbit", "unlimited"), per_rate, strict=True)
+]}  # fmt: skip
+
+
+def _fake_records():
+    records = {}
+    for rec in [
+        _record("cnn", "ddp", 1, [0.80, 0.88, 0.910]),
+        _record("cnn", "ddp", 2, [0.80, 0.88, 0.914]),  # mean final 0.912: target 0.909
+        _record("cnn", "hvdc-3lc", 1, [0.85, 0.909, 0.92]),  # reaches it at step 200
+        _record("cnn", "hvdc-powersgd", 1, [0.80, 0.85, 0.90]),  # never
+        _record("cnn", "hvdc-accordion-3lc", 1, [0.90, 0.91, 0.91]),  # at step 200, borrowed
+    ]:
+        records[tta.job_key(rec["model"], rec["method"], rec["seed"])] = rec
+    return records
+
+
+def test_the_reports_arithmetic():
+    records = _fake_records()
+    assert tta.target(records, "cnn") == pytest.approx(0.912 - 0.003)
+    table = {r["method"]: r for r in tta_report.rows(records, PEERS, "cnn", bench.METHODS,
+                                                       bench.STEP_ROW)}  # fmt: skip
+    assert table["ddp"]["steps"] == 300 and table["hvdc-3lc"]["steps"] == 200
+    assert table["ddp"]["seconds"]["100mbit"] == pytest.approx(600.0)
+    assert table["hvdc-3lc"]["seconds"]["100mbit"] == pytest.approx(20.0)
+    assert table["hvdc-powersgd"]["steps"] is None
+    assert table["hvdc-powersgd"]["seconds"]["1gbit"] is None
+    acc = table["hvdc-accordion-3lc"]
+    assert acc["borrowed"] and acc["seconds"]["unlimited"] == pytest.approx(200 * 0.08)
+    f = table["ddp"]["final"]
+    assert f["mean"] == pytest.approx(0.912) and f["seeds"] == [1, 2]
+    assert f["std"] == pytest.approx(0.0028284, rel=1e-3)
+
+
+def test_the_report_marks_the_best_hvdc_row_and_rewrites_the_readme_block(tmp_path):
+    records = _fake_records()
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- tta:begin -->\nold table\n<!-- tta:end -->\nafter\n")
+    text = tta_report.write_report(records, PEERS, tmp_path, ["cnn"], bench.METHODS,
+                                   bench.STEP_ROW, readme)  # fmt: skip
+    assert "target 90.90%" in text
+    line = next(x for x in text.splitlines() if x.startswith("| hvdc-3lc |"))
+    assert "**0.3 min**" in line  # 200 steps x 0.1 s at 100 Mbit/s: the best hvdc row
+    assert "not reached" in next(x for x in text.splitlines() if x.startswith("| hvdc-powersgd"))
+    assert "100 Mbit/s: hvdc-3lc" in text  # the first to the target
+    body = readme.read_text()
+    assert body.startswith("before\n<!-- tta:begin -->\n#### cnn") and "old table" not in body
+    assert body.endswith("<!-- tta:end -->\nafter\n")
+    assert (tmp_path / "tta_cnn.png").stat().st_size > 1000
+
+
+def test_the_commands_of_the_two_kinds_of_job(tmp_path):
+    hvdc = bench.train_command("vit", "hvdc-3lc", 2, tmp_path)
+    assert hvdc[-2:] == ["--simulate-ranks", "4"] and "--model" in hvdc and "vit" in hvdc
+    assert hvdc[hvdc.index("--seed") + 1] == "2"
+    torch_job = bench.train_command("cnn", "torch-powersgd-r2", 1, tmp_path)
+    assert "--nproc_per_node=4" in torch_job and "--launcher" in torch_job
+    at = torch_job.index("--torch-hook")
+    assert torch_job[at : at + 4] == ["--torch-hook", "powersgd", "--powersgd-rank", "2"]
