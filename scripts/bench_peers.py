@@ -22,8 +22,9 @@ loopback tx bytes, every rank's sends with TCP/IP headers), the speedup over ``d
 the same link and, for hvdcompress's rows, where a rank's step time goes (encode,
 waiting on collectives, decode: ``DDPHookState.last_stats``, summed over its buckets).
 
-Models: ``mlp10m`` (784-2048-2048-2048-10, 10.0 M parameters, little compute per
-parameter) and ``cnn`` (the Fashion-MNIST SmallCNN of scripts/train.py, 0.21 M).
+Models: train.py's (hvdcompress.training.models, width 16): ``mlp10m``
+(784-2048-2048-2048-10, 10.0 M parameters, little compute per parameter), ``cnn`` (the
+SmallCNN, 0.21 M) and ``vit`` (a 4-layer ViT, 0.54 M; not in the default ``--models``).
 Rows: ``ddp`` (DDP's default allreduce), ``torch-fp16``, ``torch-bf16``,
 ``torch-powersgd-r1`` / ``-r2`` / ``-r4`` (torch's hooks; PowerSGD with one bucket,
 ``bucket_cap_mb=1000``: with DDP's 25 MB buckets it aborted or hung on gloo here), and
@@ -56,7 +57,7 @@ SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
 PREFIX = "hvdc-peers-"
 MARK = "HVDC_PEERS "
-MODELS = ("mlp10m", "cnn")
+MODELS = ("mlp10m", "cnn", "vit")
 HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "topk")
 ROWS = (
     "ddp", "torch-fp16", "torch-bf16", "torch-powersgd-r1", "torch-powersgd-r2",
@@ -78,22 +79,15 @@ EXCHANGE_SUFFIXES = {
 def build_model(name: str, rank: int, batch: int):
     import torch
 
+    from hvdcompress.training.models import INPUT_SHAPES
     from hvdcompress.training.models import build_model as training_model
 
     torch.manual_seed(0)  # the same parameters on every rank
-    if name == "mlp10m":
-        widths = (784, 2048, 2048, 2048, 10)
-        layers = []
-        for a, b in zip(widths, widths[1:], strict=False):
-            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-        model = torch.nn.Sequential(*layers[:-1])
-        shape = (784,)
-    else:
-        model, shape = training_model("cnn"), (1, 28, 28)
+    model = training_model(name, 16)  # train.py's models at its default width
     g = torch.Generator().manual_seed(1000 + rank)
     return (
         model,
-        torch.randn(batch, *shape, generator=g),
+        torch.randn(batch, *INPUT_SHAPES[name], generator=g),
         torch.randint(0, 10, (batch,), generator=g),
     )
 
@@ -331,7 +325,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rates", nargs="+", type=netns.rate_arg, default=["100mbit", "1gbit", "unlimited"]
     )
-    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=["mlp10m", "cnn"])
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(DEFAULT_ROWS))
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--batch", type=int, default=32, help="per rank")
