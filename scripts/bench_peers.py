@@ -49,13 +49,14 @@ import time
 from pathlib import Path
 
 try:  # python scripts/bench_peers.py: scripts/ is first on sys.path
-    from _bench import netns
+    from _bench import cluster, netns
 except ModuleNotFoundError:  # loaded by file path from the repository root (the tests)
-    from scripts._bench import netns
+    from scripts._bench import cluster, netns
 
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
 PREFIX = "hvdc-peers-"
+NODE_DEVICE = "HVDC_PEERS_NODE_DEVICE"  # set on an emulated cluster: the node's link
 MARK = "HVDC_PEERS "
 MODELS = ("mlp10m", "cnn", "vit")
 HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "topk")
@@ -153,7 +154,8 @@ def run_row(args, model_name: str, row: str) -> dict:
     for _ in range(args.warmup):
         step()
     dist.barrier()
-    tx0 = netns.read_tx_bytes() if rank == 0 else 0
+    link = _link_counter()
+    start = link()
     times = []
     for _ in range(args.steps):
         times.append(step())
@@ -165,11 +167,16 @@ def run_row(args, model_name: str, row: str) -> dict:
             counted["payload"] += s.payload_bytes
             counted["sent"] += s.sent_bytes
     dist.barrier()
-    tx = netns.read_tx_bytes() - tx0 if rank == 0 else 0
+    end = link()
+    moved = None if start[0] < 0 else [b - a for a, b in zip(start, end, strict=True)]
     every = [None] * size
-    dist.all_gather_object(every, (times, counted))
-    slowest = [max(ts) for ts in zip(*(t for t, _ in every), strict=True)]  # slowest rank's
-    per_rank = {k: sum(c[k] for _, c in every) / size / args.steps / 1e3 for k in counted}
+    dist.all_gather_object(every, (times, counted, moved))
+    # shared link: rank 0's loopback carries every rank's sends; cluster: each node's
+    # local rank 0 reads its node's link, (tx, rx)
+    links = [m for _, _, m in every if m is not None]
+    tx = sum(m[0] for m in links)
+    slowest = [max(ts) for ts in zip(*(t for t, _, _ in every), strict=True)]  # slowest rank's
+    per_rank = {k: sum(c[k] for _, c, _ in every) / size / args.steps / 1e3 for k in counted}
     return {
         "model": model_name,
         "row": row,
@@ -178,6 +185,10 @@ def run_row(args, model_name: str, row: str) -> dict:
         "step_min_s": min(slowest),
         "step_max_s": max(slowest),
         "wire_mb": tx / args.steps / 1e6,
+        # per node (cluster): MB its link sent and received per step
+        "node_link_mb": [[t / args.steps / 1e6, r / args.steps / 1e6] for t, r in links]
+        if os.environ.get(NODE_DEVICE)
+        else None,
         "payload_kb_per_rank": per_rank["payload"],  # handed to the transport per step
         "sent_kb_per_rank": per_rank["sent"],  # sent per step, as the transport counted
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -189,6 +200,20 @@ def run_row(args, model_name: str, row: str) -> dict:
         else [],
         **{f"{k}_s": v / args.steps for k, v in parts.items()},
     }
+
+
+def _link_counter():
+    """The byte counter this rank reads around the timed steps: on the shared link rank
+    0's loopback tx (every rank's sends); on an emulated cluster each node's local rank
+    0 reads its node's link (tx, rx); the other ranks read nothing (-1)."""
+    import torch.distributed as dist
+
+    device = os.environ.get(NODE_DEVICE)
+    if device is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        return lambda: cluster.link_bytes(device)
+    if device is None and dist.get_rank() == 0:
+        return lambda: (netns.read_tx_bytes(), 0)
+    return lambda: (-1, -1)
 
 
 def worker(args) -> None:
@@ -235,6 +260,44 @@ def launch(args, ns: str, rate: str) -> list[dict]:
     return rows
 
 
+def launch_cluster(args, c: cluster.Cluster, rate: str) -> list[dict]:
+    """One torchrun per node namespace, every node's link at ``rate``; rank 0 (node 0)
+    prints the rows."""
+    cluster.set_node_link(c, rate)
+    worker = [
+        str(SCRIPT), "--worker", "--rate", rate, "--models", *args.models, "--rows", *args.rows,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           NODE_DEVICE: cluster.DEVICE}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            cluster.torchrun_command(c, i, args.ranks_per_node, 29400, worker),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(c.nodes)
+    ]
+    outs = [p.communicate(timeout=args.timeout) for p in procs]
+    rows = [
+        {**json.loads(line[len(MARK) :]), "topology": f"{c.nodes}x{args.ranks_per_node}"}
+        for line in outs[0][0].splitlines()
+        if line.startswith(MARK)
+    ]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        if p.returncode != 0:
+            print(f"bench_peers: a node's launch at {rate} ended with rc {p.returncode}:\n"
+                  f"{err[-2000:]}", file=sys.stderr)  # fmt: skip
+    for r in rows:
+        if "error" not in r:
+            per_node = ", ".join(f"{t:.2f}/{x:.2f}" for t, x in r["node_link_mb"])
+            print(f"  {rate:>9} {r['model']:>7} {r['row']:>18}: {r['step_s']:.3f} s, "
+                  f"node links tx/rx MB/step {per_node}", flush=True)  # fmt: skip
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | row | rate | step s (median, min-max) | speedup over ddp "
@@ -257,9 +320,13 @@ def table(rows: list[dict]) -> str:
         bits = f"{r['bits_per_value']:.3f}" if r["bits_per_value"] is not None else ""
         split = (f"{r['compress_s']:.3f} / {r['wait_s']:.3f} / {r['decode_s']:.3f}"
                  if r["row"].startswith("hvdc") else "")  # fmt: skip
+        wire = f"{r['wire_mb']:.2f}"
+        if r.get("node_link_mb"):  # cluster: the busiest node link's tx / rx
+            tx, rx = (max(m[k] for m in r["node_link_mb"]) for k in (0, 1))
+            wire += f" (node link {tx:.2f} / {rx:.2f})"
         lines.append(
             f"| {r['model']} | {r['row']} | {r['rate']} | {r['step_s']:.3f} "
-            f"({r['step_min_s']:.3f}-{r['step_max_s']:.3f}) | {speedup} | {r['wire_mb']:.2f} | "
+            f"({r['step_min_s']:.3f}-{r['step_max_s']:.3f}) | {speedup} | {wire} | "
             f"{bits} | {split} |"
         )
     return "\n".join(lines)
@@ -327,7 +394,14 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--models", nargs="+", choices=MODELS, default=["mlp10m", "cnn"])
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(DEFAULT_ROWS))
-    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--ranks", type=int, default=4, help="on the shared link")
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="2 or more: an emulated cluster, --rates per node's link",
+    )
+    ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32, help="per rank")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
@@ -342,16 +416,26 @@ def main(argv=None) -> int:
         print(f"bench_peers: {reason}", file=sys.stderr)
         return 2
     rows: list[dict] = []
-    ns = f"{PREFIX}{os.getpid()}"
+    if args.nodes >= 2:
+        cluster.cleanup_stale(PREFIX, SCRIPT.name)
+        c = cluster.Cluster(f"{PREFIX}{os.getpid()}-", args.nodes)
+        args.ranks = args.nodes * args.ranks_per_node
+        interrupted = cluster.in_cluster(
+            c, lambda: [rows.extend(launch_cluster(args, c, rate)) for rate in args.rates]
+        )
+    else:
+        ns = f"{PREFIX}{os.getpid()}"
 
-    def body() -> None:
-        for rate in args.rates:
-            rows.extend(launch(args, ns, rate))
+        def body() -> None:
+            for rate in args.rates:
+                rows.extend(launch(args, ns, rate))
 
-    interrupted = netns.in_namespace(ns, PREFIX, body)
+        interrupted = netns.in_namespace(ns, PREFIX, body)
     args.out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
-    header = (f"bench_peers: {args.ranks} ranks, gloo, batch {args.batch} per rank, "
+    where = (f"an emulated cluster of {args.nodes} nodes x {args.ranks_per_node} ranks, "
+             "each node's link at the rate" if args.nodes >= 2 else "one shared link")  # fmt: skip
+    header = (f"bench_peers: {args.ranks} ranks on {where}, gloo, batch {args.batch} per rank, "
               f"{args.steps} timed steps after {args.warmup}; load average at the end "
               f"{load[0]:.2f}; no latency emulated")  # fmt: skip
     text = header + "\n\n" + table(rows)

@@ -73,3 +73,27 @@ def test_the_two_stage_bytes_are_checked_against_the_allgather_payload():
     assert peers.twostage_bytes([row("hvdc-3lc-twostage", 5.0, 15.1)], 4) == ""
     other_rate = row("hvdc-3lc-twostage", 5.0, 15.1, rate="1gbit")
     assert peers.twostage_bytes([gather, other_rate], 4) == ""
+
+
+def test_an_emulated_cluster_reports_the_bytes_on_each_nodes_link(tmp_path):
+    """--nodes 2 --ranks-per-node 2: torchrun per node namespace; every row reports each
+    node's link (tx, rx per step), the intra-node traffic stays off it, and 3LC puts far
+    fewer bytes on it than DDP's allreduce."""
+    cmd = [sys.executable, str(SCRIPT), "--nodes", "2", "--ranks-per-node", "2", "--rates",
+           "100mbit", "--models", "cnn", "--rows", "ddp", "hvdc-3lc", "--steps", "3",
+           "--warmup", "2", "--out", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_peers.json").read_text())
+    got = {r["row"]: r for r in data["rows"]}
+    assert "2 nodes x 2 ranks" in data["header"]
+    for r in got.values():
+        assert r["ranks"] == 4 and r["topology"] == "2x2" and len(r["node_link_mb"]) == 2
+        assert r["wire_mb"] == pytest.approx(sum(tx for tx, _ in r["node_link_mb"]))
+    ddp = got["ddp"]["node_link_mb"]
+    # DDP's ring over 4 ranks: each node's link carries 2 (N - 1) / N of the 0.83 MB of
+    # gradient each way (the other edge of the ring stays inside the node)
+    assert all(1.1 < tx < 1.6 and 1.1 < rx < 1.6 for tx, rx in ddp), ddp
+    assert max(map(max, got["hvdc-3lc"]["node_link_mb"])) < 0.1 * min(map(min, ddp))
+    assert netns.list_namespaces("hvdc-peers-") == []
