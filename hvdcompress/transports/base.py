@@ -4,7 +4,9 @@ transports' package docstring (``hvdcompress.transports``) describes the operati
 from __future__ import annotations
 
 import functools
+import os
 import queue
+import socket
 import threading
 import time
 import weakref
@@ -123,6 +125,13 @@ class Transport:
             start = cls.__dict__.get(f"start_{kind}")
             if start is not None:
                 setattr(cls, f"start_{kind}", _counted(kind, start))
+
+    def node_key(self) -> object:
+        """What names this rank's node, equal on the ranks of one node (transports.topology):
+        Slurm's ``SLURM_NODEID`` under srun, else the host name. Launchers that know better
+        (torchrun, Horovod, MPI) say so in their transports."""
+        node = os.environ.get("SLURM_NODEID")
+        return ("slurm", node) if node is not None else ("host", socket.gethostname())
 
     @property
     def traffic(self) -> Traffic:

@@ -43,6 +43,7 @@ class HorovodTransport(Transport):
         self.rank = self._set.rank()
         self.size = self._set.size()
         self.local_size = hvd.local_size()
+        self._cross_rank = hvd.cross_rank()  # the node's index among the nodes
         self._prefix = f"hvdcompress.set{self._set.process_set_id}"
         self._count = 0
         self._pending: dict[str, tuple[object, float]] = {}  # name -> (handle, started)
@@ -68,6 +69,10 @@ class HorovodTransport(Transport):
         # same on every rank because every rank starts collectives in the same order.
         self._count += 1
         return f"{self._prefix}.{kind}.{self._count}"
+
+    def node_key(self) -> object:
+        """Horovod's cross rank: the index of this rank's node."""
+        return ("horovod", self._cross_rank)
 
     def start_allgatherv(self, local: torch.Tensor) -> Handle:
         hvd = self.hvd

@@ -376,6 +376,7 @@ class MPITransport(Transport):
         self.size = self.comm.Get_size()
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)  # collective, like Dup below
         self.local_size = node.Get_size()
+        self._node_leader = node.allreduce(self.rank, op=MPI.MIN)  # names the node
         node.Free()
         self._data_comm = self.comm.Dup()  # the worker's collectives never meet ours
         self._ops = _sum_ops_16bit(MPI)
@@ -449,6 +450,10 @@ class MPITransport(Transport):
             yield
         finally:
             p.control_now = None
+
+    def node_key(self) -> object:
+        """The lowest rank of this rank's ``COMM_TYPE_SHARED`` group: names its node."""
+        return ("mpi", self._node_leader)
 
     def start_allgatherv(self, local: torch.Tensor) -> Handle:
         buf = np.ascontiguousarray(local.detach().cpu().numpy(), dtype=np.uint8)

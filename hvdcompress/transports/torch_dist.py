@@ -84,6 +84,11 @@ class TorchDistTransport(Transport):
             self.group = dist.new_group(ranks, backend=backend, timeout=timeout)
             self._jobs = start_worker(self, "hvdcompress-torch-dist")
 
+    def node_key(self) -> object:
+        """torchrun's node index (``GROUP_RANK``) where torchrun launched the rank."""
+        group_rank = os.environ.get("GROUP_RANK")
+        return ("torchrun", int(group_rank)) if group_rank is not None else super().node_key()
+
     def close(self) -> None:
         """Threaded: end the worker after the collectives already started, then free the
         transport's own process group (its gloo threads end here, not at interpreter

@@ -2,7 +2,8 @@
 namespace): an allreduce of 4 MB across the nodes, and what crossed this node's link.
 
 Local rank 0 of each node writes OUT/node<g>.json: the allreduce's result check, the
-ranks' (global rank, node) as torchrun placed them, and the bytes its node sent and
+ranks' (global rank, node) as torchrun placed them, the topology hvdcompress detects
+(transports.topology), and the bytes its node sent and
 received on its link during the allreduce."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from hvdcompress.transports import topology  # noqa: E402
+from hvdcompress.transports.torch_dist import TorchDistTransport  # noqa: E402
 from scripts._bench import cluster  # noqa: E402
 
 
@@ -31,10 +34,12 @@ def main(out: Path) -> None:
     after = cluster.link_bytes()
     placed = [None] * size
     dist.all_gather_object(placed, (rank, node))
+    nodes = topology.detect(TorchDistTransport()).nodes  # from torchrun's GROUP_RANK
     if local == 0:
         report = {
             "exact": bool(torch.all(x == size * (size + 1) / 2)),
             "placed": placed,
+            "topology": nodes,
             "tx": after[0] - before[0],
             "rx": after[1] - before[1],
         }
