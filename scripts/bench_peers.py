@@ -28,8 +28,8 @@ SmallCNN, 0.21 M) and ``vit`` (a 4-layer ViT, 0.54 M; not in the default ``--mod
 Rows: ``ddp`` (DDP's default allreduce), ``torch-fp16``, ``torch-bf16``,
 ``torch-powersgd-r1`` / ``-r2`` / ``-r4`` (torch's hooks; PowerSGD with one bucket,
 ``bucket_cap_mb=1000``: with DDP's 25 MB buckets it aborted or hung on gloo here), and
-``hvdc-<method>`` for none, fp16, 3lc, 3lc-1.75, powersgd, topk (the methods table of
-hvdcompress.training.methods), with ``-inline`` for the hook without overlap,
+``hvdc-<method>`` for none, fp16, 3lc, 3lc-1.75, powersgd (rank 1), powersgd-r2, topk
+(the methods table of hvdcompress.training.methods), with ``-inline`` for the hook without overlap,
 ``hvdc-3lc-measured`` (``exchange="auto"`` with ``link_cost="measure"``: by seconds on the
 link, timed at start), and ``hvdc-3lc-allgather`` / ``hvdc-3lc-twostage`` (``exchange=``;
 not in the default rows), whose bytes per rank it compares with the two-stage exchange's
@@ -59,7 +59,7 @@ PREFIX = "hvdc-peers-"
 NODE_DEVICE = "HVDC_PEERS_NODE_DEVICE"  # set on an emulated cluster: the node's link
 MARK = "HVDC_PEERS "
 MODELS = ("mlp10m", "cnn", "vit")
-HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "topk")
+HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "powersgd-r2", "topk")
 ROWS = (
     "ddp", "torch-fp16", "torch-bf16", "torch-powersgd-r1", "torch-powersgd-r2",
     "torch-powersgd-r4", *(f"hvdc-{m}" for m in HVDC_METHODS), "hvdc-none-inline",
@@ -332,6 +332,50 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def targets(rows: list[dict]) -> str:
+    """The link-speed targets (docs/benchmarks.md), MET / MISS per model and rate, for
+    the rows this run has: ``hvdc-3lc`` (auto) at least 0.97x the speed of the fastest of
+    DDP's allreduce and the fixed exchanges; ``hvdc-none`` at least 0.97x DDP; at 100 Mbit/s
+    and 1 Gbit/s the fastest hvdcompress codec row at least as fast as torch's PowerSGD
+    at rank 2; the 3LC step on the CNN at 100 Mbit/s waiting at most 1.3x the line-rate
+    time of the bytes it put on the link."""
+    got = {(r["model"], r["rate"], r["row"]): r for r in rows if "error" not in r}
+    lines = []
+
+    def check(what: str, ratio: float, bound: float, above: bool = True) -> None:
+        ok = ratio >= bound if above else ratio <= bound
+        sign = ">=" if above else "<="
+        lines.append(f"- {what}: {ratio:.2f} (target {sign} {bound}) {'MET' if ok else 'MISS'}")
+
+    for model, rate in dict.fromkeys((m, r) for m, r, _ in got):
+        step = {row: r["step_s"] for (m, rt, row), r in got.items() if (m, rt) == (model, rate)}
+        where = f"{model} at {rate}"
+        fixed = [row for row in ("ddp", "hvdc-3lc-allgather", "hvdc-3lc-twostage") if row in step]
+        if "hvdc-3lc" in step and fixed:
+            fastest = min(fixed, key=step.get)
+            check(
+                f"{where}: hvdc-3lc (auto) speed / {fastest}'s",
+                step[fastest] / step["hvdc-3lc"],
+                0.97,
+            )
+        if "hvdc-none" in step and "ddp" in step:
+            check(f"{where}: hvdc-none speed / ddp's", step["ddp"] / step["hvdc-none"], 0.97)
+        codecs = [row for row in step if row.startswith("hvdc-") and row not in
+                  ("hvdc-none", "hvdc-fp16") and not row.endswith("-inline")]  # fmt: skip
+        if rate in ("100mbit", "1gbit") and codecs and "torch-powersgd-r2" in step:
+            best = min(codecs, key=step.get)
+            check(f"{where}: {best} (fastest hvdc codec) speed / torch-powersgd-r2's",
+                  step["torch-powersgd-r2"] / step[best], 1.0)  # fmt: skip
+        bits = netns.rate_bits(rate)
+        r3 = got.get((model, rate, "hvdc-3lc"))
+        if model == "cnn" and rate == "100mbit" and r3 is not None and bits:
+            line_s = r3["wire_mb"] * 8e6 / bits
+            check(f"{where}: hvdc-3lc wait / line-rate time of its bytes "
+                  f"({r3['wait_s']:.3f} / {line_s:.3f} s)", r3["wait_s"] / line_s, 1.3,
+                  above=False)  # fmt: skip
+    return "\n".join(lines)
+
+
 def twostage_bytes(rows: list[dict], ranks: int) -> str:
     """The two-stage hook's bytes against its model: per rank 2 (N - 1) / N x P, P the
     payload a rank hands the allgather (the ``-allgather`` row's, on the same model and
@@ -439,6 +483,9 @@ def main(argv=None) -> int:
               f"{args.steps} timed steps after {args.warmup}; load average at the end "
               f"{load[0]:.2f}; no latency emulated")  # fmt: skip
     text = header + "\n\n" + table(rows)
+    met = targets(rows)
+    if met:
+        text += "\n\nTargets:\n" + met
     bytes_check = twostage_bytes(rows, args.ranks)
     if bytes_check:
         text += "\n\nTwo-stage bytes (DDPHookState(exchange=...), 3lc):\n" + bytes_check

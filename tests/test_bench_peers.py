@@ -97,3 +97,30 @@ def test_an_emulated_cluster_reports_the_bytes_on_each_nodes_link(tmp_path):
     assert all(1.1 < tx < 1.6 and 1.1 < rx < 1.6 for tx, rx in ddp), ddp
     assert max(map(max, got["hvdc-3lc"]["node_link_mb"])) < 0.1 * min(map(min, ddp))
     assert netns.list_namespaces("hvdc-peers-") == []
+
+
+def test_the_targets_are_printed_met_or_missed_from_the_rows():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_bench_peers_targets", SCRIPT)
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+
+    def row(name, step_s, **kw):
+        return {"model": "cnn", "rate": "100mbit", "row": name, "step_s": step_s, **kw}
+
+    text = peers.targets([
+        row("ddp", 1.0), row("hvdc-3lc-allgather", 0.10), row("hvdc-3lc-twostage", 0.09),
+        row("hvdc-3lc", 0.0925, wire_mb=0.25, wait_s=0.03), row("hvdc-none", 1.05),
+        row("hvdc-powersgd-r2", 0.07), row("torch-powersgd-r2", 0.072),
+    ])  # fmt: skip
+    lines = text.splitlines()
+    assert "hvdc-3lc (auto) speed / hvdc-3lc-twostage's: 0.97 (target >= 0.97) MET" in lines[0]
+    assert "hvdc-none speed / ddp's: 0.95 (target >= 0.97) MISS" in lines[1]
+    assert "hvdc-powersgd-r2 (fastest hvdc codec) speed / torch-powersgd-r2's: 1.03" in lines[2]
+    assert lines[2].endswith("MET")
+    # 0.25 MB at 100 Mbit/s is 0.020 s of line time: waiting 0.030 s is 1.5x
+    assert (
+        "wait / line-rate time of its bytes (0.030 / 0.020 s): 1.50 (target <= 1.3) MISS"
+        in lines[3]
+    )

@@ -218,6 +218,7 @@ _TABLE = [
         {"kind": "randomk", "recompute_every": 50}, about="CAT over gspar, every 50 steps",
     ),
     Method("powersgd", "powersgd", {"matrix_rank": 1}, about="PowerSGD, rank 1"),
+    Method("powersgd-r2", "powersgd", {"matrix_rank": 2}, about="PowerSGD, rank 2"),
     # the other codecs with their defaults (and their sgd_lr_factor / sgd_momentum)
     Method("bf16", "bf16", about="bfloat16 allreduce"),
     Method("qsgd", "qsgd", about="QSGD, its default levels"),
