@@ -135,7 +135,7 @@ def test_models_output_shapes_and_sizes():
     assert [n for n, _ in light.named_parameters()] == [
         "0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias",
     ]  # fmt: skip
-    assert models.IMAGE_MODELS == ("cnn", "resnet")
+    assert models.IMAGE_MODELS == ("cnn", "resnet", "vit", "mlp10m")
     for name in models.MODELS:
         m = models.build_model(name, 4 if name != "light" else 32)
         assert m(torch.randn(2, *models.INPUT_SHAPES[name])).shape == (2, 10)
