@@ -8,6 +8,7 @@ MPI: tests/mpi/test_topology.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hvdcompress.errors import RankAgreementError
 from hvdcompress.training.simulate import run_ranks
@@ -79,3 +80,40 @@ def test_torchruns_group_rank_names_the_node(monkeypatch):
     assert t.node_key() == ("torchrun", 3)
     monkeypatch.delenv("GROUP_RANK")
     assert t.node_key()[0] in ("host", "slurm")
+
+
+def _sub_sums(t):
+    intra = t.split(((0, 1), (2, 3)))
+    cross = t.split(((0, 2), (1, 3)))
+    a = intra.start_allreduce_sum(torch.tensor([float(t.rank)])).wait()
+    b = cross.start_allreduce_sum(torch.tensor([float(t.rank)])).wait()
+    return intra.rank, intra.size, float(a), cross.rank, float(b)
+
+
+def test_split_gives_each_rank_the_transport_of_its_group():
+    got = run_ranks(4, _sub_sums)
+    assert got == [(0, 2, 1.0, 0, 2.0), (1, 2, 1.0, 0, 4.0), (0, 2, 5.0, 1, 2.0),
+                   (1, 2, 5.0, 1, 4.0)]  # fmt: skip
+
+
+def test_ranks_that_split_differently_get_the_same_error_and_no_rank_hangs():
+    def rank(t):
+        groups = ((0, 1), (2, 3)) if t.rank else ((0, 2), (1, 3))
+        with pytest.raises(RankAgreementError, match="disagree on the groups of a split") as e:
+            t.split(groups)
+        return str(e.value)
+
+    assert len(set(run_ranks(4, rank))) == 1
+    with pytest.raises(ValueError, match="hold every rank once"):
+        run_ranks(2, lambda t: t.split(((0,),)))
+
+
+def test_a_rank_that_fails_inside_a_subworld_ends_the_others():
+    def rank(t):
+        sub = t.split(((0, 1), (2, 3)))
+        if t.rank == 1:
+            raise KeyError("rank 1 failed")
+        return sub.start_allreduce_sum(torch.ones(1)).wait()  # rank 0 would wait for rank 1
+
+    with pytest.raises(KeyError, match="rank 1 failed"):
+        run_ranks(4, rank)

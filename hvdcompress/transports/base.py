@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from hvdcompress.errors import RankAgreementError
 from hvdcompress.stats import Traffic
 
 
@@ -125,6 +126,31 @@ class Transport:
             start = cls.__dict__.get(f"start_{kind}")
             if start is not None:
                 setattr(cls, f"start_{kind}", _counted(kind, start))
+
+    def split(self, groups) -> Transport:
+        """The transport of the group of ``groups`` (disjoint tuples of ranks covering every
+        rank) that holds this rank: a sub-communicator of this one. Collective: every rank
+        calls it with the same groups, at the same point; ranks that pass different groups
+        get the same ``RankAgreementError`` on every rank (the groups are gathered first)."""
+        groups = tuple(tuple(int(r) for r in g) for g in groups)
+        gathered = self.allgather_object(groups)
+        if any(g != gathered[0] for g in gathered):
+            raise RankAgreementError(
+                "ranks disagree on the groups of a split: "
+                + "; ".join(f"rank {r}: {g}" for r, g in enumerate(gathered))
+            )
+        ranks = sorted(r for g in groups for r in g)
+        if ranks != list(range(self.size)):
+            raise ValueError(f"the groups of a split must hold every rank once, got {groups}")
+        mine = next(g for g in groups if self.rank in g)
+        return self._split(groups, mine)
+
+    def _split(self, groups, mine: tuple[int, ...]) -> Transport:
+        raise NotImplementedError(
+            f"the {self.name or type(self).__name__} transport has no sub-communicators "
+            "(split): the hierarchical exchange runs on mpi4py, torch.distributed and the "
+            "simulated world"
+        )
 
     def node_key(self) -> object:
         """What names this rank's node, equal on the ranks of one node (transports.topology):

@@ -451,6 +451,10 @@ class MPITransport(Transport):
         finally:
             p.control_now = None
 
+    def _split(self, groups, mine: tuple[int, ...]) -> MPITransport:
+        color = next(i for i, g in enumerate(groups) if self.rank in g)
+        return MPITransport(self.comm.Split(color, mine.index(self.rank)))
+
     def node_key(self) -> object:
         """The lowest rank of this rank's ``COMM_TYPE_SHARED`` group: names its node."""
         return ("mpi", self._node_leader)

@@ -75,6 +75,15 @@ class SimulatedWorld:
         self._abort: str | None = None
         self._returned: dict[int, dict[str, int]] = {}  # rank -> collectives it started
         self._transports = [SimulatedTransport(self, r) for r in range(size)]
+        self._subworlds: dict[tuple[int, ...], SimulatedWorld] = {}  # by their ranks here
+
+    def subworld(self, ranks: tuple[int, ...]) -> SimulatedWorld:
+        """The world of ``ranks`` (made by the first of them to ask): its rank ``i`` is this
+        world's ``ranks[i]``; an abort here, or a rank returning here, reaches it too."""
+        with self._cond:
+            if ranks not in self._subworlds:
+                self._subworlds[ranks] = SimulatedWorld(len(ranks))
+            return self._subworlds[ranks]
 
     def transport(self, rank: int) -> SimulatedTransport:
         return self._transports[rank]
@@ -159,12 +168,19 @@ class SimulatedWorld:
             if self._abort is None:
                 self._abort = reason
             self._cond.notify_all()
+            subworlds = list(self._subworlds.values())
+        for sub in subworlds:
+            sub.abort(reason)
 
     def returned(self, rank: int) -> None:
         """Rank ``rank``'s function returned: collectives it never started cannot finish."""
         with self._cond:
             self._returned[rank] = dict(self._transports[rank]._counts)
             self._cond.notify_all()
+            subworlds = list(self._subworlds.items())
+        for ranks, sub in subworlds:
+            if rank in ranks:
+                sub.returned(ranks.index(rank))
 
 
 class SimulatedTransport(Transport):
@@ -178,6 +194,9 @@ class SimulatedTransport(Transport):
         self.size = world.size
         self.local_size = world.size  # every rank shares this process's cores
         self._counts = {"started": 0, "blocking": 0}  # collectives of each sequence so far
+
+    def _split(self, groups, mine: tuple[int, ...]) -> SimulatedTransport:
+        return self.world.subworld(mine).transport(mine.index(self.rank))
 
     def _collective(self, sequence: str, value, what: str, signature: tuple, combine, finish=None):
         """Contribute ``value`` to this rank's next collective of ``sequence``; ``wait()``

@@ -84,6 +84,17 @@ class TorchDistTransport(Transport):
             self.group = dist.new_group(ranks, backend=backend, timeout=timeout)
             self._jobs = start_worker(self, "hvdcompress-torch-dist")
 
+    def _split(self, groups, mine: tuple[int, ...]) -> TorchDistTransport:
+        # new_group is collective over the world: every rank makes every group, in order;
+        # each inherits this group's timeout (the user's)
+        world = self.dist.get_process_group_ranks(self.group or self.dist.group.WORLD)
+        backend, timeout = self.dist.get_backend(self.group), group_timeout(self.group)
+        made = [
+            self.dist.new_group([world[r] for r in g], backend=backend, timeout=timeout)
+            for g in groups
+        ]
+        return TorchDistTransport(made[groups.index(mine)])
+
     def node_key(self) -> object:
         """torchrun's node index (``GROUP_RANK``) where torchrun launched the rank."""
         group_rank = os.environ.get("GROUP_RANK")

@@ -20,3 +20,14 @@ def test_one_machine_is_one_node_and_the_override_splits_it():
         assert topology.detect(t, ranks_per_node=2).nodes == tuple(
             (r, r + 1) for r in range(0, t.size, 2)
         )
+
+
+def test_split_makes_sub_communicators():
+    import torch
+
+    t = make_transport("mpi4py")
+    groups = ((0,), tuple(range(1, t.size)))
+    sub = t.split(groups)
+    got = sub.start_allreduce_sum(torch.tensor([float(t.rank)])).wait()
+    mine = groups[0] if t.rank == 0 else groups[1]
+    assert sub.size == len(mine) and float(got) == float(sum(mine))
