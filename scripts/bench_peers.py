@@ -64,12 +64,14 @@ ROWS = (
     "ddp", "torch-fp16", "torch-bf16", "torch-powersgd-r1", "torch-powersgd-r2",
     "torch-powersgd-r4", *(f"hvdc-{m}" for m in HVDC_METHODS), "hvdc-none-inline",
     "hvdc-3lc-inline", "hvdc-3lc-measured", "hvdc-3lc-allgather", "hvdc-3lc-twostage",
+    "hvdc-3lc-hierarchical", "hvdc-powersgd-r2-hierarchical",
 )  # fmt: skip
-DEFAULT_ROWS = ROWS[:-2]  # the exchange rows are for the bytes check (--rows)
+DEFAULT_ROWS = ROWS[:-4]  # the exchange rows are for the bytes check (--rows)
 # (exchange, link_cost) of a row's suffix; else ("auto", None)
 EXCHANGE_SUFFIXES = {
     "-allgather": ("allgather", None),
     "-twostage": ("twostage", None),
+    "-hierarchical": ("hierarchical", None),
     "-measured": ("auto", "measure"),
 }
 

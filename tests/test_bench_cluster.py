@@ -66,6 +66,7 @@ def test_two_nodes_of_two_ranks_allreduce_exactly_across_rate_limited_links(tmp_
         assert r["exact"]
         assert r["placed"] == [[0, 0], [1, 0], [2, 1], [3, 1]]  # K consecutive ranks a node
         assert r["topology"] == [[0, 1], [2, 3]]  # hvdcompress sees the same nodes
+        assert len(set(r["hierarchical_digests"])) == 1  # the hook's hierarchical exchange
         # a ring allreduce of 4 MB on 4 ranks: one cross-node edge each way per node,
         # 2 (N - 1) / N x 4 MB = 6 MB on it, plus TCP/IP headers; the intra-node edge
         # stays on the node's loopback

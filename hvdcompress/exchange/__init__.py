@@ -25,6 +25,7 @@ from hvdcompress.exchange.choose import (
     estimate_payload,
     twostage_bytes,
 )
+from hvdcompress.exchange.hierarchical import HierarchicalExchange, hierarchical_exchange
 from hvdcompress.exchange.summed import SummedExchange
 from hvdcompress.exchange.twostage import (
     PIECE,
@@ -38,6 +39,7 @@ __all__ = [
     "EXCHANGES",
     "PIECE",
     "GatheredExchange",
+    "HierarchicalExchange",
     "InFlight",
     "PayloadEstimate",
     "Piece",
@@ -47,6 +49,7 @@ __all__ = [
     "check_exchange",
     "choose_exchanges",
     "estimate_payload",
+    "hierarchical_exchange",
     "plan_shards",
     "plan_shards_per_tensor",
     "twostage_bytes",

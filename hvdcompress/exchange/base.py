@@ -37,6 +37,7 @@ class InFlight:
     overflow: list[str] = field(default_factory=list)  # finite sums that overflowed the gradient
     nonfinite: list[str] = field(default_factory=list)  # sums that were not finite
     shards: list = field(default_factory=list)  # two-stage: the plan_shards of this bucket
+    stages: object = None  # hierarchical: what its later stages need (_Stages)
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 

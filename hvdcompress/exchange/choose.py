@@ -17,12 +17,13 @@ from hvdcompress.buckets import Bucket
 from hvdcompress.compressors import Compressor, GatherCompressor, SummableCompressor
 from hvdcompress.exchange.allgather import GatheredExchange
 from hvdcompress.exchange.base import _Exchange
+from hvdcompress.exchange.hierarchical import hierarchical_exchange
 from hvdcompress.exchange.summed import SummedExchange
 from hvdcompress.exchange.twostage import Piece, TwoStageExchange
 from hvdcompress.transports import Transport
 from hvdcompress.transports.cost import LinkCost, calibrate_link
 
-EXCHANGES = ("auto", "allgather", "twostage")
+EXCHANGES = ("auto", "allgather", "twostage", "hierarchical")
 LINK_COSTS = (None, "measure")  # or a LinkCost
 PROBE_NUMEL = 1 << 16  # elements of the cost model's probe payload
 
@@ -158,6 +159,11 @@ def choose_exchanges(
     check_exchange(mode, link_cost)
     size = transport.size
     if isinstance(compressor, SummableCompressor):
+        if mode == "hierarchical":
+            raise ValueError(
+                f"exchange='hierarchical' is for gather-only compressors; {compressor.name} "
+                "is summable and its buckets are allreduced: use exchange='auto'"
+            )
         if mode == "twostage":
             raise ValueError(
                 f"exchange='twostage' is for gather-only compressors; {compressor.name} is "
@@ -183,6 +189,9 @@ def choose_exchanges(
     for b in buckets:
         if not b.compressed or isinstance(compressor, SummableCompressor):
             chosen[b.index] = SummedExchange(transport, finish_transport)
+            continue
+        if mode == "hierarchical":
+            chosen[b.index] = hierarchical_exchange(transport, compressor, finish_transport)
             continue
         gathered = GatheredExchange(transport, finish_transport)
         twostage = None

@@ -1,0 +1,127 @@
+"""The hierarchical exchange (hvdcompress.exchange.hierarchical) in the simulated world,
+with the topology override playing nodes (HVDC_RANKS_PER_NODE): every rank ends with
+bit-identical gradients, a lossless codec gives the exact average, M > 2 nodes take the
+two-stage exchange across nodes, a corrupt cross-node payload fails every rank with a
+PayloadError (no rank left waiting), and the configurations it cannot run are refused.
+torchrun across namespaces: tests/test_bench_cluster.py."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+import hvdcompress
+from hvdcompress.errors import PayloadError
+from hvdcompress.training.simulate import run_ranks
+from tests.helpers import small_model
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _digest(model) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _train(compression, exchange, steps=3, **opt_kw):
+    def rank(t):
+        model = small_model()
+        comp = compression() if callable(compression) else compression  # one per rank
+        opt = hvdcompress.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+            compression=comp, backend=t, exchange=exchange, **opt_kw,
+        )  # fmt: skip
+        grads = []
+        for step in range(steps):
+            x, y = _batch(t.rank, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.synchronize()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            with opt.skip_synchronize():
+                opt.step()
+        kinds = sorted({e.kind for e in opt._exchanges.values()})
+        return _digest(model), grads, kinds
+
+    return rank
+
+
+@pytest.fixture
+def two_per_node(monkeypatch):
+    monkeypatch.setenv("HVDC_RANKS_PER_NODE", "2")
+
+
+def test_every_rank_ends_bit_identical_with_3lc_on_2_nodes_of_2(two_per_node):
+    got = run_ranks(4, _train("3lc", "hierarchical"))
+    assert len({d for d, _, _ in got}) == 1
+    assert all(kinds == ["hierarchical"] for _, _, kinds in got)
+
+
+def test_a_lossless_codec_gives_the_exact_average(two_per_node):
+    """top-k keeping every value sends the gradient exactly: the hierarchical average
+    equals the flat allgather's up to float32 rounding of the sums' order."""
+    exact = lambda: hvdcompress.get_compressor("topk", ratio=1.0)  # noqa: E731
+    flat = run_ranks(4, _train(exact, "allgather", 1))
+    hier = run_ranks(4, _train(exact, "hierarchical", 1))
+    for (_, gf, _), (_, gh, _) in zip(flat, hier, strict=True):
+        for a, b in zip(gf[0], gh[0], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_three_nodes_take_the_two_stage_exchange_across_nodes(two_per_node):
+    def rank(t):
+        digest, _, _ = _train("3lc", "hierarchical", 2)(t)
+        return digest
+
+    assert len(set(run_ranks(6, rank))) == 1
+    got = run_ranks(6, lambda t: hvdcompress.exchange.hierarchical_exchange(
+        t, hvdcompress.get_compressor("3lc")).two_stage)  # fmt: skip
+    assert got == [True] * 6
+
+
+def test_a_corrupt_cross_node_payload_fails_every_rank(two_per_node):
+    def rank(t):
+        model = small_model()
+        opt = hvdcompress.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+            compression="3lc", backend=t, exchange="hierarchical",
+        )  # fmt: skip
+        (exchange,) = set(opt._exchanges.values())
+        cross = exchange.cross
+        if t.rank == 3:  # local rank 1 of node 1 sends a frame whose length table is off
+            start = cross.start_allgatherv
+
+            def corrupt(frame):
+                frame = frame.clone()
+                frame[8:16].view(torch.int64).add_(1)
+                return start(frame)
+
+            cross.start_allgatherv = corrupt
+        x, y = _batch(t.rank, 0)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(PayloadError) as err:
+            opt.synchronize()
+        return err.value.rank, str(err.value)
+
+    got = run_ranks(4, rank)
+    # ranks 1 and 3 (local rank 1, the cross-node group that got the bad frame) decode
+    # it: "from rank 1" of their group (global rank 3); ranks 0 and 2 learn from stage 3
+    assert "payload from rank 1" in got[1][1] and "payload from rank 1" in got[3][1]
+    assert got[0][0] == 1 and "cross-node stage" in got[0][1]
+    assert got[2][0] == 3 and "cross-node stage" in got[2][1]
+
+
+def test_what_it_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setenv("HVDC_RANKS_PER_NODE", "2")
+    with pytest.raises(ValueError, match="gather-only compressors"):
+        run_ranks(2, _train("fp16", "hierarchical", 1))
+    monkeypatch.setenv("HVDC_RANKS_PER_NODE", "3")
+    with pytest.raises(ValueError, match="does not divide the 4 ranks"):
+        run_ranks(4, _train("3lc", "hierarchical", 1))
