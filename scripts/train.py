@@ -17,10 +17,11 @@ correction), so with ``--compression dgc`` the wrapped SGD runs without momentum
 
 ``--launcher torchrun``: no Horovod or MPI; torch.distributed (gloo, or NCCL with
 ``--ddp-backend nccl``) and DistributedDataParallel with ``hvdcompress.ddp_hook`` (the
-same payloads, moved by ``transports.torch_dist``); the other launchers run one process per
-rank with ``--backend``. Progress: rank 0 shows a tqdm bar when its stderr is a terminal,
-and otherwise (horovodrun, mpirun and srun pipe it) a plain line every
-``--progress-every`` seconds.
+same payloads, moved by ``transports.torch_dist``), or with ``--torch-hook`` torch's own
+DDP communication (allreduce, bf16, PowerSGD of ``--powersgd-rank``) as the baseline; the
+other launchers run one process per rank with ``--backend``. Progress: rank 0 shows a tqdm
+bar when its stderr is a terminal, and otherwise (horovodrun, mpirun and srun pipe it) a
+plain line every ``--progress-every`` seconds.
 
 Data: the idx files of Debian's ``dataset-fashion-mnist`` in
 /usr/share/datasets/fashion-mnist (``--dataset synthetic`` needs none). Every rank starts
@@ -59,9 +60,10 @@ and data shard per rank; the same code path as a real run): no launcher, and the
 final ``param_digest`` as ``mpirun -np N`` / ``horovodrun -np N`` with the same flags for
 the gather-path compressors (docs/horovod-parity.md, "The simulated world").
 
-Data, models and policies come from ``hvdcompress.training``; ranks, the broadcast of the
-initial parameters and the sums of the evaluation from the optimizer's transport
-(``hvdcompress.transports``).
+This script parses, checks and launches; each rank's run (``training.loop``: replica,
+checkpoints, logs, progress) and the data, models and policies come from
+``hvdcompress.training``; ranks, the broadcast of the initial parameters and the sums of
+the evaluation from the optimizer's transport (``hvdcompress.transports``).
 """
 
 from __future__ import annotations
