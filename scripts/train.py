@@ -17,10 +17,11 @@ correction), so with ``--compression dgc`` the wrapped SGD runs without momentum
 
 ``--launcher torchrun``: no Horovod or MPI; torch.distributed (gloo, or NCCL with
 ``--ddp-backend nccl``) and DistributedDataParallel with ``hvdcompress.ddp_hook`` (the
-same payloads, moved by ``transports.torch_dist``); the other launchers run one process per
-rank with ``--backend``. Progress: rank 0 shows a tqdm bar when its stderr is a terminal,
-and otherwise (horovodrun, mpirun and srun pipe it) a plain line every
-``--progress-every`` seconds.
+same payloads, moved by ``transports.torch_dist``), or with ``--torch-hook`` torch's own
+DDP communication (allreduce, bf16, PowerSGD of ``--powersgd-rank``) as the baseline; the
+other launchers run one process per rank with ``--backend``. Progress: rank 0 shows a tqdm
+bar when its stderr is a terminal, and otherwise (horovodrun, mpirun and srun pipe it) a
+plain line every ``--progress-every`` seconds.
 
 Data: the idx files of Debian's ``dataset-fashion-mnist`` in
 /usr/share/datasets/fashion-mnist (``--dataset synthetic`` needs none). Every rank starts
@@ -59,88 +60,36 @@ and data shard per rank; the same code path as a real run): no launcher, and the
 final ``param_digest`` as ``mpirun -np N`` / ``horovodrun -np N`` with the same flags for
 the gather-path compressors (docs/horovod-parity.md, "The simulated world").
 
-Data, models and policies come from ``hvdcompress.training``; ranks, the broadcast of the
-initial parameters and the sums of the evaluation from the optimizer's transport
-(``hvdcompress.transports``).
+This script parses, checks and launches; each rank's run (``training.loop``: replica,
+checkpoints, logs, progress) and the data, models and policies come from
+``hvdcompress.training``; ranks, the broadcast of the initial parameters and the sums of
+the evaluation from the optimizer's transport (``hvdcompress.transports``).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import hashlib
-import json
 import math
-import os
 import sys
-import time
 import traceback
-from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 import hvdcompress
-from hvdcompress.checkpoint import (
-    DEFAULT_KEEP,
-    CheckpointError,
-    check_tensor,
-    check_writable_dir,
-    checkpoint_path,
-    list_checkpoints,
-    load_checkpoint,
-    save_rank_checkpoint,
-    verified_steps,
-)
-from hvdcompress.ddp import hooked_optimizer
-from hvdcompress.training.data import DATA_DIR, DatasetNotFound, load_fashion_mnist, synthetic
-from hvdcompress.training.methods import build_policy, check_level, parse_cost, parse_params
+from hvdcompress.checkpoint import DEFAULT_KEEP, CheckpointError, check_writable_dir
+from hvdcompress.training.data import DATA_DIR
+from hvdcompress.training.flags import make_compression, make_policy, make_schedule
+from hvdcompress.training.loop import load_data, train_rank
+from hvdcompress.training.methods import check_level, parse_params
 from hvdcompress.training.models import IMAGE_MODELS, MODELS
-from hvdcompress.training.schedule import (
-    DEFAULT_GAMMA,
-    DEFAULT_KIND,
-    LRSchedule,
-    default_milestones,
-    parse_milestones,
-)
+from hvdcompress.training.schedule import DEFAULT_GAMMA, DEFAULT_KIND, parse_milestones
 from hvdcompress.training.schedule import KINDS as SCHEDULES
-from hvdcompress.training.simulate import run_ranks, seeded
+from hvdcompress.training.simulate import run_ranks
+from hvdcompress.training.torch_hooks import TORCH_HOOKS
 from hvdcompress.transports import make_transport
 
-
-# ---- helpers -------------------------------------------------------------------------------
-class ProgressLines:
-    """Rank 0's progress without a terminal: one plain line (to stderr, flushed) every
-    ``every`` seconds and at the last step, instead of tqdm's carriage returns."""
-
-    def __init__(self, total: int, start: int, every: float) -> None:
-        self.total, self.start, self.every = total, start, every
-        self.began = self.last = time.monotonic()
-
-    def update(self, step: int, loss: float, bits_per_value: float) -> None:
-        now = time.monotonic()
-        if now - self.last < self.every and step < self.total:
-            return
-        self.last = now
-        rate = (step - self.start) / max(now - self.began, 1e-9)
-        print(
-            f"progress: step {step}/{self.total} ({100 * step / max(self.total, 1):.0f}%) "
-            f"loss {loss:.4f} bits_per_value {bits_per_value:.2f} {rate:.1f} steps/s",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-def default_threads(local_size: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(local_size, 1))
-
-
-def param_digest(model) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+# tests and scripts reach these through this file (scripts/train.py is their entry point)
+__all__ = ["MODELS", "build_parser", "load_data", "main", "make_compression", "make_policy",
+           "make_schedule", "make_transport", "parse_args", "recommend_sgd", "run_ranks",
+           "train_rank"]  # fmt: skip
 
 
 # ---- arguments -----------------------------------------------------------------------------
@@ -206,7 +155,6 @@ POSITIVE = int_at_least(1)
 NON_NEGATIVE = int_at_least(0)
 
 
-# ---- training ------------------------------------------------------------------------------
 def parse_args(argv=None):
     """The command line, every argument checked (exit status 2 naming the valid values);
     ``check_args`` checks the combinations, ``check_dirs`` the directories."""
@@ -280,6 +228,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="torchrun: torch.distributed + DDP with hvdcompress.ddp_hook (--backend unused)",
     )
     p.add_argument("--ddp-backend", choices=["gloo", "nccl"], default="gloo")
+    p.add_argument(
+        "--torch-hook",
+        choices=TORCH_HOOKS,
+        default=None,
+        help="--launcher torchrun: torch's own DDP communication instead of hvdcompress's\n"
+        "hook (allreduce: DDP's; bf16: bf16_compress_hook; powersgd: powerSGD_hook, one\n"
+        "bucket); with the default --compression only. The summary's bytes and bits per\n"
+        "value are those the hook hands its allreduces (32, 16 bits per value; PowerSGD\n"
+        "R*(m+n) per matrix, vectors dense); it leaves out sent_bytes_per_rank and\n"
+        "received_bytes_per_rank (no hvdcompress transport counts them)",
+    )
+    p.add_argument(
+        "--powersgd-rank",
+        type=POSITIVE,
+        default=1,
+        metavar="R",
+        help="--torch-hook powersgd: matrix_approximation_rank (default 1)",
+    )
     p.add_argument(
         "--fusion-threshold", type=NON_NEGATIVE, default=None, help="bytes per collective"
     )
@@ -407,22 +373,6 @@ def recommend_sgd(args) -> None:
     )
 
 
-def make_schedule(args, steps_per_epoch: int) -> LRSchedule:
-    """The learning-rate schedule of the flags (default milestones from --epochs)."""
-    milestones = args.milestones
-    if milestones is None:
-        milestones = default_milestones(args.epochs) if args.lr_schedule == "step" else []
-    return LRSchedule(
-        args.lr_schedule,
-        args.lr,
-        steps_per_epoch,
-        args.epochs,
-        tuple(milestones),
-        args.lr_gamma,
-        args.warmup_epochs,
-    )
-
-
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """The combinations of arguments: compressor parameters, policy levels and cost model,
     --resume; ``parser.error`` (exit status 2) on the first bad one."""
@@ -435,6 +385,12 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--milestones apply to --lr-schedule step, not {args.lr_schedule}")
     if args.simulate_ranks and args.launcher is not None:
         parser.error("--simulate-ranks runs every rank in this process: no --launcher")
+    if args.torch_hook and args.launcher != "torchrun":
+        parser.error("--torch-hook needs --launcher torchrun (DDP's communication hook)")
+    if args.torch_hook and (
+        args.compression != parser.get_default("compression") or args.compression_param
+    ):
+        parser.error(f"--torch-hook {args.torch_hook} replaces --compression: not both")
     if args.accordion:
         for which, value in zip(("LOW", "HIGH"), args.accordion, strict=True):
             try:
@@ -456,145 +412,6 @@ def check_dirs(parser: argparse.ArgumentParser, args) -> None:
                 check_writable_dir(directory, flag)
             except CheckpointError as err:
                 parser.error(str(err))
-
-
-def make_compression(args) -> tuple[hvdcompress.Compressor, float]:
-    """(the compressor, the inner SGD's momentum): DGC applies ``--momentum`` itself
-    (momentum correction), so the wrapped SGD then runs without momentum."""
-    try:
-        params = parse_params(args.compression_param)
-    except ValueError as err:
-        raise SystemExit(f"--compression-param {err}") from None
-    momentum = args.momentum
-    if args.compression == "3lc":
-        params.setdefault("sparsity", args.sparsity)
-    if args.compression == "dgc":
-        params.setdefault("momentum", args.momentum)
-        momentum = 0.0
-    try:
-        return hvdcompress.get_compressor(args.compression, **params), momentum
-    except (TypeError, ValueError) as err:
-        raise SystemExit(f"--compression {args.compression}: {err}") from None
-
-
-def make_policy(args):
-    """hvdcompress.Accordion / hvdcompress.CAT from the flags, or None."""
-    if args.accordion and args.cat:
-        raise SystemExit("--accordion and --cat are exclusive")
-    if args.accordion:
-        low, high = args.accordion
-        return build_policy(
-            "accordion",
-            args.compression,
-            low=low,
-            high=high,
-            eta=args.accordion_eta,
-            interval_steps=args.accordion_interval,
-        )
-    if args.cat:
-        need = hvdcompress.policies.cat.compressor_for(args.cat)
-        if args.compression != need:
-            raise SystemExit(f"--cat {args.cat} needs --compression {need}")
-        cost = None
-        if args.cat_cost:
-            try:
-                cost = parse_cost(args.cat_cost)
-            except ValueError:
-                raise SystemExit(
-                    f"--cat-cost takes C0,C1[,PACKET_BITS], got {args.cat_cost!r}"
-                ) from None
-        return build_policy(
-            "cat", args.compression, kind=args.cat, cost_model=cost, recompute_every=args.cat_every
-        )
-    return None
-
-
-CKPT_FORMAT = "hvdcompress.train/1"
-
-
-def apply_checkpoint(path: Path, model, opt, dist, schedule: LRSchedule | None = None) -> int:
-    """Load ``path`` (this rank's file) into the model and optimizer; its step.
-    ``CheckpointError`` for a file that does not verify or does not fit this run (another
-    learning-rate ``schedule`` included)."""
-    saved = load_checkpoint(path)
-    if schedule is not None and "lr_schedule" in saved:
-        try:
-            schedule.check_resumable(saved["lr_schedule"])
-        except ValueError as err:
-            raise CheckpointError(f"{path}: {err}") from None
-    for key in ("format", "step", "rank", "size", "model", "optimizer"):
-        if key not in saved:
-            raise CheckpointError(f"{path}: no {key!r} entry")
-    if saved["format"] != CKPT_FORMAT:
-        raise CheckpointError(f"{path}: format {saved['format']!r}, expected {CKPT_FORMAT!r}")
-    if (saved["rank"], saved["size"]) != (dist.rank, dist.size):
-        raise CheckpointError(
-            f"{path}: saved by rank {saved['rank']} of {saved['size']}, this is rank "
-            f"{dist.rank} of {dist.size}"
-        )
-    for kind in ("model", "optimizer"):  # NaN / Inf anywhere: refuse, do not train on it
-        stack = [(kind, saved[kind])]
-        while stack:
-            where, value = stack.pop()
-            if isinstance(value, torch.Tensor):
-                check_tensor(f"{path}: {where}", value, dtype=None)
-            elif isinstance(value, dict):
-                stack.extend((f"{where}.{k}", v) for k, v in value.items())
-            elif isinstance(value, (list, tuple)):
-                stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
-    try:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-    except (ValueError, RuntimeError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{path}: does not fit this run: {err}") from None
-    return int(saved["step"])
-
-
-def resume(directory: Path, model, opt, dist, schedule: LRSchedule | None = None) -> int:
-    """Load the newest step whose checkpoint verifies and loads on every rank; its step.
-    Every rank takes part in the same small collectives and agrees on the step."""
-    good, bad = verified_steps(directory, dist.rank)
-    everyone = dist.allgather_object(good)
-    common = sorted(set(everyone[0]).intersection(*everyone[1:]), reverse=True)
-    problems = [f"{path.name}: {err}" for path, err in bad]
-    for step in common:
-        path = checkpoint_path(directory, dist.rank, step)
-        loaded = error = None
-        try:
-            loaded = apply_checkpoint(path, model, opt, dist, schedule)
-        except CheckpointError as err:  # an older step fully overwrites what was loaded
-            error = str(err)
-        errors = dist.allgather_object(error)
-        if all(e is None for e in errors):
-            if problems or step != max(good, default=step):
-                print(f"train: rank {dist.rank} resumes from step {step}", file=sys.stderr)
-            return loaded
-        problems += [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
-    if not list_checkpoints(directory, dist.rank) and not problems:
-        old = directory / f"rank{dist.rank}.pt"
-        note = (
-            f" ({old.name} is an old pickled checkpoint: not loaded, unpickling could run code)"
-            if old.exists()
-            else ""
-        )
-        raise SystemExit(f"--resume: no checkpoint of rank {dist.rank} in {directory}{note}")
-    detail = "; ".join(problems) or "no step has a verified file on every rank"
-    raise SystemExit(f"--resume: no checkpoint in {directory} loads on every rank: {detail}")
-
-
-def evaluate(model, test, dist, batch: int = 1000) -> float:
-    x, y = test
-    shard = range(dist.rank, len(x), dist.size)
-    correct = 0
-    model.eval()
-    with torch.no_grad():
-        idx = torch.tensor(list(shard), dtype=torch.long)
-        for i in range(0, len(idx), batch):
-            b = idx[i : i + batch]
-            correct += int((model(x[b]).argmax(1) == y[b]).sum())
-    model.train()
-    total_correct, total = dist.sum_floats([float(correct), float(len(shard))])
-    return total_correct / max(total, 1.0)
 
 
 def main(argv=None) -> int:
@@ -647,273 +464,6 @@ def train_torchrun(args) -> None:
         raise
     finally:
         tdist.destroy_process_group()
-
-
-def load_data(args):
-    """(train, test) of --dataset: each an (images, labels) pair."""
-    if args.dataset == "synthetic":
-        return synthetic(args.synthetic_size, max(args.synthetic_size // 4, 256))
-    try:
-        return load_fashion_mnist(args.data_dir)
-    except DatasetNotFound as err:
-        raise SystemExit(str(err)) from None
-
-
-def train_rank(args, dist, data=None) -> str:
-    """One rank's run: a process of a real run, or a thread of --simulate-ranks (which
-    passes the ``data`` every rank reads); the digest of its final parameters."""
-    threads = args.threads or default_threads(dist.local_size)
-    torch.set_num_threads(threads)
-    train, test = data if data is not None else load_data(args)
-
-    model = seeded(args.seed, lambda: MODELS[args.model](args.width))
-    dist.broadcast_(model.parameters())
-    compression, momentum = make_compression(args)
-    policy = make_policy(args)
-    forward = model
-    if args.launcher == "torchrun":  # DDP with the hook; the optimizer steps locally
-        if policy is not None:
-            raise SystemExit("--launcher torchrun: --accordion / --cat need the optimizer")
-        forward = torch.nn.parallel.DistributedDataParallel(model)
-        hook_state = hvdcompress.DDPHookState(
-            compression,
-            compress_min_numel=args.compress_min_numel,
-            exchange=args.exchange,
-            link_cost=None if args.link_cost == "bytes" else "measure",
-        ).register(forward)
-        opt = hooked_optimizer(
-            torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum), hook_state
-        )
-    else:
-        opt = hvdcompress.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum),
-            model.named_parameters(),
-            compression=compression,
-            backend=dist,
-            fusion_threshold=args.fusion_threshold,
-            policy=policy,
-            compress_min_numel=args.compress_min_numel,
-            exchange=args.exchange,
-            link_cost=None if args.link_cost == "bytes" else "measure",
-            raise_on_nonfinite=True,  # a diverged run stops (stop_if_nonfinite), no summary
-        )
-
-    steps_per_epoch = len(train[0]) // (dist.size * args.batch_size)
-    if steps_per_epoch == 0:
-        raise SystemExit(
-            f"{len(train[0])} examples cannot give {dist.size} ranks a batch of "
-            f"{args.batch_size}: lower --batch-size"
-        )
-    total_steps = steps_per_epoch * args.epochs
-    if args.steps is not None:
-        total_steps = args.steps
-    schedule = make_schedule(args, steps_per_epoch)
-
-    start_step = 0
-    ckpt_dir = Path(args.checkpoint) if args.checkpoint else None
-    if args.resume:
-        start_step = resume(ckpt_dir, model, opt, dist, schedule)
-
-    def save(step: int) -> None:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        state.update(format=CKPT_FORMAT, step=step, rank=dist.rank, size=dist.size)
-        state["args"] = vars(args)
-        state["lr_schedule"] = schedule.state_dict()
-        save_rank_checkpoint(ckpt_dir, dist.rank, step, state, keep=args.keep_checkpoints)
-
-    is_root = dist.rank == 0
-    if is_root and args.sgd_note:
-        print(args.sgd_note, file=sys.stderr, flush=True)
-    writer = csv_file = csv_out = epochs_file = epochs_out = None
-    policy_file = policy_out = None
-    if is_root and args.log_dir:
-        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-        csv_file = open(Path(args.log_dir) / "metrics.csv", "a" if args.resume else "w", newline="")
-        csv_out = csv.writer(csv_file)
-        if not args.resume:
-            csv_out.writerow(
-                ["step", "epoch", "loss", "test_acc", "bytes_sent", "payload_bytes",
-                 "raw_bytes", "bits_per_value", "compress_s", "step_s", "lr",
-                 "sent_bytes", "received_bytes"]
-            )  # fmt: skip
-        epochs_file = open(
-            Path(args.log_dir) / "epochs.csv", "a" if args.resume else "w", newline=""
-        )
-        epochs_out = csv.writer(epochs_file)  # one row per evaluation, over every rank
-        if not args.resume:
-            epochs_out.writerow(
-                ["step", "epoch", "lr", "test_acc", "payload_bits_ranks", "values_ranks",
-                 "bits_per_value_ranks"]
-            )  # fmt: skip
-        if policy is not None:  # long format: level / T per tensor, modelled vs measured
-            policy_file = open(
-                Path(args.log_dir) / "policy.csv", "a" if args.resume else "w", newline=""
-            )
-            policy_out = csv.writer(policy_file)
-            if not args.resume:
-                policy_out.writerow(["step", "key", "value"])
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(args.log_dir)
-        except ImportError as err:
-            print(f"train: no TensorBoard events ({err}); metrics.csv only", file=sys.stderr)
-
-    bar = lines = None
-    if is_root and not args.no_progress:
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
-        else:  # a launcher's pipe: a carriage-return bar would arrive as one endless line
-            lines = ProgressLines(total_steps, start_step, args.progress_every)
-
-    # wire: the ring model's bytes; sent / received: what the transport counted
-    totals = {"wire": 0.0, "raw": 0.0, "steps": 0, "sent": 0.0, "received": 0.0}
-    # payload bits and gradient values: this rank's since the last evaluation, and the
-    # sums over every rank since the start (mean bits per value over ranks and the run)
-    since_eval = {"bits": 0.0, "values": 0.0}
-    over_ranks = {"bits": 0.0, "values": 0.0}
-    size = dist.size
-    step = start_step
-    loss_value = float("nan")
-    first_loss = last_loss = None
-    x_train, y_train = train
-    while step < total_steps:
-        epoch = step // steps_per_epoch
-        perm = torch.randperm(
-            len(x_train), generator=torch.Generator().manual_seed(args.seed + epoch)
-        )
-        in_epoch = step % steps_per_epoch
-        lo = (in_epoch * size + dist.rank) * args.batch_size
-        idx = perm[lo : lo + args.batch_size]
-        lr = schedule.apply(opt, step)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = F.cross_entropy(forward(x_train[idx]), y_train[idx])
-        loss.backward()
-        try:
-            if args.launcher == "torchrun":  # DDP's averages, the same on every rank
-                check_finite_grads(model, compression)
-            opt.step()
-        except hvdcompress.NonFiniteGradientError as err:
-            raise SystemExit(
-                f"train: stopped at step {step + 1} (epoch {epoch}), compression "
-                f"{args.compression}, loss on rank {dist.rank} {float(loss.detach()):.6g}: "
-                f'{err} (docs/codecs.md, "Defaults that train")'
-            ) from None
-        step_s = time.perf_counter() - t0
-        step += 1
-        stats = opt.last_stats
-        loss_value = float(loss.detach())
-        first_loss = loss_value if first_loss is None else first_loss
-        last_loss = loss_value
-        totals["wire"] += stats.wire_bytes
-        totals["sent"] += stats.sent_bytes
-        totals["received"] += stats.received_bytes
-        totals["raw"] += 2.0 * (size - 1) / size * stats.raw_bytes
-        totals["steps"] += 1
-        since_eval["bits"] += 8.0 * stats.payload_bytes
-        since_eval["values"] += stats.numel
-        end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
-        if policy is not None and step % steps_per_epoch == 0:
-            if hasattr(policy, "end_epoch"):  # every rank: an Accordion interval end
-                policy.end_epoch()
-        acc = evaluate(model, test, dist) if end_of_epoch else None
-        if end_of_epoch:  # every rank: one small sum
-            bits, values = dist.sum_floats([since_eval["bits"], since_eval["values"]])
-            since_eval = {"bits": 0.0, "values": 0.0}
-            over_ranks["bits"] += bits
-            over_ranks["values"] += values
-            if epochs_out:
-                epochs_out.writerow(
-                    [step, epoch, f"{lr:.6g}", f"{acc:.4f}", f"{bits:.0f}", f"{values:.0f}",
-                     f"{bits / max(values, 1.0):.4f}"]
-                )  # fmt: skip
-                epochs_file.flush()
-        if ckpt_dir and (
-            step == total_steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
-        ):
-            save(step)
-        if is_root:
-            row = [
-                step, epoch, f"{loss_value:.6f}", "" if acc is None else f"{acc:.4f}",
-                f"{stats.wire_bytes:.0f}", stats.payload_bytes, stats.raw_bytes,
-                f"{stats.bits_per_value:.4f}", f"{stats.compress_s:.6f}", f"{step_s:.6f}",
-                f"{lr:.6g}", stats.sent_bytes, stats.received_bytes,
-            ]  # fmt: skip
-            if csv_out:
-                csv_out.writerow(row)
-            if policy_out:
-                for key, value in sorted(stats.metrics.items()):
-                    if key.startswith(("level/", "T/", "cat/")):
-                        policy_out.writerow([step, key, value])
-            if writer:
-                writer.add_scalar("train/loss", loss_value, step)
-                writer.add_scalar("comm/bytes_sent", stats.wire_bytes, step)
-                writer.add_scalar("comm/sent_bytes_measured", stats.sent_bytes, step)
-                writer.add_scalar("comm/received_bytes_measured", stats.received_bytes, step)
-                writer.add_scalar("comm/bits_per_value", stats.bits_per_value, step)
-                writer.add_scalar("time/compress_s", stats.compress_s, step)
-                writer.add_scalar("time/step_s", step_s, step)
-                writer.add_scalar("train/lr", lr, step)
-                if acc is not None:
-                    writer.add_scalar("test/accuracy", acc, step)
-            if bar:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.3f}", bpv=f"{stats.bits_per_value:.2f}")
-            if lines:
-                lines.update(step, loss_value, stats.bits_per_value)
-            if acc is not None and bar is None:
-                print(f"step {step} epoch {epoch} loss {loss_value:.4f} test_acc {acc:.4f}")
-
-    final_acc = evaluate(model, test, dist)
-    digest = param_digest(model)
-    # every rank: the transport's counts, averaged over ranks
-    sent, received = (v / size for v in dist.sum_floats([totals["sent"], totals["received"]]))
-    if is_root:
-        if bar:
-            bar.close()
-        saved = 1.0 - totals["wire"] / totals["raw"] if totals["raw"] else 0.0
-        print(
-            f"summary: ranks {size} backend {dist.name} compression {args.compression} "
-            f"steps {step} first_loss {first_loss} last_loss {last_loss} "
-            f"test_accuracy {final_acc:.4f} bytes_sent_per_rank {totals['wire']:.0f} "
-            f"uncompressed_allreduce_bytes {totals['raw']:.0f} traffic_saved {100 * saved:.1f}% "
-            f"exchange {args.exchange} sent_bytes_per_rank {sent:.0f} "
-            f"received_bytes_per_rank {received:.0f} "
-            f"bits_per_value_ranks {over_ranks['bits'] / max(over_ranks['values'], 1.0):.4f} "
-            f"lr_schedule {schedule.kind} threads {threads} param_digest {digest}",
-            flush=True,
-        )
-        if writer:
-            writer.add_scalar("test/final_accuracy", final_acc, step)
-            writer.close()
-        if csv_file:
-            csv_file.close()
-        if epochs_file:
-            epochs_file.close()
-        if policy_file:
-            policy_file.close()
-        if args.log_dir and isinstance(policy, hvdcompress.Accordion):
-            write_accordion_trace(Path(args.log_dir) / "accordion.json", policy)
-    return digest
-
-
-def check_finite_grads(model: torch.nn.Module, compression) -> None:
-    """``NonFiniteGradientError`` naming the parameters whose gradient holds a NaN or an
-    Inf (``DistributedOptimizer(raise_on_nonfinite=True)``'s check, for the DDP path)."""
-    grads = [(name, p.grad) for name, p in model.named_parameters()]
-    hvdcompress.NonFiniteGradientError.check(grads, compression)
-
-
-def write_accordion_trace(path: Path, policy: hvdcompress.Accordion) -> None:
-    """Accordion's decisions in this process (step, reason, level per tensor, the norms
-    averaged over ranks, in ``names`` order) with eta: the norm-change trace that
-    scripts/plot_policy.py draws under the levels."""
-    trace = {"eta": policy.eta, "low": policy.low, "high": policy.high,
-             "names": policy.names, "decisions": policy.history}  # fmt: skip
-    path.write_text(json.dumps(trace, indent=1))
 
 
 if __name__ == "__main__":

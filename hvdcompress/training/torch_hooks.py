@@ -1,0 +1,90 @@
+"""torch's own DDP communication for scripts/train.py ``--launcher torchrun --torch-hook``:
+the baselines that hvdcompress's methods are compared against (DDP's allreduce, the 16-bit
+``bf16_compress_hook``, torch's PowerSGD), trained by the same loop.
+
+torch's hooks report no statistics, so ``TorchHook.step_stats`` gives the bytes each one
+hands to its allreduces, from what it is documented to send: 32 bits per value for DDP's
+allreduce, 16 for bf16, and for PowerSGD the element counts of its own ``PowerSGDState``
+(P and Q of rank R, ``R * (m + n)`` per compressed matrix, dense tensors whole, and all of
+it dense for the first ``start_powerSGD_iter`` steps). Nothing here is measured: the
+compression time and the transport's byte counts stay unknown (``measured`` False).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from hvdcompress.stats import StepStats
+
+TORCH_HOOKS = ("allreduce", "bf16", "powersgd")
+POWERSGD_START_ITER = 2  # the fewest dense steps torch allows with error feedback
+# torch's PowerSGD hook with several buckets aborts or hangs on gloo: one bucket
+POWERSGD_BUCKET_CAP_MB = 1000
+FLOAT32_BYTES = 4
+
+
+def ddp_options(kind: str) -> dict:
+    """DistributedDataParallel's keyword arguments for ``kind``."""
+    return {"bucket_cap_mb": POWERSGD_BUCKET_CAP_MB} if kind == "powersgd" else {}
+
+
+def label(kind: str, powersgd_rank: int) -> str:
+    """The summary line's ``compression`` of a run with torch's hook ``kind``."""
+    return f"torch-powersgd-r{powersgd_rank}" if kind == "powersgd" else f"torch-{kind}"
+
+
+def bf16_hook(process_group, bucket):  # unannotated: DDP checks annotations by identity
+    """torch's ``bf16_compress_hook`` itself, under another name: DDP refuses a hook of that
+    name unless CUDA with NCCL (or XPU) is present, a check of the name and not of the
+    backend, while gloo reduces bfloat16 on CPU as well."""
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+class TorchHook:
+    """torch's hook ``kind`` registered on the DDP model ``ddp`` (none for ``allreduce``:
+    DDP's own averaging), and the bytes of its last step (``step_stats``)."""
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, kind: str,
+                 powersgd_rank: int) -> None:  # fmt: skip
+        if kind not in TORCH_HOOKS:
+            raise ValueError(f"torch hook {kind!r}: expected one of {', '.join(TORCH_HOOKS)}")
+        self.kind = kind
+        self.size = torch.distributed.get_world_size()
+        self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
+        self.powersgd_state = None
+        self._counted = 0  # PowerSGDState.total_numel_after_compression at the last step
+        if kind == "bf16":
+            ddp.register_comm_hook(None, bf16_hook)
+        elif kind == "powersgd":
+            self.powersgd_state = powersgd.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=powersgd_rank,
+                start_powerSGD_iter=POWERSGD_START_ITER,
+                min_compression_rate=1,
+            )
+            ddp.register_comm_hook(self.powersgd_state, powersgd.powerSGD_hook)
+
+    def _values_sent(self) -> int:
+        """Float32 values the last step's allreduces carried (bf16: counted as halves)."""
+        state = self.powersgd_state
+        if state is None:
+            return self.numel
+        counted = state.total_numel_after_compression
+        sent, self._counted = counted - self._counted, counted
+        # the hook's first start_powerSGD_iter steps are a plain allreduce, uncounted
+        return self.numel if state.iter <= state.start_powerSGD_iter else sent
+
+    def step_stats(self) -> StepStats:
+        """The last step's bytes, as ``DistributedOptimizer.last_stats`` gives them; called
+        once after every step (PowerSGD's count is the difference from the last call)."""
+        payload = self._values_sent() * FLOAT32_BYTES
+        if self.kind == "bf16":
+            payload //= 2
+        return StepStats(
+            numel=self.numel,
+            raw_bytes=self.numel * FLOAT32_BYTES,
+            payload_bytes=payload,
+            wire_bytes=2.0 * (self.size - 1) / self.size * payload,  # a ring allreduce
+        )
