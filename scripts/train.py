@@ -75,6 +75,7 @@ import traceback
 
 import hvdcompress
 from hvdcompress.checkpoint import DEFAULT_KEEP, CheckpointError, check_writable_dir
+from hvdcompress.exchange import EXCHANGES
 from hvdcompress.training.data import DATA_DIR
 from hvdcompress.training.flags import make_compression, make_policy, make_schedule
 from hvdcompress.training.loop import load_data, train_rank
@@ -257,10 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--exchange",
-        choices=["auto", "allgather", "twostage"],
+        choices=list(EXCHANGES),
         default="auto",
         help="gather-only codecs: one allgather, the two-stage exchange (reduce-scatter + "
-        "allgather of re-compressed shards), or per bucket by bytes (docs/exchanges.md)",
+        "allgather of re-compressed shards), hierarchical (float32 inside a node, compressed "
+        "across nodes), or per bucket by bytes (docs/exchanges.md)",
     )
     p.add_argument(
         "--link-cost",
