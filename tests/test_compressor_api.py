@@ -214,8 +214,8 @@ def test_nonfinite_input_flags_and_keeps_residual(name, kw, bad):
     x = torch.randn(1000)
     c.compress(x, "w")
     before = (
-        {k: v.clone() for k, v in getattr(c, "memory", None).residuals.items()}
-        if hasattr(c, "memory")
+        {k: v.clone() for k, v in c.memory.residuals.items()}
+        if c.memory is not None
         else {}
     )
     y = x.clone()
@@ -227,7 +227,7 @@ def test_nonfinite_input_flags_and_keeps_residual(name, kw, bad):
     out = torch.zeros(1000)
     c.decode(payload, out=out, accumulate=True)
     assert out.isnan().all()
-    if hasattr(c, "memory"):
+    if c.memory is not None:
         for k, v in before.items():
             assert torch.equal(c.memory.residuals[k], v)
 

@@ -284,7 +284,7 @@ def generic(dec: torch.Tensor, g: torch.Tensor) -> str | None:
 
 # ---- error feedback -------------------------------------------------------------------------
 def residual(c, name: str, n: int) -> torch.Tensor:
-    memory = getattr(c, "memory", None)
+    memory = c.memory
     e = None if memory is None else memory.residuals.get(name)
     return torch.zeros(n, dtype=torch.float64) if e is None else e.double().clone()
 
@@ -527,7 +527,7 @@ def run_world(name: str, params: dict, path: str, dtype: torch.dtype, classes: l
                 p.grad = gradient(c, dtype, step, t.rank).clone()
             opt.step()
             steps.append({c: p.grad.clone() for c, p in ps.items()})
-        memory = getattr(comp, "memory", None)
+        memory = comp.memory
         residuals = {} if memory is None else dict(memory.residuals)
         return steps, {c: residuals.get(pnames[c]) for c in classes}, residuals
 
@@ -592,7 +592,7 @@ def piece_residuals(results, pname: str, n: int) -> torch.Tensor:
     total = torch.zeros(n, dtype=torch.float64)
     for res in results:
         for key, e in res[2].items():
-            m = re.fullmatch(re.escape(pname) + r"\[(\d+):(\d+)\](@owner)?", key)
+            m = re.fullmatch(re.escape(pname) + r"\[(\d+):(\d+)\](@owner)?", str(key))
             if m:
                 start, stop = int(m[1]), int(m[2])
                 total[start:stop] += e.double() * (RANKS if m[3] else 1)

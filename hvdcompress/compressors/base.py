@@ -28,6 +28,7 @@ import torch
 
 from hvdcompress import wire
 from hvdcompress.compressors import receive
+from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import Param
 from hvdcompress.errors import PayloadError
 
@@ -92,6 +93,9 @@ class Compressor:
 
     summable: ClassVar[bool] = False
     error_feedback: bool = False  # an instance attribute where it is a parameter
+    # the error-feedback residuals, an ErrorFeedback made in __init__ by a compressor that
+    # keeps them (with error feedback, or where it is a parameter)
+    memory: ErrorFeedback | None = None
     # the gradient dtypes this compressor sends (None: every floating dtype); the
     # optimizer checks its parameters against it at construction
     supported_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
@@ -163,14 +167,9 @@ class Compressor:
         e.g. the rounding of the write into a float16 ``p.grad``) to the error-feedback
         residual of ``name``, so that it is sent with the next gradient. False when there
         is no such residual (no error feedback, or nothing compressed yet)."""
-        memory = getattr(self, "memory", None)
-        if not self.error_feedback or memory is None:
+        if not self.error_feedback or self.memory is None:
             return False
-        e = memory.residuals.get(name)
-        if e is None or e.numel() != delta.numel():
-            return False
-        e.add_(delta.reshape(-1).to(device=e.device, dtype=torch.float32))
-        return True
+        return self.memory.absorb(name, delta)
 
     # ---- both kinds ----------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:

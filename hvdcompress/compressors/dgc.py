@@ -20,6 +20,7 @@ import math
 import struct
 
 from hvdcompress import wire
+from hvdcompress.buckets import StateKey, state_key, state_text
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
 from hvdcompress.compressors.base import Encoded, check_agreed, empty_body
@@ -88,7 +89,7 @@ class DGC(TopKLayout):
         self.size = 1
         self.velocity = ErrorFeedback()  # u
         self.memory = ErrorFeedback()  # v (the error-feedback residual)
-        self.steps: dict[str, int] = {}
+        self.steps: dict[StateKey, int] = {}
 
     def bind(self, rank: int, size: int) -> None:
         self.size = max(1, int(size))
@@ -173,7 +174,7 @@ class DGC(TopKLayout):
     def state_dict(self) -> dict:
         return {
             "ratio": self.ratio,
-            "steps": dict(self.steps),
+            "steps": state_text(self.steps),
             "velocity": self.velocity.state_dict(),
             "residuals": self.memory.state_dict(),
         }
@@ -194,4 +195,4 @@ class DGC(TopKLayout):
         except BaseException:
             self.velocity.residuals, self.memory.residuals = velocity, memory
             raise
-        self.steps = dict(steps)
+        self.steps = {state_key(text): step for text, step in steps.items()}

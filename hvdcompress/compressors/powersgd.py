@@ -26,7 +26,7 @@ import torch
 
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import Ctx, SummableCompressor
-from hvdcompress.compressors.levels import PerTensorLevels
+from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import SEED, Param
 from hvdcompress.compressors.registry import register
@@ -53,6 +53,12 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def check_matrix_rank(value) -> int:
+    if isinstance(value, bool) or int(value) != value or not (1 <= value <= MAX_RANK):
+        raise ValueError(f"powersgd matrix_rank must be an int in [1, {MAX_RANK}], got {value!r}")
+    return int(value)
+
+
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
     if len(shape) < 2:
         return None
@@ -76,18 +82,12 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
     level_param = "matrix_rank"
 
     def __init__(self, matrix_rank: int = 1, seed: int = 0) -> None:
-        self.matrix_rank = self._check_level(matrix_rank)
+        self.matrix_rank = check_matrix_rank(matrix_rank)
+        self.levels = TensorLevels(self.matrix_rank, check_matrix_rank)
         self.seed = prim.check_seed(seed)
         self.memory = ErrorFeedback()
         self.qs: dict[str, torch.Tensor] = {}
         self._pending: dict[str, tuple] = {}
-
-    def _check_level(self, value):
-        if isinstance(value, bool) or int(value) != value or not (1 <= value <= MAX_RANK):
-            raise ValueError(
-                f"powersgd matrix_rank must be an int in [1, {MAX_RANK}], got {value!r}"
-            )
-        return int(value)
 
     def _seeded_q(self, name: str, cols: int, r: int) -> torch.Tensor:
         """A tensor's initial Q: standard normal on the CPU, seeded by (seed, its name)."""

@@ -13,7 +13,7 @@ from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
 from hvdcompress.compressors.base import GatherCompressor, check_scale
-from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
+from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import encoded
 
@@ -77,7 +77,7 @@ class SignSGD(SignBits):
 
 
 @register
-class EFSignSGD(ResidualState, SignBits):
+class EFSignSGD(SignBits):
     """EF-signSGD: mean|g + e| * sign(g + e), one bit per value plus one float32 scale."""
 
     name = "efsignsgd"
@@ -91,6 +91,12 @@ class EFSignSGD(ResidualState, SignBits):
 
     def __init__(self) -> None:
         self.memory = ErrorFeedback()
+
+    def state_dict(self) -> dict:
+        return residual_state(self.memory, {})
+
+    def load_state_dict(self, state: dict) -> None:
+        load_residual_state(self.memory, self.name, state, {})
 
     def contraction(self, numel):
         # ||a - mean|a| sign(a)||^2 = ||a||^2 - ||a||_1^2 / n >= (1 - 1 / n) ||a||^2 at worst

@@ -12,6 +12,7 @@ the flag (decode gives all NaN) and leaves the residual untouched.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
@@ -21,8 +22,8 @@ from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
 from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed
-from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
+from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
+from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.stochastic import Stochastic, encoded
@@ -32,13 +33,9 @@ RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
 RATIO = Param(0.0, 1.0, low_open=True)
 
 
-class RatioLevels(PerTensorLevels):
+def ratio_levels(comp) -> TensorLevels:
     """Per-tensor ``ratio`` (set by a policy), carried in the header and checked on decode."""
-
-    level_param = "ratio"
-
-    def _check_level(self, value):
-        return sparse.check_ratio(value, self.name)
+    return TensorLevels(comp.ratio, functools.partial(sparse.check_ratio, name=comp.name))
 
 
 class TopKLayout(GatherCompressor):
@@ -62,7 +59,7 @@ class TopKLayout(GatherCompressor):
 
 
 @register
-class TopK(ResidualState, RatioLevels, TopKLayout):
+class TopK(PerTensorLevels, TopKLayout):
     """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|; a policy
     may set it per tensor (``set_level(name, ratio)``), the header carries it."""
 
@@ -73,10 +70,11 @@ class TopK(ResidualState, RatioLevels, TopKLayout):
     examples = ({"ratio": 0.05},)
     benchmarks = ({"ratio": 0.01},)
     error_feedback = True
-    saved_settings = ("ratio",)
+    level_param = "ratio"
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = sparse.check_ratio(ratio, "topk")
+        self.levels = ratio_levels(self)
         self.memory = ErrorFeedback()
 
     encode_segments = staticmethod(sparse.topk_encode_segments)  # TopKSign sets its own
@@ -93,6 +91,12 @@ class TopK(ResidualState, RatioLevels, TopKLayout):
             Encoded(wire.FLAG_NONFINITE if bad else 0, TOPK_PARAMS.pack(r), body)
             for body, bad, r in zip(bodies, nonfinite, ratios, strict=True)
         ]
+
+    def state_dict(self) -> dict:
+        return residual_state(self.memory, {"ratio": self.ratio})
+
+    def load_state_dict(self, state: dict) -> None:
+        load_residual_state(self.memory, self.name, state, {"ratio": self.ratio})
 
     def contraction(self, numel):
         # keeping the k largest leaves at most (1 - k / n) of ||a||^2 (Stich et al. 2018)
@@ -262,7 +266,7 @@ class RandomK(SeededSparseState, Stochastic):
 
 
 @register
-class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
+class GSpar(PerTensorLevels, SeededSparseState, Stochastic, TopKLayout):
     """Keep entry i with probability p_i = min(1, c |a_i|), sum p_i = ``ratio`` * n in
     expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
     E[decode] = a. Optional error feedback: then a_i travels unscaled (contractive, so the
@@ -295,6 +299,7 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
         {"variance": 0.25, "error_feedback": True},
     )
     benchmarks = ({"ratio": 0.01},)
+    level_param = "ratio"
     # a_i / p_i has variance sum (1 / p_i - 1) a_i^2, about ||a||_1 / c: at ratio 0.01 the
     # job's SGD diverged, and trained at a tenth of its learning rate (docs/codecs.md,
     # "Defaults that train")
@@ -309,6 +314,7 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
         rank: int = 0,
     ) -> None:
         self.ratio = sparse.check_ratio(ratio, "gspar")
+        self.levels = ratio_levels(self)
         self.error_feedback = bool(error_feedback)
         self.variance = variance
         if variance is not None:  # bounded variance: SGD's own rate (docs/codecs.md)

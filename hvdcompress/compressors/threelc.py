@@ -14,8 +14,8 @@ from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
 from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed, check_scale
-from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
+from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
+from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
 
@@ -47,7 +47,7 @@ class TernaryLayout(GatherCompressor):
 
 
 @register
-class ThreeLC(ResidualState, PerTensorLevels, TernaryLayout):
+class ThreeLC(PerTensorLevels, TernaryLayout):
     """3LC with sparsity multiplication ``sparsity`` in [1, 2) (default 1.0); a policy may
     set it per tensor (``set_level(name, s)``), the header carries it."""
 
@@ -59,14 +59,17 @@ class ThreeLC(ResidualState, PerTensorLevels, TernaryLayout):
     benchmarks = ({"sparsity": 1.0}, {"sparsity": 1.75})
     error_feedback = True
     level_param = "sparsity"
-    saved_settings = ("sparsity",)
 
     def __init__(self, sparsity: float = 1.0) -> None:
         self.sparsity = threelc.check_sparsity(sparsity)
+        self.levels = TensorLevels(self.sparsity, threelc.check_sparsity)
         self.memory = ErrorFeedback()
 
-    def _check_level(self, value):
-        return threelc.check_sparsity(value)
+    def state_dict(self) -> dict:
+        return residual_state(self.memory, {"sparsity": self.sparsity})
+
+    def load_state_dict(self, state: dict) -> None:
+        load_residual_state(self.memory, self.name, state, {"sparsity": self.sparsity})
 
     def owner_level(self, level):
         # The owner's input is the average of N ternary payloads plus its residual: a few

@@ -26,7 +26,6 @@ from hvdcompress.exchange.choose import (
 )
 from hvdcompress.exchange.summed import SummedExchange
 from hvdcompress.exchange.twostage import (
-    PIECE,
     Piece,
     TwoStageExchange,
     plan_shards,
@@ -35,7 +34,6 @@ from hvdcompress.exchange.twostage import (
 
 __all__ = [
     "EXCHANGES",
-    "PIECE",
     "GatheredExchange",
     "InFlight",
     "PayloadEstimate",
