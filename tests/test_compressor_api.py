@@ -213,11 +213,7 @@ def test_nonfinite_input_flags_and_keeps_residual(name, kw, bad):
     c = comp(name, **kw)
     x = torch.randn(1000)
     c.compress(x, "w")
-    before = (
-        {k: v.clone() for k, v in c.memory.residuals.items()}
-        if c.memory is not None
-        else {}
-    )
+    before = {k: v.clone() for k, v in c.memory.residuals.items()} if c.memory is not None else {}
     y = x.clone()
     y[17] = bad
     payload, ctx = c.compress(y, "w")
