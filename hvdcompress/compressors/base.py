@@ -1,10 +1,11 @@
 """The two compressor interfaces: gather-only (byte payloads) and summable (dense payloads).
 
 A compressor is a codec (pure tensor math, ``hvdcompress.codecs``) plus per-tensor state
-(error-feedback residuals, RNG step counters, PowerSGD's Q). It declares its registry
-entry (``hvdcompress.compressors.registry``) and overrides only what it needs of the
-defaults declared here: ``bind`` and ``check_optimizer`` once, ``compress`` per tensor
-and step, ``pop_metrics`` per step, ``state_dict`` in checkpoints.
+(error-feedback residuals, RNG step counters, PowerSGD's Q). Its registry entry is a
+``CompressorSpec`` passed to ``@register`` (``hvdcompress.compressors.registry``); the
+class overrides only what it needs of the defaults declared here: ``bind`` and
+``check_optimizer`` once, ``compress`` per tensor and step, ``pop_metrics`` per step,
+``state_dict`` in checkpoints.
 
 * ``GatherCompressor``: ``compress`` encodes a tensor into a self-describing uint8
   payload (``hvdcompress.wire``); the payloads of all ranks are gathered and every rank
@@ -29,7 +30,7 @@ import torch
 from hvdcompress import wire
 from hvdcompress.compressors import receive
 from hvdcompress.compressors.memory import ErrorFeedback
-from hvdcompress.compressors.params import Param
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.errors import PayloadError
 
 
@@ -74,22 +75,11 @@ class Encoded(NamedTuple):
 
 
 class Compressor:
-    """What both kinds share: the registry declaration, binding, metrics and state."""
+    """What both kinds share: binding, metrics and state."""
 
-    # ---- registry declaration (hvdcompress.compressors.registry) --------------------------
+    # the registry entry and its name, set by ``@register`` (hvdcompress.compressors.spec)
+    spec: ClassVar[CompressorSpec]
     name: ClassVar[str] = ""
-    wire_id: ClassVar[int | None] = None  # codec id in the payload header (gather-only)
-    params: ClassVar[dict[str, Param]] = {}  # one Param per constructor parameter
-    examples: ClassVar[tuple[dict, ...]] = ({},)  # configurations the tests exercise
-    benchmarks: ClassVar[tuple[dict, ...] | None] = None  # bench_codec's; None: examples[:1]
-    attribute: ClassVar[str | None] = None  # Compression.<attribute>; None: the name
-    cat_kind: ClassVar[str | None] = None  # the CAT budget kind this compressor implements
-    # Plain SGD's settings that train with this compressor (docs/codecs.md, "Defaults that
-    # train"): a factor on the job's learning rate, and a momentum (None: the job's); an
-    # instance may set its own (GSpar with a variance budget). scripts/train.py and the
-    # benchmarks apply the instance's unless --lr / --momentum are given.
-    sgd_lr_factor: float = 1.0
-    sgd_momentum: float | None = None
 
     summable: ClassVar[bool] = False
     error_feedback: bool = False  # an instance attribute where it is a parameter
@@ -100,17 +90,9 @@ class Compressor:
     # optimizer checks its parameters against it at construction
     supported_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
 
-    @classmethod
-    def bench_configs(cls) -> tuple[dict, ...]:
-        return cls.benchmarks if cls.benchmarks is not None else cls.examples[:1]
-
-    @classmethod
-    def compression_attribute(cls) -> str:
-        return cls.attribute or cls.name
-
     def __repr__(self) -> str:
         """The class and its constructor parameters (``params``) but the rank ``bind`` sets."""
-        args = ", ".join(f"{p}={getattr(self, p)}" for p in self.params if p != "rank")
+        args = ", ".join(f"{p}={getattr(self, p)}" for p in self.spec.params if p != "rank")
         return f"{type(self).__name__}({args})"
 
     # ---- life cycle in the optimizer (defaults: nothing to do) ---------------------------

@@ -34,10 +34,9 @@ class TensorLevels(dict):
 
 class PerTensorLevels:
     """What the policies and the two-stage exchange use of a compressor with per-tensor
-    levels: its ``levels`` (made in ``__init__``), read and set per tensor;
-    ``level_param`` names the constructor parameter they default to."""
+    levels: its ``levels`` (made in ``__init__``, defaulting to the constructor parameter
+    its ``CompressorSpec.level_param`` names), read and set per tensor."""
 
-    level_param: str = ""
     levels: TensorLevels
 
     def level(self, name):

@@ -15,6 +15,7 @@ from hvdcompress.codecs import sign
 from hvdcompress.compressors.base import GatherCompressor, check_scale
 from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.compressors.stochastic import encoded
 
 EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
@@ -43,17 +44,20 @@ class SignBits(GatherCompressor):
         return sign.decode_segments(frame, starts, lens, numels, self.scales(params), outs)
 
 
-@register
+@register(
+    CompressorSpec(
+        name="signsgd",
+        wire_id=9,
+        # every coordinate moves by the learning rate, not by its gradient: the job's SGD
+        # learning rate stalled at chance; 1/500 of it trained (docs/codecs.md, "Defaults
+        # that train")
+        sgd_lr_factor=0.002,
+    )
+)
 class SignSGD(SignBits):
     """One bit per value; decodes to +1 / -1 (scale-free, no state)."""
 
-    name = "signsgd"
-    wire_id = 9
     error_feedback = False
-    # every coordinate moves by the learning rate, not by its gradient: the job's SGD
-    # learning rate stalled at chance; 1/500 of it trained (docs/codecs.md, "Defaults
-    # that train")
-    sgd_lr_factor = 0.002
 
     def __init__(self) -> None:
         pass
@@ -76,18 +80,21 @@ class SignSGD(SignBits):
         return not any(params) and bool((nonfinite | (numels <= 8 * body_lens)).all())
 
 
-@register
+@register(
+    CompressorSpec(
+        name="efsignsgd",
+        wire_id=10,
+        # Karimireddy et al. 2019's EF-SGD has no momentum; with the job's 0.9 on top of the
+        # residual it reached 56%, without it and at twice the learning rate 83%
+        # (docs/codecs.md, "Defaults that train")
+        sgd_lr_factor=2.0,
+        sgd_momentum=0.0,
+    )
+)
 class EFSignSGD(SignBits):
     """EF-signSGD: mean|g + e| * sign(g + e), one bit per value plus one float32 scale."""
 
-    name = "efsignsgd"
-    wire_id = 10
     error_feedback = True
-    # Karimireddy et al. 2019's EF-SGD has no momentum; with the job's 0.9 on top of the
-    # residual it reached 56%, without it and at twice the learning rate 83%
-    # (docs/codecs.md, "Defaults that train")
-    sgd_lr_factor = 2.0
-    sgd_momentum = 0.0
 
     def __init__(self) -> None:
         self.memory = ErrorFeedback()

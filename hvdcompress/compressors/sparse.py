@@ -12,6 +12,7 @@ the flag (decode gives all NaN) and leaves the residual untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import struct
@@ -26,6 +27,7 @@ from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.compressors.stochastic import Stochastic, encoded
 
 TOPK_PARAMS = struct.Struct("<d")  # ratio
@@ -58,19 +60,22 @@ class TopKLayout(GatherCompressor):
         return self.decode_kept_segments(frame, starts, lens, numels, ks, outs)
 
 
-@register
+@register(
+    CompressorSpec(
+        name="topk",
+        wire_id=4,
+        params={"ratio": RATIO},
+        examples=({"ratio": 0.05},),
+        benchmarks=({"ratio": 0.01},),
+        cat_kind="topk",
+        level_param="ratio",
+    )
+)
 class TopK(PerTensorLevels, TopKLayout):
     """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|; a policy
     may set it per tensor (``set_level(name, ratio)``), the header carries it."""
 
-    name = "topk"
-    wire_id = 4
-    cat_kind = "topk"
-    params = {"ratio": RATIO}
-    examples = ({"ratio": 0.05},)
-    benchmarks = ({"ratio": 0.01},)
     error_feedback = True
-    level_param = "ratio"
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = sparse.check_ratio(ratio, "topk")
@@ -114,14 +119,10 @@ class TopK(PerTensorLevels, TopKLayout):
         return TOPK_PARAMS.unpack(params)[0]
 
 
-@register
+@register(dataclasses.replace(TopK.spec, name="topkq", wire_id=11, cat_kind="topk+q"))
 class TopKSign(TopK):
     """Top-k selection sent as one shared magnitude, indices and sign bits (Basu et al.,
     NeurIPS 2019): ``ratio`` as top-k's. Error feedback: e = a - decode(payload)."""
-
-    name = "topkq"
-    wire_id = 11
-    cat_kind = "topk+q"
 
     decode_kept_into = staticmethod(sparse.topk_sign_decode_into)
     encode_segments = staticmethod(sparse.topk_sign_encode_segments)
@@ -165,7 +166,26 @@ class SeededSparseState:
         self.memory.load_state_dict(state["residuals"], what=what)
 
 
-@register
+@register(
+    CompressorSpec(
+        name="randomk",
+        wire_id=5,
+        params={
+            "ratio": RATIO,
+            "unbiased": Param(kind="bool", optional=True, doc="None: not error_feedback"),
+            "error_feedback": Param(kind="bool", optional=True, doc="None: not unbiased"),
+            "seed": SEED,
+            "rank": RANK,
+        },
+        examples=({"ratio": 0.1, "unbiased": True}, {"ratio": 0.5, "error_feedback": True}),
+        benchmarks=({"ratio": 0.01},),
+        # Memory delays a value about 1 / p steps and sends it at once: on this project's job
+        # (docs/codecs.md, "Defaults that train") the inner SGD diverged with momentum 0.9 and
+        # trained without momentum at a fifth of the learning rate.
+        sgd_lr_factor=0.2,
+        sgd_momentum=0.0,
+    )
+)
 class RandomK(SeededSparseState, Stochastic):
     """Keep each entry with probability ``ratio`` (indices regenerated from the seed, not
     sent); ``unbiased`` scales the kept values by 1 / ratio; optional error feedback.
@@ -177,23 +197,7 @@ class RandomK(SeededSparseState, Stochastic):
     factor each step when p < 1/2, so ``unbiased=True`` with ``error_feedback=True`` is
     refused. Left None, each of the two is the other's negation (both None: memory)."""
 
-    name = "randomk"
-    wire_id = 5
     cuda_decode_segments = True  # sparse.randomk_decode_segments: kernels/quant.cu
-    params = {
-        "ratio": RATIO,
-        "unbiased": Param(kind="bool", optional=True, doc="None: not error_feedback"),
-        "error_feedback": Param(kind="bool", optional=True, doc="None: not unbiased"),
-        "seed": SEED,
-        "rank": RANK,
-    }
-    examples = ({"ratio": 0.1, "unbiased": True}, {"ratio": 0.5, "error_feedback": True})
-    benchmarks = ({"ratio": 0.01},)
-    # Memory delays a value about 1 / p steps and sends it at once: on this project's job
-    # (docs/codecs.md, "Defaults that train") the inner SGD diverged with momentum 0.9 and
-    # trained without momentum at a fifth of the learning rate.
-    sgd_lr_factor = 0.2
-    sgd_momentum = 0.0
 
     def __init__(
         self,
@@ -265,7 +269,35 @@ class RandomK(SeededSparseState, Stochastic):
         return sparse.randomk_decoded_bound(body, self._scale)
 
 
-@register
+@register(
+    CompressorSpec(
+        name="gspar",
+        wire_id=12,
+        params={
+            "ratio": RATIO,
+            "error_feedback": FLAG,
+            "variance": Param(
+                0.0, None, low_open=True, optional=True, doc="None: the ratio budget"
+            ),
+            "seed": SEED,
+            "rank": RANK,
+        },
+        examples=(
+            {"ratio": 0.1},
+            {"ratio": 0.2, "error_feedback": True},
+            {"variance": 1.0},
+            {"variance": 0.25, "error_feedback": True},
+        ),
+        benchmarks=({"ratio": 0.01},),
+        cat_kind="randomk",
+        level_param="ratio",
+        # a_i / p_i has variance sum (1 / p_i - 1) a_i^2, about ||a||_1 / c: at ratio 0.01 the
+        # job's SGD diverged, and trained at a tenth of its learning rate (docs/codecs.md,
+        # "Defaults that train")
+        sgd_lr_factor=0.1,
+        sgd_own_rate_with="variance",  # a bounded variance trains at SGD's own rate
+    )
+)
 class GSpar(PerTensorLevels, SeededSparseState, Stochastic, TopKLayout):
     """Keep entry i with probability p_i = min(1, c |a_i|), sum p_i = ``ratio`` * n in
     expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
@@ -282,29 +314,6 @@ class GSpar(PerTensorLevels, SeededSparseState, Stochastic, TopKLayout):
     a variance budget leaves unused: decoding does not depend on the budget); no policy
     may set levels then."""
 
-    name = "gspar"
-    wire_id = 12
-    cat_kind = "randomk"
-    params = {
-        "ratio": RATIO,
-        "error_feedback": FLAG,
-        "variance": Param(0.0, None, low_open=True, optional=True, doc="None: the ratio budget"),
-        "seed": SEED,
-        "rank": RANK,
-    }
-    examples = (
-        {"ratio": 0.1},
-        {"ratio": 0.2, "error_feedback": True},
-        {"variance": 1.0},
-        {"variance": 0.25, "error_feedback": True},
-    )
-    benchmarks = ({"ratio": 0.01},)
-    level_param = "ratio"
-    # a_i / p_i has variance sum (1 / p_i - 1) a_i^2, about ||a||_1 / c: at ratio 0.01 the
-    # job's SGD diverged, and trained at a tenth of its learning rate (docs/codecs.md,
-    # "Defaults that train")
-    sgd_lr_factor = 0.1
-
     def __init__(
         self,
         ratio: float = 0.01,
@@ -318,8 +327,7 @@ class GSpar(PerTensorLevels, SeededSparseState, Stochastic, TopKLayout):
         self.error_feedback = bool(error_feedback)
         self.variance = variance
         if variance is not None:  # bounded variance: SGD's own rate (docs/codecs.md)
-            self.variance = float(self.params["variance"].check("gspar", "variance", variance))
-            self.sgd_lr_factor = 1.0
+            self.variance = float(self.spec.params["variance"].check("gspar", "variance", variance))
         self.memory = ErrorFeedback()
         self._init_rng(seed, rank)
 

@@ -18,6 +18,7 @@ from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 
 
 class TernaryLayout(GatherCompressor):
@@ -46,19 +47,22 @@ class TernaryLayout(GatherCompressor):
         return threelc.decode_segments(frame, starts, lens, numels, self.scales(params), outs)
 
 
-@register
+@register(
+    CompressorSpec(
+        name="3lc",
+        wire_id=1,
+        attribute="threelc",  # Compression.threelc
+        params={"sparsity": Param(1.0, 2.0, high_open=True)},
+        examples=({"sparsity": 1.0}, {"sparsity": 1.2}, {"sparsity": 1.75}, {"sparsity": 1.9}),
+        benchmarks=({"sparsity": 1.0}, {"sparsity": 1.75}),
+        level_param="sparsity",
+    )
+)
 class ThreeLC(PerTensorLevels, TernaryLayout):
     """3LC with sparsity multiplication ``sparsity`` in [1, 2) (default 1.0); a policy may
     set it per tensor (``set_level(name, s)``), the header carries it."""
 
-    name = "3lc"
-    wire_id = 1
-    attribute = "threelc"  # Compression.threelc
-    params = {"sparsity": Param(1.0, 2.0, high_open=True)}
-    examples = ({"sparsity": 1.0}, {"sparsity": 1.2}, {"sparsity": 1.75}, {"sparsity": 1.9})
-    benchmarks = ({"sparsity": 1.0}, {"sparsity": 1.75})
     error_feedback = True
-    level_param = "sparsity"
 
     def __init__(self, sparsity: float = 1.0) -> None:
         self.sparsity = threelc.check_sparsity(sparsity)

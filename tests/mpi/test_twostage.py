@@ -51,7 +51,7 @@ def _grads(model, rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 def _config(name: str) -> dict:
-    return dict(REGISTRY[name].examples[0])
+    return dict(REGISTRY[name].spec.examples[0])
 
 
 def _optimizer(model, compression, exchange="twostage", backend="mpi4py", **kw):
