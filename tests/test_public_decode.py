@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.backends import cpu
 from hvdcompress.errors import DecodeOverflowError, PayloadError
 from tests.helpers import comp
@@ -41,7 +41,7 @@ def test_public_decode_is_the_written_decode_and_the_bucket_decode(name, kw, dty
     for step in range(3):  # error feedback, step counters and levels move
         x = _gradient(shape, dtype, seed=step)
         payload, ctx = public.compress(x, "w")
-        frame, ctxs = bucket.compress_bucket([x], ["w"])
+        frame, ctxs = framing.compress_bucket(bucket, [x], ["w"])
         assert _bits(wire.frame([payload])) == _bits(frame)
         new = public.decode(payload, expect=ctx)
         assert new.shape == x.shape and new.dtype == dtype
@@ -53,7 +53,7 @@ def test_public_decode_is_the_written_decode_and_the_bucket_decode(name, kw, dty
         if bound is not None and n and not header.nonfinite:
             assert float(written.abs().max()) <= bound
         acc = torch.zeros(n)  # the gather path's accumulator of this rank's frame
-        bucket.decode_frame(frame, [acc], ctxs, rank=0)
+        framing.decode_frame(bucket, frame, [acc], ctxs, rank=0)
         # value for value (+0.0 == -0.0), in the payload's dtype as the exchange casts
         assert torch.equal(new.reshape(-1), acc.to(dtype))
 
@@ -93,7 +93,7 @@ def test_public_decode_reports_a_float32_overflow_as_before():
     # float32 although the payload (finite values, flag clear) is valid
     c = comp("randomk", ratio=0.2, unbiased=True, error_feedback=False)
     payload, ctx = c.compress(torch.full((1000,), 3e38), "w")
-    assert not c.read_header(payload)[0].nonfinite
+    assert not wire.read_header(payload)[0].nonfinite
     with pytest.raises(DecodeOverflowError, match="the float32 decode gives non-finite") as err:
         c.decode(payload, expect=ctx)
     assert isinstance(err.value, PayloadError) and err.value.field == "overflow"

@@ -23,7 +23,7 @@ from hvdcompress import wire
 from hvdcompress.buckets import StateKey, state_key, state_text
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Encoded, check_agreed, empty_body
+from hvdcompress.compressors.base import Encoded, check_agreed, check_params_len, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
@@ -158,7 +158,7 @@ class DGC(TopKLayout):
         ]
 
     def check_params(self, header, name):
-        self._check_params_len(header, PARAMS.size)
+        check_params_len(self, header, PARAMS.size)
         ratio, step, density = PARAMS.unpack(header.params)
         check_agreed("ratio", self.ratio, ratio)
         if density != self.density(step):

@@ -11,6 +11,7 @@ import struct
 
 import numpy as np
 
+from hvdcompress import framing
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant
 from hvdcompress.compressors.base import Encoded, check_agreed, check_scale
@@ -76,8 +77,9 @@ class QSGD(BucketQuantizer):
     def decode_into(self, header, body, out, accumulate, side_info):
         quant.qsgd_decode_into(body, header.numel, self.levels, self.bucket_size, out, accumulate)
 
-    def fresh_fill(self, header):
-        return -0.0  # quant.qsgd_decode_with writes by adding into -0.0
+    def decode_new(self, header, body, side_info):
+        # quant.qsgd_decode_with writes by adding into -0.0
+        return framing.decode_filled(self, header, body, side_info, -0.0)
 
     def decoded_bound(self, header, body):
         return quant.qsgd_decoded_bound(body, header.numel, self.bucket_size)

@@ -9,10 +9,10 @@ import struct
 
 import numpy as np
 
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
-from hvdcompress.compressors.base import GatherCompressor, check_scale
+from hvdcompress.compressors.base import GatherCompressor, check_params_len, check_scale
 from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.spec import CompressorSpec
@@ -34,8 +34,9 @@ class SignBits(GatherCompressor):
         scale = float(self.scales([header.params])[0])
         sign.decode_into(body, header.numel, scale, out, accumulate)
 
-    def fresh_fill(self, header):
-        return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
+    def decode_new(self, header, body, side_info):
+        # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
+        return framing.decode_filled(self, header, body, side_info, -0.0)
 
     def decoded_bound(self, header, body):
         return float(self.scales([header.params])[0])  # +-scale, checked finite
@@ -70,7 +71,7 @@ class SignSGD(SignBits):
         return [encoded(b"", body, x.device) for x, body in zip(xs, bodies, strict=True)]
 
     def check_params(self, header, name):
-        self._check_params_len(header, 0)
+        check_params_len(self, header, 0)
 
     def scales(self, params):
         return np.ones(len(params), dtype=np.float32)  # +1 or -1
@@ -122,7 +123,7 @@ class EFSignSGD(SignBits):
         ]
 
     def check_params(self, header, name):
-        self._check_params_len(header, EF_PARAMS.size)
+        check_params_len(self, header, EF_PARAMS.size)
         (scale,) = EF_PARAMS.unpack(header.params)
         check_scale(header, scale)
 

@@ -22,7 +22,7 @@ import torch
 from hvdcompress import wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed
+from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed, check_params_len
 from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
@@ -108,7 +108,7 @@ class TopK(PerTensorLevels, TopKLayout):
         return sparse.topk_count(numel, self.ratio) / numel if numel else 1.0
 
     def check_params(self, header, name):
-        self._check_params_len(header, TOPK_PARAMS.size)
+        check_params_len(self, header, TOPK_PARAMS.size)
         check_agreed("ratio", self.level(name), TOPK_PARAMS.unpack(header.params)[0])
 
     def max_numel(self, body_len, name):

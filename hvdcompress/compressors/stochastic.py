@@ -16,7 +16,7 @@ from __future__ import annotations
 from hvdcompress import wire
 from hvdcompress.buckets import StateKey, state_key, state_text
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
+from hvdcompress.compressors.base import Encoded, GatherCompressor, check_params_len, empty_body
 from hvdcompress.errors import PayloadError
 
 
@@ -70,7 +70,7 @@ class Stochastic(GatherCompressor):
         """The codec's ``fields`` (a struct.Struct) after the RNG fields, once the length of
         the parameters, this compressor's seed and, when the receiver names the tensor,
         that tensor's id are checked."""
-        self._check_params_len(header, prim.RNG_PARAMS.size + fields.size)
+        check_params_len(self, header, prim.RNG_PARAMS.size + fields.size)
         seed, _, tid, _ = prim.RNG_PARAMS.unpack_from(header.params, 0)
         if seed != self.seed:
             raise PayloadError(

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
-from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed, check_scale
+from hvdcompress.compressors.base import (
+    Encoded,
+    GatherCompressor,
+    check_agreed,
+    check_params_len,
+    check_scale,
+)
 from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.params import Param
@@ -37,8 +43,9 @@ class TernaryLayout(GatherCompressor):
         scale = float(self.scales([header.params])[0])
         threelc.decode_into(body, header.numel, scale, out, accumulate)
 
-    def fresh_fill(self, header):
-        return threelc.fresh_fill(float(self.scales([header.params])[0]))
+    def decode_new(self, header, body, side_info):
+        fill = threelc.fresh_fill(float(self.scales([header.params])[0]))
+        return framing.decode_filled(self, header, body, side_info, fill)
 
     def decoded_bound(self, header, body):
         return float(self.scales([header.params])[0])  # S * q, q in {-1, 0, 1}
@@ -103,7 +110,7 @@ class ThreeLC(PerTensorLevels, TernaryLayout):
         ]
 
     def check_params(self, header, name):
-        self._check_params_len(header, threelc.PARAMS.size)
+        check_params_len(self, header, threelc.PARAMS.size)
         sparsity, scale = threelc.PARAMS.unpack(header.params)
         check_agreed("sparsity", float(np.float32(self.level(name))), sparsity)  # as sent
         check_scale(header, scale)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.buckets import Bucket, PieceKey
 from hvdcompress.compressors import Ctx, GatherCompressor
 from hvdcompress.compressors.levels import PerTensorLevels
@@ -174,7 +174,8 @@ class TwoStageExchange(_Exchange):
         flats = [g.reshape(-1) for g in grads]
         parts = []
         for pieces in shards:  # one frame per owner, its pieces in one bucket call
-            frame, _ = comp.compress_bucket(
+            frame, _ = framing.compress_bucket(
+                comp,
                 [flats[pc.tensor][pc.start : pc.stop] for pc in pieces],
                 [pc.sender_key for pc in pieces],
             )
@@ -241,7 +242,7 @@ class TwoStageExchange(_Exchange):
         ]
         for sender, frame in enumerate(received):
             try:  # decode_parsed(expect=ctx, out=acc, accumulate=True) of each payload
-                comp.decode_frame(frame, accs, ctxs, rank=sender)
+                framing.decode_frame(comp, frame, accs, ctxs, rank=sender)
             except PayloadError as err:
                 report = _report(err, sender, 1, _piece_of(flight.shards, err.tensor))
                 body = json.dumps(report).encode()
@@ -289,7 +290,8 @@ class TwoStageExchange(_Exchange):
                     message[1:], owner, [pc.owner_key for pc in pieces], device
                 )
                 for (header, payload), pc in zip(parsed, pieces, strict=True):
-                    comp.decode_parsed(
+                    framing.decode_parsed(
+                        comp,
                         header,
                         payload,
                         expect=Ctx(pc.owner_key, (pc.numel,), torch.float32, device),
