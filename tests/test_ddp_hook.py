@@ -62,7 +62,7 @@ def test_twostage_hook_leaves_bit_identical_parameters_trains_and_resumes_exactl
         # residuals of the pieces each rank sends, and "@owner" ones of those it owns
         pieces = [PieceKey.parse(n) for n in r["twostage_pieces"]]
         assert all(pieces) and any(n.endswith("@owner") for n in r["twostage_pieces"])
-        assert {m["name"] for m in pieces} == {"0.bias", "0.weight", "2.bias", "2.weight",
+        assert {m.name for m in pieces} == {"0.bias", "0.weight", "2.bias", "2.weight",
                                                "3.bias", "3.weight"}  # fmt: skip
         assert r["twostage_resume_equal"], r["rank"]
 
