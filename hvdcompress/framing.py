@@ -31,13 +31,14 @@ import torch
 
 from hvdcompress import wire
 from hvdcompress.backends import for_device
+from hvdcompress.buckets import StateKey
 from hvdcompress.errors import DecodeOverflowError, PayloadError
 
 
 class Ctx(NamedTuple):  # a NamedTuple: a bucket makes one per tensor and step
     """What the sender knows about a tensor that the payload must match."""
 
-    name: object  # the tensor's name, or a piece's key (buckets.StateKey)
+    name: StateKey  # the tensor's name, or a piece's key
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device

@@ -141,29 +141,25 @@ class TopKSign(TopK):
         return math.floor((k + 1) / self.level(name)) + 1
 
 
-class SeededSparseState:
-    """state_dict of the seeded sparsifiers: ratio, residuals, RNG step counters; their
-    bucket encoders' residuals."""
+def bucket_residuals(comp, gs: list[torch.Tensor], names: list) -> list[torch.Tensor] | None:
+    """Each tensor's residual (created as zeros on first use) with ``comp``'s error
+    feedback, else None: what the seeded sparsifiers' one-call bucket encoders take."""
+    if not comp.error_feedback:
+        return None
+    return [comp.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
 
-    def bucket_residuals(self, gs: list[torch.Tensor], names: list[str]):
-        """Each tensor's residual (created as zeros on first use) with error feedback, else
-        None: what the one-call bucket encoders take."""
-        if not self.error_feedback:
-            return None
-        return [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
 
-    def state_dict(self) -> dict:
-        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **super().state_dict()}
+def load_seeded_sparse_state(comp, state: dict) -> None:
+    """Load the ``state_dict`` of a seeded sparsifier (RandomK, GSpar: ratio, residuals
+    and the RNG state), every part checked before any is loaded."""
+    from hvdcompress.checkpoint import check_keys, check_saved_value, check_tensor_map
 
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys, check_saved_value, check_tensor_map
-
-        check_keys(f"{self.name} state", state, required=("ratio", "residuals", "seed", "steps"))
-        check_saved_value("ratio", state["ratio"], self.ratio)
-        what = f"{self.name} residuals"
-        check_tensor_map(what, state["residuals"])  # checked before the steps are loaded
-        self._load_rng_state(state)
-        self.memory.load_state_dict(state["residuals"], what=what)
+    check_keys(f"{comp.name} state", state, required=("ratio", "residuals", "seed", "steps"))
+    check_saved_value("ratio", state["ratio"], comp.ratio)
+    what = f"{comp.name} residuals"
+    check_tensor_map(what, state["residuals"])  # checked before the steps are loaded
+    comp._load_rng_state(state)
+    comp.memory.load_state_dict(state["residuals"], what=what)
 
 
 @register(
@@ -186,7 +182,7 @@ class SeededSparseState:
         sgd_momentum=0.0,
     )
 )
-class RandomK(SeededSparseState, Stochastic):
+class RandomK(Stochastic):
     """Keep each entry with probability ``ratio`` (indices regenerated from the seed, not
     sent); ``unbiased`` scales the kept values by 1 / ratio; optional error feedback.
 
@@ -221,11 +217,17 @@ class RandomK(SeededSparseState, Stochastic):
         self._scale = sparse.randomk_scale(self.ratio, self.unbiased)
         self._init_rng(seed, rank)
 
+    def state_dict(self) -> dict:
+        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **super().state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_seeded_sparse_state(self, state)
+
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({g.device for g in gs}) != 1:  # none, or several devices
             return super().encode_bucket(tensors, names)
-        es = self.bucket_residuals(gs, names)
+        es = bucket_residuals(self, gs, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         fields = RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
         bodies, nonfinite = sparse.randomk_encode_segments(gs, [k for _, k in rngs], self.ratio, es)
@@ -298,7 +300,7 @@ class RandomK(SeededSparseState, Stochastic):
         sgd_own_rate_with="variance",  # a bounded variance trains at SGD's own rate
     )
 )
-class GSpar(PerTensorLevels, SeededSparseState, Stochastic, TopKLayout):
+class GSpar(PerTensorLevels, Stochastic, TopKLayout):
     """Keep entry i with probability p_i = min(1, c |a_i|), sum p_i = ``ratio`` * n in
     expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
     E[decode] = a. Optional error feedback: then a_i travels unscaled (contractive, so the
@@ -339,11 +341,17 @@ class GSpar(PerTensorLevels, SeededSparseState, Stochastic, TopKLayout):
             )
         super().set_level(name, value)
 
+    def state_dict(self) -> dict:
+        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **super().state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_seeded_sparse_state(self, state)
+
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({g.device for g in gs}) != 1:  # none, or on several devices
             return super().encode_bucket(tensors, names)
-        es = self.bucket_residuals(gs, names)
+        es = bucket_residuals(self, gs, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         ratios = [self.level(name) for name in names]
         if self.variance is None:
