@@ -1,7 +1,8 @@
 """The two compressor interfaces: gather-only (byte payloads) and summable (dense payloads).
 
 A compressor is a codec (pure tensor math, ``hvdcompress.codecs``) plus per-tensor state
-(error-feedback residuals, RNG step counters, PowerSGD's Q). Its registry entry is a
+(error-feedback residuals, RNG step counters, PowerSGD's Q), kept in objects it makes in
+``__init__`` (``memory.ErrorFeedback``, ``levels.TensorLevels``). Its registry entry is a
 ``CompressorSpec`` passed to ``@register`` (``hvdcompress.compressors.registry``); the
 class overrides only what it needs of the defaults declared here: ``bind`` and
 ``check_optimizer`` once, ``compress`` per tensor and step, ``pop_metrics`` per step,
@@ -9,11 +10,13 @@ class overrides only what it needs of the defaults declared here: ``bind`` and
 
 * ``GatherCompressor``: ``compress`` encodes a tensor into a self-describing uint8
   payload (``hvdcompress.wire``); the payloads of all ranks are gathered and every rank
-  decodes every payload in rank order (``decode_parsed``, accumulating into float32). A
-  subclass implements what the class lists under "to implement". Invariant: a payload
-  either decodes to a tensor of exactly the header's (and, when given, the receiver's
-  expected) shape and dtype, or raises ``PayloadError`` naming the field; the output is
-  untouched then.
+  decodes every payload in rank order, accumulating into float32. The frames, their scan
+  and every check a payload goes through are ``hvdcompress.framing``'s, which calls the
+  compressor for what only it knows: ``encode_bucket`` (or ``encode``), the bounds its
+  payloads obey (``check_params``, ``max_numel``), ``decode_into`` (and the batched
+  ``decode_segments``). Invariant: a payload either decodes to a tensor of exactly the
+  header's (and, when given, the receiver's expected) shape and dtype, or raises
+  ``PayloadError`` naming the field; the output is untouched then.
 * ``SummableCompressor``: ``compress`` gives a dense tensor that an allreduce may sum;
   ``phases`` > 1 (PowerSGD: P, then Q) makes the next phase's dense tensor from the
   summed one (``next_phase``); ``decompress`` turns the last sum into the gradient sum.
