@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +35,50 @@ class Bucket:
         self.params.append(p)
         self.names.append(name)
         self.nbytes += p.numel() * p.element_size()
+
+
+class PieceKey(NamedTuple):
+    """The compressor-state key of a piece of a tensor (the two-stage exchange's shards):
+    elements ``[start, stop)`` of the flat tensor ``name``; ``owner``: the state of the
+    shard's owner (the residual of its re-compressed average), else every sender's
+    (``hvdcompress.exchange.twostage.Piece``). A compressor keys its per-tensor state by
+    a tensor name (str) or a PieceKey alike.
+
+    ``str`` gives the name it has where a string is needed: the tensor id a payload
+    carries (``primitives.tensor_id``) and the checkpoint's keys, ``name[start:stop]``
+    with ``@owner`` appended; ``state_key`` reads a checkpoint's key back."""
+
+    name: str
+    start: int
+    stop: int
+    owner: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.start}:{self.stop}]" + ("@owner" if self.owner else "")
+
+    @classmethod
+    def parse(cls, text: str) -> PieceKey | None:
+        """The PieceKey whose ``str`` is ``text``, else None (a tensor's own name)."""
+        m = _PIECE_TEXT.fullmatch(text)
+        if m is None:
+            return None
+        return cls(m["name"], int(m["start"]), int(m["stop"]), m["owner"] is not None)
+
+
+_PIECE_TEXT = re.compile(r"(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\](?P<owner>@owner)?")
+
+StateKey = str | PieceKey  # what a compressor keys its per-tensor state by
+
+
+def state_key(text: str) -> StateKey:
+    """A checkpoint's key (``str`` of a StateKey) as the key it was: checkpoints keep
+    strings, so that they read the same as before pieces had keys of their own."""
+    return PieceKey.parse(text) or text
+
+
+def state_text(state: dict) -> dict:
+    """``state`` (StateKey -> value) with its keys as a checkpoint writes them."""
+    return {str(k): v for k, v in state.items()}
 
 
 def named_params(optimizer, named_parameters) -> list[tuple[str, torch.nn.Parameter]]:

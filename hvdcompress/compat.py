@@ -116,7 +116,7 @@ class _CompressionNamespace(type):
 
     def __dir__(cls):
         own = [n for n in vars(cls) if not n.startswith("_")]
-        return sorted(set(own) | {c.compression_attribute() for c in registry.REGISTRY.values()})
+        return sorted(set(own) | {c.spec.compression_attribute for c in registry.REGISTRY.values()})
 
 
 class Compression(metaclass=_CompressionNamespace):

@@ -35,11 +35,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hvdcompress import checks
-from hvdcompress.buckets import Bucket
+from hvdcompress.buckets import Bucket, PieceKey
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.errors import PayloadError, remember
-from hvdcompress.exchange import PIECE, SummedExchange, check_exchange, choose_exchanges
+from hvdcompress.exchange import SummedExchange, check_exchange, choose_exchanges
 from hvdcompress.stats import StepStats
 from hvdcompress.transports.base import drain_worker, start_worker
 from hvdcompress.transports.cost import calibrate_link
@@ -364,15 +364,14 @@ def _state_shapes(state: dict, shapes: dict, guess: bool) -> dict:
     if guess:
         for key in ("residuals", "velocity"):
             for name, t in entries.get(key, {}).items():
-                if isinstance(t, torch.Tensor) and not PIECE.fullmatch(name):
+                if isinstance(t, torch.Tensor) and not PieceKey.parse(name):
                     shapes.setdefault(name, (int(t.numel()),))
     tensors = dict(shapes)  # a piece lies within one of these, not within another piece
     for name in {n for entry in entries.values() for n in entry if isinstance(n, str)}:
-        m = PIECE.fullmatch(name)
-        if m and m["name"] in tensors:
-            start, stop = int(m["start"]), int(m["stop"])
-            if start < stop <= math.prod(tensors[m["name"]]):
-                shapes[name] = (stop - start,)
+        piece = PieceKey.parse(name)
+        if piece and piece.name in tensors:
+            if piece.start < piece.stop <= math.prod(tensors[piece.name]):
+                shapes[name] = (piece.stop - piece.start,)
     return shapes
 
 

@@ -32,7 +32,7 @@ class PayloadError(ValueError):
         if self.rank is not None:
             where.append(f"from rank {self.rank}")
         if self.tensor is not None:
-            where.append(f"for tensor {self.tensor!r}")
+            where.append(f"for tensor {str(self.tensor)!r}")  # a name, or a piece's key
         prefix = "payload " + " ".join(where) + ": " if where else "payload: "
         return f"{prefix}field {self.field!r}: {self.detail}"
 

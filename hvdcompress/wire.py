@@ -25,7 +25,7 @@ no field is trusted before it is checked, and nothing is allocated from an
 unchecked size: what a payload may make a receiver allocate is bounded by the receiver
 (the tensor it expects, its output tensor, or ``decode_limit``: an explicit
 ``max_numel``, ``$HVDCOMPRESS_MAX_DECODE_NUMEL`` or ``DEFAULT_MAX_DECODE_NUMEL``), checked
-(``compressors.receive.check_header``) before anything is allocated. A shape whose
+(``framing.check_header``) before anything is allocated. A shape whose
 non-zero dimensions multiply past 2**63 - 1 (not a torch shape, even when empty) fails at
 the header.
 
@@ -259,6 +259,17 @@ def parse(payload: torch.Tensor) -> Header:
         raise PayloadError("payload", f"expected a 1-D tensor, got shape {tuple(payload.shape)}")
     raw = payload.numpy() if payload.device.type == "cpu" else payload[:MAX_HEADER].cpu().numpy()
     return parse_header(raw, payload.numel())
+
+
+def read_header(payload: torch.Tensor) -> tuple[Header, bytes]:
+    """The parsed header and its raw bytes (see ``parse``)."""
+    header = parse(payload)
+    return header, header.raw
+
+
+def bits_per_value(payload: torch.Tensor) -> float:
+    """Bits on the wire per tensor element of a payload, header included."""
+    return 8.0 * payload.numel() / max(parse(payload).numel, 1)
 
 
 def assemble(header: Header, body: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 import hvdcompress
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.compressors import GatherCompressor, SummableCompressor, registry
 from hvdcompress.training.methods import parse_case  # "name:key=value,..." or a method
 
@@ -117,11 +117,11 @@ def _bucket_path(comp_for, t: torch.Tensor, run, reps: int, rank: int) -> float:
     comp = comp_for()
     acc = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
     for _ in range(3):
-        frame, ctxs = comp.compress_bucket([t], ["bench"])
-        comp.decode_frame(frame, [acc], ctxs, rank=rank)
-    encode = run(lambda: comp.compress_bucket([t], ["bench"]), reps)
-    frame, ctxs = comp.compress_bucket([t], ["bench"])
-    decode = run(lambda: comp.decode_frame(frame, [acc], ctxs, rank=rank), reps)
+        frame, ctxs = framing.compress_bucket(comp, [t], ["bench"])
+        framing.decode_frame(comp, frame, [acc], ctxs, rank=rank)
+    encode = run(lambda: framing.compress_bucket(comp, [t], ["bench"]), reps)
+    frame, ctxs = framing.compress_bucket(comp, [t], ["bench"])
+    decode = run(lambda: framing.decode_frame(comp, frame, [acc], ctxs, rank=rank), reps)
     return encode + decode
 
 
@@ -353,13 +353,13 @@ def _overhead_case(comp_for, tensors, names, run, min_time: float, rank: int = 0
         frame = wire.frame([loop_c.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])
         parsed = wire.unframe_parsed(frame, rank, names, frame.device)
         for (header, payload), acc, n in zip(parsed, accs, names, strict=True):
-            loop_c.decode_parsed(
-                header, payload, name=n, out=acc, accumulate=True, side_info=side(acc)
+            framing.decode_parsed(
+                loop_c, header, payload, name=n, out=acc, accumulate=True, side_info=side(acc)
             )
 
     def bucket():  # what the allgather exchange runs per bucket and rank
-        frame, ctxs = bucket_c.compress_bucket(tensors, names)
-        bucket_c.decode_frame(frame, accs, ctxs, rank=rank)
+        frame, ctxs = framing.compress_bucket(bucket_c, tensors, names)
+        framing.decode_frame(bucket_c, frame, accs, ctxs, rank=rank)
 
     times = {}
     for key, fn in (("one", one), ("loop", loop), ("bucket", bucket)):

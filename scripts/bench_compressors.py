@@ -41,13 +41,15 @@ def run_case(case: str, data, args) -> dict:
     name, params = parse_case(case)
     torch.manual_seed(args.seed)
     model = SmallCNN()
-    cls = REGISTRY[name]  # its recommended SGD settings (docs/codecs.md, "Defaults that train")
-    momentum = 0.9 if cls.sgd_momentum is None else cls.sgd_momentum
+    spec = REGISTRY[
+        name
+    ].spec  # its recommended SGD settings (docs/codecs.md, "Defaults that train")
+    momentum = 0.9 if spec.sgd_momentum is None else spec.sgd_momentum
     if name == "dgc":  # DGC applies the momentum itself (momentum correction)
         params.setdefault("momentum", momentum)
         momentum = 0.0
     compressor = hvdcompress.get_compressor(name, **params)
-    lr = args.lr * compressor.sgd_lr_factor  # an instance may declare its own
+    lr = args.lr * spec.lr_factor(compressor)  # as built: its parameters may change it
     opt = steps.distributed_sgd(model, compressor, "mpi4py", lr=lr, momentum=momentum)
     (x, y), _ = data
     gen = torch.Generator().manual_seed(args.seed)

@@ -348,24 +348,25 @@ def milestones_arg(text: str) -> list[float]:
 
 def recommend_sgd(args) -> None:
     """Fill in --lr and --momentum where not given: the job's defaults, with the factor and
-    momentum the compressor declares (``Compressor.sgd_lr_factor`` / ``sgd_momentum``;
+    momentum the compressor declares (``CompressorSpec.sgd_lr_factor`` / ``sgd_momentum``;
     docs/codecs.md, "Defaults that train"), as built with --compression-param (a bad
     parameter: the class's, and make_compression reports it). ``args.sgd_note`` says what
     was applied."""
-    declared = hvdcompress.compressors.REGISTRY[args.compression]
+    spec, built = hvdcompress.compressors.REGISTRY[args.compression].spec, None
     try:
         params = parse_params(args.compression_param)
-        declared = hvdcompress.get_compressor(args.compression, **params)
+        built = hvdcompress.get_compressor(args.compression, **params)
     except (TypeError, ValueError):
         pass
     applied = []
     if args.lr is None:
-        args.lr = BASE_LR * declared.sgd_lr_factor
-        if declared.sgd_lr_factor != 1.0:
-            applied.append(f"lr {args.lr:g} ({BASE_LR} x {declared.sgd_lr_factor:g})")
+        factor = spec.lr_factor(built)
+        args.lr = BASE_LR * factor
+        if factor != 1.0:
+            applied.append(f"lr {args.lr:g} ({BASE_LR} x {factor:g})")
     if args.momentum is None:
-        args.momentum = BASE_MOMENTUM if declared.sgd_momentum is None else declared.sgd_momentum
-        if declared.sgd_momentum is not None:
+        args.momentum = BASE_MOMENTUM if spec.sgd_momentum is None else spec.sgd_momentum
+        if spec.sgd_momentum is not None:
             applied.append(f"momentum {args.momentum:g}")
     args.sgd_note = (
         f"train: {args.compression}'s recommended SGD settings: {', '.join(applied)} "

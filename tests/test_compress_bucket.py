@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.compressors import registry
 from hvdcompress.errors import PayloadError
 
@@ -47,7 +47,7 @@ def test_compress_bucket_is_the_frame_of_per_tensor_payloads(name, params):
         if one_by_one.supported_dtypes is not None:
             tensors = [t if t.dtype in one_by_one.supported_dtypes else t.float() for t in tensors]
         sent = [one_by_one.compress(t, n) for t, n in zip(tensors, names, strict=True)]
-        frame, ctxs = bucketed.compress_bucket([t.clone() for t in tensors], names)
+        frame, ctxs = framing.compress_bucket(bucketed, [t.clone() for t in tensors], names)
         assert torch.equal(frame, wire.frame([p for p, _ in sent])), f"{name} step {step}"
         assert ctxs == [ctx for _, ctx in sent]
         # decode_bucket == decode_parsed of each, accumulated, for a rank 0 and a rank 1
@@ -56,11 +56,11 @@ def test_compress_bucket_is_the_frame_of_per_tensor_payloads(name, params):
             outs = [torch.linspace(-1, 1, t.numel()) for t in tensors]
             wants = [out.clone() for out in outs]
             framed = [out.clone() for out in outs]
-            bucketed.decode_bucket(parsed, outs, ctxs, rank=rank)
-            bucketed.decode_frame(frame, framed, ctxs, rank=rank)  # the one-call path
+            framing.decode_bucket(bucketed, parsed, outs, ctxs, rank=rank)
+            framing.decode_frame(bucketed, frame, framed, ctxs, rank=rank)  # the one-call path
             for (header, payload), want, ctx in zip(parsed, wants, ctxs, strict=True):
                 side = want / rank if one_by_one.uses_side_info and rank else None
-                one_by_one.decode_parsed(
+                framing.decode_parsed(one_by_one,
                     header, payload, expect=ctx, name=ctx.name, out=want, accumulate=True,
                     side_info=side,
                 )  # fmt: skip
@@ -85,29 +85,29 @@ def test_compress_bucket_with_codec_threads(monkeypatch, name):
         assert any(cpu.splits(t.numel()) for t in tensors)
         assert not all(cpu.splits(t.numel()) for t in tensors)
         sent = [one_by_one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)]
-        frame, _ = bucketed.compress_bucket([t.clone() for t in tensors], names)
+        frame, _ = framing.compress_bucket(bucketed, [t.clone() for t in tensors], names)
         assert torch.equal(frame, wire.frame(sent)), f"{name} step {step}"
 
 
 def test_compress_bucket_checks_names_and_dtypes():
     c = hvdcompress.get_compressor("signsgd")
     with pytest.raises(ValueError, match="names"):
-        c.compress_bucket([torch.ones(3)], ["a", "b"])
+        framing.compress_bucket(c, [torch.ones(3)], ["a", "b"])
     with pytest.raises(TypeError, match="dtype"):
-        c.compress_bucket([torch.ones(3, dtype=torch.int32)], ["a"])
-    frame, ctxs = c.compress_bucket([], [])
+        framing.compress_bucket(c, [torch.ones(3, dtype=torch.int32)], ["a"])
+    frame, ctxs = framing.compress_bucket(c, [], [])
     assert torch.equal(frame, wire.frame([])) and ctxs == []
 
 
 def test_decode_bucket_names_the_rank_and_tensor_of_a_corrupt_payload():
     c = hvdcompress.get_compressor("signsgd")
     tensors, names = [torch.randn(10), torch.randn(20)], ["a", "b"]
-    frame, ctxs = c.compress_bucket(tensors, names)
+    frame, ctxs = framing.compress_bucket(c, tensors, names)
     frame[-1] ^= 0xFF  # the body of "b": its checksum fails
     parsed = wire.unframe_parsed(frame, 3, names, torch.device("cpu"))
     outs = [torch.zeros(10), torch.zeros(20)]
     with pytest.raises(PayloadError, match="checksum") as err:
-        c.decode_bucket(parsed, outs, ctxs, rank=3)
+        framing.decode_bucket(c, parsed, outs, ctxs, rank=3)
     assert err.value.rank == 3 and err.value.tensor == "b"
     assert torch.equal(outs[1], torch.zeros(20))
 
@@ -117,11 +117,11 @@ def test_decode_frame_names_the_rank_and_tensor_of_a_corrupt_payload():
     the same error, the earlier tensor decoded, the bad one's output untouched."""
     c = hvdcompress.get_compressor("3lc")
     tensors, names = [torch.randn(10), torch.randn(20)], ["a", "b"]
-    frame, ctxs = c.compress_bucket(tensors, names)
+    frame, ctxs = framing.compress_bucket(c, tensors, names)
     frame[-1] ^= 0xFF
     outs = [torch.zeros(10), torch.zeros(20)]
     with pytest.raises(PayloadError, match="checksum") as err:
-        c.decode_frame(frame, outs, ctxs, rank=3)
+        framing.decode_frame(c, frame, outs, ctxs, rank=3)
     assert err.value.rank == 3 and err.value.tensor == "b"
     assert outs[0].abs().sum() > 0 and torch.equal(outs[1], torch.zeros(20))
 
@@ -132,7 +132,7 @@ def test_decode_frame_reports_a_forged_body_like_decode_parsed():
     added, it is untouched."""
     c = hvdcompress.get_compressor("3lc")
     tensors, names = [torch.randn(10), torch.randn(20), torch.randn(30)], ["a", "b", "c"]
-    frame, ctxs = c.compress_bucket(tensors, names)
+    frame, ctxs = framing.compress_bucket(c, tensors, names)
     payloads = wire.unframe(frame, 3, 0, names)
     forged = bytearray(payloads[1].numpy().tobytes())
     forged[-1] = 250  # a run byte past the end: zero-run decoding gives too many bytes
@@ -142,7 +142,7 @@ def test_decode_frame_reports_a_forged_body_like_decode_parsed():
     bad = wire.frame([payloads[0], torch.frombuffer(forged, dtype=torch.uint8), payloads[2]])
     outs = [torch.zeros(n) for n in (10, 20, 30)]
     with pytest.raises(PayloadError, match="zero-run") as err:
-        c.decode_frame(bad, outs, ctxs, rank=1)
+        framing.decode_frame(c, bad, outs, ctxs, rank=1)
     assert err.value.rank == 1 and err.value.tensor == "b" and err.value.field == "body"
     assert outs[0].abs().sum() > 0
     assert torch.equal(outs[1], torch.zeros(20)) and torch.equal(outs[2], torch.zeros(30))
@@ -164,23 +164,23 @@ def test_ndqsg_rank0_frame_takes_the_one_call_path(monkeypatch):
     sender, receiver = hvdcompress.get_compressor("ndqsg"), hvdcompress.get_compressor("ndqsg")
     sender.bind(0, 2)
     receiver.bind(1, 2)
-    frame, ctxs = sender.compress_bucket(tensors, names)
+    frame, ctxs = framing.compress_bucket(sender, tensors, names)
     parsed = wire.unframe_parsed(frame, 0, names, torch.device("cpu"))
     wants = [torch.linspace(-1, 1, t.numel()) for t in tensors]
     gots = [w.clone() for w in wants]
-    receiver.decode_bucket(parsed, wants, ctxs, rank=0)
+    framing.decode_bucket(receiver, parsed, wants, ctxs, rank=0)
     assert calls == []  # the per-payload path
-    receiver.decode_frame(frame, gots, ctxs, rank=0)
+    framing.decode_frame(receiver, frame, gots, ctxs, rank=0)
     assert calls == [len(names)]
     assert all(torch.equal(g, w) for g, w in zip(gots, wants, strict=True))
 
     nested = hvdcompress.get_compressor("ndqsg")
     nested.bind(1, 2)
-    frame, ctxs = nested.compress_bucket(tensors, names)
+    frame, ctxs = framing.compress_bucket(nested, tensors, names)
     for decode in (
-        lambda outs: receiver.decode_frame(frame, outs, ctxs, rank=0),
-        lambda outs: receiver.decode_bucket(
-            wire.unframe_parsed(frame, 0, names, torch.device("cpu")), outs, ctxs, rank=0
+        lambda outs: framing.decode_frame(receiver, frame, outs, ctxs, rank=0),
+        lambda outs: framing.decode_bucket(
+            receiver, wire.unframe_parsed(frame, 0, names, torch.device("cpu")), outs, ctxs, rank=0
         ),
     ):
         outs = [torch.zeros(t.numel()) for t in tensors]
@@ -210,15 +210,17 @@ def test_ndqsg_gather_of_frames_equals_the_per_payload_path(params):
         c.bind(r, 4)
     for c in receivers:
         c.bind(3, 4)
-    frames = [c.compress_bucket(ts, names) for c, ts in zip(senders, per_rank, strict=True)]
+    frames = [
+        framing.compress_bucket(c, ts, names) for c, ts in zip(senders, per_rank, strict=True)
+    ]
     for c in receivers:  # each remembers rank 3's k, as the sender did
-        assert torch.equal(c.compress_bucket(per_rank[3], names)[0], frames[3][0])
+        assert torch.equal(framing.compress_bucket(c, per_rank[3], names)[0], frames[3][0])
     fast = [torch.zeros(t.numel()) for t in tensors]
     slow = [torch.zeros(t.numel()) for t in tensors]
     for r, (frame, ctxs) in enumerate(frames):
-        receivers[0].decode_frame(frame, fast, ctxs, rank=r)
+        framing.decode_frame(receivers[0], frame, fast, ctxs, rank=r)
         parsed = wire.unframe_parsed(frame, r, names, torch.device("cpu"))
-        receivers[1].decode_bucket(parsed, slow, ctxs, rank=r)
+        framing.decode_bucket(receivers[1], parsed, slow, ctxs, rank=r)
     for got, want in zip(fast, slow, strict=True):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     got, want = receivers[0].pop_metrics(), receivers[1].pop_metrics()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdcompress.exchange import PIECE
+from hvdcompress.buckets import PieceKey
 
 WORKER = Path(__file__).parent / "torchrun" / "ddp_worker.py"
 # a native abort at exit (docs/checkpoints-and-faults.md, "Clean exits")
@@ -60,9 +60,9 @@ def test_twostage_hook_leaves_bit_identical_parameters_trains_and_resumes_exactl
     assert r0["twostage_loss_last"] < r0["twostage_loss_first"]
     for r in reports:
         # residuals of the pieces each rank sends, and "@owner" ones of those it owns
-        pieces = [PIECE.fullmatch(n) for n in r["twostage_pieces"]]
+        pieces = [PieceKey.parse(n) for n in r["twostage_pieces"]]
         assert all(pieces) and any(n.endswith("@owner") for n in r["twostage_pieces"])
-        assert {m["name"] for m in pieces} == {"0.bias", "0.weight", "2.bias", "2.weight",
+        assert {m.name for m in pieces} == {"0.bias", "0.weight", "2.bias", "2.weight",
                                                "3.bias", "3.weight"}  # fmt: skip
         assert r["twostage_resume_equal"], r["rank"]
 

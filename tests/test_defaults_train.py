@@ -45,5 +45,5 @@ def test_train_py_says_which_recommended_settings_it_applied():
 
 def test_the_declared_settings_are_sane():
     for name, cls in REGISTRY.items():
-        assert 0.0 < cls.sgd_lr_factor <= 10.0, name
-        assert cls.sgd_momentum is None or 0.0 <= cls.sgd_momentum < 1.0, name
+        assert 0.0 < cls.spec.sgd_lr_factor <= 10.0, name
+        assert cls.spec.sgd_momentum is None or 0.0 <= cls.spec.sgd_momentum < 1.0, name

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hvdcompress
+from hvdcompress import wire
 from hvdcompress.backends import cpu as cpu_backend
 from hvdcompress.codecs import dqsg as dqsg_codec
 from hvdcompress.codecs import ndqsg as ndqsg_codec
@@ -52,7 +52,7 @@ def test_dqsg_receiver_regenerates_the_senders_dither():
     c = comp("dqsg", levels=3, seed=8, rank=5)
     c.compress(w, "a")  # step 0 of "a"; the tested payload is step 1
     payload, ctx = c.compress(w, "a")
-    header, _ = c.read_header(payload)
+    header, _ = wire.read_header(payload)
     seed, step, tid, rank = prim.RNG_PARAMS.unpack_from(header.params, 0)
     assert (seed, step, tid, rank) == (8, 1, prim.tensor_id("a"), 5)
     key = prim.rng_key(seed, step, rank, tid)
@@ -74,7 +74,7 @@ def test_dqsg_bits():
         assert dqsg_codec.dqsg_bits(levels) == bits
     c = comp("dqsg", levels=3)
     payload, _ = c.compress(torch.randn(5120), "w")
-    assert c.read_header(payload)[0].body_len == 10 * 4 + 5120 * 3 // 8
+    assert wire.read_header(payload)[0].body_len == 10 * 4 + 5120 * 3 // 8
 
 
 # ---- NDQSG ---------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_ndqsg_equals_dqsg_reconstruction_when_side_info_is_close(fine, coarse, 
     kw = {"fine_levels": fine, "coarse_levels": coarse, "bucket_size": 512, "seed": 5}
     nested = bound("ndqsg", 1, 2, **kw)
     payload, ctx = nested.compress(w, "w")
-    assert nested.read_header(payload)[0].params[-1] == 1  # nested mode
+    assert wire.read_header(payload)[0].params[-1] == 1  # nested mode
     dq = comp("dqsg", levels=fine, bucket_size=512, seed=5, rank=1)
     want = dq.decompress(*dq.compress(w, "w"))  # delta1 (k - u) with the same dither
     delta = _deltas(w, fine, 512)
@@ -124,7 +124,7 @@ def test_ndqsg_dqsg_mode_decodes_as_dqsg(fine, coarse):
     kw = {"fine_levels": fine, "coarse_levels": coarse, "bucket_size": 64, "seed": 5}
     sender = bound("ndqsg", 0, 3, **kw)
     payload, _ = sender.compress(w, "w")
-    assert sender.read_header(payload)[0].params[-1] == 0  # DQSG mode
+    assert wire.read_header(payload)[0].params[-1] == 0  # DQSG mode
     dq = comp("dqsg", levels=fine, bucket_size=64, seed=5, rank=0)
     dq_payload, _ = dq.compress(w, "w")
     base = torch.randn(2000)
@@ -169,7 +169,7 @@ def test_ndqsg_estimate_from_dqsg_coded_ranks_and_through_the_gather_order():
     ws = [base + 0.02 * torch.randn(4000) for _ in range(4)]
     senders = [bound("ndqsg", r, 4) for r in range(4)]
     payloads = [s.compress(w, "w")[0] for s, w in zip(senders, ws, strict=True)]
-    modes = [s.read_header(p)[0].params[-1] for s, p in zip(senders, payloads, strict=True)]
+    modes = [wire.read_header(p)[0].params[-1] for s, p in zip(senders, payloads, strict=True)]
     assert modes == [0, 0, 1, 1]
     assert payloads[2].numel() < 0.7 * payloads[0].numel()  # quartic beats 3-bit codes
     receiver = senders[3]  # it remembers its own k
@@ -191,7 +191,7 @@ def test_ndqsg_estimate_from_dqsg_coded_ranks_and_through_the_gather_order():
     assert metrics["aliasing_rate_own"] == 0.0  # rank 3 checked its own payload
     # the estimate: rank 1's k, re-decoded from its coset with y1
     q, deltas = __import__("hvdcompress").codecs.dqsg.decode_q(
-        payloads[1][receiver.read_header(payloads[1])[0].size :], 4000, 3, 512
+        payloads[1][wire.read_header(payloads[1])[0].size :], 4000, 3, 512
     )
     key = prim.rng_key(0, 0, 1, prim.tensor_id("w"))
     _, k_hat = reference_side_decode(ndqsg_codec.coset(q, 3), deltas, y1, 3, 512, key)
@@ -240,7 +240,7 @@ def test_ndqsg_nonfinite_input_is_flagged(bad):
     x[3] = bad
     for rank in (0, 1):
         payload, ctx = bound("ndqsg", rank, 2).compress(x, "w")
-        header, _ = hvdcompress.get_compressor("ndqsg").read_header(payload)
+        header, _ = wire.read_header(payload)
         assert header.nonfinite and header.body_len == 0
         assert bound("ndqsg", 0, 2).decode(payload).isnan().all()
 

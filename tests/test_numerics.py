@@ -27,7 +27,7 @@ def _error_feedback_configs() -> list[tuple[str, dict]]:
     for name, params in registry.examples():
         cls = registry.REGISTRY[name]
         candidates = [params]
-        if "error_feedback" in cls.params:
+        if "error_feedback" in cls.spec.params:
             on = {k: v for k, v in params.items() if k != "unbiased"}
             candidates.append({**on, "error_feedback": True})
         for p in candidates:

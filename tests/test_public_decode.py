@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.backends import cpu
-from hvdcompress.compressors import receive
 from hvdcompress.errors import DecodeOverflowError, PayloadError
 from tests.helpers import comp
 from tests.test_compressor_api import CONFIGS, IDS
@@ -46,7 +45,7 @@ def test_public_decode_is_the_written_decode_and_the_bucket_decode(name, kw, dty
     for step in range(3):  # error feedback, step counters and levels move
         x = _gradient(shape, dtype, seed=step)
         payload, ctx = public.compress(x, "w")
-        frame, ctxs = bucket.compress_bucket([x], ["w"])
+        frame, ctxs = framing.compress_bucket(bucket, [x], ["w"])
         assert _bits(wire.frame([payload])) == _bits(frame)
         new = public.decode(payload, expect=ctx)
         assert new.shape == x.shape and new.dtype == dtype
@@ -58,7 +57,7 @@ def test_public_decode_is_the_written_decode_and_the_bucket_decode(name, kw, dty
         if bound is not None and n and not header.nonfinite:
             assert float(written.abs().max()) <= bound
         acc = torch.zeros(n)  # the gather path's accumulator of this rank's frame
-        bucket.decode_frame(frame, [acc], ctxs, rank=0)
+        framing.decode_frame(bucket, frame, [acc], ctxs, rank=0)
         # value for value (+0.0 == -0.0), in the payload's dtype as the exchange casts
         assert torch.equal(new.reshape(-1), acc.to(dtype))
 
@@ -98,7 +97,7 @@ def test_public_decode_reports_a_float32_overflow_as_before():
     # float32 although the payload (finite values, flag clear) is valid
     c = comp("randomk", ratio=0.2, unbiased=True, error_feedback=False)
     payload, ctx = c.compress(torch.full((1000,), 3e38), "w")
-    assert not c.read_header(payload)[0].nonfinite
+    assert not wire.read_header(payload)[0].nonfinite
     with pytest.raises(DecodeOverflowError, match="the float32 decode gives non-finite") as err:
         c.decode(payload, expect=ctx)
     assert isinstance(err.value, PayloadError) and err.value.field == "overflow"
@@ -132,7 +131,7 @@ HUGE = 2 << 20
 def _advice(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        receive, "_MADVISE", lambda addr, length, advice: calls.append((addr, length, advice))
+        framing, "_MADVISE", lambda addr, length, advice: calls.append((addr, length, advice))
     )
     return calls
 
@@ -141,20 +140,20 @@ def _advice(monkeypatch):
 def test_a_large_new_output_is_advised_as_huge_pages_on_whole_pages_inside_it(monkeypatch, fill):
     calls = _advice(monkeypatch)
     n = 3 * HUGE // 4 + 17  # 3 MiB and a bit: at least one whole 2 MiB page inside
-    flat = receive.new_float32(n, torch.device("cpu"), fill)
+    flat = framing.new_float32(n, torch.device("cpu"), fill)
     assert flat.dtype == torch.float32 and flat.shape == (n,) and flat.is_contiguous()
     if fill is not None:
         assert torch.equal(flat, torch.full((n,), fill))
     begin, end = flat.data_ptr(), flat.data_ptr() + 4 * n
     ((addr, length, advice),) = calls
-    assert advice == receive._MADV_HUGEPAGE
+    assert advice == framing._MADV_HUGEPAGE
     assert addr % HUGE == 0 and length % HUGE == 0 and length > 0
     assert begin <= addr and addr + length <= end  # never advice on memory it does not own
 
 
 def test_a_small_new_output_gets_no_advice(monkeypatch):
     calls = _advice(monkeypatch)
-    receive.new_float32(HUGE // 4, torch.device("cpu"), 0.0)  # 2 MiB: below two pages
+    framing.new_float32(HUGE // 4, torch.device("cpu"), 0.0)  # 2 MiB: below two pages
     assert calls == []
 
 
@@ -172,7 +171,7 @@ def test_the_public_decode_of_a_large_tensor_goes_through_the_advised_output(mon
 
 
 def test_huge_page_advice_can_be_turned_off():
-    code = "from hvdcompress.compressors import receive; print(receive._MADVISE is None)"
+    code = "from hvdcompress import framing; print(framing._MADVISE is None)"
     env = {**os.environ, "HVDCOMPRESS_HUGE_PAGES": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "True", out.stderr

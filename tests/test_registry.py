@@ -24,6 +24,7 @@ from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import GatherCompressor, SummableCompressor, registry
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.policies.cat import KINDS, compressor_for
 from tests.helpers import powersgd_one_rank
 
@@ -53,8 +54,8 @@ def test_every_kind_of_compressor_is_registered():
 @pytest.mark.parametrize("name", NAMES)
 def test_every_constructor_parameter_has_a_declared_range(name):
     cls = registry.REGISTRY[name]
-    assert set(cls.params) == set(registry.constructor_params(cls))
-    for pname, spec in cls.params.items():
+    assert set(cls.spec.params) == set(registry.constructor_params(cls))
+    for pname, spec in cls.spec.params.items():
         assert spec.describe() in hvdcompress.available(), (name, pname)
 
 
@@ -62,12 +63,12 @@ def test_every_constructor_parameter_has_a_declared_range(name):
 def test_values_outside_the_declared_ranges_are_refused(name):
     cls = registry.REGISTRY[name]
     checked = 0
-    for pname, spec in cls.params.items():
+    for pname, spec in cls.spec.params.items():
         for value in spec.outside():
             with pytest.raises(ValueError):
                 hvdcompress.get_compressor(name, **{pname: value})
             checked += 1
-    assert checked >= sum(1 for s in cls.params.values() if s.kind != "bool")
+    assert checked >= sum(1 for s in cls.spec.params.values() if s.kind != "bool")
 
 
 def test_param_describes_and_bounds_intervals():
@@ -99,7 +100,7 @@ def test_every_example_round_trips(name, params):
 
 
 def test_wire_ids_come_from_the_registry_and_are_unique():
-    gather = {n: registry.REGISTRY[n].wire_id for n in registry.names(summable=False)}
+    gather = {n: registry.REGISTRY[n].spec.wire_id for n in registry.names(summable=False)}
     assert wire.CODEC_IDS == gather
     assert len(set(gather.values())) == len(gather)
     assert {v: k for k, v in gather.items()} == wire.CODEC_NAMES
@@ -110,7 +111,7 @@ def test_wire_ids_come_from_the_registry_and_are_unique():
 @pytest.mark.parametrize("name", NAMES)
 def test_every_compressor_has_a_compression_entry(name):
     cls = registry.REGISTRY[name]
-    attribute = cls.compression_attribute()
+    attribute = cls.spec.compression_attribute
     assert attribute in dir(hvdcompress.Compression)
     entry = getattr(hvdcompress.Compression, attribute)
     built = resolve_compressor(entry if name in ("none", "fp16", "bf16") else entry())
@@ -124,7 +125,7 @@ def test_unknown_compression_entry_lists_the_valid_ones():
 
 def test_cat_kinds_resolve_to_registered_compressors():
     for kind in KINDS:
-        assert registry.REGISTRY[compressor_for(kind)].cat_kind == kind
+        assert registry.REGISTRY[compressor_for(kind)].spec.cat_kind == kind
     with pytest.raises(ValueError, match="no registered compressor"):
         compressor_for("topk+zz")
 
@@ -139,31 +140,36 @@ def _toy(name="toyx", wire_id=254, summable=False, params=None, examples=({},), 
     if encodes and not summable:
         Toy.encode = lambda self, tensor, name: None  # registration only: never called
 
-    Toy.name, Toy.wire_id, Toy.examples = name, wire_id, examples
-    Toy.params = {"level": Param(1, 3, kind="int")} if params is None else params
-    return Toy
+    params = {"level": Param(1, 3, kind="int")} if params is None else params
+    return CompressorSpec(name, wire_id, params, examples), Toy
+
+
+def _register(toy):
+    """``register`` of a ``_toy`` (its spec, its class)."""
+    spec, cls = toy
+    return register(spec)(cls)
 
 
 @pytest.mark.usefixtures("scratch_registry")
 def test_registration_checks_the_declaration():
-    register(_toy())
+    _register(_toy())
     assert "toyx" in registry.names() and wire.CODEC_IDS["toyx"] == 254
     with pytest.raises(ValueError, match="taken"):
-        register(_toy())  # another class, same name
+        _register(_toy())  # another class, same name
     with pytest.raises(ValueError, match="wire id 1, taken by '3lc'"):
-        register(_toy(name="toyy", wire_id=1))
+        _register(_toy(name="toyy", wire_id=1))
     with pytest.raises(ValueError, match="needs a wire id"):
-        register(_toy(name="toyz", wire_id=None))
+        _register(_toy(name="toyz", wire_id=None))
     with pytest.raises(ValueError, match="carry no wire id"):
-        register(_toy(name="toyw", summable=True))
+        _register(_toy(name="toyw", summable=True))
     with pytest.raises(ValueError, match="constructor takes"):
-        register(_toy(name="toyv", wire_id=253, params={}))
+        _register(_toy(name="toyv", wire_id=253, params={}))
     with pytest.raises(ValueError, match="unknown parameters"):
-        register(_toy(name="toyu", wire_id=252, examples=({"levle": 2},)))
+        _register(_toy(name="toyu", wire_id=252, examples=({"levle": 2},)))
     with pytest.raises(ValueError, match="lower-case"):
-        register(_toy(name="ToyT", wire_id=251))
+        _register(_toy(name="ToyT", wire_id=251))
     with pytest.raises(TypeError, match="implements encode or encode_bucket"):
-        register(_toy(name="toys", wire_id=250, encodes=False))
+        _register(_toy(name="toys", wire_id=250, encodes=False))
 
 
 def _run(cmd: list[str], timeout: int = 600) -> str:

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.backends import cpu as cpu_backend
 from hvdcompress.backends import cuda as cuda_backend
 from hvdcompress.codecs import primitives as prim
@@ -44,7 +44,7 @@ def test_topk_keeps_exactly_the_k_largest_and_residual_holds_the_rest(n, ratio):
     e = c.memory.residuals["w"].numpy()
     assert (e[kept] == 0).all()
     np.testing.assert_array_equal(dec + e, g)
-    header, _ = c.read_header(payload)
+    header, _ = wire.read_header(payload)
     assert header.body_len == 8 * k
 
 
@@ -154,7 +154,7 @@ def test_randomk_receiver_regenerates_the_indices():
     x = torch.randn(5000)
     c = comp("randomk", ratio=0.1, unbiased=True, seed=3, rank=2)
     payload, ctx = c.compress(x, "layer.weight")
-    header, _ = c.read_header(payload)
+    header, _ = wire.read_header(payload)
     seed, step, tid, rank = prim.RNG_PARAMS.unpack_from(header.params, 0)
     assert (seed, step, rank, tid) == (3, 0, 2, prim.tensor_id("layer.weight"))
     key = prim.rng_key(seed, step, rank, tid)
@@ -295,7 +295,7 @@ def test_topkq_sends_the_mean_magnitude_with_signs_and_keeps_the_rest():
     assert dec.tolist() == [0.0, -3.0, 0.0, 3.0, 0.0, 3.0]
     np.testing.assert_array_equal(c.memory.residual("w", x).numpy(), (x - dec).numpy())
     # 4-byte magnitude + 3 int32 indices + 1 byte of sign bits
-    assert c.read_header(payload)[0].body_len == 4 + 12 + 1
+    assert wire.read_header(payload)[0].body_len == 4 + 12 + 1
 
 
 def test_topkq_error_feedback_keeps_a_equal_decode_plus_residual():
@@ -392,7 +392,7 @@ def test_gspar_bucket_encode_is_the_per_tensor_encode(ratio):
     names = [f"t{i}" for i in range(len(tensors))]
     one, bucketed = comp("gspar", ratio=ratio, seed=6), comp("gspar", ratio=ratio, seed=6)
     for _ in range(2):
-        frame, _ = bucketed.compress_bucket(tensors, names)
+        frame, _ = framing.compress_bucket(bucketed, tensors, names)
         want = wire.frame([one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)])
         assert torch.equal(frame, want)
 
@@ -420,7 +420,7 @@ def test_random_draws_call_again_when_the_room_is_short(monkeypatch, room):
         kw = {"ratio": 0.1, "seed": 2, "error_feedback": ef}
         one, bucketed = comp(name, **kw), comp(name, **kw)
         for _ in range(2):
-            frame, _ = bucketed.compress_bucket(tensors, names)
+            frame, _ = framing.compress_bucket(bucketed, tensors, names)
             sent = [one.compress(t, n)[0] for t, n in zip(tensors, names, strict=True)]
             assert torch.equal(frame, wire.frame(sent)), (name, ef)
         for tensor in names if ef else ():
@@ -598,7 +598,7 @@ def test_dgc_receiver_checks_the_schedule():
     with pytest.raises(PayloadError, match="ratio"):
         comp("dgc", ratio=0.02, warmup_steps=10).decompress(payload, ctx)
     raw = bytearray(payload.numpy().tobytes())
-    header, _ = sender.read_header(payload)
+    header, _ = wire.read_header(payload)
     off = header.size - 8  # the density double
     raw[off : off + 8] = np.float64(0.5).tobytes()
     forged = torch.frombuffer(bytearray(fix_checksum(raw)), dtype=torch.uint8)
@@ -646,7 +646,7 @@ def test_dgc_nonfinite_keeps_state_and_state_dict_roundtrip():
     bad = x.clone()
     bad[0] = float("nan")
     payload, ctx = c.compress(bad, "w")
-    assert c.read_header(payload)[0].nonfinite and c.decompress(payload, ctx).isnan().all()
+    assert wire.read_header(payload)[0].nonfinite and c.decompress(payload, ctx).isnan().all()
     assert torch.equal(c.velocity.residuals["w"], u) and torch.equal(c.memory.residuals["w"], v)
     d = comp("dgc", ratio=0.1)
     d.load_state_dict(c.state_dict())
@@ -707,9 +707,9 @@ def test_gspar_receiver_accepts_every_payload_its_encoder_emits(params, grad):
     kept-count estimate (docs/baselines.md, "Top-k + sign and GSpar")."""
     sender, receiver = bound("gspar", 0, 2, **params), bound("gspar", 1, 2, **params)
     for step in range(3):  # error feedback built up
-        frame, ctxs = sender.compress_bucket([grad], ["w"])
+        frame, ctxs = framing.compress_bucket(sender, [grad], ["w"])
         out = torch.zeros(grad.numel())
-        receiver.decode_frame(frame, [out], ctxs, rank=0)
+        framing.decode_frame(receiver, frame, [out], ctxs, rank=0)
         payload, ctx = sender.compress(grad, "w")
         got = receiver.decode(payload, expect=ctx)
         assert got.shape == grad.shape and bool(torch.isfinite(got).all()), step
@@ -742,10 +742,12 @@ def test_gspar_scaled_values_that_overflow_travel_as_nonfinite():
     big = torch.full((257,), 3e38)
     c = comp("gspar", ratio=0.1)
     payload, ctx = c.compress(big, "w")
-    assert c.read_header(payload)[0].nonfinite
+    assert wire.read_header(payload)[0].nonfinite
     assert torch.isnan(comp("gspar", ratio=0.1).decode(payload, expect=ctx)).all()
-    frame, ctxs = comp("gspar", ratio=0.1).compress_bucket([big, torch.ones(100)], ["w", "v"])
+    frame, ctxs = framing.compress_bucket(
+        comp("gspar", ratio=0.1), [big, torch.ones(100)], ["w", "v"]
+    )
     outs = [torch.zeros(257), torch.zeros(100)]
-    comp("gspar", ratio=0.1).decode_frame(frame, outs, ctxs, rank=0)
+    framing.decode_frame(comp("gspar", ratio=0.1), frame, outs, ctxs, rank=0)
     assert torch.isnan(outs[0]).all() and torch.isfinite(outs[1]).all()
     assert outs[1].sum() > 0  # the finite tensor of the bucket still decodes

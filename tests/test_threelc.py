@@ -324,7 +324,7 @@ def test_payload_bytes_match_oracle_and_header():
     c = threelc_compressor(1.75)
     payload, _ = c.compress(torch.from_numpy(g), "w")
     zre, scale, _ = reference.encode(g.reshape(-1), np.zeros(g.size, np.float32), 1.75)
-    header, raw = c.read_header(payload)
+    header, raw = wire.read_header(payload)
     assert header.codec == "3lc" and header.shape == (20, 51) and header.dtype == torch.float32
     assert payload[header.size :].numpy().tobytes() == zre.tobytes()
     assert len(raw) == header.size == 32 + 16 + 8
@@ -364,7 +364,7 @@ def test_nonfinite_gives_all_nan_and_keeps_residual(bad):
     x = torch.randn(100)
     x[17] = bad
     payload, ctx = c.compress(x, "g")
-    header, _ = c.read_header(payload)
+    header, _ = wire.read_header(payload)
     assert header.nonfinite and header.body_len == 0
     out = c.decompress(payload, ctx)
     assert out.shape == x.shape and torch.isnan(out).all()
@@ -376,7 +376,7 @@ def test_nonfinite_gives_all_nan_and_keeps_residual(bad):
 def test_scale_overflow_is_treated_as_nonfinite():
     x = torch.tensor([3.0e38, 1.0])  # finite, but 1.9 * 3e38 overflows float32
     payload, ctx = threelc_compressor(1.9).compress(x, "big")
-    assert threelc_compressor(1.9).read_header(payload)[0].nonfinite
+    assert wire.read_header(payload)[0].nonfinite
     assert torch.isnan(threelc_compressor(1.9).decompress(payload, ctx)).all()
 
 

@@ -121,14 +121,14 @@ WRONG = {
 def test_constructors_called_directly_refuse_what_the_registry_declares_invalid(name):
     cls = registry.REGISTRY[name]
     refused = 0
-    for pname, spec in cls.params.items():
+    for pname, spec in cls.spec.params.items():
         for value in [*spec.outside(), *WRONG[spec.kind]]:
             if spec.accepts(value):
                 continue
             with pytest.raises(ValueError, match=pname):
                 cls(**{pname: value})
             refused += 1
-    assert refused >= len(cls.params)
+    assert refused >= len(cls.spec.params)
 
 
 def test_param_accepts_exactly_its_interval_and_kind():

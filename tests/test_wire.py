@@ -37,7 +37,7 @@ def test_header_fields_are_validated():
 def test_header_claiming_too_many_elements():
     c = comp("3lc")
     payload, _ = c.compress(torch.randn(50), "h")
-    header, raw = c.read_header(payload)
+    header, raw = wire.read_header(payload)
     huge = wire.Header("3lc", 0, torch.float32, (2**40,), header.params, header.body_len)
     forged = torch.cat(
         [torch.frombuffer(bytearray(huge.pack()), dtype=torch.uint8), payload[header.size :]]
@@ -50,7 +50,7 @@ def test_header_claiming_too_many_elements():
 def _forge(c, payload, shape, flags=None, body=None) -> torch.Tensor:
     """The payload with its header's shape (and numel) replaced, optionally its flags and
     body, checksum recomputed: a self-consistent forgery."""
-    header, _ = c.read_header(payload)
+    header, _ = wire.read_header(payload)
     body = payload[header.size :].numpy().tobytes() if body is None else body
     flags = header.flags if flags is None else flags
     forged = wire.Header(header.codec, flags, header.dtype, shape, header.params, len(body))
@@ -62,7 +62,7 @@ def test_nonfinite_forgery_cannot_allocate_past_the_receivers_bound():
     (1 GiB of float32). Every decode refuses it before torch.full sees the shape."""
     c = comp("3lc")
     payload, ctx = c.compress(torch.tensor([1.0, float("nan")]), "h")
-    assert c.read_header(payload)[0].nonfinite
+    assert wire.read_header(payload)[0].nonfinite
     for numel in (2**28, 2**24 + 1, 2**40, 2**63 - 1):
         forged = _forge(c, payload, (numel,))
         assert forged.numel() == 48

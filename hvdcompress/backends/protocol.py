@@ -63,7 +63,7 @@ class Backend(Protocol):
 
     def nonfinite(self, x: torch.Tensor) -> bool:
         """Whether the contiguous float32, float16 or bfloat16 tensor ``x`` holds a NaN or an
-        Inf: the check of a decode into a new tensor (``compressors.receive.checked_cast``),
+        Inf: the check of a decode into a new tensor (``framing.checked_cast``),
         one read of ``x``."""
 
     def splits(self, n: int) -> bool:

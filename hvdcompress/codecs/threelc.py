@@ -138,7 +138,7 @@ def decode_with(
 
 
 def fresh_fill(scale: float) -> float | None:
-    """What ``decode_with`` writes by adding into (``GatherCompressor.fresh_fill``): +0.0
+    """What ``decode_with`` writes by adding into (the fill of ``framing.decode_filled``): +0.0
     for S > 0 (or not finite), None for S <= 0, which it writes another way."""
     return None if scale <= 0.0 else 0.0
 

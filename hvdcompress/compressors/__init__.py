@@ -17,12 +17,14 @@ from hvdcompress.compressors.base import (
     SummableCompressor,
 )
 from hvdcompress.compressors.registry import REGISTRY, available, get_compressor
+from hvdcompress.compressors.spec import CompressorSpec
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "Compressor",
+    "CompressorSpec",
     "Ctx",
     "Encoded",
     "GatherCompressor",

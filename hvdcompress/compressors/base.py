@@ -1,18 +1,22 @@
 """The two compressor interfaces: gather-only (byte payloads) and summable (dense payloads).
 
 A compressor is a codec (pure tensor math, ``hvdcompress.codecs``) plus per-tensor state
-(error-feedback residuals, RNG step counters, PowerSGD's Q). It declares its registry
-entry (``hvdcompress.compressors.registry``) and overrides only what it needs of the
-defaults declared here: ``bind`` and ``check_optimizer`` once, ``compress`` per tensor
-and step, ``pop_metrics`` per step, ``state_dict`` in checkpoints.
+(error-feedback residuals, RNG step counters, PowerSGD's Q), kept in objects it makes in
+``__init__`` (``memory.ErrorFeedback``, ``levels.TensorLevels``). Its registry entry is a
+``CompressorSpec`` passed to ``@register`` (``hvdcompress.compressors.registry``); the
+class overrides only what it needs of the defaults declared here: ``bind`` and
+``check_optimizer`` once, ``compress`` per tensor and step, ``pop_metrics`` per step,
+``state_dict`` in checkpoints.
 
 * ``GatherCompressor``: ``compress`` encodes a tensor into a self-describing uint8
   payload (``hvdcompress.wire``); the payloads of all ranks are gathered and every rank
-  decodes every payload in rank order (``decode_parsed``, accumulating into float32). A
-  subclass implements what the class lists under "to implement". Invariant: a payload
-  either decodes to a tensor of exactly the header's (and, when given, the receiver's
-  expected) shape and dtype, or raises ``PayloadError`` naming the field; the output is
-  untouched then.
+  decodes every payload in rank order, accumulating into float32. The frames, their scan
+  and every check a payload goes through are ``hvdcompress.framing``'s, which calls the
+  compressor for what only it knows: ``encode_bucket`` (or ``encode``), the bounds its
+  payloads obey (``check_params``, ``max_numel``), ``decode_into`` (and the batched
+  ``decode_segments``). Invariant: a payload either decodes to a tensor of exactly the
+  header's (and, when given, the receiver's expected) shape and dtype, or raises
+  ``PayloadError`` naming the field; the output is untouched then.
 * ``SummableCompressor``: ``compress`` gives a dense tensor that an allreduce may sum;
   ``phases`` > 1 (PowerSGD: P, then Q) makes the next phase's dense tensor from the
   summed one (``next_phase``); ``decompress`` turns the last sum into the gradient sum.
@@ -23,13 +27,13 @@ from __future__ import annotations
 import math
 from typing import ClassVar, NamedTuple
 
-import numpy as np
 import torch
 
-from hvdcompress import wire
-from hvdcompress.compressors import receive
-from hvdcompress.compressors.params import Param
+from hvdcompress import framing, wire
+from hvdcompress.compressors.memory import ErrorFeedback
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.errors import PayloadError
+from hvdcompress.framing import Ctx
 
 
 def empty_body(device) -> torch.Tensor:
@@ -46,21 +50,20 @@ def check_scale(header, scale: float) -> None:
         raise PayloadError("scale", f"expected a finite scale >= 0, got {scale}")
 
 
+def check_params_len(comp: Compressor, header: wire.Header, size: int) -> None:
+    """PayloadError "params_len" unless a header carries ``size`` bytes of parameters."""
+    if len(header.params) != size:
+        raise PayloadError(
+            "params_len", f"{comp.name} has {size} bytes of parameters, got {len(header.params)}"
+        )
+
+
 def check_agreed(field: str, expected, got) -> None:
     """PayloadError ``field`` unless a header's codec parameter(s) are this rank's own."""
     if got != expected:
         raise PayloadError(
             field, f"expected {expected}, got {got} (ranks disagree on the compressor)"
         )
-
-
-class Ctx(NamedTuple):  # a NamedTuple: a bucket makes one per tensor and step
-    """What the sender knows about a tensor that the payload must match."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
 
 
 class Encoded(NamedTuple):
@@ -73,40 +76,24 @@ class Encoded(NamedTuple):
 
 
 class Compressor:
-    """What both kinds share: the registry declaration, binding, metrics and state."""
+    """What both kinds share: binding, metrics and state."""
 
-    # ---- registry declaration (hvdcompress.compressors.registry) --------------------------
+    # the registry entry and its name, set by ``@register`` (hvdcompress.compressors.spec)
+    spec: ClassVar[CompressorSpec]
     name: ClassVar[str] = ""
-    wire_id: ClassVar[int | None] = None  # codec id in the payload header (gather-only)
-    params: ClassVar[dict[str, Param]] = {}  # one Param per constructor parameter
-    examples: ClassVar[tuple[dict, ...]] = ({},)  # configurations the tests exercise
-    benchmarks: ClassVar[tuple[dict, ...] | None] = None  # bench_codec's; None: examples[:1]
-    attribute: ClassVar[str | None] = None  # Compression.<attribute>; None: the name
-    cat_kind: ClassVar[str | None] = None  # the CAT budget kind this compressor implements
-    # Plain SGD's settings that train with this compressor (docs/codecs.md, "Defaults that
-    # train"): a factor on the job's learning rate, and a momentum (None: the job's); an
-    # instance may set its own (GSpar with a variance budget). scripts/train.py and the
-    # benchmarks apply the instance's unless --lr / --momentum are given.
-    sgd_lr_factor: float = 1.0
-    sgd_momentum: float | None = None
 
     summable: ClassVar[bool] = False
     error_feedback: bool = False  # an instance attribute where it is a parameter
+    # the error-feedback residuals, an ErrorFeedback made in __init__ by a compressor that
+    # keeps them (with error feedback, or where it is a parameter)
+    memory: ErrorFeedback | None = None
     # the gradient dtypes this compressor sends (None: every floating dtype); the
     # optimizer checks its parameters against it at construction
     supported_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
 
-    @classmethod
-    def bench_configs(cls) -> tuple[dict, ...]:
-        return cls.benchmarks if cls.benchmarks is not None else cls.examples[:1]
-
-    @classmethod
-    def compression_attribute(cls) -> str:
-        return cls.attribute or cls.name
-
     def __repr__(self) -> str:
         """The class and its constructor parameters (``params``) but the rank ``bind`` sets."""
-        args = ", ".join(f"{p}={getattr(self, p)}" for p in self.params if p != "rank")
+        args = ", ".join(f"{p}={getattr(self, p)}" for p in self.spec.params if p != "rank")
         return f"{type(self).__name__}({args})"
 
     # ---- life cycle in the optimizer (defaults: nothing to do) ---------------------------
@@ -163,24 +150,26 @@ class Compressor:
         e.g. the rounding of the write into a float16 ``p.grad``) to the error-feedback
         residual of ``name``, so that it is sent with the next gradient. False when there
         is no such residual (no error feedback, or nothing compressed yet)."""
-        memory = getattr(self, "memory", None)
-        if not self.error_feedback or memory is None:
+        if not self.error_feedback or self.memory is None:
             return False
-        e = memory.residuals.get(name)
-        if e is None or e.numel() != delta.numel():
-            return False
-        e.add_(delta.reshape(-1).to(device=e.device, dtype=torch.float32))
-        return True
+        return self.memory.absorb(name, delta)
 
     # ---- both kinds ----------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
         raise NotImplementedError
 
     def decompress(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """The tensor of ``ctx`` from a payload: a gather payload decoded and checked
+        against ``ctx`` (``decode``); a summable compressor's from the last phase's sum."""
+        return self.decode(payload, expect=ctx)
+
+    def decode(self, payload: torch.Tensor, **kwargs) -> torch.Tensor:
         raise NotImplementedError
 
     def bits_per_value(self, payload: torch.Tensor) -> float:
-        raise NotImplementedError
+        """Bits on the wire per tensor element: a self-describing payload's, header
+        included (``wire.bits_per_value``); a summable one's dense element size."""
+        return wire.bits_per_value(payload)
 
 
 class SummableCompressor(Compressor):
@@ -206,12 +195,15 @@ class SummableCompressor(Compressor):
 
 
 class GatherCompressor(Compressor):
-    """Self-describing byte payloads, gathered and decoded by every rank (module doc)."""
+    """Self-describing byte payloads, gathered and decoded by every rank (module doc): the
+    algorithm (encode a bucket's tensors, decode one payload's body or a frame's accepted
+    bodies into an accumulator), the bounds its payloads obey, and its state. Framing,
+    scanning and the checks every payload goes through are ``hvdcompress.framing``'."""
 
     summable: ClassVar[bool] = False
     uses_side_info: ClassVar[bool] = False  # decode_into gets side_info (NDQSG)
     # decode_segments also adds into outputs on a CUDA device (one launch sequence a
-    # frame): decode_frame's fast path then takes GPU outputs, else only CPU ones.
+    # frame): framing.decode_frame's fast path then takes GPU outputs, else only CPU ones.
     cuda_decode_segments: ClassVar[bool] = False
     supported_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = tuple(wire.DTYPE_IDS)
     # The two-stage exchange (hvdcompress.exchange.TwoStageExchange) has the owner of a
@@ -226,29 +218,49 @@ class GatherCompressor(Compressor):
         so that cutting a tensor into shards adds no partial groups."""
         return 1
 
-    # ---- to implement ----------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor, name: str) -> Encoded:
+    # ---- send ------------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, name) -> Encoded:
         """(flags, packed codec parameters, body bytes on the tensor's device). By default
         ``encode_bucket`` of a bucket of one: a compressor with a one-call bucket encoder
         implements only that (one implementation per codec), the others only this."""
         return self.encode_bucket([tensor], [name])[0]
 
-    def check_params(self, header: wire.Header, name: str | None) -> None:
+    def encode_bucket(self, tensors: list[torch.Tensor], names: list) -> list[Encoded]:
+        """``encode`` of each tensor in order (``framing.compress_bucket`` frames them). A
+        compressor whose codec has a batched native encoder overrides this (and not
+        ``encode``): one native call for the bucket, each tensor keeping its own scale and
+        parameters; tensors on several devices come back here, one by one."""
+        return [self.encode(t, name) for t, name in zip(tensors, names, strict=True)]
+
+    def compress(self, tensor: torch.Tensor, name) -> tuple[torch.Tensor, Ctx]:
+        self.check_dtype(name, tensor.dtype)
+        ctx = Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device)
+        flags, params, body = self.encode(tensor, name)
+        header = wire.Header(self.name, flags, tensor.dtype, ctx.shape, params, body.numel())
+        return wire.assemble(header, body), ctx
+
+    # ---- the bounds a payload obeys ----------------------------------------------------------
+    def check_params(self, header: wire.Header, name) -> None:
         """Validate a received header's codec parameters against what this rank expects
         for tensor ``name`` (None: not known); raise PayloadError."""
         raise NotImplementedError
 
-    def _check_params_len(self, header: wire.Header, size: int) -> None:
-        if len(header.params) != size:
-            raise PayloadError(
-                "params_len",
-                f"{self.name} has {size} bytes of parameters, got {len(header.params)}",
-            )
-
-    def max_numel(self, body_len: int, name: str | None) -> int:
+    def max_numel(self, body_len: int, name) -> int:
         """The most elements a body of this many bytes can describe (guards allocation)."""
         raise NotImplementedError
 
+    def accepts_bucket(self, names, flags, params, body_lens, numels) -> bool:
+        """``check_params`` and ``max_numel`` of every payload of a scanned frame
+        (``framing.accepts_each``); a compressor may do it with array arithmetic."""
+        return framing.accepts_each(self, names, flags, params, body_lens, numels)
+
+    def decoded_bound(self, header: wire.Header, body: torch.Tensor) -> float | None:
+        """A float32 B >= |v| for every value v a decode of this (checked) body into a new
+        tensor writes, from the parameters or a sparse body's values (None: unknown):
+        ``framing.checked_cast`` skips its read of the tensor where B fits the dtype."""
+        return None
+
+    # ---- receive -----------------------------------------------------------------------------
     def decode_into(
         self,
         header: wire.Header,
@@ -260,201 +272,19 @@ class GatherCompressor(Compressor):
         """Write (or add) the decoded float32 values into flat ``out``."""
         raise NotImplementedError
 
-    def fresh_fill(self, header: wire.Header) -> float | None:
-        """v where this payload's written ``decode_into`` is, bit for bit, the added one
-        into a tensor filled with v (None: none), so that a new tensor needs no copy."""
-        return None
-
     def decode_new(self, header: wire.Header, body: torch.Tensor, side_info) -> torch.Tensor:
-        """The checked body decoded into a new flat float32 tensor on the body's device:
-        added into one filled with ``fresh_fill`` where there is one, else written."""
-        fill = self.fresh_fill(header)
-        flat = receive.new_float32(header.numel, body.device, fill)
-        self.decode_into(header, body, flat, fill is not None, side_info)
-        return flat
+        """The checked body decoded into a new flat float32 tensor on the body's device;
+        a codec whose written decode is, bit for bit, its add into a tensor of one value
+        overrides this with ``framing.decode_filled`` of that value (no copy)."""
+        return framing.decode_filled(self, header, body, side_info, None)
 
-    def decoded_bound(self, header: wire.Header, body: torch.Tensor) -> float | None:
-        """A float32 B >= |v| for every value v a decode of this (checked) body into a new
-        tensor writes, from the parameters or a sparse body's values (None: unknown):
-        ``checked_cast`` skips its read of the tensor where B fits the dtype."""
-        return None
-
-    # ---- send ------------------------------------------------------------------------------
-    def compress(self, tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Ctx]:
-        self.check_dtype(name, tensor.dtype)
-        ctx = Ctx(name, tuple(tensor.shape), tensor.dtype, tensor.device)
-        flags, params, body = self.encode(tensor, name)
-        header = wire.Header(self.name, flags, tensor.dtype, ctx.shape, params, body.numel())
-        return wire.assemble(header, body), ctx
-
-    # ---- whole buckets (one call per bucket) ---------------------------------------------
-    def compress_bucket(
-        self, tensors: list[torch.Tensor], names: list[str]
-    ) -> tuple[torch.Tensor, list[Ctx]]:
-        """One rank's frame of a bucket (``wire.frame`` of the payloads ``compress`` gives
-        for each tensor in order, byte for byte, the state updated in the same order) and
-        the tensors' contexts. The compressor describes each payload (``encode_bucket``:
-        flags, params, body); the wire format builds the frame (``wire.frame_bucket``)."""
-        if len(tensors) != len(names):
-            raise ValueError(f"{len(tensors)} tensors but {len(names)} names")
-        ctxs = [
-            Ctx(name, tuple(t.shape), t.dtype, t.device)
-            for t, name in zip(tensors, names, strict=True)
-        ]
-        layout = self.frame_layout(ctxs)  # checks the dtypes (once per set of tensors)
-        return wire.frame_bucket(layout, self.encode_bucket(tensors, names)), ctxs
-
-    def frame_layout(self, ctxs: list[Ctx]) -> wire.FrameLayout:
-        """The ``wire.FrameLayout`` of a bucket of these tensors, made once per set of
-        tensors (their dtypes checked then) and kept."""
-        key = tuple(ctxs)
-        layouts = self.__dict__.setdefault("_frame_layouts", {})
-        layout = layouts.get(key)
-        if layout is None:
-            for ctx in ctxs:
-                self.check_dtype(ctx.name, ctx.dtype)
-            if len(layouts) >= 256:  # buckets come and go (sparse gradients): stay bounded
-                layouts.clear()
-            layout = layouts[key] = wire.FrameLayout(
-                self.name, [c.shape for c in ctxs], [c.dtype for c in ctxs]
-            )
-        return layout
-
-    def encode_bucket(self, tensors: list[torch.Tensor], names: list[str]) -> list[Encoded]:
-        """``encode`` of each tensor in order. A compressor whose codec has a batched native
-        encoder overrides this (and not ``encode``): one native call for the bucket, each
-        tensor keeping its own scale and parameters; tensors on several devices come back
-        here, one by one."""
-        return [self.encode(t, name) for t, name in zip(tensors, names, strict=True)]
-
-    def decode_bucket(
-        self,
-        parsed: list[tuple[wire.Header, torch.Tensor]],
-        outs: list[torch.Tensor],
-        ctxs: list[Ctx],
-        *,
-        rank: int | None = None,
-    ) -> None:
-        """Add one rank's decoded payloads of a bucket into ``outs`` (contiguous float32, one
-        per tensor, holding the sums of the lower ranks' payloads): ``decode_parsed(...,
-        accumulate=True)`` of each in order, with the same checks and errors. A compressor
-        that decodes with side information (NDQSG) gets the gather path's: the mean of the
-        lower ranks' decoded tensors, ``out / rank`` for rank > 0."""
-        for (header, payload), out, ctx in zip(parsed, outs, ctxs, strict=True):
-            side = out / rank if self.uses_side_info and rank else None
-            self.decode_parsed(
-                header,
-                payload,
-                expect=ctx,
-                name=ctx.name,
-                rank=rank,
-                out=out,
-                accumulate=True,
-                side_info=side,
-            )
-
-    def decode_frame(
-        self,
-        frame: torch.Tensor,
-        outs: list[torch.Tensor],
-        ctxs: list[Ctx],
-        *,
-        rank: int | None = None,
-    ) -> None:
-        """Add one rank's frame of a bucket (``compress_bucket``'s) into ``outs``: exactly
-        ``decode_bucket`` of ``wire.unframe_parsed(frame, ...)`` (same sums, checks and
-        errors). Fast path (CPU outputs, or GPU ones for ``cuda_decode_segments``): one
-        native scan checks every header against ``frame_layout`` (``wire.scan_frame``),
-        ``accepts_bucket`` the codec parameters, ``decode_segments`` adds the bodies;
-        what they do not accept goes the per-payload way, whose errors name the field."""
-        names = [ctx.name for ctx in ctxs]
-        scanned = receive.scan_accepted(self, frame, outs, ctxs, names)
-        if scanned is None:
-            device = outs[0].device if outs else torch.device("cpu")
-            parsed = wire.unframe_parsed(frame, rank, names, device)
-            self.decode_bucket(parsed, outs, ctxs, rank=rank)
-            return
-        params, starts, lens, numels, nonfinite = scanned
-        for out in outs:
-            receive.check_out(out)
-        outs = [out if out.dim() == 1 else out.view(-1) for out in outs]
-        finite = np.flatnonzero(~nonfinite)
-        pick = finite.tolist()
-        failed = None
-        if pick:
-            segments = [params[i] for i in pick], starts[finite], lens[finite], numels[finite]
-            picked = [outs[i] for i in pick], [names[i] for i in pick]
-            failed = self.decode_segments(frame, *segments, *picked, rank)
-        # a non-finite payload's output is all NaN, in bucket order: up to a failed body
-        stop = len(outs) if failed is None else pick[failed[0]]
-        for i in np.flatnonzero(nonfinite[:stop]).tolist():
-            outs[i].fill_(float("nan"))
-        if failed is not None:
-            raise failed[1].locate(rank=rank, tensor=names[stop]) from None
-
-    def accepts_bucket(
-        self,
-        names: list[str],
-        flags: np.ndarray,
-        params: list[bytes],
-        body_lens: np.ndarray,
-        numels: np.ndarray,
-    ) -> bool:
-        """True when every payload of a scanned frame passes ``check_params`` and, unless
-        non-finite, ``numel <= max_numel(body_len)`` (a compressor may override this with
-        array arithmetic over the same conditions); False: the per-payload way."""
-        for name, flag, param, body_len, numel in zip(
-            names, flags.tolist(), params, body_lens.tolist(), numels.tolist(), strict=True
-        ):
-            header = wire.Header(self.name, flag, torch.float32, (numel,), param, body_len)
-            try:
-                self.check_params(header, name)
-            except PayloadError:
-                return False
-            if not header.nonfinite and numel > self.max_numel(body_len, name):
-                return False
-        return True
-
-    def decode_segments(
-        self,
-        frame: torch.Tensor,
-        params: list[bytes],
-        starts: np.ndarray,
-        lens: np.ndarray,
-        numels: np.ndarray,
-        outs: list[torch.Tensor],
-        names: list[str],
-        rank: int | None = None,
-    ) -> tuple[int, PayloadError] | None:
+    def decode_segments(self, frame, params, starts, lens, numels, outs, names, rank=None):
         """Add the accepted bodies ``frame[starts[i]:][:lens[i]]`` decoded into
-        ``outs[i]``: None, or (i, the PayloadError) of the first that does not decode (the
-        ones before it added, ``outs[i]`` untouched). ``decode_into`` of each by default; a
-        codec with a batched native decoder overrides it with one call (docs/backends.md,
-        "One call per bucket"); side information as in ``decode_bucket``."""
-        for i, (param, start, length, numel) in enumerate(
-            zip(params, starts.tolist(), lens.tolist(), numels.tolist(), strict=True)
-        ):
-            header = wire.Header(self.name, 0, torch.float32, (numel,), param, length)
-            side = outs[i] / rank if self.uses_side_info and rank else None
-            try:
-                self.decode_into(header, frame[start : start + length], outs[i], True, side)
-            except PayloadError as err:
-                return i, err
-        return None
-
-    def bits_per_value(self, payload: torch.Tensor) -> float:
-        """Bits on the wire per tensor element, header included."""
-        header = wire.parse(payload)
-        return 8.0 * payload.numel() / max(header.numel, 1)
-
-    def read_header(self, payload: torch.Tensor) -> tuple[wire.Header, bytes]:
-        """The parsed header and its raw bytes (see ``wire.parse``)."""
-        header = wire.parse(payload)
-        return header, header.raw
-
-    # ---- receive ---------------------------------------------------------------------------
-    def decompress(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        return self.decode(payload, expect=ctx)
+        ``outs[i]``: None, or (i, the PayloadError) of the first that does not decode.
+        ``decode_into`` of each by default (``framing.decode_each``); a codec with a batched
+        native decoder overrides it with one call (docs/backends.md, "One call per
+        bucket")."""
+        return framing.decode_each(self, frame, params, starts, lens, numels, outs, rank)
 
     def decode(
         self,
@@ -462,7 +292,7 @@ class GatherCompressor(Compressor):
         *,
         expect: Ctx | None = None,
         rank: int | None = None,
-        name: str | None = None,
+        name=None,
         out: torch.Tensor | None = None,
         accumulate: bool = False,
         side_info: torch.Tensor | None = None,
@@ -490,7 +320,8 @@ class GatherCompressor(Compressor):
             header = wire.parse(payload)
         except PayloadError as err:
             raise err.locate(rank=rank, tensor=tensor_name) from None
-        return self.decode_parsed(
+        return framing.decode_parsed(
+            self,
             header,
             payload,
             expect=expect,
@@ -501,48 +332,3 @@ class GatherCompressor(Compressor):
             side_info=side_info,
             max_numel=max_numel,
         )
-
-    def decode_parsed(
-        self,
-        header: wire.Header,
-        payload: torch.Tensor,
-        *,
-        expect: Ctx | None = None,
-        name: str | None = None,
-        rank: int | None = None,
-        out: torch.Tensor | None = None,
-        accumulate: bool = False,
-        side_info: torch.Tensor | None = None,
-        max_numel: int | None = None,
-    ) -> torch.Tensor:
-        """``decode`` of a payload whose header was parsed already (the gather path parses
-        each payload once, ``wire.parse``)."""
-        if side_info is not None and not self.uses_side_info:
-            raise TypeError(f"{self.name} decodes without side information")
-        if out is not None:
-            receive.check_out(out)
-        limit, source = receive.numel_limit(
-            None if expect is None else expect.shape, out, max_numel
-        )
-        try:
-            receive.check_header(self, header, payload, expect, name, limit, source)
-            body = payload[header.size :]
-            if out is not None:
-                if header.numel != out.numel():
-                    raise PayloadError(
-                        "numel", f"{header.numel} elements for an output of {out.numel()}"
-                    )
-                if header.nonfinite:
-                    out.fill_(float("nan"))
-                else:
-                    self.decode_into(header, body, out.view(-1), accumulate, side_info)
-                return out
-            if header.nonfinite:
-                return torch.full(
-                    header.shape, float("nan"), dtype=header.dtype, device=payload.device
-                )
-            flat = self.decode_new(header, body, side_info)
-            bound = self.decoded_bound(header, body)  # the body decoded: checked
-            return receive.checked_cast(flat.view(header.shape), header.dtype, bound)
-        except PayloadError as err:
-            raise err.locate(rank=rank, tensor=name) from None

@@ -14,6 +14,7 @@ import torch
 
 from hvdcompress.compressors.base import Ctx, SummableCompressor
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 
 
 class Cast(SummableCompressor):
@@ -38,18 +39,16 @@ class Cast(SummableCompressor):
         return payload.view(ctx.shape).to(ctx.dtype)
 
 
-@register
+@register(CompressorSpec(name="none"))
 class NoCompression(Cast):
-    name = "none"
+    """The gradient as it is."""
 
 
-@register
+@register(CompressorSpec(name="fp16"))
 class FP16(Cast):
-    name = "fp16"
     wire_dtype = torch.float16
 
 
-@register
+@register(CompressorSpec(name="bf16"))
 class BF16(Cast):
-    name = "bf16"
     wire_dtype = torch.bfloat16

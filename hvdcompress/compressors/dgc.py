@@ -20,43 +20,48 @@ import math
 import struct
 
 from hvdcompress import wire
+from hvdcompress.buckets import StateKey, state_key, state_text
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Encoded, check_agreed, empty_body
+from hvdcompress.compressors.base import Encoded, check_agreed, check_params_len, empty_body
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.sparse import TopKLayout
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.errors import PayloadError
 
 PARAMS = struct.Struct("<dQd")  # ratio, step, density of this step
 WARMUP_START = 0.25  # density at step 0 of the warm-up (75 % sparsity)
 
 
-@register
+@register(
+    CompressorSpec(
+        name="dgc",
+        wire_id=6,
+        params={
+            "ratio": Param(0.0, 1.0, low_open=True),
+            "momentum": Param(0.0, 1.0, high_open=True),
+            "clip_norm": Param(0.0, None, doc="0: off"),
+            "warmup_steps": Param(0, 2**63, kind="int", high_open=True),
+            "warmup_stages": Param(0, 2**63, kind="int", high_open=True, doc="<= warmup_steps"),
+        },
+        examples=({"ratio": 0.05}, {"ratio": 0.01, "warmup_steps": 5, "warmup_stages": 2}),
+        benchmarks=({},),
+        # The velocity sends a tensor's 0.1% largest only once they have grown: with the job's
+        # SGD learning rate 2 ranks of batch 32 diverged at step 186 (docs/codecs.md, "Defaults
+        # that train"); at half of it they trained.
+        sgd_lr_factor=0.5,
+    )
+)
 class DGC(TopKLayout):
     """Top-k (``ratio``, default 0.001) with momentum correction (``momentum`` in [0, 1),
     default 0.9), momentum factor masking, optional local clipping (``clip_norm`` > 0 per
     tensor, scaled by N^-1/2; 0 disables) and sparsity warm-up (``warmup_steps``,
     ``warmup_stages``)."""
 
-    name = "dgc"
-    wire_id = 6
-    params = {
-        "ratio": Param(0.0, 1.0, low_open=True),
-        "momentum": Param(0.0, 1.0, high_open=True),
-        "clip_norm": Param(0.0, None, doc="0: off"),
-        "warmup_steps": Param(0, 2**63, kind="int", high_open=True),
-        "warmup_stages": Param(0, 2**63, kind="int", high_open=True, doc="<= warmup_steps"),
-    }
-    examples = ({"ratio": 0.05}, {"ratio": 0.01, "warmup_steps": 5, "warmup_stages": 2})
-    benchmarks = ({},)
     error_feedback = True
     recompressible = False  # compress adds momentum: the owner would apply it twice
-    # The velocity sends a tensor's 0.1% largest only once they have grown: with the job's
-    # SGD learning rate 2 ranks of batch 32 diverged at step 186 (docs/codecs.md, "Defaults
-    # that train"); at half of it they trained.
-    sgd_lr_factor = 0.5
 
     def __init__(
         self,
@@ -88,7 +93,7 @@ class DGC(TopKLayout):
         self.size = 1
         self.velocity = ErrorFeedback()  # u
         self.memory = ErrorFeedback()  # v (the error-feedback residual)
-        self.steps: dict[str, int] = {}
+        self.steps: dict[StateKey, int] = {}
 
     def bind(self, rank: int, size: int) -> None:
         self.size = max(1, int(size))
@@ -153,7 +158,7 @@ class DGC(TopKLayout):
         ]
 
     def check_params(self, header, name):
-        self._check_params_len(header, PARAMS.size)
+        check_params_len(self, header, PARAMS.size)
         ratio, step, density = PARAMS.unpack(header.params)
         check_agreed("ratio", self.ratio, ratio)
         if density != self.density(step):
@@ -173,7 +178,7 @@ class DGC(TopKLayout):
     def state_dict(self) -> dict:
         return {
             "ratio": self.ratio,
-            "steps": dict(self.steps),
+            "steps": state_text(self.steps),
             "velocity": self.velocity.state_dict(),
             "residuals": self.memory.state_dict(),
         }
@@ -194,4 +199,4 @@ class DGC(TopKLayout):
         except BaseException:
             self.velocity.residuals, self.memory.residuals = velocity, memory
             raise
-        self.steps = dict(steps)
+        self.steps = {state_key(text): step for text, step in steps.items()}

@@ -8,19 +8,27 @@ Non-finite input travels as the flag.
 from __future__ import annotations
 
 from hvdcompress.codecs import dqsg, quant
-from hvdcompress.compressors.quant import BucketQuantizer
+from hvdcompress.compressors.quant import BUCKET_QUANTIZER, BucketQuantizer
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 
 
-@register
+@register(
+    CompressorSpec(
+        name="dqsg",
+        wire_id=2,
+        params=BUCKET_QUANTIZER,
+        examples=(
+            {"levels": 3, "bucket_size": 64},
+            {"levels": 1, "bucket_size": 64},
+            {"levels": 127},
+        ),
+        benchmarks=({},),
+    )
+)
 class DQSG(BucketQuantizer):
     """Dithered quantisation with ``levels`` s in [1, 127] (q in -s..s, default 3, the
     fine lattice of NDQSG) and a delta per ``bucket_size`` (default 512) elements."""
-
-    name = "dqsg"
-    wire_id = 2
-    examples = ({"levels": 3, "bucket_size": 64}, {"levels": 1, "bucket_size": 64}, {"levels": 127})
-    benchmarks = ({},)
 
     def __init__(
         self, levels: int = 3, bucket_size: int = 512, seed: int = 0, rank: int = 0

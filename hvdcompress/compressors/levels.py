@@ -1,37 +1,49 @@
 """Per-tensor compression levels, set by a policy (Accordion, CAT; docs/policies.md).
 
-A compressor with ``PerTensorLevels`` has one level parameter (3LC ``sparsity``, top-k
-``ratio``, PowerSGD ``matrix_rank``); ``set_level(name, value)`` overrides it for one
-tensor, ``level(name)`` reads what is in force. Every rank applies the same policy
-decision at the same step, so a receiver expects the level its own decision gives the
-sending tensor: ``check_params(header, name)`` checks the header's level against
-``level(name)``. The error-feedback residual is keyed by name only, so it survives a
-switch.
+A compressor with per-tensor levels (``PerTensorLevels``) has one level parameter (3LC
+``sparsity``, top-k ``ratio``, PowerSGD ``matrix_rank``) and makes a ``TensorLevels`` of
+it in ``__init__``; ``set_level(name, value)`` overrides it for one tensor, ``level(name)``
+reads what is in force. Every rank applies the same policy decision at the same step, so
+a receiver expects the level its own decision gives the sending tensor:
+``check_params(header, name)`` checks the header's level against ``level(name)``. The
+error-feedback residual is keyed by name only, so it survives a switch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+
+class TensorLevels(dict):
+    """The per-tensor overrides (name -> level) of a ``default`` level; ``check`` validates
+    one level (raises ValueError) and returns it normalised. A dict, so that a caller
+    can save and put back the overrides (``DistributedOptimizer.load_state_dict``)."""
+
+    def __init__(self, default, check: Callable) -> None:
+        super().__init__()
+        self.default = default
+        self.check = check
+
+    def of(self, name):
+        """The level in force for tensor ``name`` (None: the default)."""
+        return self.default if name is None else self.get(name, self.default)
+
+    def set(self, name, value) -> None:
+        self[name] = self.check(value)
+
 
 class PerTensorLevels:
-    """Mixin: ``level_param`` names the attribute holding the default level."""
+    """What the policies and the two-stage exchange use of a compressor with per-tensor
+    levels: its ``levels`` (made in ``__init__``, defaulting to the constructor parameter
+    its ``CompressorSpec.level_param`` names), read and set per tensor."""
 
-    level_param: str = ""
+    levels: TensorLevels
 
-    @property
-    def levels(self) -> dict[str, float]:
-        """The per-tensor overrides (name -> level)."""
-        return self.__dict__.setdefault("_levels", {})
+    def level(self, name):
+        return self.levels.of(name)
 
-    def _check_level(self, value):
-        """Validate one level (subclasses: raise ValueError); returns it normalised."""
-        return value
-
-    def level(self, name: str | None):
-        default = getattr(self, self.level_param)
-        return default if name is None else self.levels.get(name, default)
-
-    def set_level(self, name: str, value) -> None:
-        self.levels[name] = self._check_level(value)
+    def set_level(self, name, value) -> None:
+        self.levels.set(name, value)
 
     def owner_level(self, level):
         """The level at which the owner of a two-stage shard re-compresses the averaged

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import torch
 
+from hvdcompress.buckets import StateKey, state_key, state_text
+
 
 class ErrorFeedback:
-    """Residuals keyed by tensor name, float32, flat, on the gradient's device."""
+    """Residuals keyed by tensor name (or a piece's key), float32, flat, on the gradient's
+    device; a checkpoint has the keys as strings (``buckets.state_key``)."""
 
     def __init__(self) -> None:
-        self.residuals: dict[str, torch.Tensor] = {}
+        self.residuals: dict[StateKey, torch.Tensor] = {}
 
-    def residual(self, name: str, like: torch.Tensor) -> torch.Tensor:
+    def residual(self, name: StateKey, like: torch.Tensor) -> torch.Tensor:
         """The residual for ``name``, created as zeros like the flat float32 ``like``."""
         e = self.residuals.get(name)
         if e is None:
@@ -25,14 +28,23 @@ class ErrorFeedback:
             self.residuals[name] = e
         elif e.numel() != like.numel() or e.device != like.device:
             raise ValueError(
-                f"tensor {name!r} has {like.numel()} elements on {like.device}, but its "
+                f"tensor {str(name)!r} has {like.numel()} elements on {like.device}, but its "
                 f"error-feedback residual has {e.numel()} on {e.device}: a name was reused "
                 "for a different tensor"
             )
         return e
 
+    def absorb(self, name: StateKey, delta: torch.Tensor) -> bool:
+        """Add ``delta`` to the residual of ``name``; False when there is none of its size
+        (nothing compressed yet)."""
+        e = self.residuals.get(name)
+        if e is None or e.numel() != delta.numel():
+            return False
+        e.add_(delta.reshape(-1).to(device=e.device, dtype=torch.float32))
+        return True
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: e.clone() for name, e in self.residuals.items()}
+        return state_text({name: e.clone() for name, e in self.residuals.items()})
 
     def load_state_dict(self, state: dict[str, torch.Tensor], what: str = "residuals") -> None:
         """Replace every residual; ``CheckpointError`` (nothing replaced) unless ``state``
@@ -41,31 +53,29 @@ class ErrorFeedback:
 
         check_tensor_map(what, state, dim=1)
         loaded = {}
-        for name, e in state.items():
+        for text, e in state.items():
+            name = state_key(text)
             current = self.residuals.get(name)
             if current is not None and current.numel() != e.numel():
                 raise CheckpointError(
-                    f"{what}[{name!r}]: {e.numel()} elements, the tensor has {current.numel()}"
+                    f"{what}[{text!r}]: {e.numel()} elements, the tensor has {current.numel()}"
                 )
             device = current.device if current is not None else e.device
             loaded[name] = e.detach().to(device=device, copy=True)
         self.residuals = loaded
 
 
-class ResidualState:
-    """``state_dict`` of a compressor whose state is its ``memory``: the residuals, and the
-    settings a checkpoint must match (``saved_settings``, attribute names)."""
+def residual_state(memory: ErrorFeedback, settings: dict) -> dict:
+    """The ``state_dict`` of a compressor whose state is its ``memory``: the ``settings``
+    a checkpoint must match (name -> this compressor's value), then the residuals."""
+    return {**settings, "residuals": memory.state_dict()}
 
-    saved_settings: tuple[str, ...] = ()
 
-    def state_dict(self) -> dict:
-        settings = {key: getattr(self, key) for key in self.saved_settings}
-        return {**settings, "residuals": self.memory.state_dict()}
+def load_residual_state(memory: ErrorFeedback, what: str, state: dict, settings: dict) -> None:
+    """Load ``residual_state``'s dict: ``settings`` checked against the saved ones first."""
+    from hvdcompress.checkpoint import check_keys, check_saved_value
 
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys, check_saved_value
-
-        check_keys(f"{self.name} state", state, required=(*self.saved_settings, "residuals"))
-        for key in self.saved_settings:
-            check_saved_value(key, state[key], getattr(self, key))
-        self.memory.load_state_dict(state["residuals"], what=f"{self.name} residuals")
+    check_keys(f"{what} state", state, required=(*settings, "residuals"))
+    for key, value in settings.items():
+        check_saved_value(key, state[key], value)
+    memory.load_state_dict(state["residuals"], what=f"{what} residuals")

@@ -24,6 +24,7 @@ from hvdcompress.compressors.base import check_agreed
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.quant import BUCKET, LEVELS
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.compressors.stochastic import Stochastic, encoded, with_fields
 from hvdcompress.errors import PayloadError
 
@@ -32,29 +33,32 @@ PARAMS = struct.Struct("<IIIdB")
 MODE_DQSG, MODE_NESTED = 0, 1
 
 
-@register
+@register(
+    CompressorSpec(
+        name="ndqsg",
+        wire_id=3,
+        params={
+            "fine_levels": LEVELS,
+            "coarse_levels": LEVELS,
+            "bucket_size": BUCKET,
+            "dqsg_fraction": Param(0.0, 1.0, low_open=True),
+            "seed": SEED,
+            "rank": RANK,
+        },
+        examples=(
+            {"bucket_size": 64},
+            {"fine_levels": 8, "coarse_levels": 2},
+            {"fine_levels": 6, "coarse_levels": 1},
+        ),
+        benchmarks=({},),
+    )
+)
 class NDQSG(Stochastic):
     """Nested dithered quantisation: fine levels s1 = ``fine_levels`` (default 3), coarse
     s2 = ``coarse_levels`` (default 1; rho = s1 / s2 an integer >= 2), a delta per
     ``bucket_size`` (default 512) elements, the first ``ceil(N * dqsg_fraction)`` ranks
     (``dqsg_fraction`` in (0, 1], default 0.5) sending plain DQSG."""
 
-    name = "ndqsg"
-    wire_id = 3
-    params = {
-        "fine_levels": LEVELS,
-        "coarse_levels": LEVELS,
-        "bucket_size": BUCKET,
-        "dqsg_fraction": Param(0.0, 1.0, low_open=True),
-        "seed": SEED,
-        "rank": RANK,
-    }
-    examples = (
-        {"bucket_size": 64},
-        {"fine_levels": 8, "coarse_levels": 2},
-        {"fine_levels": 6, "coarse_levels": 1},
-    )
-    benchmarks = ({},)
     error_feedback = False
     uses_side_info = True  # the gather path passes side_info (see module doc)
     recompressible = False  # decoding needs the lower ranks' decoded tensors

@@ -26,10 +26,11 @@ import torch
 
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import Ctx, SummableCompressor
-from hvdcompress.compressors.levels import PerTensorLevels
+from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import SEED, Param
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 
 MAX_RANK = 64
 RELATIVE_FLOOR = 1e-4
@@ -53,6 +54,12 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def check_matrix_rank(value) -> int:
+    if isinstance(value, bool) or int(value) != value or not (1 <= value <= MAX_RANK):
+        raise ValueError(f"powersgd matrix_rank must be an int in [1, {MAX_RANK}], got {value!r}")
+    return int(value)
+
+
 def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
     if len(shape) < 2:
         return None
@@ -60,34 +67,31 @@ def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
     return (n, m) if n and m else None
 
 
-@register
+@register(
+    CompressorSpec(
+        name="powersgd",
+        params={"matrix_rank": Param(1, MAX_RANK, kind="int"), "seed": SEED},
+        examples=({"matrix_rank": 1}, {"matrix_rank": 2}),
+        benchmarks=({"matrix_rank": 2},),
+        level_param="matrix_rank",
+    )
+)
 class PowerSGD(PerTensorLevels, SummableCompressor):
     """Rank-``matrix_rank`` PowerSGD (an int in [1, 64], default 1; the paper uses 1, 2, 4)
     with one warm-started power iteration and error feedback; ``seed`` picks the initial Q.
     A policy may set the rank per tensor (``set_level(name, r)``, the same on every rank):
     the warm-started Q keeps its first columns and gains seeded ones, the residual stays."""
 
-    name = "powersgd"
-    params = {"matrix_rank": Param(1, MAX_RANK, kind="int"), "seed": SEED}
-    examples = ({"matrix_rank": 1}, {"matrix_rank": 2})
-    benchmarks = ({"matrix_rank": 2},)
     error_feedback = True
     phases = 2
-    level_param = "matrix_rank"
 
     def __init__(self, matrix_rank: int = 1, seed: int = 0) -> None:
-        self.matrix_rank = self._check_level(matrix_rank)
+        self.matrix_rank = check_matrix_rank(matrix_rank)
+        self.levels = TensorLevels(self.matrix_rank, check_matrix_rank)
         self.seed = prim.check_seed(seed)
         self.memory = ErrorFeedback()
         self.qs: dict[str, torch.Tensor] = {}
         self._pending: dict[str, tuple] = {}
-
-    def _check_level(self, value):
-        if isinstance(value, bool) or int(value) != value or not (1 <= value <= MAX_RANK):
-            raise ValueError(
-                f"powersgd matrix_rank must be an int in [1, {MAX_RANK}], got {value!r}"
-            )
-        return int(value)
 
     def _seeded_q(self, name: str, cols: int, r: int) -> torch.Tensor:
         """A tensor's initial Q: standard normal on the CPU, seeded by (seed, its name)."""

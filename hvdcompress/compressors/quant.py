@@ -11,11 +11,13 @@ import struct
 
 import numpy as np
 
+from hvdcompress import framing
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import quant
 from hvdcompress.compressors.base import Encoded, check_agreed, check_scale
 from hvdcompress.compressors.params import RANK, SEED, Param
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.compressors.stochastic import Stochastic, encoded, with_fields
 from hvdcompress.compressors.threelc import TernaryLayout
 
@@ -23,6 +25,8 @@ QSGD_PARAMS = struct.Struct("<II")  # levels, bucket_size (after the RNG fields;
 TERNGRAD_PARAMS = struct.Struct("<f")  # scale M (after the RNG fields)
 LEVELS = Param(1, quant.MAX_LEVELS, kind="int")
 BUCKET = Param(1, 2**31 - 1, kind="int", doc="elements per norm")
+# the constructor parameters of a BucketQuantizer (QSGD, DQSG)
+BUCKET_QUANTIZER = {"levels": LEVELS, "bucket_size": BUCKET, "seed": SEED, "rank": RANK}
 
 
 class BucketQuantizer(Stochastic):
@@ -30,7 +34,6 @@ class BucketQuantizer(Stochastic):
     DQSG): both travel after the RNG fields and must match the receiver's. A subclass
     gives its codec's bucket encoder (``_encode_segments``)."""
 
-    params = {"levels": LEVELS, "bucket_size": BUCKET, "seed": SEED, "rank": RANK}
     error_feedback = False
     cuda_decode_segments = True  # the codec's decode_segments: one launch sequence a frame
 
@@ -46,14 +49,17 @@ class BucketQuantizer(Stochastic):
         check_agreed("levels", (self.levels, self.bucket_size), theirs)  # (levels, bucket_size)
 
 
-@register
+@register(
+    CompressorSpec(
+        name="qsgd",
+        wire_id=7,
+        params=BUCKET_QUANTIZER,
+        examples=({"levels": 16, "bucket_size": 64}, {"levels": 1}),
+        benchmarks=({"levels": 16},),
+    )
+)
 class QSGD(BucketQuantizer):
     """QSGD with ``levels`` in [1, 127] (default 16) and a norm per ``bucket_size``."""
-
-    name = "qsgd"
-    wire_id = 7
-    examples = ({"levels": 16, "bucket_size": 64}, {"levels": 1})
-    benchmarks = ({"levels": 16},)
 
     def __init__(
         self, levels: int = 16, bucket_size: int = 512, seed: int = 0, rank: int = 0
@@ -71,8 +77,9 @@ class QSGD(BucketQuantizer):
     def decode_into(self, header, body, out, accumulate, side_info):
         quant.qsgd_decode_into(body, header.numel, self.levels, self.bucket_size, out, accumulate)
 
-    def fresh_fill(self, header):
-        return -0.0  # quant.qsgd_decode_with writes by adding into -0.0
+    def decode_new(self, header, body, side_info):
+        # quant.qsgd_decode_with writes by adding into -0.0
+        return framing.decode_filled(self, header, body, side_info, -0.0)
 
     def decoded_bound(self, header, body):
         return quant.qsgd_decoded_bound(body, header.numel, self.bucket_size)
@@ -84,13 +91,16 @@ class QSGD(BucketQuantizer):
         )
 
 
-@register
+@register(
+    CompressorSpec(
+        name="terngrad",
+        wire_id=8,
+        params={"seed": SEED, "rank": RANK},
+    )
+)
 class TernGrad(TernaryLayout, Stochastic):
     """TernGrad: stochastic {-1, 0, 1} * max|x| per tensor, quartic + zero-run coded."""
 
-    name = "terngrad"
-    wire_id = 8
-    params = {"seed": SEED, "rank": RANK}
     error_feedback = False
 
     def __init__(self, seed: int = 0, rank: int = 0) -> None:

@@ -1,8 +1,8 @@
 """The compressor registry: a compressor registers itself, everything else derives from it.
 
-A compressor class declares what the rest of the project needs to know about it (the
-``Compressor`` class attributes) and is decorated with ``@register``; a new compressor is
-one new module in ``hvdcompress/compressors/``, imported with the package
+What the rest of the project needs to know about a compressor is one ``CompressorSpec``
+(hvdcompress.compressors.spec) passed to ``@register(spec)`` on its class; a new
+compressor is one new module in ``hvdcompress/compressors/``, imported with the package
 (docs/adding-a-compressor.md). From the registry derive: ``get_compressor`` /
 ``available`` (names and parameter ranges), ``hvdcompress.Compression.<attribute>``
 entries, the wire codec-id table (``wire.CODEC_IDS``), CAT's compressor for each budget
@@ -21,40 +21,56 @@ import inspect
 
 from hvdcompress import wire
 from hvdcompress.compressors.base import Compressor, GatherCompressor
+from hvdcompress.compressors.params import Param
+from hvdcompress.compressors.spec import CompressorSpec
+
+__all__ = ["REGISTRY", "CompressorSpec", "Param", "available", "get_compressor", "register"]
 
 REGISTRY: dict[str, type[Compressor]] = {}
 
 
-def register(cls: type[Compressor]) -> type[Compressor]:
-    """Class decorator: check the declaration and add ``cls`` to the registry."""
-    name = cls.name
+def register(spec: CompressorSpec):
+    """Class decorator: check ``spec`` against the class, give the class its ``spec`` and
+    ``name`` (what its messages and payload headers say) and add it to the registry."""
+
+    def registered(cls: type[Compressor]) -> type[Compressor]:
+        _check(spec, cls)
+        cls.spec, cls.name = spec, spec.name
+        _enforce_params(cls)
+        REGISTRY[spec.name] = cls
+        return cls
+
+    return registered
+
+
+def _check(spec: CompressorSpec, cls: type[Compressor]) -> None:
+    """Refuse a declaration the project could not derive from; a gather-only compressor's
+    wire id is registered (``wire.register_codec``) on the way."""
+    name = spec.name
     if not name or name != name.lower():
         raise ValueError(f"{cls.__qualname__}: a compressor needs a lower-case name, got {name!r}")
     if name in REGISTRY and REGISTRY[name] is not cls:
         raise ValueError(f"compressor name {name!r} is taken by {REGISTRY[name].__qualname__}")
     if cls.summable:
-        if cls.wire_id is not None:
+        if spec.wire_id is not None:
             raise ValueError(f"{name}: summable payloads are dense tensors and carry no wire id")
     else:
-        if cls.wire_id is None:
+        if spec.wire_id is None:
             raise ValueError(f"{name}: a gather-only compressor needs a wire id (codec id)")
-        wire.register_codec(name, cls.wire_id)
+        wire.register_codec(name, spec.wire_id)
         defaults = (GatherCompressor.encode, GatherCompressor.encode_bucket)
         if (cls.encode, cls.encode_bucket) == defaults:
             raise TypeError(f"{name}: a gather-only compressor implements encode or encode_bucket")
-    declared = set(cls.params)
+    declared = set(spec.params)
     accepted = set(constructor_params(cls))
     if declared != accepted:
         raise ValueError(
             f"{name}: params declares {sorted(declared)}, the constructor takes {sorted(accepted)}"
         )
-    for example in (*cls.examples, *cls.bench_configs()):
+    for example in (*spec.examples, *spec.bench_configs):
         unknown = set(example) - accepted
         if unknown:
             raise ValueError(f"{name}: example {example} has unknown parameters {sorted(unknown)}")
-    _enforce_params(cls)
-    REGISTRY[name] = cls
-    return cls
 
 
 def _enforce_params(cls) -> None:
@@ -75,12 +91,12 @@ def _enforce_params(cls) -> None:
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
 
-        def invalid() -> list[str]:  # read cls.params now: a test may redeclare them
+        def invalid() -> list[str]:
             got = bound.arguments
-            return [p for p, spec in cls.params.items() if p in got and not spec.accepts(got[p])]
+            return [p for p, s in cls.spec.params.items() if p in got and not s.accepts(got[p])]
 
         def refuse(param: str):
-            cls.params[param].check(cls.name, param, bound.arguments[param])
+            cls.spec.params[param].check(cls.name, param, bound.arguments[param])
 
         try:
             init(self, *args, **kwargs)
@@ -114,7 +130,7 @@ def available() -> str:
     lines = []
     for name, cls in sorted(REGISTRY.items()):
         about = ["summable" if cls.summable else "gather-only"]
-        about += [f"{p}: {spec.describe()}" for p, spec in cls.params.items()]
+        about += [f"{p}: {spec.describe()}" for p, spec in cls.spec.params.items()]
         lines.append(f"  {name}({_signature(cls)})  [{'; '.join(about)}]")
     return "\n".join(lines)
 
@@ -140,18 +156,18 @@ def names(*, summable: bool | None = None) -> list[str]:
 
 def examples() -> list[tuple[str, dict]]:
     """(name, params) of every example configuration of every compressor (for tests)."""
-    return [(n, dict(p)) for n in names() for p in REGISTRY[n].examples]
+    return [(n, dict(p)) for n in names() for p in REGISTRY[n].spec.examples]
 
 
 def bench_cases() -> list[tuple[str, dict]]:
     """(name, params) of every compressor's benchmark configurations (bench_codec)."""
-    return [(n, dict(p)) for n in names() for p in REGISTRY[n].bench_configs()]
+    return [(n, dict(p)) for n in names() for p in REGISTRY[n].spec.bench_configs]
 
 
 def by_attribute(attribute: str) -> type[Compressor] | None:
     """The compressor whose ``Compression.<attribute>`` entry this is."""
     for cls in REGISTRY.values():
-        if cls.compression_attribute() == attribute:
+        if cls.spec.compression_attribute == attribute:
             return cls
     return None
 
@@ -159,6 +175,6 @@ def by_attribute(attribute: str) -> type[Compressor] | None:
 def for_cat_kind(kind: str) -> type[Compressor] | None:
     """The compressor CAT drives for a budget kind ("topk", "topk+q", "randomk")."""
     for cls in REGISTRY.values():
-        if cls.cat_kind == kind:
+        if cls.spec.cat_kind == kind:
             return cls
     return None

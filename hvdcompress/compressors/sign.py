@@ -9,12 +9,13 @@ import struct
 
 import numpy as np
 
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sign
-from hvdcompress.compressors.base import GatherCompressor, check_scale
-from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
+from hvdcompress.compressors.base import GatherCompressor, check_params_len, check_scale
+from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.compressors.stochastic import encoded
 
 EF_PARAMS = struct.Struct("<f")  # scale = mean |g + e|
@@ -33,8 +34,9 @@ class SignBits(GatherCompressor):
         scale = float(self.scales([header.params])[0])
         sign.decode_into(body, header.numel, scale, out, accumulate)
 
-    def fresh_fill(self, header):
-        return -0.0  # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
+    def decode_new(self, header, body, side_info):
+        # sign.decode_with writes by adding into -0.0 (-0.0 + v is v)
+        return framing.decode_filled(self, header, body, side_info, -0.0)
 
     def decoded_bound(self, header, body):
         return float(self.scales([header.params])[0])  # +-scale, checked finite
@@ -43,17 +45,20 @@ class SignBits(GatherCompressor):
         return sign.decode_segments(frame, starts, lens, numels, self.scales(params), outs)
 
 
-@register
+@register(
+    CompressorSpec(
+        name="signsgd",
+        wire_id=9,
+        # every coordinate moves by the learning rate, not by its gradient: the job's SGD
+        # learning rate stalled at chance; 1/500 of it trained (docs/codecs.md, "Defaults
+        # that train")
+        sgd_lr_factor=0.002,
+    )
+)
 class SignSGD(SignBits):
     """One bit per value; decodes to +1 / -1 (scale-free, no state)."""
 
-    name = "signsgd"
-    wire_id = 9
     error_feedback = False
-    # every coordinate moves by the learning rate, not by its gradient: the job's SGD
-    # learning rate stalled at chance; 1/500 of it trained (docs/codecs.md, "Defaults
-    # that train")
-    sgd_lr_factor = 0.002
 
     def __init__(self) -> None:
         pass
@@ -66,7 +71,7 @@ class SignSGD(SignBits):
         return [encoded(b"", body, x.device) for x, body in zip(xs, bodies, strict=True)]
 
     def check_params(self, header, name):
-        self._check_params_len(header, 0)
+        check_params_len(self, header, 0)
 
     def scales(self, params):
         return np.ones(len(params), dtype=np.float32)  # +1 or -1
@@ -76,21 +81,30 @@ class SignSGD(SignBits):
         return not any(params) and bool((nonfinite | (numels <= 8 * body_lens)).all())
 
 
-@register
-class EFSignSGD(ResidualState, SignBits):
+@register(
+    CompressorSpec(
+        name="efsignsgd",
+        wire_id=10,
+        # Karimireddy et al. 2019's EF-SGD has no momentum; with the job's 0.9 on top of the
+        # residual it reached 56%, without it and at twice the learning rate 83%
+        # (docs/codecs.md, "Defaults that train")
+        sgd_lr_factor=2.0,
+        sgd_momentum=0.0,
+    )
+)
+class EFSignSGD(SignBits):
     """EF-signSGD: mean|g + e| * sign(g + e), one bit per value plus one float32 scale."""
 
-    name = "efsignsgd"
-    wire_id = 10
     error_feedback = True
-    # Karimireddy et al. 2019's EF-SGD has no momentum; with the job's 0.9 on top of the
-    # residual it reached 56%, without it and at twice the learning rate 83%
-    # (docs/codecs.md, "Defaults that train")
-    sgd_lr_factor = 2.0
-    sgd_momentum = 0.0
 
     def __init__(self) -> None:
         self.memory = ErrorFeedback()
+
+    def state_dict(self) -> dict:
+        return residual_state(self.memory, {})
+
+    def load_state_dict(self, state: dict) -> None:
+        load_residual_state(self.memory, self.name, state, {})
 
     def contraction(self, numel):
         # ||a - mean|a| sign(a)||^2 = ||a||^2 - ||a||_1^2 / n >= (1 - 1 / n) ||a||^2 at worst
@@ -109,7 +123,7 @@ class EFSignSGD(ResidualState, SignBits):
         ]
 
     def check_params(self, header, name):
-        self._check_params_len(header, EF_PARAMS.size)
+        check_params_len(self, header, EF_PARAMS.size)
         (scale,) = EF_PARAMS.unpack(header.params)
         check_scale(header, scale)
 

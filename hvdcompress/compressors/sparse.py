@@ -12,20 +12,22 @@ the flag (decode gives all NaN) and leaves the residual untouched.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import struct
 
 import torch
 
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors import receive
-from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed
-from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
+from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed, check_params_len
+from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
+from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.params import FLAG, RANK, SEED, Param
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.compressors.stochastic import Stochastic, encoded
 
 TOPK_PARAMS = struct.Struct("<d")  # ratio
@@ -33,13 +35,9 @@ RANDOMK_PARAMS = struct.Struct("<dB")  # ratio, unbiased (after the RNG fields)
 RATIO = Param(0.0, 1.0, low_open=True)
 
 
-class RatioLevels(PerTensorLevels):
+def ratio_levels(comp) -> TensorLevels:
     """Per-tensor ``ratio`` (set by a policy), carried in the header and checked on decode."""
-
-    level_param = "ratio"
-
-    def _check_level(self, value):
-        return sparse.check_ratio(value, self.name)
+    return TensorLevels(comp.ratio, functools.partial(sparse.check_ratio, name=comp.name))
 
 
 class TopKLayout(GatherCompressor):
@@ -62,22 +60,26 @@ class TopKLayout(GatherCompressor):
         return self.decode_kept_segments(frame, starts, lens, numels, ks, outs)
 
 
-@register
-class TopK(ResidualState, RatioLevels, TopKLayout):
+@register(
+    CompressorSpec(
+        name="topk",
+        wire_id=4,
+        params={"ratio": RATIO},
+        examples=({"ratio": 0.05},),
+        benchmarks=({"ratio": 0.01},),
+        cat_kind="topk",
+        level_param="ratio",
+    )
+)
+class TopK(PerTensorLevels, TopKLayout):
     """Keep the ``ratio`` fraction (default 0.01) of entries of largest |g + e|; a policy
     may set it per tensor (``set_level(name, ratio)``), the header carries it."""
 
-    name = "topk"
-    wire_id = 4
-    cat_kind = "topk"
-    params = {"ratio": RATIO}
-    examples = ({"ratio": 0.05},)
-    benchmarks = ({"ratio": 0.01},)
     error_feedback = True
-    saved_settings = ("ratio",)
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = sparse.check_ratio(ratio, "topk")
+        self.levels = ratio_levels(self)
         self.memory = ErrorFeedback()
 
     encode_segments = staticmethod(sparse.topk_encode_segments)  # TopKSign sets its own
@@ -95,12 +97,18 @@ class TopK(ResidualState, RatioLevels, TopKLayout):
             for body, bad, r in zip(bodies, nonfinite, ratios, strict=True)
         ]
 
+    def state_dict(self) -> dict:
+        return residual_state(self.memory, {"ratio": self.ratio})
+
+    def load_state_dict(self, state: dict) -> None:
+        load_residual_state(self.memory, self.name, state, {"ratio": self.ratio})
+
     def contraction(self, numel):
         # keeping the k largest leaves at most (1 - k / n) of ||a||^2 (Stich et al. 2018)
         return sparse.topk_count(numel, self.ratio) / numel if numel else 1.0
 
     def check_params(self, header, name):
-        self._check_params_len(header, TOPK_PARAMS.size)
+        check_params_len(self, header, TOPK_PARAMS.size)
         check_agreed("ratio", self.level(name), TOPK_PARAMS.unpack(header.params)[0])
 
     def max_numel(self, body_len, name):
@@ -111,14 +119,10 @@ class TopK(ResidualState, RatioLevels, TopKLayout):
         return TOPK_PARAMS.unpack(params)[0]
 
 
-@register
+@register(dataclasses.replace(TopK.spec, name="topkq", wire_id=11, cat_kind="topk+q"))
 class TopKSign(TopK):
     """Top-k selection sent as one shared magnitude, indices and sign bits (Basu et al.,
     NeurIPS 2019): ``ratio`` as top-k's. Error feedback: e = a - decode(payload)."""
-
-    name = "topkq"
-    wire_id = 11
-    cat_kind = "topk+q"
 
     decode_kept_into = staticmethod(sparse.topk_sign_decode_into)
     encode_segments = staticmethod(sparse.topk_sign_encode_segments)
@@ -137,33 +141,48 @@ class TopKSign(TopK):
         return math.floor((k + 1) / self.level(name)) + 1
 
 
-class SeededSparseState:
-    """state_dict of the seeded sparsifiers: ratio, residuals, RNG step counters; their
-    bucket encoders' residuals."""
-
-    def bucket_residuals(self, gs: list[torch.Tensor], names: list[str]):
-        """Each tensor's residual (created as zeros on first use) with error feedback, else
-        None: what the one-call bucket encoders take."""
-        if not self.error_feedback:
-            return None
-        return [self.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
-
-    def state_dict(self) -> dict:
-        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **super().state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import check_keys, check_saved_value, check_tensor_map
-
-        check_keys(f"{self.name} state", state, required=("ratio", "residuals", "seed", "steps"))
-        check_saved_value("ratio", state["ratio"], self.ratio)
-        what = f"{self.name} residuals"
-        check_tensor_map(what, state["residuals"])  # checked before the steps are loaded
-        self._load_rng_state(state)
-        self.memory.load_state_dict(state["residuals"], what=what)
+def bucket_residuals(comp, gs: list[torch.Tensor], names: list) -> list[torch.Tensor] | None:
+    """Each tensor's residual (created as zeros on first use) with ``comp``'s error
+    feedback, else None: what the seeded sparsifiers' one-call bucket encoders take."""
+    if not comp.error_feedback:
+        return None
+    return [comp.memory.residual(name, g) for g, name in zip(gs, names, strict=True)]
 
 
-@register
-class RandomK(SeededSparseState, Stochastic):
+def load_seeded_sparse_state(comp, state: dict) -> None:
+    """Load the ``state_dict`` of a seeded sparsifier (RandomK, GSpar: ratio, residuals
+    and the RNG state), every part checked before any is loaded."""
+    from hvdcompress.checkpoint import check_keys, check_saved_value, check_tensor_map
+
+    check_keys(f"{comp.name} state", state, required=("ratio", "residuals", "seed", "steps"))
+    check_saved_value("ratio", state["ratio"], comp.ratio)
+    what = f"{comp.name} residuals"
+    check_tensor_map(what, state["residuals"])  # checked before the steps are loaded
+    comp._load_rng_state(state)
+    comp.memory.load_state_dict(state["residuals"], what=what)
+
+
+@register(
+    CompressorSpec(
+        name="randomk",
+        wire_id=5,
+        params={
+            "ratio": RATIO,
+            "unbiased": Param(kind="bool", optional=True, doc="None: not error_feedback"),
+            "error_feedback": Param(kind="bool", optional=True, doc="None: not unbiased"),
+            "seed": SEED,
+            "rank": RANK,
+        },
+        examples=({"ratio": 0.1, "unbiased": True}, {"ratio": 0.5, "error_feedback": True}),
+        benchmarks=({"ratio": 0.01},),
+        # Memory delays a value about 1 / p steps and sends it at once: on this project's job
+        # (docs/codecs.md, "Defaults that train") the inner SGD diverged with momentum 0.9 and
+        # trained without momentum at a fifth of the learning rate.
+        sgd_lr_factor=0.2,
+        sgd_momentum=0.0,
+    )
+)
+class RandomK(Stochastic):
     """Keep each entry with probability ``ratio`` (indices regenerated from the seed, not
     sent); ``unbiased`` scales the kept values by 1 / ratio; optional error feedback.
 
@@ -174,23 +193,7 @@ class RandomK(SeededSparseState, Stochastic):
     factor each step when p < 1/2, so ``unbiased=True`` with ``error_feedback=True`` is
     refused. Left None, each of the two is the other's negation (both None: memory)."""
 
-    name = "randomk"
-    wire_id = 5
     cuda_decode_segments = True  # sparse.randomk_decode_segments: kernels/quant.cu
-    params = {
-        "ratio": RATIO,
-        "unbiased": Param(kind="bool", optional=True, doc="None: not error_feedback"),
-        "error_feedback": Param(kind="bool", optional=True, doc="None: not unbiased"),
-        "seed": SEED,
-        "rank": RANK,
-    }
-    examples = ({"ratio": 0.1, "unbiased": True}, {"ratio": 0.5, "error_feedback": True})
-    benchmarks = ({"ratio": 0.01},)
-    # Memory delays a value about 1 / p steps and sends it at once: on this project's job
-    # (docs/codecs.md, "Defaults that train") the inner SGD diverged with momentum 0.9 and
-    # trained without momentum at a fifth of the learning rate.
-    sgd_lr_factor = 0.2
-    sgd_momentum = 0.0
 
     def __init__(
         self,
@@ -214,11 +217,17 @@ class RandomK(SeededSparseState, Stochastic):
         self._scale = sparse.randomk_scale(self.ratio, self.unbiased)
         self._init_rng(seed, rank)
 
+    def state_dict(self) -> dict:
+        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **super().state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_seeded_sparse_state(self, state)
+
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({g.device for g in gs}) != 1:  # none, or several devices
             return super().encode_bucket(tensors, names)
-        es = self.bucket_residuals(gs, names)
+        es = bucket_residuals(self, gs, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         fields = RANDOMK_PARAMS.pack(self.ratio, int(self.unbiased))
         bodies, nonfinite = sparse.randomk_encode_segments(gs, [k for _, k in rngs], self.ratio, es)
@@ -254,7 +263,7 @@ class RandomK(SeededSparseState, Stochastic):
 
     def decode_new(self, header, body, side_info):
         key, n = self._stream_key(header.params), header.numel
-        flat = receive.new_float32(n, body.device, 0.0)
+        flat = framing.new_float32(n, body.device, 0.0)
         sparse.randomk_decode_into(body, key, n, self.ratio, self._scale, flat, False, fresh=True)
         return flat
 
@@ -262,8 +271,36 @@ class RandomK(SeededSparseState, Stochastic):
         return sparse.randomk_decoded_bound(body, self._scale)
 
 
-@register
-class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
+@register(
+    CompressorSpec(
+        name="gspar",
+        wire_id=12,
+        params={
+            "ratio": RATIO,
+            "error_feedback": FLAG,
+            "variance": Param(
+                0.0, None, low_open=True, optional=True, doc="None: the ratio budget"
+            ),
+            "seed": SEED,
+            "rank": RANK,
+        },
+        examples=(
+            {"ratio": 0.1},
+            {"ratio": 0.2, "error_feedback": True},
+            {"variance": 1.0},
+            {"variance": 0.25, "error_feedback": True},
+        ),
+        benchmarks=({"ratio": 0.01},),
+        cat_kind="randomk",
+        level_param="ratio",
+        # a_i / p_i has variance sum (1 / p_i - 1) a_i^2, about ||a||_1 / c: at ratio 0.01 the
+        # job's SGD diverged, and trained at a tenth of its learning rate (docs/codecs.md,
+        # "Defaults that train")
+        sgd_lr_factor=0.1,
+        sgd_own_rate_with="variance",  # a bounded variance trains at SGD's own rate
+    )
+)
+class GSpar(PerTensorLevels, Stochastic, TopKLayout):
     """Keep entry i with probability p_i = min(1, c |a_i|), sum p_i = ``ratio`` * n in
     expectation, send a_i / p_i with its index (Wangni et al., NeurIPS 2018): unbiased,
     E[decode] = a. Optional error feedback: then a_i travels unscaled (contractive, so the
@@ -279,28 +316,6 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
     a variance budget leaves unused: decoding does not depend on the budget); no policy
     may set levels then."""
 
-    name = "gspar"
-    wire_id = 12
-    cat_kind = "randomk"
-    params = {
-        "ratio": RATIO,
-        "error_feedback": FLAG,
-        "variance": Param(0.0, None, low_open=True, optional=True, doc="None: the ratio budget"),
-        "seed": SEED,
-        "rank": RANK,
-    }
-    examples = (
-        {"ratio": 0.1},
-        {"ratio": 0.2, "error_feedback": True},
-        {"variance": 1.0},
-        {"variance": 0.25, "error_feedback": True},
-    )
-    benchmarks = ({"ratio": 0.01},)
-    # a_i / p_i has variance sum (1 / p_i - 1) a_i^2, about ||a||_1 / c: at ratio 0.01 the
-    # job's SGD diverged, and trained at a tenth of its learning rate (docs/codecs.md,
-    # "Defaults that train")
-    sgd_lr_factor = 0.1
-
     def __init__(
         self,
         ratio: float = 0.01,
@@ -310,11 +325,11 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
         rank: int = 0,
     ) -> None:
         self.ratio = sparse.check_ratio(ratio, "gspar")
+        self.levels = ratio_levels(self)
         self.error_feedback = bool(error_feedback)
         self.variance = variance
         if variance is not None:  # bounded variance: SGD's own rate (docs/codecs.md)
-            self.variance = float(self.params["variance"].check("gspar", "variance", variance))
-            self.sgd_lr_factor = 1.0
+            self.variance = float(self.spec.params["variance"].check("gspar", "variance", variance))
         self.memory = ErrorFeedback()
         self._init_rng(seed, rank)
 
@@ -326,11 +341,17 @@ class GSpar(RatioLevels, SeededSparseState, Stochastic, TopKLayout):
             )
         super().set_level(name, value)
 
+    def state_dict(self) -> dict:
+        return {"ratio": self.ratio, "residuals": self.memory.state_dict(), **super().state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        load_seeded_sparse_state(self, state)
+
     def encode_bucket(self, tensors, names):
         gs = [prim.f32_data(t) for t in tensors]  # addresses and sizes only
         if len({g.device for g in gs}) != 1:  # none, or on several devices
             return super().encode_bucket(tensors, names)
-        es = self.bucket_residuals(gs, names)
+        es = bucket_residuals(self, gs, names)
         rngs = [self._rng_params(name) for name in names]  # steps advance as in encode
         ratios = [self.level(name) for name in names]
         if self.variance is None:

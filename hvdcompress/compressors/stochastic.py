@@ -14,8 +14,9 @@ name's.
 from __future__ import annotations
 
 from hvdcompress import wire
+from hvdcompress.buckets import StateKey, state_key, state_text
 from hvdcompress.codecs import primitives as prim
-from hvdcompress.compressors.base import Encoded, GatherCompressor, empty_body
+from hvdcompress.compressors.base import Encoded, GatherCompressor, check_params_len, empty_body
 from hvdcompress.errors import PayloadError
 
 
@@ -38,16 +39,16 @@ class Stochastic(GatherCompressor):
     def _init_rng(self, seed: int, rank: int) -> None:
         self.seed = prim.check_seed(seed)
         self.rank = prim.check_rank(rank)
-        self.steps: dict[str, int] = {}
+        self.steps: dict[StateKey, int] = {}
 
     def bind(self, rank: int, size: int) -> None:
         self.rank = prim.check_rank(rank)
 
-    def _rng_params(self, name: str) -> tuple[bytes, int]:
+    def _rng_params(self, name: StateKey) -> tuple[bytes, int]:
         """(the packed RNG header fields, the stream key) for this tensor's next payload."""
         step = self.steps.get(name, 0)
         self.steps[name] = step + 1
-        tid = prim.tensor_id(name)
+        tid = prim.tensor_id(str(name))  # a piece's key: its checkpoint name
         rank = prim.check_rank(self.rank)
         key = prim.rng_key(self.seed, step, rank, tid)
         return prim.RNG_PARAMS.pack(self.seed, step, tid, rank), key
@@ -65,21 +66,21 @@ class Stochastic(GatherCompressor):
             for x, (rng, _), result in zip(xs, rngs, results, strict=True)
         ]
 
-    def _checked_fields(self, header, name: str | None, fields) -> tuple:
+    def _checked_fields(self, header, name: StateKey | None, fields) -> tuple:
         """The codec's ``fields`` (a struct.Struct) after the RNG fields, once the length of
         the parameters, this compressor's seed and, when the receiver names the tensor,
         that tensor's id are checked."""
-        self._check_params_len(header, prim.RNG_PARAMS.size + fields.size)
+        check_params_len(self, header, prim.RNG_PARAMS.size + fields.size)
         seed, _, tid, _ = prim.RNG_PARAMS.unpack_from(header.params, 0)
         if seed != self.seed:
             raise PayloadError(
                 "seed", f"expected {self.seed}, got {seed} (ranks disagree on the seed)"
             )
-        if name is not None and tid != prim.tensor_id(name):
+        if name is not None and tid != prim.tensor_id(str(name)):
             raise PayloadError(
                 "tensor_id",
-                f"payload is for tensor id 0x{tid:016x}, expected {name!r} "
-                f"(0x{prim.tensor_id(name):016x}): ranks disagree on tensor order",
+                f"payload is for tensor id 0x{tid:016x}, expected {str(name)!r} "
+                f"(0x{prim.tensor_id(str(name)):016x}): ranks disagree on tensor order",
             )
         return fields.unpack_from(header.params, prim.RNG_PARAMS.size)
 
@@ -90,7 +91,7 @@ class Stochastic(GatherCompressor):
         return prim.rng_key(seed, step, rank, tid)
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "steps": dict(self.steps)}
+        return {"seed": self.seed, "steps": state_text(self.steps)}
 
     def load_state_dict(self, state: dict) -> None:
         from hvdcompress.checkpoint import check_keys
@@ -103,4 +104,5 @@ class Stochastic(GatherCompressor):
         from hvdcompress.checkpoint import check_count_map, check_saved_value
 
         check_saved_value("seed", state.get("seed"), self.seed)
-        self.steps = check_count_map(f"{self.name} steps", state.get("steps", {}))
+        steps = check_count_map(f"{self.name} steps", state.get("steps", {}))
+        self.steps = {state_key(text): step for text, step in steps.items()}

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import threelc
-from hvdcompress.compressors.base import Encoded, GatherCompressor, check_agreed, check_scale
-from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.compressors.memory import ErrorFeedback, ResidualState
+from hvdcompress.compressors.base import (
+    Encoded,
+    GatherCompressor,
+    check_agreed,
+    check_params_len,
+    check_scale,
+)
+from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
+from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 
 
 class TernaryLayout(GatherCompressor):
@@ -36,8 +43,9 @@ class TernaryLayout(GatherCompressor):
         scale = float(self.scales([header.params])[0])
         threelc.decode_into(body, header.numel, scale, out, accumulate)
 
-    def fresh_fill(self, header):
-        return threelc.fresh_fill(float(self.scales([header.params])[0]))
+    def decode_new(self, header, body, side_info):
+        fill = threelc.fresh_fill(float(self.scales([header.params])[0]))
+        return framing.decode_filled(self, header, body, side_info, fill)
 
     def decoded_bound(self, header, body):
         return float(self.scales([header.params])[0])  # S * q, q in {-1, 0, 1}
@@ -46,27 +54,33 @@ class TernaryLayout(GatherCompressor):
         return threelc.decode_segments(frame, starts, lens, numels, self.scales(params), outs)
 
 
-@register
-class ThreeLC(ResidualState, PerTensorLevels, TernaryLayout):
+@register(
+    CompressorSpec(
+        name="3lc",
+        wire_id=1,
+        attribute="threelc",  # Compression.threelc
+        params={"sparsity": Param(1.0, 2.0, high_open=True)},
+        examples=({"sparsity": 1.0}, {"sparsity": 1.2}, {"sparsity": 1.75}, {"sparsity": 1.9}),
+        benchmarks=({"sparsity": 1.0}, {"sparsity": 1.75}),
+        level_param="sparsity",
+    )
+)
+class ThreeLC(PerTensorLevels, TernaryLayout):
     """3LC with sparsity multiplication ``sparsity`` in [1, 2) (default 1.0); a policy may
     set it per tensor (``set_level(name, s)``), the header carries it."""
 
-    name = "3lc"
-    wire_id = 1
-    attribute = "threelc"  # Compression.threelc
-    params = {"sparsity": Param(1.0, 2.0, high_open=True)}
-    examples = ({"sparsity": 1.0}, {"sparsity": 1.2}, {"sparsity": 1.75}, {"sparsity": 1.9})
-    benchmarks = ({"sparsity": 1.0}, {"sparsity": 1.75})
     error_feedback = True
-    level_param = "sparsity"
-    saved_settings = ("sparsity",)
 
     def __init__(self, sparsity: float = 1.0) -> None:
         self.sparsity = threelc.check_sparsity(sparsity)
+        self.levels = TensorLevels(self.sparsity, threelc.check_sparsity)
         self.memory = ErrorFeedback()
 
-    def _check_level(self, value):
-        return threelc.check_sparsity(value)
+    def state_dict(self) -> dict:
+        return residual_state(self.memory, {"sparsity": self.sparsity})
+
+    def load_state_dict(self, state: dict) -> None:
+        load_residual_state(self.memory, self.name, state, {"sparsity": self.sparsity})
 
     def owner_level(self, level):
         # The owner's input is the average of N ternary payloads plus its residual: a few
@@ -96,7 +110,7 @@ class ThreeLC(ResidualState, PerTensorLevels, TernaryLayout):
         ]
 
     def check_params(self, header, name):
-        self._check_params_len(header, threelc.PARAMS.size)
+        check_params_len(self, header, threelc.PARAMS.size)
         sparsity, scale = threelc.PARAMS.unpack(header.params)
         check_agreed("sparsity", float(np.float32(self.level(name))), sparsity)  # as sent
         check_scale(header, scale)

@@ -28,7 +28,6 @@ from hvdcompress.exchange.choose import (
 from hvdcompress.exchange.hierarchical import HierarchicalExchange, hierarchical_exchange
 from hvdcompress.exchange.summed import SummedExchange
 from hvdcompress.exchange.twostage import (
-    PIECE,
     Piece,
     TwoStageExchange,
     plan_shards,
@@ -37,7 +36,6 @@ from hvdcompress.exchange.twostage import (
 
 __all__ = [
     "EXCHANGES",
-    "PIECE",
     "GatheredExchange",
     "HierarchicalExchange",
     "InFlight",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from hvdcompress import framing
 from hvdcompress.buckets import Bucket
 from hvdcompress.compressors import GatherCompressor
 from hvdcompress.exchange.base import Collective, InFlight, _Exchange
@@ -16,7 +17,7 @@ class GatheredExchange(_Exchange):
     kind = "allgather"
 
     def start(self, bucket: Bucket, comp: GatherCompressor, grads: list[torch.Tensor]) -> InFlight:
-        frame, ctxs = comp.compress_bucket(grads, list(bucket.names))
+        frame, ctxs = framing.compress_bucket(comp, grads, list(bucket.names))
         if not self.transport.moves_on(frame.device):
             frame = frame.cpu()
         handle = self.transport.start_allgatherv(frame)
@@ -36,6 +37,6 @@ class GatheredExchange(_Exchange):
         accs = [torch.zeros(g.numel(), dtype=torch.float32, device=device) for g in flight.grads]
         for rank, frame in enumerate(gathered.split(sizes)):
             # Rank order; NDQSG gets the mean of the lower ranks' tensors (decode_bucket).
-            comp.decode_frame(frame, accs, flight.ctxs, rank=rank)
+            framing.decode_frame(comp, frame, accs, flight.ctxs, rank=rank)
         for grad, acc, ctx in zip(flight.grads, accs, flight.ctxs, strict=True):
             self._write(grad, ctx.name, acc, comp, scale, flight)

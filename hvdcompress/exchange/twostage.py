@@ -6,15 +6,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import re
 import time
 import zlib
 from dataclasses import dataclass
 
 import torch
 
-from hvdcompress import wire
-from hvdcompress.buckets import Bucket
+from hvdcompress import framing, wire
+from hvdcompress.buckets import Bucket, PieceKey
 from hvdcompress.compressors import Ctx, GatherCompressor
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.errors import PayloadError
@@ -43,16 +42,12 @@ class Piece:
         return self.stop - self.start
 
     @property
-    def sender_key(self) -> str:
-        return f"{self.name}[{self.start}:{self.stop}]"
+    def sender_key(self) -> PieceKey:
+        return PieceKey(self.name, self.start, self.stop)
 
     @property
-    def owner_key(self) -> str:
-        return f"{self.name}[{self.start}:{self.stop}]@owner"
-
-
-# a piece's state names, as ``sender_key`` and ``owner_key`` write them
-PIECE = re.compile(r"(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\](?:@owner)?")
+    def owner_key(self) -> PieceKey:
+        return PieceKey(self.name, self.start, self.stop, owner=True)
 
 
 def plan_shards(
@@ -152,13 +147,14 @@ class TwoStageExchange(_Exchange):
         return self._plans[key]
 
     def state_shapes(self) -> dict[str, tuple[int]]:
-        """The compressor state names this exchange makes on this rank, and their shapes:
+        """The compressor state names this exchange makes on this rank (as a checkpoint
+        writes them, ``str`` of the pieces' keys), and their shapes:
         a stage-1 entry per piece of every shard, a stage-2 entry per piece this rank owns
         (for checking a loaded checkpoint)."""
         shapes = {}
         for shards in self._plans.values():
-            shapes.update({pc.sender_key: (pc.numel,) for pieces in shards for pc in pieces})
-            shapes.update({pc.owner_key: (pc.numel,) for pc in shards[self.transport.rank]})
+            shapes.update({str(pc.sender_key): (pc.numel,) for pcs in shards for pc in pcs})
+            shapes.update({str(pc.owner_key): (pc.numel,) for pc in shards[self.transport.rank]})
         return shapes
 
     def _mirror_levels(self, comp: GatherCompressor, shards: list[list[Piece]]) -> None:
@@ -178,7 +174,8 @@ class TwoStageExchange(_Exchange):
         flats = [g.reshape(-1) for g in grads]
         parts = []
         for pieces in shards:  # one frame per owner, its pieces in one bucket call
-            frame, _ = comp.compress_bucket(
+            frame, _ = framing.compress_bucket(
+                comp,
                 [flats[pc.tensor][pc.start : pc.stop] for pc in pieces],
                 [pc.sender_key for pc in pieces],
             )
@@ -245,7 +242,7 @@ class TwoStageExchange(_Exchange):
         ]
         for sender, frame in enumerate(received):
             try:  # decode_parsed(expect=ctx, out=acc, accumulate=True) of each payload
-                comp.decode_frame(frame, accs, ctxs, rank=sender)
+                framing.decode_frame(comp, frame, accs, ctxs, rank=sender)
             except PayloadError as err:
                 report = _report(err, sender, 1, _piece_of(flight.shards, err.tensor))
                 body = json.dumps(report).encode()
@@ -293,7 +290,8 @@ class TwoStageExchange(_Exchange):
                     message[1:], owner, [pc.owner_key for pc in pieces], device
                 )
                 for (header, payload), pc in zip(parsed, pieces, strict=True):
-                    comp.decode_parsed(
+                    framing.decode_parsed(
+                        comp,
                         header,
                         payload,
                         expect=Ctx(pc.owner_key, (pc.numel,), torch.float32, device),
@@ -318,8 +316,8 @@ class TwoStageExchange(_Exchange):
                 comp.absorb(pc.owner_key, flat[pc.start : pc.stop])
 
 
-def _piece_of(shards: list[list[Piece]], key: str | None) -> Piece | None:
-    """The piece whose stage-1 or stage-2 state name is ``key``."""
+def _piece_of(shards: list[list[Piece]], key: PieceKey | None) -> Piece | None:
+    """The piece whose stage-1 or stage-2 state key is ``key``."""
     for pieces in shards:
         for pc in pieces:
             if key in (pc.sender_key, pc.owner_key):

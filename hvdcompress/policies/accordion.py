@@ -71,7 +71,7 @@ class Accordion(Policy):
                 f"got {compressor!r}"
             )
         for value in (self.low, self.high):
-            compressor._check_level(value)  # refuse a wrong level now, not mid-training
+            compressor.levels.check(value)  # refuse a wrong level now, not mid-training
         self._optimizer, self._compressor, self._transport = optimizer, compressor, transport
         self.names = list(names)
         self._sums = dict.fromkeys(self.names, 0.0)

@@ -41,7 +41,7 @@ def checked_levels(what: str, levels: dict, compressor) -> dict:
     out = {}
     for name, level in check_dict(what, levels).items():
         try:
-            out[name] = compressor._check_level(level)
+            out[name] = compressor.levels.check(level)
         except (TypeError, ValueError) as err:
             raise CheckpointError(f"{what}[{name!r}]: {err}") from None
     return out

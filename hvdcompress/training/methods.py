@@ -55,15 +55,13 @@ def level_param(compression: str) -> tuple[str, Param]:
     cls = registry.get(compression)
     if cls is None:
         raise ValueError(f"unknown compressor {compression!r}")
-    name = getattr(cls, "level_param", "")
+    name = cls.spec.level_param
     if not name:
-        with_levels = ", ".join(
-            sorted(n for n, c in registry.items() if getattr(c, "level_param", ""))
-        )
+        with_levels = ", ".join(sorted(n for n, c in registry.items() if c.spec.level_param))
         raise ValueError(
             f"{compression} has no per-tensor level (compressors with one: {with_levels})"
         )
-    return name, cls.params[name]
+    return name, cls.spec.params[name]
 
 
 def check_level(compression: str, value):

@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hvdcompress
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.compressors import registry
 
 # Header fields a mutation may overwrite: (offset, size) in the fixed header (all but
@@ -322,7 +322,7 @@ def forged_mutation_case(case, ops, **decode_kwargs) -> Outcome:
 def random_body_case(case, body: bytes, **decode_kwargs) -> Outcome:
     """A valid header with an arbitrary body (checksum fixed) reaches the body decoder."""
     c, payload, ctx, _ = case
-    header, _ = c.read_header(payload)
+    header, _ = wire.read_header(payload)
     raw = bytearray(payload.numpy().tobytes()[: header.size]) + body
     raw[24:32] = len(body).to_bytes(8, "little")  # body_len
     return check_decode(c, bytes(fix_checksum(raw)), ctx, **decode_kwargs)
@@ -433,7 +433,7 @@ def bucket_frame(name: str, params: dict, sender: int):
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(shape, generator=gen) for shape in FRAME_SIZES]
     tensors[4][3] = float("inf")
-    return bound(name, sender, 2, **params).compress_bucket(tensors, FRAME_NAMES)
+    return framing.compress_bucket(bound(name, sender, 2, **params), tensors, FRAME_NAMES)
 
 
 def _frame_outcome(decode):
@@ -457,14 +457,17 @@ def frames_agree(config: tuple[str, dict, int], ctxs, frame: torch.Tensor) -> No
     name, params, sender = config
     ref, fast = bound(name, 1 - sender, 2, **params), bound(name, 1 - sender, 2, **params)
     want_outs, want = _frame_outcome(
-        lambda outs: ref.decode_bucket(
+        lambda outs: framing.decode_bucket(
+            ref,
             wire.unframe_parsed(frame, sender, FRAME_NAMES, torch.device("cpu")),
             outs,
             ctxs,
             rank=sender,
         )
     )
-    got_outs, got = _frame_outcome(lambda outs: fast.decode_frame(frame, outs, ctxs, rank=sender))
+    got_outs, got = _frame_outcome(
+        lambda outs: framing.decode_frame(fast, frame, outs, ctxs, rank=sender)
+    )
     assert _described(got) == _described(want), f"per-payload: {want!r}; one call: {got!r}"
     if got is not None and not (isinstance(got, hvdcompress.PayloadError) and got.field):
         raise got

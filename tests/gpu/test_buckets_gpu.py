@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.compressors import registry
 from hvdcompress.errors import PayloadError
 from tests import bucket_of_one as one
@@ -91,21 +91,21 @@ def check_bucket_frames(
         if step == 1:
             grads[9][3] = float("nan")
         names = [f"layer{i}" for i in range(len(grads))]
-        frame_cpu, ctxs = on_cpu.compress_bucket(grads, names)
+        frame_cpu, ctxs = framing.compress_bucket(on_cpu, grads, names)
         with use_backend():
-            frame_dev, ctxs_dev = on_dev.compress_bucket(
-                [g.to(s.dev, copy=True) for g in grads], names
+            frame_dev, ctxs_dev = framing.compress_bucket(
+                on_dev, [g.to(s.dev, copy=True) for g in grads], names
             )
         assert_same_bytes(frame_dev, frame_cpu, f"{name} step {step}")
         bases = [torch.linspace(-1, 1, g.numel()) for g in grads]
         couts = [b.clone() for b in bases]
-        on_cpu.decode_frame(frame_cpu, couts, ctxs, rank=1)
+        framing.decode_frame(on_cpu, frame_cpu, couts, ctxs, rank=1)
         for src in (frame_cpu, frame_dev):
             outs = [b.to(s.dev, copy=True) for b in bases]
             setattr(s.backend, decoder, counted)
             try:
                 with use_backend():
-                    on_dev.decode_frame(src, outs, ctxs_dev, rank=1)
+                    framing.decode_frame(on_dev, src, outs, ctxs_dev, rank=1)
             finally:
                 setattr(s.backend, decoder, real)
             for i, (out, cout) in enumerate(zip(outs, couts, strict=True)):
@@ -126,10 +126,10 @@ def check_bucket_frames(
     cpu.store_checksums(bad, [starts[target]], [lengths[target]], wire.CHECKSUM_OFFSET)
     couts = [b.clone() for b in bases]
     with pytest.raises(PayloadError) as want:
-        on_cpu.decode_frame(bad, couts, ctxs, rank=2)
+        framing.decode_frame(on_cpu, bad, couts, ctxs, rank=2)
     outs = [b.to(s.dev, copy=True) for b in bases]
     with pytest.raises(PayloadError) as got, use_backend():
-        on_dev.decode_frame(bad, outs, ctxs_dev, rank=2)
+        framing.decode_frame(on_dev, bad, outs, ctxs_dev, rank=2)
     where = (got.value.field, got.value.rank, got.value.tensor)
     assert where == (want.value.field, want.value.rank, want.value.tensor)
     assert got.value.tensor == names[target]
@@ -734,8 +734,8 @@ def frame_scan_cases() -> list[tuple[str, torch.Tensor, int]]:
     grads = make_bucket(gen) + [torch.randn(3, 5, 7, generator=gen), torch.zeros(0)]
     names = [f"layer{i}" for i in range(len(grads))]
     comp = hvdcompress.get_compressor("3lc")
-    comp.compress_bucket(grads, names)  # a second step: error feedback built up
-    frame, _ = comp.compress_bucket(grads, names)
+    framing.compress_bucket(comp, grads, names)  # a second step: error feedback built up
+    frame, _ = framing.compress_bucket(comp, grads, names)
     count = len(grads)
     payloads = wire.unframe(frame, count, 0, names)
     cases = [("good", frame, count)]
@@ -952,13 +952,13 @@ def test_frames_gathered_on_the_device_decode_as_on_the_host(gpu, name, params):
     grads = [torch.randn(sh, generator=gen) for sh in shapes]
     names = [f"layer{i}" for i in range(len(grads))]
     sender = bound(name, 1, 2, **params)
-    frame, ctxs = sender.compress_bucket([g.to(gpu.dev) for g in grads], names)
+    frame, ctxs = framing.compress_bucket(sender, [g.to(gpu.dev) for g in grads], names)
     assert frame.device == gpu.dev
     bases = [torch.linspace(-1, 1, g.numel()) for g in grads]
     want = [b.clone() for b in bases]
     host_ctxs = [c._replace(device=torch.device("cpu")) for c in ctxs]
-    bound(name, 0, 2, **params).decode_frame(frame.cpu(), want, host_ctxs, rank=1)
+    framing.decode_frame(bound(name, 0, 2, **params), frame.cpu(), want, host_ctxs, rank=1)
     outs = [b.to(gpu.dev) for b in bases]
-    bound(name, 0, 2, **params).decode_frame(frame, outs, ctxs, rank=1)
+    framing.decode_frame(bound(name, 0, 2, **params), frame, outs, ctxs, rank=1)
     for i, (out, ref) in enumerate(zip(outs, want, strict=True)):
         np.testing.assert_array_equal(bits(out), bits(ref), f"{name} output {i}")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.wire import PayloadError
 from tests.gpu.conftest import bits
@@ -124,17 +124,22 @@ def test_compress_bucket_frame_on_the_device_matches_cpu(gpu, name, kw):
     on_gpu = hvdcompress.get_compressor(name, **kw)
     on_cpu = hvdcompress.get_compressor(name, **kw)
     for step in range(2):
-        frame_gpu, ctxs_gpu = on_gpu.compress_bucket([t.to(gpu.dev) for t in tensors], names)
-        frame_cpu, ctxs_cpu = on_cpu.compress_bucket(tensors, names)
+        frame_gpu, ctxs_gpu = framing.compress_bucket(
+            on_gpu, [t.to(gpu.dev) for t in tensors], names
+        )
+        frame_cpu, ctxs_cpu = framing.compress_bucket(on_cpu, tensors, names)
         assert frame_gpu.device == gpu.dev
         assert torch.equal(frame_gpu.cpu(), frame_cpu), f"{name} step {step}"
         outs_gpu = [torch.zeros(t.numel(), device=gpu.dev) for t in tensors]
         outs_cpu = [torch.zeros(t.numel()) for t in tensors]
-        on_gpu.decode_bucket(
-            wire.unframe_parsed(frame_gpu, 0, names, gpu.dev), outs_gpu, ctxs_gpu, rank=0
+        framing.decode_bucket(
+            on_gpu, wire.unframe_parsed(frame_gpu, 0, names, gpu.dev), outs_gpu, ctxs_gpu, rank=0
         )
-        on_cpu.decode_bucket(
-            wire.unframe_parsed(frame_cpu, 0, names, torch.device("cpu")), outs_cpu, ctxs_cpu
+        framing.decode_bucket(
+            on_cpu,
+            wire.unframe_parsed(frame_cpu, 0, names, torch.device("cpu")),
+            outs_cpu,
+            ctxs_cpu,
         )
         for got, want in zip(outs_gpu, outs_cpu, strict=True):
             assert torch.equal(got.cpu(), want)

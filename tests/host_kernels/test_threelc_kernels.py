@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hvdcompress
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.backends.cuda import FRAME, THREELC, _runtime
 from hvdcompress.wire import PayloadError
 from tests import bucket_of_one as one
@@ -847,7 +847,9 @@ def test_emulated_frame_scan_is_three_launches_and_one_read(emulated):
     or a read per payload."""
     gen = torch.Generator().manual_seed(8)
     grads = [torch.randn(n, generator=gen) for n in range(1, 41)]
-    frame, _ = hvdcompress.get_compressor("3lc").compress_bucket(grads, [str(i) for i in range(40)])
+    frame, _ = framing.compress_bucket(
+        hvdcompress.get_compressor("3lc"), grads, [str(i) for i in range(40)]
+    )
     emulated.calls.clear()
     scanned = emulated.setup.backend.frame_scan(frame, 40)
     assert bool(scanned.fields[:, wire.SCAN["ok"]].all())
@@ -866,10 +868,10 @@ def test_emulated_decode_frame_scans_on_the_device(emulated):
     grads = test_threelc_gpu.make_bucket(gen)
     names = [f"layer{i}" for i in range(len(grads))]
     sender, receiver = hvdcompress.get_compressor("3lc"), hvdcompress.get_compressor("3lc")
-    frame, ctxs = sender.compress_bucket(grads, names)
+    frame, ctxs = framing.compress_bucket(sender, grads, names)
     bases = [torch.linspace(-1, 1, g.numel()) for g in grads]
     want = [b.clone() for b in bases]
-    receiver.decode_frame(frame, want, ctxs, rank=1)
+    framing.decode_frame(receiver, frame, want, ctxs, rank=1)
     host_scans = []
     real_scan = cpu_module.frame_scan
 
@@ -881,7 +883,7 @@ def test_emulated_decode_frame_scans_on_the_device(emulated):
     emulated.calls.clear()
     with serving_cpu_tensors(emulated.setup.backend), pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_module, "frame_scan", counted_scan)
-        receiver.decode_frame(frame, outs, ctxs, rank=1)
+        framing.decode_frame(receiver, frame, outs, ctxs, rank=1)
     assert host_scans == []
     assert emulated.calls[:3] == ["hvd_frame_table", "hvd_checksum_segments", "hvd_frame_headers"]
     assert "threelc_quartic_decode_add_segments" in emulated.calls
@@ -894,9 +896,9 @@ def test_emulated_decode_frame_scans_on_the_device(emulated):
     bad[at + payloads[5].numel() - 1] ^= 1  # payload 5's last byte: its checksum fails
     want_outs, outs = [b.clone() for b in bases], [b.clone() for b in bases]
     with pytest.raises(PayloadError) as want_err:
-        receiver.decode_frame(bad, want_outs, ctxs, rank=1)
+        framing.decode_frame(receiver, bad, want_outs, ctxs, rank=1)
     with serving_cpu_tensors(emulated.setup.backend), pytest.raises(PayloadError) as got_err:
-        receiver.decode_frame(bad, outs, ctxs, rank=1)
+        framing.decode_frame(receiver, bad, outs, ctxs, rank=1)
     assert str(got_err.value) == str(want_err.value)
     assert got_err.value.tensor == "layer5"
     for out, ref in zip(outs, want_outs, strict=True):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import hvdcompress
+from hvdcompress import framing
 from hvdcompress.optimizer import RankAgreementError
 from hvdcompress.wire import PayloadError
 from tests.mpi.helpers import batch, digest, make_model, train, wrap
@@ -191,22 +192,22 @@ def test_ranks_that_disagree_get_an_error_on_every_rank(what, comm):
     assert "first difference" in err, err
 
 
-def test_corrupt_payload_raises_on_every_rank_naming_sender_and_tensor(comm):
+def test_corrupt_payload_raises_on_every_rank_naming_sender_and_tensor(comm, monkeypatch):
     bad_rank = 1
     model = make_model()
     opt = wrap(model, "3lc", fusion_threshold=0, exchange="allgather")  # two-stage: its own
     target = "layers.1.weight"
     if comm.rank == bad_rank:
-        real = opt.compressor.compress_bucket
+        real = framing.compress_bucket
 
-        def corrupt(tensors, names):  # one tensor a bucket: its payload ends the frame
-            frame, ctxs = real(tensors, names)
-            if names == [target]:
+        def corrupt(comp, tensors, names):  # one tensor a bucket: its payload ends the frame
+            frame, ctxs = real(comp, tensors, names)
+            if comp is opt.compressor and names == [target]:
                 frame = frame.clone()
                 frame[-1] ^= 0x5A
             return frame, ctxs
 
-        opt.compressor.compress_bucket = corrupt
+        monkeypatch.setattr(framing, "compress_bucket", corrupt)
     x, y = batch(comm.rank, 0)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     err = None

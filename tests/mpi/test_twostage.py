@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hvdcompress
-from hvdcompress import wire
+from hvdcompress import framing, wire
 from hvdcompress.checkpoint import CheckpointError
 from hvdcompress.compressors import REGISTRY
 from hvdcompress.compressors.levels import PerTensorLevels
@@ -51,7 +51,7 @@ def _grads(model, rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 def _config(name: str) -> dict:
-    return dict(REGISTRY[name].examples[0])
+    return dict(REGISTRY[name].spec.examples[0])
 
 
 def _optimizer(model, compression, exchange="twostage", backend="mpi4py", **kw):
@@ -328,11 +328,11 @@ def test_resume_with_another_world_size_names_both_sizes(comm):
     assert "two-stage" in text, text
 
 
-def _corrupt_keys(opt, keys: set[str]):
+def _corrupt_keys(monkeypatch, opt, keys: set[str]):
     """Flip the last byte of the payloads of these piece keys: stage 1 sends a shard's
-    pieces as one bucket frame (``compress_bucket``), stage 2 re-compresses each piece
-    (``compress``)."""
-    real, real_bucket = opt.compressor.compress, opt.compressor.compress_bucket
+    pieces as one bucket frame (``framing.compress_bucket``), stage 2 re-compresses each
+    piece (``compress``)."""
+    real, real_bucket = opt.compressor.compress, framing.compress_bucket
 
     def corrupt(tensor, name):
         payload, ctx = real(tensor, name)
@@ -341,9 +341,9 @@ def _corrupt_keys(opt, keys: set[str]):
             payload[-1] ^= 0x5A
         return payload, ctx
 
-    def corrupt_bucket(tensors, names):
-        frame, ctxs = real_bucket(tensors, names)
-        if keys & set(names):
+    def corrupt_bucket(comp, tensors, names):
+        frame, ctxs = real_bucket(comp, tensors, names)
+        if comp is opt.compressor and keys & set(names):
             payloads = [p.clone() for p in wire.unframe(frame, len(names), 0, names)]
             for payload, name in zip(payloads, names, strict=True):
                 if name in keys:
@@ -352,11 +352,13 @@ def _corrupt_keys(opt, keys: set[str]):
         return frame, ctxs
 
     opt.compressor.compress = corrupt
-    opt.compressor.compress_bucket = corrupt_bucket
+    monkeypatch.setattr(framing, "compress_bucket", corrupt_bucket)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_corrupt_payload_raises_on_every_rank_naming_sender_stage_and_tensor(stage, comm):
+def test_corrupt_payload_raises_on_every_rank_naming_sender_stage_and_tensor(
+    stage, comm, monkeypatch
+):
     rank, size = comm.rank, comm.size
     model = Odd()
     opt = _optimizer(model, "3lc")
@@ -369,7 +371,7 @@ def test_corrupt_payload_raises_on_every_rank_naming_sender_stage_and_tensor(sta
     piece = next(pc for pc in shards[size - 1] if pc.name == "big")
     bad = 0 if stage == 1 else size - 1
     if rank == bad:
-        _corrupt_keys(opt, {piece.sender_key if stage == 1 else piece.owner_key})
+        _corrupt_keys(monkeypatch, opt, {piece.sender_key if stage == 1 else piece.owner_key})
     grads = _grads(model, rank, 0)
     err = None
     try:
@@ -382,8 +384,8 @@ def test_corrupt_payload_raises_on_every_rank_naming_sender_stage_and_tensor(sta
     assert all(f"stage {stage}" in e[2] and f"from rank {bad}" in e[2] for e in errors), errors
     # the ranks are still in step: another collective and another step complete
     assert comm.allreduce(1) == size
-    for patched in ("compress", "compress_bucket"):  # the class's methods again
-        opt.compressor.__dict__.pop(patched, None)
+    opt.compressor.__dict__.pop("compress", None)  # the class's method again
+    monkeypatch.undo()  # and framing.compress_bucket
     _synchronize(opt, model, _grads(model, rank, 1))
 
 

@@ -17,16 +17,14 @@ import torch
 from hvdcompress import wire
 from hvdcompress.compressors.base import Encoded, GatherCompressor, check_scale, empty_body
 from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.wire import PayloadError
 
 PARAMS = struct.Struct("<f")  # scale
 
 
-@register
+@register(CompressorSpec(name="toyint8", wire_id=255))
 class ToyInt8(GatherCompressor):
-    name = "toyint8"
-    wire_id = 255
-
     def __init__(self) -> None:
         pass
 

@@ -20,7 +20,7 @@ from hvdcompress.backends.cuda.threelc import (
     _quartic_table,
     _segment_bodies,
     _zre_check_segments,
-    _zre_encode_segments,
+    _zre_encode,
     _zre_expand_rows,
 )
 
@@ -77,7 +77,7 @@ def _digits_ternary_encode(
         quartic = k.empty(int(ms.sum()), torch.uint8)
         digit_args = (np.int64(bucket), np.int32(levels), np.int32(rho), states)
         k.tiles("quant_dqsg_quartic_segments", groups, *digit_args, quartic)
-        out = _zre_encode_segments(k, runs, quartic, states)
+        out = _zre_encode(k, runs, quartic, states)
         host = rt._read_state(states)
     coded = _segment_bodies(out, host)
     keep = [r for r in range(len(live)) if not host[r, rt._ST_NONFINITE]]

@@ -85,20 +85,6 @@ def _running_max(x: torch.Tensor) -> torch.Tensor:
     return scanned.view(-1)[:n]
 
 
-def _zre_encode(k: rt._Launcher, qb: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """Zero-run encode qb (m >= 1 bytes) into a new m-byte tensor; the length goes to
-    state[rt._ST_COUNT], input bytes > 242 set rt.ERR_INPUT. No host synchronisation."""
-    m = qb.numel()
-    start = k.empty(m, torch.int64)
-    k("threelc_zre_run_starts", m, qb, np.int64(m), start)
-    run_start = _running_max(start)
-    del start  # stream-ordered: reused only by later work on this stream
-    incl = _zre_emit_scan(k, qb, run_start, state)
-    out = k.empty(m, torch.uint8)
-    k("threelc_zre_scatter", m, qb, run_start, incl, np.int64(m), out, np.int64(m), state)
-    return out
-
-
 def _zre_emit_scan(
     k: rt._Launcher, qb: torch.Tensor, run_start: torch.Tensor, state: torch.Tensor
 ) -> torch.Tensor:
@@ -255,10 +241,13 @@ def zero_run_encode(buf):
     m = buf.numel()
     if m == 0:
         return torch.empty(0, dtype=torch.uint8, device=buf.device)
+    table = np.zeros((1, rt._SEG_COLS), dtype=np.int64)  # one row: m quartic bytes at 0
+    table[0, rt._SEG_N] = 5 * m
     with rt._Launcher(buf.device) as k:
-        state = k.state()
-        out = _zre_encode(k, buf, state)
-        host = rt._read_state(state)
+        seg = rt._segments(table, np.array([m], dtype=np.int64), buf.device)
+        states = k.states(1)
+        out = _zre_encode(k, seg, buf, states, input_state=states[0])
+        host = rt._read_state(states)[0]
     if host[rt._ST_ERROR] & rt.ERR_INPUT:
         raise ValueError("zero_run_encode: input bytes must be quartic bytes (<= 242)")
     return out[: rt._count(host)].clone()
@@ -335,23 +324,29 @@ def _quartic_bucket(
         k.tiles("threelc_absmax_segments", seg, states)
         quartic = k.empty(int(((ns + 4) // 5).sum()), torch.uint8)
         k.tiles(digits, seg, states, quartic)
-        out = _zre_encode_segments(k, seg, quartic, states)
+        out = _zre_encode(k, seg, quartic, states)
         host = rt._read_state(states)
     return host, _segment_bodies(out, host)
 
 
-def _zre_encode_segments(
-    k: rt._Launcher, seg: rt._Segments, quartic: torch.Tensor, states: torch.Tensor
+def _zre_encode(
+    k: rt._Launcher,
+    seg: rt._Segments,
+    quartic: torch.Tensor,
+    states: torch.Tensor,
+    input_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Zero-run encode a bucket's quartic bytes, each tensor's on its own (runs stop at
-    its end), into one new buffer; each tensor's body length goes to its state row."""
+    """Zero-run encode the quartic bytes of ``seg``'s rows, each row's on its own (runs
+    stop at its end), into one new buffer; each row's body length goes to its state row.
+    Input bytes > 242 set rt.ERR_INPUT in ``input_state``: only ``zero_run_encode`` takes
+    bytes from outside (the bucket encoders write quartic bytes), the others pass none
+    and the flag goes to a scratch state. No host synchronisation."""
     total = quartic.numel()
     start = k.empty(total, torch.int64)
     k.tiles("threelc_zre_run_starts_segments", seg, quartic, start)
     run_start = _running_max(start)
-    del start
-    # input errors cannot happen here (quartic bytes are <= 242): a scratch state
-    incl = _zre_emit_scan(k, quartic, run_start, k.state())
+    del start  # stream-ordered: reused only by later work on this stream
+    incl = _zre_emit_scan(k, quartic, run_start, k.state() if input_state is None else input_state)
     out = k.empty(total, torch.uint8)
     k.tiles(
         "threelc_zre_scatter_segments", seg, quartic, run_start, incl, out, np.int64(total), states
