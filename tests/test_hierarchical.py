@@ -14,8 +14,14 @@ import torch
 
 import hvdcompress
 from hvdcompress.errors import PayloadError
-from hvdcompress.training.simulate import run_ranks
+from hvdcompress.training.simulate import run_ranks, seeded
 from tests.helpers import small_model
+
+
+def _model():
+    """The same parameters on every simulated rank (ranks are threads: one seeded draw
+    at a time)."""
+    return seeded(0, small_model)
 
 
 def _batch(rank: int, step: int):
@@ -32,7 +38,7 @@ def _digest(model) -> str:
 
 def _train(compression, exchange, steps=3, **opt_kw):
     def rank(t):
-        model = small_model()
+        model = _model()
         comp = compression() if callable(compression) else compression  # one per rank
         opt = hvdcompress.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
@@ -88,7 +94,7 @@ def test_three_nodes_take_the_two_stage_exchange_across_nodes(two_per_node):
 
 def test_a_corrupt_cross_node_payload_fails_every_rank(two_per_node):
     def rank(t):
-        model = small_model()
+        model = _model()
         opt = hvdcompress.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
             compression="3lc", backend=t, exchange="hierarchical",
@@ -125,3 +131,64 @@ def test_what_it_cannot_run_is_refused(monkeypatch):
     monkeypatch.setenv("HVDC_RANKS_PER_NODE", "3")
     with pytest.raises(ValueError, match="does not divide the 4 ranks"):
         run_ranks(4, _train("3lc", "hierarchical", 1))
+
+
+def _resume(monkeypatch, per_node_then: str):
+    """Three steps on 2 x 2 nodes straight, against two steps, each rank's state saved,
+    then a fresh optimizer on ``per_node_then`` ranks per node that loads it and steps."""
+    monkeypatch.setenv("HVDC_RANKS_PER_NODE", "2")
+
+    def straight(t):
+        model = _model()
+        opt = _opt(model, t)
+        for step in range(3):
+            _step(model, opt, t.rank, step)
+        return _digest(model)
+
+    saved = {}
+
+    def first_two(t):
+        model = _model()
+        opt = _opt(model, t)
+        for step in range(2):
+            _step(model, opt, t.rank, step)
+        saved[t.rank] = (model.state_dict(), opt.state_dict())
+
+    reference = run_ranks(4, straight)
+    run_ranks(4, first_two)
+    monkeypatch.setenv("HVDC_RANKS_PER_NODE", per_node_then)
+
+    def resumed(t):
+        model = _model()
+        model.load_state_dict(saved[t.rank][0])
+        opt = _opt(model, t)
+        opt.load_state_dict(saved[t.rank][1])
+        _step(model, opt, t.rank, 2)
+        return _digest(model)
+
+    return reference, resumed
+
+
+def _opt(model, t):
+    return hvdcompress.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        compression="3lc", backend=t, exchange="hierarchical",
+    )  # fmt: skip
+
+
+def _step(model, opt, rank, step):
+    x, y = _batch(rank, step)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_a_checkpoint_resumes_exactly_on_the_same_topology(monkeypatch):
+    reference, resumed = _resume(monkeypatch, "2")
+    assert run_ranks(4, resumed) == reference
+
+
+def test_a_checkpoint_of_another_topology_is_refused(monkeypatch):
+    _, resumed = _resume(monkeypatch, "4")
+    with pytest.raises(hvdcompress.CheckpointError):
+        run_ranks(4, resumed)

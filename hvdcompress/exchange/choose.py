@@ -192,6 +192,7 @@ def choose_exchanges(
             continue
         if mode == "hierarchical":
             chosen[b.index] = hierarchical_exchange(transport, compressor, finish_transport)
+            chosen[b.index].plan(b, compressor)  # its state names, before the first step
             continue
         gathered = GatheredExchange(transport, finish_transport)
         twostage = None

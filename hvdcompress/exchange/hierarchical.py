@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hvdcompress.buckets import Bucket
+from hvdcompress.buckets import Bucket, PieceKey
 from hvdcompress.compressors import GatherCompressor
 from hvdcompress.errors import PayloadError
 from hvdcompress.exchange.allgather import GatheredExchange
@@ -53,7 +53,7 @@ class _Stages:
 
     shards: list
     pieces: list[torch.Tensor]
-    names: list[str]
+    names: list[PieceKey]
     cross: InFlight | None
 
 
@@ -101,20 +101,23 @@ class HierarchicalExchange(_Exchange):
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self._state_shapes)
 
-    def _plan(self, bucket: Bucket, comp: GatherCompressor, grads) -> list:
+    def plan(self, bucket: Bucket, comp: GatherCompressor) -> list:
+        """The bucket's K shards (``plan_shards``), made once per set of tensors; this
+        rank's pieces become compressor state names (``state_shapes``), so a checkpoint
+        of them loads before the first step."""
         key = tuple(bucket.names)
         if key not in self._plans:
-            numels = [g.numel() for g in grads]
+            numels = [p.numel() for p in bucket.params]
             shards = plan_shards(
                 list(bucket.names), numels, self.intra.size, comp.shard_alignment()
             )
             self._plans[key] = shards
             for pc in shards[self.intra.rank]:
-                self._state_shapes[_piece_name(pc)] = (pc.stop - pc.start,)
+                self._state_shapes[str(_piece_name(pc))] = (pc.stop - pc.start,)
         return self._plans[key]
 
     def start(self, bucket: Bucket, comp: GatherCompressor, grads: list[torch.Tensor]) -> InFlight:
-        shards = self._plan(bucket, comp, grads)
+        shards = self.plan(bucket, comp)
         flats = [g.reshape(-1) for g in grads]
         parts = [
             _cat([flats[pc.tensor][pc.start : pc.stop] for pc in pieces]).view(torch.uint8)
@@ -179,8 +182,10 @@ class HierarchicalExchange(_Exchange):
                 offset += n
 
 
-def _piece_name(pc) -> str:
-    return f"{pc.name}[{pc.start}:{pc.stop}]"
+def _piece_name(pc) -> PieceKey:
+    """The compressor-state key of a piece of this rank's shard: ``name[a:b]``, the same
+    on every rank of its cross-node group (they own the same pieces)."""
+    return PieceKey(pc.name, pc.start, pc.stop)
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
