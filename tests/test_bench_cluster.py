@@ -16,22 +16,13 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 from scripts._bench import cluster, netns
+from tests.helpers import needs_netns
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "cluster" / "allreduce_worker.py"
 _SKIP = netns.netns_available()
-if _SKIP is not None and os.environ.get("CI"):
-    pytestmark = pytest.mark.usefixtures("_ci_must_run")
-else:
-    pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
-
-
-@pytest.fixture
-def _ci_must_run():
-    pytest.fail(f"CI must run the emulated cluster test, but: {_SKIP}")
+pytestmark = needs_netns(_SKIP)
 
 
 def _ours(prefix: str) -> list[str]:

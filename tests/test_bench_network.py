@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import needs_netns
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_network.py"
 
@@ -35,16 +37,7 @@ def _netns_skip_reason() -> str | None:
 
 
 _SKIP = _netns_skip_reason()
-# CI (CI set) runs as root with iproute2 from scripts/setup.sh: there a skip is a failure.
-if _SKIP is not None and os.environ.get("CI"):
-    pytestmark = pytest.mark.usefixtures("_ci_must_run")
-else:
-    pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
-
-
-@pytest.fixture
-def _ci_must_run():
-    pytest.fail(f"CI must run the network benchmark test, but: {_SKIP}")
+pytestmark = needs_netns(_SKIP)
 
 
 def _namespaces(prefix: str) -> list[str]:

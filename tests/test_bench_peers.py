@@ -14,19 +14,12 @@ from pathlib import Path
 import pytest
 
 from scripts._bench import netns
+from tests.helpers import needs_netns
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_peers.py"
 _SKIP = netns.netns_available()
-if _SKIP is not None and os.environ.get("CI"):
-    pytestmark = pytest.mark.usefixtures("_ci_must_run")
-else:
-    pytestmark = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
-
-
-@pytest.fixture
-def _ci_must_run():
-    pytest.fail(f"CI must run the peer benchmark test, but: {_SKIP}")
+pytestmark = needs_netns(_SKIP)
 
 
 def test_a_small_run_measures_steps_and_wire_bytes_of_each_hook(tmp_path):
