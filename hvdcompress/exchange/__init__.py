@@ -18,6 +18,7 @@ from hvdcompress.exchange.allgather import GatheredExchange
 from hvdcompress.exchange.base import InFlight
 from hvdcompress.exchange.choose import (
     EXCHANGES,
+    ExchangePlan,
     PayloadEstimate,
     allgather_bytes,
     check_exchange,
@@ -36,6 +37,7 @@ from hvdcompress.exchange.twostage import (
 
 __all__ = [
     "EXCHANGES",
+    "ExchangePlan",
     "GatheredExchange",
     "HierarchicalExchange",
     "InFlight",
