@@ -11,15 +11,18 @@ warning) and one check (``checkpoint.check_optimizer_state``).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 
 import torch
 
 from hvdcompress.buckets import PieceKey
 from hvdcompress.checkpoint import check_optimizer_state, without_other_ranks_state
+from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.stats import StepStats
 
-__all__ = ["StepAccount", "check_rank_state", "piece_shapes", "rank_state"]
+__all__ = ["StepAccount", "check_rank_state", "load_rank_state", "piece_shapes", "rank_state"]
 
 
 class StepAccount:
@@ -98,6 +101,34 @@ def check_rank_state(state, transport, compressor, shapes) -> dict:
         shapes=shapes(state) if callable(shapes) else shapes,
     )
     return state
+
+
+def load_rank_state(state: dict, compressor, policy=None, then=None):
+    """Load a checked ``state`` (``check_rank_state``): the compressor's part, the
+    policy's where both exist, then ``then()`` (the inner optimizer's state), whose value
+    is returned. On any error nothing stays loaded: the compressor's state, its per-tensor
+    levels and the policy's are put back as they were, and the cause is raised."""
+    # a policy's per-tensor levels (DQSG's and QSGD's ``levels`` is their int parameter)
+    levels = compressor.levels if isinstance(compressor, PerTensorLevels) else None
+    before = (
+        compressor.state_dict(),
+        dict(levels) if levels is not None else None,
+        copy.deepcopy(policy.state_dict()) if policy is not None else None,
+    )
+    try:
+        compressor.load_state_dict(state["compressor_state"])
+        if "policy" in state and policy is not None:
+            policy.load_state_dict(state["policy"])
+        return then() if then is not None else None
+    except BaseException:
+        with contextlib.suppress(Exception):  # put back what was there; raise the cause
+            compressor.load_state_dict(before[0])
+            if policy is not None:
+                policy.load_state_dict(before[2])
+            if levels is not None:
+                levels.clear()
+                levels.update(before[1])
+        raise
 
 
 def piece_shapes(state: dict, shapes: dict, guess: bool) -> dict:

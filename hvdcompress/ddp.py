@@ -34,7 +34,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hvdcompress import checks
-from hvdcompress.adapter_core import StepAccount, check_rank_state, piece_shapes, rank_state
+from hvdcompress.adapter_core import (
+    StepAccount,
+    check_rank_state,
+    load_rank_state,
+    piece_shapes,
+    rank_state,
+)
 from hvdcompress.buckets import Bucket
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
@@ -44,7 +50,7 @@ from hvdcompress.stats import StepStats
 from hvdcompress.transports.base import drain_worker, start_worker
 from hvdcompress.transports.cost import calibrate_link
 
-__all__ = ["DDPHookState", "ddp_hook", "hooked_optimizer"]
+__all__ = ["DDPHookState", "ddp_hook"]
 
 NEVER_CALLED = (
     "hvdcompress: an optimizer step over the parameters of this DDPHookState ran, but DDP "
@@ -343,7 +349,7 @@ class DDPHookState:
             dict(state), self._bound_transport(), self.compressor,
             lambda mine: piece_shapes(mine, self._shapes, guess=not self._named_given),
         )  # fmt: skip
-        self.compressor.load_state_dict(copy.deepcopy(state["compressor_state"]))
+        load_rank_state(copy.deepcopy(state), self.compressor)
 
 
 def _world_if_none(group):
@@ -485,41 +491,3 @@ class _FinishBucket:
             )
             remember(error)  # DDP keeps only its text: hvdcompress.payload_error finds it
         return self.buffer if error is None else error
-
-
-class _HookedOptimizer(torch.optim.Optimizer):
-    """Methods mixed into a subclass of the wrapped optimizer's class (``hooked_optimizer``)."""
-
-    def __init__(self, params, state: DDPHookState) -> None:
-        super(self.__class__, self).__init__(params)
-        self._hook_state = state
-
-    @property
-    def last_stats(self) -> StepStats:
-        return self._hook_state.last_stats
-
-    def state_dict(self):
-        state = super(self.__class__, self).state_dict()
-        state["hvdcompress"] = self._hook_state.state_dict()
-        return state
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        ours = state_dict.pop("hvdcompress", None)
-        if ours is not None:
-            self._hook_state.load_state_dict(ours)
-        return super(self.__class__, self).load_state_dict(state_dict)
-
-
-def hooked_optimizer(optimizer: torch.optim.Optimizer, state: DDPHookState):
-    """``optimizer`` (of a DDP model whose comm hook has ``state``) as a training loop
-    written for ``DistributedOptimizer`` uses it: ``last_stats`` of its last step, and
-    ``state_dict()`` carrying the hook's state under ``"hvdcompress"`` (per rank, loaded
-    by ``load_state_dict`` with ``DDPHookState.load_state_dict``'s rule). Same class
-    pattern as ``DistributedOptimizer``: an instance of a subclass of its class."""
-    cls = type(
-        optimizer.__class__.__name__,
-        (optimizer.__class__,),
-        dict(_HookedOptimizer.__dict__),
-    )
-    return cls(optimizer.param_groups, state)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from hvdcompress import checks
-from hvdcompress.adapter_core import StepAccount, check_rank_state, rank_state
+from hvdcompress.adapter_core import StepAccount, check_rank_state, load_rank_state, rank_state
 from hvdcompress.buckets import (
     Bucket,
     check_agreement,
@@ -20,7 +20,6 @@ from hvdcompress.buckets import (
     resolve_groups,
 )
 from hvdcompress.compressors import Compressor, get_compressor
-from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.exchange import GatheredExchange, SummedExchange, choose_exchanges
 from hvdcompress.optimizer.options import Average, HorovodOptions, _normalize_op
 from hvdcompress.optimizer.process_sets import _OutsideProcessSet
@@ -343,8 +342,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         naming the entry); on any error nothing stays loaded. Another rank's state of the
         same job size loads by ``without_other_ranks_state``'s rule. As in Horovod,
         loading ends any gradient accumulation in progress."""
-        import copy
-
         if self._in_flight:
             raise AssertionError(
                 "optimizer.load_state_dict() was called after loss.backward() but before "
@@ -366,28 +363,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for exchange in self._exchanges.values():  # the two-stage exchange's piece state
             shapes.update(exchange.state_shapes())
         ours = check_rank_state(ours, self._transport, self._compressor, shapes)
-        comp, policy = self._compressor, self._policy
-        # a policy's per-tensor levels (DQSG's and QSGD's ``levels`` is their int parameter)
-        levels = comp.levels if isinstance(comp, PerTensorLevels) else None
-        before = (
-            comp.state_dict(),
-            dict(levels) if levels is not None else None,
-            copy.deepcopy(policy.state_dict()) if policy is not None else None,
-        )
-        try:
-            comp.load_state_dict(ours["compressor_state"])
-            if "policy" in ours and policy is not None:
-                policy.load_state_dict(ours["policy"])
-            return super(self.__class__, self).load_state_dict(state_dict)
-        except BaseException:
-            with contextlib.suppress(Exception):  # put back what was there; raise the cause
-                comp.load_state_dict(before[0])
-                if policy is not None:
-                    policy.load_state_dict(before[2])
-                if levels is not None:
-                    levels.clear()
-                    levels.update(before[1])
-            raise
+        return load_rank_state(
+            ours, self._compressor, self._policy,
+            then=lambda: super(self.__class__, self).load_state_dict(state_dict),
+        )  # fmt: skip
 
     @property
     def last_stats(self) -> StepStats:
