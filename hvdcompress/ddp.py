@@ -15,10 +15,12 @@ bucket's future, so backward goes on while the bytes move; otherwise each bucket
 finishes inside the hook.
 
 Invariants: every transport's collectives are started from one thread, in bucket order,
-the same on every rank; on the gather paths every rank holds bit-identical averaged
+the same on every rank (the hook starts every part's collectives before it returns; the
+finisher starts only ``finish``'s, on its own transport); each hook call returns one
+future, completed with the buffer or the error; on the gather paths every rank holds bit-identical averaged
 gradients; a payload error fails every rank's backward with the ``PayloadError``'s text;
 the state (``state_dict``: this rank's residuals) is checkpointable like the optimizer's,
-with the same rule for another rank's state. The first optimizer step over the state's
+with the same rule for another rank's state (both in ``adapter_core``). The first optimizer step over the state's
 parameters warns when DDP never called the hook (Lightning's ``DDPStrategy`` registers
 comm hooks on CUDA only).
 """
