@@ -17,11 +17,12 @@ finishes inside the hook.
 Invariants: every transport's collectives are started from one thread, in bucket order,
 the same on every rank (the hook starts every part's collectives before it returns; the
 finisher starts only ``finish``'s, on its own transport); each hook call returns one
-future, completed with the buffer or the error; on the gather paths every rank holds bit-identical averaged
-gradients; a payload error fails every rank's backward with the ``PayloadError``'s text;
-the state (``state_dict``: this rank's residuals) is checkpointable like the optimizer's,
-with the same rule for another rank's state (both in ``adapter_core``). The first optimizer step over the state's
-parameters warns when DDP never called the hook (Lightning's ``DDPStrategy`` registers
+future, completed with the buffer or the error; on the gather paths every rank holds
+bit-identical averaged gradients; a payload error fails every rank's backward with the
+``PayloadError``'s text; the state (``state_dict``: this rank's residuals) is
+checkpointable like the optimizer's, with the same rule for another rank's state (both in
+``adapter_core``). The first optimizer step over the state's parameters warns when DDP
+never called the hook (Lightning's ``DDPStrategy`` registers
 comm hooks on CUDA only).
 """
 
