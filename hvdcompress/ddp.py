@@ -22,8 +22,7 @@ bit-identical averaged gradients; a payload error fails every rank's backward wi
 ``PayloadError``'s text; the state (``state_dict``: this rank's residuals) is
 checkpointable like the optimizer's, with the same rule for another rank's state (both in
 ``adapter_core``). The first optimizer step over the state's parameters warns when DDP
-never called the hook (Lightning's ``DDPStrategy`` registers
-comm hooks on CUDA only).
+never called the hook (Lightning's ``DDPStrategy`` registers comm hooks on CUDA only).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's return annotation
