@@ -9,7 +9,7 @@ from hvdcompress import checkpoint, wire
 from hvdcompress.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from hvdcompress.compat import Compression
 from hvdcompress.compressors import Compressor, Ctx, available, get_compressor
-from hvdcompress.ddp import DDPHookState, ddp_hook, hooked_optimizer
+from hvdcompress.ddp import DDPHookState, ddp_hook
 from hvdcompress.errors import PayloadError, payload_error
 from hvdcompress.optimizer import (
     Adasum,
@@ -19,6 +19,7 @@ from hvdcompress.optimizer import (
     RankAgreementError,
     Sum,
 )
+from hvdcompress.optimizer.hooked import hooked_optimizer
 from hvdcompress.policies import CAT, Accordion
 from hvdcompress.transports.cost import AffineCost, LinkCost, PacketCost, calibrate, calibrate_link
 

@@ -15,18 +15,19 @@ bucket's future, so backward goes on while the bytes move; otherwise each bucket
 finishes inside the hook.
 
 Invariants: every transport's collectives are started from one thread, in bucket order,
-the same on every rank; on the gather paths every rank holds bit-identical averaged
-gradients; a payload error fails every rank's backward with the ``PayloadError``'s text;
-the state (``state_dict``: this rank's residuals) is checkpointable like the optimizer's,
-with the same rule for another rank's state. The first optimizer step over the state's
-parameters warns when DDP never called the hook (Lightning's ``DDPStrategy`` registers
-comm hooks on CUDA only).
+the same on every rank (the hook starts every part's collectives before it returns; the
+finisher starts only ``finish``'s, on its own transport); each hook call returns one
+future, completed with the buffer or the error; on the gather paths every rank holds
+bit-identical averaged gradients; a payload error fails every rank's backward with the
+``PayloadError``'s text; the state (``state_dict``: this rank's residuals) is
+checkpointable like the optimizer's, with the same rule for another rank's state (both in
+``adapter_core``). The first optimizer step over the state's parameters warns when DDP
+never called the hook (Lightning's ``DDPStrategy`` registers comm hooks on CUDA only).
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's return annotation
 # (torch.futures.Future[torch.Tensor]) as an object.
 import copy
-import math
 import time
 import warnings
 import weakref
@@ -35,7 +36,14 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hvdcompress import checks
-from hvdcompress.buckets import Bucket, PieceKey
+from hvdcompress.adapter_core import (
+    StepAccount,
+    check_rank_state,
+    load_rank_state,
+    piece_shapes,
+    rank_state,
+)
+from hvdcompress.buckets import Bucket
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.errors import PayloadError, remember
@@ -44,7 +52,7 @@ from hvdcompress.stats import StepStats
 from hvdcompress.transports.base import drain_worker, start_worker
 from hvdcompress.transports.cost import calibrate_link
 
-__all__ = ["DDPHookState", "ddp_hook", "hooked_optimizer"]
+__all__ = ["DDPHookState", "ddp_hook"]
 
 NEVER_CALLED = (
     "hvdcompress: an optimizer step over the parameters of this DDPHookState ran, but DDP "
@@ -113,8 +121,7 @@ class DDPHookState:
             self._set_names(named_parameters)
         self.hook_calls = 0
         self._steps = 0  # optimizer steps that ended a step of this state
-        self.step_stats = StepStats()
-        self.last_stats = StepStats()
+        self._account = StepAccount()
         self._step_calls = 0  # hook_calls when the last step ended
         # every optimizer's step passes through here; it ends this state's step when the
         # optimizer holds this state's parameters (weakly: the state may be collected)
@@ -255,25 +262,34 @@ class DDPHookState:
         ddp_model.register_comm_hook(self, ddp_hook)
         return self
 
-    def exchange_of(self, part: Bucket):
-        """The exchange of a part of a DDP bucket: the uncompressed parts' allreduce, or,
-        for the compressed part, ``choose_exchanges``'s choice for ``exchange=`` (made once
-        per set of tensors: DDP rebuilds its buckets after the first step). A part that
-        choice sends dense is marked ``compressed = False``."""
-        if not part.compressed:
-            return self._dense_exchange
-        key = tuple(part.names)
-        if key not in self._exchanges:
-            chosen = choose_exchanges(
-                self.compressor, self.uncompressed, self._transport, [part], self.exchange,
-                finish_transport=self._finish_transport, per_tensor=True,
-                link_cost=self.link_cost,
-            )  # fmt: skip
-            self._exchanges[key] = chosen[part.index] if part.compressed else None
-        if self._exchanges[key] is None:
-            part.compressed = False
-            return self._dense_exchange
-        return self._exchanges[key]
+    def exchange_of(self, part: Bucket) -> tuple[Bucket, object]:
+        """A part of a DDP bucket as it travels, with its exchange: an uncompressed part
+        on the dense allreduce; the compressed part on ``choose_exchanges``'s choice for
+        ``exchange=`` (made once per set of tensors: DDP rebuilds its buckets after the
+        first step), or, where that choice sends it dense, as an uncompressed part."""
+        if part.compressed:
+            key = tuple(part.names)
+            if key not in self._exchanges:
+                plan = choose_exchanges(
+                    self.compressor, self._transport, [part], self.exchange,
+                    finish_transport=self._finish_transport, per_tensor=True,
+                    link_cost=self.link_cost,
+                )  # fmt: skip
+                self._exchanges[key] = None if part.index in plan.dense else plan[part.index]
+            if self._exchanges[key] is not None:
+                return part, self._exchanges[key]
+            part = Bucket(part.index, part.params, part.names, compressed=False)
+        return part, self._dense_exchange
+
+    @property
+    def step_stats(self) -> StepStats:
+        """The ``StepStats`` of the buckets reduced since the last step ended."""
+        return self._account.current
+
+    @property
+    def last_stats(self) -> StepStats:
+        """The ``StepStats`` of the last optimizer step (``end_step``)."""
+        return self._account.last
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -284,8 +300,7 @@ class DDPHookState:
         if self.hook_calls == self._step_calls:
             return
         self._step_calls = self.hook_calls
-        self.step_stats.metrics = self.compressor.pop_metrics()
-        self.last_stats, self.step_stats = self.step_stats, StepStats()
+        self._account.end(self.compressor)
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         if not self._names:  # nothing known of the model yet: any optimizer counts
@@ -318,13 +333,7 @@ class DDPHookState:
         """This rank's compressor state (residuals), tagged with the rank and job size."""
         if self._transport is None and self._pending_state is not None:
             return copy.deepcopy(self._pending_state)  # loaded, not yet bound: as loaded
-        transport = self._bound_transport()
-        return {
-            "rank": transport.rank,
-            "size": transport.size,
-            "compressor": repr(self.compressor),
-            "compressor_state": self.compressor.state_dict(),
-        }
+        return rank_state(self._bound_transport(), self.compressor)
 
     def load_state_dict(self, state: dict) -> None:
         """Load a ``state_dict()``; another rank's (same job size) loads without its
@@ -337,42 +346,12 @@ class DDPHookState:
         if self._transport is None and not dist.is_initialized():
             self._pending_state = copy.deepcopy(dict(state))
             return
-        from hvdcompress.checkpoint import check_optimizer_state, without_other_ranks_state
-
-        transport = self._bound_transport()
-        rank, size = transport.rank, transport.size
-        state = without_other_ranks_state(dict(state), rank, size)
         # self._shapes: with named_parameters, every name the model has
-        shapes = _state_shapes(state, self._shapes, guess=not self._named_given)
-        check_optimizer_state(
-            state, rank=rank, size=size, compressor=repr(self.compressor), shapes=shapes
-        )
-        self.compressor.load_state_dict(copy.deepcopy(state["compressor_state"]))
-
-
-def _state_shapes(state: dict, shapes: dict, guess: bool) -> dict:
-    """``shapes`` (the tensors' names and shapes known so far) with those of ``state``'s
-    two-stage pieces: DDP's buckets, and so the pieces, are known only once DDP hands
-    them over, so a piece of a known tensor is accepted where it lies within that tensor.
-    With ``guess`` (no names met yet: before the first bucket), the residuals' own sizes
-    too, which the compressor checks when it first uses them."""
-    shapes = dict(shapes)
-    comp = state.get("compressor_state")
-    entries = (
-        {k: v for k, v in comp.items() if isinstance(v, dict)} if isinstance(comp, dict) else {}
-    )
-    if guess:
-        for key in ("residuals", "velocity"):
-            for name, t in entries.get(key, {}).items():
-                if isinstance(t, torch.Tensor) and not PieceKey.parse(name):
-                    shapes.setdefault(name, (int(t.numel()),))
-    tensors = dict(shapes)  # a piece lies within one of these, not within another piece
-    for name in {n for entry in entries.values() for n in entry if isinstance(n, str)}:
-        piece = PieceKey.parse(name)
-        if piece and piece.name in tensors:
-            if piece.start < piece.stop <= math.prod(tensors[piece.name]):
-                shapes[name] = (piece.stop - piece.start,)
-    return shapes
+        state = check_rank_state(
+            dict(state), self._bound_transport(), self.compressor,
+            lambda mine: piece_shapes(mine, self._shapes, guess=not self._named_given),
+        )  # fmt: skip
+        load_rank_state(copy.deepcopy(state), self.compressor)
 
 
 def _world_if_none(group):
@@ -434,7 +413,7 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
             [names[i] for i in chosen],
             compressed=compressed,
         )
-        parts.append((part, state.exchange_of(part), chosen))
+        parts.append((*state.exchange_of(part), chosen))
     if not any(part.compressed for part, _, _ in parts):  # "auto" sent it all dense
         return _allreduce_like_ddp(state, buffer)
     started = []
@@ -470,14 +449,7 @@ def _allreduce_like_ddp(state: DDPHookState, buffer: torch.Tensor):
     import torch.distributed as dist
 
     size = state.transport.size
-    stats = state.step_stats
-    nbytes = buffer.numel() * buffer.element_size()
-    stats.numel += buffer.numel()
-    stats.raw_bytes += nbytes
-    stats.payload_bytes += nbytes
-    stats.wire_bytes += 2.0 * (size - 1) / size * nbytes
-    stats.sent_bytes += (2 * (size - 1) * nbytes) // size
-    stats.collectives += 1
+    state._account.allreduced(buffer, size)
     buffer.div_(size)
     work = dist.all_reduce(buffer, group=state._group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
@@ -500,7 +472,7 @@ class _FinishBucket:
             self.future.set_result(result)
 
     def _finish(self):
-        stats = self.state.step_stats
+        account = self.state._account
         scale = 1.0 / self.state.transport.size
         error = None
         for part, comp, exchange, flight, start_s in self.started:
@@ -508,10 +480,8 @@ class _FinishBucket:
                 exchange.finish(part, comp, flight, scale, decode=error is None)
             except BaseException as err:  # noqa: BLE001 - the future carries it
                 error = error or err
-            stats.numel += sum(p.numel() for p in part.params)
-            stats.raw_bytes += sum(g.numel() * g.element_size() for g in flight.grads)
-            stats.add(flight)
-            stats.compress_s += start_s  # encode (and, inline, the collectives too)
+            account.started(flight.grads, start_s)  # encode (inline: the collectives too)
+            account.finished(flight)
         if error is not None and isinstance(error, PayloadError):
             names = [n for part, *_ in self.started for n in part.names]
             error = PayloadError(
@@ -523,41 +493,3 @@ class _FinishBucket:
             )
             remember(error)  # DDP keeps only its text: hvdcompress.payload_error finds it
         return self.buffer if error is None else error
-
-
-class _HookedOptimizer(torch.optim.Optimizer):
-    """Methods mixed into a subclass of the wrapped optimizer's class (``hooked_optimizer``)."""
-
-    def __init__(self, params, state: DDPHookState) -> None:
-        super(self.__class__, self).__init__(params)
-        self._hook_state = state
-
-    @property
-    def last_stats(self) -> StepStats:
-        return self._hook_state.last_stats
-
-    def state_dict(self):
-        state = super(self.__class__, self).state_dict()
-        state["hvdcompress"] = self._hook_state.state_dict()
-        return state
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        ours = state_dict.pop("hvdcompress", None)
-        if ours is not None:
-            self._hook_state.load_state_dict(ours)
-        return super(self.__class__, self).load_state_dict(state_dict)
-
-
-def hooked_optimizer(optimizer: torch.optim.Optimizer, state: DDPHookState):
-    """``optimizer`` (of a DDP model whose comm hook has ``state``) as a training loop
-    written for ``DistributedOptimizer`` uses it: ``last_stats`` of its last step, and
-    ``state_dict()`` carrying the hook's state under ``"hvdcompress"`` (per rank, loaded
-    by ``load_state_dict`` with ``DDPHookState.load_state_dict``'s rule). Same class
-    pattern as ``DistributedOptimizer``: an instance of a subclass of its class."""
-    cls = type(
-        optimizer.__class__.__name__,
-        (optimizer.__class__,),
-        dict(_HookedOptimizer.__dict__),
-    )
-    return cls(optimizer.param_groups, state)

@@ -1,6 +1,7 @@
 """The exchange core's interface (hvdcompress/exchange.py): it averages the gradient
-tensors it is handed in place, never touches a parameter, and ``start`` hands back a
-``torch.futures.Future`` that ``finish`` completes with those tensors, or with the error."""
+tensors it is handed in place, never touches a parameter, and ``finish`` hands back those
+tensors, raises the error, or (draining) writes nothing. No future per bucket: the DDP
+hook makes the one future of its call (tests/test_ddp_hook.py)."""
 
 from __future__ import annotations
 
@@ -34,16 +35,13 @@ def _bucket(n: int = 2):
 @pytest.mark.parametrize(
     "exchange_cls, name", [(SummedExchange, "none"), (GatheredExchange, "3lc")]
 )
-def test_finish_completes_the_future_with_the_tensors_it_averaged_in_place(exchange_cls, name):
+def test_finish_returns_the_tensors_it_averaged_in_place(exchange_cls, name):
     bucket, params, grads = _bucket()
     compressor = comp(name)
     exchange = exchange_cls(LocalTransport())
     before = [g.clone() for g in grads]
     flight = exchange.start(bucket, compressor, grads)
-    assert not flight.future.done()
-    exchange.finish(bucket, compressor, flight, 0.5, decode=True)
-    assert flight.future.done()
-    value = flight.future.wait()
+    value = exchange.finish(bucket, compressor, flight, 0.5, decode=True)
     assert len(value) == len(grads) and all(v is g for v, g in zip(value, grads, strict=True))
     assert all(p.grad is None for p in params)  # the exchange never touches a parameter
     for g, b in zip(grads, before, strict=True):
@@ -53,25 +51,20 @@ def test_finish_completes_the_future_with_the_tensors_it_averaged_in_place(excha
             assert not torch.equal(g, b) and g.shape == b.shape
 
 
-def test_a_payload_that_fails_to_decode_ends_the_future_with_the_error():
+def test_a_payload_that_fails_to_decode_raises_from_finish():
     bucket, _, grads = _bucket()
     compressor = comp("3lc")
     exchange = GatheredExchange(FlippingTransport())
     flight = exchange.start(bucket, compressor, grads)
     with pytest.raises(PayloadError):
         exchange.finish(bucket, compressor, flight, 1.0, decode=True)
-    assert flight.future.done()
-    with pytest.raises(PayloadError):
-        flight.future.wait()
 
 
-def test_a_drained_bucket_ends_its_future_with_an_error_and_writes_nothing():
+def test_a_drained_bucket_returns_nothing_and_writes_nothing():
     bucket, _, grads = _bucket()
     compressor = comp("3lc")
     exchange = GatheredExchange(LocalTransport())
     before = [g.clone() for g in grads]
     flight = exchange.start(bucket, compressor, grads)
-    exchange.finish(bucket, compressor, flight, 1.0, decode=False)
-    with pytest.raises(RuntimeError, match="not averaged"):
-        flight.future.wait()
+    assert exchange.finish(bucket, compressor, flight, 1.0, decode=False) is None
     assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True))

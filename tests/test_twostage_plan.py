@@ -180,14 +180,13 @@ def test_every_transport_counts_its_traffic_in_the_base_class():
 
 def test_choose_exchanges_by_mode():
     model = torch.nn.Sequential(torch.nn.Linear(100, 200), torch.nn.Linear(200, 1))
-    none = hvdcompress.get_compressor("none")
     t = _Fake(rank=0, size=4)
     buckets = _buckets(model)
     sizes = [sum(p.numel() for p in b.params) for b in buckets]
 
     def kinds(comp, transport, mode, **kw):
-        fresh = _buckets(model)  # "auto" marks the buckets it sends dense
-        chosen = choose_exchanges(comp, none, transport, fresh, mode, **kw)
+        fresh = _buckets(model)
+        chosen = choose_exchanges(comp, transport, fresh, mode, **kw)
         return [chosen[b.index].kind for b in fresh]
 
     three = hvdcompress.get_compressor("3lc")
@@ -205,9 +204,9 @@ def test_choose_exchanges_by_mode():
     for name in ("ndqsg", "dgc"):
         comp = hvdcompress.get_compressor(name)
         with pytest.raises(ValueError, match=f"{name} cannot"):
-            choose_exchanges(comp, none, t, buckets, "twostage")
+            choose_exchanges(comp, t, buckets, "twostage")
         assert set(kinds(comp, t, "auto")) == {"allgather", "allreduce"}
     with pytest.raises(ValueError, match="summable"):
-        choose_exchanges(fp16, none, t, buckets, "twostage")
+        choose_exchanges(fp16, t, buckets, "twostage")
     with pytest.raises(ValueError, match="exchange must be one of"):
-        choose_exchanges(three, none, t, buckets, "ring")
+        choose_exchanges(three, t, buckets, "ring")

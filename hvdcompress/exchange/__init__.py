@@ -5,7 +5,8 @@ driver: docs/design.md, "The exchange").
 allreduce per phase), a ``GatheredExchange`` (one allgather of every rank's bucket frame)
 or a ``TwoStageExchange`` (a compressed reduce-scatter, then an allgather of
 re-compressed shards). Each averages in place the gradient tensors it is handed:
-``start`` returns the bucket's ``InFlight``, whose ``future`` ``finish`` completes.
+``start`` returns the bucket's ``InFlight``, which ``finish`` completes (no future per
+bucket: the DDP hook returns one future per call).
 
 Invariants: every rank starts the same collectives in the same order (the two-stage
 exchange runs stage 2 of every bucket it started, even while draining after an error);
@@ -18,6 +19,7 @@ from hvdcompress.exchange.allgather import GatheredExchange
 from hvdcompress.exchange.base import InFlight
 from hvdcompress.exchange.choose import (
     EXCHANGES,
+    ExchangePlan,
     PayloadEstimate,
     allgather_bytes,
     check_exchange,
@@ -36,6 +38,7 @@ from hvdcompress.exchange.twostage import (
 
 __all__ = [
     "EXCHANGES",
+    "ExchangePlan",
     "GatheredExchange",
     "HierarchicalExchange",
     "InFlight",

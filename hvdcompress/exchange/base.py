@@ -25,8 +25,9 @@ class Collective:
 
 @dataclass
 class InFlight:
-    """A bucket whose collective has started; ``finish`` writes ``grads`` in place, fills
-    in the times and completes ``future`` (its value: ``grads``)."""
+    """A bucket whose collective has started; ``finish`` writes ``grads`` in place and
+    fills in the times. No future of its own: the adapter that drives the exchange makes
+    the one future its caller waits on (the DDP hook's), so each hook call makes one."""
 
     ctxs: list[Ctx]
     collectives: list[Collective]
@@ -38,7 +39,6 @@ class InFlight:
     nonfinite: list[str] = field(default_factory=list)  # sums that were not finite
     shards: list = field(default_factory=list)  # two-stage: the plan_shards of this bucket
     stages: object = None  # hierarchical: what its later stages need (_Stages)
-    future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 
 def waited(flight: InFlight, collective: Collective):
@@ -70,22 +70,15 @@ class _Exchange:
         shapes (checked when a checkpoint is loaded); none but for the two-stage one."""
         return {}
 
-    def finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
-        """Wait for the bucket's collective, then (unless ``decode`` is False: draining
-        after an error) decode and write the gradients; times go into ``flight``. The
-        bucket's ``future`` ends with the averaged gradients, or with the error (draining:
-        a RuntimeError), which is also raised."""
-        try:
-            self._finish(bucket, comp, flight, scale, decode)
-        except BaseException as err:
-            flight.future.set_exception(err)
-            raise
-        if decode:
-            flight.future.set_result(flight.grads)
-        else:
-            flight.future.set_exception(
-                RuntimeError(f"tensors {bucket.names} were not averaged: drained after an error")
-            )
+    def finish(
+        self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool
+    ) -> list[torch.Tensor] | None:
+        """Wait for the bucket's collectives, then (unless ``decode`` is False: draining
+        after an error, nothing written) decode and write the gradients; times go into
+        ``flight``. Returns the averaged gradients (``flight.grads``, the tensors ``start``
+        was handed), None when draining; a decode error is raised (``PayloadError``)."""
+        self._finish(bucket, comp, flight, scale, decode)
+        return flight.grads if decode else None
 
     def _finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
         result = waited(flight, flight.collectives[0])

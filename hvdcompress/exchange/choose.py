@@ -124,16 +124,29 @@ def check_exchange(mode, link_cost) -> None:
         raise TypeError(f"link_cost must be None, 'measure' or a LinkCost, got {link_cost!r}")
 
 
+@dataclass(frozen=True)
+class ExchangePlan:
+    """``choose_exchanges``'s decision: ``exchanges``, the exchange of every bucket (by
+    ``Bucket.index``; ``plan[index]``), and ``dense``, the indices of the compressed
+    buckets that "auto" sends dense (their exchange is a ``SummedExchange``: the caller
+    sends them with its uncompressed compressor). The buckets themselves are not touched."""
+
+    exchanges: dict[int, _Exchange]
+    dense: frozenset[int] = frozenset()
+
+    def __getitem__(self, index: int) -> _Exchange:
+        return self.exchanges[index]
+
+
 def choose_exchanges(
     compressor: Compressor,
-    uncompressed: SummableCompressor,
     transport: Transport,
     buckets: list[Bucket],
     mode: str = "auto",
     finish_transport: Transport | None = None,
     per_tensor: bool = False,
     link_cost: LinkCost | str | None = None,
-) -> dict[int, _Exchange]:
+) -> ExchangePlan:
     """The exchange of every bucket (by ``Bucket.index``), for ``exchange=mode``.
 
     Uncompressed buckets and summable compressors: the allreduce. Gather-only ones:
@@ -145,8 +158,8 @@ def choose_exchanges(
     depends only on the buckets, N and the compressor's configuration: the same on every
     rank. In "auto", a gather-only bucket whose payload headers alone would move more
     bytes per rank than its dense allreduce goes dense: it gets a ``SummedExchange`` and
-    is marked ``compressed = False`` (the caller sends it with its uncompressed
-    compressor).
+    its index is in the plan's ``dense`` (the caller sends it with its uncompressed
+    compressor); the buckets are left as they are.
 
     ``link_cost`` (``LinkCost``, or "measure" to ``calibrate_link`` the transport now,
     collectively): "auto" picks, among the dense allreduce, the allgather and the
@@ -186,6 +199,7 @@ def choose_exchanges(
         link_cost = calibrate_link(transport)
     estimate = compute = None
     chosen: dict[int, _Exchange] = {}
+    dense_indices: set[int] = set()
     for b in buckets:
         if not b.compressed or isinstance(compressor, SummableCompressor):
             chosen[b.index] = SummedExchange(transport, finish_transport)
@@ -233,7 +247,7 @@ def choose_exchanges(
             dense = ring if ring < floor else math.inf
         best = min(costs, key=costs.get)  # a tie keeps the allgather (inserted first)
         if dense < costs[best]:
-            b.compressed = False
+            dense_indices.add(b.index)
             best = SummedExchange(transport, finish_transport)
         chosen[b.index] = best
-    return chosen
+    return ExchangePlan(chosen, frozenset(dense_indices))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from hvdcompress import checks
+from hvdcompress.adapter_core import StepAccount, check_rank_state, load_rank_state, rank_state
 from hvdcompress.buckets import (
     Bucket,
     check_agreement,
@@ -19,7 +20,6 @@ from hvdcompress.buckets import (
     resolve_groups,
 )
 from hvdcompress.compressors import Compressor, get_compressor
-from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.exchange import GatheredExchange, SummedExchange, choose_exchanges
 from hvdcompress.optimizer.options import Average, HorovodOptions, _normalize_op
 from hvdcompress.optimizer.process_sets import _OutsideProcessSet
@@ -143,17 +143,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets = make_buckets(named, fusion_threshold, self._min_numel, self._groups)
         _check_dtypes(compressor, self._buckets)
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
-        self._exchanges = choose_exchanges(
-            compressor, self._uncompressed, transport, self._buckets, exchange,
+        plan = choose_exchanges(
+            compressor, transport, self._buckets, exchange,
             link_cost=link_cost if self._included else None,
         )  # fmt: skip
+        for b in self._buckets:  # the buckets "auto" sends dense go uncompressed
+            b.compressed = b.compressed and b.index not in plan.dense
+        self._exchanges = plan.exchanges
         self._passes_left = {id(p): self.backward_passes_per_step for _, p in named}
         self._in_flight: dict[int, _Launched] = {}
         self._next_bucket = 0  # buckets start strictly in order
         self._should_synchronize = True
         self._synchronized = False
-        self.last_stats = StepStats()
-        self._stats = StepStats()
+        self._account = StepAccount()
         compressor.check_optimizer(self)  # e.g. DGC refuses an inner optimizer with momentum
         self._policy = policy
         if not self._included:  # as Horovod: no hooks, no collectives
@@ -230,10 +232,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._in_flight[bucket.index] = _Launched(
             part if dense else None, exchange, flight, sparse_flights, densified
         )
-        s = self._stats
-        s.numel += sum(p.grad.numel() for p in bucket.params)
-        s.raw_bytes += sum(p.grad.numel() * p.grad.element_size() for p in bucket.params)
-        s.compress_s += time.perf_counter() - t0
+        self._account.started([p.grad for p in bucket.params], time.perf_counter() - t0)
 
     def _comp(self, bucket: Bucket) -> Compressor:
         return self._compressor if bucket.compressed else self._uncompressed
@@ -260,8 +259,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             except BaseException as err:  # noqa: BLE001 - keep draining, then raise
                 error = error or err
             for p, handle, nbytes in launched.sparse:
-                self._stats.collectives += 1
-                self._stats.payload_bytes += nbytes
+                self._account.sent_sparse(nbytes)
                 try:
                     result = handle.wait()
                     if error is None:
@@ -271,20 +269,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in launched.densified:
                 p.grad = p.grad.to_sparse()
             if flight is not None:
-                self._stats.add(flight)
+                self._account.finished(flight)
         if error is None and self._raise_on_nonfinite:
             named = [(self._parameter_names[p], p.grad) for b in self._buckets for p in b.params]
             try:
                 NonFiniteGradientError.check(named, self._compressor)
             except NonFiniteGradientError as err:
                 error = err
-        self._stats.metrics = self._compressor.pop_metrics()
-        if self._policy is not None and error is None:
-            self._policy.after_step(self._stats)  # every collective of the step is done
-            self._stats.metrics = {**self._stats.metrics, **self._policy.pop_metrics()}
+        self._account.end(self._compressor, self._policy if error is None else None)
         self._reset_round()
         self._synchronized = True
-        self.last_stats, self._stats = self._stats, StepStats()
         if error is not None:
             raise error
 
@@ -337,12 +331,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state = super(self.__class__, self).state_dict()
         if not self._included:  # outside process_set: no compressor state
             return state
-        state[STATE_KEY] = {
-            "rank": self._transport.rank,
-            "size": self._transport.size,
-            "compressor": repr(self._compressor),
-            "compressor_state": self._compressor.state_dict(),
-        }
+        state[STATE_KEY] = rank_state(self._transport, self._compressor)
         if self._policy is not None:
             state[STATE_KEY]["policy"] = self._policy.state_dict()  # Accordion's norms, levels
         return state
@@ -353,10 +342,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         naming the entry); on any error nothing stays loaded. Another rank's state of the
         same job size loads by ``without_other_ranks_state``'s rule. As in Horovod,
         loading ends any gradient accumulation in progress."""
-        import copy
-
-        from hvdcompress.checkpoint import check_optimizer_state, without_other_ranks_state
-
         if self._in_flight:
             raise AssertionError(
                 "optimizer.load_state_dict() was called after loss.backward() but before "
@@ -369,8 +354,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ours = state_dict.pop(STATE_KEY, None)
         if ours is None or not self._included:
             return super(self.__class__, self).load_state_dict(state_dict)
-        if isinstance(ours, dict):
-            ours = without_other_ranks_state(ours, self._transport.rank, self._transport.size)
         shapes = {
             n: tuple(p.shape)
             for b in self._buckets
@@ -379,35 +362,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         }
         for exchange in self._exchanges.values():  # the two-stage exchange's piece state
             shapes.update(exchange.state_shapes())
-        check_optimizer_state(
-            ours,
-            rank=self._transport.rank,
-            size=self._transport.size,
-            compressor=repr(self._compressor),
-            shapes=shapes,
-        )
-        comp, policy = self._compressor, self._policy
-        # a policy's per-tensor levels (DQSG's and QSGD's ``levels`` is their int parameter)
-        levels = comp.levels if isinstance(comp, PerTensorLevels) else None
-        before = (
-            comp.state_dict(),
-            dict(levels) if levels is not None else None,
-            copy.deepcopy(policy.state_dict()) if policy is not None else None,
-        )
-        try:
-            comp.load_state_dict(ours["compressor_state"])
-            if "policy" in ours and policy is not None:
-                policy.load_state_dict(ours["policy"])
-            return super(self.__class__, self).load_state_dict(state_dict)
-        except BaseException:
-            with contextlib.suppress(Exception):  # put back what was there; raise the cause
-                comp.load_state_dict(before[0])
-                if policy is not None:
-                    policy.load_state_dict(before[2])
-                if levels is not None:
-                    levels.clear()
-                    levels.update(before[1])
-            raise
+        ours = check_rank_state(ours, self._transport, self._compressor, shapes)
+        return load_rank_state(
+            ours, self._compressor, self._policy,
+            then=lambda: super(self.__class__, self).load_state_dict(state_dict),
+        )  # fmt: skip
+
+    @property
+    def last_stats(self) -> StepStats:
+        """The ``StepStats`` of the last ``synchronize()``."""
+        return self._account.last
 
     @property
     def compressor(self) -> Compressor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import hvdcompress
-from hvdcompress.ddp import hooked_optimizer
+from hvdcompress.optimizer.hooked import hooked_optimizer
 from hvdcompress.stats import StepStats
 from hvdcompress.training.flags import make_compression, make_policy
 from hvdcompress.training.models import MODELS
