@@ -103,6 +103,7 @@ def hooked(row: str, model):
 
     import hvdcompress
     from hvdcompress.training.methods import METHODS
+    from hvdcompress.training.torch_hooks import bf16_hook
 
     if row.startswith("torch-powersgd-r"):
         ddp = DDP(model, bucket_cap_mb=1000)
@@ -116,7 +117,9 @@ def hooked(row: str, model):
     if row == "torch-fp16":
         ddp.register_comm_hook(None, default.fp16_compress_hook)
     elif row == "torch-bf16":
-        ddp.register_comm_hook(None, default.bf16_compress_hook)
+        # torch's bf16 hook under another name: DDP refuses the name without CUDA + NCCL,
+        # though gloo sums bfloat16 on the CPU (hvdcompress.training.torch_hooks)
+        ddp.register_comm_hook(None, bf16_hook)
     elif row.startswith("hvdc-"):
         name = row[len("hvdc-") :].removesuffix("-inline")
         exchange, link_cost = "auto", None
