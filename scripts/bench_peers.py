@@ -103,10 +103,10 @@ def hooked(row: str, model):
 
     import hvdcompress
     from hvdcompress.training.methods import METHODS
-    from hvdcompress.training.torch_hooks import bf16_hook
+    from hvdcompress.training.torch_hooks import POWERSGD_BUCKET_CAP_MB, bf16_hook
 
     if row.startswith("torch-powersgd-r"):
-        ddp = DDP(model, bucket_cap_mb=1000)
+        ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_CAP_MB)  # one bucket: train.py's
         rank = int(row.rsplit("r", 1)[1])
         state = psgd.PowerSGDState(
             process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2

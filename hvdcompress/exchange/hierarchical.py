@@ -41,6 +41,7 @@ from hvdcompress.exchange.allgather import GatheredExchange
 from hvdcompress.exchange.base import Collective, InFlight, _Exchange, waited
 from hvdcompress.exchange.twostage import TwoStageExchange, plan_shards
 from hvdcompress.transports import Transport, topology
+from hvdcompress.transports.simulated import sum_in_rank_order
 from hvdcompress.transports.topology import Topology
 
 STATUS_OK, STATUS_FAILED = 0, 1
@@ -126,7 +127,7 @@ class HierarchicalExchange(_Exchange):
         stage1 = self.intra.start_alltoallv(parts)
         flight = InFlight([], [], list(grads), shards=shards)
         received = waited(flight, Collective(stage1, 0, 0.0))  # the fast link: wait here
-        node_sum = _sum_in_order([r.view(torch.float32) for r in received])
+        node_sum = sum_in_rank_order([r.view(torch.float32) for r in received])
         mine = shards[self.intra.rank]
         pieces = list(node_sum.split([pc.stop - pc.start for pc in mine])) if mine else []
         names = [_piece_name(pc) for pc in mine]
@@ -145,7 +146,7 @@ class HierarchicalExchange(_Exchange):
             shard_bucket = Bucket(bucket.index, stages.pieces, stages.names)
             try:  # the average of every rank's shard, written into the pieces
                 inner = self.cross_exchange(shard_bucket, comp)
-                inner._finish(shard_bucket, comp, stages.cross, scale, decode)
+                inner.finish(shard_bucket, comp, stages.cross, scale, decode)
             except Exception as err:  # noqa: BLE001 - stage 3 must still run on every rank
                 error, status = err, STATUS_FAILED
             flight.wait_s += stages.cross.wait_s
@@ -194,13 +195,6 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(
         [t.detach().reshape(-1).to(device="cpu", dtype=torch.float32) for t in tensors]
     )
-
-
-def _sum_in_order(parts: list[torch.Tensor]) -> torch.Tensor:
-    total = parts[0].clone()
-    for part in parts[1:]:
-        total.add_(part)
-    return total
 
 
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transport -> exchanges

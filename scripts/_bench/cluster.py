@@ -20,7 +20,6 @@ no ssh, and gloo binds to ``eth0`` (``GLOO_SOCKET_IFNAME``).
 
 from __future__ import annotations
 
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,23 +146,6 @@ def cleanup_stale(prefix: str, script_name: str) -> list[str]:
 
 def in_cluster(cluster: Cluster, body) -> str | None:
     """Create ``cluster``, run ``body()``, and remove every namespace and process of it,
-    whatever happens. SIGINT, SIGTERM and SIGHUP end ``body``; the return value is the
-    name of the signal that did, else None."""
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    handlers = {s: signal.getsignal(s) for s in signals}
-    interrupted = None
-    try:
-        for s in signals:
-            signal.signal(s, netns._on_signal)
-        create(cluster)
-        body()
-    except (netns.Interrupted, KeyboardInterrupt) as err:
-        interrupted = str(err) or "SIGINT"
-        print(f"interrupted ({interrupted}): cleaning up", file=sys.stderr, flush=True)
-    finally:
-        for s in signals:  # nothing may interrupt the clean-up
-            signal.signal(s, signal.SIG_IGN)
-        delete(cluster)
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    return interrupted
+    whatever happens (``netns.guarded``: SIGINT, SIGTERM and SIGHUP end ``body``; the
+    return value is the name of the signal that did, else None)."""
+    return netns.guarded(lambda: create(cluster), lambda: delete(cluster), body)

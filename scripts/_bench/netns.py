@@ -148,27 +148,36 @@ def cleanup_stale(prefix: str, script_name: str) -> list[str]:
     return removed
 
 
-def in_namespace(ns: str, prefix: str, body) -> str | None:
-    """Create ``ns``, run ``body()`` and remove the namespace and every process in it,
-    whatever happens. SIGINT, SIGTERM and SIGHUP end ``body``; the return value is the
-    name of the signal that did, else None."""
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+def guarded(create, delete, body) -> str | None:
+    """``create()``, ``body()``, then ``delete()`` whatever happens. SIGINT, SIGTERM and
+    SIGHUP end ``body``; the return value is the name of the signal that did, else None.
+    Nothing interrupts ``delete``."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    handlers = {s: signal.getsignal(s) for s in signals}
     interrupted = None
-    created = False
     try:
-        for s in handlers:
+        for s in signals:
             signal.signal(s, _on_signal)
-        ns_create(ns)
-        created = True
+        create()
         body()
     except (Interrupted, KeyboardInterrupt) as err:
         interrupted = str(err) or "SIGINT"
         print(f"interrupted ({interrupted}): cleaning up", file=sys.stderr, flush=True)
     finally:
-        for s in handlers:  # nothing may interrupt the clean-up
+        for s in signals:
             signal.signal(s, signal.SIG_IGN)
-        if created or ns in list_namespaces(prefix):
-            ns_delete(ns)
+        delete()
         for s, h in handlers.items():
             signal.signal(s, h)
     return interrupted
+
+
+def in_namespace(ns: str, prefix: str, body) -> str | None:
+    """Create ``ns``, run ``body()`` and remove the namespace and every process in it,
+    whatever happens (``guarded``)."""
+
+    def delete() -> None:
+        if ns in list_namespaces(prefix):
+            ns_delete(ns)
+
+    return guarded(lambda: ns_create(ns), delete, body)
