@@ -11,6 +11,7 @@ from hvdcompress.compat import Compression
 from hvdcompress.compressors import Compressor, Ctx, available, get_compressor
 from hvdcompress.ddp import DDPHookState, ddp_hook
 from hvdcompress.errors import PayloadError, payload_error
+from hvdcompress.exchange.tuning import Tuning
 from hvdcompress.optimizer import (
     Adasum,
     Average,
@@ -26,6 +27,7 @@ from hvdcompress.transports.cost import AffineCost, LinkCost, PacketCost, calibr
 __version__ = "0.1.0"
 
 __all__ = [
+    "Tuning",
     "CAT",
     "Accordion",
     "Adasum",

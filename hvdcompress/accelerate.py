@@ -31,6 +31,7 @@ except ImportError as err:
 from hvdcompress import checks
 from hvdcompress.checkpoint import CheckpointError
 from hvdcompress.ddp import DDPHookState
+from hvdcompress.exchange.tuning import DEFAULT_TUNING, check_tuning
 
 __all__ = ["STATE_FILE", "register"]
 
@@ -39,14 +40,21 @@ DDP_TYPES = (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 def register(
-    accelerator, model: torch.nn.Module, compression="3lc", *, compress_min_numel: int = 0
+    accelerator,
+    model: torch.nn.Module,
+    compression="3lc",
+    *,
+    compress_min_numel: int = 0,
+    tuning=DEFAULT_TUNING,
 ) -> DDPHookState | None:
     """Register hvdcompress's DDP hook on ``model`` (what ``accelerator.prepare``
-    returned) and its state with ``accelerator``'s checkpoints (module doc). Returns the
+    returned) and its state with ``accelerator``'s checkpoints (module doc); ``tuning``:
+    as ``DDPHookState``'s (``None``: ``exchange="auto"`` keeps its first guess). Returns the
     hook's state (``last_stats`` of each optimizer step, ``hook_calls``), or None with a
     warning in a one-process run, where Accelerate wraps nothing and nothing is exchanged.
     """
     compress_min_numel = checks.integer("compress_min_numel", compress_min_numel, 0)
+    check_tuning(tuning)
     kind = accelerator.distributed_type
     if kind == DistributedType.NO:
         warnings.warn(
@@ -64,7 +72,7 @@ def register(
             "MULTI_GPU), not those of sharded or engine-managed training (FSDP, DeepSpeed, ...)"
         )
     ddp = _ddp_of(model)
-    state = DDPHookState(compression, compress_min_numel=compress_min_numel)
+    state = DDPHookState(compression, compress_min_numel=compress_min_numel, tuning=tuning)
     state.register(ddp)
     rank = accelerator.process_index
 

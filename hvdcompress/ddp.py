@@ -48,6 +48,7 @@ from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.errors import PayloadError, remember
 from hvdcompress.exchange import SummedExchange, check_exchange, choose_exchanges
+from hvdcompress.exchange.tuning import DEFAULT_TUNING, ExchangeTuner, check_tuning, make_tuner
 from hvdcompress.stats import StepStats
 from hvdcompress.transports.base import drain_worker, start_worker
 from hvdcompress.transports.cost import calibrate_link
@@ -74,7 +75,9 @@ class DDPHookState:
     first meets them (the same on every rank and in every run of the same model).
     ``compress_min_numel``: smaller tensors travel uncompressed. ``exchange`` and
     ``link_cost``: as the optimizer's (``choose_exchanges``; "measure" calibrates at
-    ``bind``, and ``link_cost`` then holds the fitted ``LinkCost``). ``overlap``: finish
+    ``bind``, and ``link_cost`` then holds the fitted ``LinkCost``); ``tuning``: as the
+    optimizer's (``exchange="auto"`` times the options open to each part while training:
+    ``exchange_tuner``). ``overlap``: finish
     buckets on the finisher thread (module doc; ``overlapping`` says whether it does,
     once bound). ``step_stats``: the ``StepStats`` of the buckets reduced since the last
     step ended; ``last_stats``: those of the last optimizer step (``end_step``).
@@ -93,8 +96,10 @@ class DDPHookState:
         exchange: str = "auto",
         overlap: bool = True,
         link_cost=None,
+        tuning=DEFAULT_TUNING,
     ) -> None:
         check_exchange(exchange, link_cost)
+        check_tuning(tuning)
         compress_min_numel = checks.integer("compress_min_numel", compress_min_numel, 0)
         self.overlap = checks.boolean("overlap", overlap)
         self.compressor: Compressor = resolve_compressor(compression)
@@ -103,6 +108,9 @@ class DDPHookState:
         self.compress_min_numel = compress_min_numel
         self.exchange = exchange
         self.link_cost = link_cost
+        self.tuning = tuning
+        self._tuner: ExchangeTuner | None = None  # made at bind
+        self._options: dict[tuple, dict] = {}  # a tuned part's options, by its names
         self.overlapping = False  # set by bind: whether buckets finish on the finisher
         self._closed = False  # by close(): the hook refuses buckets
         self._finish_transport = None
@@ -204,6 +212,7 @@ class DDPHookState:
         self.overlapping = overlapping
         self._finisher = start_worker(self, "hvdcompress-ddp-finish") if overlapping else None
         self._dense_exchange = SummedExchange(transport, finish)
+        self._tuner = make_tuner(self.tuning, self.exchange, transport)
         if self.link_cost == "measure" and self.exchange == "auto":
             self.link_cost = calibrate_link(transport)
         if self._pending_state is not None:
@@ -276,10 +285,26 @@ class DDPHookState:
                     link_cost=self.link_cost,
                 )  # fmt: skip
                 self._exchanges[key] = None if part.index in plan.dense else plan[part.index]
-            if self._exchanges[key] is not None:
-                return part, self._exchanges[key]
+                if self._tuner is not None and part.index in plan.options:
+                    self._options[key] = plan.options[part.index]
+                    label = f"{part.names[0]}..{part.names[-1]} ({len(part.names)} tensors)"
+                    self._tuner.add(key, plan.options[part.index], plan.label(part.index), label)
+            exchange = self._exchanges[key]
+            if key in self._options:
+                option = self._tuner.option(key)
+                exchange = None if option == "dense" else self._options[key][option]
+            if exchange is not None:
+                self._account.current.exchanges[part.index] = exchange.kind
+                return part, exchange
+            self._account.current.exchanges[part.index] = "dense"
             part = Bucket(part.index, part.params, part.names, compressed=False)
         return part, self._dense_exchange
+
+    @property
+    def exchange_tuner(self) -> ExchangeTuner | None:
+        """The tuner of ``exchange="auto"`` (its ``decisions``, ``current``), or None
+        (unbound, or another ``exchange``, or ``tuning=None``)."""
+        return self._tuner
 
     @property
     def step_stats(self) -> StepStats:
@@ -300,6 +325,9 @@ class DDPHookState:
         if self.hook_calls == self._step_calls:
             return
         self._step_calls = self.hook_calls
+        if self._tuner is not None:
+            self._account.current.tuning = self._tuner.tuning_now
+            self._tuner.end_step()
         self._account.end(self.compressor)
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -382,6 +410,8 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
         raise RuntimeError("this DDPHookState is closed (close() or its with-block ended)")
     if not state.bound:
         state.bind()
+    if state._tuner is not None and state.hook_calls == state._step_calls:
+        state._tuner.begin_step(state.transport.sum_floats)  # the step's first bucket
     state.hook_calls += 1
     buffer = bucket.buffer()
     params = bucket.parameters()

@@ -31,6 +31,7 @@ except ImportError:  # the unified package ships the same strategy
 
 from hvdcompress.checkpoint import CheckpointError
 from hvdcompress.ddp import DDPHookState
+from hvdcompress.exchange.tuning import DEFAULT_TUNING
 
 __all__ = ["CHECKPOINT_KEY", "CompressedDDPStrategy"]
 
@@ -42,13 +43,17 @@ class CompressedDDPStrategy(DDPStrategy):
 
     ``compression``: a compressor name, Compressor or ``Compression`` entry, as in
     ``DistributedOptimizer``; ``compress_min_numel``: smaller tensors travel
-    uncompressed; ``**kwargs``: ``DDPStrategy``'s and DDP's arguments, except its
-    ``ddp_comm_*`` hooks, which this strategy replaces.
+    uncompressed; ``tuning``: as ``DDPHookState``'s (``None``: ``exchange="auto"`` keeps
+    its first guess, for runs that must resume bit for bit); ``**kwargs``:
+    ``DDPStrategy``'s and DDP's arguments, except its ``ddp_comm_*`` hooks, which this
+    strategy replaces.
     """
 
     strategy_name = "hvdcompress_ddp"
 
-    def __init__(self, compression="3lc", *, compress_min_numel: int = 0, **kwargs) -> None:
+    def __init__(
+        self, compression="3lc", *, compress_min_numel: int = 0, tuning=DEFAULT_TUNING, **kwargs
+    ) -> None:
         taken = sorted(
             k for k in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper") if k in kwargs
         )
@@ -58,7 +63,9 @@ class CompressedDDPStrategy(DDPStrategy):
                 f"{', '.join(taken)}; use Lightning's DDPStrategy for torch's own hooks"
             )
         super().__init__(**kwargs)
-        self.hook_state = DDPHookState(compression, compress_min_numel=compress_min_numel)
+        self.hook_state = DDPHookState(
+            compression, compress_min_numel=compress_min_numel, tuning=tuning
+        )
         self._resume_state: tuple | None = None  # (path, this rank's entry) of a loaded checkpoint
 
     @property

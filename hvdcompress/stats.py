@@ -50,6 +50,11 @@ class StepStats:
     # (written as Inf, with a RuntimeWarning), and those whose sum was not finite
     overflow: list[str] = field(default_factory=list)
     nonfinite: list[str] = field(default_factory=list)
+    # the option each bucket took (by bucket index: "allgather", "twostage",
+    # "hierarchical", "allreduce" or "dense"), and whether exchange="auto" was timing
+    # its options in this step (exchange.tuning)
+    exchanges: dict = field(default_factory=dict)
+    tuning: bool = False
 
     @property
     def bits_per_value(self) -> float:

@@ -265,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
         "across nodes), or per bucket by bytes (docs/exchanges.md)",
     )
     p.add_argument(
+        "--no-tuning",
+        action="store_true",
+        help="--exchange auto: keep the first guess instead of timing every option open to "
+        "a bucket while training and keeping the fastest (docs/exchanges.md, 'Measured "
+        "while training'); for runs that must repeat and resume bit for bit",
+    )
+    p.add_argument(
         "--link-cost",
         choices=["bytes", "measure"],
         default="bytes",

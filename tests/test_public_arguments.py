@@ -57,6 +57,7 @@ API = [
             "process_group": "a torch.distributed group, checked at bind",
             "named_parameters": "an iterable of (name, tensor)",
             "link_cost": "check_exchange: None, 'measure' or a LinkCost (TypeError)",
+            "tuning": "check_tuning: a Tuning or None (TypeError)",
         },
     ),
     (
@@ -71,8 +72,10 @@ API = [
             "backend": "TypeError unless 'horovod', 'mpi4py' or a Transport",
             "policy": "TypeError unless a Policy",
             "link_cost": "check_exchange",
+            "tuning": "check_tuning",
         },
     ),
+    (hvdcompress.Tuning, lambda **kw: hvdcompress.Tuning(**kw), {}),
     (
         hvdcompress.Accordion,
         lambda **kw: hvdcompress.Accordion(low=1.0, high=1.75, **kw),
@@ -94,6 +97,7 @@ API = [
         {
             "compression": "resolve_compressor",
             "kwargs": "Lightning's DDPStrategy's own",
+            "tuning": "check_tuning (DDPHookState)",
         },
     ),
     (
@@ -103,6 +107,7 @@ API = [
             "accelerator": "its distributed type is checked",
             "model": "TypeError unless what accelerator.prepare returned",
             "compression": "resolve_compressor",
+            "tuning": "check_tuning",
         },
     ),
 ]

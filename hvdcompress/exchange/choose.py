@@ -8,7 +8,7 @@ import copy
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +17,7 @@ from hvdcompress.buckets import Bucket
 from hvdcompress.compressors import Compressor, GatherCompressor, SummableCompressor
 from hvdcompress.exchange.allgather import GatheredExchange
 from hvdcompress.exchange.base import _Exchange
-from hvdcompress.exchange.hierarchical import hierarchical_exchange
+from hvdcompress.exchange.hierarchical import hierarchical_exchange, hierarchical_open
 from hvdcompress.exchange.summed import SummedExchange
 from hvdcompress.exchange.twostage import Piece, TwoStageExchange
 from hvdcompress.transports import Transport
@@ -133,9 +133,16 @@ class ExchangePlan:
 
     exchanges: dict[int, _Exchange]
     dense: frozenset[int] = frozenset()
+    # "auto": every option open to a compressed bucket, by label ("dense": sent with the
+    # caller's uncompressed compressor), for the tuner to time (exchange.tuning)
+    options: dict[int, dict[str, _Exchange]] = field(default_factory=dict)
 
     def __getitem__(self, index: int) -> _Exchange:
         return self.exchanges[index]
+
+    def label(self, index: int) -> str:
+        """The label of the bucket's chosen option (its exchange's kind, or "dense")."""
+        return "dense" if index in self.dense else self.exchanges[index].kind
 
 
 def choose_exchanges(
@@ -200,9 +207,16 @@ def choose_exchanges(
     estimate = compute = None
     chosen: dict[int, _Exchange] = {}
     dense_indices: set[int] = set()
+    options: dict[int, dict[str, _Exchange]] = {}
+    hierarchical = (
+        mode == "auto" and isinstance(compressor, GatherCompressor) and hierarchical_open(transport)
+    )
     for b in buckets:
         if not b.compressed or isinstance(compressor, SummableCompressor):
             chosen[b.index] = SummedExchange(transport, finish_transport)
+            if b.compressed and mode == "auto":
+                dense = SummedExchange(transport, finish_transport)
+                options[b.index] = {"allreduce": chosen[b.index], "dense": dense}
             continue
         if mode == "hierarchical":
             chosen[b.index] = hierarchical_exchange(transport, compressor, finish_transport)
@@ -216,6 +230,15 @@ def choose_exchanges(
             )
         if mode != "auto":
             chosen[b.index] = twostage or gathered
+            continue
+        open_ = {"allgather": gathered, "twostage": twostage}
+        if hierarchical:  # fewer bytes across nodes than any flat exchange (docs/exchanges.md)
+            open_["hierarchical"] = hierarchical_exchange(transport, compressor, finish_transport)
+            open_["hierarchical"].plan(b, compressor)
+        open_["dense"] = SummedExchange(transport, finish_transport)
+        options[b.index] = {k: e for k, e in open_.items() if e is not None}
+        if hierarchical:
+            chosen[b.index] = open_["hierarchical"]
             continue
         estimate = estimate or estimate_payload(compressor, size)
         numels = [p.numel() for p in b.params]
@@ -248,6 +271,6 @@ def choose_exchanges(
         best = min(costs, key=costs.get)  # a tie keeps the allgather (inserted first)
         if dense < costs[best]:
             dense_indices.add(b.index)
-            best = SummedExchange(transport, finish_transport)
+            best = options[b.index]["dense"]
         chosen[b.index] = best
-    return ExchangePlan(chosen, frozenset(dense_indices))
+    return ExchangePlan(chosen, frozenset(dense_indices), options)

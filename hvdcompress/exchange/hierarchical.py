@@ -198,6 +198,25 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transport -> exchanges
+_TOPOLOGY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transport -> Topology
+
+
+def node_topology(transport: Transport) -> Topology:
+    """``topology.detect(transport)``, once per transport (collective the first time)."""
+    known = _TOPOLOGY.get(transport)
+    if known is None:
+        known = _TOPOLOGY[transport] = topology.detect(transport)
+    return known
+
+
+def hierarchical_open(transport: Transport) -> bool:
+    """Whether the hierarchical exchange can serve ``transport``'s ranks and send fewer
+    bytes across nodes than a flat one: a transport that splits, on several nodes of the
+    same K > 1 ranks each (collective the first time: ``node_topology``)."""
+    if not transport.splits or transport.size < 4:
+        return False
+    top = node_topology(transport)
+    return len(top.nodes) > 1 and (top.ranks_per_node or 1) > 1
 
 
 def hierarchical_exchange(
@@ -215,7 +234,7 @@ def hierarchical_exchange(
     key = (id(finish_transport), compressor.recompressible)
     if key in built:
         return built[key]
-    top = topology.detect(transport)
+    top = node_topology(transport)
     per_node = top.ranks_per_node
     if per_node is None:
         raise ValueError(

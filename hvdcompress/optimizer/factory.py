@@ -10,6 +10,7 @@ from hvdcompress import checks
 from hvdcompress.buckets import resolve_fusion_threshold
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.exchange import check_exchange
+from hvdcompress.exchange.tuning import DEFAULT_TUNING, Tuning, check_tuning
 from hvdcompress.optimizer.adasum import _adasum_optimizer
 from hvdcompress.optimizer.options import (
     Adasum,
@@ -42,6 +43,7 @@ def DistributedOptimizer(
     exchange: str = "auto",
     link_cost=None,
     raise_on_nonfinite: bool = False,
+    tuning: Tuning | None = DEFAULT_TUNING,
 ):
     """Wrap ``optimizer`` so gradients are compressed, exchanged and averaged across ranks.
 
@@ -54,12 +56,15 @@ def DistributedOptimizer(
     ``compress_min_numel``: tensors with fewer elements are sent uncompressed (one float32
     allreduce per bucket of them), the switch for links fast enough that compressing a
     small tensor costs more time than it saves (see docs/benchmarks.md,
-    "Step time on a rate-limited link"). ``exchange``: "auto" (per bucket: the allgather,
-    the two-stage exchange, or dense when that moves fewer bytes), "allgather" or
-    "twostage"; ``link_cost="measure"`` makes "auto" time the link and the codec at start
-    and pick by seconds instead (or a ``LinkCost``; docs/exchanges.md, "Choosing the
-    exchange"). ``raise_on_nonfinite``: ``synchronize()`` raises
-    ``NonFiniteGradientError`` naming the tensors whose averaged gradient holds a NaN or
+    "Step time on a rate-limited link"). ``exchange``: "auto", "allgather", "twostage" or
+    "hierarchical" (docs/exchanges.md). "auto" first guesses per bucket (the
+    hierarchical exchange on several nodes of several ranks, else the allgather, the
+    two-stage exchange, or dense when that moves fewer bytes; ``link_cost="measure"`` or a
+    ``LinkCost``: by modelled seconds instead), then, with ``tuning`` (a ``Tuning``; the
+    default times them on real transports), times every option open to the bucket, dense
+    included, while training and keeps the fastest (docs/exchanges.md, "Measured while
+    training"; ``tuning=None``: the first guess stays). ``raise_on_nonfinite``:
+    ``synchronize()`` raises ``NonFiniteGradientError`` naming the tensors whose averaged gradient holds a NaN or
     an Inf, on every rank, before the inner optimizer steps (default: such a gradient is
     written as it is, so that torch.amp's GradScaler skips the step).
 
@@ -92,6 +97,7 @@ def DistributedOptimizer(
     raise_on_nonfinite = checks.boolean("raise_on_nonfinite", raise_on_nonfinite)
     sparse_as_dense = checks.boolean("sparse_as_dense", sparse_as_dense)
     check_exchange(exchange, link_cost)
+    check_tuning(tuning)
     if checks.integer("num_groups", num_groups, 0) != 0:
         warnings.warn(  # Horovod's warning
             "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
@@ -151,4 +157,5 @@ def DistributedOptimizer(
         exchange=exchange,
         link_cost=link_cost,
         raise_on_nonfinite=raise_on_nonfinite,
+        tuning=tuning,
     )

@@ -21,6 +21,7 @@ from hvdcompress.buckets import (
 )
 from hvdcompress.compressors import Compressor, get_compressor
 from hvdcompress.exchange import GatheredExchange, SummedExchange, choose_exchanges
+from hvdcompress.exchange.tuning import ExchangeTuner, Tuning, make_tuner
 from hvdcompress.optimizer.options import Average, HorovodOptions, _normalize_op
 from hvdcompress.optimizer.process_sets import _OutsideProcessSet
 from hvdcompress.policies import Policy
@@ -69,6 +70,7 @@ class _Launched:
     sparse gradients' own collectives."""
 
     dense: Bucket | None
+    comp: Compressor  # the compressor the dense part was started with
     exchange: object  # the exchange that started the dense part
     flight: object
     sparse: list[tuple[torch.nn.Parameter, object, int]]  # (parameter, handle, bytes sent)
@@ -109,6 +111,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         exchange: str = "auto",
         link_cost=None,
         raise_on_nonfinite: bool = False,
+        tuning: Tuning | None = None,
     ):
         super(self.__class__, self).__init__(params)
         horovod = horovod_options or HorovodOptions()
@@ -147,8 +150,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             compressor, transport, self._buckets, exchange,
             link_cost=link_cost if self._included else None,
         )  # fmt: skip
-        for b in self._buckets:  # the buckets "auto" sends dense go uncompressed
-            b.compressed = b.compressed and b.index not in plan.dense
+        self._plan = plan
+        self._tuner = make_tuner(tuning, exchange, transport) if self._included else None
+        if self._tuner is None:  # the buckets "auto" sends dense go uncompressed for good
+            for b in self._buckets:
+                b.compressed = b.compressed and b.index not in plan.dense
+        else:  # exchange.tuning: the option of each step is the tuner's
+            for index, options in plan.options.items():
+                self._tuner.add(index, options, plan.label(index))
         self._exchanges = plan.exchanges
         self._passes_left = {id(p): self.backward_passes_per_step for _, p in named}
         self._in_flight: dict[int, _Launched] = {}
@@ -168,7 +177,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             f"fusion_threshold {fusion_threshold}; transport {transport.name}",
             f"compress_min_numel {self._min_numel}; groups {self._groups is not None}",
             f"gradient_predivide_factor {factor}; sparse_as_dense {self.sparse_as_dense}",
-            f"exchange {exchange}: {[self._exchanges[b.index].kind for b in self._buckets]}",
+            f"exchange {exchange}: {[plan.label(b.index) for b in self._buckets]}; {tuning!r}",
         ]
         check_agreement(transport, describe(settings, named, self._buckets))
         if policy is not None:
@@ -224,18 +233,38 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._policy is not None and bucket.compressed:
             for name, g in zip(part.names, grads, strict=True):
                 self._policy.observe(name, g)  # the uncompressed local gradient
-        comp, exchange = self._comp(bucket), self._exchanges[bucket.index]
+        if self._tuner is not None and self._next_bucket == 0:
+            self._tuner.begin_step(self._transport.sum_floats)  # before any collective
+        comp, exchange = self._route(bucket)
+        self._account.current.exchanges[bucket.index] = self._option_label(bucket, comp, exchange)
         if sparse:  # the bucket's planned exchange may not fit a part of it: a plain one
             exchange = (SummedExchange if comp.summable else GatheredExchange)(self._transport)
         flight = exchange.start(part, comp, grads) if dense else None
         sparse_flights = [(p, *start_sparse(self._transport, p.grad)) for p in sparse]
         self._in_flight[bucket.index] = _Launched(
-            part if dense else None, exchange, flight, sparse_flights, densified
+            part if dense else None, comp, exchange, flight, sparse_flights, densified
         )
         self._account.started([p.grad for p in bucket.params], time.perf_counter() - t0)
 
     def _comp(self, bucket: Bucket) -> Compressor:
         return self._compressor if bucket.compressed else self._uncompressed
+
+    def _route(self, bucket: Bucket) -> tuple[Compressor, object]:
+        """The compressor and exchange of ``bucket`` this step: the tuner's option where
+        it tunes the bucket, else the plan's."""
+        options = self._plan.options.get(bucket.index)
+        if self._tuner is None or options is None:
+            return self._comp(bucket), self._exchanges[bucket.index]
+        option = self._tuner.option(bucket.index)
+        return (self._uncompressed if option == "dense" else self._compressor), options[option]
+
+    def _option_label(self, bucket: Bucket, comp: Compressor, exchange) -> str:
+        return "dense" if bucket.compressed and comp is self._uncompressed else exchange.kind
+
+    @property
+    def exchange_tuner(self) -> ExchangeTuner | None:
+        """The tuner of ``exchange="auto"`` (its ``decisions``, ``current``), or None."""
+        return self._tuner
 
     # ---- synchronize / step ----------------------------------------------------------------
     def synchronize(self) -> None:
@@ -254,7 +283,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             try:  # after an error: only wait, so no rank leaves a collective pending
                 if launched.dense is not None:
                     launched.exchange.finish(
-                        launched.dense, self._comp(b), flight, self._scale, decode=error is None
+                        launched.dense, launched.comp, flight, self._scale, decode=error is None
                     )
             except BaseException as err:  # noqa: BLE001 - keep draining, then raise
                 error = error or err
@@ -276,6 +305,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 NonFiniteGradientError.check(named, self._compressor)
             except NonFiniteGradientError as err:
                 error = err
+        if self._tuner is not None and error is None:
+            self._account.current.tuning = self._tuner.tuning_now
+            self._tuner.end_step()
         self._account.end(self._compressor, self._policy if error is None else None)
         self._reset_round()
         self._synchronized = True
@@ -360,7 +392,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if b.compressed
             for n, p in zip(b.names, b.params, strict=True)
         }
-        for exchange in self._exchanges.values():  # the two-stage exchange's piece state
+        exchanges = [*self._exchanges.values()]
+        exchanges += [e for options in self._plan.options.values() for e in options.values()]
+        for exchange in exchanges:  # the two-stage and hierarchical exchanges' piece state
             shapes.update(exchange.state_shapes())
         ours = check_rank_state(ours, self._transport, self._compressor, shapes)
         return load_rank_state(

@@ -101,6 +101,7 @@ def train_rank(args, dist, data=None) -> str:
         progress = Progress(total_steps, start_step, args.progress_every, not args.no_progress)
 
     traffic = RunTraffic(dist.size)
+    decided = 0  # the tuner's decisions printed so far
     step = start_step
     first_loss = last_loss = None
     x_train, y_train = train
@@ -146,6 +147,10 @@ def train_rank(args, dist, data=None) -> str:
             step == total_steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
         ):
             save_checkpoint(ckpt_dir, step, model, opt, dist, args, schedule)
+        if is_root and replica.tuner is not None:
+            for decision in replica.tuner.decisions[decided:]:
+                print(f"train: exchange {decision}", file=sys.stderr, flush=True)
+            decided = len(replica.tuner.decisions)
         if is_root:
             log.step(step, epoch, last_loss, acc, stats, step_s, lr)
             progress.update(step, last_loss, stats.bits_per_value)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import hvdcompress
+from hvdcompress.exchange.tuning import ExchangeTuner
 from hvdcompress.optimizer.hooked import hooked_optimizer
 from hvdcompress.stats import StepStats
 from hvdcompress.training.flags import make_compression, make_policy
@@ -29,7 +30,9 @@ class Replica:
     """``model``: the parameters; ``forward``: the model, or its DDP wrapper;
     ``method``: what averages the gradients, as the summary line names it (--compression,
     or torch's hook); ``compression``: the compressor (None with torch's hook);
-    ``policy``: Accordion / CAT or None; ``torch_hook``: torch's hook or None."""
+    ``policy``: Accordion / CAT or None; ``torch_hook``: torch's hook or None;
+    ``tuner``: the ``ExchangeTuner`` of ``--exchange auto`` (None: ``--no-tuning``, another
+    exchange, or the simulated world)."""
 
     model: torch.nn.Module
     forward: torch.nn.Module
@@ -38,6 +41,7 @@ class Replica:
     compression: hvdcompress.Compressor | None
     policy: object | None = None
     torch_hook: TorchHook | None = None
+    tuner: ExchangeTuner | None = None
 
     @property
     def ddp(self) -> bool:
@@ -83,8 +87,11 @@ def build_replica(args, dist) -> Replica:
             exchange=args.exchange,
             link_cost=None if args.link_cost == "bytes" else "measure",
             raise_on_nonfinite=True,  # a diverged run stops (stop_if_nonfinite), no summary
+            tuning=None if args.no_tuning else hvdcompress.Tuning(),
         )
-        return Replica(model, model, opt, args.compression, compression, policy)
+        return Replica(
+            model, model, opt, args.compression, compression, policy, tuner=opt.exchange_tuner
+        )
     # DDP averages; the optimizer steps locally
     if policy is not None:
         raise SystemExit("--launcher torchrun: --accordion / --cat need the optimizer")
@@ -99,5 +106,7 @@ def build_replica(args, dist) -> Replica:
         compress_min_numel=args.compress_min_numel,
         exchange=args.exchange,
         link_cost=None if args.link_cost == "bytes" else "measure",
+        tuning=None if args.no_tuning else hvdcompress.Tuning(),
     ).register(ddp)
-    return Replica(model, ddp, hooked_optimizer(sgd, hook_state), args.compression, compression)
+    opt = hooked_optimizer(sgd, hook_state)
+    return Replica(model, ddp, opt, args.compression, compression, tuner=hook_state.exchange_tuner)

@@ -116,6 +116,8 @@ class Transport:
     this node) are set by subclasses."""
 
     name = ""
+    splits = False  # whether ``split`` makes sub-communicators (``_split``)
+    tunable = True  # whether step times say what the link costs (exchange.tuning)
     rank: int = 0
     size: int = 1
     local_size: int = 1

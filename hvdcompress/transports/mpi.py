@@ -366,6 +366,7 @@ class MPITransport(Transport):
     """Collectives over an mpi4py communicator (default ``COMM_WORLD``); see module doc."""
 
     name = "mpi4py"
+    splits = True
 
     def __init__(self, comm=None) -> None:
         from mpi4py import MPI

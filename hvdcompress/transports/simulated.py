@@ -187,6 +187,8 @@ class SimulatedTransport(Transport):
     """One rank of a ``SimulatedWorld`` (see the module doc)."""
 
     name = "simulated"
+    splits = True
+    tunable = False  # one process plays every rank: no link to time
 
     def __init__(self, world: SimulatedWorld, rank: int) -> None:
         self.world = world

@@ -58,6 +58,7 @@ class TorchDistTransport(Transport):
     ``threaded``: on a worker thread and a group of their own (module doc)."""
 
     name = "torch.distributed"
+    splits = True
 
     def __init__(self, process_group=None, *, threaded: bool = False) -> None:
         import torch.distributed as dist

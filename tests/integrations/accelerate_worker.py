@@ -90,7 +90,7 @@ def main() -> None:
         return
     if "--resume" in sys.argv:
         accelerator, model, optimizer = prepared()
-        hvdcompress.accelerate.register(accelerator, model, compression="3lc")
+        hvdcompress.accelerate.register(accelerator, model, compression="3lc", tuning=None)
         error = error_of(lambda: accelerator.load_state(sys.argv[sys.argv.index("--resume") + 1]))
         (out / f"resume{rank}.json").write_text(json.dumps({"size": size, "error": error}))
         return
@@ -102,7 +102,7 @@ def main() -> None:
     train(accelerator, none, none_opt, range(STEPS), none_state)
 
     accelerator, full, full_opt = prepared()
-    state = hvdcompress.accelerate.register(accelerator, full, compression="3lc")
+    state = hvdcompress.accelerate.register(accelerator, full, compression="3lc", tuning=None)
     steps = train(accelerator, full, full_opt, range(STEPS), state)
     accelerator.save_state(str(out / "state"))
     steps += train(accelerator, full, full_opt, range(STEPS, 2 * STEPS), state)
@@ -110,7 +110,7 @@ def main() -> None:
     torch.distributed.all_gather_object(digests, digest(full))
 
     accelerator, resumed, resumed_opt = prepared()
-    hvdcompress.accelerate.register(accelerator, resumed, compression="3lc")
+    hvdcompress.accelerate.register(accelerator, resumed, compression="3lc", tuning=None)
     accelerator.load_state(str(out / "state"))
     resumed_state_files = sorted(p.name for p in (out / "state").glob("hvdcompress_*"))
     train(accelerator, resumed, resumed_opt, range(STEPS, 2 * STEPS))
@@ -122,7 +122,7 @@ def main() -> None:
             f.unlink()
     accelerator.wait_for_everyone()
     accelerator, bare, bare_opt = prepared()
-    hvdcompress.accelerate.register(accelerator, bare, compression="3lc")
+    hvdcompress.accelerate.register(accelerator, bare, compression="3lc", tuning=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         accelerator.load_state(str(out / "bare"))

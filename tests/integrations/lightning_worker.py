@@ -95,7 +95,12 @@ def saved_ranks(path) -> list:
 
 def resume_on_one(out: Path, ckpt: str) -> None:
     try:
-        fit(CompressedDDPStrategy("3lc", bucket_cap_mb=BUCKET_MB), 2, devices=1, ckpt_path=ckpt)
+        fit(
+            CompressedDDPStrategy("3lc", bucket_cap_mb=BUCKET_MB, tuning=None),
+            2,
+            devices=1,
+            ckpt_path=ckpt,
+        )
         error = None
     except Exception as err:  # what the test asserts on
         error = f"{type(err).__name__}: {err}"
@@ -110,7 +115,7 @@ def main() -> None:
     none, _ = fit(CompressedDDPStrategy("none"), 1)
     rank, size = trainer.global_rank, trainer.world_size
 
-    strategy = CompressedDDPStrategy("3lc", bucket_cap_mb=BUCKET_MB)
+    strategy = CompressedDDPStrategy("3lc", bucket_cap_mb=BUCKET_MB, tuning=None)
     recorder, logger = StepRecorder(strategy), CaptureLogger()
     saver = ModelCheckpoint(dirpath=out / "ckpt", every_n_epochs=1, save_top_k=-1)
     full, _ = fit(strategy, 2, callbacks=[recorder, saver], logger=logger)
@@ -119,7 +124,9 @@ def main() -> None:
     first_epoch = sorted((out / "ckpt").glob("epoch=0-*.ckpt"))
 
     resumed, _ = fit(
-        CompressedDDPStrategy("3lc", bucket_cap_mb=BUCKET_MB), 2, ckpt_path=str(first_epoch[0])
+        CompressedDDPStrategy("3lc", bucket_cap_mb=BUCKET_MB, tuning=None),
+        2,
+        ckpt_path=str(first_epoch[0]),
     )
     # the control: the same checkpoint without the hook states resumes elsewhere
     bare = out / f"bare{rank}.ckpt"
@@ -129,7 +136,9 @@ def main() -> None:
     with warnings.catch_warnings(record=True) as bare_caught:
         warnings.simplefilter("always")
         bare_run, _ = fit(
-            CompressedDDPStrategy("3lc", bucket_cap_mb=BUCKET_MB), 2, ckpt_path=str(bare)
+            CompressedDDPStrategy("3lc", bucket_cap_mb=BUCKET_MB, tuning=None),
+            2,
+            ckpt_path=str(bare),
         )
 
     trap_state = hvdcompress.DDPHookState("3lc")

@@ -72,13 +72,16 @@ def train(model, opt, rank: int, steps: int, start: int = 0) -> list[float]:
     return losses
 
 
-def wrap(model, compression, *, backend="mpi4py", momentum=0.9, **kw):
-    """SGD (lr 0.1) wrapped in hvdcompress.DistributedOptimizer."""
+def wrap(model, compression, *, backend="mpi4py", momentum=0.9, tuning=None, **kw):
+    """SGD (lr 0.1) wrapped in hvdcompress.DistributedOptimizer; ``exchange="auto"``
+    keeps its first guess unless given a ``tuning`` (tests/mpi/test_tuning.py), so that
+    the numerics and resumes these tests check do not depend on timings."""
     return hvdcompress.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
         model.named_parameters(),
         compression=compression,
         backend=backend,
+        tuning=tuning,
         **kw,
     )
 

@@ -70,6 +70,7 @@ def train(
                 named_parameters=net.named_parameters(),
                 exchange=exchange,
                 link_cost=link_cost,
+                tuning=None,  # the first guess for good: resumes are exact (tuning_worker)
             )
         ddp.register_comm_hook(state, hvdcompress.ddp_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
@@ -95,7 +96,7 @@ def corrupt_step(exchange: str) -> str | None:
     net = make_net()
     ddp = DDP(net, bucket_cap_mb=0.001)
     state = hvdcompress.DDPHookState(
-        "3lc", named_parameters=net.named_parameters(), exchange=exchange
+        "3lc", named_parameters=net.named_parameters(), exchange=exchange, tuning=None
     ).register(ddp)
     transport = state.transport
 
@@ -141,7 +142,7 @@ def main(out: Path) -> None:
     saved["hook"] = saved["opt"]["hvdcompress"]
     net2 = make_net()
     net2.load_state_dict(saved["model"])
-    state = hvdcompress.DDPHookState("3lc", named_parameters=net2.named_parameters())
+    state = hvdcompress.DDPHookState("3lc", named_parameters=net2.named_parameters(), tuning=None)
     with warnings.catch_warnings(record=True) as own_warnings:
         warnings.simplefilter("always")
         net2, opt2, state, _ = train(
@@ -157,7 +158,7 @@ def main(out: Path) -> None:
     net3 = make_net()
     net3.load_state_dict(saved2["model"])
     state3 = hvdcompress.DDPHookState(
-        "3lc", named_parameters=net3.named_parameters(), exchange="twostage"
+        "3lc", named_parameters=net3.named_parameters(), exchange="twostage", tuning=None
     )
     net3, _, _, _ = train("3lc", 18, start=12, model=net3, state=state3, saved=saved2["opt"])
     staged_digests = [None] * size

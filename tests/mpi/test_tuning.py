@@ -1,0 +1,79 @@
+"""``exchange="auto"`` tunes the optimizer's buckets under real Open MPI, on the mpi4py
+and Horovod transports (docs/exchanges.md, "Measured while training"):
+
+    mpirun -np 3 --oversubscribe python -m pytest --with-mpi tests/mpi/test_tuning.py -q
+
+* 3LC whose encode costs 60 ms more than it does (a codec that costs more than it saves)
+  ends dense on every bucket, every rank with the same decisions and options at every
+  step and bit-identical parameters;
+* the options each bucket took are in ``last_stats.exchanges`` and the trial steps in
+  ``last_stats.tuning``; ``tuning=None`` keeps the first guess for good.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+import hvdcompress
+from tests.mpi.helpers import digest, make_model, train, wrap
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+TUNING = hvdcompress.Tuning(warmup_steps=2, steps_per_option=2, recheck_every=0)
+BACKENDS = [
+    "mpi4py",
+    pytest.param(
+        "horovod",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("horovod") is None, reason="horovod is not installed"
+        ),
+    ),
+]
+
+
+def _slowed(compressor):
+    for method in ("compress", "encode_bucket"):
+        setattr(compressor, method, _sleeping(getattr(compressor, method)))
+    return compressor
+
+
+def _sleeping(method):
+    def slow(*args, **kwargs):
+        time.sleep(0.06)
+        return method(*args, **kwargs)
+
+    return slow
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_codec_that_costs_more_than_it_saves_ends_dense_on_every_rank(backend, comm):
+    if backend == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+    model = make_model()
+    compressor = _slowed(hvdcompress.get_compressor("3lc"))
+    opt = wrap(model, compressor, backend=backend, tuning=TUNING)
+    options, trials = [], []
+    for step in range(14):
+        train(model, opt, comm.rank, 1, start=step)
+        options.append(sorted(opt.last_stats.exchanges.items()))
+        trials.append(opt.last_stats.tuning)
+    tuner = opt.exchange_tuner
+    mine = ([str(d) for d in tuner.decisions], options, trials, digest(model.parameters()))
+    everyone = comm.allgather(mine)
+    assert all(theirs == everyone[0] for theirs in everyone)
+    assert set(tuner.current.values()) == {"dense"}
+    assert {o for _, o in options[-1]} == {"dense"} and not any(trials[10:])
+    assert trials[:2] == [False, False] and any(trials)
+
+
+def test_tuning_none_keeps_the_first_guess(comm):
+    model = make_model()
+    opt = wrap(model, _slowed(hvdcompress.get_compressor("3lc")), tuning=None)
+    train(model, opt, comm.rank, 8)
+    assert opt.exchange_tuner is None
+    assert "dense" not in {o for o in opt.last_stats.exchanges.values()}
