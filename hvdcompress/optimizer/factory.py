@@ -65,8 +65,9 @@ def DistributedOptimizer(
     included, while training and keeps the fastest (docs/exchanges.md, "Measured while
     training"; ``tuning=None``: the first guess stays). ``raise_on_nonfinite``:
     ``synchronize()`` raises ``NonFiniteGradientError`` naming the tensors whose averaged
-    gradient holds a NaN or an Inf, on every rank, before the inner optimizer steps (default: such a gradient is
-    written as it is, so that torch.amp's GradScaler skips the step).
+    gradient holds a NaN or an Inf, on every rank, before the inner optimizer steps
+    (default: such a gradient is written as it is, so that torch.amp's GradScaler skips
+    the step).
 
     Horovod's keywords mean what they mean in ``hvd.DistributedOptimizer`` 0.28.1 (package
     doc): ``gradient_predivide_factor`` (op Average only), ``groups`` (an int or lists of
