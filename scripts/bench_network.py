@@ -64,12 +64,27 @@ allgather case's payload. A case that
 fails or passes ``--timeout`` is reported as failed with the reason, its processes are
 killed, and the launch is restarted for the cases after it.
 
+An emulated cluster (``--nodes M --ranks-per-node K --node-link RATE...``, M >= 2):
+scripts/_bench/cluster.py's M node namespaces behind a switch, each node's link at RATE
+in both directions (tc tbf on its veth, set by the driver before each launch, one
+launch per rate; default ``--rates``), the ranks of a node on its loopback. One torchrun
+per node namespace (launcher ``torchrun``, backend ``torch``: TorchDistTransport over
+gloo, threaded); ``--ranks`` and ``--launchers`` do not apply, ``--exchanges`` may add
+``hierarchical``. Each node's local rank 0 reads its link's veth counters around the
+timed steps: rows get ``node_link_bytes_per_step`` ([tx, rx] per node) and their
+measured bytes are the sum of the nodes' tx (what crossed the switch; traffic inside a
+node is not counted). For example::
+
+    python scripts/bench_network.py --nodes 2 --ranks-per-node 2 --node-link 100mbit \
+        --models cnn --cases none 3lc --exchanges allgather hierarchical
+
 Output in ``--out`` (default results/network): bench_network.md (tables), .json, .png
 (step time against bandwidth, log-log, one line per case and exchange, one panel per
 model x ranks) and, with several rank counts, bench_network_bytes.png (bytes per rank per
 step against N).
-The namespace and every process in it are removed on exit, on failure and on Ctrl-C /
-SIGTERM; ``--cleanup`` removes namespaces left by a driver that was killed (SIGKILL).
+The namespace (the cluster's namespaces) and every process in it are removed on exit, on
+failure and on Ctrl-C / SIGTERM; ``--cleanup`` removes namespaces (a cluster's too) left
+by a driver that was killed (SIGKILL).
 """
 
 from __future__ import annotations
