@@ -64,12 +64,27 @@ allgather case's payload. A case that
 fails or passes ``--timeout`` is reported as failed with the reason, its processes are
 killed, and the launch is restarted for the cases after it.
 
+An emulated cluster (``--nodes M --ranks-per-node K --node-link RATE...``, M >= 2):
+scripts/_bench/cluster.py's M node namespaces behind a switch, each node's link at RATE
+in both directions (tc tbf on its veth, set by the driver before each launch, one
+launch per rate; default ``--rates``), the ranks of a node on its loopback. One torchrun
+per node namespace (launcher ``torchrun``, backend ``torch``: TorchDistTransport over
+gloo, threaded); ``--ranks`` and ``--launchers`` do not apply, ``--exchanges`` may add
+``hierarchical``. Each node's local rank 0 reads its link's veth counters around the
+timed steps: rows get ``node_link_bytes_per_step`` ([tx, rx] per node) and their
+measured bytes are the sum of the nodes' tx (what crossed the switch; traffic inside a
+node is not counted). For example::
+
+    python scripts/bench_network.py --nodes 2 --ranks-per-node 2 --node-link 100mbit \
+        --models cnn --cases none 3lc --exchanges allgather hierarchical
+
 Output in ``--out`` (default results/network): bench_network.md (tables), .json, .png
 (step time against bandwidth, log-log, one line per case and exchange, one panel per
 model x ranks) and, with several rank counts, bench_network_bytes.png (bytes per rank per
 step against N).
-The namespace and every process in it are removed on exit, on failure and on Ctrl-C /
-SIGTERM; ``--cleanup`` removes namespaces left by a driver that was killed (SIGKILL).
+The namespace (the cluster's namespaces) and every process in it are removed on exit, on
+failure and on Ctrl-C / SIGTERM; ``--cleanup`` removes namespaces (a cluster's too) left
+by a driver that was killed (SIGKILL).
 """
 
 from __future__ import annotations
@@ -86,9 +101,9 @@ from hvdcompress.compressors import REGISTRY
 from hvdcompress.training.methods import METHODS
 
 try:  # python scripts/bench_network.py: scripts/ is first on sys.path
-    from _bench import launch, netns, netreport, report, steps
+    from _bench import cluster, launch, netns, netreport, report, steps
 except ModuleNotFoundError:  # loaded by file path from the repository root (the tests)
-    from scripts._bench import launch, netns, netreport, report, steps
+    from scripts._bench import cluster, launch, netns, netreport, report, steps
 
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
@@ -107,7 +122,10 @@ CASES = {
 MODELS = ("light", "cnn")  # of hvdcompress.training.models
 LAUNCHERS = ("gloo", "mpi")
 DEFAULT_RATES = ("100mbit", "1gbit", "10gbit", "unlimited")
-EXCHANGES = ("auto", "allgather", "twostage")  # DistributedOptimizer(exchange=...)
+# DistributedOptimizer(exchange=...); hierarchical: on the emulated cluster (--nodes)
+EXCHANGES = ("auto", "allgather", "twostage", "hierarchical")
+CLUSTER_LAUNCHER = "torchrun"  # --nodes >= 2: one torchrun per node, torch.distributed
+CLUSTER_PORT = 29470
 CAT_CALIBRATION_SIZES = (1, 1 << 10, 1 << 14, 1 << 17, 1 << 20)
 # the optimizer's figures per step, summed over the timed steps: key -> last_stats field
 # (sent and received: as the transport counted them)
@@ -171,7 +189,10 @@ def run_case(
         steps.train_step(model, opt, x, y)
     transport.allgather_object(None)  # barrier: every rank's warmup traffic is done
     extra["warmup_s"] = time.perf_counter() - t_built
-    tx0 = netns.read_tx_bytes() if rank == 0 else 0
+    node_link = cluster.node_link_counter()  # cluster: the node's local rank 0 reads its link
+    on_cluster = os.environ.get(cluster.NODE_DEVICE_ENV) is not None
+    tx0 = netns.read_tx_bytes() if rank == 0 and not on_cluster else 0
+    link0 = node_link() if node_link is not None else None
     transport.allgather_object(None)  # nobody sends a timed byte before rank 0 has read
     times = []
     acc = dict.fromkeys(STEP_STATS, 0.0)
@@ -182,11 +203,16 @@ def run_case(
             acc[key] += getattr(opt.last_stats, field)
     transport.allgather_object(None)  # barrier: every rank received everything
     elapsed = time.perf_counter() - t_start
-    tx1 = netns.read_tx_bytes() if rank == 0 else 0
+    tx1 = netns.read_tx_bytes() if rank == 0 and not on_cluster else 0
+    moved = None
+    if node_link is not None:
+        moved = [b - a for a, b in zip(link0, node_link(), strict=True)]
     metrics = opt.last_stats.metrics
     levels = [v for k, v in metrics.items() if k.startswith("level/")]
     budgets = [v for k, v in metrics.items() if k.startswith("T/")]
     mine = {
+        "node": int(os.environ.get("GROUP_RANK", "0")),
+        "node_link": moved,  # (tx, rx) of its node's link: the node's local rank 0 only
         "median": statistics.median(times),
         "times": times,
         **{k: v / args.steps for k, v in acc.items()},
@@ -199,6 +225,10 @@ def run_case(
     if budgets:
         extra["cat_kept_fraction"] = sum(budgets) / numel
     n = args.steps
+    if on_cluster:  # the bytes that crossed the switch: the sum of the nodes' link tx
+        links = sorted((r["node"], r["node_link"]) for r in everyone if r["node_link"])
+        extra["node_link_bytes_per_step"] = [[tx / n, rx / n] for _, (tx, rx) in links]
+        tx1, tx0 = sum(tx for _, (tx, _) in links), 0
     return {
         "params": numel,
         "compressor": method.compression,
@@ -227,9 +257,17 @@ def worker_main(args) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from hvdcompress.transports import make_transport
+    if args.backend == "torch":  # the emulated cluster: torchrun per node, gloo
+        import torch.distributed as dist
 
-    transport = make_transport(args.backend)
+        from hvdcompress.transports.torch_dist import TorchDistTransport
+
+        dist.init_process_group("gloo")
+        transport = TorchDistTransport(threaded=True)
+    else:
+        from hvdcompress.transports import make_transport
+
+        transport = make_transport(args.backend)
     rank = transport.rank
     # slow first-time imports (torch.optim pulls in torch._dynamo: seconds) and every rank
     # up before the first case, so that startup is not charged to a case or its timeout
@@ -247,7 +285,7 @@ def worker_main(args) -> int:
         try:
             if rate != rate_now:  # rank 0 re-rates the link while every rank waits
                 transport.allgather_object(None)
-                if rank == 0:
+                if rank == 0 and args.backend != "torch":  # cluster: the driver rates them
                     netns.set_rate(rate)
                 transport.allgather_object(None)
                 rate_now = rate
@@ -289,10 +327,12 @@ def case_exchanges(case: str, exchanges: list[str]) -> list[str]:
     return ["allreduce"] if summable else list(exchanges)
 
 
-def launch_command(args, ns: str, launcher: str, ranks: int, items: list[str]) -> list[str]:
+def launch_command(args, ns, launcher: str, ranks: int, items: list[str]) -> list[str]:
+    """The launch of ``items`` on ``ranks`` ranks: in namespace ``ns`` with ``launcher``, or
+    on the emulated cluster ``ns`` (a ``cluster.Cluster``: torchrun per node)."""
+    backend = {"gloo": "horovod", "mpi": "mpi4py", CLUSTER_LAUNCHER: "torch"}[launcher]
     worker = [
-        sys.executable, "-u", str(SCRIPT), "--worker",
-        "--backend", "horovod" if launcher == "gloo" else "mpi4py",
+        str(SCRIPT), "--worker", "--backend", backend,
         "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--batch-size", str(args.batch_size),
         "--accordion-interval", str(args.accordion_interval),
@@ -303,23 +343,33 @@ def launch_command(args, ns: str, launcher: str, ranks: int, items: list[str]) -
     if args.inject_hang:
         worker += ["--inject-hang", args.inject_hang]
     worker += ["--items", *items]
-    return ["ip", "netns", "exec", ns, *launch.rank_command(launcher, ranks, worker)]
+    if isinstance(ns, cluster.Cluster):
+        args.port += 1  # a fresh store port for a relaunch after a failed case
+        return cluster.launch_command(ns, args.ranks_per_node, args.port, worker)
+    python = [sys.executable, "-u", *worker]
+    return ["ip", "netns", "exec", ns, *launch.rank_command(launcher, ranks, python)]
 
 
 def run_group(args, ns, launcher, ranks, items, rows: list) -> None:
-    """All items of one (launcher, ranks) in one launch; relaunches after a failed case."""
+    """All items of one (launcher, ranks) in one launch; relaunches after a failed case.
+    ``ns``: the namespace, or the emulated cluster (``cluster.Cluster``)."""
+    on_cluster = isinstance(ns, cluster.Cluster)
 
     def record(item, result):
         rate, model, case, exchange = parse_item(item)
         row = {"launcher": launcher, "ranks": ranks, "rate": rate, "model": model, "case": case,
                "exchange": exchange}  # fmt: skip
+        if on_cluster:
+            row.update(nodes=ns.nodes, ranks_per_node=args.ranks_per_node,
+                       topology=f"{ns.nodes}x{args.ranks_per_node}")  # fmt: skip
         row.update(result)
         rows.append(row)
         print(netreport.log_line(row), flush=True)
 
     def run(pending):
         cmd = launch_command(args, ns, launcher, ranks, pending)
-        return launch.run_launch(cmd, pending, args, ROOT, lambda: netns.ns_kill(ns))
+        stop = (lambda: cluster.kill(ns)) if on_cluster else (lambda: netns.ns_kill(ns))
+        return launch.run_launch(cmd, pending, args, ROOT, stop)
 
     launch.run_items(items, run, record, args.verbose)
 
@@ -357,6 +407,24 @@ def parse_args(argv=None):
         default=["auto"],
         help="exchange= of gather-only cases (summable ones are allreduced); default: auto",
     )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="2 or more: an emulated cluster of that many nodes (a namespace each, one\n"
+        "torchrun per node, torch.distributed over gloo), each node's link at --node-link;\n"
+        "--ranks and --launchers do not apply; default: 1 (the shared link)",
+    )
+    p.add_argument("--ranks-per-node", type=int, default=2, help="on the cluster; default: 2")
+    p.add_argument(
+        "--node-link",
+        type=netns.rate_arg,
+        nargs="+",
+        default=None,
+        metavar="RATE",
+        help="on the cluster: the rate of every node's link, both directions (one run per\n"
+        "rate); default: --rates",
+    )
     p.add_argument("--steps", type=int, default=5, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -378,7 +446,7 @@ def parse_args(argv=None):
     p.add_argument("--verbose", "-v", action="store_true", help="show the ranks' output")
     # worker mode and test hooks (hidden)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--backend", choices=["horovod", "mpi4py"], help=argparse.SUPPRESS)
+    p.add_argument("--backend", choices=["horovod", "mpi4py", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--items", nargs="+", default=[], help=argparse.SUPPRESS)
     p.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)
     p.add_argument("--inject-hang", default=None, help=argparse.SUPPRESS)
@@ -401,6 +469,15 @@ def parse_args(argv=None):
                 setattr(args, dest, value)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step negotiates and decides)")
+    if args.nodes >= 2:  # the emulated cluster: its ranks, launcher and link rates
+        if args.ranks_per_node < 1:
+            p.error("--ranks-per-node must be >= 1")
+        args.ranks = [args.nodes * args.ranks_per_node]
+        args.launchers = [CLUSTER_LAUNCHER]
+        args.rates = list(args.node_link or args.rates)
+    elif args.node_link:
+        p.error("--node-link is the rate of a cluster's node links: give --nodes 2 or more")
+    args.port = CLUSTER_PORT
     return args
 
 
@@ -412,16 +489,21 @@ def main(argv=None) -> int:
     if why:
         print(f"bench_network: {why}", file=sys.stderr)
         return 2
-    if args.cleanup:
-        removed = netns.cleanup_stale(args.ns_prefix, SCRIPT.name)
+    if args.cleanup:  # the shared link's namespace and a cluster's (<prefix><pid>-...)
+        removed = cluster.cleanup_stale(args.ns_prefix, SCRIPT.name)
         print(f"removed {len(removed)} stale namespace(s): {' '.join(removed) or '-'}")
         return 0
     mine = f"{args.ns_prefix}{os.getpid()}"
-    stale = [ns for ns in netns.list_namespaces(args.ns_prefix) if ns != mine]
+    stale = [
+        ns
+        for ns in netns.list_namespaces(args.ns_prefix)
+        if ns != mine and not ns.startswith(mine + "-")
+    ]
     if stale:
         print(f"note: namespaces {stale} exist (another run, or stale: --cleanup)", flush=True)
 
-    ns = f"{args.ns_prefix}{os.getpid()}"
+    on_cluster = args.nodes >= 2
+    ns = f"{args.ns_prefix}{os.getpid()}" + ("-" if on_cluster else "")
     items = [
         item_name(r, m, c, e)
         for r in args.rates
@@ -445,6 +527,8 @@ def main(argv=None) -> int:
         "exchanges": args.exchanges,
         "models": args.models,
         "launchers": args.launchers,
+        "cluster": {"nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
+                    "node_link": args.rates} if on_cluster else None,
         "timeout_s": args.timeout,
         "cases_defined": {k: {"compressor": m.compression, "params": dict(m.params),
                               "policy": m.policy} for k, m in CASES.items()},
@@ -457,7 +541,19 @@ def main(argv=None) -> int:
             for ranks in args.ranks:
                 run_group(args, ns, launcher, ranks, items, rows)
 
-    interrupted = netns.in_namespace(ns, args.ns_prefix, body)
+    def cluster_body():
+        print(f"emulated cluster {ns}*: {args.nodes} nodes x {args.ranks_per_node} ranks; "
+              f"{LATENCY_NOTE}", flush=True)  # fmt: skip
+        for rate in args.rates:  # the driver rates every node's link, then launches
+            cluster.set_node_link(c, rate)
+            mine = [i for i in items if parse_item(i)[0] == rate]
+            run_group(args, c, CLUSTER_LAUNCHER, args.ranks[0], mine, rows)
+
+    if on_cluster:
+        c = cluster.Cluster(ns, args.nodes)
+        interrupted = cluster.in_cluster(c, cluster_body)
+    else:
+        interrupted = netns.in_namespace(ns, args.ns_prefix, body)
     meta["wall_s"] = time.monotonic() - t_all
     if interrupted:
         meta["interrupted"] = interrupted
@@ -467,7 +563,8 @@ def main(argv=None) -> int:
     report.write_json(args.out / "bench_network.json", {"meta": meta, "rows": rows}, indent=1)
     table = netreport.markdown(rows, meta)
     (args.out / "bench_network.md").write_text(table)
-    note = netreport.plot(rows, args.out / "bench_network.png", MODELS, LAUNCHERS)
+    note = netreport.plot(rows, args.out / "bench_network.png", MODELS,
+                          (*LAUNCHERS, CLUSTER_LAUNCHER))  # fmt: skip
     note = netreport.plot_bytes(rows, args.out / "bench_network_bytes.png") or note
     print()
     print(table)

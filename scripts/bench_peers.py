@@ -56,7 +56,6 @@ except ModuleNotFoundError:  # loaded by file path from the repository root (the
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
 PREFIX = "hvdc-peers-"
-NODE_DEVICE = "HVDC_PEERS_NODE_DEVICE"  # set on an emulated cluster: the node's link
 MARK = "HVDC_PEERS "
 MODELS = ("mlp10m", "cnn", "vit")
 HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "powersgd-r2", "topk")
@@ -192,7 +191,7 @@ def run_row(args, model_name: str, row: str) -> dict:
         "wire_mb": tx / args.steps / 1e6,
         # per node (cluster): MB its link sent and received per step
         "node_link_mb": [[t / args.steps / 1e6, r / args.steps / 1e6] for t, r in links]
-        if os.environ.get(NODE_DEVICE)
+        if os.environ.get(cluster.NODE_DEVICE_ENV)
         else None,
         "payload_kb_per_rank": per_rank["payload"],  # handed to the transport per step
         "sent_kb_per_rank": per_rank["sent"],  # sent per step, as the transport counted
@@ -213,10 +212,10 @@ def _link_counter():
     0 reads its node's link (tx, rx); the other ranks read nothing (-1)."""
     import torch.distributed as dist
 
-    device = os.environ.get(NODE_DEVICE)
-    if device is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        return lambda: cluster.link_bytes(device)
-    if device is None and dist.get_rank() == 0:
+    node_link = cluster.node_link_counter()
+    if node_link is not None:
+        return node_link
+    if os.environ.get(cluster.NODE_DEVICE_ENV) is None and dist.get_rank() == 0:
         return lambda: (netns.read_tx_bytes(), 0)
     return lambda: (-1, -1)
 
@@ -273,8 +272,7 @@ def launch_cluster(args, c: cluster.Cluster, rate: str) -> list[dict]:
         str(SCRIPT), "--worker", "--rate", rate, "--models", *args.models, "--rows", *args.rows,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           NODE_DEVICE: cluster.DEVICE}  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
             cluster.torchrun_command(c, i, args.ranks_per_node, 29400, worker),

@@ -1,4 +1,5 @@
-"""scripts/bench_network.py: real TCP traffic through a rate-limited namespace loopback.
+"""scripts/bench_network.py: real TCP traffic through a rate-limited namespace loopback,
+and through the rate-limited node links of an emulated cluster (--nodes).
 
 Needs root and ``ip netns`` (skipped otherwise, except in CI, where that fails). Each run
 uses its own namespace prefix, so a benchmark running at the same time does not disturb
@@ -138,4 +139,52 @@ def test_exchange_and_ranks_axes_measure_bytes_per_rank(tmp_path):
     table = (out / "bench_network.md").read_text()
     assert "| mpi | unlimited | cnn | 3lc (twostage) |" in table  # the bytes-vs-ranks table
     assert (out / "bench_network_bytes.png").stat().st_size > 0
+    assert _namespaces(prefix) == []
+
+
+def test_an_emulated_cluster_reports_the_bytes_on_each_nodes_link(tmp_path):
+    """--nodes 2 --ranks-per-node 2 --node-link 100mbit: torchrun per node namespace
+    (scripts/_bench/cluster.py); every row has each node's link (tx, rx per step) and the
+    measured bytes are what crossed the links; the allreduce's intra-node edge stays off
+    them; the hierarchical exchange puts fewer bytes on them than the allgather. Every
+    namespace of the cluster is removed afterwards."""
+    prefix = f"hvdc-bt{os.getpid()}d-"
+    res, data, out = _run(
+        tmp_path,
+        prefix,
+        *("--nodes", "2", "--ranks-per-node", "2", "--node-link", "100mbit"),
+        *("--models", "cnn", "--cases", "none", "3lc"),
+        *("--exchanges", "allgather", "hierarchical"),
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert data["meta"]["cluster"] == {"nodes": 2, "ranks_per_node": 2, "node_link": ["100mbit"]}
+    rows = {(r["case"], r["exchange"]): r for r in data["rows"]}
+    assert set(rows) == {("none", "allreduce"), ("3lc", "allgather"), ("3lc", "hierarchical")}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["launcher"] == "torchrun" and r["ranks"] == 4 and r["rate"] == "100mbit"
+        assert r["topology"] == "2x2" and r["nodes"] == 2 and r["ranks_per_node"] == 2
+        links = r["node_link_bytes_per_step"]
+        assert len(links) == 2 and all(tx > 0 and rx > 0 for tx, rx in links), r
+        assert r["measured_bytes_per_step"] == pytest.approx(sum(tx for tx, _ in links))
+        assert r["step_s"] > 0
+    assert rows[("3lc", "hierarchical")]["exchanges"] == ["hierarchical"]
+    # gloo's ring allreduce over 4 ranks, 2 per node: one cross-node edge each way per
+    # node, 2 (N - 1) / N x the float32 gradient on it (plus TCP/IP headers)
+    none = rows[("none", "allreduce")]
+    ring = 2 * 3 / 4 * 4 * none["params"]
+    for tx, rx in none["node_link_bytes_per_step"]:
+        assert 0.95 * ring < tx < 1.4 * ring and 0.95 * ring < rx < 1.4 * ring, none
+    # allgather: each rank's payload goes to both ranks of the other node; hierarchical:
+    # the node's ranks combine first, then one exchange per node's shard crosses
+    gather = max(tx for tx, _ in rows[("3lc", "allgather")]["node_link_bytes_per_step"])
+    hier = max(tx for tx, _ in rows[("3lc", "hierarchical")]["node_link_bytes_per_step"])
+    assert hier < 0.75 * gather < 0.1 * ring, (hier, gather)
+    table = (out / "bench_network.md").read_text()
+    assert "an emulated cluster of 2 nodes x 2 ranks" in table
+    assert "node links tx/rx MB/step" in table
+    assert "| torchrun | 4 | 100mbit | cnn | 3lc | hierarchical |" in table
+    assert "node links tx/rx MB/step" in res.stdout  # the progress lines
+    assert data["meta"]["namespace"].startswith(prefix)
     assert _namespaces(prefix) == []

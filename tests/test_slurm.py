@@ -178,4 +178,20 @@ def test_multi_node_sbatch_horovodrun_2_ranks(slurm_env, tmp_path):
         slurm_env, "train_multi_node.sbatch", tmp_path, LAUNCHER="horovodrun",
         COMPRESSION="3lc", EXTRA_ARGS=extra, BATCH_SIZE="16",
     )  # fmt: skip
-    _check(fields, output, tmp_path / "log", steps)
+    s = _check(fields, output, tmp_path / "log", steps)
+    assert s["exchange"] == "auto", s  # the script's default EXCHANGE
+
+
+def test_multi_node_sbatch_srun_hierarchical_exchange_2_ranks(slurm_env, tmp_path):
+    """slurm/train_multi_node.sbatch with LAUNCHER=srun (--mpi=pmix), backend mpi4py and
+    EXCHANGE=hierarchical; HVDC_RANKS_PER_NODE=1 makes the 2 ranks of the one node play
+    2 nodes, so the exchange's cross-node stage runs (the flag reaches train.py)."""
+    steps = 8
+    extra = f"--dataset synthetic --synthetic-size 2048 --width 4 --steps {steps} --no-progress"
+    fields, output = _submit_and_wait(
+        slurm_env, "train_multi_node.sbatch", tmp_path, LAUNCHER="srun", BACKEND="mpi4py",
+        EXCHANGE="hierarchical", HVDC_RANKS_PER_NODE="1", COMPRESSION="3lc",
+        EXTRA_ARGS=extra, BATCH_SIZE="16",
+    )  # fmt: skip
+    s = _check(fields, output, tmp_path / "log", steps)
+    assert s["exchange"] == "hierarchical" and s["backend"] == "mpi4py", s

@@ -150,8 +150,8 @@ class Transport:
     def _split(self, groups, mine: tuple[int, ...]) -> Transport:
         raise NotImplementedError(
             f"the {self.name or type(self).__name__} transport has no sub-communicators "
-            "(split): the hierarchical exchange runs on mpi4py, torch.distributed and the "
-            "simulated world"
+            "(split): the hierarchical exchange runs on mpi4py, torch.distributed, Horovod "
+            "and the simulated world"
         )
 
     def node_key(self) -> object:

@@ -1,5 +1,11 @@
 """Collectives through horovod.torch: see hvdcompress.transports.
 
+``split`` (the node and cross-node transports of the hierarchical exchange) makes Horovod
+process sets with ``hvd.add_process_set``, which needs dynamic process sets:
+``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment before ``hvd.init()`` (or
+``hvd.init(process_sets="dynamic")``); without them ``split`` raises at once on every
+rank, saying so (never a hang).
+
 Faults are Horovod's (docs/checkpoints-and-faults.md, "Faults"), except that Horovod
 0.28.1 under Gloo has no stall check: there ``_GlooStallWatch`` watches this rank's own
 pending collectives with Horovod's variables ("Stall check"): it warns, and after the
@@ -27,11 +33,13 @@ class HorovodTransport(Transport):
     """Collectives through ``horovod.torch`` (initialised here if the caller has not).
 
     ``process_set`` (an ``hvd.ProcessSet`` this rank belongs to; None: every rank): every
-    collective runs over that set, and ``rank`` / ``size`` are this rank's place in it."""
+    collective runs over that set, and ``rank`` / ``size`` are this rank's place in it.
+    ``prefix``: the names of its collectives (``split`` gives each of its transports its
+    own, as two transports may share a set)."""
 
     name = "horovod"
 
-    def __init__(self, process_set=None) -> None:
+    def __init__(self, process_set=None, *, prefix: str | None = None) -> None:
         import horovod.torch as hvd
 
         if not hvd.is_initialized():
@@ -44,8 +52,9 @@ class HorovodTransport(Transport):
         self.size = self._set.size()
         self.local_size = hvd.local_size()
         self._cross_rank = hvd.cross_rank()  # the node's index among the nodes
-        self._prefix = f"hvdcompress.set{self._set.process_set_id}"
+        self._prefix = prefix or f"hvdcompress.set{self._set.process_set_id}"
         self._count = 0
+        self._splits = 0
         self._pending: dict[str, tuple[object, float]] = {}  # name -> (handle, started)
         self._watch = None
         if hvd.gloo_enabled() and self.size > 1:
@@ -69,6 +78,51 @@ class HorovodTransport(Transport):
         # same on every rank because every rank starts collectives in the same order.
         self._count += 1
         return f"{self._prefix}.{kind}.{self._count}"
+
+    def _split(self, groups, mine: tuple[int, ...]) -> HorovodTransport:
+        """A process set per group, the one of ``mine`` as the new transport's. Adding a
+        process set is collective over every Horovod rank: only the global set splits.
+        A set of the same ranks that exists already (the user's, or an earlier split's)
+        is used as it is."""
+        hvd = self.hvd
+        if self._set.process_set_id != 0:
+            raise NotImplementedError(
+                "a Horovod transport over a process set cannot split: Horovod adds process "
+                "sets collectively over all its ranks; split the global transport"
+            )
+        if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0").strip().lower() in (
+            "", "0", "false", "no", "off"
+        ):  # fmt: skip
+            raise RuntimeError(
+                "splitting the Horovod transport (exchange='hierarchical') needs Horovod's "
+                "dynamic process sets: set HOROVOD_DYNAMIC_PROCESS_SETS=1 in the environment "
+                "of every rank before hvd.init() (e.g. horovodrun -x / export), or call "
+                "hvd.init(process_sets='dynamic') before building the optimizer"
+            )
+        from horovod.common.process_sets import ProcessSet, _basics
+
+        existing = {tuple(r): i for i, r in _basics._get_process_set_ids_and_ranks().items()}
+        sets = []
+        for g in groups:  # every rank adds every set, in the same order
+            ranks = sorted(g)
+            if tuple(ranks) in existing:
+                ps = ProcessSet(ranks)
+                ps.process_set_id = existing[tuple(ranks)]
+            else:
+                try:
+                    ps = hvd.add_process_set(ranks)
+                except ValueError as err:  # Horovod's words on dynamic sets, ours first
+                    raise RuntimeError(
+                        "Horovod refused a process set for the split (exchange="
+                        "'hierarchical' needs HOROVOD_DYNAMIC_PROCESS_SETS=1 before "
+                        f"hvd.init()): {err}"
+                    ) from err
+            sets.append(ps)
+        self._splits += 1
+        ps = sets[groups.index(mine)]
+        return HorovodTransport(
+            ps, prefix=f"{self._prefix}.split{self._splits}.set{ps.process_set_id}"
+        )
 
     def node_key(self) -> object:
         """Horovod's cross rank: the index of this rank's node."""
@@ -156,7 +210,7 @@ class HorovodTransport(Transport):
         return total.tolist()
 
     def barrier(self) -> None:
-        self.hvd.barrier()
+        self.hvd.barrier(process_set=self._set)
 
 
 def _strip_length_prefixes(gathered: torch.Tensor, size: int) -> tuple[torch.Tensor, list[int]]:

@@ -14,12 +14,16 @@ SIGINT / SIGTERM / SIGHUP (``in_cluster``); the namespaces of a driver that was 
 with SIGKILL are found by the driver's pid in their names and removed by the next run
 (``cleanup_stale``).
 
-Ranks are launched with torchrun, one per node namespace (``torchrun_command``): it needs
-no ssh, and gloo binds to ``eth0`` (``GLOO_SOCKET_IFNAME``).
+Ranks are launched with torchrun, one per node namespace (``torchrun_command``; every
+node's at once: ``launch_command``): it needs no ssh, and gloo binds to ``eth0``
+(``GLOO_SOCKET_IFNAME``). The ranks find their node's link in ``NODE_DEVICE_ENV``, and
+the node's local rank 0 reads its bytes around the timed steps (``node_link_counter``).
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +35,7 @@ except ModuleNotFoundError:
 
 SUBNET = "169.254.100."  # link-local (RFC 3927): never routed beyond the namespaces
 DEVICE = "eth0"  # a node's link, inside its namespace
+NODE_DEVICE_ENV = "HVDC_BENCH_NODE_DEVICE"  # set for the ranks of a cluster: their link
 
 
 @dataclass(frozen=True)
@@ -114,10 +119,39 @@ def torchrun_command(cluster: Cluster, node: int, ranks_per_node: int, port: int
     """torchrun of node ``node``'s ranks, inside its namespace; node 0 hosts the store."""
     return [
         "ip", "netns", "exec", cluster.node(node), "env", f"GLOO_SOCKET_IFNAME={DEVICE}",
-        f"TP_SOCKET_IFNAME={DEVICE}", sys.executable, "-m", "torch.distributed.run",
+        f"TP_SOCKET_IFNAME={DEVICE}", f"{NODE_DEVICE_ENV}={DEVICE}", sys.executable, "-m",
+        "torch.distributed.run",
         f"--nnodes={cluster.nodes}", f"--node-rank={node}", f"--nproc-per-node={ranks_per_node}",
         f"--master-addr={cluster.address(0)}", f"--master-port={port}", *script,
     ]  # fmt: skip
+
+
+def launch_command(cluster: Cluster, ranks_per_node: int, port: int,
+                   script: list[str]) -> list[str]:  # fmt: skip
+    """One command that runs every node's torchrun (``torchrun_command``) at once, their
+    output merged on its own, and exits 0 when every node's did, else 1. Its processes
+    live in the node namespaces: ``kill`` ends them."""
+    nodes = [shlex.join(torchrun_command(cluster, i, ranks_per_node, port, script))
+             for i in range(cluster.nodes)]  # fmt: skip
+    started = "".join(f"{cmd} & p{i}=$!; " for i, cmd in enumerate(nodes))
+    waited = "".join(f"wait $p{i} || rc=1; " for i in range(cluster.nodes))
+    return ["sh", "-c", f"rc=0; {started}{waited}exit $rc"]
+
+
+def kill(cluster: Cluster) -> None:
+    """End every process in the cluster's namespaces (the namespaces stay)."""
+    for ns in cluster.namespaces:
+        netns.ns_kill(ns)
+
+
+def node_link_counter():
+    """For a rank of an emulated cluster (``NODE_DEVICE_ENV`` set) that is its node's
+    local rank 0 (torchrun's ``LOCAL_RANK``): a callable giving the (tx, rx) bytes of the
+    node's link so far; else None (another rank of the node, or no cluster)."""
+    device = os.environ.get(NODE_DEVICE_ENV)
+    if device is None or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return None
+    return lambda: link_bytes(device)
 
 
 def delete(cluster: Cluster) -> None:

@@ -24,12 +24,19 @@ def log_line(row: dict) -> str:
             f"measured, {row['modelled_bytes_per_step'] / 1e6:.2f} modelled "
             f"({row.get('case_wall_s', 0):.1f} s)"
         )
+        if row.get("node_link_bytes_per_step"):
+            what += ", node links tx/rx MB/step " + node_links(row)
     else:
         what = f"FAILED: {row.get('reason')}"
     return (
         f"{row['launcher']:<4} {row['ranks']} ranks {row['rate']:>9} {row['model']:<5} "
         f"{label(row):<24} {what}"
     )
+
+
+def node_links(row: dict) -> str:
+    """An emulated cluster's row: each node's link, MB sent / received per step."""
+    return " ".join(f"{tx / 1e6:.2f}/{rx / 1e6:.2f}" for tx, rx in row["node_link_bytes_per_step"])
 
 
 def add_not_run(rows: list, args, items: list, parse_item, interrupted: str) -> None:
@@ -94,15 +101,32 @@ def markdown(rows: list, meta: dict) -> str:
             "wire MB/step measured", "modelled", "meas/model", "kB/rank/step measured",
             "sent kB/rank (transport)", "bits/value", "speedup vs none", "vs fp16",
             "vs allgather", "status"]  # fmt: skip
+    on_cluster = meta.get("cluster")
+    if on_cluster:
+        head.insert(8, "node links tx/rx MB/step")
+        link = (
+            f"Link: an emulated cluster of {on_cluster['nodes']} nodes x "
+            f"{on_cluster['ranks_per_node']} ranks (namespaces {meta['namespace']}*, one "
+            f"torchrun per node, torch.distributed over gloo), each node's link limited "
+            f"with tc tbf in both directions, the ranks of a node on its loopback; "
+            f"{meta['latency']}. Measured bytes: the bytes that crossed the node links "
+            "per step (the sum of each node's link tx, TCP/IP headers included; traffic "
+            "inside a node is not counted); node links: each node's tx/rx per step"
+        )
+    else:
+        link = (
+            f"Link: the loopback of network namespace {meta['namespace']} limited with tc "
+            f"tbf; {meta['latency']}. All ranks share the one link. Measured bytes: "
+            "loopback tx bytes of the namespace per step (every rank's sends, TCP/IP "
+            "headers included)"
+        )
     lines = [
         f"# Network benchmark ({meta['date']})",
         "",
         f"{meta['steps']} timed steps after {meta['warmup']} warm-up steps, batch "
         f"{meta['batch_size']} per rank, 1 torch thread per rank, on {meta['host']}. "
-        f"Link: the loopback of network namespace {meta['namespace']} limited with tc tbf; "
-        f"{meta['latency']}. All ranks share the one link. Measured bytes: loopback tx bytes "
-        "of the namespace per step (every rank's sends, TCP/IP headers included); modelled: "
-        "the sum over ranks of DistributedOptimizer.last_stats.wire_bytes (ring model).",
+        f"{link}; modelled: the sum over ranks of DistributedOptimizer.last_stats.wire_bytes "
+        "(ring model).",
         "",
     ]
     cells = []
@@ -127,6 +151,8 @@ def markdown(rows: list, meta: dict) -> str:
             report.fmt(r.get("speedup_vs_allgather"), ".2f"),
             status,
         ]  # fmt: skip
+        if on_cluster:
+            row.insert(8, node_links(r) if ok and r.get("node_link_bytes_per_step") else "-")
         cells.append(row)
     lines += report.md_table(head, cells)
     exchanges = {r.get("exchange") for r in rows} - {"allreduce"}
@@ -141,7 +167,8 @@ def bytes_table(rows: list) -> list[str]:
     ranks = sorted({r["ranks"] for r in rows})
     keys = list(dict.fromkeys((r["launcher"], r["rate"], r["model"], label(r)) for r in rows))
     lines = [
-        "Bytes per rank per step: loopback-measured kB / N; transport-counted sent kB; for "
+        "Bytes per rank per step: measured kB / N (on the shared link's loopback, or across "
+        "a cluster's node links); transport-counted sent kB; for "
         "twostage, sent / (2 (N - 1) / N x the allgather payload per rank).",
         "",
     ]
