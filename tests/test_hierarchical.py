@@ -192,3 +192,32 @@ def test_a_checkpoint_of_another_topology_is_refused(monkeypatch):
     _, resumed = _resume(monkeypatch, "4")
     with pytest.raises(hvdcompress.CheckpointError):
         run_ranks(4, resumed)
+
+
+def test_auto_guesses_hierarchical_on_nodes_of_several_ranks(two_per_node):
+    """On 2 nodes of 2, "auto" starts every gather bucket on the hierarchical exchange
+    (fewest bytes across nodes) and keeps the flat ones and dense open for the tuner;
+    on one node of 4 it does not (nothing to split). Bit-identical either way."""
+    from hvdcompress.exchange import choose_exchanges
+
+    got = run_ranks(4, _train("3lc", "auto"))
+    assert len({d for d, _, _ in got}) == 1
+    assert all(kinds == ["hierarchical"] for _, _, kinds in got)
+
+    def options(t):
+        model = _model()
+        buckets = hvdcompress.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+            compression="3lc", backend=t, exchange="allgather",
+        ).buckets  # fmt: skip
+        plan = choose_exchanges(hvdcompress.get_compressor("3lc"), t, buckets, "auto")
+        return sorted(sorted(o) for o in plan.options.values())
+
+    (first, *_) = run_ranks(4, options)
+    assert first and all(o == ["allgather", "dense", "hierarchical", "twostage"] for o in first)
+
+
+def test_auto_on_one_node_stays_flat(monkeypatch):
+    monkeypatch.setenv("HVDC_RANKS_PER_NODE", "4")
+    got = run_ranks(4, _train("3lc", "auto"))
+    assert all("hierarchical" not in kinds for _, _, kinds in got)

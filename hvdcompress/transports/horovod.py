@@ -79,6 +79,11 @@ class HorovodTransport(Transport):
         self._count += 1
         return f"{self._prefix}.{kind}.{self._count}"
 
+    @property
+    def splits(self) -> bool:
+        """Whether ``split`` works here: the global set, with dynamic process sets."""
+        return self._set.process_set_id == 0 and _dynamic_sets()
+
     def _split(self, groups, mine: tuple[int, ...]) -> HorovodTransport:
         """A process set per group, the one of ``mine`` as the new transport's. Adding a
         process set is collective over every Horovod rank: only the global set splits.
@@ -90,9 +95,7 @@ class HorovodTransport(Transport):
                 "a Horovod transport over a process set cannot split: Horovod adds process "
                 "sets collectively over all its ranks; split the global transport"
             )
-        if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0").strip().lower() in (
-            "", "0", "false", "no", "off"
-        ):  # fmt: skip
+        if not _dynamic_sets():
             raise RuntimeError(
                 "splitting the Horovod transport (exchange='hierarchical') needs Horovod's "
                 "dynamic process sets: set HOROVOD_DYNAMIC_PROCESS_SETS=1 in the environment "
@@ -211,6 +214,12 @@ class HorovodTransport(Transport):
 
     def barrier(self) -> None:
         self.hvd.barrier(process_set=self._set)
+
+
+def _dynamic_sets() -> bool:
+    """Whether ``HOROVOD_DYNAMIC_PROCESS_SETS`` asks for dynamic process sets."""
+    value = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
 
 
 def _strip_length_prefixes(gathered: torch.Tensor, size: int) -> tuple[torch.Tensor, list[int]]:
