@@ -20,7 +20,8 @@ class GatheredExchange(_Exchange):
         frame, ctxs = framing.compress_bucket(comp, grads, list(bucket.names))
         if not self.transport.moves_on(frame.device):
             frame = frame.cpu()
-        handle = self.transport.start_allgatherv(frame)
+        # a key per bucket: its slots follow this bucket's frames (transports.slots)
+        handle = self.transport.start_allgatherv(frame, key=(bucket.index, self.kind))
         wire_bytes = float((self.transport.size - 1) * frame.numel())
         return InFlight(ctxs, [Collective(handle, frame.numel(), wire_bytes)], list(grads))
 

@@ -124,7 +124,7 @@ class HierarchicalExchange(_Exchange):
             _cat([flats[pc.tensor][pc.start : pc.stop] for pc in pieces]).view(torch.uint8)
             for pieces in shards
         ]
-        stage1 = self.intra.start_alltoallv(parts)
+        stage1 = self.intra.start_alltoallv(parts, key=(bucket.index, "intra1"))
         flight = InFlight([], [], list(grads), shards=shards)
         received = waited(flight, Collective(stage1, 0, 0.0))  # the fast link: wait here
         node_sum = sum_in_rank_order([r.view(torch.float32) for r in received])
@@ -156,7 +156,8 @@ class HierarchicalExchange(_Exchange):
         mine = _cat(stages.pieces).view(torch.uint8)
         # a 4-byte status first, so that every part's floats stay 4-byte aligned
         message = torch.cat([torch.tensor([status, 0, 0, 0], dtype=torch.uint8), mine.cpu()])
-        stage3 = Collective(self.intra_finish.start_allgatherv(message), message.numel(), 0.0)
+        handle = self.intra_finish.start_allgatherv(message, key=(bucket.index, "intra3"))
+        stage3 = Collective(handle, message.numel(), 0.0)
         gathered, sizes = waited(flight, stage3)
         parts = list(gathered.split(sizes))
         if error is not None:
