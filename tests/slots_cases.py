@@ -43,15 +43,15 @@ def expected_rounds(maxima: list[int]) -> list[int]:
     return rounds
 
 
-def allgatherv_case(t) -> dict:
+def allgatherv_case(t, tag: str = "") -> dict:
     """Every call at one key gives exactly the bytes of the key-less path; rounds, bytes
-    and the capacity as they went."""
+    and the capacity as they went. ``tag``: a fresh key on a transport used before."""
     size, rank = t.size, t.rank
     same, rounds, sent, caps = [], [], [], []
     before = t.traffic.rounds
     for call in range(len(LENGTHS)):
         mine = payload(rank, call)
-        h = t.start_allgatherv(mine, key=("case", "allgatherv"))
+        h = t.start_allgatherv(mine, key=("case", "allgatherv", tag))
         gathered, sizes = h.wait()
         plain, plain_sizes = t.start_allgatherv(mine).wait()  # today's path
         want = [payload(r, call) for r in range(size)]
@@ -62,7 +62,7 @@ def allgatherv_case(t) -> dict:
         )
         rounds.append(h.rounds)
         sent.append(h.sent_bytes)
-        caps.append(slots.capacities(t).capacity("allgatherv", ("case", "allgatherv")))
+        caps.append(slots.capacities(t).capacity("allgatherv", ("case", "allgatherv", tag)))
     maxima = [max(payload(r, c).numel() for r in range(size)) for c in range(len(LENGTHS))]
     return {
         "same": same, "rounds": rounds, "want_rounds": expected_rounds(maxima), "sent": sent,
@@ -70,13 +70,13 @@ def allgatherv_case(t) -> dict:
     }  # fmt: skip
 
 
-def alltoallv_case(t) -> dict:
+def alltoallv_case(t, tag: str = "") -> dict:
     """As allgatherv_case, for parts of a different length to each destination."""
     size, rank = t.size, t.rank
     same, rounds = [], []
     for call in range(len(LENGTHS)):
         parts = [payload(rank, call, dst) for dst in range(size)]
-        h = t.start_alltoallv(parts, key=("case", "alltoallv"))
+        h = t.start_alltoallv(parts, key=("case", "alltoallv", tag))
         got = h.wait()
         plain = t.start_alltoallv(parts).wait()
         want = [payload(src, call, rank) for src in range(size)]
