@@ -28,18 +28,21 @@ def payload(rank: int, call: int, dst: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-def expected_rounds(maxima: list[int]) -> list[int]:
-    """The rounds of each call, whose largest length is ``maxima[k]``, from the rule of
-    docs/design.md ("Rounds per bucket"): capacity 5/4 of the largest of the last 8,
-    rounded up to 64 bytes; a call fits in one round when every length fits."""
-    rounds, seen = [], []
-    for m in maxima:
-        cap = 0
-        if seen:
-            wanted = -(-max(seen[-8:]) * 5 // 4)  # 5/4, rounded up
-            cap = -(-wanted // 64) * 64
-        rounds.append(1 if m <= cap else 2)
-        seen.append(m)
+def expected_rounds(series: list[list[int]]) -> list[int]:
+    """The rounds of each call, ``series[k][c]`` the length slot k (an allgatherv's sender,
+    an alltoallv's sender-receiver pair) carries in call c, from the rule of
+    docs/design.md ("Rounds per bucket"): a slot's capacity is 5/4 of its largest length
+    of the last 8 calls, rounded up to 8 bytes; a call is one round when every slot fits."""
+    rounds = []
+    for c in range(len(series[0])):
+        fits = True
+        for lengths in series:
+            cap = 0
+            if c:
+                wanted = -(-max(lengths[max(0, c - 8) : c]) * 5 // 4)  # 5/4, rounded up
+                cap = -(-wanted // 8) * 8
+            fits = fits and lengths[c] <= cap
+        rounds.append(1 if fits else 2)
     return rounds
 
 
@@ -47,7 +50,7 @@ def allgatherv_case(t, tag: str = "") -> dict:
     """Every call at one key gives exactly the bytes of the key-less path; rounds, bytes
     and the capacity as they went. ``tag``: a fresh key on a transport used before."""
     size, rank = t.size, t.rank
-    same, rounds, sent, caps = [], [], [], []
+    same, rounds, sent, caps, own = [], [], [], [], []
     before = t.traffic.rounds
     for call in range(len(LENGTHS)):
         mine = payload(rank, call)
@@ -62,11 +65,16 @@ def allgatherv_case(t, tag: str = "") -> dict:
         )
         rounds.append(h.rounds)
         sent.append(h.sent_bytes)
-        caps.append(slots.capacities(t).capacity("allgatherv", ("case", "allgatherv", tag)))
-    maxima = [max(payload(r, c).numel() for r in range(size)) for c in range(len(LENGTHS))]
+        held = slots.capacities(t)
+        each = [held.capacity("allgatherv", ("case", "allgatherv", tag), (r,)) for r in range(size)]
+        caps.append(max(each))
+        own.append(each[rank])
+    calls = range(len(LENGTHS))
+    series = [[payload(r, c).numel() for c in calls] for r in range(size)]
     return {
-        "same": same, "rounds": rounds, "want_rounds": expected_rounds(maxima), "sent": sent,
-        "caps": caps, "traffic_rounds": t.traffic.rounds - before, "size": size,
+        "same": same, "rounds": rounds, "want_rounds": expected_rounds(series), "sent": sent,
+        "caps": caps, "own_caps": own, "traffic_rounds": t.traffic.rounds - before,
+        "size": size,
     }  # fmt: skip
 
 
@@ -83,13 +91,10 @@ def alltoallv_case(t, tag: str = "") -> dict:
         triples = zip(got, want, plain, strict=True)
         same.append(all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in triples))
         rounds.append(h.rounds)
-    maxima = [
-        max(payload(s, c, d).numel() for s in range(size) for d in range(size))
-        for c in range(len(LENGTHS))
-    ]
-    # every pair has its own capacity, but the lengths of every pair follow LENGTHS, so
-    # the world's rounds follow the largest
-    return {"same": same, "rounds": rounds, "want_rounds": expected_rounds(maxima)}
+    calls = range(len(LENGTHS))
+    pairs = [(s, d) for s in range(size) for d in range(size)]
+    series = [[payload(s, c, d).numel() for c in calls] for s, d in pairs]
+    return {"same": same, "rounds": rounds, "want_rounds": expected_rounds(series)}
 
 
 @contextlib.contextmanager
@@ -113,7 +118,7 @@ def forged_case(t, liar: int) -> dict:
     bit. What each rank raised, then whether a later call at the same key still works."""
     out = {}
     key = ("case", "forged")
-    t.start_allgatherv(payload(t.rank, 0), key=key).wait()  # capacity 192 from now on
+    t.start_allgatherv(payload(t.rank, 0), key=key).wait()  # capacities of 128 or more
     for name, word in (("huge", (1 << 61) << 1 | 1), ("no_overflow_bit", 1000 << 1)):
         try:
             with forged_header(word) if t.rank == liar else contextlib.nullcontext():

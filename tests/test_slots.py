@@ -72,9 +72,10 @@ def test_steady_calls_take_one_round_and_an_outgrown_payload_two(reports, case):
 def test_the_capacity_grows_then_shrinks_and_bytes_are_counted_as_sent(reports):
     got = reports[0]["allgatherv"]
     caps = got["caps"]
-    assert caps[0] == 192 and caps[4] == 576  # 5/4 of 114, of 414, rounded up to 64
-    assert caps[-1] == 128  # 8 calls of at most 64 bytes later: 5/4 of 64 rounded up
-    # a one-round call sends its slot (header + capacity) to each of the other ranks
+    assert caps[0] == 144 and caps[4] == 520  # 5/4 of 114, of 414, rounded up to 8
+    assert caps[-1] == 88  # the last 8 calls, of at most 66 bytes: 5/4 of 66, rounded up
+    # a one-round call sends its slot (header + capacity) to each of the other ranks;
+    # gloo's all_gather takes equal sizes: every slot is padded to the largest
     assert got["sent"][1] == (SIZE - 1) * (slots.HEADER + caps[0])
     # the first call: headers, then every payload padded to the largest (gloo)
     assert got["sent"][0] == (SIZE - 1) * (slots.HEADER + 114)
@@ -84,14 +85,16 @@ def test_the_capacity_grows_then_shrinks_and_bytes_are_counted_as_sent(reports):
 
 @pytest.mark.parametrize("exchange,per_bucket", [("allgather", 1), ("twostage", 2)])
 def test_a_bucket_costs_one_round_per_stage_after_the_first_step(reports, exchange, per_bucket):
-    """DistributedOptimizer steps (3LC, 4 buckets): after the first step every bucket's
-    stage is one round; keys change no bit of the result (the run with capacities always
+    """DistributedOptimizer steps (3LC, 4 buckets): the first step is two rounds per
+    stage (no capacity yet), the steady state one (a frame that outgrows its slot early
+    on costs one more); keys change no bit of the result (the run with capacities always
     0, the two rounds of before, ends with the same parameters on every rank)."""
     for r in reports:
         run, plain = r[exchange], r[f"{exchange}_unkeyed"]
         assert run["kinds"] == [exchange] and run["buckets"] == 4
         assert run["collectives"] == [per_bucket * 4] * 5
-        assert run["rounds"][1:] == run["collectives"][1:]
+        assert run["rounds"][0] == 2 * run["collectives"][0]
+        assert run["rounds"][2:] == run["collectives"][2:]
         assert plain["rounds"] == [2 * c for c in plain["collectives"]]
         assert run["digest"] == plain["digest"] == reports[0][exchange]["digest"]
 
@@ -123,11 +126,11 @@ def test_capacity_rule():
     recent = slots._Recent()
     assert recent.capacity == 0
     recent.lengths.append(100)
-    assert recent.capacity == 128  # 125 rounded up to 64
+    assert recent.capacity == 128  # 125 rounded up to 8
     recent.lengths.append(0)
     assert recent.capacity == 128  # the largest of the window
-    recent.lengths.extend([1] * slots.WINDOW)
-    assert recent.capacity == 64
+    recent.lengths.extend([9] * slots.WINDOW)
+    assert recent.capacity == 16  # 5/4 of 9, rounded up
     recent.lengths.append(1 << 40)
     assert recent.capacity == slots.MAX_CAPACITY
 

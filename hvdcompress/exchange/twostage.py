@@ -17,7 +17,7 @@ from hvdcompress.buckets import Bucket, PieceKey
 from hvdcompress.compressors import Ctx, GatherCompressor
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.errors import PayloadError
-from hvdcompress.exchange.base import Collective, InFlight, _Exchange, waited
+from hvdcompress.exchange.base import Collective, InFlight, _Exchange, site, waited
 from hvdcompress.transports import Transport
 
 
@@ -184,7 +184,7 @@ class TwoStageExchange(_Exchange):
             Ctx(name, tuple(g.shape), g.dtype, g.device)
             for name, g in zip(bucket.names, grads, strict=True)
         ]
-        handle = self.transport.start_alltoallv(parts, key=(bucket.index, "stage1"))
+        handle = self.transport.start_alltoallv(parts, key=site(bucket, "stage1"))
         rank = self.transport.rank
         to_others = sum(p.numel() for j, p in enumerate(parts) if j != rank)
         collective = Collective(handle, sum(p.numel() for p in parts), to_others)
@@ -216,7 +216,7 @@ class TwoStageExchange(_Exchange):
         flight.decode_s += t2 - t1
         size = self.transport.size
         stage2 = Collective(
-            self.finish_transport.start_allgatherv(message, key=(bucket.index, "stage2")),
+            self.finish_transport.start_allgatherv(message, key=site(bucket, "stage2")),
             message.numel(),
             (size - 1) * message.numel(),
         )

@@ -476,16 +476,11 @@ class MPITransport(Transport):
 
         def job():
             gathered, sizes, wire = slots.allgatherv(
-                buf, caps, key, self.rank, self.size, self._gather, self._gather_var
+                buf, caps, key, self.rank, self.size, self._gather_var
             )
             return (gathered, sizes), wire
 
         return self._submit(job, f"allgatherv of {buf.numel()} bytes", measured=True)
-
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        recv = np.empty(t.numel() * self.size, dtype=np.uint8)
-        self._data_comm.Allgather([t.numpy(), self.MPI.UNSIGNED_CHAR], recv)
-        return torch.from_numpy(recv)
 
     def _gather_var(self, t: torch.Tensor, counts: list[int]):
         """All ranks' ``t`` (``counts[r]`` bytes on rank r), exactly: (concatenation, bytes

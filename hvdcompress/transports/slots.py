@@ -16,18 +16,23 @@ payloads: today's two rounds).
 
 The capacity is a function of what both ends of a slot saw, so every rank holds the same
 one with no extra communication: ``MARGIN`` (5/4) times the largest length of the last
-``WINDOW`` calls at the key (per sender and receiver pair for alltoall), rounded up to
-``ALIGN`` bytes, at most ``MAX_CAPACITY`` (larger payloads travel as overflow, where a
-round's latency is small beside their transfer time). It grows at once with a payload
-that did not fit and shrinks once ``WINDOW`` calls have been smaller, so the padding does
-not stay at a high-water mark.
+``WINDOW`` calls at the key (per sender for allgatherv, which every rank sees; per sender
+and receiver pair for alltoallv, which both ends see), rounded up to ``ALIGN`` bytes, at
+most ``MAX_CAPACITY`` (larger payloads travel as overflow, where a round's latency is
+small beside their transfer time). It grows at once with a payload that did not fit and
+shrinks once ``WINDOW`` calls have been smaller, so the padding does not stay at a
+high-water mark. MPI gathers each slot at its own size; torch.distributed's all_gather
+takes equal sizes, so there every slot is padded to the largest (as the data round
+before keys was padded to the largest payload).
 
 Headers are checked before anything is allocated from them: a negative word, a length
 past ``MAX_LENGTH``, or one past the capacity without the overflow bit (a length its slot
 cannot hold) raises ``PayloadError`` (field ``"length"``, naming the sender). An
 allgather's headers are the same on every rank, so every rank raises it, before any
 second round; in an alltoall the receiver raises it after the second round (whose
-occurrence every rank decides alike from the overflow bits), so no rank is left waiting.
+occurrence every rank decides alike from the overflow bits, and whose sizes both ends
+take from the header as sent: a sender sends exactly the remainder it announced, none
+for a header that fails the checks), so no rank is left waiting.
 
 Capacities are state of the transport: the functions here run on the thread that runs
 its collectives, in collective order, which is the same on every rank.
@@ -45,7 +50,7 @@ from hvdcompress.errors import PayloadError
 
 HEADER = 8  # bytes of a slot's header
 MARGIN = (5, 4)  # capacity over the largest recent length: 1.25
-ALIGN = 64  # capacities are multiples of this
+ALIGN = 8  # capacities are multiples of this (slots stay 8-byte aligned)
 WINDOW = 8  # calls at a key whose lengths set its capacity
 MAX_CAPACITY = 16 << 20  # bytes; larger payloads send the rest in a second round
 MAX_LENGTH = (1 << 31) - 1  # the most bytes one slot may announce (MPI's int counts)
@@ -77,19 +82,20 @@ class _Recent:
 
 
 class Capacities:
-    """The capacity of every slot (by operation, key and sender-receiver pair)."""
+    """The capacity of every slot: by operation, key, and sender (allgatherv) or sender
+    and receiver (alltoallv)."""
 
     def __init__(self) -> None:
         self._slots: dict[tuple, _Recent] = {}
 
-    def slot(self, op: str, key, pair: tuple[int, int] | None = None) -> _Recent:
+    def slot(self, op: str, key, pair: tuple[int, ...] | None = None) -> _Recent:
         """The slot's recent lengths; with ``key`` None a fresh one, not kept (capacity 0:
         the sizes, then the data, every time)."""
         if key is None:
             return _Recent()
         return self._slots.setdefault((op, key, pair), _Recent())
 
-    def capacity(self, op: str, key, pair: tuple[int, int] | None = None) -> int:
+    def capacity(self, op: str, key, pair: tuple[int, ...] | None = None) -> int:
         found = self._slots.get((op, key, pair))
         return 0 if found is None else found.capacity
 
@@ -149,39 +155,40 @@ def _check(word: int, capacity: int, sender: int, overflow_bit: bool | None) -> 
     return None
 
 
-def allgatherv(
-    local: torch.Tensor, caps: Capacities, key, rank: int, size: int, gather, gather_var
-):
+def allgatherv(local: torch.Tensor, caps: Capacities, key, rank: int, size: int, gather):
     """Every rank's ``local`` (1-D uint8), in rank order: (concatenated bytes, lengths,
-    ``Wire``). ``gather(t)``: the allgather of equal-size ``t``, concatenated;
-    ``gather_var(t, counts)``: the allgather of ``t`` whose length on rank r is
-    ``counts[r]``, concatenated, with the bytes it sent and received."""
-    slot = caps.slot("allgatherv", key)
-    cap, n = slot.capacity, local.numel()
-    head = min(n, cap)
-    mine = torch.zeros(HEADER + cap, dtype=torch.uint8, device=local.device)
-    mine[:HEADER] = _header(n, n > cap).to(local.device)
+    ``Wire``). ``gather(t, counts)``: the allgather of ``t``, whose length on rank r is
+    ``counts[r]``, concatenated, with the bytes it sent and received (a transport whose
+    allgather takes equal sizes only pads to the largest). Each rank's slot has the
+    capacity of its own recent lengths, which every rank sees."""
+    slot = [caps.slot("allgatherv", key, (r,)) for r in range(size)]
+    cap = [s.capacity for s in slot]
+    n = local.numel()
+    head = min(n, cap[rank])
+    mine = torch.zeros(HEADER + cap[rank], dtype=torch.uint8, device=local.device)
+    mine[:HEADER] = _header(n, n > cap[rank]).to(local.device)
     mine[HEADER : HEADER + head] = local[:head]
-    rows = gather(mine).view(size, HEADER + cap)
-    words = _read(rows[:, :HEADER], size)
+    first, sent, received = gather(mine, [HEADER + c for c in cap])
+    rows = first.split([HEADER + c for c in cap])
+    words = _read(torch.cat([row[:HEADER] for row in rows]), size)
     for sender, word in enumerate(words):  # the same bytes on every rank: all raise alike
-        wrong = _check(word, cap, sender, (word >> 1) > cap)
+        wrong = _check(word, cap[sender], sender, (word >> 1) > cap[sender])
         if wrong is not None:
             raise PayloadError("length", f"allgatherv: {wrong}", rank=sender)
     lengths = [w >> 1 for w in words]
-    moved = (size - 1) * (HEADER + cap)
-    wire = Wire(rounds=1, sent=moved, received=moved)
-    extra = [max(0, length - cap) for length in lengths]
+    wire = Wire(rounds=1, sent=sent, received=received)
+    extra = [max(0, length - c) for length, c in zip(lengths, cap, strict=True)]
     tails: list[torch.Tensor] = []
     if any(extra):
-        rest, sent, received = gather_var(_fit(local[head:], extra[rank]), extra)
+        rest, sent, received = gather(_fit(local[head:], extra[rank]), extra)
         tails = list(rest.split(extra))
         wire.rounds, wire.sent, wire.received = 2, wire.sent + sent, wire.received + received
-    slot.lengths.append(max(lengths))
+    for s, length in zip(slot, lengths, strict=True):
+        s.lengths.append(length)
     _unkeyed(wire, key)
     parts = []
-    for r, length in enumerate(lengths):
-        parts.append(rows[r, HEADER : HEADER + min(length, cap)])
+    for r, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        parts.append(row[HEADER : HEADER + min(length, cap[r])])
         if extra[r]:
             parts.append(tails[r])
     return torch.cat(parts), lengths, wire

@@ -138,7 +138,7 @@ class TorchDistTransport(Transport):
 
         def job():
             gathered, sizes, wire = slots.allgatherv(
-                local, caps, key, self.rank, self.size, self._gather, self._gather_var
+                local, caps, key, self.rank, self.size, self._gather_var
             )
             return (gathered.cpu(), sizes), wire
 
