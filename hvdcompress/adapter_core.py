@@ -62,6 +62,7 @@ class StepAccount:
         stats.wire_bytes += 2.0 * (size - 1) / size * nbytes
         stats.sent_bytes += (2 * (size - 1) * nbytes) // size
         stats.collectives += 1
+        stats.rounds += 1
 
     def end(self, compressor, policy=None) -> None:
         """End the step: its metrics are the compressor's (and ``policy``'s, which first

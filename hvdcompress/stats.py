@@ -19,6 +19,7 @@ class Traffic:
     sent: int = 0
     received: int = 0
     collectives: int = 0
+    rounds: int = 0  # the underlying collectives (rounds) of the waited-for ones
 
 
 class CollectiveTiming(NamedTuple):
@@ -41,6 +42,7 @@ class StepStats:
     sent_bytes: int = 0
     received_bytes: int = 0
     collectives: int = 0
+    rounds: int = 0  # underlying collectives of those (a size round counts: Handle.rounds)
     compress_s: float = 0.0
     decode_s: float = 0.0
     wait_s: float = 0.0
@@ -68,6 +70,7 @@ class StepStats:
             self.collectives += 1
             self.sent_bytes += c.handle.sent_bytes
             self.received_bytes += c.handle.received_bytes or 0
+            self.rounds += c.handle.rounds or 0
             if c.handle.ended is not None:  # waited for
                 self.timings.append(CollectiveTiming(c.payload_bytes, c.handle.seconds))
         self.wait_s += flight.wait_s

@@ -104,10 +104,10 @@ def test_a_corrupt_cross_node_payload_fails_every_rank(two_per_node):
         if t.rank == 3:  # local rank 1 of node 1 sends a frame whose length table is off
             start = cross.start_allgatherv
 
-            def corrupt(frame):
+            def corrupt(frame, **kw):
                 frame = frame.clone()
                 frame[8:16].view(torch.int64).add_(1)
-                return start(frame)
+                return start(frame, **kw)
 
             cross.start_allgatherv = corrupt
         x, y = _batch(t.rank, 0)

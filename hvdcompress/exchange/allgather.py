@@ -8,7 +8,7 @@ import torch
 from hvdcompress import framing
 from hvdcompress.buckets import Bucket
 from hvdcompress.compressors import GatherCompressor
-from hvdcompress.exchange.base import Collective, InFlight, _Exchange
+from hvdcompress.exchange.base import Collective, InFlight, _Exchange, site
 
 
 class GatheredExchange(_Exchange):
@@ -20,7 +20,7 @@ class GatheredExchange(_Exchange):
         frame, ctxs = framing.compress_bucket(comp, grads, list(bucket.names))
         if not self.transport.moves_on(frame.device):
             frame = frame.cpu()
-        handle = self.transport.start_allgatherv(frame)
+        handle = self.transport.start_allgatherv(frame, key=site(bucket, self.kind))
         wire_bytes = float((self.transport.size - 1) * frame.numel())
         return InFlight(ctxs, [Collective(handle, frame.numel(), wire_bytes)], list(grads))
 

@@ -49,6 +49,14 @@ def waited(flight: InFlight, collective: Collective):
     return result
 
 
+def site(bucket: Bucket, stage: str) -> tuple:
+    """The key of a bucket's collective of ``stage`` (``Transport.start_allgatherv``): the
+    same on every rank, and one per stream of payloads, so that the capacity of its slots
+    (``transports.slots``) follows that bucket's payloads only: by the bucket's tensor
+    names, which two optimizers sharing a transport do not share, unlike bucket indices."""
+    return (tuple(bucket.names), stage)
+
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 

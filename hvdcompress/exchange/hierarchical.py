@@ -38,7 +38,7 @@ from hvdcompress.buckets import Bucket, PieceKey
 from hvdcompress.compressors import GatherCompressor
 from hvdcompress.errors import PayloadError
 from hvdcompress.exchange.allgather import GatheredExchange
-from hvdcompress.exchange.base import Collective, InFlight, _Exchange, waited
+from hvdcompress.exchange.base import Collective, InFlight, _Exchange, site, waited
 from hvdcompress.exchange.twostage import TwoStageExchange, plan_shards
 from hvdcompress.transports import Transport, topology
 from hvdcompress.transports.simulated import sum_in_rank_order
@@ -124,7 +124,7 @@ class HierarchicalExchange(_Exchange):
             _cat([flats[pc.tensor][pc.start : pc.stop] for pc in pieces]).view(torch.uint8)
             for pieces in shards
         ]
-        stage1 = self.intra.start_alltoallv(parts)
+        stage1 = self.intra.start_alltoallv(parts, key=site(bucket, "intra1"))
         flight = InFlight([], [], list(grads), shards=shards)
         received = waited(flight, Collective(stage1, 0, 0.0))  # the fast link: wait here
         node_sum = sum_in_rank_order([r.view(torch.float32) for r in received])
@@ -156,7 +156,8 @@ class HierarchicalExchange(_Exchange):
         mine = _cat(stages.pieces).view(torch.uint8)
         # a 4-byte status first, so that every part's floats stay 4-byte aligned
         message = torch.cat([torch.tensor([status, 0, 0, 0], dtype=torch.uint8), mine.cpu()])
-        stage3 = Collective(self.intra_finish.start_allgatherv(message), message.numel(), 0.0)
+        handle = self.intra_finish.start_allgatherv(message, key=site(bucket, "intra3"))
+        stage3 = Collective(handle, message.numel(), 0.0)
         gathered, sizes = waited(flight, stage3)
         parts = list(gathered.split(sizes))
         if error is not None:

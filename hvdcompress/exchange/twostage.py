@@ -17,7 +17,7 @@ from hvdcompress.buckets import Bucket, PieceKey
 from hvdcompress.compressors import Ctx, GatherCompressor
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.errors import PayloadError
-from hvdcompress.exchange.base import Collective, InFlight, _Exchange, waited
+from hvdcompress.exchange.base import Collective, InFlight, _Exchange, site, waited
 from hvdcompress.transports import Transport
 
 
@@ -184,7 +184,7 @@ class TwoStageExchange(_Exchange):
             Ctx(name, tuple(g.shape), g.dtype, g.device)
             for name, g in zip(bucket.names, grads, strict=True)
         ]
-        handle = self.transport.start_alltoallv(parts)
+        handle = self.transport.start_alltoallv(parts, key=site(bucket, "stage1"))
         rank = self.transport.rank
         to_others = sum(p.numel() for j, p in enumerate(parts) if j != rank)
         collective = Collective(handle, sum(p.numel() for p in parts), to_others)
@@ -195,21 +195,28 @@ class TwoStageExchange(_Exchange):
         the report of a stage-1 payload it could not decode, or with ``decode`` False only
         a placeholder), run stage 2 and decode it. Stage 2 runs on every rank in every
         case, so no rank is left waiting in it."""
-        received = waited(flight, flight.collectives[0])
+        try:
+            received, stage1_error = waited(flight, flight.collectives[0]), None
+        except PayloadError as err:  # a slot this rank could not read (transports.slots)
+            received, stage1_error = None, err
         t1 = time.perf_counter()
         local_error = None  # raised after stage 2, which every rank must take part in
         device = self._bytes_device(flight.ctxs[0].device if flight.ctxs else None)
         message = torch.tensor([STATUS_DRAINING], dtype=torch.uint8, device=device)
         if decode:
             try:
-                message = self._owner_message(comp, flight, received, scale).to(device)
+                if stage1_error is not None:  # every rank learns of it from the report
+                    message = _failed_message(stage1_error, stage1_error.rank, None)
+                else:
+                    message = self._owner_message(comp, flight, received, scale)
+                message = message.to(device)
             except Exception as err:  # noqa: BLE001 - the others learn of it from the status
                 local_error = err
         t2 = time.perf_counter()
         flight.decode_s += t2 - t1
         size = self.transport.size
         stage2 = Collective(
-            self.finish_transport.start_allgatherv(message),
+            self.finish_transport.start_allgatherv(message, key=site(bucket, "stage2")),
             message.numel(),
             (size - 1) * message.numel(),
         )
@@ -244,9 +251,7 @@ class TwoStageExchange(_Exchange):
             try:  # decode_parsed(expect=ctx, out=acc, accumulate=True) of each payload
                 framing.decode_frame(comp, frame, accs, ctxs, rank=sender)
             except PayloadError as err:
-                report = _report(err, sender, 1, _piece_of(flight.shards, err.tensor))
-                body = json.dumps(report).encode()
-                return torch.tensor([STATUS_FAILED, *body], dtype=torch.uint8)
+                return _failed_message(err, sender, _piece_of(flight.shards, err.tensor))
         payloads = []
         for acc, pc in zip(accs, mine, strict=True):
             if scale != 1.0:
@@ -335,6 +340,12 @@ def _report(err: PayloadError, sender: int, stage: int, piece: Piece | None) -> 
         "tensor": piece.name if piece else err.tensor,
         "range": [piece.start, piece.stop] if piece else None,
     }
+
+
+def _failed_message(err: PayloadError, sender: int | None, piece: Piece | None) -> torch.Tensor:
+    """The stage-2 message reporting a stage-1 payload this rank could not read."""
+    body = json.dumps(_report(err, sender, 1, piece)).encode()
+    return torch.tensor([STATUS_FAILED, *body], dtype=torch.uint8)
 
 
 def _reported_error(message: torch.Tensor, owner: int) -> PayloadError:

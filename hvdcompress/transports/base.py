@@ -4,6 +4,7 @@ transports' package docstring (``hvdcompress.transports``) describes the operati
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import queue
 import socket
@@ -36,6 +37,10 @@ class Handle:
         self.ended: float | None = None
         self.sent_bytes = 0  # counted by Transport (module doc)
         self.received_bytes: int | None = None  # known after the first wait()
+        self.rounds: int | None = None  # underlying collectives; known after the first wait()
+        # what the transport measured on the wire (slots.Wire), filled in by the time the
+        # collective is done; None: the payload estimate and one round
+        self._wire = None
         self._count_received: Callable[[object], int] | None = None
 
     @property
@@ -166,7 +171,11 @@ class Transport:
         """Bytes this rank sent and received in collectives so far (module doc)."""
         return self.__dict__.setdefault("_traffic", Traffic())
 
-    def start_allgatherv(self, local: torch.Tensor) -> Handle:
+    def start_allgatherv(self, local: torch.Tensor, *, key=None) -> Handle:
+        """Every rank's ``local`` (1-D uint8); ``wait()`` gives (their concatenation in
+        rank order, their lengths). ``key`` (hashable, the same on every rank; None: none)
+        names the call site, e.g. a bucket's stage: a transport that sends sizes in a round
+        of their own may carry them with the data there instead (``transports.slots``)."""
         raise NotImplementedError
 
     def moves_on(self, device: torch.device) -> bool:
@@ -175,9 +184,9 @@ class Transport:
         caller); else the caller gives host bytes. The host only, by default."""
         return device.type == "cpu"
 
-    def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
+    def start_alltoallv(self, parts: list[torch.Tensor], *, key=None) -> Handle:
         """Send ``parts[j]`` (1-D uint8) to rank j; ``wait()`` gives the list of what each
-        rank sent to this one, in rank order (module doc)."""
+        rank sent to this one, in rank order (module doc); ``key`` as for allgatherv."""
         raise NotImplementedError
 
     def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
@@ -233,15 +242,18 @@ _COUNTED = ("allgatherv", "alltoallv", "allreduce_sum")
 
 def _counted(kind: str, start):
     """``start`` (a subclass's start_<kind>) counting its traffic (module doc); a subclass
-    calling its parent's start_<kind> is counted once, by the outermost call."""
+    calling its parent's start_<kind> is counted once, by the outermost call. A ``key``
+    goes to a ``start`` that takes one (a transport written before keys gets none)."""
+    takes_key = "key" in inspect.signature(start).parameters
 
     @functools.wraps(start)
-    def counted(self: Transport, data) -> Handle:
+    def counted(self: Transport, data, *, key=None) -> Handle:
+        args = {"key": key} if takes_key and key is not None else {}
         if self.__dict__.get("_counting"):
-            return start(self, data)
+            return start(self, data, **args)
         self._counting = True
         try:
-            handle = start(self, data)
+            handle = start(self, data, **args)
         finally:
             self._counting = False
         sent, received = _sent_and_received(kind, data, self.rank, self.size)
@@ -251,7 +263,14 @@ def _counted(kind: str, start):
         traffic.collectives += 1
 
         def count_received(result) -> int:
-            n = received(result)
+            wire = handle._wire
+            rounds = 1 if wire is None else wire.rounds
+            handle.rounds = rounds
+            traffic.rounds += rounds
+            if wire is not None and wire.sent is not None:  # measured: replaces the estimate
+                traffic.sent += wire.sent - handle.sent_bytes
+                handle.sent_bytes = wire.sent
+            n = received(result) if wire is None or wire.received is None else wire.received
             traffic.received += n
             return n
 

@@ -131,7 +131,8 @@ class HorovodTransport(Transport):
         """Horovod's cross rank: the index of this rank's node."""
         return ("horovod", self._cross_rank)
 
-    def start_allgatherv(self, local: torch.Tensor) -> Handle:
+    def start_allgatherv(self, local: torch.Tensor, *, key=None) -> Handle:
+        # Horovod gathers variable sizes itself (its coordinator knows them): ``key`` unused
         hvd = self.hvd
         local = local.detach().reshape(-1).to(torch.uint8)
         prefix = torch.frombuffer(bytearray(_LEN.pack(local.numel())), dtype=torch.uint8)
@@ -150,7 +151,7 @@ class HorovodTransport(Transport):
             return bool(self.hvd.cuda_built() or self.hvd.rocm_built())
         return device.type == "cpu"
 
-    def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
+    def start_alltoallv(self, parts: list[torch.Tensor], *, key=None) -> Handle:
         check_alltoallv_parts(parts, self.size)
         hvd = self.hvd
         devices = {p.device for p in parts}

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from hvdcompress.transports import slots
 from hvdcompress.transports.base import Handle, Transport, check_alltoallv_parts
 
 POLL_S = 0.1  # the watcher's polling period
@@ -433,10 +434,19 @@ class MPITransport(Transport):
             )
         return not self._worker.is_alive()
 
-    def _submit(self, job: Callable[[], object], what: str) -> Handle:
+    def _submit(self, job: Callable[[], object], what: str, *, measured: bool = False) -> Handle:
+        """A handle of ``job``'s result; ``measured``: ``job`` returns (result,
+        ``slots.Wire``), and the handle carries what went on the wire."""
         if self._stopped:
             raise RuntimeError(f"{what}: the mpi4py transport's worker has stopped (process exit)")
         handle = Handle()
+        if measured:
+            inner = job
+
+            def job():
+                result, handle._wire = inner()
+                return result
+
         self._queue.put((job, handle, what))
         return handle
 
@@ -460,34 +470,49 @@ class MPITransport(Transport):
         """The lowest rank of this rank's ``COMM_TYPE_SHARED`` group: names its node."""
         return ("mpi", self._node_leader)
 
-    def start_allgatherv(self, local: torch.Tensor) -> Handle:
-        buf = np.ascontiguousarray(local.detach().cpu().numpy(), dtype=np.uint8)
-        MPI, comm = self.MPI, self._data_comm
+    # allgatherv / alltoallv: sizes carried in slots with the data (transports.slots)
+    def start_allgatherv(self, local: torch.Tensor, *, key=None) -> Handle:
+        buf = torch.from_numpy(np.ascontiguousarray(local.detach().cpu().numpy(), dtype=np.uint8))
+        caps = slots.capacities(self)
 
         def job():
-            sizes = np.zeros(self.size, dtype=np.int64)
-            comm.Allgather(np.array([buf.size], dtype=np.int64), sizes)
-            recv = np.empty(int(sizes.sum()), dtype=np.uint8)
-            comm.Allgatherv([buf, MPI.UNSIGNED_CHAR], _parts_spec(recv, sizes, MPI))
-            return torch.from_numpy(recv), [int(s) for s in sizes]
+            gathered, sizes, wire = slots.allgatherv(
+                buf, caps, key, self.rank, self.size, self._gather_var
+            )
+            return (gathered, sizes), wire
 
-        return self._submit(job, f"allgatherv of {buf.size} bytes")
+        return self._submit(job, f"allgatherv of {buf.numel()} bytes", measured=True)
 
-    def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
+    def _gather_var(self, t: torch.Tensor, counts: list[int]):
+        """All ranks' ``t`` (``counts[r]`` bytes on rank r), exactly: (concatenation, bytes
+        sent, bytes received)."""
+        sizes = np.array(counts, dtype=np.int64)
+        recv = np.empty(int(sizes.sum()), dtype=np.uint8)
+        send = [np.ascontiguousarray(t.numpy()), self.MPI.UNSIGNED_CHAR]
+        self._data_comm.Allgatherv(send, _parts_spec(recv, sizes, self.MPI))
+        mine = counts[self.rank]
+        return torch.from_numpy(recv), (self.size - 1) * mine, int(sizes.sum()) - mine
+
+    def start_alltoallv(self, parts: list[torch.Tensor], *, key=None) -> Handle:
         check_alltoallv_parts(parts, self.size)
         bufs = [np.ascontiguousarray(p.detach().cpu().numpy(), dtype=np.uint8) for p in parts]
-        MPI, comm = self.MPI, self._data_comm
+        tensors, caps, cpu = (
+            [torch.from_numpy(b) for b in bufs],
+            slots.capacities(self),
+            torch.device("cpu"),
+        )
 
         def job():
-            send_sizes = np.array([b.size for b in bufs], dtype=np.int64)
-            recv_sizes = np.zeros(self.size, dtype=np.int64)
-            comm.Alltoall(send_sizes, recv_sizes)  # each rank learns what comes its way
-            send = np.concatenate(bufs) if bufs else np.empty(0, dtype=np.uint8)
-            recv = np.empty(int(recv_sizes.sum()), dtype=np.uint8)
-            comm.Alltoallv(_parts_spec(send, send_sizes, MPI), _parts_spec(recv, recv_sizes, MPI))
-            return list(torch.from_numpy(recv).split(recv_sizes.tolist()))
+            return slots.alltoallv(tensors, caps, key, self.rank, self._exchange, cpu)
 
-        return self._submit(job, f"alltoallv of {sum(b.size for b in bufs)} bytes")
+        return self._submit(job, f"alltoallv of {sum(b.size for b in bufs)} bytes", measured=True)
+
+    def _exchange(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]):
+        MPI, recv_sizes = self.MPI, np.array(recv_counts, dtype=np.int64)
+        recv = np.empty(int(recv_sizes.sum()), dtype=np.uint8)
+        send_spec = _parts_spec(send.numpy(), np.array(send_counts, dtype=np.int64), MPI)
+        self._data_comm.Alltoallv(send_spec, _parts_spec(recv, recv_sizes, MPI))
+        return torch.from_numpy(recv)
 
     def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
         if dense.dtype not in self._mpi_types:

@@ -215,7 +215,8 @@ class SimulatedTransport(Transport):
         return _DoneHandle(wait)
 
     # ---- the data collectives ------------------------------------------------------------------
-    def start_allgatherv(self, local: torch.Tensor) -> Handle:
+    def start_allgatherv(self, local: torch.Tensor, *, key=None) -> Handle:
+        # one process plays every rank: no rounds to save, ``key`` is not needed
         buf = local.detach().reshape(-1).to(device="cpu", dtype=torch.uint8).clone()
 
         def combine(values):
@@ -243,7 +244,7 @@ class SimulatedTransport(Transport):
             "started", src, what, signature, combine, finish=lambda out: out.to(device)
         )
 
-    def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
+    def start_alltoallv(self, parts: list[torch.Tensor], *, key=None) -> Handle:
         check_alltoallv_parts(parts, self.size)
         mine = [part.detach().to("cpu").clone() for part in parts]
 

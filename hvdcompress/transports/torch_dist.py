@@ -28,6 +28,7 @@ from datetime import timedelta
 
 import torch
 
+from hvdcompress.transports import slots
 from hvdcompress.transports.base import (
     Handle,
     Transport,
@@ -111,50 +112,72 @@ class TorchDistTransport(Transport):
         self._jobs = None
         self.dist.destroy_process_group(self.group)
 
-    def _run(self, job) -> Handle:
+    def _run(self, job, *, measured: bool = False) -> Handle:
+        """A handle of ``job``'s result; ``measured``: ``job`` returns (result,
+        ``slots.Wire``), and the handle carries what went on the wire."""
         handle = Handle()
-        if self._jobs is None:  # inline: the collective runs now
-            handle._finish(job())
+
+        def run():
+            if not measured:
+                return job()
+            result, handle._wire = job()
+            return result
+
+        if self._jobs is None:  # inline: the collective runs now; its error comes from wait()
+            handle._run(run)
         else:
-            self._jobs.put(functools.partial(handle._run, job))
+            self._jobs.put(functools.partial(handle._run, run))
         return handle
 
     def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self._device) if self._device is not None else t.cpu()
 
-    def start_allgatherv(self, local: torch.Tensor) -> Handle:
+    # allgatherv / alltoallv: sizes carried in slots with the data (transports.slots)
+    def start_allgatherv(self, local: torch.Tensor, *, key=None) -> Handle:
         local = self._on_wire(local.detach().reshape(-1).to(torch.uint8))
-        return self._run(lambda: self._allgatherv(local))
+        caps = slots.capacities(self)
 
-    def _allgatherv(self, local: torch.Tensor):
-        count = torch.tensor([local.numel()], dtype=torch.int64, device=local.device)
-        counts = [torch.empty_like(count) for _ in range(self.size)]
-        self.dist.all_gather(counts, count, group=self.group)
-        sizes = [int(c.item()) for c in counts]
-        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=local.device)
-        padded[: local.numel()] = local
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        self.dist.all_gather(parts, padded, group=self.group)
-        gathered = torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]).cpu()
-        return gathered, sizes
+        def job():
+            gathered, sizes, wire = slots.allgatherv(
+                local, caps, key, self.rank, self.size, self._gather_var
+            )
+            return (gathered.cpu(), sizes), wire
 
-    def start_alltoallv(self, parts: list[torch.Tensor]) -> Handle:
+        return self._run(job, measured=True)
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self.dist.all_gather(parts, t, group=self.group)
+        return torch.cat(parts)
+
+    def _gather_var(self, t: torch.Tensor, counts: list[int]):
+        """All ranks' ``t`` (``counts[r]`` bytes on rank r): gloo and NCCL gather equal
+        sizes, so each pads to the largest; (concatenation, bytes sent, bytes received)."""
+        width = max(counts)
+        padded = torch.zeros(width, dtype=torch.uint8, device=t.device)
+        padded[: t.numel()] = t
+        rows = self._gather(padded).view(self.size, width)
+        gathered = torch.cat([rows[r, :n] for r, n in enumerate(counts)])
+        return gathered, (self.size - 1) * width, (self.size - 1) * width
+
+    def start_alltoallv(self, parts: list[torch.Tensor], *, key=None) -> Handle:
         check_alltoallv_parts(parts, self.size)
-        send = self._on_wire(torch.cat([p.detach() for p in parts]))
-        send_sizes = [p.numel() for p in parts]
-        return self._run(lambda: self._alltoallv(send, send_sizes))
+        parts = [self._on_wire(p.detach()) for p in parts]
+        caps, device = slots.capacities(self), self._device or torch.device("cpu")
 
-    def _alltoallv(self, send: torch.Tensor, send_sizes: list[int]) -> list[torch.Tensor]:
-        mine = torch.tensor(send_sizes, dtype=torch.int64, device=send.device)
-        theirs = torch.empty_like(mine)
-        self.dist.all_to_all_single(theirs, mine, group=self.group)
-        recv_sizes = theirs.tolist()
+        def job():
+            got, wire = slots.alltoallv(parts, caps, key, self.rank, self._exchange, device)
+            return [g.cpu() for g in got], wire  # host bytes (Transport.moves_on)
+
+        return self._run(job, measured=True)
+
+    def _exchange(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]):
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=send.device)
         self.dist.all_to_all_single(
             recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
             group=self.group,
         )  # fmt: skip
-        return list(recv.cpu().split(recv_sizes))  # host bytes (Transport.moves_on)
+        return recv
 
     def start_allreduce_sum(self, dense: torch.Tensor) -> Handle:
         total = self._on_wire(dense.detach()).clone()

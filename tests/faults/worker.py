@@ -80,11 +80,11 @@ def main() -> None:
         calls = {"n": 0}
         gathered = sum(b.compressed for b in opt.buckets)  # "auto" sends a few biases dense
 
-        def start_allgatherv(local):
+        def start_allgatherv(local, **kw):  # kw: the call site's key
             calls["n"] += 1
             if calls["n"] > args.step * gathered:  # from step --step on
                 local = corrupt_frame(local, args.frame)
-            return start(local)
+            return start(local, **kw)
 
         transport.start_allgatherv = start_allgatherv
 

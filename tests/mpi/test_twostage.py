@@ -215,8 +215,12 @@ def test_twostage_over_each_transport_one_bucket(backend, comm):
     assert len(set(digests)) == 1
     assert stats.collectives == 2  # alltoallv, then allgatherv
     assert all(s > 0 for s in sent) and all(r > 0 for r in received)
-    # what the transport counted is what the exchange handed to it for other ranks
-    assert stats.sent_bytes == int(stats.wire_bytes)
+    # what the transport counted is what the exchange handed to it for other ranks; on
+    # mpi4py as it went on the wire: with its slots' headers and padding (transports.slots)
+    if backend == "horovod":
+        assert stats.sent_bytes == int(stats.wire_bytes)
+    else:
+        assert int(stats.wire_bytes) < stats.sent_bytes < 2 * int(stats.wire_bytes) + 200
 
 
 def _owner_and_sender_residuals(opt):
@@ -400,6 +404,9 @@ def _measured_sent(comm, numel: int, exchange: str) -> tuple[float, str]:
     them; the exchange the optimizer chose) for one 3LC tensor of ``numel`` values."""
     model = One(numel)
     opt = _optimizer(model, "3lc", exchange=exchange)
+    # the first step of its own: no slot capacity left from the other measurements on the
+    # shared transport, whose tensor is "w" too (transports.slots; keys are by name)
+    vars(opt.transport).pop("_slot_capacities", None)
     g = torch.Generator().manual_seed(comm.rank)
     _synchronize(opt, model, {"w": torch.randn(numel, generator=g)})
     sent = comm.allreduce(opt.last_stats.sent_bytes) / comm.size

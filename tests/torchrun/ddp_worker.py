@@ -107,12 +107,12 @@ def corrupt_step(exchange: str) -> str | None:
 
     if dist.get_rank() == 1 and exchange == "twostage":
         start = transport.start_alltoallv
-        transport.start_alltoallv = lambda parts: start(
-            [p if j == 1 else off_by_one(p) for j, p in enumerate(parts)]
+        transport.start_alltoallv = lambda parts, **kw: start(
+            [p if j == 1 else off_by_one(p) for j, p in enumerate(parts)], **kw
         )
     elif dist.get_rank() == 1:
         start = transport.start_allgatherv
-        transport.start_allgatherv = lambda frame: start(off_by_one(frame))
+        transport.start_allgatherv = lambda frame, **kw: start(off_by_one(frame), **kw)
     x, y = data(dist.get_rank(), 0)
     try:
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
