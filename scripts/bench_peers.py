@@ -14,7 +14,9 @@ Gloo on CPU, one torch thread per rank; with 2 cores, 4 ranks oversubscribe the 
 
 Per (model, row): a fresh DDP model (the same seed on every rank, its own random batch
 per rank), ``--warmup`` steps (error feedback and PowerSGD's warm start build up; torch
-PowerSGD starts compressing at step 2), a barrier, then ``--steps`` timed steps. A step
+PowerSGD starts compressing at step 2; an ``hvdc-`` row with ``exchange="auto"`` goes on
+until its tuner's first round has decided, at most 60 steps more: the steady state a
+user gets, its decisions in the JSON), a barrier, then ``--steps`` timed steps. A step
 is forward, backward (the hook's collectives and DDP's wait for their futures) and
 SGD's step; its time is the slowest rank's. Reported: median step time and the spread
 (min-max) over the timed steps, bytes on the wire per step (MEASURED: the namespace's
@@ -29,10 +31,11 @@ Rows: ``ddp`` (DDP's default allreduce), ``torch-fp16``, ``torch-bf16``,
 ``torch-powersgd-r1`` / ``-r2`` / ``-r4`` (torch's hooks; PowerSGD with one bucket,
 ``bucket_cap_mb=1000``: with DDP's 25 MB buckets it aborted or hung on gloo here), and
 ``hvdc-<method>`` for none, fp16, 3lc, 3lc-1.75, powersgd (rank 1), powersgd-r2, topk
-(the methods table of hvdcompress.training.methods), with ``-inline`` for the hook without overlap,
-``hvdc-3lc-measured`` (``exchange="auto"`` with ``link_cost="measure"``: by seconds on the
-link, timed at start), and ``hvdc-3lc-allgather`` / ``hvdc-3lc-twostage`` (``exchange=``;
-not in the default rows), whose bytes per rank it compares with the two-stage exchange's
+(the methods table of hvdcompress.training.methods), with ``-inline`` for the hook
+without overlap, ``hvdc-3lc-measured`` (``exchange="auto"`` with ``link_cost="measure"``:
+by seconds on the link, timed at start, untuned), ``hvdc-3lc-guess`` (auto's first
+guess, untuned), and ``hvdc-3lc-allgather`` / ``hvdc-3lc-twostage`` (``exchange=``; not
+in the default rows), whose bytes per rank it compares with the two-stage exchange's
 2 (N - 1) / N x payload.
 Writes ``--out``/bench_peers.md, .json and .png (step time against link rate).
 """
@@ -62,17 +65,21 @@ HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "powersgd-r2", "t
 ROWS = (
     "ddp", "torch-fp16", "torch-bf16", "torch-powersgd-r1", "torch-powersgd-r2",
     "torch-powersgd-r4", *(f"hvdc-{m}" for m in HVDC_METHODS), "hvdc-none-inline",
-    "hvdc-3lc-inline", "hvdc-3lc-measured", "hvdc-3lc-allgather", "hvdc-3lc-twostage",
+    "hvdc-3lc-inline", "hvdc-3lc-measured", "hvdc-3lc-guess", "hvdc-3lc-allgather",
+    "hvdc-3lc-twostage",
     "hvdc-3lc-hierarchical", "hvdc-powersgd-r2-hierarchical",
 )  # fmt: skip
 DEFAULT_ROWS = ROWS[:-4]  # the exchange rows are for the bytes check (--rows)
-# (exchange, link_cost) of a row's suffix; else ("auto", None)
+# (exchange, link_cost, tuned) of a row's suffix; else ("auto", None, True): "auto"
+# measured while training (docs/exchanges.md); "-guess": auto's first guess, untuned
 EXCHANGE_SUFFIXES = {
-    "-allgather": ("allgather", None),
-    "-twostage": ("twostage", None),
-    "-hierarchical": ("hierarchical", None),
-    "-measured": ("auto", "measure"),
+    "-allgather": ("allgather", None, False),
+    "-twostage": ("twostage", None, False),
+    "-hierarchical": ("hierarchical", None, False),
+    "-measured": ("auto", "measure", False),
+    "-guess": ("auto", None, False),
 }
+TUNING_STEPS_MAX = 60  # warm-up steps a tuned row may add until its first round decides
 
 
 # =========================================================================================
@@ -121,10 +128,10 @@ def hooked(row: str, model):
         ddp.register_comm_hook(None, bf16_hook)
     elif row.startswith("hvdc-"):
         name = row[len("hvdc-") :].removesuffix("-inline")
-        exchange, link_cost = "auto", None
-        for suffix, (mode, cost) in EXCHANGE_SUFFIXES.items():
+        exchange, link_cost, tuned = "auto", None, True
+        for suffix, (mode, cost, tune) in EXCHANGE_SUFFIXES.items():
             if name.endswith(suffix):
-                name, exchange, link_cost = name.removesuffix(suffix), mode, cost
+                name, exchange, link_cost, tuned = name.removesuffix(suffix), mode, cost, tune
         method = METHODS[name]
         state = hvdcompress.DDPHookState(
             method.compressor(),
@@ -132,6 +139,7 @@ def hooked(row: str, model):
             overlap=not row.endswith("-inline"),
             exchange=exchange,
             link_cost=link_cost,
+            tuning=hvdcompress.Tuning() if tuned else None,
         ).register(ddp)
         return ddp, state
     return ddp, None
@@ -157,6 +165,13 @@ def run_row(args, model_name: str, row: str) -> dict:
 
     for _ in range(args.warmup):
         step()
+    tuner = state.exchange_tuner if state is not None else None
+    tuning_steps = 0  # the same on every rank: the tuner's schedule is
+    while tuner is not None and (tuner.tuning_now or not tuner.decisions):
+        if tuning_steps == TUNING_STEPS_MAX or not tuner.options:
+            break
+        step()
+        tuning_steps += 1
     dist.barrier()
     link = _link_counter()
     start = link()
@@ -199,9 +214,10 @@ def run_row(args, model_name: str, row: str) -> dict:
         "overlapping": bool(state is not None and state.overlapping),
         "bits_per_value": state.last_stats.bits_per_value if state is not None else None,
         # the compressed parts' exchanges ("dense": sent uncompressed by "auto")
-        "exchanges": sorted(e.kind if e else "dense" for e in state._exchanges.values())
-        if state is not None
-        else [],
+        "exchanges": sorted(set(state.last_stats.exchanges.values())) if state else [],
+        # exchange="auto" tuned: its decisions, and the warm-up steps its round added
+        "decisions": [str(d) for d in tuner.decisions] if tuner else [],
+        "tuning_steps": tuning_steps,
         **{f"{k}_s": v / args.steps for k, v in parts.items()},
     }
 

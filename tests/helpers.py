@@ -52,6 +52,7 @@ class LocalTransport(Transport):
     counts the collectives started. For optimizer and policy tests in one process."""
 
     name = "local"
+    tunable = False  # no link: exchange="auto" keeps its first guess (exchange.tuning)
 
     def __init__(self) -> None:
         self.calls = 0
@@ -62,7 +63,7 @@ class LocalTransport(Transport):
         h._finish(value)
         return h
 
-    def start_allgatherv(self, local):
+    def start_allgatherv(self, local, *, key=None):
         return self._done((local.clone(), [local.numel()]))
 
     def start_allreduce_sum(self, dense):

@@ -17,7 +17,7 @@ from tests.helpers import LocalTransport, comp
 class FlippingTransport(LocalTransport):
     """World size 1 whose allgather delivers the frame with its last byte flipped."""
 
-    def start_allgatherv(self, local):
+    def start_allgatherv(self, local, *, key=None):
         bad = local.clone()
         bad[-1] ^= 0xFF
         return self._done((bad, [bad.numel()]))

@@ -234,7 +234,7 @@ class _FakeTimedTransport(LocalTransport):
     def clock(self):
         return self.now
 
-    def start_allgatherv(self, local):
+    def start_allgatherv(self, local, *, key=None):
         self.now += self.c0 + self.c1 * 8 * local.numel() + self.noise * self.rng.standard_normal()
         return super().start_allgatherv(local)
 
@@ -300,7 +300,7 @@ class _AffineTimedTransport(LocalTransport):
         h.began, h.ended = 0.0, self.c0 + self.c1 * 8 * nbytes
         return h
 
-    def start_allgatherv(self, local):
+    def start_allgatherv(self, local, *, key=None):
         return self._timed((local.clone(), [local.numel()]), local.numel())
 
 

@@ -261,6 +261,7 @@ class _TwoRanks(Transport):
     """Rank 1 of 2: allgather_object answers with a scripted rank 0 object."""
 
     name = "fake"
+    tunable = False  # no link to time
     rank, size = 1, 2
 
     def __init__(self, peer_objects):

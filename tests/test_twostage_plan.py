@@ -132,6 +132,7 @@ class _Fake(Transport):
     """A transport of ``size`` ranks that only returns fabricated results (no peers)."""
 
     name = "fake"
+    tunable = False  # no link to time
 
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
@@ -141,11 +142,11 @@ class _Fake(Transport):
         handle._finish(result)
         return handle
 
-    def start_allgatherv(self, local):
+    def start_allgatherv(self, local, *, key=None):
         sizes = [local.numel() + r for r in range(self.size)]
         return self._done((torch.zeros(sum(sizes), dtype=torch.uint8), sizes))
 
-    def start_alltoallv(self, parts):
+    def start_alltoallv(self, parts, *, key=None):
         return self._done([torch.zeros(10 * (i + 1), dtype=torch.uint8) for i in range(self.size)])
 
     def start_allreduce_sum(self, dense):

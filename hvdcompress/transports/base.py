@@ -4,7 +4,6 @@ transports' package docstring (``hvdcompress.transports``) describes the operati
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import queue
 import socket
@@ -242,13 +241,12 @@ _COUNTED = ("allgatherv", "alltoallv", "allreduce_sum")
 
 def _counted(kind: str, start):
     """``start`` (a subclass's start_<kind>) counting its traffic (module doc); a subclass
-    calling its parent's start_<kind> is counted once, by the outermost call. A ``key``
-    goes to a ``start`` that takes one (a transport written before keys gets none)."""
-    takes_key = "key" in inspect.signature(start).parameters
+    calling its parent's start_<kind> is counted once, by the outermost call. Every
+    transport's ``start_allgatherv`` / ``start_alltoallv`` takes the ``key``."""
 
     @functools.wraps(start)
     def counted(self: Transport, data, *, key=None) -> Handle:
-        args = {"key": key} if takes_key and key is not None else {}
+        args = {} if kind == "allreduce_sum" else {"key": key}
         if self.__dict__.get("_counting"):
             return start(self, data, **args)
         self._counting = True
