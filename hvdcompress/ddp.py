@@ -46,7 +46,7 @@ from hvdcompress.adapter_core import (
 from hvdcompress.buckets import Bucket
 from hvdcompress.compat import resolve_compressor
 from hvdcompress.compressors import Compressor, get_compressor
-from hvdcompress.errors import PayloadError, remember
+from hvdcompress.ddp_finish import FinishBucket
 from hvdcompress.exchange import SummedExchange, check_exchange, choose_exchanges
 from hvdcompress.exchange.tuning import DEFAULT_TUNING, ExchangeTuner, check_tuning, make_tuner
 from hvdcompress.stats import StepStats
@@ -454,7 +454,7 @@ def ddp_hook(state: DDPHookState, bucket) -> torch.futures.Future[torch.Tensor]:
         flight = exchange.start(part, comp, [grads[i] for i in chosen])
         started.append((part, comp, exchange, flight, time.perf_counter() - t0))
     future = torch.futures.Future()
-    job = _FinishBucket(state, started, buffer, future)
+    job = FinishBucket(state._account, state.transport.size, started, buffer, future)
     if state._finisher is None:
         job()
     else:
@@ -483,43 +483,3 @@ def _allreduce_like_ddp(state: DDPHookState, buffer: torch.Tensor):
     buffer.div_(size)
     work = dist.all_reduce(buffer, group=state._group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
-
-
-class _FinishBucket:
-    """Finish the started parts of one DDP bucket, in order, then complete the hook's
-    future with the buffer (or the first error: the other parts still finish, without
-    decoding, so that every collective they started ends on every rank)."""
-
-    def __init__(self, state: DDPHookState, started: list, buffer, future) -> None:
-        self.state, self.started, self.buffer, self.future = state, started, buffer, future
-
-    def __call__(self) -> None:
-        try:
-            result = self._finish()
-        except BaseException as err:  # noqa: BLE001 - never leave DDP waiting
-            result = err
-        if not self.future.done():
-            self.future.set_result(result)
-
-    def _finish(self):
-        account = self.state._account
-        scale = 1.0 / self.state.transport.size
-        error = None
-        for part, comp, exchange, flight, start_s in self.started:
-            try:
-                exchange.finish(part, comp, flight, scale, decode=error is None)
-            except BaseException as err:  # noqa: BLE001 - the future carries it
-                error = error or err
-            account.started(flight.grads, start_s)  # encode (inline: the collectives too)
-            account.finished(flight)
-        if error is not None and isinstance(error, PayloadError):
-            names = [n for part, *_ in self.started for n in part.names]
-            error = PayloadError(
-                error.field,
-                f"{error.detail} (DDP bucket of {len(names)} tensors: {', '.join(names[:4])}"
-                f"{', ...' if len(names) > 4 else ''})",
-                rank=error.rank,
-                tensor=error.tensor,
-            )
-            remember(error)  # DDP keeps only its text: hvdcompress.payload_error finds it
-        return self.buffer if error is None else error
