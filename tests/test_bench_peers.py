@@ -39,6 +39,9 @@ def test_a_small_run_measures_steps_and_wire_bytes_of_each_hook(tmp_path):
     assert 0.9 < none["wire_mb"] / ddp["wire_mb"] < 1.1
     assert threelc["wire_mb"] < ddp["wire_mb"] / 20 and threelc["bits_per_value"] < 1
     assert threelc["overlapping"] and not got["hvdc-3lc-inline"]["overlapping"]
+    # auto, tuned: timed until its first round decided (a compressed option, at 100 Mbit/s)
+    assert threelc["tuning_steps"] > 0 and threelc["decisions"], threelc
+    assert "dense" not in threelc["exchanges"] and got["hvdc-none"]["decisions"] == []
     # at 100 Mbit/s the 0.83 MB of gradients take about 70 ms a step; 3LC's bytes do not
     assert threelc["step_s"] < ddp["step_s"]
     assert "| cnn | hvdc-3lc | 100mbit |" in (tmp_path / "bench_peers.md").read_text()
