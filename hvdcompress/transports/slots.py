@@ -18,8 +18,8 @@ The capacity is a function of what both ends of a slot saw, so every rank holds 
 one with no extra communication: ``MARGIN`` (5/4) times the largest length of the last
 ``WINDOW`` calls at the key (per sender for allgatherv, which every rank sees; per sender
 and receiver pair for alltoallv, which both ends see), rounded up to ``ALIGN`` bytes, at
-most ``MAX_CAPACITY`` (larger payloads travel as overflow, where a round's latency is
-small beside their transfer time). It grows at once with a payload that did not fit and
+most ``MAX_CAPACITY`` (64 KiB: larger payloads travel as overflow, sized exactly, where
+a round's latency is small beside their transfer time and padding would cost more). It grows at once with a payload that did not fit and
 shrinks once ``WINDOW`` calls have been smaller, so the padding does not stay at a
 high-water mark. MPI gathers each slot at its own size; torch.distributed's all_gather
 takes equal sizes, so there every slot is padded to the largest (as the data round
@@ -52,7 +52,11 @@ HEADER = 8  # bytes of a slot's header
 MARGIN = (5, 4)  # capacity over the largest recent length: 1.25
 ALIGN = 8  # capacities are multiples of this (slots stay 8-byte aligned)
 WINDOW = 8  # calls at a key whose lengths set its capacity
-MAX_CAPACITY = 16 << 20  # bytes; larger payloads send the rest in a second round
+# bytes; larger payloads send the rest in a second round, sized exactly: a slot is padded
+# to the largest of its recent lengths (x 1.25), and on a slow link padding a megabyte
+# costs far more than a round (measured: the 10 M MLP's two-stage 3LC at 100 Mbit/s sent
+# 7.5 MB a step with 16 MiB slots against 4.3 MB sized exactly; docs/design.md)
+MAX_CAPACITY = 64 << 10
 MAX_LENGTH = (1 << 31) - 1  # the most bytes one slot may announce (MPI's int counts)
 
 
