@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 
+import pytest
 import torch
 
 import hvdcompress
+
+# the mark of a test that needs horovod.torch (the hvd fixture of conftest.py)
+NEEDS_HOROVOD = pytest.mark.skipif(
+    importlib.util.find_spec("horovod") is None, reason="horovod is not installed"
+)
 
 
 class ManySmall(torch.nn.Module):

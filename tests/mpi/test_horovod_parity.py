@@ -16,34 +16,15 @@ as in tests/mpi/helpers.py: assertions come after each test's last collective.
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
 import warnings
 
 import pytest
 import torch
 
 import hvdcompress
-from tests.mpi.helpers import digest
+from tests.mpi.helpers import NEEDS_HOROVOD, digest
 
-# hvd.add_process_set after hvd.init needs this; set at collection, before any test of
-# this run calls hvd.init.
-os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-
-pytestmark = [
-    pytest.mark.mpi(min_size=2),
-    pytest.mark.skipif(
-        importlib.util.find_spec("horovod") is None, reason="horovod is not installed"
-    ),
-]
-
-
-@pytest.fixture
-def hvd():
-    import horovod.torch as hvd
-
-    hvd.init()
-    return hvd
+pytestmark = [pytest.mark.mpi(min_size=2), NEEDS_HOROVOD]  # the hvd fixture: conftest.py
 
 
 def make_net(seed: int = 0) -> torch.nn.Module:

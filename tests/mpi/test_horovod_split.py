@@ -13,33 +13,13 @@ assertions come after each test's last collective.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from hvdcompress.transports import make_transport
-from tests.mpi.helpers import batch, digest, make_model, wrap
+from tests.mpi.helpers import NEEDS_HOROVOD, batch, digest, make_model, wrap
 
-# hvd.add_process_set after hvd.init needs this; set at collection, before any test of
-# this run calls hvd.init (as tests/mpi/test_horovod_parity.py does).
-os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-
-pytestmark = [
-    pytest.mark.mpi(min_size=2),
-    pytest.mark.skipif(
-        importlib.util.find_spec("horovod") is None, reason="horovod is not installed"
-    ),
-]
-
-
-@pytest.fixture
-def hvd():
-    import horovod.torch as hvd
-
-    hvd.init()
-    return hvd
+pytestmark = [pytest.mark.mpi(min_size=2), NEEDS_HOROVOD]  # the hvd fixture: conftest.py
 
 
 def layout(size: int) -> tuple[int, tuple, tuple]:

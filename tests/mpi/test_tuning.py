@@ -13,12 +13,12 @@ and Horovod transports (docs/exchanges.md, "Measured while training"):
 from __future__ import annotations
 
 import importlib.util
-import time
 
 import pytest
 
 import hvdcompress
 from tests.mpi.helpers import digest, make_model, train, wrap
+from tests.torchrun.tuning_worker import slowed
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -35,17 +35,7 @@ BACKENDS = [
 
 
 def _slowed(compressor):
-    for method in ("compress", "encode_bucket"):
-        setattr(compressor, method, _sleeping(getattr(compressor, method)))
-    return compressor
-
-
-def _sleeping(method):
-    def slow(*args, **kwargs):
-        time.sleep(0.06)
-        return method(*args, **kwargs)
-
-    return slow
+    return slowed(compressor, 0.06)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -31,19 +31,19 @@ STEPS = 16
 TUNING = hvdcompress.Tuning(warmup_steps=2, steps_per_option=2, recheck_every=0)
 
 
-def slowed(compressor):
-    """``compressor`` whose encodes sleep 80 ms first (its copies too)."""
+def slowed(compressor, seconds: float = 0.08):
+    """``compressor`` whose encodes sleep ``seconds`` first (its copies too)."""
+
+    def sleeping(method):
+        def slow(*args, **kwargs):
+            time.sleep(seconds)
+            return method(*args, **kwargs)
+
+        return slow
+
     for method in ("compress", "encode_bucket"):
-        setattr(compressor, method, _sleeping(getattr(compressor, method)))
+        setattr(compressor, method, sleeping(getattr(compressor, method)))
     return compressor
-
-
-def _sleeping(method):
-    def slow(*args, **kwargs):
-        time.sleep(0.08)
-        return method(*args, **kwargs)
-
-    return slow
 
 
 def main(out: Path, mode: str) -> None:
