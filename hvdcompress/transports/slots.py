@@ -19,11 +19,11 @@ one with no extra communication: ``MARGIN`` (5/4) times the largest length of th
 ``WINDOW`` calls at the key (per sender for allgatherv, which every rank sees; per sender
 and receiver pair for alltoallv, which both ends see), rounded up to ``ALIGN`` bytes, at
 most ``MAX_CAPACITY`` (64 KiB: larger payloads travel as overflow, sized exactly, where
-a round's latency is small beside their transfer time and padding would cost more). It grows at once with a payload that did not fit and
-shrinks once ``WINDOW`` calls have been smaller, so the padding does not stay at a
-high-water mark. MPI gathers each slot at its own size; torch.distributed's all_gather
-takes equal sizes, so there every slot is padded to the largest (as the data round
-before keys was padded to the largest payload).
+a round's latency is small beside their transfer time and padding would cost more). It
+grows at once with a payload that did not fit and shrinks once ``WINDOW`` calls have been
+smaller, so the padding does not stay at a high-water mark. MPI gathers each slot at its
+own size; torch.distributed's all_gather takes equal sizes, so there every slot is padded
+to the largest (as the data round before keys was padded to the largest payload).
 
 Headers are checked before anything is allocated from them: a negative word, a length
 past ``MAX_LENGTH``, or one past the capacity without the overflow bit (a length its slot
