@@ -54,13 +54,16 @@ def _config(name: str) -> dict:
     return dict(REGISTRY[name].spec.examples[0])
 
 
-def _optimizer(model, compression, exchange="twostage", backend="mpi4py", **kw):
+def _optimizer(model, compression, exchange="twostage", backend="mpi4py", tuning=None, **kw):
+    """``exchange="auto"`` untuned: these tests check the first guess (the tuner:
+    tests/mpi/test_tuning.py)."""
     return hvdcompress.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1),
         model.named_parameters(),
         compression=compression,
         backend=backend,
         exchange=exchange,
+        tuning=tuning,
         **kw,
     )
 
