@@ -30,6 +30,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--max-steps", type=int, default=None, help="per epoch")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument(
+        "--no-tuning", action="store_true", help="keep exchange='auto''s first guess"
+    )
     args = parser.parse_args(argv)
 
     accelerator = Accelerator(cpu=args.cpu)
@@ -40,7 +43,10 @@ def main(argv=None) -> None:
     model = build_model("cnn")
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer, train, test = accelerator.prepare(model, optimizer, train, test)
-    state = hvdcompress.accelerate.register(accelerator, model, compression=args.compression)
+    tuning = None if args.no_tuning else hvdcompress.Tuning()  # docs/exchanges.md
+    state = hvdcompress.accelerate.register(
+        accelerator, model, compression=args.compression, tuning=tuning
+    )
 
     for epoch in range(args.epochs):
         model.train()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+import hvdcompress
 from hvdcompress.lightning import CompressedDDPStrategy
 from hvdcompress.training.data import load_fashion_mnist
 from hvdcompress.training.models import build_model
@@ -65,6 +66,9 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument(
+        "--no-tuning", action="store_true", help="keep exchange='auto''s first guess"
+    )
+    parser.add_argument(
         "--limit-batches", type=float, default=1.0, help="fraction (or count) of batches per epoch"
     )
     args = parser.parse_args(argv)
@@ -72,7 +76,8 @@ def main(argv=None) -> None:
 
     pl.seed_everything(42)
     train, test = loaders(args.batch_size)
-    strategy = CompressedDDPStrategy(args.compression)  # the one line hvdcompress adds
+    tuning = None if args.no_tuning else hvdcompress.Tuning()  # docs/exchanges.md
+    strategy = CompressedDDPStrategy(args.compression, tuning=tuning)  # the line it adds
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator=args.accelerator,
