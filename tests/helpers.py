@@ -73,6 +73,21 @@ class LocalTransport(Transport):
         return [obj]
 
 
+def averaged_grads(model, opt, batch, steps: int) -> list[list[torch.Tensor]]:
+    """``steps`` steps of ``opt`` (a ``DistributedOptimizer``) on ``batch(step)``'s
+    (x, y): each step's averaged gradients, taken after ``synchronize()``."""
+    grads = []
+    for step in range(steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        with opt.skip_synchronize():
+            opt.step()
+    return grads
+
+
 def needs_netns(skip_reason: str | None):
     """The module mark of a test that needs network namespaces: skipped with
     ``skip_reason`` where they cannot be made, except in CI (``CI`` set: root, iproute2

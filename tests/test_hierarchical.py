@@ -15,7 +15,7 @@ import torch
 import hvdcompress
 from hvdcompress.errors import PayloadError
 from hvdcompress.training.simulate import run_ranks, seeded
-from tests.helpers import small_model
+from tests.helpers import averaged_grads, small_model
 
 
 def _model():
@@ -44,15 +44,7 @@ def _train(compression, exchange, steps=3, **opt_kw):
             torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
             compression=comp, backend=t, exchange=exchange, **opt_kw,
         )  # fmt: skip
-        grads = []
-        for step in range(steps):
-            x, y = _batch(t.rank, step)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.synchronize()
-            grads.append([p.grad.clone() for p in model.parameters()])
-            with opt.skip_synchronize():
-                opt.step()
+        grads = averaged_grads(model, opt, lambda step: _batch(t.rank, step), steps)
         kinds = sorted({e.kind for e in opt._exchanges.values()})
         return _digest(model), grads, kinds
 

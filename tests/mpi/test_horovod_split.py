@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hvdcompress.transports import make_transport
+from tests.helpers import averaged_grads
 from tests.mpi.helpers import NEEDS_HOROVOD, batch, digest, make_model, wrap
 
 pytestmark = [pytest.mark.mpi(min_size=2), NEEDS_HOROVOD]  # the hvd fixture: conftest.py
@@ -57,15 +58,7 @@ def _train(hvd, exchange: str, compression, steps: int):
     """Each step's averaged gradients (after synchronize) and the final parameters."""
     model = make_model(0)
     opt = wrap(model, compression, backend="horovod", exchange=exchange, momentum=0.0)
-    grads = []
-    for step in range(steps):
-        x, y = batch(hvd.rank(), step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.synchronize()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        with opt.skip_synchronize():
-            opt.step()
+    grads = averaged_grads(model, opt, lambda step: batch(hvd.rank(), step), steps)
     kinds = sorted({e.kind for e in opt._exchanges.values() if e is not None})
     return grads, digest(model.parameters()), kinds
 

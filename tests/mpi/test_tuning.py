@@ -34,10 +34,6 @@ BACKENDS = [
 ]
 
 
-def _slowed(compressor):
-    return slowed(compressor, 0.06)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_codec_that_costs_more_than_it_saves_ends_dense_on_every_rank(backend, comm):
     if backend == "horovod":
@@ -45,7 +41,7 @@ def test_a_codec_that_costs_more_than_it_saves_ends_dense_on_every_rank(backend,
 
         hvd.init()
     model = make_model()
-    compressor = _slowed(hvdcompress.get_compressor("3lc"))
+    compressor = slowed(hvdcompress.get_compressor("3lc"), 0.06)
     opt = wrap(model, compressor, backend=backend, tuning=TUNING)
     options, trials = [], []
     for step in range(14):
@@ -63,7 +59,7 @@ def test_a_codec_that_costs_more_than_it_saves_ends_dense_on_every_rank(backend,
 
 def test_tuning_none_keeps_the_first_guess(comm):
     model = make_model()
-    opt = wrap(model, _slowed(hvdcompress.get_compressor("3lc")), tuning=None)
+    opt = wrap(model, slowed(hvdcompress.get_compressor("3lc"), 0.06), tuning=None)
     train(model, opt, comm.rank, 8)
     assert opt.exchange_tuner is None
     assert "dense" not in {o for o in opt.last_stats.exchanges.values()}
