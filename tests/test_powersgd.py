@@ -99,3 +99,42 @@ def test_powersgd_state_dict_roundtrip_and_parameters():
             comp("powersgd", matrix_rank=bad)
     with pytest.raises(ValueError, match="seed"):
         comp("powersgd", seed=-1)
+
+
+@pytest.mark.parametrize("r", [1, 3])
+def test_powersgd_decompress_into_writes_the_scaled_average_and_the_same_state(r):
+    """The exchange's one-pass write (``decompress_into``) gives what ``decompress`` and a
+    scale give, and leaves the same residual and warm start; a non-matrix too."""
+    torch.manual_seed(7)
+    a, b = comp("powersgd", matrix_rank=r), comp("powersgd", matrix_rank=r)
+    for step in range(4):
+        for name, shape in (("m", (12, 2, 5)), ("v", (9,))):
+            g = torch.randn(shape)
+            want = powersgd_one_rank(a, g, name) * 0.25
+            p, ctx = b.compress(g, name)
+            q = b.next_phase(p, ctx, 1)
+            out = torch.full(shape, float("nan"))
+            assert b.decompress_into(q, ctx, out, 0.25)
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(b.memory.residuals["m"], a.memory.residuals["m"])
+        torch.testing.assert_close(b.qs["m"], a.qs["m"])
+
+
+def test_powersgd_decompress_into_refuses_what_it_cannot_write_and_keeps_the_step():
+    c = comp("powersgd", matrix_rank=1)
+    p, ctx = c.compress(torch.randn(6, 4), "m")
+    q = c.next_phase(p, ctx, 1)
+    for out in (torch.zeros(6, 4, dtype=torch.float16), torch.zeros(4, 6).t(), torch.zeros(5)):
+        assert not c.decompress_into(q, ctx, out, 0.5)
+    assert c.decompress(q, ctx).shape == (6, 4)  # the pending step was not consumed
+
+
+def test_powersgd_forms_m_in_two_buffers_that_take_turns():
+    """M = g + e is formed in a buffer kept per tensor and becomes the next residual: two
+    buffers of the gradient's size serve every step, none is allocated per step."""
+    c = comp("powersgd", matrix_rank=2)
+    seen = set()
+    for _ in range(6):
+        powersgd_one_rank(c, torch.randn(30, 20))
+        seen.add(c.memory.residuals["m"].data_ptr())
+    assert len(seen) == 2

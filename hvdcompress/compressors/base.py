@@ -187,6 +187,15 @@ class SummableCompressor(Compressor):
         (the optimizer path: it averages, casts once and feeds the rounding back)."""
         return self.decompress(payload, ctx)
 
+    def decompress_into(
+        self, payload: torch.Tensor, ctx: Ctx, out: torch.Tensor, scale: float
+    ) -> bool:
+        """Write ``scale`` times ``decompress_exact(payload, ctx)`` into the gradient ``out``
+        (the exchange's averaged write) without a temporary of the gradient's size, where
+        this compressor can: True when written, False (nothing read, nothing changed) where
+        it cannot, and the exchange then decompresses and writes. None can by default."""
+        return False
+
     def decode(self, payload, **kwargs):
         raise TypeError(f"{self.name} payloads are summed by an allreduce, not decoded alone")
 

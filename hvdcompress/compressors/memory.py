@@ -34,6 +34,16 @@ class ErrorFeedback:
             )
         return e
 
+    def swap(self, name: StateKey, new: torch.Tensor) -> torch.Tensor:
+        """Make the flat float32 ``new`` (of the current residual's size and device) the
+        residual of ``name`` and return the one it replaces: a compressor that computes
+        the next residual in a buffer of its own hands it over without a copy."""
+        old = self.residuals[name]
+        if new.numel() != old.numel() or new.device != old.device or new.dim() != 1:
+            raise ValueError(f"tensor {str(name)!r}: a swapped-in residual must match the old")
+        self.residuals[name] = new
+        return old
+
     def absorb(self, name: StateKey, delta: torch.Tensor) -> bool:
         """Add ``delta`` to the residual of ``name``; False when there is none of its size
         (nothing compressed yet)."""

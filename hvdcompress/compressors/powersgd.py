@@ -13,6 +13,12 @@ an n x m matrix (first dimension by the rest), r = min(``matrix_rank``, n, m):
     e = M - P_hat Q_i^T             # local error feedback (paper, Algorithm 2)
     Q = Q_sum                       # warm start of the next step: the same on every rank
 
+Memory speed: M is formed in a work buffer kept per tensor, the new residual is computed in
+place in it (``addmm_``) and swapped with the old one, and the average is written straight
+into the gradient with the 1/N folded into P_hat (``decompress_into``): per step, one pass
+over M to form it, one to turn it into e, one to write the gradient, and no temporary of
+the gradient's size (each fresh one costs page faults on top of its bandwidth).
+
 Tensors of fewer than two dimensions (biases, scalars) and empty ones travel as they are
 (float32) in phase 1. Non-finite input decodes to NaN for every rank (the sum carries it),
 leaves e untouched and keeps the previous Q. Q and e are in ``state_dict``.
@@ -92,6 +98,7 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         self.memory = ErrorFeedback()
         self.qs: dict[str, torch.Tensor] = {}
         self._pending: dict[str, tuple] = {}
+        self._work: dict[str, torch.Tensor] = {}  # per matrix: where M = g + e is formed
 
     def _seeded_q(self, name: str, cols: int, r: int) -> torch.Tensor:
         """A tensor's initial Q: standard normal on the CPU, seeded by (seed, its name)."""
@@ -128,7 +135,10 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         n, cols = shape
         r = min(self.level(name), n, cols)
         e = self.memory.residual(name, g)
-        m = (g + e).view(n, cols)
+        work = self._work.get(name)
+        if work is None or work.shape != e.shape or work.device != e.device:
+            work = self._work[name] = torch.empty_like(e)
+        m = torch.add(g, e, out=work).view(n, cols)
         p = m @ self._q(name, cols, r, m.device)
         self._pending[name] = (m, r)
         return p.reshape(-1), ctx
@@ -152,16 +162,44 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         return self.decompress_exact(payload, ctx).to(ctx.dtype)
 
     def decompress_exact(self, payload: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        return self._finish(payload, ctx, None, 1.0).view(ctx.shape)
+
+    def decompress_into(
+        self, payload: torch.Tensor, ctx: Ctx, out: torch.Tensor, scale: float
+    ) -> bool:
+        """``scale`` x P_hat Q_sum^T written into the contiguous float32 ``out``: one pass."""
+        if (
+            out.dtype != torch.float32
+            or not out.is_contiguous()
+            or out.numel() != math.prod(ctx.shape)
+        ):
+            return False
+        self._finish(payload, ctx, out, scale)
+        return True
+
+    def _finish(self, payload, ctx: Ctx, out: torch.Tensor | None, scale: float):
+        """The average (``out`` given: written there, times ``scale``) or the sum (a new
+        tensor), the residual and the next warm start from the phase-2 sum ``payload``."""
         pending = self._pending.pop(ctx.name, None)
         if pending is None or (len(pending) == 2 and pending[0] != "done"):  # no next_phase yet
             raise RuntimeError(f"powersgd: decompress({ctx.name!r}) before next_phase")
-        if len(pending) == 2:
-            return pending[1].view(ctx.shape)
+        if len(pending) == 2:  # not a matrix: the sum is the result
+            if out is None:
+                return pending[1]
+            return torch.mul(pending[1], scale, out=out.view(-1))
         m, r, p_hat, q_local = pending
         q_sum = payload.view(m.shape[1], r).to(torch.float32)
-        approx = p_hat @ q_sum.t()
+        if out is None:
+            approx = p_hat @ q_sum.t()
+        else:
+            approx = torch.mm(
+                p_hat * scale if scale != 1.0 else p_hat, q_sum.t(), out=out.view(m.shape)
+            )
         if prim.all_finite(m):
-            self.memory.residual(ctx.name, m).copy_((m - p_hat @ q_local.t()).reshape(-1))
+            # e = M - P_hat Q_i^T, in M's own buffer, which becomes the residual; the
+            # old residual's buffer is where the next step forms M
+            m.addmm_(p_hat, q_local.t(), alpha=-1.0)
+            self._work[ctx.name] = self.memory.swap(ctx.name, m.view(-1))
         if prim.all_finite(q_sum):
             # A zero column of Q_sum (a zero gradient, e.g. a parameter unused in a step,
             # or a column Gram-Schmidt dropped) would stay zero for ever (P = M Q = 0):
@@ -171,7 +209,7 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
                 zero = (q_sum == 0).all(dim=0)
                 q_sum = torch.where(zero[None, :], old, q_sum)
             self.qs[ctx.name] = q_sum.clone()
-        return approx.view(ctx.shape)
+        return approx
 
     def contraction(self, numel):
         # One warm-started power iteration has no contraction bound of its own (Vogels
@@ -203,3 +241,4 @@ class PowerSGD(PerTensorLevels, SummableCompressor):
         self.memory.load_state_dict(state["residuals"], what="powersgd residuals")
         self.qs = {k: q.detach().clone() for k, q in qs.items()}
         self._pending = {}
+        self._work = {}

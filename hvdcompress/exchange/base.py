@@ -91,9 +91,10 @@ class _Exchange:
     def _finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
         result = waited(flight, flight.collectives[0])
         if decode:
-            t0 = time.perf_counter()
+            t0, waited_before = time.perf_counter(), flight.wait_s
             self._complete(bucket, comp, flight, result, scale)
-            flight.decode_s += time.perf_counter() - t0
+            # the waits of later stages or phases inside _complete are wait, not decode
+            flight.decode_s += time.perf_counter() - t0 - (flight.wait_s - waited_before)
 
     def _complete(self, bucket, comp, flight, result, scale) -> None:
         raise NotImplementedError

@@ -42,6 +42,8 @@ class SummedExchange(_Exchange):
         summed = self._next_phases(comp, flight, summed)
         parts = summed.split(flight.sizes)
         for grad, ctx, part in zip(flight.grads, flight.ctxs, parts, strict=True):
+            if grad.dtype == torch.float32 and comp.decompress_into(part, ctx, grad, scale):
+                continue
             self._write(grad, ctx.name, comp.decompress_exact(part, ctx), comp, scale, flight)
 
     def _next_phases(self, comp, flight: InFlight, summed: torch.Tensor) -> torch.Tensor:
