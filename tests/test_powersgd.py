@@ -107,7 +107,7 @@ def test_powersgd_decompress_into_writes_the_scaled_average_and_the_same_state(r
     scale give, and leaves the same residual and warm start; a non-matrix too."""
     torch.manual_seed(7)
     a, b = comp("powersgd", matrix_rank=r), comp("powersgd", matrix_rank=r)
-    for step in range(4):
+    for _ in range(4):
         for name, shape in (("m", (12, 2, 5)), ("v", (9,))):
             g = torch.randn(shape)
             want = powersgd_one_rank(a, g, name) * 0.25
