@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,11 +53,13 @@ MODELS = ("cnn", "vit", "mlp10m")
 # each model's training recipe, the same for every method (only the communication
 # differs): train.py's SGD (lr 0.05 x the compressor's declared factor, momentum 0.9),
 # batch 64 per rank, the step schedule; epochs such that a job stays under 15 minutes
-MODEL_FLAGS = {
-    "cnn": ["--epochs", "10"],
-    "vit": ["--epochs", "10"],
-    "mlp10m": ["--epochs", "5"],
-}
+MODEL_EPOCHS = {"cnn": 10, "vit": 10, "mlp10m": 5}
+# epochs per piece, for a model whose whole job runs past the 15-minute job limit: its job
+# is several train.py runs (``--until-epoch``), each going on from the last one's
+# checkpoint (``--resume``: the same parameters as one uninterrupted run), kept between
+# pieces, and between sittings, in WORK
+PIECE_EPOCHS = {"vit": 3, "mlp10m": 1}
+WORK = ROOT / ".tta_work"
 # method -> the train.py flags of its communication
 TORCH_METHODS = {
     "ddp": ["--torch-hook", "allreduce"],
@@ -73,14 +76,23 @@ STEP_ROW = {"hvdc-accordion-3lc": "hvdc-3lc"}
 RATES = ("100mbit", "1gbit", "unlimited")
 
 
-def train_command(model: str, method: str, seed: int, log_dir: Path) -> list[str]:
-    """The job's command: train.py with the model's recipe and the method's communication."""
+def train_command(
+    model: str, method: str, seed: int, log_dir: Path, piece: tuple[int, Path] | None = None
+) -> list[str]:
+    """The job's command: train.py with the model's recipe and the method's communication;
+    ``piece`` (the epoch to stop at, the checkpoint directory) runs a piece of it, going on
+    from the checkpoint there when it holds one."""
     from hvdcompress.training.methods import METHODS as HVDC_TABLE
 
     flags = [
-        "--model", model, *MODEL_FLAGS[model], "--seed", str(seed), "--lr-schedule", "step",
-        "--log-dir", str(log_dir), "--no-progress", "--threads", "1",
+        "--model", model, "--epochs", str(MODEL_EPOCHS[model]), "--seed", str(seed),
+        "--lr-schedule", "step", "--log-dir", str(log_dir), "--no-progress", "--threads", "1",
     ]  # fmt: skip
+    if piece is not None:
+        until, checkpoint = piece
+        flags += ["--until-epoch", str(until), "--checkpoint", str(checkpoint)]
+        if any(checkpoint.glob("*")):
+            flags.append("--resume")
     script = str(ROOT / "scripts" / "train.py")
     if method in TORCH_METHODS:
         return [
@@ -92,35 +104,89 @@ def train_command(model: str, method: str, seed: int, log_dir: Path) -> list[str
     return [sys.executable, script, *hvdc.train_flags(), *flags, "--simulate-ranks", str(RANKS)]
 
 
-def run_job(model: str, method: str, seed: int, timeout_s: float) -> dict:
-    """Run one job; its record (``status``: ok, failed or timeout)."""
-    record = {"model": model, "method": method, "seed": seed, "ranks": RANKS}
+def _train(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess | None:
+    """The finished train.py run, None when it was killed after ``timeout_s``."""
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, env=launch.root_env(),
+            cwd=ROOT,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _outcome(record: dict, done, log_dir: Path) -> dict:
+    """The finished job's record from its last train.py run and its log directory."""
+    summary = parse_summary(done.stdout + done.stderr)
+    if done.returncode != 0 or summary is None or not (log_dir / "epochs.csv").is_file():
+        tail = (done.stdout + done.stderr)[-1500:]
+        return {**record, "status": "failed", "returncode": done.returncode, "tail": tail}
+    curve = [{"epoch": c["epoch"], "step": c["step"], "acc": c["acc"]} for c in read_curve(log_dir)]
+    return {
+        **record, "status": "ok", "curve": curve, "steps": summary["steps"],
+        "bits_per_value": summary["bits_per_value_ranks"],
+        "param_digest": summary["param_digest"],
+    }  # fmt: skip
+
+
+def _base_record(model: str, method: str, seed: int, cmd: list[str]) -> dict:
+    return {
+        "model": model, "method": method, "seed": seed, "ranks": RANKS,
+        "command": " ".join(Path(c).name if i < 2 else c for i, c in enumerate(cmd)),
+        "load_avg_start": os.getloadavg()[0],
+    }  # fmt: skip
+
+
+def run_job(model: str, method: str, seed: int, timeout_s: float, work: Path = WORK) -> dict:
+    """Run one job, or its next piece (``PIECE_EPOCHS``); its record (``status``: ok,
+    failed, timeout, or ``piece`` when more pieces are to come: not a result)."""
+    if model in PIECE_EPOCHS:
+        return run_piece(model, method, seed, timeout_s, work)
     with tempfile.TemporaryDirectory(prefix="hvdc-tta-") as tmp:
         log_dir = Path(tmp)
         cmd = train_command(model, method, seed, log_dir)
-        record["command"] = " ".join(Path(c).name if i < 2 else c for i, c in enumerate(cmd))
-        record["load_avg_start"] = os.getloadavg()[0]
+        record = _base_record(model, method, seed, cmd)
         t0 = time.perf_counter()
-        try:
-            done = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=timeout_s, env=launch.root_env(),
-                cwd=ROOT,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired:
-            return {**record, "status": "timeout", "wall_s": time.perf_counter() - t0}
+        done = _train(cmd, timeout_s)
         record["wall_s"] = time.perf_counter() - t0
-        summary = parse_summary(done.stdout + done.stderr)
-        if done.returncode != 0 or summary is None or not (log_dir / "epochs.csv").is_file():
-            tail = (done.stdout + done.stderr)[-1500:]
-            return {**record, "status": "failed", "returncode": done.returncode, "tail": tail}
-        curve = [
-            {"epoch": c["epoch"], "step": c["step"], "acc": c["acc"]} for c in read_curve(log_dir)
-        ]
-        return {
-            **record, "status": "ok", "curve": curve, "steps": summary["steps"],
-            "bits_per_value": summary["bits_per_value_ranks"],
-            "param_digest": summary["param_digest"],
-        }  # fmt: skip
+        return {**record, "status": "timeout"} if done is None else _outcome(record, done, log_dir)
+
+
+def run_piece(model: str, method: str, seed: int, timeout_s: float, work: Path) -> dict:
+    """The job's next piece, in ``work/<job>`` (checkpoints, logs, ``progress.json``: the
+    epochs done and the wall-clock of the pieces so far). The last piece's record is the
+    job's, its ``wall_s`` the sum of the pieces'; the job's directory then goes."""
+    job_dir = work / tta.job_key(model, method, seed).replace("/", "-")
+    progress_file = job_dir / "progress.json"
+    progress = {"epochs_done": 0, "wall_s": 0.0, "pieces": 0}
+    if progress_file.is_file():
+        progress = json.loads(progress_file.read_text())
+    (job_dir / "checkpoint").mkdir(parents=True, exist_ok=True)
+    if progress["epochs_done"] == 0:  # a piece killed before its first checkpoint
+        shutil.rmtree(job_dir / "checkpoint")
+        (job_dir / "checkpoint").mkdir()
+    until = min(progress["epochs_done"] + PIECE_EPOCHS[model], MODEL_EPOCHS[model])
+    log_dir = job_dir / "logs"
+    cmd = train_command(model, method, seed, log_dir, (until, job_dir / "checkpoint"))
+    record = _base_record(model, method, seed, cmd)
+    t0 = time.perf_counter()
+    done = _train(cmd, timeout_s)
+    wall = time.perf_counter() - t0
+    if done is None:  # the same piece runs again next time, from the same checkpoint
+        return {**record, "status": "timeout", "wall_s": wall, "until_epoch": until}
+    record = {**record, "wall_s": progress["wall_s"] + wall, "pieces": progress["pieces"] + 1}
+    if done.returncode != 0:
+        return _outcome(record, done, log_dir)
+    if until < MODEL_EPOCHS[model]:
+        progress = {"epochs_done": until, "wall_s": record["wall_s"], "pieces": record["pieces"]}
+        tmp = progress_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(progress))
+        os.replace(tmp, progress_file)  # a kill leaves the old progress or the new one
+        return {**record, "status": "piece", "until_epoch": until}
+    result = _outcome(record, done, log_dir)
+    if result["status"] == "ok":
+        shutil.rmtree(job_dir)
+    return result
 
 
 def plan(models, methods, seeds) -> list[tuple[str, str, int]]:
@@ -142,6 +208,12 @@ def run_jobs(jobs, results: Path, runner, max_minutes: float, retry_failed: bool
             break
         print(f"bench_tta: {model} {method} seed {seed} ...", flush=True)
         record = runner(model, method, seed)
+        while record.get("status") == "piece":  # not a result: the job's next piece
+            print(f"bench_tta:   epochs 1-{record['until_epoch']} done", flush=True)
+            if (time.monotonic() - start) / 60 >= max_minutes:
+                print(f"bench_tta: --max-minutes {max_minutes:g} reached: stopping", flush=True)
+                return ran
+            record = runner(model, method, seed)
         record["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
         tta.append_result(results, record)
         ran += 1

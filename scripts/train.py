@@ -280,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--epochs", type=POSITIVE, default=1)
     p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many steps in all")
+    p.add_argument(
+        "--until-epoch",
+        type=POSITIVE,
+        default=None,
+        help="stop at the end of this epoch of --epochs (checkpointed: --resume goes on); "
+        "the learning-rate schedule still spans --epochs",
+    )
     p.add_argument("--batch-size", type=POSITIVE, default=64, help="per rank")
     p.add_argument(
         "--lr",
@@ -389,6 +396,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     recommend_sgd(args)
     if args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint DIR")
+    if args.until_epoch is not None and (args.until_epoch > args.epochs or args.steps):
+        parser.error("--until-epoch must be at most --epochs, and is not used with --steps")
     if args.accordion and args.cat:
         parser.error("--accordion and --cat are exclusive")
     if args.milestones and args.lr_schedule != "step":

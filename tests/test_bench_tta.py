@@ -134,3 +134,44 @@ def test_the_commands_of_the_two_kinds_of_job(tmp_path):
     assert "--nproc_per_node=4" in torch_job and "--launcher" in torch_job
     at = torch_job.index("--torch-hook")
     assert torch_job[at : at + 4] == ["--torch-hook", "powersgd", "--powersgd-rank", "2"]
+
+
+def test_a_job_in_pieces_goes_on_from_its_checkpoint_and_ends_as_one_run(tmp_path, monkeypatch):
+    """A model with PIECE_EPOCHS runs as train.py pieces (--until-epoch, --resume): the
+    first call leaves a piece and its progress, the driver finishes the job, and the
+    record (curve, steps, pieces, summed wall-clock) ends with the parameters of the
+    same job run in one go. Real train.py runs, on a small synthetic set."""
+    monkeypatch.setattr(bench, "MODEL_EPOCHS", {**bench.MODEL_EPOCHS, "cnn": 3})
+    monkeypatch.setattr(bench, "PIECE_EPOCHS", {"cnn": 2})
+    real = bench.train_command
+    # 4 ranks of batch 32: 4 steps an epoch
+    small = ["--dataset", "synthetic", "--synthetic-size", "512", "--width", "2",
+             "--batch-size", "32"]  # fmt: skip
+    monkeypatch.setattr(bench, "train_command", lambda *a, **k: [*real(*a, **k), *small])
+    work, results = tmp_path / "work", tmp_path / "jobs.jsonl"
+    first = bench.run_job("cnn", "hvdc-3lc", 1, 300, work)
+    assert first["status"] == "piece" and first["until_epoch"] == 2, first.get("tail")
+    job_dir = work / "cnn-hvdc-3lc-seed1"
+    assert json.loads((job_dir / "progress.json").read_text())["epochs_done"] == 2
+    runner = lambda *job: bench.run_job(*job, 300, work)  # noqa: E731
+    assert bench.run_jobs([("cnn", "hvdc-3lc", 1)], results, runner, max_minutes=60) == 1
+    done = tta.load_results(results)["cnn/hvdc-3lc/seed1"]
+    assert done["status"] == "ok", done.get("tail")
+    assert [c["step"] for c in done["curve"]] == [4, 8, 12] and done["steps"] == 12
+    assert done["pieces"] == 2 and done["wall_s"] > first["wall_s"]
+    assert not job_dir.exists()  # a finished job's checkpoints go
+    monkeypatch.setattr(bench, "PIECE_EPOCHS", {})
+    whole = bench.run_job("cnn", "hvdc-3lc", 1, 300, work)
+    assert whole["param_digest"] == done["param_digest"]
+
+
+def test_the_driver_stops_between_pieces_and_records_only_whole_jobs(tmp_path, monkeypatch):
+    clock = iter([0.0, 0.0, 30.0, 90.0, 0.0, 0.0, 0.0])  # seconds of time.monotonic
+    monkeypatch.setattr(bench.time, "monotonic", lambda: next(clock))
+    pieces = iter([{"status": "piece", "until_epoch": 3}, {"status": "piece", "until_epoch": 6}])
+    results = tmp_path / "jobs.jsonl"
+    jobs = [("vit", "ddp", 1)]
+    assert bench.run_jobs(jobs, results, lambda *j: dict(next(pieces)), max_minutes=1) == 0
+    assert not results.exists() or tta.load_results(results) == {}  # a piece is no result
+    ok = lambda *job: _record(*job, [0.9])  # noqa: E731
+    assert bench.run_jobs(jobs, results, ok, max_minutes=1) == 1

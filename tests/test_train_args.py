@@ -198,6 +198,26 @@ def test_step_schedule_is_logged_and_resume_continues_it_exactly(tmp_path):
     assert "trained with the schedule" in other.stderr and "Traceback" not in other.stderr
 
 
+def test_a_run_in_pieces_until_epoch_ends_as_the_whole_run_with_one_epochs_log(tmp_path):
+    """--until-epoch stops at an epoch's end with a checkpoint; --resume goes on, the
+    schedule spanning --epochs: the pieces end with the uninterrupted run's parameters,
+    and the log directory holds each epoch once (simulated ranks, as bench_tta runs)."""
+    run = [*SYNTHETIC, "--epochs", "3", "--simulate-ranks", "2", "--milestones", "1.5"]
+    whole = _run([*run, "--log-dir", "whole"], tmp_path)
+    piece = [*run, "--checkpoint", "ck", "--log-dir", "pieces"]
+    first = _run([*piece, "--until-epoch", "1"], tmp_path)
+    assert "steps 16 " in first.stdout, first.stderr[-2000:]
+    second = _run([*piece, "--until-epoch", "2", "--resume"], tmp_path)
+    assert "steps 32 " in second.stdout, second.stderr[-2000:]
+    last = _run([*piece, "--resume"], tmp_path)
+    assert _digest(last) == _digest(whole)
+    for log in ("whole", "pieces"):
+        with open(tmp_path / log / "epochs.csv") as f:
+            assert [int(r["step"]) for r in csv.DictReader(f)] == [16, 32, 48]
+    bad = _run([*run, "--until-epoch", "4"], tmp_path)
+    assert bad.returncode == 2 and "--until-epoch must be at most --epochs" in bad.stderr
+
+
 def test_simulated_ranks_match_the_plain_run_and_log_bits_over_ranks(tmp_path):
     plain = _digest(_run([*SYNTHETIC, "--steps", "6"], tmp_path))
     one = _run([*SYNTHETIC, "--steps", "6", "--simulate-ranks", "1"], tmp_path)

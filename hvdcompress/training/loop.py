@@ -85,6 +85,8 @@ def train_rank(args, dist, data=None) -> str:
             f"{args.batch_size}: lower --batch-size"
         )
     total_steps = args.steps if args.steps is not None else steps_per_epoch * args.epochs
+    if args.until_epoch is not None:  # a piece of the run: the schedule still spans --epochs
+        total_steps = steps_per_epoch * args.until_epoch
     schedule = make_schedule(args, steps_per_epoch)
 
     start_step = 0
