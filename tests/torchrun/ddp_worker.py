@@ -14,6 +14,7 @@ import copy
 import gc
 import hashlib
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -169,6 +170,31 @@ def main(out: Path) -> None:
     timed_digests = [None] * size
     dist.all_gather_object(timed_digests, digest(timed))
 
+    # the hierarchical exchange on 2 nodes of 2 (size 4): its stages 1-2 deferred to the
+    # finisher thread (overlap) leave the same parameters as run inline, on every rank
+    hier = {}
+    if size == 4:
+        os.environ["HVDC_RANKS_PER_NODE"] = "2"
+        for overlap in (True, False):
+            net4 = make_net()
+            state4 = hvdcompress.DDPHookState(
+                "3lc", named_parameters=net4.named_parameters(), exchange="hierarchical",
+                tuning=None, overlap=overlap,
+            )  # fmt: skip
+            net4, _, state4, losses4 = train("3lc", 16, model=net4, state=state4)
+            exchanges = [e for e in state4._exchanges.values() if e and e.kind == "hierarchical"]
+            hier[overlap] = {
+                "digest": digest(net4),
+                "deferred": sorted({e.deferred for e in exchanges}),
+                "loss_first": sum(losses4[:4]) / 4,
+                "loss_last": sum(losses4[-4:]) / 4,
+                "compress_s": state4.last_stats.compress_s,
+            }
+            del state4
+        del os.environ["HVDC_RANKS_PER_NODE"]
+    hier_digests = [None] * size
+    dist.all_gather_object(hier_digests, hier.get(True, {}).get("digest"))
+
     # rank 0's hook state on every rank
     rank0 = [saved["hook"]]
     dist.broadcast_object_list(rank0, src=0)
@@ -204,6 +230,8 @@ def main(out: Path) -> None:
         "twostage_loss_last": sum(staged_losses[-5:]) / 5,
         "twostage_pieces": sorted(staged_state.compressor.state_dict()["residuals"]),
         "twostage_resume_equal": digest(staged) == digest(net3),
+        "hierarchical": {str(k): v for k, v in hier.items()},
+        "hierarchical_digests": hier_digests,
         "timed_digests": timed_digests,
         "timed_link_cost": type(timed_state.link_cost).__name__,
         "timed_kinds": sorted({e.kind for e in timed_state._exchanges.values() if e}),
