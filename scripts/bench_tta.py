@@ -17,7 +17,8 @@ recorded as ``timeout``; a killed driver loses only the job in flight. Seeds go 
 every method's first seed before any second seed.
 
 ``report`` joins the results with the step times of scripts/bench_peers.py (its JSON,
-copied to docs/results/peer_steps.json, same models, rows and batch per rank): per model
+copied to docs/results/peer_steps.json, same models, rows and batch per rank; several
+``--peers`` files merge, a later one's rows replacing an earlier one's): per model
 and link rate, the wall-clock each method needs to reach the target accuracy, the
 baseline's (DDP allreduce) mean final accuracy minus 0.3 points (scripts/_bench/tta.py).
 Writes docs/results/time_to_accuracy.md, docs/tta_<model>.png (test accuracy against
@@ -223,6 +224,20 @@ def run_jobs(jobs, results: Path, runner, max_minutes: float, retry_failed: bool
     return ran
 
 
+def merge_peers(paths: list[Path]) -> dict:
+    """The rows of several bench_peers JSON files (a missing file has none), a later
+    file's (model, row, rate) replacing an earlier one's; their headers, in order."""
+    rows, headers = {}, []
+    for path in paths:
+        if not path.is_file():
+            continue
+        peers = json.loads(path.read_text())
+        headers.append(peers.get("header", ""))
+        for r in peers.get("rows", []):
+            rows[(r["model"], r["row"], r["rate"])] = r
+    return {"header": " / ".join(h for h in headers if h), "rows": list(rows.values())}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -236,7 +251,10 @@ def main(argv=None) -> int:
     run.add_argument("--results", type=Path, default=RESULTS)
     rep = sub.add_parser("report", help="tables and plots from the results file")
     rep.add_argument("--results", type=Path, default=RESULTS)
-    rep.add_argument("--peers", type=Path, default=PEERS, help="bench_peers.json")
+    rep.add_argument(
+        "--peers", type=Path, nargs="+", default=[PEERS],
+        help="bench_peers JSON files; a later file's row replaces an earlier one's",
+    )  # fmt: skip
     rep.add_argument("--out", type=Path, default=ROOT / "docs")
     rep.add_argument("--readme", action="store_true", help="rewrite the README's block")
     args = ap.parse_args(argv)
@@ -246,7 +264,7 @@ def main(argv=None) -> int:
         run_jobs(jobs, args.results, lambda *job: run_job(*job, timeout), args.max_minutes,
                  args.retry_failed)  # fmt: skip
         return 0
-    peers = json.loads(args.peers.read_text()) if args.peers.is_file() else {}
+    peers = merge_peers(args.peers)
     text = tta_report.write_report(
         tta.load_results(args.results), peers, args.out, MODELS, METHODS, STEP_ROW,
         ROOT / "README.md" if args.readme else None,

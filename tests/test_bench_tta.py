@@ -175,3 +175,21 @@ def test_the_driver_stops_between_pieces_and_records_only_whole_jobs(tmp_path, m
     assert not results.exists() or tta.load_results(results) == {}  # a piece is no result
     ok = lambda *job: _record(*job, [0.9])  # noqa: E731
     assert bench.run_jobs(jobs, results, ok, max_minutes=1) == 1
+
+
+def test_peer_step_files_merge_a_later_row_replacing_an_earlier_one(tmp_path):
+    old = {"header": "old run", "rows": [
+        {"model": "cnn", "row": "ddp", "rate": "1gbit", "step_s": 0.2},
+        {"model": "cnn", "row": "hvdc-3lc", "rate": "1gbit", "step_s": 0.3}]}  # fmt: skip
+    new = {"header": "new run", "rows": [
+        {"model": "cnn", "row": "hvdc-3lc", "rate": "1gbit", "step_s": 0.1},
+        {"model": "mlp10m", "row": "ddp", "rate": "1gbit", "step_s": 2.0}]}  # fmt: skip
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(old))
+    b.write_text(json.dumps(new))
+    merged = bench.merge_peers([a, b, tmp_path / "missing.json"])
+    assert tta.step_times(merged) == {
+        ("cnn", "ddp", "1gbit"): 0.2, ("cnn", "hvdc-3lc", "1gbit"): 0.1,
+        ("mlp10m", "ddp", "1gbit"): 2.0,
+    }  # fmt: skip
+    assert merged["header"] == "old run / new run"
