@@ -8,6 +8,8 @@
 * ``steps``: the optimizer and the timed training step of the step benchmarks;
 * ``report``: markdown and fixed-width tables, JSON, figures, the machine's description;
 * ``netreport``: bench_network's speedups, tables and figures;
+* ``networker``: bench_network's worker mode (a rank's training-step loop), its cases;
+* ``peerreport``: bench_peers' tables, targets, bytes check and figure;
 * ``payloads``: the payload mutation fuzzer's payloads, mutations and checks (also the
   checks of tests/fuzz).
 
