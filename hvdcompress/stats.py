@@ -74,7 +74,6 @@ class StepStats:
             if c.handle.ended is not None:  # waited for
                 self.timings.append(CollectiveTiming(c.payload_bytes, c.handle.seconds))
         self.wait_s += flight.wait_s
-        self.compress_s += flight.encode_s
         self.decode_s += flight.decode_s
         self.overflow += flight.overflow
         self.nonfinite += flight.nonfinite

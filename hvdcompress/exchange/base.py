@@ -34,7 +34,6 @@ class InFlight:
     grads: list[torch.Tensor]  # the gradients handed to start: averaged in place
     sizes: list[int] = field(default_factory=list)  # summed: elements of each payload
     wait_s: float = 0.0
-    encode_s: float = 0.0  # encoding done in finish (a deferred stage), not in start
     decode_s: float = 0.0
     overflow: list[str] = field(default_factory=list)  # finite sums that overflowed the gradient
     nonfinite: list[str] = field(default_factory=list)  # sums that were not finite

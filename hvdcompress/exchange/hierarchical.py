@@ -15,13 +15,6 @@ For a job of M nodes x K ranks (``transports.topology``), a bucket goes in three
 3. **Inside the node, an allgather** of the averaged shards (a status word, then float32),
    written into every rank's gradients.
 
-Where ``finish`` runs on another thread than ``start`` (the DDP hook's finisher:
-``hierarchical_exchange`` with a ``finish_transport``), ``start`` only starts stage 1 and
-returns, and ``finish`` waits for it, sums the node's shard and runs stage 2 from there:
-the backward pass goes on while the node's shards move and are compressed. Otherwise
-(the optimizer) ``start`` runs stages 1 and 2 up to stage 2's collectives, so that the
-cross-node exchanges of all buckets are in flight together.
-
 Bytes across a node's link per step: stage 2 only, that is the K local ranks' compressed
 shards of the node sum, about one rank's compressed gradient in all, whatever K.
 
@@ -36,9 +29,8 @@ the same order, stage 3 hands every rank the same bytes).
 
 from __future__ import annotations
 
-import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -57,15 +49,13 @@ STATUS_OK, STATUS_FAILED = 0, 1
 
 @dataclass
 class _Stages:
-    """What ``start`` leaves for ``finish``: the shard plan, stage 1's collective until
-    it is waited for, this rank's shard pieces (the node sum, averaged in place by stage
-    2) and stage 2's own in-flight bucket (None: no shard, or stage 2 not started yet)."""
+    """What ``start`` leaves for ``finish``: the shard plan, this rank's shard pieces (the
+    node sum, averaged in place by stage 2) and stage 2's own in-flight bucket."""
 
     shards: list
-    stage1: Collective | None
-    pieces: list[torch.Tensor] = field(default_factory=list)
-    names: list[PieceKey] = field(default_factory=list)
-    cross: InFlight | None = None
+    pieces: list[torch.Tensor]
+    names: list[PieceKey]
+    cross: InFlight | None
 
 
 class HierarchicalExchange(_Exchange):
@@ -92,8 +82,6 @@ class HierarchicalExchange(_Exchange):
         self.topology, self.intra, self.cross = nodes, intra, cross
         self.intra_finish = intra_finish or intra
         self.cross_finish = cross_finish or cross
-        # finish on its own thread (module doc): stage 2 starts there, on its transport
-        self.deferred = cross_finish is not None and cross_finish is not cross
         self.two_stage = two_stage  # across nodes: two-stage, else the allgather
         self._plans: dict[tuple, list] = {}
         self._inner: dict[tuple, _Exchange] = {}  # the cross-node exchange of each shard
@@ -103,13 +91,12 @@ class HierarchicalExchange(_Exchange):
         """The compressed exchange of this rank's shard of a bucket across nodes."""
         key = tuple(shard.names)
         if key not in self._inner:
-            starts = self.cross_finish if self.deferred else self.cross
             if self.two_stage:
                 self._inner[key] = TwoStageExchange(
-                    starts, shard, comp.shard_alignment(), self.cross_finish
+                    self.cross, shard, comp.shard_alignment(), self.cross_finish
                 )
             else:
-                self._inner[key] = GatheredExchange(starts, self.cross_finish)
+                self._inner[key] = GatheredExchange(self.cross, self.cross_finish)
         return self._inner[key]
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -139,39 +126,23 @@ class HierarchicalExchange(_Exchange):
         ]
         stage1 = self.intra.start_alltoallv(parts, key=site(bucket, "intra1"))
         flight = InFlight([], [], list(grads), shards=shards)
-        flight.stages = _Stages(shards, Collective(stage1, 0, 0.0))
-        if not self.deferred:
-            self._start_cross(bucket, comp, flight)
-        return flight
-
-    def _start_cross(self, bucket: Bucket, comp, flight: InFlight) -> None:
-        """Stage 1's end (the node's sum of this rank's shard) and stage 2's start."""
-        stages: _Stages = flight.stages
-        received = waited(flight, stages.stage1)  # the fast link
-        stages.stage1 = None
-        t0 = time.perf_counter()
+        received = waited(flight, Collective(stage1, 0, 0.0))  # the fast link: wait here
         node_sum = sum_in_rank_order([r.view(torch.float32) for r in received])
-        mine = stages.shards[self.intra.rank]
-        stages.pieces = list(node_sum.split([pc.stop - pc.start for pc in mine])) if mine else []
-        stages.names = [_piece_name(pc) for pc in mine]
+        mine = shards[self.intra.rank]
+        pieces = list(node_sum.split([pc.stop - pc.start for pc in mine])) if mine else []
+        names = [_piece_name(pc) for pc in mine]
+        cross = None
         if mine:
-            shard_bucket = Bucket(bucket.index, stages.pieces, stages.names)
-            inner = self.cross_exchange(shard_bucket, comp)
-            stages.cross = inner.start(shard_bucket, comp, stages.pieces)
-            flight.ctxs, flight.collectives = stages.cross.ctxs, stages.cross.collectives
-        if self.deferred:  # in finish: its encode is not in start's time
-            flight.encode_s += time.perf_counter() - t0
+            shard_bucket = Bucket(bucket.index, pieces, names)
+            cross = self.cross_exchange(shard_bucket, comp).start(shard_bucket, comp, pieces)
+            flight.ctxs, flight.collectives = cross.ctxs, cross.collectives
+        flight.stages = _Stages(shards, pieces, names, cross)
+        return flight
 
     def _finish(self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool) -> None:
         stages: _Stages = flight.stages
         error, status = None, STATUS_OK
-        if stages.stage1 is not None:  # deferred: even when draining, so that every
-            # rank starts the same collectives
-            try:
-                self._start_cross(bucket, comp, flight)
-            except Exception as err:  # noqa: BLE001 - stage 3 must still run on every rank
-                error, status = err, STATUS_FAILED
-        if stages.cross is not None and error is None:
+        if stages.cross is not None:
             shard_bucket = Bucket(bucket.index, stages.pieces, stages.names)
             try:  # the average of every rank's shard, written into the pieces
                 inner = self.cross_exchange(shard_bucket, comp)
