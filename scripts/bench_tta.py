@@ -18,7 +18,8 @@ every method's first seed before any second seed.
 
 ``report`` joins the results with the step times of scripts/bench_peers.py (its JSON,
 copied to docs/results/peer_steps.json, same models, rows and batch per rank; several
-``--peers`` files merge, a later one's rows replacing an earlier one's): per model
+``--peers`` files merge, a later one's rows replacing an earlier one's; by default
+docs/results/peer_steps*.json in name order): per model
 and link rate, the wall-clock each method needs to reach the target accuracy, the
 baseline's (DDP allreduce) mean final accuracy minus 0.3 points (scripts/_bench/tta.py).
 Writes docs/results/time_to_accuracy.md, docs/tta_<model>.png (test accuracy against
@@ -48,7 +49,9 @@ except ModuleNotFoundError:  # loaded by file path from the repository root (the
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "accuracy_jobs.jsonl"
-PEERS = ROOT / "docs" / "results" / "peer_steps.json"
+# bench_peers' step times: peer_steps.json, then later runs (peer_steps_<what>.json)
+# whose rows replace its own
+PEERS = sorted((ROOT / "docs" / "results").glob("peer_steps*.json"))
 RANKS = 4
 MODELS = ("cnn", "vit", "mlp10m")
 # each model's training recipe, the same for every method (only the communication
@@ -252,7 +255,7 @@ def main(argv=None) -> int:
     rep = sub.add_parser("report", help="tables and plots from the results file")
     rep.add_argument("--results", type=Path, default=RESULTS)
     rep.add_argument(
-        "--peers", type=Path, nargs="+", default=[PEERS],
+        "--peers", type=Path, nargs="+", default=PEERS,
         help="bench_peers JSON files; a later file's row replaces an earlier one's",
     )  # fmt: skip
     rep.add_argument("--out", type=Path, default=ROOT / "docs")
