@@ -33,7 +33,17 @@ import warnings
 import weakref
 
 import torch
+import torch.distributed
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+if torch.distributed.is_available() and not torch.distributed.is_initialized():
+    # Before the user's world exists (docs/checkpoints-and-faults.md, "Clean exits"): the
+    # functions of torch.distributed.nn.functional take ``group=group.WORLD`` as a default
+    # argument, evaluated at their first import, which DDP makes when its first model is
+    # built. Imported after init_process_group, ten defaults keep the world's gloo group
+    # and its threads alive past destroy_process_group, to be torn down at interpreter
+    # shutdown, where the README's recipe aborted now and then.
+    import torch.distributed.nn.functional  # noqa: F401
 
 from hvdcompress import checks
 from hvdcompress.adapter_core import (
