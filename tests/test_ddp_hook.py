@@ -191,3 +191,25 @@ def test_payload_error_finds_the_payload_error_behind_ddps_runtime_error(reports
     for r in reports:
         for mode in ("allgather", "twostage"):
             assert r["corrupt_found"][mode] == [1, "frame", None], (mode, r["corrupt_found"])
+
+
+def test_a_closed_threaded_transport_frees_its_group_and_refuses_collectives(one_rank_group):
+    """close() destroys the transport's own group and drops its reference, so the group's
+    gloo threads end there, not at interpreter shutdown (docs/checkpoints-and-faults.md,
+    "Clean exits"); a collective afterwards is a clear error, not one on another group."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from hvdcompress.transports.torch_dist import TorchDistTransport
+
+    transport = TorchDistTransport(dist.group.WORLD, threaded=True)
+    assert transport.sum_floats([1.0, 2.0]) == [1.0, 2.0]
+    group = weakref.ref(transport.group)
+    transport.close()
+    gc.collect()
+    assert group() is None  # nothing holds the destroyed group: freed at close()
+    with pytest.raises(RuntimeError, match="transport is closed"):
+        transport.sum_floats([1.0])
+    transport.close()  # idempotent
