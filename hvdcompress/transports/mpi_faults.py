@@ -26,10 +26,8 @@ import threading
 import time
 import traceback
 import weakref
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from hvdcompress.transports.mpi import MPITransport
+from hvdcompress.transports.base import Transport
 
 POLL_S = 0.1  # the watcher's polling period
 ABORT_GRACE_S = 2.0  # how long a failing rank waits for the others to acknowledge
@@ -104,7 +102,7 @@ class _Progress:
 class _Watcher:
     """The side channel of one transport (see the module doc)."""
 
-    def __init__(self, transport: MPITransport) -> None:
+    def __init__(self, transport: Transport) -> None:  # an MPITransport (no import cycle)
         self.t = weakref.proxy(transport)
         self.rank, self.size = transport.rank, transport.size
         self.progress = transport._progress
