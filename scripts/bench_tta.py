@@ -165,10 +165,9 @@ def run_piece(model: str, method: str, seed: int, timeout_s: float, work: Path) 
     progress = {"epochs_done": 0, "wall_s": 0.0, "pieces": 0}
     if progress_file.is_file():
         progress = json.loads(progress_file.read_text())
+    if progress["epochs_done"] == 0:  # what a first piece killed mid-way left
+        shutil.rmtree(job_dir / "checkpoint", ignore_errors=True)
     (job_dir / "checkpoint").mkdir(parents=True, exist_ok=True)
-    if progress["epochs_done"] == 0:  # a piece killed before its first checkpoint
-        shutil.rmtree(job_dir / "checkpoint")
-        (job_dir / "checkpoint").mkdir()
     until = min(progress["epochs_done"] + PIECE_EPOCHS[model], MODEL_EPOCHS[model])
     log_dir = job_dir / "logs"
     cmd = train_command(model, method, seed, log_dir, (until, job_dir / "checkpoint"))
@@ -203,19 +202,24 @@ def run_jobs(jobs, results: Path, runner, max_minutes: float, retry_failed: bool
     appending each record as it finishes; no job starts after ``max_minutes``. Returns
     how many ran."""
     start, ran = time.monotonic(), 0
+
+    def out_of_time() -> bool:
+        if (time.monotonic() - start) / 60 < max_minutes:
+            return False
+        print(f"bench_tta: --max-minutes {max_minutes:g} reached: stopping", flush=True)
+        return True
+
     for model, method, seed in jobs:
         done = tta.load_results(results).get(tta.job_key(model, method, seed))
         if done is not None and (done.get("status") == "ok" or not retry_failed):
             continue
-        if (time.monotonic() - start) / 60 >= max_minutes:
-            print(f"bench_tta: --max-minutes {max_minutes:g} reached: stopping", flush=True)
+        if out_of_time():
             break
         print(f"bench_tta: {model} {method} seed {seed} ...", flush=True)
         record = runner(model, method, seed)
         while record.get("status") == "piece":  # not a result: the job's next piece
             print(f"bench_tta:   epochs 1-{record['until_epoch']} done", flush=True)
-            if (time.monotonic() - start) / 60 >= max_minutes:
-                print(f"bench_tta: --max-minutes {max_minutes:g} reached: stopping", flush=True)
+            if out_of_time():
                 return ran
             record = runner(model, method, seed)
         record["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
