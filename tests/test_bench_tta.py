@@ -109,6 +109,32 @@ def test_the_reports_arithmetic():
     assert f["std"] == pytest.approx(0.0028284, rel=1e-3)
 
 
+def test_a_rate_the_tuner_sent_dense_goes_with_the_baselines_curve():
+    """A step time measured while auto sent every bucket uncompressed is the step of an
+    allreduce: the report joins it with DDP's curve, not the codec's (which never reaches
+    the target here); a partly dense run keeps the codec's curve, marked."""
+    records = _fake_records()
+    peers = {"rows": [
+        {"model": "cnn", "row": "hvdc-powersgd", "rate": "unlimited", "step_s": 0.05,
+         "exchanges": ["dense"]},
+        {"model": "cnn", "row": "hvdc-powersgd", "rate": "1gbit", "step_s": 0.06,
+         "exchanges": ["allreduce", "dense"]},
+        {"model": "cnn", "row": "hvdc-powersgd", "rate": "100mbit", "step_s": 0.07,
+         "exchanges": ["allreduce"]},
+    ]}  # fmt: skip
+    row = next(r for r in tta_report.rows(records, peers, "cnn", bench.METHODS, bench.STEP_ROW)
+               if r["method"] == "hvdc-powersgd")  # fmt: skip
+    assert row["steps"] is None  # its own curve never reaches the target
+    assert row["dense"] == {"100mbit": False, "1gbit": False, "unlimited": True}
+    assert row["seconds"]["unlimited"] == pytest.approx(300 * 0.05)  # DDP's 300 steps
+    assert row["seconds"]["1gbit"] is None and row["partly_dense"]["1gbit"]
+    assert row["curves"]["unlimited"] == tta.mean_curve(tta.finished(records, "cnn", "ddp"))
+    text = tta_report.markdown(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW)
+    line = next(x for x in text.splitlines() if x.startswith("| hvdc-powersgd |"))
+    assert line.endswith("| not reached | not reached | **0.2 min ‡** |")
+    assert "‡ at this rate" in text and "§" not in line
+
+
 def test_the_report_marks_the_best_hvdc_row_and_rewrites_the_readme_block(tmp_path):
     records = _fake_records()
     readme = tmp_path / "README.md"

@@ -110,6 +110,25 @@ def time_to(steps: int | None, step_s: float | None) -> float | None:
     return steps * step_s
 
 
+def peer_rows(peers: dict) -> dict[tuple[str, str, str], dict]:
+    """{(model, row, rate): the row} of bench_peers.json's rows."""
+    return {(r["model"], r["row"], r["rate"]): r for r in peers.get("rows", [])}
+
+
 def step_times(peers: dict) -> dict[tuple[str, str, str], float]:
     """{(model, row, rate): median step seconds} from bench_peers.json's rows."""
-    return {(r["model"], r["row"], r["rate"]): float(r["step_s"]) for r in peers.get("rows", [])}
+    return {key: float(r["step_s"]) for key, r in peer_rows(peers).items()}
+
+
+def sent_dense(peer_row: dict | None) -> bool:
+    """Whether the row's tuner (``exchange="auto"``) sent every compressed bucket
+    uncompressed: that run trains as an allreduce of the gradients (after its tuning
+    steps), so the baseline's accuracy curve, not the codec's, is the one its step time
+    goes with."""
+    return peer_row is not None and peer_row.get("exchanges") == ["dense"]
+
+
+def partly_dense(peer_row: dict | None) -> bool:
+    """Some buckets sent uncompressed, others compressed: the codec's curve is kept."""
+    exchanges = [] if peer_row is None else peer_row.get("exchanges") or []
+    return "dense" in exchanges and len(exchanges) > 1

@@ -19,9 +19,14 @@ README_BLOCK = re.compile(r"(<!-- tta:begin -->\n).*?(<!-- tta:end -->)", re.S)
 
 
 def rows(records: dict, peers: dict, model: str, methods, step_row: dict) -> list[dict]:
-    """One row per method with results: accuracy, steps to the target and seconds per rate."""
+    """One row per method with results: accuracy, steps to the target and seconds per rate.
+
+    Where the method's step-time row was sent all dense by its tuner (``tta.sent_dense``),
+    that rate's seconds and curve are the baseline's steps and curve at the method's step
+    time (``dense[rate]``): the run that step time measures trains as an allreduce."""
     goal = tta.target(records, model)
-    times = tta.step_times(peers)
+    peer = tta.peer_rows(peers)
+    base_curve = tta.mean_curve(tta.finished(records, model, tta.BASELINE))
     out = []
     for method in methods:
         runs = tta.finished(records, model, method)
@@ -30,13 +35,21 @@ def rows(records: dict, peers: dict, model: str, methods, step_row: dict) -> lis
         curve = tta.mean_curve(runs)
         steps = None if goal is None else tta.steps_to(curve, goal)
         row = step_row.get(method, method)
-        seconds = {rate: tta.time_to(steps, times.get((model, row, rate))) for rate in RATES}
-        has_time = {rate: (model, row, rate) in times for rate in RATES}
+        seconds, curves, dense, partly = {}, {}, {}, {}
+        for rate in RATES:
+            measured = peer.get((model, row, rate))
+            dense[rate] = tta.sent_dense(measured) and bool(base_curve)
+            partly[rate] = tta.partly_dense(measured)
+            curves[rate] = base_curve if dense[rate] else curve
+            rate_steps = None if goal is None else tta.steps_to(curves[rate], goal)
+            step_s = None if measured is None else float(measured["step_s"])
+            seconds[rate] = tta.time_to(rate_steps, step_s)
         out.append({
             "method": method, "final": tta.final_accuracy(runs), "steps": steps,
-            "seconds": seconds, "has_time": has_time, "borrowed": row != method,
+            "seconds": seconds, "has_time": {rate: (model, row, rate) in peer for rate in RATES},
+            "borrowed": row != method, "dense": dense, "partly_dense": partly,
             "bits": sum(r["bits_per_value"] for r in runs) / len(runs), "curve": curve,
-            "step_row": row,
+            "curves": curves, "step_row": row,
         })  # fmt: skip
     return out
 
@@ -52,7 +65,7 @@ def _winner(table: list[dict], rate: str) -> str | None:
 
 
 def markdown(records: dict, peers: dict, models, methods, step_row: dict) -> str:
-    lines = []
+    lines, marks = [], set()
     for model in models:
         table = rows(records, peers, model, methods, step_row)
         if not table:
@@ -78,6 +91,9 @@ def markdown(records: dict, peers: dict, models, methods, step_row: dict) -> str
                     cell = "not reached"
                 else:
                     cell = f"{s / 60:.1f} min" + (" †" if r["borrowed"] else "")
+                    mark = "‡" if r["dense"][rate] else "§" if r["partly_dense"][rate] else ""
+                    cell += f" {mark}" if mark else ""
+                    marks.add(mark)
                 cells.append(f"**{cell}**" if best[rate] == r["method"] and s else cell)
             seeds = ",".join(map(str, f["seeds"]))
             steps = "-" if r["steps"] is None else str(r["steps"])
@@ -88,6 +104,13 @@ def markdown(records: dict, peers: dict, models, methods, step_row: dict) -> str
     if any(step_row.values()):
         lines.append("† the step time of the bench_peers row " + ", ".join(
             f"`{v}` for {k}" for k, v in step_row.items()) + " (no row of its own).")  # fmt: skip
+    if "‡" in marks:
+        lines += ["", "‡ at this rate the method's tuner (`exchange=\"auto\"`) sent every "
+                  "bucket uncompressed in bench_peers: that run trains as an allreduce after "
+                  "its tuning steps, so DDP allreduce's accuracy curve goes with its step time."]
+    if "§" in marks:
+        lines += ["", "§ the tuner sent some buckets uncompressed, others compressed: the "
+                  "codec's accuracy curve is kept."]
     return "\n".join(lines) + "\n"
 
 
@@ -108,8 +131,9 @@ def plot(records: dict, peers: dict, model: str, methods, step_row: dict, path: 
             step_s = times.get((model, r["step_row"], rate))
             if step_s is None:
                 continue
-            xs = [step * step_s / 60 for step, _ in r["curve"]]
-            ax.plot(xs, [100 * acc for _, acc in r["curve"]], marker=".", label=r["method"])
+            curve = r["curves"][rate]
+            xs = [step * step_s / 60 for step, _ in curve]
+            ax.plot(xs, [100 * acc for _, acc in curve], marker=".", label=r["method"])
         if goal is not None:
             ax.axhline(100 * goal, color="grey", linestyle="--", linewidth=0.8)
         ax.set(title=f"{model}, {RATE_NAMES[rate]}", xlabel="wall-clock (min)")
