@@ -105,12 +105,18 @@ def markdown(records: dict, peers: dict, models, methods, step_row: dict) -> str
         lines.append("† the step time of the bench_peers row " + ", ".join(
             f"`{v}` for {k}" for k, v in step_row.items()) + " (no row of its own).")  # fmt: skip
     if "‡" in marks:
-        lines += ["", "‡ at this rate the method's tuner (`exchange=\"auto\"`) sent every "
-                  "bucket uncompressed in bench_peers: that run trains as an allreduce after "
-                  "its tuning steps, so DDP allreduce's accuracy curve goes with its step time."]
+        lines += [
+            "",
+            '‡ at this rate the method\'s tuner (`exchange="auto"`) sent every '
+            "bucket uncompressed in bench_peers: that run trains as an allreduce after "
+            "its tuning steps, so DDP allreduce's accuracy curve goes with its step time.",
+        ]
     if "§" in marks:
-        lines += ["", "§ the tuner sent some buckets uncompressed, others compressed: the "
-                  "codec's accuracy curve is kept."]
+        lines += [
+            "",
+            "§ the tuner sent some buckets uncompressed, others compressed: the "
+            "codec's accuracy curve is kept.",
+        ]
     return "\n".join(lines) + "\n"
 
 
