@@ -17,7 +17,7 @@ recorded as ``timeout``; a killed driver loses only the job in flight. Seeds go 
 every method's first seed before any second seed.
 
 ``report`` joins the results with the step times of scripts/bench_peers.py (its JSON,
-copied to docs/results/peer_steps.json, same models, rows and batch per rank; several
+copied to docs/results/peer_steps_<model>.json, same models, rows and batch per rank; several
 ``--peers`` files merge, a later one's rows replacing an earlier one's; by default
 docs/results/peer_steps*.json in name order): per model
 and link rate, the wall-clock each method needs to reach the target accuracy, the
@@ -49,8 +49,8 @@ except ModuleNotFoundError:  # loaded by file path from the repository root (the
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "accuracy_jobs.jsonl"
-# bench_peers' step times: peer_steps.json, then later runs (peer_steps_<what>.json)
-# whose rows replace its own
+# bench_peers' step times (peer_steps_<what>.json), in name order: a later file's rows
+# replace an earlier one's
 PEERS = sorted((ROOT / "docs" / "results").glob("peer_steps*.json"))
 RANKS = 4
 MODELS = ("cnn", "vit", "mlp10m")

@@ -145,7 +145,12 @@ def test_the_report_marks_the_best_hvdc_row_and_rewrites_the_readme_block(tmp_pa
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-3lc |"))
     assert "**0.3 min**" in line  # 200 steps x 0.1 s at 100 Mbit/s: the best hvdc row
     assert "not reached" in next(x for x in text.splitlines() if x.startswith("| hvdc-powersgd"))
-    assert "100 Mbit/s: hvdc-3lc" in text  # the first to the target
+    # hvdc-3lc 200 x 0.1 s against DDP's 300 x 2.0 s at 100 Mbit/s; at unlimited DDP's
+    # 300 x 0.05 s beats hvdc-3lc's 200 x 0.08 s
+    assert (
+        "- 100 Mbit/s: **hvdc-3lc first**, hvdc-3lc 0.3 min against ddp 10.0 min (30.00x)" in text
+    )
+    assert "- unlimited: ddp first, hvdc-3lc 0.3 min against ddp 0.2 min (0.94x)" in text
     body = readme.read_text()
     assert body.startswith("before\n<!-- tta:begin -->\n#### cnn") and "old table" not in body
     assert body.endswith("<!-- tta:end -->\nafter\n")

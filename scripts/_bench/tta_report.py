@@ -59,9 +59,23 @@ def _best_hvdc(table: list[dict], rate: str) -> str | None:
     return min(timed, key=lambda r: r["seconds"][rate])["method"] if timed else None
 
 
-def _winner(table: list[dict], rate: str) -> str | None:
-    timed = [r for r in table if r["seconds"][rate]]
-    return min(timed, key=lambda r: r["seconds"][rate])["method"] if timed else None
+def verdict(table: list[dict], rate: str) -> str:
+    """hvdcompress's best row against the fastest peer (DDP, torch's hooks) at ``rate``:
+    who reaches the target first, and the ratio of their times."""
+    seconds = {r["method"]: r["seconds"][rate] for r in table if r["seconds"][rate]}
+    ours = _best_hvdc(table, rate)
+    peers = [m for m in seconds if not m.startswith("hvdc-")]
+    theirs = min(peers, key=seconds.get) if peers else None
+    if ours is None and theirs is None:
+        return "nobody reached the target"
+    if ours is None:
+        return f"no hvdcompress row reached the target; first: {theirs}"
+    if theirs is None:
+        return f"{ours} first; no peer reached the target"
+    ratio = seconds[theirs] / seconds[ours]
+    first = f"**{ours} first**" if ratio >= 1 else f"{theirs} first"
+    return (f"{first}, {ours} {seconds[ours] / 60:.1f} min against {theirs} "
+            f"{seconds[theirs] / 60:.1f} min ({ratio:.2f}x)")  # fmt: skip
 
 
 def markdown(records: dict, peers: dict, models, methods, step_row: dict) -> str:
@@ -99,8 +113,9 @@ def markdown(records: dict, peers: dict, models, methods, step_row: dict) -> str
             steps = "-" if r["steps"] is None else str(r["steps"])
             lines.append(f"| {r['method']} | {seeds} | {acc} | {r['bits']:.3f} | {steps} | "
                          + " | ".join(cells) + " |")  # fmt: skip
-        winners = ", ".join(f"{RATE_NAMES[rate]}: {_winner(table, rate) or '-'}" for rate in RATES)
-        lines += ["", f"First to the target: {winners}. Bold: hvdcompress's best per rate.", ""]
+        lines += ["", "hvdcompress's best (bold in the table) against the fastest peer:", ""]
+        lines += [f"- {RATE_NAMES[rate]}: {verdict(table, rate)}" for rate in RATES]
+        lines.append("")
     if any(step_row.values()):
         lines.append("† the step time of the bench_peers row " + ", ".join(
             f"`{v}` for {k}" for k, v in step_row.items()) + " (no row of its own).")  # fmt: skip
