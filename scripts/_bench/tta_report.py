@@ -140,6 +140,7 @@ def plot(records: dict, peers: dict, model: str, methods, step_row: dict, path: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     table = rows(records, peers, model, methods, step_row)
     times = tta.step_times(peers)
@@ -154,11 +155,15 @@ def plot(records: dict, peers: dict, model: str, methods, step_row: dict, path: 
                 continue
             curve = r["curves"][rate]
             xs = [step * step_s / 60 for step, _ in curve]
-            ax.plot(xs, [100 * acc for _, acc in curve], marker=".", label=r["method"])
+            style = "-" if r["method"].startswith("hvdc-") else "--"  # ours solid, peers dashed
+            ax.plot(xs, [100 * acc for _, acc in curve], style, marker=".", label=r["method"])
         if goal is not None:
             ax.axhline(100 * goal, color="grey", linestyle="--", linewidth=0.8)
         ax.set(title=f"{model}, {RATE_NAMES[rate]}", xlabel="wall-clock (min)")
         ax.set_xscale("log")
+        # plain minutes on the major ticks; the log scale's minor labels overlap them
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     axes[0].set_ylabel("test accuracy (%)")
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
