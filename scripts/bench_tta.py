@@ -14,7 +14,9 @@ repository): per-epoch test accuracy, steps, bits per value, wall-clock. A job a
 the file is skipped, so the matrix is completed over several sittings; ``--max-minutes``
 stops starting jobs after that long; a job is killed after ``--job-minutes`` (15) and
 recorded as ``timeout``; a killed driver loses only the job in flight. Seeds go outer:
-every method's first seed before any second seed.
+every method's first seed before any second seed. Several drivers may share the matrix
+on one machine (a single-threaded simulated job leaves a core free): each takes the next
+job no other driver holds (a lock per job in ``.tta_work/locks``).
 
 ``report`` joins the results with the step times of scripts/bench_peers.py (its JSON,
 copied to docs/results/peer_steps_<model>.json, same models, rows and batch per rank; several
@@ -30,6 +32,8 @@ wall-clock, one panel per rate) and, with ``--readme``, the README's block betwe
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -197,10 +201,32 @@ def plan(models, methods, seeds) -> list[tuple[str, str, int]]:
     return [(m, k, s) for s in seeds for m in models for k in methods]
 
 
-def run_jobs(jobs, results: Path, runner, max_minutes: float, retry_failed: bool = False) -> int:
-    """Run the jobs not yet in ``results`` (failed ones too with ``retry_failed``),
-    appending each record as it finishes; no job starts after ``max_minutes``. Returns
-    how many ran."""
+@contextlib.contextmanager
+def claimed(lock_dir: Path | None, key: str):
+    """Hold the job ``key`` for this driver while the block runs (True), or False when
+    another driver on this machine holds it: several drivers share one matrix, each
+    taking the next job nobody holds. The lock (``flock`` on ``lock_dir/<job>.lock``)
+    goes with the process, so a killed driver leaves nothing held."""
+    if lock_dir is None:
+        yield True
+        return
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / (key.replace("/", "-") + ".lock"), "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def run_jobs(
+    jobs, results: Path, runner, max_minutes: float, retry_failed: bool = False,
+    lock_dir: Path | None = None,
+) -> int:  # fmt: skip
+    """Run the jobs not yet in ``results`` (failed ones too with ``retry_failed``) and
+    not held by another driver (``lock_dir``: ``claimed``), appending each record as it
+    finishes; no job starts after ``max_minutes``. Returns how many ran."""
     start, ran = time.monotonic(), 0
 
     def out_of_time() -> bool:
@@ -209,21 +235,31 @@ def run_jobs(jobs, results: Path, runner, max_minutes: float, retry_failed: bool
         print(f"bench_tta: --max-minutes {max_minutes:g} reached: stopping", flush=True)
         return True
 
+    def to_run(key: str) -> bool:
+        done = tta.load_results(results).get(key)
+        return done is None or (done.get("status") != "ok" and retry_failed)
+
     for model, method, seed in jobs:
-        done = tta.load_results(results).get(tta.job_key(model, method, seed))
-        if done is not None and (done.get("status") == "ok" or not retry_failed):
+        key = tta.job_key(model, method, seed)
+        if not to_run(key):
             continue
         if out_of_time():
             break
-        print(f"bench_tta: {model} {method} seed {seed} ...", flush=True)
-        record = runner(model, method, seed)
-        while record.get("status") == "piece":  # not a result: the job's next piece
-            print(f"bench_tta:   epochs 1-{record['until_epoch']} done", flush=True)
-            if out_of_time():
-                return ran
+        with claimed(lock_dir, key) as mine:
+            if not mine:
+                print(f"bench_tta: {model} {method} seed {seed}: another driver has it", flush=True)
+                continue
+            if not to_run(key):  # finished by another driver since the first look
+                continue
+            print(f"bench_tta: {model} {method} seed {seed} ...", flush=True)
             record = runner(model, method, seed)
-        record["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
-        tta.append_result(results, record)
+            while record.get("status") == "piece":  # not a result: the job's next piece
+                print(f"bench_tta:   epochs 1-{record['until_epoch']} done", flush=True)
+                if out_of_time():
+                    return ran
+                record = runner(model, method, seed)
+            record["finished"] = datetime.now(UTC).isoformat(timespec="seconds")
+            tta.append_result(results, record)
         ran += 1
         acc = record["curve"][-1]["acc"] if record.get("status") == "ok" else None
         print(f"bench_tta:   {record['status']} acc {acc} in {record.get('wall_s', 0):.0f} s",
@@ -269,7 +305,7 @@ def main(argv=None) -> int:
         jobs = plan(args.models, args.methods, args.seeds)
         timeout = 60 * args.job_minutes
         run_jobs(jobs, args.results, lambda *job: run_job(*job, timeout), args.max_minutes,
-                 args.retry_failed)  # fmt: skip
+                 args.retry_failed, lock_dir=WORK / "locks")  # fmt: skip
         return 0
     peers = merge_peers(args.peers)
     text = tta_report.write_report(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,36 @@ def test_the_driver_skips_finished_jobs_and_appends_each_record(tmp_path):
     assert len(tta.load_results(results)) == 4
     assert bench.run_jobs(jobs, results, runner, max_minutes=60) == 0  # all there
     assert all("finished" in json.loads(line) for line in results.read_text().splitlines()[1:])
+
+
+def test_drivers_sharing_a_matrix_skip_the_job_another_one_holds(tmp_path):
+    """A job claimed by another driver process is left to it; the claim ends with that
+    process (killed here), and the job is then taken."""
+    results, locks = tmp_path / "jobs.jsonl", tmp_path / "locks"
+    locks.mkdir()
+    held = locks / "cnn-ddp-seed1.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time\n"
+         f"f = open({str(held)!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+         "print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        ran = []
+
+        def runner(model, method, seed):
+            ran.append((model, method, seed))
+            return _record(model, method, seed, [0.9])
+
+        jobs = bench.plan(["cnn"], ["ddp", "hvdc-3lc"], [1])
+        assert bench.run_jobs(jobs, results, runner, max_minutes=60, lock_dir=locks) == 1
+        assert ran == [("cnn", "hvdc-3lc", 1)]  # the held job was not run twice
+    finally:
+        holder.kill()
+        holder.wait()
+    assert bench.run_jobs(jobs, results, runner, max_minutes=60, lock_dir=locks) == 1
+    assert ran[-1] == ("cnn", "ddp", 1) and len(tta.load_results(results)) == 2
 
 
 def test_no_job_starts_after_max_minutes_and_failures_are_retried_only_on_request(tmp_path):
