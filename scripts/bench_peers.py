@@ -63,7 +63,7 @@ ROOT = SCRIPT.parents[1]
 PREFIX = "hvdc-peers-"
 MARK = "HVDC_PEERS "
 MODELS = ("mlp10m", "cnn", "vit")
-HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "powersgd-r2", "topk")
+HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "powersgd-r2", "topk", "dqsg")
 ROWS = (
     "ddp", "torch-fp16", "torch-bf16", "torch-powersgd-r1", "torch-powersgd-r2",
     "torch-powersgd-r4", *(f"hvdc-{m}" for m in HVDC_METHODS), "hvdc-none-inline",

@@ -76,7 +76,9 @@ TORCH_METHODS = {
     "torch-powersgd-r2": ["--torch-hook", "powersgd", "--powersgd-rank", "2"],
     "torch-powersgd-r4": ["--torch-hook", "powersgd", "--powersgd-rank", "4"],
 }
-HVDC_METHODS = ("hvdc-3lc", "hvdc-accordion-3lc", "hvdc-powersgd", "hvdc-powersgd-r2")
+HVDC_METHODS = (
+    "hvdc-3lc", "hvdc-accordion-3lc", "hvdc-powersgd", "hvdc-powersgd-r2", "hvdc-dqsg",
+)  # fmt: skip
 METHODS = (*TORCH_METHODS, *HVDC_METHODS)
 # the bench_peers row whose step time a method takes where it has none of its own:
 # Accordion switches 3LC between sparsity 1.0 and 1.75, and the DDP hook runs no policy
