@@ -76,6 +76,8 @@ def parse_summary(text: str) -> dict | None:
         "bytes_sent_rank0": float(out["bytes_sent_per_rank"]),
         "steps": int(out["steps"]),
         "param_digest": out["param_digest"],
+        # the exchanges that carried the gradients ([] where none of hvdcompress's did)
+        "exchanges": [e for e in out.get("exchanges_used", "-").split(",") if e != "-"],
     }
 
 

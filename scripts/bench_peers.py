@@ -68,10 +68,10 @@ ROWS = (
     "ddp", "torch-fp16", "torch-bf16", "torch-powersgd-r1", "torch-powersgd-r2",
     "torch-powersgd-r4", *(f"hvdc-{m}" for m in HVDC_METHODS), "hvdc-none-inline",
     "hvdc-3lc-inline", "hvdc-3lc-measured", "hvdc-3lc-guess", "hvdc-3lc-allgather",
-    "hvdc-3lc-twostage",
+    "hvdc-3lc-twostage", "hvdc-dqsg-allgather",
     "hvdc-3lc-hierarchical", "hvdc-powersgd-r2-hierarchical",
 )  # fmt: skip
-DEFAULT_ROWS = ROWS[:-4]  # the exchange rows are for the bytes check (--rows)
+DEFAULT_ROWS = ROWS[:-5]  # the exchange rows are for the bytes check (--rows)
 # (exchange, link_cost, tuned) of a row's suffix; else ("auto", None, True): "auto"
 # measured while training (docs/exchanges.md); "-guess": auto's first guess, untuned
 EXCHANGE_SUFFIXES = {

@@ -167,6 +167,46 @@ def test_a_rate_the_tuner_sent_dense_goes_with_the_baselines_curve():
     assert "‡ at this rate" in text and "§" not in line
 
 
+def test_train_py_reports_the_exchanges_that_carried_the_gradients():
+    """The summary's ``exchanges_used`` (read back as the job record's ``exchanges``): the
+    exchange a gather-only codec was given, the allreduce of a summable one."""
+    for flags, expected in ((["--compression", "dqsg", "--exchange", "allgather"], ["allgather"]),
+                            (["--compression", "powersgd"], ["allreduce"])):  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "train.py"), *flags, "--simulate-ranks", "2",
+             "--dataset", "synthetic", "--synthetic-size", "256", "--steps", "6",
+             "--no-progress", "--threads", "1"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert bench.parse_summary(done.stdout)["exchanges"] == expected
+
+
+def test_a_timed_exchange_other_than_the_accuracy_runs_is_marked():
+    assert tta.run_exchanges([{"exchanges": ["twostage"]}, {"exchanges": ["allgather"]}]) == {
+        "twostage", "allgather"}  # fmt: skip
+    assert tta.run_exchanges([{"exchanges": ["twostage"]}, {}], "allgather") == {"allgather"}
+    assert tta.run_exchanges([{}]) is None
+    timed = {"exchanges": ["allgather"]}
+    assert tta.exchange_mark({"allgather"}, timed) == ""
+    assert tta.exchange_mark({"twostage"}, timed) == "≠"
+    assert tta.exchange_mark(None, timed) == "?"
+    assert tta.exchange_mark(None, {"exchanges": []}) == ""  # torch's hooks: nothing to match
+    records = _fake_records()  # their runs recorded no exchange
+    records["cnn/hvdc-3lc/seed1"]["exchanges"] = ["twostage"]
+    peers = {"rows": [*PEERS["rows"], {"model": "cnn", "row": "hvdc-3lc", "rate": "1gbit",
+                                       "step_s": 0.1, "exchanges": ["allgather"]},
+                      {"model": "cnn", "row": "hvdc-powersgd", "rate": "1gbit", "step_s": 0.1,
+                       "exchanges": ["allgather"]}]}  # fmt: skip
+    text = tta_report.markdown(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW,
+                               {"hvdc-accordion-3lc": "allgather"})  # fmt: skip
+    line = next(x for x in text.splitlines() if x.startswith("| hvdc-3lc |"))
+    assert "0.3 min ≠" in line  # recorded two-stage, timed allgather
+    line = next(x for x in text.splitlines() if x.startswith("| hvdc-accordion-3lc |"))
+    assert "≠" not in line and "?" not in line  # declared allgather, timed allgather
+    assert "≠ the timed run's exchange" in text
+
+
 def test_the_report_marks_the_best_hvdc_row_and_rewrites_the_readme_block(tmp_path):
     records = _fake_records()
     readme = tmp_path / "README.md"

@@ -190,7 +190,8 @@ def summary_line(args, dist, replica, steps, losses, final_acc, traffic: RunTraf
         f"test_accuracy {final_acc:.4f} bytes_sent_per_rank {traffic.wire:.0f} "
         f"uncompressed_allreduce_bytes {traffic.raw:.0f} "
         f"traffic_saved {100 * traffic.traffic_saved:.1f}% "
-        f"exchange {args.exchange} {measured}"
+        f"exchange {args.exchange} exchanges_used {','.join(sorted(traffic.exchanges)) or '-'} "
+        f"{measured}"
         f"bits_per_value_ranks {traffic.bits_per_value_ranks:.4f} "
         f"lr_schedule {lr_schedule} threads {threads} param_digest {digest}"
     )

@@ -227,6 +227,10 @@ _TABLE = [
     Method("dgc", "dgc", about="deep gradient compression, its defaults"),
     Method("dqsg", "dqsg", {"levels": 3}, about="dithered quantisation, 3 levels"),
     Method(
+        "dqsg-allgather", "dqsg", {"levels": 3}, exchange="allgather",
+        about="DQSG, 3 levels, every bucket by one allgather (no re-quantised second stage)",
+    ),  # fmt: skip
+    Method(
         "ndqsg", "ndqsg", {"fine_levels": 3, "coarse_levels": 1},
         about="nested DQSG: half the ranks DQSG at 3 levels, half nested (side information)",
     ),

@@ -8,7 +8,8 @@ rank enters at the same points (each evaluation, the end), so that no rank waits
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from hvdcompress.stats import StepStats
 
@@ -27,9 +28,14 @@ class RunTraffic:
     values: float = 0.0
     bits_ranks: float = 0.0
     values_ranks: float = 0.0
+    # bucket-steps per exchange option ("allgather", "twostage", "dense", ...), the
+    # steps exchange="auto" spent timing its options left out: what trained the model
+    exchanges: Counter = field(default_factory=Counter)
 
     def add(self, stats: StepStats) -> None:
         """One step's statistics."""
+        if not stats.tuning:
+            self.exchanges.update(stats.exchanges.values())
         self.wire += stats.wire_bytes
         self.sent += stats.sent_bytes
         self.received += stats.received_bytes

@@ -132,3 +132,25 @@ def partly_dense(peer_row: dict | None) -> bool:
     """Some buckets sent uncompressed, others compressed: the codec's curve is kept."""
     exchanges = [] if peer_row is None else peer_row.get("exchanges") or []
     return "dense" in exchanges and len(exchanges) > 1
+
+
+def run_exchanges(runs: list[dict], declared: str | None = None) -> set[str] | None:
+    """The exchanges the runs' gradients travelled by: as recorded (train.py's
+    ``exchanges_used``, of a job's last piece), else the method's fixed ``declared``
+    exchange, else None (a run from before they were recorded, ``exchange="auto"``)."""
+    recorded = [set(r["exchanges"]) for r in runs if r.get("exchanges")]
+    if recorded and len(recorded) == len(runs):
+        return set().union(*recorded)
+    return {declared} if declared else None
+
+
+def exchange_mark(job: set[str] | None, peer_row: dict | None) -> str:
+    """ "" where the timed run and the accuracy run used the same exchanges (or the timed
+    row names none: torch's hooks), "≠" where they differ, "?" where the accuracy run's
+    are unknown: its curve may not be the one of the exchange that was timed."""
+    timed = set(peer_row.get("exchanges") or []) if peer_row else set()
+    if not timed:
+        return ""
+    if job is None:
+        return "?"
+    return "" if timed == job else "≠"

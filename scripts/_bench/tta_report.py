@@ -18,12 +18,16 @@ RATE_NAMES = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unlimi
 README_BLOCK = re.compile(r"(<!-- tta:begin -->\n).*?(<!-- tta:end -->)", re.S)
 
 
-def rows(records: dict, peers: dict, model: str, methods, step_row: dict) -> list[dict]:
+def rows(
+    records: dict, peers: dict, model: str, methods, step_row: dict, declared: dict | None = None
+) -> list[dict]:
     """One row per method with results: accuracy, steps to the target and seconds per rate.
 
     Where the method's step-time row was sent all dense by its tuner (``tta.sent_dense``),
     that rate's seconds and curve are the baseline's steps and curve at the method's step
-    time (``dense[rate]``): the run that step time measures trains as an allreduce."""
+    time (``dense[rate]``): the run that step time measures trains as an allreduce.
+    Otherwise ``mark[rate]`` (``tta.exchange_mark``) says whether the accuracy runs used
+    the exchange that was timed; ``declared``: method -> its fixed exchange, if any."""
     goal = tta.target(records, model)
     peer = tta.peer_rows(peers)
     base_curve = tta.mean_curve(tta.finished(records, model, tta.BASELINE))
@@ -35,11 +39,14 @@ def rows(records: dict, peers: dict, model: str, methods, step_row: dict) -> lis
         curve = tta.mean_curve(runs)
         steps = None if goal is None else tta.steps_to(curve, goal)
         row = step_row.get(method, method)
-        seconds, curves, dense, partly = {}, {}, {}, {}
+        seconds, curves, dense, partly, mark = {}, {}, {}, {}, {}
+        exchanges = tta.run_exchanges(runs, (declared or {}).get(method))
         for rate in RATES:
             measured = peer.get((model, row, rate))
             dense[rate] = tta.sent_dense(measured) and bool(base_curve)
             partly[rate] = tta.partly_dense(measured)
+            plain = not dense[rate] and not partly[rate]
+            mark[rate] = tta.exchange_mark(exchanges, measured) if plain else ""
             curves[rate] = base_curve if dense[rate] else curve
             rate_steps = None if goal is None else tta.steps_to(curves[rate], goal)
             step_s = None if measured is None else float(measured["step_s"])
@@ -47,7 +54,7 @@ def rows(records: dict, peers: dict, model: str, methods, step_row: dict) -> lis
         out.append({
             "method": method, "final": tta.final_accuracy(runs), "steps": steps,
             "seconds": seconds, "has_time": {rate: (model, row, rate) in peer for rate in RATES},
-            "borrowed": row != method, "dense": dense, "partly_dense": partly,
+            "borrowed": row != method, "dense": dense, "partly_dense": partly, "mark": mark,
             "bits": sum(r["bits_per_value"] for r in runs) / len(runs), "curve": curve,
             "curves": curves, "step_row": row,
         })  # fmt: skip
@@ -78,10 +85,12 @@ def verdict(table: list[dict], rate: str) -> str:
             f"{seconds[theirs] / 60:.1f} min ({ratio:.2f}x)")  # fmt: skip
 
 
-def markdown(records: dict, peers: dict, models, methods, step_row: dict) -> str:
+def markdown(
+    records: dict, peers: dict, models, methods, step_row: dict, declared: dict | None = None
+) -> str:
     lines, marks = [], set()
     for model in models:
-        table = rows(records, peers, model, methods, step_row)
+        table = rows(records, peers, model, methods, step_row, declared)
         if not table:
             continue
         goal = tta.target(records, model)
@@ -106,6 +115,7 @@ def markdown(records: dict, peers: dict, models, methods, step_row: dict) -> str
                 else:
                     cell = f"{s / 60:.1f} min" + (" †" if r["borrowed"] else "")
                     mark = "‡" if r["dense"][rate] else "§" if r["partly_dense"][rate] else ""
+                    mark = mark or r["mark"][rate]
                     cell += f" {mark}" if mark else ""
                     marks.add(mark)
                 cells.append(f"**{cell}**" if best[rate] == r["method"] and s else cell)
@@ -125,6 +135,19 @@ def markdown(records: dict, peers: dict, models, methods, step_row: dict) -> str
             '‡ at this rate the method\'s tuner (`exchange="auto"`) sent every '
             "bucket uncompressed in bench_peers: that run trains as an allreduce after "
             "its tuning steps, so DDP allreduce's accuracy curve goes with its step time.",
+        ]
+    if "≠" in marks:
+        lines += [
+            "",
+            "≠ the timed run's exchange (bench_peers' `exchanges`) is not the one the accuracy "
+            "runs used: the curve may not be that exchange's.",
+        ]
+    if "?" in marks:
+        lines += [
+            "",
+            '? the accuracy runs predate the record of their exchange: `exchange="auto"` in '
+            "the simulated world, the allgather or the two-stage exchange, perhaps not the "
+            "timed run's.",
         ]
     if "§" in marks:
         lines += [
@@ -172,8 +195,10 @@ def plot(records: dict, peers: dict, model: str, methods, step_row: dict, path: 
     return True
 
 
-def write_report(records, peers, out: Path, models, methods, step_row, readme: Path | None):
-    text = markdown(records, peers, models, methods, step_row)
+def write_report(
+    records, peers, out: Path, models, methods, step_row, readme: Path | None, declared=None
+):
+    text = markdown(records, peers, models, methods, step_row, declared)
     (out / "results").mkdir(parents=True, exist_ok=True)
     (out / "results" / "time_to_accuracy.md").write_text(text)
     for model in models:
