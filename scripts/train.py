@@ -52,7 +52,9 @@ the step, set before every step, logged (``lr`` in metrics.csv, ``train/lr`` in
 TensorBoard) and kept in checkpoints (a resume with other schedule flags is refused).
 After each evaluation rank 0 writes ``epochs.csv``: step, epoch, lr, test accuracy and the
 bits per value of every rank since the last evaluation (one small sum over ranks); the
-summary line gives ``bits_per_value_ranks``, the mean over ranks and the run.
+summary line gives ``bits_per_value_ranks``, the mean over ranks and the run, and
+``exchanges_used``, the exchanges that carried the gradients (the steps ``--exchange
+auto`` spent timing its options left out; ``-`` where torch's hooks moved them).
 
 Simulated ranks: ``--simulate-ranks N`` plays N ranks in this one process, as threads of
 hvdcompress.training.simulate (one model replica, optimizer, compressor bound to its rank
