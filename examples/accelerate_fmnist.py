@@ -70,6 +70,12 @@ def main(argv=None) -> None:
                 f"loss {loss.item():.4f}, {bits:.3f} bits per value ({args.compression})",
                 flush=True,
             )
+    # as the README's recipe: end the hook's threads and process groups, then the world's,
+    # so that no gloo thread is left to be torn down at interpreter exit (an abort)
+    if state is not None:
+        state.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
