@@ -64,14 +64,17 @@ PREFIX = "hvdc-peers-"
 MARK = "HVDC_PEERS "
 MODELS = ("mlp10m", "cnn", "vit")
 HVDC_METHODS = ("none", "fp16", "3lc", "3lc-1.75", "powersgd", "powersgd-r2", "topk", "dqsg")
+# fixed-exchange rows: for the bytes check and for time to accuracy (--rows), not default
+EXCHANGE_ROWS = (
+    "hvdc-3lc-allgather", "hvdc-3lc-twostage", "hvdc-dqsg-allgather", "hvdc-3lc-hierarchical",
+    "hvdc-powersgd-r2-hierarchical",
+)  # fmt: skip
 ROWS = (
     "ddp", "torch-fp16", "torch-bf16", "torch-powersgd-r1", "torch-powersgd-r2",
     "torch-powersgd-r4", *(f"hvdc-{m}" for m in HVDC_METHODS), "hvdc-none-inline",
-    "hvdc-3lc-inline", "hvdc-3lc-measured", "hvdc-3lc-guess", "hvdc-3lc-allgather",
-    "hvdc-3lc-twostage", "hvdc-dqsg-allgather",
-    "hvdc-3lc-hierarchical", "hvdc-powersgd-r2-hierarchical",
+    "hvdc-3lc-inline", "hvdc-3lc-measured", "hvdc-3lc-guess", *EXCHANGE_ROWS,
 )  # fmt: skip
-DEFAULT_ROWS = ROWS[:-5]  # the exchange rows are for the bytes check (--rows)
+DEFAULT_ROWS = ROWS[: -len(EXCHANGE_ROWS)]
 # (exchange, link_cost, tuned) of a row's suffix; else ("auto", None, True): "auto"
 # measured while training (docs/exchanges.md); "-guess": auto's first guess, untuned
 EXCHANGE_SUFFIXES = {

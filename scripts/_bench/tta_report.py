@@ -16,6 +16,18 @@ except ModuleNotFoundError:
 RATES = ("100mbit", "1gbit", "unlimited")
 RATE_NAMES = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unlimited"}
 README_BLOCK = re.compile(r"(<!-- tta:begin -->\n).*?(<!-- tta:end -->)", re.S)
+# what a cell's mark says about the accuracy curve its step time was joined with
+FOOTNOTES = {
+    "‡": '‡ at this rate the method\'s tuner (`exchange="auto"`) sent every bucket '
+    "uncompressed in bench_peers: that run trains as an allreduce after its tuning steps, "
+    "so DDP allreduce's accuracy curve goes with its step time.",
+    "≠": "≠ the timed run's exchange (bench_peers' `exchanges`) is not the one the accuracy "
+    "runs used: the curve may not be that exchange's.",
+    "?": '? the accuracy runs predate the record of their exchange: `exchange="auto"` in the '
+    "simulated world, the allgather or the two-stage exchange, perhaps not the timed run's.",
+    "§": "§ the tuner sent some buckets uncompressed, others compressed: the codec's accuracy "
+    "curve is kept.",
+}
 
 
 def rows(
@@ -39,7 +51,7 @@ def rows(
         curve = tta.mean_curve(runs)
         steps = None if goal is None else tta.steps_to(curve, goal)
         row = step_row.get(method, method)
-        seconds, curves, dense, partly, mark = {}, {}, {}, {}, {}
+        seconds, step_s, curves, dense, partly, mark = {}, {}, {}, {}, {}, {}
         exchanges = tta.run_exchanges(runs, (declared or {}).get(method))
         for rate in RATES:
             measured = peer.get((model, row, rate))
@@ -49,14 +61,14 @@ def rows(
             mark[rate] = tta.exchange_mark(exchanges, measured) if plain else ""
             curves[rate] = base_curve if dense[rate] else curve
             rate_steps = None if goal is None else tta.steps_to(curves[rate], goal)
-            step_s = None if measured is None else float(measured["step_s"])
-            seconds[rate] = tta.time_to(rate_steps, step_s)
+            step_s[rate] = None if measured is None else float(measured["step_s"])
+            seconds[rate] = tta.time_to(rate_steps, step_s[rate])
         out.append({
             "method": method, "final": tta.final_accuracy(runs), "steps": steps,
             "seconds": seconds, "has_time": {rate: (model, row, rate) in peer for rate in RATES},
             "borrowed": row != method, "dense": dense, "partly_dense": partly, "mark": mark,
             "bits": sum(r["bits_per_value"] for r in runs) / len(runs), "curve": curve,
-            "curves": curves, "step_row": row,
+            "curves": curves, "step_s": step_s, "step_row": row,
         })  # fmt: skip
     return out
 
@@ -129,32 +141,7 @@ def markdown(
     if any(step_row.values()):
         lines.append("† the step time of the bench_peers row " + ", ".join(
             f"`{v}` for {k}" for k, v in step_row.items()) + " (no row of its own).")  # fmt: skip
-    if "‡" in marks:
-        lines += [
-            "",
-            '‡ at this rate the method\'s tuner (`exchange="auto"`) sent every '
-            "bucket uncompressed in bench_peers: that run trains as an allreduce after "
-            "its tuning steps, so DDP allreduce's accuracy curve goes with its step time.",
-        ]
-    if "≠" in marks:
-        lines += [
-            "",
-            "≠ the timed run's exchange (bench_peers' `exchanges`) is not the one the accuracy "
-            "runs used: the curve may not be that exchange's.",
-        ]
-    if "?" in marks:
-        lines += [
-            "",
-            '? the accuracy runs predate the record of their exchange: `exchange="auto"` in '
-            "the simulated world, the allgather or the two-stage exchange, perhaps not the "
-            "timed run's.",
-        ]
-    if "§" in marks:
-        lines += [
-            "",
-            "§ the tuner sent some buckets uncompressed, others compressed: the "
-            "codec's accuracy curve is kept.",
-        ]
+    lines += [line for mark in FOOTNOTES if mark in marks for line in ("", FOOTNOTES[mark])]
     return "\n".join(lines) + "\n"
 
 
@@ -166,14 +153,13 @@ def plot(records: dict, peers: dict, model: str, methods, step_row: dict, path: 
     from matplotlib import ticker
 
     table = rows(records, peers, model, methods, step_row)
-    times = tta.step_times(peers)
-    if not table or not times:
+    if not any(s is not None for r in table for s in r["step_s"].values()):
         return False
     fig, axes = plt.subplots(1, len(RATES), figsize=(5 * len(RATES), 4), sharey=True)
     goal = tta.target(records, model)
     for ax, rate in zip(axes, RATES, strict=True):
         for r in table:
-            step_s = times.get((model, r["step_row"], rate))
+            step_s = r["step_s"][rate]
             if step_s is None:
                 continue
             curve = r["curves"][rate]
