@@ -80,7 +80,19 @@ HVDC_METHODS = (
     "hvdc-3lc", "hvdc-accordion-3lc", "hvdc-powersgd", "hvdc-powersgd-r2",
     "hvdc-dqsg-allgather",
 )  # fmt: skip
-METHODS = (*TORCH_METHODS, *HVDC_METHODS)
+METHODS = (*TORCH_METHODS, *HVDC_METHODS)  # the report's rows
+# a tuned method's accuracy runs on each compressed exchange its tuner may pick: the
+# simulated world cannot time a link (its ``auto`` is not the tuner's pick on a real one),
+# so these jobs fix the exchange, and per rate the report takes the runs on the exchange
+# that bench_peers saw the tuner pick (tta_report.rows)
+ON_EXCHANGE = {
+    "hvdc-3lc": {"allgather": "hvdc-3lc-allgather", "twostage": "hvdc-3lc-twostage"},
+    "hvdc-accordion-3lc": {
+        "allgather": "hvdc-accordion-3lc-allgather", "twostage": "hvdc-accordion-3lc-twostage",
+    },
+}  # fmt: skip
+# the matrix's jobs: the rows' methods, a tuned one's by its fixed-exchange runs instead
+JOB_METHODS = tuple(pinned for m in METHODS for pinned in ON_EXCHANGE.get(m, {m: m}).values())
 # the bench_peers row whose step time a method takes where it has none of its own:
 # Accordion switches 3LC between sparsity 1.0 and 1.75, and the DDP hook runs no policy
 STEP_ROW = {"hvdc-accordion-3lc": "hvdc-3lc"}
@@ -199,9 +211,25 @@ def run_piece(model: str, method: str, seed: int, timeout_s: float, work: Path) 
     return result
 
 
-def plan(models, methods, seeds) -> list[tuple[str, str, int]]:
-    """Seeds outer, then models, then methods: a half-done matrix has whole first seeds."""
-    return [(m, k, s) for s in seeds for m in models for k in methods]
+def plan(models, methods, seeds, peers: dict | None = None) -> list[tuple[str, str, int]]:
+    """Seeds outer, then models, then methods: a half-done matrix has whole first seeds.
+    With ``peers`` (bench_peers' rows), a fixed-exchange job of a tuned method
+    (``ON_EXCHANGE``) only where the tuner picked that exchange at some rate: no other
+    step time goes with its curve."""
+    return [
+        (m, k, s) for s in seeds for m in models for k in methods
+        if peers is None or _timed_somewhere(peers, m, k)
+    ]  # fmt: skip
+
+
+def _timed_somewhere(peers: dict, model: str, method: str) -> bool:
+    tuned = next(((row, ex) for row, on in ON_EXCHANGE.items() for ex, m in on.items()
+                  if m == method), None)  # fmt: skip
+    if tuned is None:
+        return True
+    row = STEP_ROW.get(tuned[0], tuned[0])
+    timed = [r for (m, name, _), r in tta.peer_rows(peers).items() if (m, name) == (model, row)]
+    return not timed or any(tuned[1] in (r.get("exchanges") or []) for r in timed)
 
 
 @contextlib.contextmanager
@@ -289,7 +317,9 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the jobs of the matrix not yet in the results file")
     run.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    run.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    run.add_argument(
+        "--methods", nargs="+", choices=(*METHODS, *JOB_METHODS), default=list(JOB_METHODS)
+    )
     run.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     run.add_argument("--max-minutes", type=float, default=60.0, help="start no job after")
     run.add_argument("--job-minutes", type=float, default=15.0, help="kill a job after")
@@ -305,7 +335,7 @@ def main(argv=None) -> int:
     rep.add_argument("--readme", action="store_true", help="rewrite the README's block")
     args = ap.parse_args(argv)
     if args.command == "run":
-        jobs = plan(args.models, args.methods, args.seeds)
+        jobs = plan(args.models, args.methods, args.seeds, merge_peers(PEERS))
         timeout = 60 * args.job_minutes
         run_jobs(jobs, args.results, lambda *job: run_job(*job, timeout), args.max_minutes,
                  args.retry_failed, lock_dir=WORK / "locks")  # fmt: skip
@@ -316,7 +346,9 @@ def main(argv=None) -> int:
     # the exchange a method's accuracy runs used where they did not record it: the one it
     # fixes, or for a summable codec its only compressed exchange, the allreduce
     declared = {}
-    for m in HVDC_METHODS:
+    for m in (*HVDC_METHODS, *JOB_METHODS):
+        if m in TORCH_METHODS:
+            continue
         hvdc = HVDC_TABLE[m.removeprefix("hvdc-")]
         if hvdc.exchange != "auto":
             declared[m] = hvdc.exchange
@@ -324,7 +356,7 @@ def main(argv=None) -> int:
             declared[m] = "allreduce"
     text = tta_report.write_report(
         tta.load_results(args.results), peers, args.out, MODELS, METHODS, STEP_ROW,
-        ROOT / "README.md" if args.readme else None, declared,
+        ROOT / "README.md" if args.readme else None, declared, ON_EXCHANGE,
     )  # fmt: skip
     print(text)
     return 0

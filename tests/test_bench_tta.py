@@ -296,3 +296,56 @@ def test_peer_step_files_merge_a_later_row_replacing_an_earlier_one(tmp_path):
         ("mlp10m", "ddp", "1gbit"): 2.0,
     }  # fmt: skip
     assert merged["header"] == "old run / new run"
+
+
+def test_each_rate_takes_the_runs_on_the_exchange_its_tuner_picked():
+    """hvdc-3lc's timed runs took the allgather at 100 Mbit/s and the two-stage exchange
+    at 1 Gbit/s: each rate's time comes from the fixed-exchange runs of that exchange,
+    the cells say which, and a rate whose exchange has no runs says so (no fallback to
+    runs of another exchange)."""
+    records = _fake_records()
+    del records["cnn/hvdc-3lc/seed1"]  # only fixed-exchange runs
+    for rec in (
+        _record("cnn", "hvdc-3lc-allgather", 1, [0.85, 0.91, 0.92]),  # step 200
+        _record("cnn", "hvdc-3lc-twostage", 1, [0.85, 0.88, 0.915]),
+    ):  # step 300
+        rec["exchanges"] = [rec["method"].rsplit("-", 1)[1]]
+        records[tta.job_key("cnn", rec["method"], 1)] = rec
+    peers = {"rows": [
+        {"model": "cnn", "row": "hvdc-3lc", "rate": rate, "step_s": 0.1, "exchanges": ex}
+        for rate, ex in (("100mbit", ["allgather"]), ("1gbit", ["twostage"]),
+                         ("unlimited", ["allreduce"]))
+    ]}  # fmt: skip
+    table = tta_report.rows(records, peers, "cnn", bench.METHODS, bench.STEP_ROW,
+                            pinned=bench.ON_EXCHANGE)  # fmt: skip
+    row = next(r for r in table if r["method"] == "hvdc-3lc")
+    assert row["on"] == {"100mbit": "allgather", "1gbit": "twostage", "unlimited": None}
+    assert row["seconds"]["100mbit"] == pytest.approx(200 * 0.1)
+    assert row["seconds"]["1gbit"] == pytest.approx(300 * 0.1)
+    assert not row["has_runs"]["unlimited"] and row["seconds"]["unlimited"] is None
+    assert [s["label"] for s in row["sets"]] == ["allgather", "twostage"]
+    text = tta_report.markdown(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW,
+                               pinned=bench.ON_EXCHANGE)  # fmt: skip
+    line = next(x for x in text.splitlines() if x.startswith("| hvdc-3lc |"))
+    assert line.startswith("| hvdc-3lc | 1 [allgather]; 1 [twostage] | 92.00 ± 0.00")
+    assert line.endswith("| **0.3 min [allgather]** | 0.5 min [twostage] | no accuracy run |")
+    assert "[exchange]: accuracy runs with the exchange fixed" in text
+    assert "?" not in line and "≠" not in line
+
+
+def test_the_matrix_runs_a_fixed_exchange_only_where_the_tuner_picked_it():
+    assert "hvdc-3lc" not in bench.JOB_METHODS and "hvdc-3lc-allgather" in bench.JOB_METHODS
+    peers = {"rows": [
+        {"model": "cnn", "row": "hvdc-3lc", "rate": "100mbit", "step_s": 0.1,
+         "exchanges": ["allgather"]},
+        {"model": "cnn", "row": "hvdc-3lc", "rate": "unlimited", "step_s": 0.1,
+         "exchanges": ["dense"]},
+    ]}  # fmt: skip
+    methods = ["ddp", "hvdc-3lc-allgather", "hvdc-3lc-twostage", "hvdc-accordion-3lc-twostage"]
+    jobs = bench.plan(["cnn", "vit"], methods, [1], peers)
+    # the CNN's tuner never took the two-stage exchange (Accordion times with 3LC's row);
+    # the ViT has no step times yet: all of its jobs
+    assert jobs == [("cnn", "ddp", 1), ("cnn", "hvdc-3lc-allgather", 1),
+                    *(("vit", m, 1) for m in methods)]  # fmt: skip
+    hvdc = bench.train_command("cnn", "hvdc-accordion-3lc-allgather", 1, Path("/tmp/x"))
+    assert hvdc[hvdc.index("--exchange") + 1] == "allgather" and "--accordion" in hvdc

@@ -197,6 +197,14 @@ _TABLE = [
         about="Accordion between 3LC sparsity 1.0 and 1.75, every 40 steps",
     ),
     Method(
+        "accordion-3lc-allgather", "3lc", {"sparsity": 1.0}, "accordion", _ACCORDION_3LC,
+        exchange="allgather", about="accordion-3lc, every bucket by one allgather",
+    ),
+    Method(
+        "accordion-3lc-twostage", "3lc", {"sparsity": 1.0}, "accordion", _ACCORDION_3LC,
+        exchange="twostage", about="accordion-3lc, every bucket by the two-stage exchange",
+    ),
+    Method(
         "accordion-3lc-eta0.2", "3lc", {"sparsity": 1.0}, "accordion",
         {**_ACCORDION_3LC, "eta": 0.2}, about="accordion-3lc with eta 0.2",
     ),

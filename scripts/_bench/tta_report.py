@@ -30,45 +30,81 @@ FOOTNOTES = {
 }
 
 
+def _accuracy_sets(records: dict, model: str, method: str, pinned: dict | None):
+    """The method's own runs and its runs on each fixed exchange (``pinned``: method ->
+    {exchange: the method that fixes it}), those with results."""
+    own = tta.finished(records, model, method)
+    on = {ex: tta.finished(records, model, m) for ex, m in (pinned or {}).get(method, {}).items()}
+    return own, {ex: runs for ex, runs in on.items() if runs}
+
+
+def _set(label: str, runs: list[dict], goal: float | None) -> dict:
+    curve = tta.mean_curve(runs)
+    return {
+        "label": label, "final": tta.final_accuracy(runs), "curve": curve,
+        "steps": None if goal is None else tta.steps_to(curve, goal),
+        "bits": sum(r["bits_per_value"] for r in runs) / len(runs),
+    }  # fmt: skip
+
+
 def rows(
-    records: dict, peers: dict, model: str, methods, step_row: dict, declared: dict | None = None
-) -> list[dict]:
+    records: dict, peers: dict, model: str, methods, step_row: dict, declared: dict | None = None,
+    pinned: dict | None = None,
+) -> list[dict]:  # fmt: skip
     """One row per method with results: accuracy, steps to the target and seconds per rate.
 
-    Where the method's step-time row was sent all dense by its tuner (``tta.sent_dense``),
-    that rate's seconds and curve are the baseline's steps and curve at the method's step
-    time (``dense[rate]``): the run that step time measures trains as an allreduce.
-    Otherwise ``mark[rate]`` (``tta.exchange_mark``) says whether the accuracy runs used
-    the exchange that was timed; ``declared``: method -> its fixed exchange, if any."""
+    Per rate, the step time goes with the accuracy runs of what that timed run trained:
+    where its tuner sent every bucket dense (``tta.sent_dense``), the baseline's curve
+    (``dense[rate]``: that run trains as an allreduce); where it used one compressed
+    exchange that the method has fixed-exchange runs of (``pinned``: method ->
+    {exchange: method}), those runs' curve (``on[rate]``); otherwise the method's own runs,
+    with ``mark[rate]`` (``tta.exchange_mark``) saying whether they used the exchange that
+    was timed (``declared``: method -> its fixed exchange, if any). ``sets``: the run sets
+    the row uses, its own first (label ""), each with final accuracy, curve, steps to the
+    target and bits per value; ``final``, ``steps``, ``bits`` and ``curve`` are the first's."""
     goal = tta.target(records, model)
     peer = tta.peer_rows(peers)
     base_curve = tta.mean_curve(tta.finished(records, model, tta.BASELINE))
     out = []
     for method in methods:
-        runs = tta.finished(records, model, method)
-        if not runs:
+        own, on_exchange = _accuracy_sets(records, model, method, pinned)
+        if not own and not on_exchange:
             continue
-        curve = tta.mean_curve(runs)
-        steps = None if goal is None else tta.steps_to(curve, goal)
         row = step_row.get(method, method)
-        seconds, step_s, curves, dense, partly, mark = {}, {}, {}, {}, {}, {}
-        exchanges = tta.run_exchanges(runs, (declared or {}).get(method))
+        own_exchanges = tta.run_exchanges(own, (declared or {}).get(method)) if own else None
+        seconds, step_s, curves, dense, partly, mark, on = {}, {}, {}, {}, {}, {}, {}
+        used: dict[str, list[dict]] = {}
         for rate in RATES:
             measured = peer.get((model, row, rate))
             dense[rate] = tta.sent_dense(measured) and bool(base_curve)
             partly[rate] = tta.partly_dense(measured)
-            plain = not dense[rate] and not partly[rate]
-            mark[rate] = tta.exchange_mark(exchanges, measured) if plain else ""
-            curves[rate] = base_curve if dense[rate] else curve
+            compressed = set(measured.get("exchanges") or []) - {"dense"} if measured else set()
+            on[rate] = next(iter(compressed)) if len(compressed) == 1 else None
+            mark[rate] = ""
+            if dense[rate]:
+                curves[rate] = base_curve
+            else:
+                if on[rate] not in on_exchange:
+                    on[rate] = None
+                runs = on_exchange[on[rate]] if on[rate] else own
+                if runs:
+                    used.setdefault(on[rate] or "", runs)
+                if not on[rate] and own and not partly[rate]:
+                    mark[rate] = tta.exchange_mark(own_exchanges, measured)
+                curves[rate] = tta.mean_curve(runs)
             rate_steps = None if goal is None else tta.steps_to(curves[rate], goal)
             step_s[rate] = None if measured is None else float(measured["step_s"])
             seconds[rate] = tta.time_to(rate_steps, step_s[rate])
+        if not used:  # every timed rate dense: the row still shows its accuracy
+            used = {"": own} if own else dict([next(iter(on_exchange.items()))])
+        sets = [_set(label, runs, goal) for label, runs in used.items()]
         out.append({
-            "method": method, "final": tta.final_accuracy(runs), "steps": steps,
-            "seconds": seconds, "has_time": {rate: (model, row, rate) in peer for rate in RATES},
+            "method": method, "sets": sets, "final": sets[0]["final"], "steps": sets[0]["steps"],
+            "bits": sets[0]["bits"], "curve": sets[0]["curve"], "seconds": seconds,
+            "has_time": {rate: (model, row, rate) in peer for rate in RATES},
+            "has_runs": {rate: bool(curves[rate]) for rate in RATES},
             "borrowed": row != method, "dense": dense, "partly_dense": partly, "mark": mark,
-            "bits": sum(r["bits_per_value"] for r in runs) / len(runs), "curve": curve,
-            "curves": curves, "step_s": step_s, "step_row": row,
+            "on": on, "curves": curves, "step_s": step_s, "step_row": row,
         })  # fmt: skip
     return out
 
@@ -98,11 +134,12 @@ def verdict(table: list[dict], rate: str) -> str:
 
 
 def markdown(
-    records: dict, peers: dict, models, methods, step_row: dict, declared: dict | None = None
-) -> str:
-    lines, marks = [], set()
+    records: dict, peers: dict, models, methods, step_row: dict, declared: dict | None = None,
+    pinned: dict | None = None,
+) -> str:  # fmt: skip
+    lines, marks, labelled = [], set(), False
     for model in models:
-        table = rows(records, peers, model, methods, step_row, declared)
+        table = rows(records, peers, model, methods, step_row, declared, pinned)
         if not table:
             continue
         goal = tta.target(records, model)
@@ -114,14 +151,15 @@ def markdown(
         lines.append("|---" * (5 + len(RATES)) + "|")
         best = {rate: _best_hvdc(table, rate) for rate in RATES}
         for r in table:
-            f = r["final"]
-            acc = (f"{100 * f['mean']:.2f} ± {100 * f['std']:.2f} "
-                   f"({100 * f['min']:.2f}-{100 * f['max']:.2f})")  # fmt: skip
+            several = len(r["sets"]) > 1  # then each cell names the exchange of its runs
+            labelled = labelled or any(one["label"] for one in r["sets"])
             cells = []
             for rate in RATES:
                 s = r["seconds"][rate]
                 if not r["has_time"][rate]:
                     cell = "no step time"
+                elif not r["has_runs"][rate]:
+                    cell = "no accuracy run"
                 elif s is None:
                     cell = "not reached"
                 else:
@@ -129,11 +167,19 @@ def markdown(
                     mark = "‡" if r["dense"][rate] else "§" if r["partly_dense"][rate] else ""
                     mark = mark or r["mark"][rate]
                     cell += f" {mark}" if mark else ""
+                    cell += f" [{r['on'][rate]}]" if several and r["on"][rate] else ""
                     marks.add(mark)
                 cells.append(f"**{cell}**" if best[rate] == r["method"] and s else cell)
-            seeds = ",".join(map(str, f["seeds"]))
-            steps = "-" if r["steps"] is None else str(r["steps"])
-            lines.append(f"| {r['method']} | {seeds} | {acc} | {r['bits']:.3f} | {steps} | "
+            seeds, accs, bits, steps = [], [], [], []
+            for one in r["sets"]:
+                f, on = one["final"], f" [{one['label']}]" if one["label"] else ""
+                seeds.append(",".join(map(str, f["seeds"])) + on)
+                accs.append(f"{100 * f['mean']:.2f} ± {100 * f['std']:.2f} "
+                            f"({100 * f['min']:.2f}-{100 * f['max']:.2f})")  # fmt: skip
+                bits.append(f"{one['bits']:.3f}")
+                steps.append("-" if one["steps"] is None else str(one["steps"]))
+            lines.append(f"| {r['method']} | {'; '.join(seeds)} | {'; '.join(accs)} | "
+                         f"{' / '.join(bits)} | {' / '.join(steps)} | "
                          + " | ".join(cells) + " |")  # fmt: skip
         lines += ["", "hvdcompress's best (bold in the table) against the fastest peer:", ""]
         lines += [f"- {RATE_NAMES[rate]}: {verdict(table, rate)}" for rate in RATES]
@@ -141,18 +187,24 @@ def markdown(
     if any(step_row.values()):
         lines.append("† the step time of the bench_peers row " + ", ".join(
             f"`{v}` for {k}" for k, v in step_row.items()) + " (no row of its own).")  # fmt: skip
+    if labelled:
+        lines += ["", "[exchange]: accuracy runs with the exchange fixed to the one the tuner "
+                  "picked in the timed run (the simulated world cannot time a link)."]  # fmt: skip
     lines += [line for mark in FOOTNOTES if mark in marks for line in ("", FOOTNOTES[mark])]
     return "\n".join(lines) + "\n"
 
 
-def plot(records: dict, peers: dict, model: str, methods, step_row: dict, path: Path) -> bool:
+def plot(
+    records: dict, peers: dict, model: str, methods, step_row: dict, path: Path,
+    pinned: dict | None = None,
+) -> bool:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    table = rows(records, peers, model, methods, step_row)
+    table = rows(records, peers, model, methods, step_row, pinned=pinned)
     if not any(s is not None for r in table for s in r["step_s"].values()):
         return False
     fig, axes = plt.subplots(1, len(RATES), figsize=(5 * len(RATES), 4), sharey=True)
@@ -160,7 +212,7 @@ def plot(records: dict, peers: dict, model: str, methods, step_row: dict, path: 
     for ax, rate in zip(axes, RATES, strict=True):
         for r in table:
             step_s = r["step_s"][rate]
-            if step_s is None:
+            if step_s is None or not r["has_runs"][rate]:
                 continue
             curve = r["curves"][rate]
             xs = [step * step_s / 60 for step, _ in curve]
@@ -182,13 +234,14 @@ def plot(records: dict, peers: dict, model: str, methods, step_row: dict, path: 
 
 
 def write_report(
-    records, peers, out: Path, models, methods, step_row, readme: Path | None, declared=None
-):
-    text = markdown(records, peers, models, methods, step_row, declared)
+    records, peers, out: Path, models, methods, step_row, readme: Path | None, declared=None,
+    pinned=None,
+):  # fmt: skip
+    text = markdown(records, peers, models, methods, step_row, declared, pinned)
     (out / "results").mkdir(parents=True, exist_ok=True)
     (out / "results" / "time_to_accuracy.md").write_text(text)
     for model in models:
-        plot(records, peers, model, methods, step_row, out / f"tta_{model}.png")
+        plot(records, peers, model, methods, step_row, out / f"tta_{model}.png", pinned)
     if readme is not None:
         body = readme.read_text()
         if not README_BLOCK.search(body):
