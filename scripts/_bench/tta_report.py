@@ -60,8 +60,9 @@ def rows(
     {exchange: method}), those runs' curve (``on[rate]``); otherwise the method's own runs,
     with ``mark[rate]`` (``tta.exchange_mark``) saying whether they used the exchange that
     was timed (``declared``: method -> its fixed exchange, if any). ``sets``: the run sets
-    the row uses, its own first (label ""), each with final accuracy, curve, steps to the
-    target and bits per value; ``final``, ``steps``, ``bits`` and ``curve`` are the first's."""
+    the row uses, in the order of the first rate using each (label: the fixed exchange,
+    "" for its own runs), each with final accuracy, curve, steps to the target and bits
+    per value; ``final``, ``steps``, ``bits`` and ``curve`` are the first's."""
     goal = tta.target(records, model)
     peer = tta.peer_rows(peers)
     base_curve = tta.mean_curve(tta.finished(records, model, tta.BASELINE))
