@@ -96,6 +96,11 @@ JOB_METHODS = tuple(pinned for m in METHODS for pinned in ON_EXCHANGE.get(m, {m:
 # the bench_peers row whose step time a method takes where it has none of its own:
 # Accordion switches 3LC between sparsity 1.0 and 1.75, and the DDP hook runs no policy
 STEP_ROW = {"hvdc-accordion-3lc": "hvdc-3lc"}
+# a fixed-exchange job -> (the bench_peers row whose tuner it stands for, its exchange)
+FIXED = {
+    pinned: (STEP_ROW.get(tuned, tuned), exchange)
+    for tuned, on in ON_EXCHANGE.items() for exchange, pinned in on.items()
+}  # fmt: skip
 RATES = ("100mbit", "1gbit", "unlimited")
 
 
@@ -215,21 +220,18 @@ def plan(models, methods, seeds, peers: dict | None = None) -> list[tuple[str, s
     """Seeds outer, then models, then methods: a half-done matrix has whole first seeds.
     With ``peers`` (bench_peers' rows), a fixed-exchange job of a tuned method
     (``ON_EXCHANGE``) only where the tuner picked that exchange at some rate: no other
-    step time goes with its curve."""
-    return [
-        (m, k, s) for s in seeds for m in models for k in methods
-        if peers is None or _timed_somewhere(peers, m, k)
-    ]  # fmt: skip
+    step time goes with its curve (a model whose row has no step time yet: every job)."""
+    timed: dict[tuple[str, str], set[str]] = {}  # (model, row) -> the exchanges it took
+    for (model, row, _), r in tta.peer_rows(peers or {}).items():
+        timed.setdefault((model, row), set()).update(r.get("exchanges") or [])
 
+    def wanted(model: str, method: str) -> bool:
+        if peers is None or method not in FIXED:
+            return True
+        row, exchange = FIXED[method]
+        return (model, row) not in timed or exchange in timed[(model, row)]
 
-def _timed_somewhere(peers: dict, model: str, method: str) -> bool:
-    tuned = next(((row, ex) for row, on in ON_EXCHANGE.items() for ex, m in on.items()
-                  if m == method), None)  # fmt: skip
-    if tuned is None:
-        return True
-    row = STEP_ROW.get(tuned[0], tuned[0])
-    timed = [r for (m, name, _), r in tta.peer_rows(peers).items() if (m, name) == (model, row)]
-    return not timed or any(tuned[1] in (r.get("exchanges") or []) for r in timed)
+    return [(m, k, s) for s in seeds for m in models for k in methods if wanted(m, k)]
 
 
 @contextlib.contextmanager
@@ -346,9 +348,7 @@ def main(argv=None) -> int:
     # the exchange a method's accuracy runs used where they did not record it: the one it
     # fixes, or for a summable codec its only compressed exchange, the allreduce
     declared = {}
-    for m in (*HVDC_METHODS, *JOB_METHODS):
-        if m in TORCH_METHODS:
-            continue
+    for m in {*HVDC_METHODS, *JOB_METHODS} - TORCH_METHODS.keys():
         hvdc = HVDC_TABLE[m.removeprefix("hvdc-")]
         if hvdc.exchange != "auto":
             declared[m] = hvdc.exchange

@@ -134,6 +134,13 @@ def partly_dense(peer_row: dict | None) -> bool:
     return "dense" in exchanges and len(exchanges) > 1
 
 
+def compressed_exchange(peer_row: dict | None) -> str | None:
+    """The one compressed exchange the timed row's buckets took ("allgather", ...), None
+    where they took none (all dense, torch's hooks) or several."""
+    exchanges = set(peer_row.get("exchanges") or []) - {"dense"} if peer_row else set()
+    return next(iter(exchanges)) if len(exchanges) == 1 else None
+
+
 def run_exchanges(runs: list[dict], declared: str | None = None) -> set[str] | None:
     """The exchanges the runs' gradients travelled by: as recorded (train.py's
     ``exchanges_used``, of a job's last piece), else the method's fixed ``declared``

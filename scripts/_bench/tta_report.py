@@ -79,14 +79,12 @@ def rows(
             measured = peer.get((model, row, rate))
             dense[rate] = tta.sent_dense(measured) and bool(base_curve)
             partly[rate] = tta.partly_dense(measured)
-            compressed = set(measured.get("exchanges") or []) - {"dense"} if measured else set()
-            on[rate] = next(iter(compressed)) if len(compressed) == 1 else None
+            exchange = tta.compressed_exchange(measured)
+            on[rate] = exchange if exchange in on_exchange and not dense[rate] else None
             mark[rate] = ""
             if dense[rate]:
                 curves[rate] = base_curve
             else:
-                if on[rate] not in on_exchange:
-                    on[rate] = None
                 runs = on_exchange[on[rate]] if on[rate] else own
                 if runs:
                     used.setdefault(on[rate] or "", runs)
