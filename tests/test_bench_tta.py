@@ -349,3 +349,22 @@ def test_the_matrix_runs_a_fixed_exchange_only_where_the_tuner_picked_it():
                     *(("vit", m, 1) for m in methods)]  # fmt: skip
     hvdc = bench.train_command("cnn", "hvdc-accordion-3lc-allgather", 1, Path("/tmp/x"))
     assert hvdc[hvdc.index("--exchange") + 1] == "allgather" and "--accordion" in hvdc
+
+
+def test_the_matrix_takes_each_models_seeds_and_missing_lists_what_is_unfinished(tmp_path):
+    """Without --seeds, each model runs its MODEL_SEEDS (three on the CNN, one on the
+    larger two), seeds still outer; ``missing`` counts a failed job as unfinished."""
+    jobs = bench.plan(["cnn", "vit"], ["ddp"])
+    assert jobs == [("cnn", "ddp", 1), ("vit", "ddp", 1), ("cnn", "ddp", 2), ("cnn", "ddp", 3)]
+    results = tmp_path / "jobs.jsonl"
+    tta.append_result(results, _record("cnn", "ddp", 1, [0.9]))
+    tta.append_result(results, _record("cnn", "ddp", 2, [0.9], status="failed"))
+    assert bench.missing(jobs, results) == [("vit", "ddp", 1), ("cnn", "ddp", 2), ("cnn", "ddp", 3)]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_tta.py"), "missing", "--models", "cnn",
+         "--methods", "ddp", "--results", str(results)],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert out.splitlines() == [
+        "cnn ddp seed 2", "cnn ddp seed 3", "bench_tta: 1 of 3 jobs of the matrix finished",
+    ]  # fmt: skip
