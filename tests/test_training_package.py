@@ -195,6 +195,23 @@ def test_train_flags_give_the_methods_compressor_and_policy():
         assert args.compress_min_numel == m.compress_min_numel, name
 
 
+def test_a_fixed_exchange_variant_is_its_method_with_the_exchange_flag():
+    """``Method.on``: the same compressor, policy and flags, plus ``--exchange``; the
+    table's fixed-exchange entries are those variants, and train.py reads the exchange."""
+    train = _script("train")
+    for base, exchange in [("3lc", "allgather"), ("3lc", "twostage"),
+                           ("accordion-3lc", "allgather"), ("accordion-3lc", "twostage"),
+                           ("dqsg", "allgather")]:  # fmt: skip
+        m, variant = methods.METHODS[base], methods.METHODS[f"{base}-{exchange}"]
+        assert variant.name == f"{base}-{exchange}" and variant.exchange == exchange
+        assert variant.train_flags() == [*m.train_flags(), "--exchange", exchange]
+        assert repr(variant.compressor()) == repr(m.compressor())
+        assert repr(variant.make_policy()) == repr(m.make_policy())
+        assert train.parse_args(variant.train_flags()).exchange == exchange
+    with pytest.raises(KeyError):
+        methods.METHODS["3lc"].on("hierarchical")
+
+
 def test_the_benchmarks_use_the_table_with_their_old_settings():
     net = _script("bench_network")
     assert all(case is methods.METHODS[name] for name, case in net.CASES.items())

@@ -146,6 +146,15 @@ class Method:
         """The same compressor and parameters without the policy."""
         return replace(self, name=f"{self.name} (fixed)", policy=None, policy_params={})
 
+    def on(self, exchange: str) -> Method:
+        """The same method with every bucket on ``exchange`` ("allgather", "twostage"),
+        named ``<name>-<exchange>``."""
+        how = {"allgather": "one allgather", "twostage": "the two-stage exchange"}[exchange]
+        return replace(
+            self, name=f"{self.name}-{exchange}", exchange=exchange,
+            about=f"{self.about}; every bucket by {how}",
+        )  # fmt: skip
+
     def train_flags(self) -> list[str]:
         """The scripts/train.py flags that train with this method."""
         flags = ["--compression", self.compression]
@@ -181,28 +190,12 @@ _TABLE = [
     Method("3lc", "3lc", {"sparsity": 1.0}, about="3LC at sparsity 1.0 (Accordion's low)"),
     Method("3lc-1.75", "3lc", {"sparsity": 1.75}, about="3LC at 1.75 (Accordion's high)"),
     Method(
-        "3lc-allgather", "3lc", {"sparsity": 1.0}, exchange="allgather",
-        about="3LC at 1.0, every bucket by one allgather",
-    ),
-    Method(
-        "3lc-twostage", "3lc", {"sparsity": 1.0}, exchange="twostage",
-        about="3LC at 1.0, every bucket by the two-stage exchange",
-    ),
-    Method(
         "3lc-min64k", "3lc", {"sparsity": 1.0}, compress_min_numel=65536,
         about="3LC; tensors under 65,536 elements sent uncompressed",
     ),
     Method(
         "accordion-3lc", "3lc", {"sparsity": 1.0}, "accordion", _ACCORDION_3LC,
         about="Accordion between 3LC sparsity 1.0 and 1.75, every 40 steps",
-    ),
-    Method(
-        "accordion-3lc-allgather", "3lc", {"sparsity": 1.0}, "accordion", _ACCORDION_3LC,
-        exchange="allgather", about="accordion-3lc, every bucket by one allgather",
-    ),
-    Method(
-        "accordion-3lc-twostage", "3lc", {"sparsity": 1.0}, "accordion", _ACCORDION_3LC,
-        exchange="twostage", about="accordion-3lc, every bucket by the two-stage exchange",
     ),
     Method(
         "accordion-3lc-eta0.2", "3lc", {"sparsity": 1.0}, "accordion",
@@ -235,14 +228,19 @@ _TABLE = [
     Method("dgc", "dgc", about="deep gradient compression, its defaults"),
     Method("dqsg", "dqsg", {"levels": 3}, about="dithered quantisation, 3 levels"),
     Method(
-        "dqsg-allgather", "dqsg", {"levels": 3}, exchange="allgather",
-        about="DQSG, 3 levels, every bucket by one allgather (no re-quantised second stage)",
-    ),  # fmt: skip
-    Method(
         "ndqsg", "ndqsg", {"fine_levels": 3, "coarse_levels": 1},
         about="nested DQSG: half the ranks DQSG at 3 levels, half nested (side information)",
     ),
 ]  # fmt: skip
+# methods also run with their exchange fixed (``Method.on``): the tuner's picks, each
+# trained on its own, for the time-to-accuracy join (scripts/bench_tta.py); on the
+# allgather DQSG skips the two-stage exchange's re-quantised second stage
+_FIXED_EXCHANGES = {
+    "3lc": ("allgather", "twostage"),
+    "accordion-3lc": ("allgather", "twostage"),
+    "dqsg": ("allgather",),
+}
+_TABLE += [m.on(x) for m in list(_TABLE) for x in _FIXED_EXCHANGES.get(m.name, ())]
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
 
 
