@@ -70,8 +70,8 @@ MODEL_EPOCHS = {"cnn": 10, "vit": 10, "mlp10m": 5}
 # checkpoint (``--resume``: the same parameters as one uninterrupted run), kept between
 # pieces, and between sittings, in WORK
 PIECE_EPOCHS = {"vit": 3, "mlp10m": 1}
-# the matrix's seeds per model: three on the CNN, one on the larger two (issue "Time to
-# accuracy": at least one, three where time allows: ``run --seeds 1 2 3`` adds them)
+# the matrix's seeds per model: three on the CNN, one on the two larger models, whose jobs
+# take several times longer (``run --seeds 1 2 3`` adds seeds where time allows)
 MODEL_SEEDS = {"cnn": (1, 2, 3), "vit": (1,), "mlp10m": (1,)}
 WORK = ROOT / ".tta_work"
 # method -> the train.py flags of its communication
