@@ -47,6 +47,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from hvdcompress.training.methods import FIXED_EXCHANGES
+from hvdcompress.training.methods import METHODS as HVDC_TABLE
+
 try:  # python scripts/bench_tta.py: scripts/ is first on sys.path
     from _bench import launch, tta, tta_report
     from bench_accuracy import parse_summary, read_curve
@@ -90,12 +93,11 @@ METHODS = (*TORCH_METHODS, *HVDC_METHODS)  # the report's rows
 # a tuned method's accuracy runs on each compressed exchange its tuner may pick: the
 # simulated world cannot time a link (its ``auto`` is not the tuner's pick on a real one),
 # so these jobs fix the exchange, and per rate the report takes the runs on the exchange
-# that bench_peers saw the tuner pick (tta_report.rows)
+# that bench_peers saw the tuner pick (tta_report.rows); the jobs are the methods table's
+# fixed-exchange variants (``Method.on``, ``FIXED_EXCHANGES``) of the rows that tune
 ON_EXCHANGE = {
-    "hvdc-3lc": {"allgather": "hvdc-3lc-allgather", "twostage": "hvdc-3lc-twostage"},
-    "hvdc-accordion-3lc": {
-        "allgather": "hvdc-accordion-3lc-allgather", "twostage": "hvdc-accordion-3lc-twostage",
-    },
+    f"hvdc-{base}": {x: f"hvdc-{base}-{x}" for x in exchanges}
+    for base, exchanges in FIXED_EXCHANGES.items() if f"hvdc-{base}" in HVDC_METHODS
 }  # fmt: skip
 # the matrix's jobs: the rows' methods, a tuned one's by its fixed-exchange runs instead
 JOB_METHODS = tuple(pinned for m in METHODS for pinned in ON_EXCHANGE.get(m, {m: m}).values())
@@ -116,8 +118,6 @@ def train_command(
     """The job's command: train.py with the model's recipe and the method's communication;
     ``piece`` (the epoch to stop at, the checkpoint directory) runs a piece of it, going on
     from the checkpoint there when it holds one."""
-    from hvdcompress.training.methods import METHODS as HVDC_TABLE
-
     flags = [
         "--model", model, "--epochs", str(MODEL_EPOCHS[model]), "--seed", str(seed),
         "--lr-schedule", "step", "--log-dir", str(log_dir), "--no-progress", "--threads", "1",
@@ -375,8 +375,6 @@ def main(argv=None) -> int:
                  args.retry_failed, lock_dir=WORK / "locks")  # fmt: skip
         return 0
     peers = merge_peers(args.peers)
-    from hvdcompress.training.methods import METHODS as HVDC_TABLE
-
     # the exchange a method's accuracy runs used where they did not record it: the one it
     # fixes, or for a summable codec its only compressed exchange, the allreduce
     declared = {}

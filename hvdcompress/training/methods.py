@@ -235,12 +235,12 @@ _TABLE = [
 # methods also run with their exchange fixed (``Method.on``): the tuner's picks, each
 # trained on its own, for the time-to-accuracy join (scripts/bench_tta.py); on the
 # allgather DQSG skips the two-stage exchange's re-quantised second stage
-_FIXED_EXCHANGES = {
+FIXED_EXCHANGES = {
     "3lc": ("allgather", "twostage"),
     "accordion-3lc": ("allgather", "twostage"),
     "dqsg": ("allgather",),
 }
-_TABLE += [m.on(x) for m in list(_TABLE) for x in _FIXED_EXCHANGES.get(m.name, ())]
+_TABLE += [m.on(x) for m in list(_TABLE) for x in FIXED_EXCHANGES.get(m.name, ())]
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
 
 
