@@ -7,24 +7,24 @@ process sets with ``hvd.add_process_set``, which needs dynamic process sets:
 rank, saying so (never a hang).
 
 Faults are Horovod's (docs/checkpoints-and-faults.md, "Faults"), except that Horovod
-0.28.1 under Gloo has no stall check: there ``_GlooStallWatch`` watches this rank's own
-pending collectives with Horovod's variables ("Stall check"): it warns, and after the
-shutdown time ends this rank with ``os._exit(1)`` so that the launcher ends the others.
+0.28.1 under Gloo has no stall check: there a ``GlooStallWatch`` (transports.gloo_watch)
+watches every collective of this transport, asynchronous and blocking, with Horovod's
+variables ("Stall check").
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import struct
-import threading
-import time
-import weakref
 
 import numpy as np
 import torch
 
 from hvdcompress.transports.base import Handle, Transport, _DoneHandle, check_alltoallv_parts
+from hvdcompress.transports.gloo_watch import GlooStallWatch
+from hvdcompress.transports.mpi_faults import stall_settings
 
 _LEN = struct.Struct("<Q")
 
@@ -55,23 +55,33 @@ class HorovodTransport(Transport):
         self._prefix = prefix or f"hvdcompress.set{self._set.process_set_id}"
         self._count = 0
         self._splits = 0
-        self._pending: dict[str, tuple[object, float]] = {}  # name -> (handle, started)
-        self._watch = None
+        self._watch: GlooStallWatch | None = None
         if hvd.gloo_enabled() and self.size > 1:
-            from hvdcompress.transports.mpi import stall_settings
-
             check, shutdown = stall_settings()
             if check is not None:
-                self._watch = _GlooStallWatch(self, check, shutdown)
+                self._watch = GlooStallWatch(hvd.poll, self.rank, check, shutdown)
 
     def _launch(self, kind: str, start, *args, **kwargs):
         """``start(*args, **kwargs)`` (an ``hvd.*_async``) over this set as collective
-        ``kind``; its handle, watched under Gloo."""
+        ``kind``; its handle, watched under Gloo from before the submit."""
         name = self._name(kind)
-        handle = start(*args, name=name, process_set=self._set, **kwargs)
-        if self._watch is not None:
-            self._pending[name] = (handle, time.monotonic())
+        if self._watch is None:
+            return start(*args, name=name, process_set=self._set, **kwargs)
+        self._watch.submitting(name)
+        try:
+            handle = start(*args, name=name, process_set=self._set, **kwargs)
+        except BaseException:
+            self._watch.dropped(name)
+            raise
+        self._watch.submitted(name, handle)
         return handle
+
+    def _blocking(self, kind: str):
+        """The context of one blocking collective ``kind``: its name, watched under Gloo."""
+        name = self._name(kind)
+        if self._watch is None:
+            return contextlib.nullcontext(name)
+        return self._watch.blocking(name)
 
     def _name(self, kind: str) -> str:
         # Horovod matches collectives across ranks by name: a per-transport counter is the
@@ -189,7 +199,8 @@ class HorovodTransport(Transport):
 
     def allgather_object(self, obj) -> list:
         if self._set.process_set_id == 0:
-            return self.hvd.allgather_object(obj, name=self._name("object"))
+            with self._blocking("object") as name:
+                return self.hvd.allgather_object(obj, name=name)
         # hvd.allgather_object has no process_set in 0.28.1: pickled bytes, framed as above
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         gathered, sizes = self.start_allgatherv(data).wait()
@@ -200,21 +211,20 @@ class HorovodTransport(Transport):
             buf = t.data if t.data.is_contiguous() else t.detach().contiguous()
             # Horovod 0.28.1 has no bfloat16 on CPU: its bits travel as int16
             bits = buf.view(torch.int16) if buf.dtype == torch.bfloat16 else buf
-            self.hvd.broadcast_(
-                bits, root_rank=root, name=self._name("broadcast"), process_set=self._set
-            )
+            with self._blocking("broadcast") as name:
+                self.hvd.broadcast_(bits, root_rank=root, name=name, process_set=self._set)
             if buf is not t.data:
                 t.data.copy_(buf)
 
     def sum_floats(self, values) -> list[float]:
         t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        total = self.hvd.allreduce(
-            t, op=self.hvd.Sum, name=self._name("sum"), process_set=self._set
-        )
+        with self._blocking("sum") as name:
+            total = self.hvd.allreduce(t, op=self.hvd.Sum, name=name, process_set=self._set)
         return total.tolist()
 
     def barrier(self) -> None:
-        self.hvd.barrier(process_set=self._set)
+        with self._blocking("barrier"):
+            self.hvd.barrier(process_set=self._set)
 
 
 def _dynamic_sets() -> bool:
@@ -272,57 +282,3 @@ def length_prefix_verdict(raw: np.ndarray, size: int) -> np.ndarray:
         return out
     out[0] = 1
     return out
-
-
-class _GlooStallWatch:
-    """Horovod's stall check for this rank's own collectives, under Gloo (module doc)."""
-
-    POLL_S = 0.5
-
-    def __init__(self, transport: HorovodTransport, check_s: float, shutdown_s: float) -> None:
-        self.t = weakref.proxy(transport)
-        self.check_s, self.shutdown_s = check_s, shutdown_s
-        self._warned: dict[str, float] = {}
-        thread = threading.Thread(target=self._run, name="hvdcompress-stall", daemon=True)
-        thread.start()
-
-    def _run(self) -> None:
-        from hvdcompress.transports.mpi import _say
-
-        while True:
-            time.sleep(self.POLL_S)
-            try:
-                t, hvd, now = self.t, self.t.hvd, time.monotonic()
-                stalled = []
-                for name, (handle, since) in list(t._pending.items()):
-                    try:
-                        done = hvd.poll(handle)
-                    except Exception:  # noqa: BLE001 - synchronized already: handle gone
-                        done = True
-                    if done:
-                        t._pending.pop(name, None)
-                        self._warned.pop(name, None)
-                    elif now - since > self.check_s:
-                        stalled.append((now - since, name))
-                if not stalled:
-                    continue
-                waited, name = max(stalled)
-                if self.shutdown_s > 0 and waited > self.shutdown_s:
-                    _say(
-                        f"stall check: collective {name} has waited {waited:.1f} s, longer than "
-                        f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.shutdown_s:g}: shutting "
-                        "down (this rank exits with status 1, the launcher ends the others)",
-                        t.rank,
-                    )
-                    os._exit(1)  # hvd.shutdown() from here leaves this process hanging
-                if now >= self._warned.get(name, 0.0):
-                    self._warned[name] = now + self.check_s
-                    _say(
-                        f"stall check: collective {name} has waited {waited:.1f} s "
-                        f"(HOROVOD_STALL_CHECK_TIME_SECONDS={self.check_s:g}; {len(stalled)} "
-                        "pending): some rank has not submitted it (under Gloo Horovod does "
-                        "not say which); a rank that never does deadlocks the job",
-                        t.rank,
-                    )
-            except ReferenceError:
-                return

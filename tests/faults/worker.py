@@ -17,12 +17,14 @@ Faults, on rank ``--rank`` at step ``--step``:
   collective).
 
 Every rank prints ``worker rank R step S`` after each step and ``worker rank R done`` at
-the end; the argument ``--tag`` only marks the processes (the test looks for leftovers).
+the end; the argument ``--tag`` only marks the processes (the test looks for leftovers). SIGUSR1
+prints every thread's stack (the test sends it to a job that hangs, before killing it).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -58,6 +60,7 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -1,0 +1,167 @@
+"""Horovod's stall check under Gloo, where Horovod 0.28.1 has none
+(docs/checkpoints-and-faults.md, "Stall check").
+
+``GlooStallWatch`` watches this rank's own collectives. Each one is pending from just
+before it is submitted until it is known done: an asynchronous one until its handle polls
+done (``poll``, Horovod's ``hvd.poll``, from the watch thread), a blocking one until it
+returns. One pending longer than ``HOROVOD_STALL_CHECK_TIME_SECONDS`` is reported, once
+every check time; one pending longer than ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` ends this
+rank with ``os._exit(1)`` (``hvd.shutdown()`` from that thread left the process hanging at
+exit), and horovodrun ends the others.
+
+The watch thread needs the GIL, and Horovod's submit functions hold it while they run: a
+rank whose Horovod has half shut down can stop inside one for good, and then no Python
+thread runs (a CI job hung that way, with no stall report). So when a shutdown time is set
+the watch also keeps a timer armed that needs no GIL (``faulthandler.dump_traceback_later``)
+while anything is pending. The watch thread pushes it forward at every poll; if no poll
+comes for the shutdown time plus ``BACKSTOP_MARGIN_S``, the timer prints every thread's
+stack on stderr (headed "Timeout (h:mm:ss)!") and ends the process with status 1. It is
+the process's one faulthandler timer: a user's own ``dump_traceback_later`` is replaced
+while a collective is pending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+from hvdcompress.transports.mpi_faults import _say
+
+POLL_S = 0.5  # the watch thread's period
+BACKSTOP_MARGIN_S = 1.0  # the GIL-free timer fires this long after the shutdown time
+
+
+class _Backstop:
+    """The GIL-free timer (module doc): armed while a collective is pending."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.armed = False
+
+    def push(self) -> None:
+        """Arm, or move the deadline to ``seconds`` from now."""
+        faulthandler.dump_traceback_later(self.seconds, exit=True)
+        self.armed = True
+
+    def cancel(self) -> None:
+        if self.armed:
+            faulthandler.cancel_dump_traceback_later()
+            self.armed = False
+
+
+class GlooStallWatch:
+    """Stall check and shutdown for this rank's collectives (module doc).
+
+    ``submitting(name)`` just before a collective is submitted, then ``submitted(name,
+    handle)`` with its handle; a blocking collective runs inside ``blocking(name)``.
+    ``poll(handle)`` says whether a handle is done (an exception counts as done: the
+    handle was synchronized already). ``check_s`` / ``shutdown_s``: Horovod's variables
+    (``shutdown_s`` 0: never shut down, and no timer)."""
+
+    def __init__(
+        self, poll: Callable[[object], bool], rank: int, check_s: float, shutdown_s: float
+    ) -> None:
+        self.rank = rank
+        self.check_s, self.shutdown_s = check_s, shutdown_s
+        self._poll = poll
+        self._lock = threading.Lock()  # _pending and the timer, between the two threads
+        self._pending: dict[str, tuple[object | None, float]] = {}  # name -> (handle, since)
+        self._warned: dict[str, float] = {}  # name -> when it may be reported again
+        self._backstop = _Backstop(shutdown_s + BACKSTOP_MARGIN_S) if shutdown_s > 0 else None
+        thread = threading.Thread(
+            target=_run, args=(weakref.ref(self), self._backstop), name="hvdcompress-stall",
+            daemon=True,
+        )  # fmt: skip
+        thread.start()
+
+    def submitting(self, name: str) -> None:
+        with self._lock:
+            self._pending[name] = (None, time.monotonic())
+            if self._backstop is not None and not self._backstop.armed:
+                self._backstop.push()
+
+    def submitted(self, name: str, handle: object) -> None:
+        with self._lock:
+            since = self._pending.get(name, (None, time.monotonic()))[1]
+            self._pending[name] = (handle, since)
+
+    def dropped(self, name: str) -> None:
+        """``name`` is no longer pending (returned, or its submit raised)."""
+        with self._lock:
+            self._pending.pop(name, None)
+
+    @contextlib.contextmanager
+    def blocking(self, name: str):
+        """The context of blocking collective ``name`` (gives ``name``)."""
+        self.submitting(name)
+        try:
+            yield name
+        finally:
+            self.dropped(name)
+
+    def tick(self, now: float) -> None:
+        """One poll: forget what is done, push or cancel the timer, report a stall."""
+        with self._lock:
+            pending = list(self._pending.items())
+        stalled = []
+        for name, (handle, since) in pending:
+            if handle is not None and self._done(handle):
+                with self._lock:
+                    if self._pending.get(name, (None,))[0] is handle:
+                        del self._pending[name]
+                self._warned.pop(name, None)
+            elif now - since > self.check_s:
+                stalled.append((now - since, name))
+        with self._lock:
+            if self._backstop is not None:
+                if self._pending:
+                    self._backstop.push()
+                else:
+                    self._backstop.cancel()
+            left = len(self._pending)
+        if stalled:
+            self._report(now, max(stalled), len(stalled), left)
+
+    def _done(self, handle: object) -> bool:
+        try:
+            return bool(self._poll(handle))
+        except Exception:  # noqa: BLE001 - synchronized already: the handle is gone
+            return True
+
+    def _report(self, now: float, oldest: tuple[float, str], stalled: int, left: int) -> None:
+        waited, name = oldest
+        if self.shutdown_s > 0 and waited > self.shutdown_s:
+            _say(
+                f"stall check: collective {name} has waited {waited:.1f} s, longer than "
+                f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.shutdown_s:g}: shutting down "
+                "(this rank exits with status 1, the launcher ends the others)",
+                self.rank,
+            )
+            os._exit(1)
+        if now >= self._warned.get(name, 0.0):
+            self._warned[name] = now + self.check_s
+            _say(
+                f"stall check: collective {name} has waited {waited:.1f} s "
+                f"(HOROVOD_STALL_CHECK_TIME_SECONDS={self.check_s:g}; {stalled} stalled, "
+                f"{left} pending): some rank has not submitted it (under Gloo Horovod does "
+                "not say which); a rank that never does deadlocks the job",
+                self.rank,
+            )
+
+
+def _run(ref: weakref.ref, backstop: _Backstop | None) -> None:
+    """The watch thread: ticks until its watch (the transport's) is gone."""
+    while True:
+        time.sleep(POLL_S)
+        watch = ref()
+        if watch is None:
+            if backstop is not None:
+                backstop.cancel()
+            return
+        watch.tick(time.monotonic())
+        del watch
