@@ -49,6 +49,17 @@ def test_a_stuck_interpreter_with_a_pending_collective_ends_with_every_stack():
     assert seconds < 10, seconds
 
 
+def test_the_timer_writes_to_the_real_stderr_when_sys_stderr_has_no_descriptor():
+    rc, err, _ = run("""
+        import io, sys
+        sys.stderr = io.StringIO()  # as in a notebook
+        w = watch(done=False, shutdown_s=1.0)
+        w.submitting("a")
+        hold_the_gil(20)
+    """)
+    assert rc == 1 and "Timeout (0:00:02)!" in err and "in hold_the_gil" in err, err
+
+
 def test_a_pending_collective_is_reported_then_shuts_the_rank_down():
     rc, err, _ = run("""
         w = watch(done=False, shutdown_s=1.0)

@@ -10,12 +10,13 @@ rank with ``os._exit(1)`` (``hvd.shutdown()`` from that thread left the process 
 exit), and horovodrun ends the others.
 
 The watch thread needs the GIL, and Horovod's submit functions hold it while they run: a
-rank whose Horovod has half shut down can stop inside one for good, and then no Python
-thread runs (a CI job hung that way, with no stall report). So when a shutdown time is set
+rank whose Horovod has half shut down may stop inside one for good, and then no Python
+thread runs (what a CI job that hung with no stall report looks like). So when a shutdown time is set
 the watch also keeps a timer armed that needs no GIL (``faulthandler.dump_traceback_later``)
 while anything is pending. The watch thread pushes it forward at every poll; if no poll
 comes for the shutdown time plus ``BACKSTOP_MARGIN_S``, the timer prints every thread's
-stack on stderr (headed "Timeout (h:mm:ss)!") and ends the process with status 1. It is
+stack on stderr (headed "Timeout (h:mm:ss)!") and ends the process with status 1 (where
+``sys.stderr`` has no file descriptor, on ``sys.__stderr__``; without either, no timer). It is
 the process's one faulthandler timer: a user's own ``dump_traceback_later`` is replaced
 while a collective is pending.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import sys
 import threading
 import time
 import weakref
@@ -37,15 +39,29 @@ BACKSTOP_MARGIN_S = 1.0  # the GIL-free timer fires this long after the shutdown
 
 
 class _Backstop:
-    """The GIL-free timer (module doc): armed while a collective is pending."""
+    """The GIL-free timer (module doc): armed while a collective is pending. ``file``:
+    where the stacks go (a file with a descriptor: faulthandler writes to it from C)."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, file) -> None:
         self.seconds = seconds
+        self.file = file
         self.armed = False
+
+    @classmethod
+    def make(cls, seconds: float) -> _Backstop | None:
+        """A timer on stderr, or on the process's original stderr where ``sys.stderr`` has
+        no file descriptor (a notebook's); None (no timer) where neither has one."""
+        for file in (sys.stderr, sys.__stderr__):
+            try:
+                file.fileno()
+            except (AttributeError, ValueError, OSError):
+                continue
+            return cls(seconds, file)
+        return None
 
     def push(self) -> None:
         """Arm, or move the deadline to ``seconds`` from now."""
-        faulthandler.dump_traceback_later(self.seconds, exit=True)
+        faulthandler.dump_traceback_later(self.seconds, exit=True, file=self.file)
         self.armed = True
 
     def cancel(self) -> None:
@@ -72,7 +88,7 @@ class GlooStallWatch:
         self._lock = threading.Lock()  # _pending and the timer, between the two threads
         self._pending: dict[str, tuple[object | None, float]] = {}  # name -> (handle, since)
         self._warned: dict[str, float] = {}  # name -> when it may be reported again
-        self._backstop = _Backstop(shutdown_s + BACKSTOP_MARGIN_S) if shutdown_s > 0 else None
+        self._backstop = _Backstop.make(shutdown_s + BACKSTOP_MARGIN_S) if shutdown_s > 0 else None
         thread = threading.Thread(
             target=_run, args=(weakref.ref(self), self._backstop), name="hvdcompress-stall",
             daemon=True,
