@@ -102,6 +102,20 @@ def test_nothing_pending_disarms_the_timer():
     assert "stall check" not in err and "Timeout (" not in err, err
 
 
+def test_a_synchronized_collective_stops_the_timer_at_once():
+    # no poll in between: a job whose last collective is waited and which then exits
+    # (slowly: hvd.shutdown at exit) has no timer armed
+    rc, err, _ = run("""
+        w = watch(done=False, shutdown_s=1.0)
+        w.submitting("a")
+        w.submitted("a", 7)
+        w.waited(7)
+        hold_the_gil(3)
+    """)
+    assert rc == 0, err
+    assert "Timeout (" not in err, err
+
+
 def test_without_a_shutdown_time_nothing_ends_the_rank():
     rc, err, _ = run("""
         w = watch(done=False, shutdown_s=0.0)

@@ -11,14 +11,15 @@ exit), and horovodrun ends the others.
 
 The watch thread needs the GIL, and Horovod's submit functions hold it while they run: a
 rank whose Horovod has half shut down may stop inside one for good, and then no Python
-thread runs (what a CI job that hung with no stall report looks like). So when a shutdown time is set
-the watch also keeps a timer armed that needs no GIL (``faulthandler.dump_traceback_later``)
-while anything is pending. The watch thread pushes it forward at every poll; if no poll
-comes for the shutdown time plus ``BACKSTOP_MARGIN_S``, the timer prints every thread's
-stack on stderr (headed "Timeout (h:mm:ss)!") and ends the process with status 1 (where
-``sys.stderr`` has no file descriptor, on ``sys.__stderr__``; without either, no timer). It is
-the process's one faulthandler timer: a user's own ``dump_traceback_later`` is replaced
-while a collective is pending.
+thread runs (what a CI job that hung with no stall report looks like). So when a shutdown
+time is set the watch also keeps a timer armed that needs no GIL
+(``faulthandler.dump_traceback_later``) while anything is pending. The watch thread pushes
+it forward at every poll; if no poll comes for the shutdown time plus
+``BACKSTOP_MARGIN_S``, the timer prints every thread's stack on stderr (headed "Timeout
+(h:mm:ss)!") and ends the process with status 1 (where ``sys.stderr`` has no file
+descriptor, on ``sys.__stderr__``; without either, no timer). It is the process's one
+faulthandler timer: a user's own ``dump_traceback_later`` is replaced while a collective
+is pending.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from hvdcompress.transports.mpi_faults import _say
 
@@ -74,19 +75,21 @@ class GlooStallWatch:
     """Stall check and shutdown for this rank's collectives (module doc).
 
     ``submitting(name)`` just before a collective is submitted, then ``submitted(name,
-    handle)`` with its handle; a blocking collective runs inside ``blocking(name)``.
+    handle)`` with its handle and ``waited(handle)`` once it is synchronized (the watch
+    also polls it); a blocking collective runs inside ``blocking(name)``.
     ``poll(handle)`` says whether a handle is done (an exception counts as done: the
     handle was synchronized already). ``check_s`` / ``shutdown_s``: Horovod's variables
     (``shutdown_s`` 0: never shut down, and no timer)."""
 
     def __init__(
-        self, poll: Callable[[object], bool], rank: int, check_s: float, shutdown_s: float
+        self, poll: Callable[[Hashable], bool], rank: int, check_s: float, shutdown_s: float
     ) -> None:
         self.rank = rank
         self.check_s, self.shutdown_s = check_s, shutdown_s
         self._poll = poll
         self._lock = threading.Lock()  # _pending and the timer, between the two threads
-        self._pending: dict[str, tuple[object | None, float]] = {}  # name -> (handle, since)
+        self._pending: dict[str, tuple[Hashable | None, float]] = {}  # name -> (handle, since)
+        self._names: dict[Hashable, str] = {}  # handle -> name, of the pending
         self._warned: dict[str, float] = {}  # name -> when it may be reported again
         self._backstop = _Backstop.make(shutdown_s + BACKSTOP_MARGIN_S) if shutdown_s > 0 else None
         thread = threading.Thread(
@@ -101,15 +104,30 @@ class GlooStallWatch:
             if self._backstop is not None and not self._backstop.armed:
                 self._backstop.push()
 
-    def submitted(self, name: str, handle: object) -> None:
+    def submitted(self, name: str, handle: Hashable) -> None:
         with self._lock:
             since = self._pending.get(name, (None, time.monotonic()))[1]
             self._pending[name] = (handle, since)
+            self._names[handle] = name
+
+    def waited(self, handle: Hashable) -> None:
+        """``handle`` was synchronized: no longer pending."""
+        with self._lock:
+            name = self._names.pop(handle, None)
+            if name is not None:
+                self._forget(name)
 
     def dropped(self, name: str) -> None:
         """``name`` is no longer pending (returned, or its submit raised)."""
         with self._lock:
-            self._pending.pop(name, None)
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        # under the lock; with nothing pending the timer stops at once, so that a job
+        # that ends (its exit may be slow) has no timer armed
+        self._pending.pop(name, None)
+        if not self._pending and self._backstop is not None:
+            self._backstop.cancel()
 
     @contextlib.contextmanager
     def blocking(self, name: str):
@@ -128,8 +146,9 @@ class GlooStallWatch:
         for name, (handle, since) in pending:
             if handle is not None and self._done(handle):
                 with self._lock:
-                    if self._pending.get(name, (None,))[0] is handle:
-                        del self._pending[name]
+                    if self._names.get(handle) == name:
+                        del self._names[handle]
+                        self._forget(name)
                 self._warned.pop(name, None)
             elif now - since > self.check_s:
                 stalled.append((now - since, name))
@@ -143,7 +162,7 @@ class GlooStallWatch:
         if stalled:
             self._report(now, max(stalled), len(stalled), left)
 
-    def _done(self, handle: object) -> bool:
+    def _done(self, handle: Hashable) -> bool:
         try:
             return bool(self._poll(handle))
         except Exception:  # noqa: BLE001 - synchronized already: the handle is gone

@@ -76,6 +76,14 @@ class HorovodTransport(Transport):
         self._watch.submitted(name, handle)
         return handle
 
+    def _wait(self, handle):
+        """``hvd.synchronize(handle)``; the watch (under Gloo) no longer counts it."""
+        try:
+            return self.hvd.synchronize(handle)
+        finally:
+            if self._watch is not None:
+                self._watch.waited(handle)
+
     def _blocking(self, kind: str):
         """The context of one blocking collective ``kind``: its name, watched under Gloo."""
         name = self._name(kind)
@@ -151,7 +159,7 @@ class HorovodTransport(Transport):
             framed = framed.cpu()
         handle = self._launch("allgatherv", hvd.allgather_async, framed)
         size, device = self.size, framed.device
-        return _DoneHandle(lambda: _strip_length_prefixes(hvd.synchronize(handle).to(device), size))
+        return _DoneHandle(lambda: _strip_length_prefixes(self._wait(handle).to(device), size))
 
     def moves_on(self, device: torch.device) -> bool:
         """The host, and a CUDA device when Horovod was built with GPU support
@@ -173,7 +181,7 @@ class HorovodTransport(Transport):
         handle = self._launch("alltoallv", hvd.alltoall_async, send, splits=splits)
 
         def finish():
-            received, received_splits = hvd.synchronize(handle)
+            received, received_splits = self._wait(handle)
             return list(received.to(device).split(received_splits.tolist()))
 
         return _DoneHandle(finish)
@@ -190,12 +198,12 @@ class HorovodTransport(Transport):
             n, size = src.numel(), self.size
 
             def finish():
-                parts = hvd.synchronize(handle).view(torch.bfloat16).view(size, n)
+                parts = self._wait(handle).view(torch.bfloat16).view(size, n)
                 return sum_in_rank_order(list(parts)).to(dense.device)
 
             return _DoneHandle(finish)
         handle = self._launch("allreduce", hvd.allreduce_async, src, op=hvd.Sum)
-        return _DoneHandle(lambda: hvd.synchronize(handle).to(dense.device))
+        return _DoneHandle(lambda: self._wait(handle).to(dense.device))
 
     def allgather_object(self, obj) -> list:
         if self._set.process_set_id == 0:
