@@ -49,6 +49,19 @@ def test_a_stuck_interpreter_with_a_pending_collective_ends_with_every_stack():
     assert seconds < 10, seconds
 
 
+def test_one_watch_with_nothing_pending_leaves_the_others_timer_armed():
+    # a split transport has three watches and faulthandler one timer
+    rc, err, _ = run("""
+        a, b = watch(done=False, shutdown_s=1.0), watch(done=False, shutdown_s=1.0)
+        a.submitting("a")
+        b.submitting("b")
+        b.submitted("b", 7)
+        b.waited(7)  # b has nothing pending: a's collective still is
+        hold_the_gil(20)
+    """)
+    assert rc == 1 and "Timeout (0:00:02)!" in err, err
+
+
 def test_the_timer_writes_to_the_real_stderr_when_sys_stderr_has_no_descriptor():
     rc, err, _ = run("""
         import io, sys

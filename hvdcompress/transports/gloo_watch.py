@@ -18,8 +18,8 @@ it forward at every poll; if no poll comes for the shutdown time plus
 ``BACKSTOP_MARGIN_S``, the timer prints every thread's stack on stderr (headed "Timeout
 (h:mm:ss)!") and ends the process with status 1 (where ``sys.stderr`` has no file
 descriptor, on ``sys.__stderr__``; without either, no timer). It is the process's one
-faulthandler timer: a user's own ``dump_traceback_later`` is replaced while a collective
-is pending.
+faulthandler timer (shared by the process's watches): a user's own
+``dump_traceback_later`` is replaced while a collective is pending.
 """
 
 from __future__ import annotations
@@ -40,35 +40,43 @@ BACKSTOP_MARGIN_S = 1.0  # the GIL-free timer fires this long after the shutdown
 
 
 class _Backstop:
-    """The GIL-free timer (module doc): armed while a collective is pending. ``file``:
-    where the stacks go (a file with a descriptor: faulthandler writes to it from C)."""
+    """The process's GIL-free timer (module doc), shared by its watches (a split transport
+    makes three, and faulthandler has one timer): armed while any of them, its holders,
+    has a collective pending, for the longest of their times."""
 
-    def __init__(self, seconds: float, file) -> None:
-        self.seconds = seconds
-        self.file = file
-        self.armed = False
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: dict[int, float] = {}  # id of a watch -> its seconds
 
-    @classmethod
-    def make(cls, seconds: float) -> _Backstop | None:
-        """A timer on stderr, or on the process's original stderr where ``sys.stderr`` has
-        no file descriptor (a notebook's); None (no timer) where neither has one."""
-        for file in (sys.stderr, sys.__stderr__):
-            try:
-                file.fileno()
-            except (AttributeError, ValueError, OSError):
-                continue
-            return cls(seconds, file)
-        return None
+    def holds(self, holder: int) -> bool:
+        return holder in self._holders
 
-    def push(self) -> None:
-        """Arm, or move the deadline to ``seconds`` from now."""
-        faulthandler.dump_traceback_later(self.seconds, exit=True, file=self.file)
-        self.armed = True
+    def push(self, holder: int, seconds: float, file) -> None:
+        """Arm, or move the deadline to the holders' longest time from now."""
+        with self._lock:
+            self._holders[holder] = seconds
+            faulthandler.dump_traceback_later(max(self._holders.values()), exit=True, file=file)
 
-    def cancel(self) -> None:
-        if self.armed:
-            faulthandler.cancel_dump_traceback_later()
-            self.armed = False
+    def release(self, holder: int) -> None:
+        """``holder`` has nothing pending; the timer stops when no holder is left."""
+        with self._lock:
+            if self._holders.pop(holder, None) is not None and not self._holders:
+                faulthandler.cancel_dump_traceback_later()
+
+
+_BACKSTOP = _Backstop()
+
+
+def _stderr_with_a_descriptor():
+    """stderr, or the process's original stderr where ``sys.stderr`` has no file
+    descriptor (a notebook's): faulthandler writes to it from C. None where neither has."""
+    for file in (sys.stderr, sys.__stderr__):
+        try:
+            file.fileno()
+        except (AttributeError, ValueError, OSError):
+            continue
+        return file
+    return None
 
 
 class GlooStallWatch:
@@ -91,9 +99,10 @@ class GlooStallWatch:
         self._pending: dict[str, tuple[Hashable | None, float]] = {}  # name -> (handle, since)
         self._names: dict[Hashable, str] = {}  # handle -> name, of the pending
         self._warned: dict[str, float] = {}  # name -> when it may be reported again
-        self._backstop = _Backstop.make(shutdown_s + BACKSTOP_MARGIN_S) if shutdown_s > 0 else None
+        self._stderr = _stderr_with_a_descriptor() if shutdown_s > 0 else None
+        self._timer_s = shutdown_s + BACKSTOP_MARGIN_S  # used where _stderr is not None
         thread = threading.Thread(
-            target=_run, args=(weakref.ref(self), self._backstop), name="hvdcompress-stall",
+            target=_run, args=(weakref.ref(self), id(self)), name="hvdcompress-stall",
             daemon=True,
         )  # fmt: skip
         thread.start()
@@ -101,8 +110,8 @@ class GlooStallWatch:
     def submitting(self, name: str) -> None:
         with self._lock:
             self._pending[name] = (None, time.monotonic())
-            if self._backstop is not None and not self._backstop.armed:
-                self._backstop.push()
+            if self._stderr is not None and not _BACKSTOP.holds(id(self)):
+                _BACKSTOP.push(id(self), self._timer_s, self._stderr)
 
     def submitted(self, name: str, handle: Hashable) -> None:
         with self._lock:
@@ -126,8 +135,8 @@ class GlooStallWatch:
         # under the lock; with nothing pending the timer stops at once, so that a job
         # that ends (its exit may be slow) has no timer armed
         self._pending.pop(name, None)
-        if not self._pending and self._backstop is not None:
-            self._backstop.cancel()
+        if not self._pending:
+            _BACKSTOP.release(id(self))
 
     @contextlib.contextmanager
     def blocking(self, name: str):
@@ -149,16 +158,16 @@ class GlooStallWatch:
                     if self._names.get(handle) == name:
                         del self._names[handle]
                         self._forget(name)
-                self._warned.pop(name, None)
             elif now - since > self.check_s:
                 stalled.append((now - since, name))
         with self._lock:
-            if self._backstop is not None:
-                if self._pending:
-                    self._backstop.push()
-                else:
-                    self._backstop.cancel()
+            if not self._pending:
+                _BACKSTOP.release(id(self))
+            elif self._stderr is not None:
+                _BACKSTOP.push(id(self), self._timer_s, self._stderr)
             left = len(self._pending)
+            for gone in self._warned.keys() - self._pending.keys():
+                del self._warned[gone]
         if stalled:
             self._report(now, max(stalled), len(stalled), left)
 
@@ -189,14 +198,13 @@ class GlooStallWatch:
             )
 
 
-def _run(ref: weakref.ref, backstop: _Backstop | None) -> None:
+def _run(ref: weakref.ref, holder: int) -> None:
     """The watch thread: ticks until its watch (the transport's) is gone."""
     while True:
         time.sleep(POLL_S)
         watch = ref()
         if watch is None:
-            if backstop is not None:
-                backstop.cancel()
+            _BACKSTOP.release(holder)
             return
         watch.tick(time.monotonic())
         del watch
