@@ -150,7 +150,7 @@ BACKENDS = ["mpi4py", "hvd-mpi", "hvd-gloo"]
 # 4 ranks for the faults that matter most; 2 ranks for everything
 SIZES = {
     "exit": [2], "kill": [2, 4], "between": [2], "sysexit": [2], "raise": [2, 4],
-    "frame": [2, 4], "stall": [2, 4],
+    "frame": [2, 4], "stall": [2, 4], "gil": [2],
 }  # fmt: skip
 
 
@@ -277,6 +277,19 @@ def test_rank_stalls_warns_then_shuts_down(backend, np_):
         assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5: shutting down" in out, out[-4000:]
     else:
         assert "stalled for longer than 5 seconds. Will shutdown" in out, out[-4000:]
+
+
+@pytest.mark.parametrize(("backend", "np_"), _cases("gil", ["hvd-gloo"]))
+def test_a_rank_stuck_holding_the_gil_ends_itself(backend, np_):
+    # Its stall watch cannot run: the GIL-free timer (transports/gloo_watch.py) ends it
+    # after the shutdown time + 1 s, with its stack; the others would wait 30 s.
+    _needs(backend)
+    rc, out, t = launch(backend, np_, "gil", env=STALL_ENV)
+    _failed(rc, out, t)
+    assert t < 25, f"the job took {t:.1f} s: not ended by the stuck rank's timer"
+    assert re.search(rf"\[{BAD}\]<stderr>:Timeout \(0:00:06\)!", out), out[-4000:]
+    assert "in hold_the_gil_for_good" in out, out[-4000:]
+    assert re.search(rf"Process {BAD} exit with status code 1", out), out[-4000:]
 
 
 @pytest.mark.parametrize("backend", ["mpi4py", "hvd-gloo"])

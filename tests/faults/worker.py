@@ -14,7 +14,11 @@ Faults, on rank ``--rank`` at step ``--step``:
 * ``frame``: the bucket frame it sends has a wrong length table (``lengths``) or is cut
   short inside its table (``truncated``): the transport's ``start_allgatherv`` is wrapped;
 * ``stall``: sleeps ``--sleep`` seconds before its backward (the others wait in a
-  collective).
+  collective);
+* ``gil``: stops for good inside a C call that holds the GIL, during backward with
+  collectives pending (as a rank stuck in a Horovod submit would); the other ranks take
+  a stall shutdown time of 30 s, so that only the stuck rank's own timer ends the job
+  quickly.
 
 Every rank prints ``worker rank R step S`` after each step and ``worker rank R done`` at
 the end; the argument ``--tag`` only marks the processes (the test looks for leftovers). SIGUSR1
@@ -24,6 +28,7 @@ prints every thread's stack (the test sends it to a job that hangs, before killi
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import os
 import signal
@@ -48,6 +53,10 @@ def corrupt_frame(frame: torch.Tensor, how: str) -> torch.Tensor:
     return frame
 
 
+def hold_the_gil_for_good() -> None:
+    ctypes.PyDLL(None).sleep(600)  # ctypes.PyDLL keeps the GIL through the call
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="mpi4py")
@@ -61,6 +70,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's view of a hang
+
+    if args.fault == "gil" and os.environ.get("HOROVOD_RANK") != str(args.rank):
+        os.environ["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = "30"
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -91,13 +103,15 @@ def main() -> None:
 
         transport.start_allgatherv = start_allgatherv
 
-    if faulty and args.fault in ("exit", "kill"):
+    if faulty and args.fault in ("exit", "kill", "gil"):
 
         def die(grad):
             if step == args.step:
                 print(f"worker rank {rank}: fault {args.fault} in backward", flush=True)
                 if args.fault == "exit":
                     os._exit(3)
+                if args.fault == "gil":
+                    hold_the_gil_for_good()
                 os.kill(os.getpid(), signal.SIGKILL)
             return grad
 
