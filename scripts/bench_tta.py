@@ -361,15 +361,15 @@ def main(argv=None) -> int:
     rep.add_argument("--out", type=Path, default=ROOT / "docs")
     rep.add_argument("--readme", action="store_true", help="rewrite the README's block")
     args = ap.parse_args(argv)
-    if args.command == "missing":
+    if args.command in ("run", "missing"):
         jobs = plan(args.models, args.methods, args.seeds, merge_peers(PEERS))
+    if args.command == "missing":
         left = missing(jobs, args.results)
         for model, method, seed in left:
             print(f"{model} {method} seed {seed}")
         print(f"bench_tta: {len(jobs) - len(left)} of {len(jobs)} jobs of the matrix finished")
         return 0
     if args.command == "run":
-        jobs = plan(args.models, args.methods, args.seeds, merge_peers(PEERS))
         timeout = 60 * args.job_minutes
         run_jobs(jobs, args.results, lambda *job: run_job(*job, timeout), args.max_minutes,
                  args.retry_failed, lock_dir=WORK / "locks")  # fmt: skip

@@ -115,8 +115,7 @@ class GlooStallWatch:
 
     def submitted(self, name: str, handle: Hashable) -> None:
         with self._lock:
-            since = self._pending.get(name, (None, time.monotonic()))[1]
-            self._pending[name] = (handle, since)
+            self._pending[name] = (handle, self._pending[name][1])  # since submitting
             self._names[handle] = name
 
     def waited(self, handle: Hashable) -> None:
