@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Accuracy against compression: every method trained the same way on N ranks of Fashion-MNIST.
 
-    python scripts/bench_accuracy.py                      # the README's long-run tables
+    python scripts/bench_accuracy.py                      # docs/benchmarks-accuracy.md
     python scripts/bench_accuracy.py --methods none 3lc --seeds 1 --epochs 2 --real
 
 For each method and seed it runs scripts/train.py with the method's flags (the one table,

@@ -45,7 +45,7 @@ def table(rows: list[dict]) -> str:
 
 
 def targets(rows: list[dict]) -> str:
-    """The link-speed targets (docs/benchmarks.md), MET / MISS per model and rate, for
+    """The link-speed targets (docs/benchmarks-peers.md), MET / MISS per model and rate, for
     the rows this run has: ``hvdc-3lc`` (auto) at least 0.97x the speed of the fastest of
     DDP's allreduce and the fixed exchanges; ``hvdc-none`` at least 0.97x DDP; at 100 Mbit/s
     and 1 Gbit/s the fastest hvdcompress codec row at least as fast as torch's PowerSGD
