@@ -4,7 +4,7 @@
     python scripts/bench_tta.py run --max-minutes 60          # more jobs of the matrix
     python scripts/bench_tta.py run --models cnn --methods ddp hvdc-3lc --seeds 1
     python scripts/bench_tta.py missing                        # what the matrix still lacks
-    python scripts/bench_tta.py report                         # tables, plot, README
+    python scripts/bench_tta.py report --readme                # tables, plots, README
 
 ``run`` works through the matrix of (model, method, seed) jobs, each one 4-rank
 scripts/train.py run (``hvdc-*``: the simulated world, ``--simulate-ranks 4``, which ends
@@ -28,8 +28,11 @@ docs/results/peer_steps*.json in name order): per model
 and link rate, the wall-clock each method needs to reach the target accuracy, the
 baseline's (DDP allreduce) mean final accuracy minus 0.3 points (scripts/_bench/tta.py).
 Writes docs/results/time_to_accuracy.md, docs/tta_<model>.png (test accuracy against
-wall-clock, one panel per rate) and, with ``--readme``, the README's block between
-``<!-- tta:begin -->`` and ``<!-- tta:end -->``.
+wall-clock, one panel per rate) and, with ``--readme``, every table into the block of
+docs/benchmarks-time-to-accuracy.md between ``<!-- tta:begin -->`` and
+``<!-- tta:end -->`` and the headline (per model and rate, hvdcompress's fastest row
+against the fastest peer) into the README's between ``<!-- tta:headline:begin -->`` and
+``<!-- tta:headline:end -->``; run again on the same data, it writes the same bytes.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ except ModuleNotFoundError:  # loaded by file path from the repository root (the
     from scripts.bench_accuracy import parse_summary, read_curve
 
 ROOT = Path(__file__).resolve().parents[1]
+# report --readme: every table into this page, the headline table into the README
+TTA_PAGE = ROOT / "docs" / "benchmarks-time-to-accuracy.md"
 RESULTS = ROOT / "docs" / "results" / "accuracy_jobs.jsonl"
 # bench_peers' step times (peer_steps_<what>.json), in name order: a later file's rows
 # replace an earlier one's
@@ -359,7 +364,10 @@ def main(argv=None) -> int:
         help="bench_peers JSON files; a later file's row replaces an earlier one's",
     )  # fmt: skip
     rep.add_argument("--out", type=Path, default=ROOT / "docs")
-    rep.add_argument("--readme", action="store_true", help="rewrite the README's block")
+    rep.add_argument(
+        "--readme", action="store_true",
+        help="rewrite the README's headline and the tables of docs/benchmarks-time-to-accuracy.md",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.command in ("run", "missing"):
         jobs = plan(args.models, args.methods, args.seeds, merge_peers(PEERS))
@@ -387,6 +395,7 @@ def main(argv=None) -> int:
     text = tta_report.write_report(
         tta.load_results(args.results), peers, args.out, MODELS, METHODS, STEP_ROW,
         ROOT / "README.md" if args.readme else None, declared, ON_EXCHANGE,
+        page=TTA_PAGE if args.readme else None,
     )  # fmt: skip
     print(text)
     return 0

@@ -1,7 +1,8 @@
 """scripts/bench_tta.py: the driver skips what the results file holds, stops starting jobs
 after --max-minutes, survives a line cut short by a kill; the report's arithmetic (the
 target, the first epoch at it, the time on each link, the best hvdcompress row) on a
-tiny fake results file, and the README block it rewrites."""
+tiny fake results file, and the blocks it rewrites: every table in
+docs/benchmarks-time-to-accuracy.md, the headline in the README."""
 
 from __future__ import annotations
 
@@ -207,12 +208,15 @@ def test_a_timed_exchange_other_than_the_accuracy_runs_is_marked():
     assert "≠ the timed run's exchange" in text
 
 
-def test_the_report_marks_the_best_hvdc_row_and_rewrites_the_readme_block(tmp_path):
+def test_the_report_marks_the_best_hvdc_row_and_rewrites_the_docs_and_readme_blocks(tmp_path):
     records = _fake_records()
-    readme = tmp_path / "README.md"
-    readme.write_text("before\n<!-- tta:begin -->\nold table\n<!-- tta:end -->\nafter\n")
+    readme, page = tmp_path / "README.md", tmp_path / "benchmarks-time-to-accuracy.md"
+    readme.write_text(
+        "before\n<!-- tta:headline:begin -->\nold\n<!-- tta:headline:end -->\nafter\n"
+    )
+    page.write_text("before\n<!-- tta:begin -->\nold table\n<!-- tta:end -->\nafter\n")
     text = tta_report.write_report(records, PEERS, tmp_path, ["cnn"], bench.METHODS,
-                                   bench.STEP_ROW, readme)  # fmt: skip
+                                   bench.STEP_ROW, readme, page=page)  # fmt: skip
     assert "target 90.90%" in text
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-3lc |"))
     assert "**0.3 min**" in line  # 200 steps x 0.1 s at 100 Mbit/s: the best hvdc row
@@ -223,10 +227,56 @@ def test_the_report_marks_the_best_hvdc_row_and_rewrites_the_readme_block(tmp_pa
         "- 100 Mbit/s: **hvdc-3lc first**, hvdc-3lc 0.3 min against ddp 10.0 min (30.00x)" in text
     )
     assert "- unlimited: ddp first, hvdc-3lc 0.3 min against ddp 0.2 min (0.94x)" in text
-    body = readme.read_text()
+    body = page.read_text()
     assert body.startswith("before\n<!-- tta:begin -->\n#### cnn") and "old table" not in body
-    assert body.endswith("<!-- tta:end -->\nafter\n")
+    assert body.endswith(text + "<!-- tta:end -->\nafter\n")
+    body = readme.read_text()
+    assert body.startswith("before\n<!-- tta:headline:begin -->\n| model (target) |")
+    assert "\nold\n" not in body and body.endswith("<!-- tta:headline:end -->\nafter\n")
+    assert "| cnn (90.90%) | 100 Mbit/s | **hvdc-3lc 0.3 min** | ddp 10.0 min | 30.00x |" in body
     assert (tmp_path / "tta_cnn.png").stat().st_size > 1000
+    # written again from the same data: the same bytes
+    before = readme.read_bytes(), page.read_bytes()
+    tta_report.write_report(records, PEERS, tmp_path, ["cnn"], bench.METHODS, bench.STEP_ROW,
+                            readme, page=page)  # fmt: skip
+    assert (readme.read_bytes(), page.read_bytes()) == before
+    stale = tmp_path / "stale.md"
+    stale.write_text("<!-- tta:begin -->\n<!-- tta:end -->\n")  # no headline block
+    with pytest.raises(SystemExit, match="no <!-- tta:headline:begin -->"):
+        tta_report.write_report(records, PEERS, tmp_path, ["cnn"], bench.METHODS,
+                                bench.STEP_ROW, stale)  # fmt: skip
+
+
+def test_the_headline_is_the_fastest_row_of_each_side_per_model_and_rate():
+    """The README's table: per rate, hvdcompress's fastest row and the fastest peer with
+    the marks of ``markdown``'s cells (†: a borrowed step row, ‡: a dense run), the
+    first to the target in bold, the peer's time over hvdcompress's; its footnotes only
+    for the marks it shows."""
+    records = _fake_records()
+    del records["cnn/hvdc-3lc/seed1"]  # hvdc-accordion-3lc, on hvdc-3lc's step time, leads
+    peers = {"rows": [*PEERS["rows"], {"model": "cnn", "row": "hvdc-powersgd",
+                                       "rate": "unlimited", "step_s": 0.01,
+                                       "exchanges": ["dense"]}]}  # fmt: skip
+    top = tta_report.headline(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW)
+    lines = top.splitlines()
+    assert lines[0].startswith("| model (target) | link | hvdcompress's fastest |")
+    assert lines[2] == ("| cnn (90.90%) | 100 Mbit/s | **hvdc-accordion-3lc 0.3 min †** "
+                        "| ddp 10.0 min | 30.00x |")  # fmt: skip
+    # unlimited: hvdc-powersgd sent dense, DDP's 300 steps x 0.01 s against DDP's x 0.05 s
+    assert (
+        lines[4]
+        == "| cnn (90.90%) | unlimited | **hvdc-powersgd 0.1 min ‡** | ddp 0.2 min | 5.00x |"
+    )
+    assert "† the step time of the bench_peers row `hvdc-3lc` for hvdc-accordion-3lc" in top
+    assert "‡ at this rate" in top and "≠" not in top
+    alone = tta_report.headline(
+        {k: v for k, v in records.items() if "/ddp/" in k}, PEERS, ["cnn"], bench.METHODS,
+        bench.STEP_ROW,
+    )  # fmt: skip
+    assert (
+        alone.splitlines()[2]
+        == "| cnn (90.90%) | 100 Mbit/s | not reached | **ddp 10.0 min** | - |"
+    )
 
 
 def test_the_commands_of_the_two_kinds_of_job(tmp_path):

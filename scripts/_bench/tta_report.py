@@ -1,7 +1,9 @@
 """The time-to-accuracy report of scripts/bench_tta.py: per model, a table of final
-accuracy and time to the target at each link rate, a plot of test accuracy against
-wall-clock (one panel per rate), and the README's block, all from the results file and
-the peer benchmark's step times alone (the arithmetic: scripts/_bench/tta.py)."""
+accuracy and time to the target at each link rate (the block of
+docs/benchmarks-time-to-accuracy.md), a plot of test accuracy against wall-clock (one
+panel per rate), and the README's headline table (per model and rate, hvdcompress's
+fastest row against the fastest peer), all from the results file and the peer
+benchmark's step times alone (the arithmetic: scripts/_bench/tta.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,11 @@ except ModuleNotFoundError:
 
 RATES = ("100mbit", "1gbit", "unlimited")
 RATE_NAMES = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unlimited"}
-README_BLOCK = re.compile(r"(<!-- tta:begin -->\n).*?(<!-- tta:end -->)", re.S)
+# the generated blocks: every table (docs/benchmarks-time-to-accuracy.md), the headline
+# (README.md)
+TABLES_BLOCK = re.compile(r"(<!-- tta:begin -->\n).*?(<!-- tta:end -->)", re.S)
+HEADLINE_BLOCK = re.compile(r"(<!-- tta:headline:begin -->\n).*?(<!-- tta:headline:end -->)", re.S)
+BORROWED = "† the step time of the bench_peers row {rows} (no row of its own)."
 # what a cell's mark says about the accuracy curve its step time was joined with
 FOOTNOTES = {
     "‡": '‡ at this rate the method\'s tuner (`exchange="auto"`) sent every bucket '
@@ -108,9 +114,25 @@ def rows(
     return out
 
 
+def _fastest(table: list[dict], rate: str, ours: bool) -> dict | None:
+    """The row that reaches the target first at ``rate`` among hvdcompress's rows
+    (``ours``) or among the peers (DDP, torch's hooks); None if none reaches it."""
+    timed = [r for r in table if r["method"].startswith("hvdc-") == ours and r["seconds"][rate]]
+    return min(timed, key=lambda r: r["seconds"][rate]) if timed else None
+
+
 def _best_hvdc(table: list[dict], rate: str) -> str | None:
-    timed = [r for r in table if r["method"].startswith("hvdc-") and r["seconds"][rate]]
-    return min(timed, key=lambda r: r["seconds"][rate])["method"] if timed else None
+    best = _fastest(table, rate, ours=True)
+    return best["method"] if best else None
+
+
+def _time_cell(r: dict, rate: str) -> tuple[str, str]:
+    """A reached time with its marks (†: a borrowed step row; ‡, §, ≠, ?: what the
+    step time was joined with, FOOTNOTES), and the mark."""
+    cell = f"{r['seconds'][rate] / 60:.1f} min" + (" †" if r["borrowed"] else "")
+    mark = "‡" if r["dense"][rate] else "§" if r["partly_dense"][rate] else ""
+    mark = mark or r["mark"][rate]
+    return cell + (f" {mark}" if mark else ""), mark
 
 
 def verdict(table: list[dict], rate: str) -> str:
@@ -162,10 +184,7 @@ def markdown(
                 elif s is None:
                     cell = "not reached"
                 else:
-                    cell = f"{s / 60:.1f} min" + (" †" if r["borrowed"] else "")
-                    mark = "‡" if r["dense"][rate] else "§" if r["partly_dense"][rate] else ""
-                    mark = mark or r["mark"][rate]
-                    cell += f" {mark}" if mark else ""
+                    cell, mark = _time_cell(r, rate)
                     cell += f" [{r['on'][rate]}]" if several and r["on"][rate] else ""
                     marks.add(mark)
                 cells.append(f"**{cell}**" if best[rate] == r["method"] and s else cell)
@@ -184,11 +203,59 @@ def markdown(
         lines += [f"- {RATE_NAMES[rate]}: {verdict(table, rate)}" for rate in RATES]
         lines.append("")
     if any(step_row.values()):
-        lines.append("† the step time of the bench_peers row " + ", ".join(
-            f"`{v}` for {k}" for k, v in step_row.items()) + " (no row of its own).")  # fmt: skip
+        lines.append(_borrowed(step_row))
     if labelled:
         lines += ["", "[exchange]: accuracy runs with the exchange fixed to the one the tuner "
                   "picked in the timed run (the simulated world cannot time a link)."]  # fmt: skip
+    lines += [line for mark in FOOTNOTES if mark in marks for line in ("", FOOTNOTES[mark])]
+    return "\n".join(lines) + "\n"
+
+
+def _borrowed(step_row: dict) -> str:
+    return BORROWED.format(rows=", ".join(f"`{v}` for {k}" for k, v in step_row.items()))
+
+
+def headline(
+    records: dict, peers: dict, models, methods, step_row: dict, declared: dict | None = None,
+    pinned: dict | None = None,
+) -> str:  # fmt: skip
+    """The README's table: per model and rate, hvdcompress's fastest row to the target
+    against the fastest peer (the same rows, times and marks as ``markdown``'s tables);
+    the first to the target in bold; the peer's time over hvdcompress's."""
+    lines = [
+        "| model (target) | link | hvdcompress's fastest | fastest peer (DDP, torch's hooks) "
+        "| peer's time / hvdcompress's |",
+        "|---|---|---|---|---|",
+    ]  # fmt: skip
+    marks, borrowed = set(), False
+    for model in models:
+        table = rows(records, peers, model, methods, step_row, declared, pinned)
+        if not table:
+            continue
+        goal = tta.target(records, model)
+        name = f"{model} ({'no DDP allreduce run' if goal is None else f'{100 * goal:.2f}%'})"
+        for rate in RATES:
+            best = {ours: _fastest(table, rate, ours) for ours in (True, False)}
+            cells = {}
+            for ours, r in best.items():
+                if r is None:
+                    cells[ours] = "not reached"
+                    continue
+                cell, mark = _time_cell(r, rate)
+                cells[ours] = f"{r['method']} {cell}"
+                marks.add(mark)
+                borrowed = borrowed or r["borrowed"]
+            ratio, first = "-", best[True] is not None  # the one side that reached it
+            if best[True] and best[False]:
+                ratio_x = best[False]["seconds"][rate] / best[True]["seconds"][rate]
+                ratio = f"{ratio_x:.2f}x"
+                first = ratio_x >= 1  # as ``verdict``: a tie goes to hvdcompress
+            if best[first]:
+                cells[first] = f"**{cells[first]}**"
+            lines.append(f"| {name} | {RATE_NAMES[rate]} | {cells[True]} | {cells[False]} "
+                         f"| {ratio} |")  # fmt: skip
+    if borrowed:
+        lines += ["", _borrowed(step_row)]
     lines += [line for mark in FOOTNOTES if mark in marks for line in ("", FOOTNOTES[mark])]
     return "\n".join(lines) + "\n"
 
@@ -232,18 +299,29 @@ def plot(
     return True
 
 
+def rewrite_block(path: Path, block: re.Pattern, text: str) -> None:
+    """Replace what lies between ``block``'s two markers in ``path`` with ``text``."""
+    body = path.read_text()
+    if not block.search(body):
+        begin, end = re.findall(r"<!-- [a-z:]+ -->", block.pattern)
+        raise SystemExit(f"{path} has no {begin} ... {end} block")
+    path.write_text(block.sub(lambda m: m.group(1) + text + m.group(2), body))
+
+
 def write_report(
     records, peers, out: Path, models, methods, step_row, readme: Path | None, declared=None,
-    pinned=None,
+    pinned=None, page: Path | None = None,
 ):  # fmt: skip
+    """Write results/time_to_accuracy.md and tta_<model>.png under ``out``, every table
+    into ``page``'s tta block and the headline into ``readme``'s (each if given)."""
     text = markdown(records, peers, models, methods, step_row, declared, pinned)
     (out / "results").mkdir(parents=True, exist_ok=True)
     (out / "results" / "time_to_accuracy.md").write_text(text)
     for model in models:
         plot(records, peers, model, methods, step_row, out / f"tta_{model}.png", pinned)
+    if page is not None:
+        rewrite_block(page, TABLES_BLOCK, text)
     if readme is not None:
-        body = readme.read_text()
-        if not README_BLOCK.search(body):
-            raise SystemExit(f"{readme} has no <!-- tta:begin --> ... <!-- tta:end --> block")
-        readme.write_text(README_BLOCK.sub(lambda m: m.group(1) + text + m.group(2), body))
+        top = headline(records, peers, models, methods, step_row, declared, pinned)
+        rewrite_block(readme, HEADLINE_BLOCK, top)
     return text
