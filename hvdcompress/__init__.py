@@ -7,7 +7,7 @@ parameters. The wire format every rank and backend shares is in ``wire``.
 
 from hvdcompress import checkpoint, wire
 from hvdcompress.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from hvdcompress.compat import Compression
+from hvdcompress.compression import Compression
 from hvdcompress.compressors import Compressor, Ctx, available, get_compressor
 from hvdcompress.ddp import DDPHookState, ddp_hook
 from hvdcompress.errors import PayloadError, payload_error

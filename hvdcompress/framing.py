@@ -181,7 +181,7 @@ def new_float32(numel: int, device: torch.device, fill: float | None = None) -> 
 
     Why the advice: a fresh CPU tensor of 40 MB is mapped by the kernel at first touch,
     one fault per 4 KiB page, and that costs 2.6-4.3 memcpys of its size, more than most
-    decodes themselves (docs/benchmarks.md, "Public path against the bucket path"). Where
+    decodes themselves (docs/benchmarks-codecs.md, "Public path against the bucket path"). Where
     the tensor spans whole 2 MiB pages those are advised as transparent huge pages
     (``madvise(MADV_HUGEPAGE)``, what ``THP_MEM_ALLOC_ENABLE=1`` asks of torch's
     allocator) before the first write, 512 times fewer faults. Only advice: where THP is

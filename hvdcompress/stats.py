@@ -2,13 +2,27 @@
 
 ``DistributedOptimizer.last_stats`` is the ``StepStats`` of the last step; a policy's
 ``after_step(stats)`` gets the current step's (CAT fits its cost model to
-``stats.timings``, one ``CollectiveTiming`` per collective).
+``stats.timings``, one ``CollectiveTiming`` per collective). ``StepAccount`` fills them
+for the reducer (``hvdcompress.reducer``); ``ring_allreduce_bytes`` is the one ring
+model of an allreduce's bytes.
+
+Invariant: a step's stats count every gradient element handed to an exchange once and
+every finished exchange's collectives once, whichever adapter drove it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import torch
+
+
+def ring_allreduce_bytes(size: int, nbytes: float) -> float:
+    """Bytes one rank sends (and receives) in a ring allreduce of ``nbytes`` over
+    ``size`` ranks: ``2 (size - 1) / size * nbytes`` (a reduce-scatter, then an
+    allgather, each moving ``(size - 1) / size`` of the buffer)."""
+    return 2 * (size - 1) * nbytes / size
 
 
 @dataclass
@@ -77,3 +91,54 @@ class StepStats:
         self.decode_s += flight.decode_s
         self.overflow += flight.overflow
         self.nonfinite += flight.nonfinite
+
+
+class StepAccount:
+    """The ``StepStats`` of the step in progress (``current``) and of the last one ended
+    (``last``). The reducer reports what it hands to an exchange (``started``), what the
+    exchange moved (``finished``) and ends the step (``end``)."""
+
+    def __init__(self) -> None:
+        self.current = StepStats()
+        self.last = StepStats()
+
+    def started(self, grads: list[torch.Tensor], seconds: float) -> None:
+        """Gradients handed to an exchange, and the seconds their encode (inline: their
+        collectives too) took."""
+        stats = self.current
+        stats.numel += sum(g.numel() for g in grads)
+        stats.raw_bytes += sum(g.numel() * g.element_size() for g in grads)
+        stats.compress_s += seconds
+
+    def finished(self, flight) -> None:
+        """A finished exchange's ``InFlight``: its collectives and times."""
+        self.current.add(flight)
+
+    def sent_sparse(self, nbytes: int) -> None:
+        """One sparse gradient's own collective (the optimizer's, as in Horovod)."""
+        self.current.collectives += 1
+        self.current.payload_bytes += nbytes
+
+    def allreduced(self, buffer: torch.Tensor, size: int) -> None:
+        """A buffer summed by one ring allreduce outside any exchange (the DDP hook's
+        bucket with nothing to compress): its bytes by the ring model."""
+        stats = self.current
+        nbytes = buffer.numel() * buffer.element_size()
+        ring = ring_allreduce_bytes(size, nbytes)
+        stats.numel += buffer.numel()
+        stats.raw_bytes += nbytes
+        stats.payload_bytes += nbytes
+        stats.wire_bytes += ring
+        stats.sent_bytes += int(ring)
+        stats.collectives += 1
+        stats.rounds += 1
+
+    def end(self, compressor, policy=None) -> None:
+        """End the step: its metrics are the compressor's (and ``policy``'s, which first
+        sees the step's stats: ``Policy.after_step``); it becomes ``last``."""
+        stats = self.current
+        stats.metrics = compressor.pop_metrics()
+        if policy is not None:
+            policy.after_step(stats)  # every collective of the step is done
+            stats.metrics = {**stats.metrics, **policy.pop_metrics()}
+        self.last, self.current = stats, StepStats()

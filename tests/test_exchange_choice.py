@@ -147,8 +147,8 @@ def test_a_bucket_sent_dense_is_averaged_exactly_and_left_out_of_the_policy():
         for n, p in model.named_parameters():
             p.grad = grads[t.rank][n].clone()
         opt.synchronize()
-        kinds = {b.names[0]: opt._exchanges[b.index].kind for b in opt._buckets}
-        residuals = set(opt._compressor.state_dict()["residuals"])
+        kinds = {b.names[0]: opt.reducer.planned(b).kind for b in opt.buckets}
+        residuals = set(opt.compressor.state_dict()["residuals"])
         return kinds, policy.names, residuals, model.scale.grad.clone(), model.w.grad.clone()
 
     results = run_ranks(4, rank)

@@ -20,7 +20,7 @@ import torch
 
 import hvdcompress
 from hvdcompress import wire
-from hvdcompress.compat import resolve_compressor
+from hvdcompress.compression import resolve_compressor
 from hvdcompress.compressors import GatherCompressor, SummableCompressor, registry
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register

@@ -86,8 +86,8 @@ class ThreeLC(PerTensorLevels, TernaryLayout):
         # The owner's input is the average of N ternary payloads plus its residual: a few
         # spikes. A second error-feedback loop at high sparsity (contraction s (2 - s) / n)
         # delays most of it for long and the training diverged (s = 1.75, 4 ranks,
-        # Fashion-MNIST, docs/benchmarks.md, "Scaling out"); at s = 1 the owner sends every value at
-        # or above half the largest.
+        # Fashion-MNIST, docs/benchmarks-step-time.md, "Scaling out"); at s = 1 the owner
+        # sends every value at or above half the largest.
         return 1.0
 
     def contraction(self, numel):

@@ -20,6 +20,7 @@ from hvdcompress.exchange.base import _Exchange
 from hvdcompress.exchange.hierarchical import hierarchical_exchange, hierarchical_open
 from hvdcompress.exchange.summed import SummedExchange
 from hvdcompress.exchange.twostage import Piece, TwoStageExchange
+from hvdcompress.stats import ring_allreduce_bytes
 from hvdcompress.transports import Transport
 from hvdcompress.transports.cost import LinkCost, calibrate_link
 
@@ -62,7 +63,8 @@ def twostage_bytes(size: int, shards: list[list[Piece]], est: PayloadEstimate) -
     stage 1 sends the N - 1 shards of the others, stage 2 its own shard to N - 1 ranks;
     both move every shard's frame (N - 1) / N times per rank on average."""
     frames = sum(8 * (len(p) + 1) + sum(est.bytes(pc.numel) for pc in p) for p in shards)
-    return 2.0 * (size - 1) / size * frames + (size - 1)  # + the status byte
+    # stage 1 and stage 2 together move what a ring allreduce of the frames moves
+    return ring_allreduce_bytes(size, frames) + (size - 1)  # + the status byte
 
 
 @dataclass(frozen=True)
@@ -177,34 +179,11 @@ def choose_exchanges(
     (``_Exchange.finish_transport``; default ``transport``); ``per_tensor``: two-stage
     shards planned per tensor (``plan_shards_per_tensor``, the DDP hook's)."""
     check_exchange(mode, link_cost)
+    _check_mode(compressor, mode)
     size = transport.size
-    if isinstance(compressor, SummableCompressor):
-        if mode == "hierarchical":
-            raise ValueError(
-                f"exchange='hierarchical' is for gather-only compressors; {compressor.name} "
-                "is summable and its buckets are allreduced: use exchange='auto'"
-            )
-        if mode == "twostage":
-            raise ValueError(
-                f"exchange='twostage' is for gather-only compressors; {compressor.name} is "
-                "summable and its buckets are allreduced (already 2 (N - 1) / N x payload "
-                "per rank): use exchange='auto'"
-            )
-    elif not isinstance(compressor, GatherCompressor):
-        raise TypeError(
-            f"{compressor!r} is neither a GatherCompressor nor a SummableCompressor "
-            "(hvdcompress.compressors.base)"
-        )
-    elif mode == "twostage" and not compressor.recompressible:
-        raise ValueError(
-            f"exchange='twostage' needs a compressor whose averaged shards can be "
-            f"re-compressed; {compressor.name} cannot (GatherCompressor.recompressible: "
-            "it decodes with other ranks' payloads or its compress does more than encode): "
-            "use exchange='allgather' or 'auto'"
-        )
     if link_cost == "measure" and mode == "auto":
         link_cost = calibrate_link(transport)
-    estimate = compute = None
+    costing = _Costing(compressor, transport, link_cost)
     chosen: dict[int, _Exchange] = {}
     dense_indices: set[int] = set()
     options: dict[int, dict[str, _Exchange]] = {}
@@ -240,37 +219,82 @@ def choose_exchanges(
         if hierarchical:
             chosen[b.index] = open_["hierarchical"]
             continue
-        estimate = estimate or estimate_payload(compressor, size)
+        chosen[b.index] = costing.cheapest(b, gathered, twostage, open_["dense"])
+        if chosen[b.index] is open_["dense"]:
+            dense_indices.add(b.index)
+    return ExchangePlan(chosen, frozenset(dense_indices), options)
+
+
+def _check_mode(compressor: Compressor, mode: str) -> None:
+    """ValueError where ``exchange=mode`` cannot carry ``compressor``'s payloads,
+    TypeError for what is no compressor of either kind."""
+    if isinstance(compressor, SummableCompressor):
+        if mode == "hierarchical":
+            raise ValueError(
+                f"exchange='hierarchical' is for gather-only compressors; {compressor.name} "
+                "is summable and its buckets are allreduced: use exchange='auto'"
+            )
+        if mode == "twostage":
+            raise ValueError(
+                f"exchange='twostage' is for gather-only compressors; {compressor.name} is "
+                "summable and its buckets are allreduced (already 2 (N - 1) / N x payload "
+                "per rank): use exchange='auto'"
+            )
+    elif not isinstance(compressor, GatherCompressor):
+        raise TypeError(
+            f"{compressor!r} is neither a GatherCompressor nor a SummableCompressor "
+            "(hvdcompress.compressors.base)"
+        )
+    elif mode == "twostage" and not compressor.recompressible:
+        raise ValueError(
+            f"exchange='twostage' needs a compressor whose averaged shards can be "
+            f"re-compressed; {compressor.name} cannot (GatherCompressor.recompressible: "
+            "it decodes with other ranks' payloads or its compress does more than encode): "
+            "use exchange='allgather' or 'auto'"
+        )
+
+
+class _Costing:
+    """ "auto"'s first guess for one gather-only bucket (``choose_exchanges``): the payload
+    model measured once (``estimate_payload``; with a ``LinkCost`` the codec's seconds
+    too, ``measure_compute``, collectively, at the first bucket that needs them)."""
+
+    def __init__(self, compressor: GatherCompressor, transport: Transport, link_cost) -> None:
+        self.compressor, self.transport, self.link_cost = compressor, transport, link_cost
+        self.estimate: PayloadEstimate | None = None
+        self.compute: ComputeCost | None = None
+
+    def cheapest(self, b: Bucket, gathered, twostage, dense):
+        """The exchange of least modelled cost among ``gathered``, ``twostage`` (None:
+        not open) and ``dense`` (by bytes: only where the headers alone outweigh the ring
+        allreduce's bytes, since the bodies' bytes change during training: DGC's warm-up,
+        a policy's levels). A tie keeps the allgather."""
+        size = self.transport.size
+        self.estimate = self.estimate or estimate_payload(self.compressor, size)
+        estimate = self.estimate
         numels = [p.numel() for p in b.params]
         raw = sum(p.numel() * p.element_size() for p in b.params)
-        frames = {gathered: [8 * (len(numels) + 1) + sum(estimate.bytes(n) for n in numels)]}
-        if twostage is not None:
-            frames[twostage] = [
-                8 * (len(p) + 1) + sum(estimate.bytes(pc.numel) for pc in p)
-                for p in twostage.plan(b)
-            ]
-        if isinstance(link_cost, LinkCost):
-            compute = compute or measure_compute(compressor, transport)
-            dense = link_cost.seconds("allreduce", raw)
+        shards = list(twostage.plan(b)) if twostage is not None else None
+        if isinstance(self.link_cost, LinkCost):
+            self.compute = self.compute or measure_compute(self.compressor, self.transport)
+            frames = {gathered: [8 * (len(numels) + 1) + sum(estimate.bytes(n) for n in numels)]}
+            if shards is not None:
+                frames[twostage] = [
+                    8 * (len(p) + 1) + sum(estimate.bytes(pc.numel) for pc in p) for p in shards
+                ]
             costs = {
-                e: predicted_seconds(link_cost, compute, size, sum(numels), f)
+                e: predicted_seconds(self.link_cost, self.compute, size, sum(numels), f)
                 for e, f in frames.items()
             }
+            dense_cost = self.link_cost.seconds("allreduce", raw)
         else:
             costs = {gathered: allgather_bytes(size, numels, estimate)}
-            if twostage is not None:
-                costs[twostage] = twostage_bytes(size, list(twostage.plan(b)), estimate)
-            # dense only where the headers alone outweigh the ring allreduce's bytes: the
-            # bodies' bytes change during training (DGC's warm-up, a policy's levels)
             headers = PayloadEstimate(estimate.header_bytes, 0.0)
             floor = allgather_bytes(size, numels, headers)
-            if twostage is not None:
-                floor = min(floor, twostage_bytes(size, list(twostage.plan(b)), headers))
-            ring = 2.0 * (size - 1) / size * raw
-            dense = ring if ring < floor else math.inf
+            if shards is not None:
+                costs[twostage] = twostage_bytes(size, shards, estimate)
+                floor = min(floor, twostage_bytes(size, shards, headers))
+            ring = ring_allreduce_bytes(size, raw)
+            dense_cost = ring if ring < floor else math.inf
         best = min(costs, key=costs.get)  # a tie keeps the allgather (inserted first)
-        if dense < costs[best]:
-            dense_indices.add(b.index)
-            best = options[b.index]["dense"]
-        chosen[b.index] = best
-    return ExchangePlan(chosen, frozenset(dense_indices), options)
+        return dense if dense_cost < costs[best] else best

@@ -7,6 +7,7 @@ import torch
 from hvdcompress.buckets import Bucket
 from hvdcompress.compressors import SummableCompressor
 from hvdcompress.exchange.base import Collective, InFlight, _Exchange, waited
+from hvdcompress.stats import ring_allreduce_bytes
 
 
 class SummedExchange(_Exchange):
@@ -29,7 +30,7 @@ class SummedExchange(_Exchange):
         payload_bytes = dense.numel() * dense.element_size()
         size = self.transport.size
         handle = (transport or self.transport).start_allreduce_sum(dense)
-        return Collective(handle, payload_bytes, 2.0 * (size - 1) / size * payload_bytes)
+        return Collective(handle, payload_bytes, ring_allreduce_bytes(size, payload_bytes))
 
     def _complete(
         self,

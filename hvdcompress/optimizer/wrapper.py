@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from hvdcompress import checks
-from hvdcompress.adapter_core import StepAccount, check_rank_state, load_rank_state, rank_state
 from hvdcompress.buckets import (
     Bucket,
     check_agreement,
@@ -19,12 +18,13 @@ from hvdcompress.buckets import (
     named_params,
     resolve_groups,
 )
-from hvdcompress.compressors import Compressor, get_compressor
-from hvdcompress.exchange import GatheredExchange, SummedExchange, choose_exchanges
-from hvdcompress.exchange.tuning import ExchangeTuner, Tuning, make_tuner
+from hvdcompress.compressors import Compressor
+from hvdcompress.exchange import GatheredExchange, SummedExchange
+from hvdcompress.exchange.tuning import ExchangeTuner, Tuning
 from hvdcompress.optimizer.options import Average, HorovodOptions, _normalize_op
 from hvdcompress.optimizer.process_sets import _OutsideProcessSet
 from hvdcompress.policies import Policy
+from hvdcompress.reducer import Reducer, Route, Started
 from hvdcompress.sparse_grads import finish_sparse, start_sparse
 from hvdcompress.stats import StepStats
 from hvdcompress.transports import Transport
@@ -66,13 +66,10 @@ class NonFiniteGradientError(FloatingPointError):
 
 @dataclass
 class _Launched:
-    """A started bucket: its dense part (the bucket, less any sparse gradients) and the
-    sparse gradients' own collectives."""
+    """A started bucket: its dense part (the bucket, less any sparse gradients; None
+    where every gradient is sparse) and the sparse gradients' own collectives."""
 
-    dense: Bucket | None
-    comp: Compressor  # the compressor the dense part was started with
-    exchange: object  # the exchange that started the dense part
-    flight: object
+    dense: Started | None
     sparse: list[tuple[torch.nn.Parameter, object, int]]  # (parameter, handle, bytes sent)
     densified: list[torch.nn.Parameter]  # sparse_as_dense: back to sparse after
 
@@ -93,7 +90,10 @@ def _check_dtypes(compressor: Compressor, buckets: list[Bucket]) -> None:
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    """Methods mixed into a subclass of the wrapped optimizer's class (see package doc)."""
+    """Methods mixed into a subclass of the wrapped optimizer's class (see package doc):
+    Horovod's semantics (backward passes, the launch order, sparse gradients, process
+    sets, groups, ``synchronize``/``step``) over one ``Reducer``, which routes, starts,
+    finishes, accounts and checkpoints the buckets."""
 
     def __init__(
         self,
@@ -116,14 +116,49 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)
         horovod = horovod_options or HorovodOptions()
         self._raise_on_nonfinite = raise_on_nonfinite
-        self._compressor = compressor
-        self._uncompressed = get_compressor("none")  # buckets below compress_min_numel
-        self._min_numel = compress_min_numel
         # None: this rank is outside process_set (no collectives, local steps).
         self._included = transport is not None
         transport = transport if transport is not None else _OutsideProcessSet()
         self._transport = transport
-        compressor.bind(transport.rank, transport.size)
+        self._set_horovod_attributes(backward_passes_per_step, op, horovod)
+        named = named_params(self, named_parameters)
+        self._parameter_names = {p: n for n, p in named}
+        self._groups = resolve_groups(horovod.groups, named)
+        self._buckets = make_buckets(named, fusion_threshold, compress_min_numel, self._groups)
+        _check_dtypes(compressor, self._buckets)
+        self._reducer = Reducer(
+            compressor, transport, exchange=exchange,
+            link_cost=link_cost if self._included else None,
+            tuning=tuning if self._included else None,
+        )  # fmt: skip
+        self._reducer.plan(self._buckets)
+        self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._passes_left = {id(p): self.backward_passes_per_step for _, p in named}
+        self._in_flight: dict[int, _Launched] = {}
+        self._next_bucket = 0  # buckets start strictly in order
+        self._should_synchronize = True
+        self._synchronized = False
+        compressor.check_optimizer(self)  # e.g. DGC refuses an inner optimizer with momentum
+        self._policy = policy
+        if not self._included:  # as Horovod: no hooks, no collectives
+            self._hooks = []
+            return
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        settings = [
+            f"compressor {compressor!r} summable={compressor.summable}",
+            f"op {self._op}; backward_passes_per_step {self.backward_passes_per_step}",
+            f"fusion_threshold {fusion_threshold}; transport {transport.name}",
+            f"compress_min_numel {compress_min_numel}; groups {self._groups is not None}",
+            f"gradient_predivide_factor {self.gradient_predivide_factor}; "
+            f"sparse_as_dense {self.sparse_as_dense}",
+            f"exchange {exchange}: {[self._planned_label(b) for b in self._buckets]}; {tuning!r}",
+        ]
+        check_agreement(transport, describe(settings, named, self.buckets))
+        if policy is not None:
+            compressed = {n for b in self.buckets if b.compressed for n in b.names}
+            policy.bind(self, compressor, transport, [n for n, _ in named if n in compressed])
+
+    def _set_horovod_attributes(self, backward_passes_per_step, op, horovod) -> None:
         # hvd.broadcast_optimizer_state makes missing state with the inner optimizer's
         # step() only for an optimizer whose __module__ is Horovod's; any other's step()
         # it calls on the ranks without state, whose collectives the root never joins.
@@ -139,50 +174,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         factor = horovod.gradient_predivide_factor
         # Horovod's Average: scaled by 1/f before the sum and by f/size after.
         self._prescale = 1.0 / factor if self._op == Average and factor != 1.0 else 1.0
-        self._scale = factor / transport.size if self._op == Average else 1.0
-        named = named_params(self, named_parameters)
-        self._parameter_names = {p: n for n, p in named}
-        self._groups = resolve_groups(horovod.groups, named)
-        self._buckets = make_buckets(named, fusion_threshold, self._min_numel, self._groups)
-        _check_dtypes(compressor, self._buckets)
-        self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
-        plan = choose_exchanges(
-            compressor, transport, self._buckets, exchange,
-            link_cost=link_cost if self._included else None,
-        )  # fmt: skip
-        self._plan = plan
-        self._tuner = make_tuner(tuning, exchange, transport) if self._included else None
-        if self._tuner is None:  # the buckets "auto" sends dense go uncompressed for good
-            for b in self._buckets:
-                b.compressed = b.compressed and b.index not in plan.dense
-        else:  # exchange.tuning: the option of each step is the tuner's
-            for index, options in plan.options.items():
-                self._tuner.add(index, options, plan.label(index))
-        self._exchanges = plan.exchanges
-        self._passes_left = {id(p): self.backward_passes_per_step for _, p in named}
-        self._in_flight: dict[int, _Launched] = {}
-        self._next_bucket = 0  # buckets start strictly in order
-        self._should_synchronize = True
-        self._synchronized = False
-        self._account = StepAccount()
-        compressor.check_optimizer(self)  # e.g. DGC refuses an inner optimizer with momentum
-        self._policy = policy
-        if not self._included:  # as Horovod: no hooks, no collectives
-            self._hooks = []
-            return
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
-        settings = [
-            f"compressor {compressor!r} summable={compressor.summable}",
-            f"op {self._op}; backward_passes_per_step {self.backward_passes_per_step}",
-            f"fusion_threshold {fusion_threshold}; transport {transport.name}",
-            f"compress_min_numel {self._min_numel}; groups {self._groups is not None}",
-            f"gradient_predivide_factor {factor}; sparse_as_dense {self.sparse_as_dense}",
-            f"exchange {exchange}: {[plan.label(b.index) for b in self._buckets]}; {tuning!r}",
-        ]
-        check_agreement(transport, describe(settings, named, self._buckets))
-        if policy is not None:
-            compressed = {n for b in self._buckets if b.compressed for n in b.names}
-            policy.bind(self, compressor, transport, [n for n, _ in named if n in compressed])
+        self._scale = factor / self._transport.size if self._op == Average else 1.0
+
+    def _planned_label(self, bucket: Bucket) -> str:
+        """The plan's first choice for ``bucket`` (its exchange's kind, or "dense")."""
+        if not self._reducer.sends_compressed(bucket) and bucket.compressed:
+            return "dense"
+        return self._reducer.planned(bucket).kind
 
     # ---- hooks and launching ---------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -208,63 +206,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        t0 = time.perf_counter()
-        dense, sparse, densified = [], [], []
-        for p in bucket.params:
-            if p.grad is None:  # unused in this step: contributes zeros, as in Horovod
-                p.grad = torch.zeros_like(p)
-            if p.grad.is_sparse and self.sparse_as_dense:
-                p.grad = p.grad.to_dense()  # back to sparse once averaged, as in Horovod
-                densified.append(p)
-            if self._prescale != 1.0:
-                p.grad.mul_(self._prescale)
-            (sparse if p.grad.is_sparse else dense).append(p)
-        part = bucket
-        if sparse:  # the sparse ones go their own (uncompressed) way, as in Horovod
-            keep = [i for i, p in enumerate(bucket.params) if not p.grad.is_sparse]
-            part = Bucket(
-                bucket.index,
-                [bucket.params[i] for i in keep],
-                [bucket.names[i] for i in keep],
-                bucket.nbytes,
-                compressed=bucket.compressed,
-            )
+        dense, sparse, densified = _horovod_grads(bucket, self.sparse_as_dense, self._prescale)
         grads = [p.grad for p in dense]
-        if self._policy is not None and bucket.compressed:
-            for name, g in zip(part.names, grads, strict=True):
+        if self._policy is not None and self._reducer.sends_compressed(bucket):
+            pairs = zip(bucket.names, bucket.params, strict=True)
+            names = [n for n, p in pairs if not p.grad.is_sparse]
+            for name, g in zip(names, grads, strict=True):
                 self._policy.observe(name, g)  # the uncompressed local gradient
-        if self._tuner is not None and self._next_bucket == 0:
-            self._tuner.begin_step(self._transport.sum_floats)  # before any collective
-        comp, exchange = self._route(bucket)
-        self._account.current.exchanges[bucket.index] = self._option_label(bucket, comp, exchange)
-        if sparse:  # the bucket's planned exchange may not fit a part of it: a plain one
-            exchange = (SummedExchange if comp.summable else GatheredExchange)(self._transport)
-        flight = exchange.start(part, comp, grads) if dense else None
+        if self._next_bucket == 0:
+            self._reducer.begin_step()  # before any collective
+        route = self._reducer.route(bucket)
+        if sparse:  # the sparse ones go their own (uncompressed) way, as in Horovod
+            route = _without_sparse(route, bucket, self._transport)
+        started = self._reducer.start(route, grads) if dense else None
+        t0 = time.perf_counter()
         sparse_flights = [(p, *start_sparse(self._transport, p.grad)) for p in sparse]
-        self._in_flight[bucket.index] = _Launched(
-            part if dense else None, comp, exchange, flight, sparse_flights, densified
-        )
-        self._account.started([p.grad for p in bucket.params], time.perf_counter() - t0)
-
-    def _comp(self, bucket: Bucket) -> Compressor:
-        return self._compressor if bucket.compressed else self._uncompressed
-
-    def _route(self, bucket: Bucket) -> tuple[Compressor, object]:
-        """The compressor and exchange of ``bucket`` this step: the tuner's option where
-        it tunes the bucket, else the plan's."""
-        options = self._plan.options.get(bucket.index)
-        if self._tuner is None or options is None:
-            return self._comp(bucket), self._exchanges[bucket.index]
-        option = self._tuner.option(bucket.index)
-        return (self._uncompressed if option == "dense" else self._compressor), options[option]
-
-    def _option_label(self, bucket: Bucket, comp: Compressor, exchange) -> str:
-        return "dense" if bucket.compressed and comp is self._uncompressed else exchange.kind
+        self._reducer.account.started([p.grad for p in sparse], time.perf_counter() - t0)
+        self._in_flight[bucket.index] = _Launched(started, sparse_flights, densified)
 
     @property
     def exchange_tuner(self) -> ExchangeTuner | None:
         """The tuner of ``exchange="auto"`` (its ``decisions``, ``current``), or None."""
-        return self._tuner
+        return self._reducer.tuner
 
     # ---- synchronize / step ----------------------------------------------------------------
     def synchronize(self) -> None:
@@ -279,16 +242,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         divisor = self._transport.size if self._op == Average else None
         for b in self._buckets:
             launched = self._in_flight.pop(b.index)
-            flight = launched.flight
-            try:  # after an error: only wait, so no rank leaves a collective pending
-                if launched.dense is not None:
-                    launched.exchange.finish(
-                        launched.dense, launched.comp, flight, self._scale, decode=error is None
-                    )
-            except BaseException as err:  # noqa: BLE001 - keep draining, then raise
-                error = error or err
+            if launched.dense is not None:  # after an error: only waits (reducer.finish)
+                error = self._reducer.finish(launched.dense, self._scale, error)
             for p, handle, nbytes in launched.sparse:
-                self._account.sent_sparse(nbytes)
+                self._reducer.account.sent_sparse(nbytes)
                 try:
                     result = handle.wait()
                     if error is None:
@@ -297,18 +254,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     error = error or err
             for p in launched.densified:
                 p.grad = p.grad.to_sparse()
-            if flight is not None:
-                self._account.finished(flight)
         if error is None and self._raise_on_nonfinite:
             named = [(self._parameter_names[p], p.grad) for b in self._buckets for p in b.params]
             try:
-                NonFiniteGradientError.check(named, self._compressor)
+                NonFiniteGradientError.check(named, self.compressor)
             except NonFiniteGradientError as err:
                 error = err
-        if self._tuner is not None and error is None:
-            self._account.current.tuning = self._tuner.tuning_now
-            self._tuner.end_step()
-        self._account.end(self._compressor, self._policy if error is None else None)
+        self._reducer.end_step(self._policy, ok=error is None)
         self._reset_round()
         self._synchronized = True
         if error is not None:
@@ -363,14 +315,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         state = super(self.__class__, self).state_dict()
         if not self._included:  # outside process_set: no compressor state
             return state
-        state[STATE_KEY] = rank_state(self._transport, self._compressor)
+        state[STATE_KEY] = self._reducer.state_dict()
         if self._policy is not None:
             state[STATE_KEY]["policy"] = self._policy.state_dict()  # Accordion's norms, levels
         return state
 
     def load_state_dict(self, state_dict):
         """Load the inner optimizer's state and the hvdcompress part (compressor and policy
-        state), which is checked first (``check_optimizer_state``: ``CheckpointError``
+        state), which is checked first (``Reducer.load_state_dict``: ``CheckpointError``
         naming the entry); on any error nothing stays loaded. Another rank's state of the
         same job size loads by ``without_other_ranks_state``'s rule. As in Horovod,
         loading ends any gradient accumulation in progress."""
@@ -386,30 +338,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ours = state_dict.pop(STATE_KEY, None)
         if ours is None or not self._included:
             return super(self.__class__, self).load_state_dict(state_dict)
-        shapes = {
+        tensors = {
             n: tuple(p.shape)
-            for b in self._buckets
+            for b in self.buckets
             if b.compressed
             for n, p in zip(b.names, b.params, strict=True)
         }
-        exchanges = [*self._exchanges.values()]
-        exchanges += [e for options in self._plan.options.values() for e in options.values()]
-        for exchange in exchanges:  # the two-stage and hierarchical exchanges' piece state
-            shapes.update(exchange.state_shapes())
-        ours = check_rank_state(ours, self._transport, self._compressor, shapes)
-        return load_rank_state(
-            ours, self._compressor, self._policy,
+        return self._reducer.load_state_dict(
+            ours, tensors, self._policy,
             then=lambda: super(self.__class__, self).load_state_dict(state_dict),
         )  # fmt: skip
 
     @property
     def last_stats(self) -> StepStats:
         """The ``StepStats`` of the last ``synchronize()``."""
-        return self._account.last
+        return self._reducer.account.last
 
     @property
     def compressor(self) -> Compressor:
-        return self._compressor
+        return self._reducer.compressor
+
+    @property
+    def reducer(self) -> Reducer:
+        """The ``Reducer`` that routes, starts, finishes and accounts the buckets."""
+        return self._reducer
 
     @property
     def transport(self) -> Transport:
@@ -421,4 +373,42 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def buckets(self) -> list[Bucket]:
-        return self._buckets
+        """The buckets as they travel: one that ``exchange="auto"`` sends dense for good
+        (no tuner) as uncompressed (a copy: the optimizer's own are not touched)."""
+        return [
+            b if self._reducer.sends_compressed(b) or not b.compressed
+            else replace(b, compressed=False)
+            for b in self._buckets
+        ]  # fmt: skip
+
+
+def _horovod_grads(bucket: Bucket, sparse_as_dense: bool, prescale: float):
+    """The bucket's gradients as Horovod hands them over: a zero gradient for a
+    parameter unused this step, sparse ones densified (``sparse_as_dense``) and every
+    one pre-scaled; returns (dense parameters, sparse ones, densified ones)."""
+    dense, sparse, densified = [], [], []
+    for p in bucket.params:
+        if p.grad is None:  # unused in this step: contributes zeros, as in Horovod
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse and sparse_as_dense:
+            p.grad = p.grad.to_dense()  # back to sparse once averaged, as in Horovod
+            densified.append(p)
+        if prescale != 1.0:
+            p.grad.mul_(prescale)
+        (sparse if p.grad.is_sparse else dense).append(p)
+    return dense, sparse, densified
+
+
+def _without_sparse(route: Route, bucket: Bucket, transport: Transport) -> Route:
+    """``route`` for the bucket less its sparse gradients, on a plain exchange (the
+    planned one may not fit a part of the bucket: two-stage shards)."""
+    keep = [i for i, p in enumerate(bucket.params) if not p.grad.is_sparse]
+    part = Bucket(
+        bucket.index,
+        [bucket.params[i] for i in keep],
+        [bucket.names[i] for i in keep],
+        bucket.nbytes,
+        compressed=route.bucket.compressed,
+    )
+    plain = SummedExchange if route.compressor.summable else GatheredExchange
+    return replace(route, bucket=part, exchange=plain(transport))

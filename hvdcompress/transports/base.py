@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from hvdcompress.errors import RankAgreementError
-from hvdcompress.stats import Traffic
+from hvdcompress.stats import Traffic, ring_allreduce_bytes
 
 
 class Handle:
@@ -232,7 +232,7 @@ def _sent_and_received(kind: str, data, rank: int, size: int):
     if kind == "alltoallv":
         sent = sum(p.numel() for j, p in enumerate(data) if j != rank)
         return sent, lambda result: sum(r.numel() for i, r in enumerate(result) if i != rank)
-    ring = (2 * (size - 1) * data.numel() * data.element_size()) // size
+    ring = int(ring_allreduce_bytes(size, data.numel() * data.element_size()))
     return ring, lambda result: ring
 
 

@@ -141,7 +141,7 @@ def run_case(
         "step_s": max(r["median"] for r in everyone),  # the slowest rank decides
         "step_s_mean": elapsed / n,
         "step_s_per_rank": [r["median"] for r in everyone],
-        "exchanges": sorted({e.kind for e in opt._exchanges.values()}),
+        "exchanges": sorted({opt.reducer.planned(b).kind for b in opt.buckets}),
         "measured_bytes_per_step": (tx1 - tx0) / n,
         "measured_bytes_per_rank": (tx1 - tx0) / n / transport.size,
         "sent_bytes_per_rank": statistics.mean(r["sent"] for r in everyone),

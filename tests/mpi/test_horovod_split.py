@@ -59,7 +59,7 @@ def _train(hvd, exchange: str, compression, steps: int):
     model = make_model(0)
     opt = wrap(model, compression, backend="horovod", exchange=exchange, momentum=0.0)
     grads = averaged_grads(model, opt, lambda step: batch(hvd.rank(), step), steps)
-    kinds = sorted({e.kind for e in opt._exchanges.values() if e is not None})
+    kinds = sorted({opt.reducer.planned(b).kind for b in opt.buckets})
     return grads, digest(model.parameters()), kinds
 
 

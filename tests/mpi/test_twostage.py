@@ -123,7 +123,7 @@ def test_twostage_is_bit_identical_and_equals_the_reference(name, comm):
     rank, size = comm.rank, comm.size
     model = Odd()
     opt = _optimizer(model, hvdcompress.get_compressor(name, **_config(name)), fusion_threshold=0)
-    kinds = {e.kind for e in opt._exchanges.values()}
+    kinds = {opt.reducer.planned(b).kind for b in opt.buckets}
     ref = hvdcompress.get_compressor(name, **_config(name))
     ref.bind(rank, size)
     alignment = ref.shard_alignment()
@@ -370,7 +370,7 @@ def test_corrupt_payload_raises_on_every_rank_naming_sender_stage_and_tensor(
     model = Odd()
     opt = _optimizer(model, "3lc")
     (bucket,) = opt.buckets
-    exchange = opt._exchanges[bucket.index]
+    exchange = opt.reducer.planned(bucket)
     assert isinstance(exchange, TwoStageExchange)
     shards = exchange.plan(bucket)
     # a piece of "big" owned by the last rank; rank 0 corrupts what it sends it (stage 1),
@@ -413,7 +413,7 @@ def _measured_sent(comm, numel: int, exchange: str) -> tuple[float, str]:
     g = torch.Generator().manual_seed(comm.rank)
     _synchronize(opt, model, {"w": torch.randn(numel, generator=g)})
     sent = comm.allreduce(opt.last_stats.sent_bytes) / comm.size
-    return sent, {e.kind for e in opt._exchanges.values()}.pop()
+    return sent, {opt.reducer.planned(b).kind for b in opt.buckets}.pop()
 
 
 @pytest.mark.parametrize("numel", [1, 4, 640, 20000])
@@ -445,7 +445,7 @@ def test_exchange_refuses_what_cannot_recompress(comm):
             _optimizer(Odd(), name, exchange="twostage")
         errors.append(str(info.value))
         opt = _optimizer(Odd(), name, exchange="auto")  # stays on the allgather
-        assert {e.kind for e in opt._exchanges.values()} == {"allgather"}
+        assert {opt.reducer.planned(b).kind for b in opt.buckets} == {"allgather"}
     assert all("re-compress" in e for e in errors), errors
     with pytest.raises(ValueError, match="summable"):
         _optimizer(Odd(), "fp16", exchange="twostage")
@@ -459,7 +459,7 @@ def test_measured_link_cost_gives_every_rank_the_same_exchanges(comm):
     bit-identical across ranks; a bucket sent dense is averaged exactly."""
     model = Odd()
     opt = _optimizer(model, "3lc", exchange="auto", link_cost="measure", fusion_threshold=0)
-    chosen = [(b.names, opt._exchanges[b.index].kind, b.compressed) for b in opt._buckets]
+    chosen = [(b.names, opt.reducer.planned(b).kind, b.compressed) for b in opt.buckets]
     grads = _grads(model, comm.rank, 0)
     out = _synchronize(opt, model, grads)
     everyone = comm.allgather((chosen, digest(out.values())))
@@ -489,7 +489,7 @@ def test_policies_work_with_the_twostage_exchange(comm):
         _synchronize(opt, model, _grads(model, rank, 6))  # sent at the levels now in force
         comp = opt.compressor
         (bucket,) = opt.buckets
-        pieces = [pc for pcs in opt._exchanges[bucket.index].plan(bucket) for pc in pcs]
+        pieces = [pc for pcs in opt.reducer.planned(bucket).plan(bucket) for pc in pcs]
         levels = {n: comp.level(n) for n in bucket.names}
         mirrored = all(comp.level(pc.sender_key) == levels[pc.name] for pc in pieces)
         results.append((digest(model.parameters()), levels, mirrored))

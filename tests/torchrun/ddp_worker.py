@@ -153,7 +153,7 @@ def main(out: Path) -> None:
     # the two-stage exchange, asked for: bit-identical, and an exact resume although DDP
     # rebuilds its buckets in the resumed process (shards planned per tensor)
     staged, _, staged_state, staged_losses = train("3lc", 30, exchange="twostage")
-    kinds = sorted({e.kind for e in staged_state._exchanges.values()})
+    kinds = sorted({e.kind for e in staged_state.reducer.exchanges.values()})
     first2, first2_opt, _, _ = train("3lc", 12, exchange="twostage")
     saved2 = copy.deepcopy({"model": first2.state_dict(), "opt": first2_opt.state_dict()})
     net3 = make_net()
@@ -182,7 +182,7 @@ def main(out: Path) -> None:
                 tuning=None, overlap=overlap,
             )  # fmt: skip
             net4, _, state4, losses4 = train("3lc", 16, model=net4, state=state4)
-            hier_kinds = sorted({e.kind for e in state4._exchanges.values() if e})
+            hier_kinds = sorted({e.kind for e in state4.reducer.exchanges.values() if e})
             hier[overlap] = {
                 "digest": digest(net4),
                 "kinds": hier_kinds,
@@ -234,7 +234,7 @@ def main(out: Path) -> None:
         "hierarchical_digests": hier_digests,
         "timed_digests": timed_digests,
         "timed_link_cost": type(timed_state.link_cost).__name__,
-        "timed_kinds": sorted({e.kind for e in timed_state._exchanges.values() if e}),
+        "timed_kinds": sorted({e.kind for e in timed_state.reducer.exchanges.values() if e}),
         "timed_loss_first": sum(timed_losses[:5]) / 5,
         "timed_loss_last": sum(timed_losses[-5:]) / 5,
     }

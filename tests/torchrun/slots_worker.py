@@ -81,7 +81,7 @@ def train(exchange: str, rank: int, steps: int = 5, forge_stage1: bool = False) 
             break
         rounds.append(opt.last_stats.rounds)
         collectives.append(opt.last_stats.collectives)
-    kinds = sorted({e.kind for e in opt._exchanges.values() if e is not None})
+    kinds = sorted({opt.reducer.planned(b).kind for b in opt.buckets})
     return {"rounds": rounds, "collectives": collectives, "digest": digest(model),
             "error": error, "kinds": kinds, "buckets": len(opt.buckets)}  # fmt: skip
 
