@@ -6,7 +6,7 @@ One process (an mpi4py world of one rank), one parameter tensor, 3LC on the gath
 return out of a function of the ``hvdcompress`` package on the main thread is recorded
 (``sys.setprofile``); each module is given its layer, top to bottom:
 
-    0 optimizer (wrapper, buckets, stats, registry, compat)
+    0 the adapters and the reducer (optimizer, ddp, reducer, buckets, stats, compression)
     1 exchange, policies
     2 compressors, transports
     3 wire, codecs, the backend dispatch (backends/__init__.py)
@@ -48,7 +48,7 @@ LAYERS = [
     ("transports/", 2),
     ("exchange", 1),
     ("policies/", 1),
-    ("", 0),  # optimizer, ddp.py, buckets.py, stats.py, compat.py
+    ("", 0),  # optimizer/, ddp/, reducer.py, buckets.py, stats.py, compression.py
 ]
 
 
