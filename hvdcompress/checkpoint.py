@@ -347,7 +347,8 @@ def check_optimizer_state(ours, *, rank: int, size: int, compressor: str, shapes
     and finite values. Compressors and policies check the rest of their own state."""
     check_keys(
         "optimizer state 'hvdcompress'", ours,
-        required=("rank", "size", "compressor", "compressor_state"), optional=("policy",),
+        required=("rank", "size", "compressor", "compressor_state"),
+        optional=("policy", "layout"),
     )  # fmt: skip
     for key, kind in (("rank", int), ("size", int), ("compressor", str)):
         if type(ours[key]) is not kind:  # compared below: a tensor, say, must not get there
@@ -445,3 +446,33 @@ def without_other_ranks_state(ours: dict, rank: int, size: int) -> dict:
             stacklevel=3,
         )
     return {**ours, "rank": rank, "compressor_state": state}
+
+
+def check_layout(saved, current: dict, pieces: list[str]) -> None:
+    """A checkpoint's ``layout`` (the exchange asked for and the nodes it was made on,
+    ``Reducer.layout``) against this job's: ``CheckpointError`` where the state holds
+    pieces of tensors (``pieces``: the two-stage and hierarchical exchanges' residuals,
+    cut by the job's size and nodes) and the layout differs, since those pieces would be
+    other pieces here and their residuals never sent. A state without pieces, or saved
+    before layouts were recorded (None), loads as it is."""
+    if saved is None:
+        return
+    check_keys("optimizer state 'hvdcompress' layout", saved, required=("exchange", "nodes"))
+    nodes = saved["nodes"]
+    ok_nodes = nodes is None or (
+        isinstance(nodes, list)
+        and all(isinstance(n, list) and all(type(r) is int for r in n) for n in nodes)
+    )
+    if not isinstance(saved["exchange"], str) or not ok_nodes:
+        raise CheckpointError(
+            "optimizer state 'hvdcompress' layout: expected an exchange (str) and nodes "
+            f"(lists of ranks, or None), got {saved!r:.200}"
+        )
+    if pieces and saved != current:
+        raise CheckpointError(
+            f"this state was saved with exchange={saved['exchange']!r} on nodes "
+            f"{saved['nodes']}; this job has exchange={current['exchange']!r} on nodes "
+            f"{current['nodes']}: its {len(pieces)} pieces' residuals (e.g. {pieces[0]!r}) "
+            "are cut for the other layout and would never be sent here. Resume on the same "
+            "nodes with the same exchange, or leave out state_dict()['hvdcompress']"
+        )

@@ -36,6 +36,12 @@ class PayloadError(ValueError):
         prefix = "payload " + " ".join(where) + ": " if where else "payload: "
         return f"{prefix}field {self.field!r}: {self.detail}"
 
+    def renamed(self, rank: int) -> PayloadError:
+        """Self, naming ``rank`` instead (a sub-group's index as the job's global rank)."""
+        self.rank = rank
+        self.args = (self._text(),)
+        return self
+
     def locate(self, *, rank: int | None = None, tensor: str | None = None) -> PayloadError:
         """Fill in who sent the payload (if not known yet) and return self for re-raising."""
         if self.rank is None:

@@ -14,14 +14,25 @@ average goes; the ``Reducer`` does the rest, once for all of them:
   ``finish(started, scale, error)`` (draining: after an error a bucket is only waited
   for, so that no rank leaves a collective pending), ``end_step()``;
 - ``account``: the step's ``StepStats`` (``stats.StepAccount``);
+- ``check_start_up(...)``, before a reducer is made: the start-up agreement check of its
+  settings (compressor, exchange, tuning, link cost, the node override) with the
+  adapter's (``RankAgreementError`` on every rank, before any collective that ranks which
+  disagree would not all make);
 - ``state_dict()`` / ``load_state_dict(...)``: this rank's compressor state in its
-  checkpoint envelope, checked by one rule for the names of the exchanges' pieces
-  (``checkpoint_shapes``).
+  checkpoint envelope, with the layout it was made on (exchange, nodes), checked by one
+  rule for the names of the exchanges' pieces (``checkpoint_shapes``).
+
+One residual per tensor (docs/error-feedback.md, "One residual per tensor"): each
+exchange keeps its own error-feedback keys (the tensor, or the two-stage and hierarchical
+exchanges' pieces); when a bucket's route changes (the tuner's trials, a re-check), the
+residuals the new route does not keep are added into the gradient it sends, and dropped,
+so none is stranded and the residual memory stays that of one route.
 
 Invariants: every rank plans the same exchanges for the same buckets and the tuner takes
 the same option on every rank (``exchange.tuning``), so routing depends only on what every
 rank shares; ``finish`` of every started bucket, in start order, is what every rank does
-after an error too; a state loads whole or not at all (``load_state_dict``).
+after an error too; a state loads whole or not at all (``load_state_dict``); a residual
+moved into a gradient keeps the sum over ranks of what is still to be sent.
 """
 
 from __future__ import annotations
@@ -29,23 +40,27 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from hvdcompress.buckets import Bucket, PieceKey
-from hvdcompress.checkpoint import check_optimizer_state, without_other_ranks_state
-from hvdcompress.compressors import Compressor, get_compressor
+from hvdcompress.buckets import Bucket, PieceKey, check_agreement
+from hvdcompress.checkpoint import check_layout, check_optimizer_state, without_other_ranks_state
+from hvdcompress.compressors import Compressor, GatherCompressor, get_compressor
 from hvdcompress.compressors.levels import PerTensorLevels
-from hvdcompress.exchange import InFlight, SummedExchange, choose_exchanges
+from hvdcompress.exchange import InFlight, SummedExchange, check_mode, choose_exchanges
+from hvdcompress.exchange.hierarchical import node_topology
 from hvdcompress.exchange.tuning import ExchangeTuner, Tuning, make_tuner
 from hvdcompress.stats import StepAccount
 from hvdcompress.transports import Transport
 from hvdcompress.transports.cost import calibrate_link
+from hvdcompress.transports.topology import OVERRIDE_ENV
 
-__all__ = ["Reducer", "Route", "Started"]
+__all__ = ["Reducer", "Route", "Started", "check_start_up"]
 
 BucketKey = tuple[str, ...]  # a bucket's tensor names: the same on every rank
 
@@ -92,7 +107,12 @@ class Reducer:
     adapters' arguments (``link_cost="measure"`` with ``exchange="auto"`` calibrates the
     link now, collectively, and ``link_cost`` then holds the fitted ``LinkCost``);
     ``per_tensor``: two-stage shards planned per tensor (the DDP hook's); ``label``: a
-    bucket's name in the tuner's decisions."""
+    bucket's name in the tuner's decisions; ``scale``: the average's factor (default
+    1 / size), by which an owner's residual is in the gradient's units.
+
+    Made at the same point on every rank (collective: the link's calibration, and the
+    topology where a hierarchical exchange may serve the job, so that a bad
+    ``HVDC_RANKS_PER_NODE`` is reported on every rank now, not at the first step)."""
 
     def __init__(
         self,
@@ -105,7 +125,9 @@ class Reducer:
         finish_transport: Transport | None = None,
         per_tensor: bool = False,
         label: Callable[[Bucket], str] = lambda b: str(b.index),
+        scale: float | None = None,
     ) -> None:
+        check_mode(compressor, exchange)
         compressor.bind(transport.rank, transport.size)
         self.compressor = compressor
         self.uncompressed: Compressor = get_compressor("none")
@@ -115,12 +137,36 @@ class Reducer:
         if link_cost == "measure" and exchange == "auto":
             link_cost = calibrate_link(transport)
         self.link_cost = link_cost
+        self.tuning = tuning
         self.tuner: ExchangeTuner | None = make_tuner(tuning, exchange, transport)
+        self.scale = 1.0 / transport.size if scale is None else scale
+        self.nodes = self._topology()
         self.account = StepAccount()
         self._per_tensor = per_tensor
         self._label = label
         self._dense = SummedExchange(transport, self.finish_transport)
         self._plans: dict[BucketKey, _Plan] = {}
+        self._last_label: dict[BucketKey, str] = {}  # the route each bucket took last
+
+    def _topology(self) -> tuple | None:
+        """The nodes a hierarchical exchange would be planned on, where one may serve the
+        job (collective: ``topology.detect``); None where none can."""
+        gather = isinstance(self.compressor, GatherCompressor)
+        may = self.mode == "hierarchical" or (
+            self.mode == "auto" and gather and self.transport.splits and self.transport.size >= 4
+        )
+        if not may or not self.transport.splits:
+            return None
+        nodes = node_topology(self.transport).nodes
+        if self.mode == "hierarchical" and len(nodes) < 2:
+            warnings.warn(
+                f"exchange='hierarchical' on one node ({self.transport.size} ranks): no "
+                "link between nodes to save; every bucket goes through the node stages "
+                "for nothing (exchange='auto' picks a flat exchange here)",
+                UserWarning,
+                stacklevel=5,  # the user's DistributedOptimizer(...) or state.register(...)
+            )
+        return nodes
 
     # ---- routing ---------------------------------------------------------------------------
     def plan(self, buckets: list[Bucket]) -> None:
@@ -143,7 +189,18 @@ class Reducer:
 
     def route(self, bucket: Bucket) -> Route:
         """How ``bucket`` travels this step: uncompressed on the dense allreduce; else the
-        tuner's option where it times the bucket, else the plan's (planned now if new)."""
+        tuner's option where it times the bucket, else the plan's (planned now if new).
+        Its label goes into the step's stats (a compressed bucket's first: the DDP hook's
+        two parts of one DDP bucket share its index)."""
+        route = self._route(bucket)
+        labels = self.account.current.exchanges
+        if route.label == "allreduce" and not route.bucket.compressed:
+            labels.setdefault(bucket.index, route.label)
+        else:
+            labels[bucket.index] = route.label
+        return route
+
+    def _route(self, bucket: Bucket) -> Route:
         if not bucket.compressed:
             return Route(bucket, self.uncompressed, self._dense, "allreduce")
         key = tuple(bucket.names)
@@ -184,17 +241,47 @@ class Reducer:
             self.tuner.begin_step(self.transport.sum_floats)
 
     def start(self, route: Route, grads: list[torch.Tensor]) -> Started:
-        """Start ``route``'s bucket with ``grads`` (averaged in place by ``finish``); its
-        label goes into the step's stats (a compressed bucket's first: the DDP hook's two
-        parts of one DDP bucket share its index)."""
-        labels = self.account.current.exchanges
-        if route.label == "allreduce" and not route.bucket.compressed:
-            labels.setdefault(route.bucket.index, route.label)
-        else:
-            labels[route.bucket.index] = route.label
+        """Start ``route``'s bucket with ``grads`` (averaged in place by ``finish``); on a
+        route the bucket did not take last, first move the residuals it does not keep into
+        ``grads`` (module doc)."""
+        self.enter(route, grads)
         t0 = time.perf_counter()
         flight = route.exchange.start(route.bucket, route.compressor, grads)
         return Started(route, flight, time.perf_counter() - t0)
+
+    def enter(self, route: Route, grads: list[torch.Tensor]) -> None:
+        """``route``'s bucket is about to be sent with ``grads`` (``start`` calls it; an
+        adapter that sends a bucket itself, as the DDP hook's all-dense one, too): on a
+        route the bucket did not take last, the residuals it does not keep go into
+        ``grads`` first (module doc)."""
+        if route.bucket.compressed or route.label == "dense":
+            key = tuple(route.bucket.names)
+            if self._last_label.get(key) != route.label:
+                self._fold_stranded(route, grads)
+                self._last_label[key] = route.label
+
+    def _fold_stranded(self, route: Route, grads: list[torch.Tensor]) -> None:
+        """Add into ``grads`` every residual of their tensors that ``route`` does not keep
+        (another exchange's pieces, or any residual where the route is dense), and drop it
+        (module doc: one residual per tensor). An owner's residual is of the average: it
+        goes in times 1 / ``scale``."""
+        memory = self.compressor.memory
+        if memory is None or not memory.residuals:
+            return
+        position = {name: i for i, name in enumerate(route.bucket.names)}
+        keep = (
+            set()
+            if route.label == "dense"
+            else route.exchange.residual_keys(route.bucket, route.compressor)
+        )
+        for key in [k for k in memory.residuals if k not in keep]:
+            name, offset, owner = _tensor_of(key)
+            if name not in position:
+                continue
+            residual = memory.residuals.pop(key)
+            flat = grads[position[name]].view(-1)[offset : offset + residual.numel()]
+            weight = 1.0 / self.scale if owner else 1.0
+            flat.add_((residual * weight if weight != 1.0 else residual).to(flat.dtype))
 
     def finish(
         self, started: Started, scale: float, error: BaseException | None = None
@@ -223,14 +310,22 @@ class Reducer:
         self.account.end(self.compressor, policy if ok else None)
 
     # ---- checkpoints -----------------------------------------------------------------------
+    @property
+    def layout(self) -> dict:
+        """What the exchanges' pieces depend on: the exchange asked for and the nodes
+        (None where no hierarchical exchange can serve the job)."""
+        nodes = None if self.nodes is None else [list(n) for n in self.nodes]
+        return {"exchange": self.mode, "nodes": nodes}
+
     def state_dict(self) -> dict:
         """This rank's compressor state (its residuals among it), tagged with the rank, the
-        job size and the compressor's configuration."""
+        job size, the compressor's configuration and the layout it was made on."""
         return {
             "rank": self.transport.rank,
             "size": self.transport.size,
             "compressor": repr(self.compressor),
             "compressor_state": self.compressor.state_dict(),
+            "layout": self.layout,
         }
 
     def checkpoint_shapes(self, tensors: dict[str, tuple], state=None) -> dict:
@@ -266,7 +361,50 @@ class Reducer:
             compressor=repr(self.compressor),
             shapes=self.checkpoint_shapes(tensors, state),
         )
+        check_layout(state.get("layout"), self.layout, _pieces(state))
+        self._last_label.clear()  # the next step's routes fold what they do not keep
         return _load_whole(copy.deepcopy(state), self.compressor, policy, then)
+
+
+def check_start_up(
+    transport: Transport, compressor: Compressor, *, exchange: str, tuning, link_cost, lines
+) -> None:
+    """The start-up agreement check (``buckets.check_agreement``; docs/wire-format.md,
+    "Agreement at start-up") of what a ``Reducer`` will be made with and the adapter's
+    ``lines`` (its own settings, the tensors, the buckets): ``RankAgreementError`` on every
+    rank, naming the first difference. Collective: every rank calls it before making its
+    reducer (whose making is collective in ways that depend on these settings)."""
+    own = [
+        f"compressor {compressor!r} summable={compressor.summable}",
+        f"exchange {exchange}; tuning {tuning!r}; link_cost {_kind(link_cost)}",
+        f"{OVERRIDE_ENV} {os.environ.get(OVERRIDE_ENV)!r}",
+    ]
+    check_agreement(transport, own + list(lines))
+
+
+def _kind(link_cost) -> str:
+    """A ``link_cost`` as every rank can compare it: its kind (a fitted ``LinkCost``'s
+    numbers differ from run to run; ranks share one after ``calibrate_link``)."""
+    return "none" if link_cost is None else type(link_cost).__name__
+
+
+def _tensor_of(key) -> tuple[str, int, bool]:
+    """(tensor name, offset of the key's first element in the flat tensor, whether it is
+    an owner's residual) of a compressor state key: a tensor's name, a piece of it, or a
+    piece of a piece (the hierarchical exchange's two-stage pieces), as an object or as
+    a checkpoint wrote it."""
+    if isinstance(key, str):
+        parsed = PieceKey.parse(key)
+        if parsed is None:
+            return key, 0, False
+        key = parsed
+    name, offset, owner = _tensor_of(key.name)
+    return name, offset + key.start, owner or key.owner
+
+
+def _pieces(state) -> list[str]:
+    """The piece names among a checkpoint's per-tensor state."""
+    return sorted(n for n in _state_names(state) if PieceKey.parse(n) is not None)
 
 
 def _state_names(state) -> set[str]:

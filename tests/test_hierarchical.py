@@ -109,11 +109,12 @@ def test_a_corrupt_cross_node_payload_fails_every_rank(two_per_node):
         return err.value.rank, str(err.value)
 
     got = run_ranks(4, rank)
-    # ranks 1 and 3 (local rank 1, the cross-node group that got the bad frame) decode
-    # it: "from rank 1" of their group (global rank 3); ranks 0 and 2 learn from stage 3
-    assert "payload from rank 1" in got[1][1] and "payload from rank 1" in got[3][1]
-    assert got[0][0] == 1 and "cross-node stage" in got[0][1]
-    assert got[2][0] == 3 and "cross-node stage" in got[2][1]
+    # every rank names the sender by its global rank, 3: ranks 1 and 3 (local rank 1, the
+    # cross-node group that got the bad frame) decode it ("from rank 1" of their group is
+    # global rank 3); ranks 0 and 2 learn it from stage 3's status word
+    assert [r for r, _ in got] == [3, 3, 3, 3]
+    assert "payload from rank 3" in got[1][1] and "payload from rank 3" in got[3][1]
+    assert "cross-node stage" in got[0][1] and "cross-node stage" in got[2][1]
 
 
 def test_what_it_cannot_run_is_refused(monkeypatch):

@@ -49,6 +49,33 @@ def test_ranks_that_disagree_on_the_override_get_the_same_error_on_every_rank():
     assert len(set(errors)) == 1 and "rank 3: 4" in errors[0] and "rank 0: 2" in errors[0]
 
 
+@pytest.mark.parametrize("raw", ["abc", "0", "-1", "2.5"])
+def test_a_bad_override_on_one_rank_is_reported_on_every_rank_naming_the_variable(raw):
+    """Gathered before anything else: every rank raises the same error naming the rank and
+    HVDC_RANKS_PER_NODE (not an internal argument), none waits in a collective."""
+    errors = []
+
+    def rank(t):
+        import os
+
+        try:
+            if t.rank == 2:  # the simulated world shares os.environ: set it for one rank
+                os.environ["HVDC_RANKS_PER_NODE"] = raw
+                detected = topology.detect(t)
+            else:
+                detected = topology.detect(t, ranks_per_node=2)
+        except ValueError as err:
+            errors.append(str(err))
+            return "raised"
+        finally:
+            os.environ.pop("HVDC_RANKS_PER_NODE", None)
+        return detected
+
+    assert run_ranks(4, rank) == ["raised"] * 4
+    assert len(set(errors)) == 1, errors
+    assert errors[0] == f"on rank(s) [2] of 4: HVDC_RANKS_PER_NODE must be an int >= 1, got {raw!r}"
+
+
 def test_an_override_that_does_not_divide_the_ranks_is_refused():
     with pytest.raises(ValueError, match="does not divide the 4 ranks"):
         run_ranks(4, lambda t: topology.detect(t, ranks_per_node=3))

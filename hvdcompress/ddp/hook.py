@@ -67,6 +67,8 @@ def _routes(state, reducer: Reducer, bucket) -> list | None:
         # the exchange averages the views of DDP's buffer in place (exchange.py)
         routes.append((reducer.route(part), [grads[i] for i in chosen]))
     if not any(route.bucket.compressed for route, _ in routes):  # "auto" sent it all dense
+        for route, views in routes:  # as DDP's allreduce, with what residuals it strands
+            reducer.enter(route, views)
         return None
     return routes
 

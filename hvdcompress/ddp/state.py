@@ -17,7 +17,7 @@ from hvdcompress.compressors import Compressor
 from hvdcompress.ddp.hook import ddp_hook
 from hvdcompress.exchange import check_exchange
 from hvdcompress.exchange.tuning import DEFAULT_TUNING, ExchangeTuner, check_tuning
-from hvdcompress.reducer import Reducer
+from hvdcompress.reducer import Reducer, check_start_up
 from hvdcompress.stats import StepStats
 from hvdcompress.transports.base import drain_worker, start_worker
 
@@ -131,7 +131,7 @@ class DDPHookState:
         tuning=DEFAULT_TUNING,
     ) -> None:
         check_exchange(exchange, link_cost)
-        check_tuning(tuning)
+        check_tuning(tuning, exchange)
         self.compress_min_numel = checks.integer("compress_min_numel", compress_min_numel, 0)
         self.overlap = checks.boolean("overlap", overlap)
         self.compressor: Compressor = resolve_compressor(compression)
@@ -230,6 +230,7 @@ class DDPHookState:
         overlapping = (
             self.overlap and group is dist.group.WORLD and dist.get_backend(group) == "gloo"
         )
+        self._check_start_up(TorchDistTransport(group), overlapping)
         transport = TorchDistTransport(group, threaded=overlapping)
         finish = TorchDistTransport(group, threaded=True) if overlapping else transport
         self._finish_transport, self._group = finish, group
@@ -244,6 +245,20 @@ class DDPHookState:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
         return self
+
+    def _check_start_up(self, inline, overlapping: bool) -> None:
+        """Every rank binds alike (``reducer.check_start_up``, on the DDP model's group, before
+        the threaded transports' groups are made): the compressor, exchange, tuning, the
+        overlap and the model's tensors where they are known."""
+        lines = [
+            f"compress_min_numel {self.compress_min_numel}; overlap {self.overlap} "
+            f"({'on' if overlapping else 'off'}); transport {inline.name}",
+            *(f"tensor {name} {shape}" for name, shape in self.params.shapes.items()),
+        ]
+        check_start_up(
+            inline, self.compressor, exchange=self.exchange, tuning=self.tuning,
+            link_cost=self.link_cost, lines=lines,
+        )  # fmt: skip
 
     def close(self) -> None:
         """End the hook's threads and free its own process groups at a known point, not

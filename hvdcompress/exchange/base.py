@@ -78,6 +78,12 @@ class _Exchange:
         shapes (checked when a checkpoint is loaded); none but for the two-stage one."""
         return {}
 
+    def residual_keys(self, bucket: Bucket, comp) -> set:
+        """The compressor state keys (error-feedback residuals) this exchange keeps for
+        ``bucket``'s tensors on this rank: the tensors' own names (the allgather, the
+        allreduce); the two-stage and hierarchical exchanges keep pieces instead."""
+        return set(bucket.names)
+
     def finish(
         self, bucket: Bucket, comp, flight: InFlight, scale: float, decode: bool
     ) -> list[torch.Tensor] | None:

@@ -179,7 +179,7 @@ def choose_exchanges(
     (``_Exchange.finish_transport``; default ``transport``); ``per_tensor``: two-stage
     shards planned per tensor (``plan_shards_per_tensor``, the DDP hook's)."""
     check_exchange(mode, link_cost)
-    _check_mode(compressor, mode)
+    check_mode(compressor, mode)
     size = transport.size
     if link_cost == "measure" and mode == "auto":
         link_cost = calibrate_link(transport)
@@ -225,9 +225,9 @@ def choose_exchanges(
     return ExchangePlan(chosen, frozenset(dense_indices), options)
 
 
-def _check_mode(compressor: Compressor, mode: str) -> None:
-    """ValueError where ``exchange=mode`` cannot carry ``compressor``'s payloads,
-    TypeError for what is no compressor of either kind."""
+def check_mode(compressor: Compressor, mode: str) -> None:
+    """ValueError where ``exchange=mode`` cannot carry ``compressor``'s payloads, TypeError
+    for what is no compressor of either kind (the reducer checks it when it is made)."""
     if isinstance(compressor, SummableCompressor):
         if mode == "hierarchical":
             raise ValueError(

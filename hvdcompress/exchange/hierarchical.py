@@ -102,6 +102,17 @@ class HierarchicalExchange(_Exchange):
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self._state_shapes)
 
+    def residual_keys(self, bucket: Bucket, comp: GatherCompressor) -> set:
+        """The keys of the cross-node exchange of this rank's shard (its pieces, or with
+        the two-stage exchange across nodes, the pieces of those)."""
+        mine = self.plan(bucket, comp)[self.intra.rank]
+        if not mine:
+            return set()
+        names = [_piece_name(pc) for pc in mine]
+        sizes = [torch.empty(pc.stop - pc.start, device="meta") for pc in mine]  # numels only
+        shard = Bucket(bucket.index, sizes, names)
+        return self.cross_exchange(shard, comp).residual_keys(shard, comp)
+
     def plan(self, bucket: Bucket, comp: GatherCompressor) -> list:
         """The bucket's K shards (``plan_shards``), made once per set of tensors; this
         rank's pieces become compressor state names (``state_shapes``), so a checkpoint
@@ -147,6 +158,10 @@ class HierarchicalExchange(_Exchange):
             try:  # the average of every rank's shard, written into the pieces
                 inner = self.cross_exchange(shard_bucket, comp)
                 inner.finish(shard_bucket, comp, stages.cross, scale, decode)
+            except PayloadError as err:  # the sender by its global rank, on every rank
+                error, status = err, STATUS_FAILED
+                if err.rank is not None:
+                    error = err.renamed(self.topology.nodes[err.rank][self.intra.rank])
             except Exception as err:  # noqa: BLE001 - stage 3 must still run on every rank
                 error, status = err, STATUS_FAILED
             flight.wait_s += stages.cross.wait_s
@@ -154,8 +169,11 @@ class HierarchicalExchange(_Exchange):
         if not decode:
             status = STATUS_FAILED
         mine = _cat(stages.pieces).view(torch.uint8)
-        # a 4-byte status first, so that every part's floats stay 4-byte aligned
-        message = torch.cat([torch.tensor([status, 0, 0, 0], dtype=torch.uint8), mine.cpu()])
+        # a 4-byte status first, so that every part's floats stay 4-byte aligned: the
+        # status, then the global rank a failed payload came from, plus one (0: none)
+        blamed = getattr(error, "rank", None) if isinstance(error, PayloadError) else None
+        word = [status, *((0 if blamed is None else blamed + 1).to_bytes(3, "little"))]
+        message = torch.cat([torch.tensor(word, dtype=torch.uint8), mine.cpu()])
         handle = self.intra_finish.start_allgatherv(message, key=site(bucket, "intra3"))
         stage3 = Collective(handle, message.numel(), 0.0)
         gathered, sizes = waited(flight, stage3)
@@ -166,11 +184,13 @@ class HierarchicalExchange(_Exchange):
         if failed and decode:
             node = self.topology.node_of(self.transport.rank)
             ranks = [self.topology.nodes[node][j] for j in failed]
+            blamed = [int.from_bytes(bytes(parts[j][1:4].tolist()), "little") for j in failed]
+            senders = [b - 1 for b in blamed if b]
             raise PayloadError(
                 "frame",
                 f"the cross-node stage of the hierarchical exchange failed on rank(s) {ranks} "
                 "of this node (their own error names the payload)",
-                rank=ranks[0],
+                rank=senders[0] if senders else ranks[0],
             )
         if not decode:
             return

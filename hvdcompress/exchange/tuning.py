@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -51,20 +52,34 @@ class Tuning:
     give_up: float = 1.5
 
     def __post_init__(self) -> None:
-        checks.integer("warmup_steps", self.warmup_steps, 1)
-        checks.integer("steps_per_option", self.steps_per_option, 1)
-        checks.integer("recheck_every", self.recheck_every, 0)
-        checks.number("margin", self.margin, 0.0, 1.0, open_low=True)
-        checks.number("give_up", self.give_up, 1.0)
+        # each in its canonical type (``checks``): Tuning(warmup_steps=2.0) is warmup_steps=2
+        canonical = {
+            "warmup_steps": checks.integer("warmup_steps", self.warmup_steps, 1),
+            "steps_per_option": checks.integer("steps_per_option", self.steps_per_option, 1),
+            "recheck_every": checks.integer("recheck_every", self.recheck_every, 0),
+            "margin": checks.number("margin", self.margin, 0.0, 1.0, open_low=True),
+            "give_up": checks.number("give_up", self.give_up, 1.0),
+        }
+        for name, value in canonical.items():
+            object.__setattr__(self, name, value)
 
 
 DEFAULT_TUNING = Tuning()
 
 
-def check_tuning(tuning) -> None:
-    """The adapters' ``tuning`` argument: a ``Tuning`` or None (TypeError otherwise)."""
+def check_tuning(tuning, exchange: str = "auto") -> None:
+    """The adapters' ``tuning`` argument: a ``Tuning`` or None (TypeError otherwise); a
+    ``Tuning`` of the user's with another ``exchange`` than "auto", which times nothing,
+    gets a warning (the default one is silent)."""
     if tuning is not None and not isinstance(tuning, Tuning):
         raise TypeError(f"tuning must be a hvdcompress.Tuning or None, got {tuning!r}")
+    if tuning is not None and tuning is not DEFAULT_TUNING and exchange != "auto":
+        warnings.warn(
+            f"tuning={tuning!r} has no effect with exchange={exchange!r}: only "
+            "exchange='auto' times its options while training",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def make_tuner(tuning: Tuning | None, mode: str, transport) -> ExchangeTuner | None:

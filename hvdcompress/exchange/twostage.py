@@ -146,6 +146,12 @@ class TwoStageExchange(_Exchange):
             )
         return self._plans[key]
 
+    def residual_keys(self, bucket: Bucket, comp) -> set:
+        """Every piece's sender key, and the owner key of each piece this rank owns."""
+        shards = self.plan(bucket)
+        mine = shards[self.transport.rank] if self.transport.rank < len(shards) else []
+        return {pc.sender_key for pcs in shards for pc in pcs} | {pc.owner_key for pc in mine}
+
     def state_shapes(self) -> dict[str, tuple[int]]:
         """The compressor state names this exchange makes on this rank (as a checkpoint
         writes them, ``str`` of the pieces' keys), and their shapes:

@@ -79,7 +79,7 @@ def DistributedOptimizer(
     raise_on_nonfinite = checks.boolean("raise_on_nonfinite", raise_on_nonfinite)
     sparse_as_dense = checks.boolean("sparse_as_dense", sparse_as_dense)
     check_exchange(exchange, link_cost)
-    check_tuning(tuning)
+    check_tuning(tuning, exchange)
     groups = _groups_of(num_groups, groups)
     if op == Adasum:
         return _adasum_optimizer(

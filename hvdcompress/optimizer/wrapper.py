@@ -12,7 +12,6 @@ import torch
 from hvdcompress import checks
 from hvdcompress.buckets import (
     Bucket,
-    check_agreement,
     describe,
     make_buckets,
     named_params,
@@ -24,7 +23,7 @@ from hvdcompress.exchange.tuning import ExchangeTuner, Tuning
 from hvdcompress.optimizer.options import Average, HorovodOptions, _normalize_op
 from hvdcompress.optimizer.process_sets import _OutsideProcessSet
 from hvdcompress.policies import Policy
-from hvdcompress.reducer import Reducer, Route, Started
+from hvdcompress.reducer import Reducer, Route, Started, check_start_up
 from hvdcompress.sparse_grads import finish_sparse, start_sparse
 from hvdcompress.stats import StepStats
 from hvdcompress.transports import Transport
@@ -126,10 +125,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = resolve_groups(horovod.groups, named)
         self._buckets = make_buckets(named, fusion_threshold, compress_min_numel, self._groups)
         _check_dtypes(compressor, self._buckets)
+        if self._included:  # before the reducer, whose making is collective
+            settings = [
+                f"op {self._op}; backward_passes_per_step {self.backward_passes_per_step}",
+                f"fusion_threshold {fusion_threshold}; transport {transport.name}",
+                f"compress_min_numel {compress_min_numel}; groups {self._groups is not None}",
+                f"gradient_predivide_factor {self.gradient_predivide_factor}; "
+                f"sparse_as_dense {self.sparse_as_dense}",
+            ]
+            check_start_up(
+                transport, compressor, exchange=exchange, tuning=tuning, link_cost=link_cost,
+                lines=describe(settings, named, self._buckets),
+            )  # fmt: skip
         self._reducer = Reducer(
             compressor, transport, exchange=exchange,
             link_cost=link_cost if self._included else None,
-            tuning=tuning if self._included else None,
+            tuning=tuning if self._included else None, scale=self._scale,
         )  # fmt: skip
         self._reducer.plan(self._buckets)
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
@@ -144,16 +155,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hooks = []
             return
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
-        settings = [
-            f"compressor {compressor!r} summable={compressor.summable}",
-            f"op {self._op}; backward_passes_per_step {self.backward_passes_per_step}",
-            f"fusion_threshold {fusion_threshold}; transport {transport.name}",
-            f"compress_min_numel {compress_min_numel}; groups {self._groups is not None}",
-            f"gradient_predivide_factor {self.gradient_predivide_factor}; "
-            f"sparse_as_dense {self.sparse_as_dense}",
-            f"exchange {exchange}: {[self._planned_label(b) for b in self._buckets]}; {tuning!r}",
-        ]
-        check_agreement(transport, describe(settings, named, self.buckets))
         if policy is not None:
             compressed = {n for b in self.buckets if b.compressed for n in b.names}
             policy.bind(self, compressor, transport, [n for n, _ in named if n in compressed])
@@ -175,12 +176,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Horovod's Average: scaled by 1/f before the sum and by f/size after.
         self._prescale = 1.0 / factor if self._op == Average and factor != 1.0 else 1.0
         self._scale = factor / self._transport.size if self._op == Average else 1.0
-
-    def _planned_label(self, bucket: Bucket) -> str:
-        """The plan's first choice for ``bucket`` (its exchange's kind, or "dense")."""
-        if not self._reducer.sends_compressed(bucket) and bucket.compressed:
-            return "dense"
-        return self._reducer.planned(bucket).kind
 
     # ---- hooks and launching ---------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -70,30 +70,43 @@ class Topology:
 
 
 def _override(ranks_per_node) -> int | None:
-    if ranks_per_node is None:
-        ranks_per_node = os.environ.get(OVERRIDE_ENV) or None
-        if ranks_per_node is None:
-            return None
-        try:
-            ranks_per_node = int(ranks_per_node)
-        except ValueError:
-            raise ValueError(
-                f"{OVERRIDE_ENV} must be an int >= 1, got {ranks_per_node!r}"
-            ) from None
-    return checks.integer("ranks_per_node", ranks_per_node, 1)
+    """The ranks per node this rank is told to play (``ranks_per_node=``, else
+    ``HVDC_RANKS_PER_NODE``), None where neither says; ValueError naming the variable or
+    the argument that holds a bad value."""
+    if ranks_per_node is not None:
+        return checks.integer("ranks_per_node", ranks_per_node, 1)
+    raw = os.environ.get(OVERRIDE_ENV) or None
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{OVERRIDE_ENV} must be an int >= 1, got {raw!r}")
+    return value
 
 
 def detect(transport, ranks_per_node: int | None = None) -> Topology:
     """The job's topology, the same on every rank (module doc). Collective: every rank of
-    ``transport`` calls it at the same point."""
-    override = _override(ranks_per_node)
-    gathered = transport.allgather_object((override, None if override else transport.node_key()))
-    overrides = sorted({o for o, _ in gathered}, key=repr)
+    ``transport`` calls it at the same point. A bad override on any rank is gathered
+    first and raised on every rank, naming the ranks and their values."""
+    try:
+        override, error = _override(ranks_per_node), None
+    except ValueError as err:
+        override, error = None, str(err)
+    key = None if override or error else transport.node_key()
+    gathered = transport.allgather_object((override, error, key))
+    bad = [(r, e) for r, (_, e, _) in enumerate(gathered) if e is not None]
+    if bad:
+        ranks = [r for r, _ in bad]
+        raise ValueError(f"on rank(s) {ranks} of {len(gathered)}: {bad[0][1]}")
+    overrides = sorted({o for o, _, _ in gathered}, key=repr)
     if len(overrides) > 1:
-        per_rank = ", ".join(f"rank {r}: {o}" for r, (o, _) in enumerate(gathered))
+        per_rank = ", ".join(f"rank {r}: {o}" for r, (o, _, _) in enumerate(gathered))
         raise RankAgreementError(
             f"ranks disagree on the ranks per node ({OVERRIDE_ENV} or ranks_per_node): {per_rank}"
         )
     if override is not None:
         return Topology.blocks(transport.size, override)
-    return Topology.from_keys([key for _, key in gathered])
+    return Topology.from_keys([key for _, _, key in gathered])
