@@ -69,6 +69,82 @@ def evaluate(model, test, dist, batch: int = 1000) -> float:
     return total_correct / max(total, 1.0)
 
 
+def plan_steps(args, dist, n_train: int) -> tuple[int, int]:
+    """(steps per epoch, the step the run ends at): every rank the same number of full
+    batches per epoch; ``--until-epoch`` ends a piece of a run of ``--epochs``."""
+    steps_per_epoch = n_train // (dist.size * args.batch_size)
+    if steps_per_epoch == 0:
+        raise SystemExit(
+            f"{n_train} examples cannot give {dist.size} ranks a batch of "
+            f"{args.batch_size}: lower --batch-size"
+        )
+    total_steps = args.steps if args.steps is not None else steps_per_epoch * args.epochs
+    if args.until_epoch is not None:  # a piece of the run: the schedule still spans --epochs
+        total_steps = steps_per_epoch * args.until_epoch
+    return steps_per_epoch, total_steps
+
+
+def open_root_outputs(args, replica, total_steps: int, start_step: int):
+    """Rank 0's (RunLog, Progress), after the note on --sgd's defaults if there is one."""
+    if args.sgd_note:
+        print(args.sgd_note, file=sys.stderr, flush=True)
+    log = RunLog(args.log_dir, resume=args.resume, policy=replica.policy, measured=replica.measured)
+    progress = Progress(total_steps, start_step, args.progress_every, not args.no_progress)
+    return log, progress
+
+
+def batch_indices(args, dist, n_train: int, step: int, steps_per_epoch: int):
+    """This rank's examples at ``step``: its slot of the epoch's seeded permutation."""
+    epoch = step // steps_per_epoch
+    perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed + epoch))
+    in_epoch = step % steps_per_epoch
+    lo = (in_epoch * dist.size + dist.rank) * args.batch_size
+    return perm[lo : lo + args.batch_size]
+
+
+def optimizer_step(replica, dist, train, idx, step: int, epoch: int) -> tuple[float, float]:
+    """One step on the examples ``idx`` of ``train``: (its loss, its seconds). A non-finite
+    gradient ends the run with the step, the method and the loss."""
+    x_train, y_train = train
+    opt = replica.optimizer
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    loss = F.cross_entropy(replica.forward(x_train[idx]), y_train[idx])
+    loss.backward()
+    try:
+        replica.check_finite()  # DDP's averages, the same on every rank
+        opt.step()
+    except hvdcompress.NonFiniteGradientError as err:
+        raise SystemExit(
+            f"train: stopped at step {step + 1} (epoch {epoch}), compression "
+            f"{replica.method}, loss on rank {dist.rank} {float(loss.detach()):.6g}: "
+            f'{err} (docs/codecs.md, "Defaults that train")'
+        ) from None
+    step_s = time.perf_counter() - t0
+    return float(loss.detach()), step_s
+
+
+def checkpoint_due(args, step: int, total_steps: int) -> bool:
+    """Whether ``step`` saves a checkpoint: the last one, and every --checkpoint-every."""
+    return step == total_steps or bool(args.checkpoint_every and step % args.checkpoint_every == 0)
+
+
+def print_decisions(tuner, decided: int) -> int:
+    """The tuner's decisions after the first ``decided``, on stderr; how many there are now."""
+    for decision in tuner.decisions[decided:]:
+        print(f"train: exchange {decision}", file=sys.stderr, flush=True)
+    return len(tuner.decisions)
+
+
+def report_step(log, progress, step, epoch, loss, acc, stats, step_s, lr) -> None:
+    """Rank 0's record of a step: its row of the log, the progress, and (without a bar)
+    a line at each evaluation."""
+    log.step(step, epoch, loss, acc, stats, step_s, lr)
+    progress.update(step, loss, stats.bits_per_value)
+    if acc is not None and not progress.has_bar:
+        print(f"step {step} epoch {epoch} loss {loss:.4f} test_acc {acc:.4f}")
+
+
 def train_rank(args, dist, data=None) -> str:
     """One rank's run: a process of a real run, or a thread of --simulate-ranks (which
     passes the ``data`` every rank reads); the digest of its final parameters."""
@@ -77,16 +153,7 @@ def train_rank(args, dist, data=None) -> str:
     train, test = data if data is not None else load_data(args)
     replica = build_replica(args, dist)
     model, opt, policy = replica.model, replica.optimizer, replica.policy
-
-    steps_per_epoch = len(train[0]) // (dist.size * args.batch_size)
-    if steps_per_epoch == 0:
-        raise SystemExit(
-            f"{len(train[0])} examples cannot give {dist.size} ranks a batch of "
-            f"{args.batch_size}: lower --batch-size"
-        )
-    total_steps = args.steps if args.steps is not None else steps_per_epoch * args.epochs
-    if args.until_epoch is not None:  # a piece of the run: the schedule still spans --epochs
-        total_steps = steps_per_epoch * args.until_epoch
+    steps_per_epoch, total_steps = plan_steps(args, dist, len(train[0]))
     schedule = make_schedule(args, steps_per_epoch)
 
     start_step = 0
@@ -97,67 +164,36 @@ def train_rank(args, dist, data=None) -> str:
     is_root = dist.rank == 0
     log = progress = None
     if is_root:
-        if args.sgd_note:
-            print(args.sgd_note, file=sys.stderr, flush=True)
-        log = RunLog(args.log_dir, resume=args.resume, policy=policy, measured=replica.measured)
-        progress = Progress(total_steps, start_step, args.progress_every, not args.no_progress)
+        log, progress = open_root_outputs(args, replica, total_steps, start_step)
 
     traffic = RunTraffic(dist.size)
     decided = 0  # the tuner's decisions printed so far
     step = start_step
     first_loss = last_loss = None
-    x_train, y_train = train
     while step < total_steps:
         epoch = step // steps_per_epoch
-        perm = torch.randperm(
-            len(x_train), generator=torch.Generator().manual_seed(args.seed + epoch)
-        )
-        in_epoch = step % steps_per_epoch
-        lo = (in_epoch * dist.size + dist.rank) * args.batch_size
-        idx = perm[lo : lo + args.batch_size]
+        idx = batch_indices(args, dist, len(train[0]), step, steps_per_epoch)
         lr = schedule.apply(opt, step)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = F.cross_entropy(replica.forward(x_train[idx]), y_train[idx])
-        loss.backward()
-        try:
-            replica.check_finite()  # DDP's averages, the same on every rank
-            opt.step()
-        except hvdcompress.NonFiniteGradientError as err:
-            raise SystemExit(
-                f"train: stopped at step {step + 1} (epoch {epoch}), compression "
-                f"{replica.method}, loss on rank {dist.rank} {float(loss.detach()):.6g}: "
-                f'{err} (docs/codecs.md, "Defaults that train")'
-            ) from None
-        step_s = time.perf_counter() - t0
+        last_loss, step_s = optimizer_step(replica, dist, train, idx, step, epoch)
         step += 1
         stats = replica.step_stats()
-        last_loss = float(loss.detach())
         first_loss = last_loss if first_loss is None else first_loss
         traffic.add(stats)
-        end_of_epoch = step % steps_per_epoch == 0 or step == total_steps
         if policy is not None and step % steps_per_epoch == 0:
             if hasattr(policy, "end_epoch"):  # every rank: an Accordion interval end
                 policy.end_epoch()
         acc = None
-        if end_of_epoch:  # every rank: the evaluation and one small sum
+        if step % steps_per_epoch == 0 or step == total_steps:  # every rank: evaluation, a sum
             acc = evaluate(model, test, dist)
             bits, values = traffic.end_evaluation(dist)
             if log:
                 log.evaluation(step, epoch, lr, acc, bits, values)
-        if ckpt_dir and (
-            step == total_steps or (args.checkpoint_every and step % args.checkpoint_every == 0)
-        ):
+        if ckpt_dir and checkpoint_due(args, step, total_steps):
             save_checkpoint(ckpt_dir, step, model, opt, dist, args, schedule)
         if is_root and replica.tuner is not None:
-            for decision in replica.tuner.decisions[decided:]:
-                print(f"train: exchange {decision}", file=sys.stderr, flush=True)
-            decided = len(replica.tuner.decisions)
+            decided = print_decisions(replica.tuner, decided)
         if is_root:
-            log.step(step, epoch, last_loss, acc, stats, step_s, lr)
-            progress.update(step, last_loss, stats.bits_per_value)
-            if acc is not None and not progress.has_bar:
-                print(f"step {step} epoch {epoch} loss {last_loss:.4f} test_acc {acc:.4f}")
+            report_step(log, progress, step, epoch, last_loss, acc, stats, step_s, lr)
 
     final_acc = evaluate(model, test, dist)
     digest = param_digest(model)
