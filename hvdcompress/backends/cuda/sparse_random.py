@@ -123,56 +123,10 @@ def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
         nonzero = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
         if es is not None:
             k.tiles("quant_gspar_form_segments", elements, states)
-        scales = np.where(budget >= nonzero, np.inf, -1.0).astype(np.float32)
-        scales[bad] = -1.0
-        iterating = ~bad & (budget < nonzero)
-        first = iterating.copy()  # the pending round is round 0 (c = 0: nothing saturated)
-        left_over = np.zeros(elements.count, dtype=bool)  # the rest summed to 0: per tensor
-        saturated = np.zeros(elements.count, dtype=np.int64)
-        c32 = np.where(iterating, np.float32(0.0), scales).astype(np.float32)
-        words = torch.empty(2 * elements.count + 2 * nchunks, dtype=torch.int32, device=device)
-        for _ in range(int(nonzero.max()) + 3):  # codecs/sparse.py gspar_scale's bound
-            if not iterating.any():
-                break
-            words.zero_()
-            counts, sums = words[: 2 * elements.count], words[2 * elements.count :]
-            at = torch.from_numpy(np.where(iterating, c32, np.float32(-1.0))).to(device)
-            args = (elements.rows, np.int64(elements.count), np.int64(nchunks), np.int64(chunk), at)
-            k("quant_gspar_round_segments", nchunks, *args, counts, sums)
-            read = rt._read_state(words)
-            now = read[: 2 * elements.count].view(np.int64)
-            totals = read[2 * elements.count :].view(np.float64)
-            for row in np.flatnonzero(iterating).tolist():
-                if not first[row] and now[row] == saturated[row]:
-                    iterating[row] = False  # converged: c32[row] is the scale
-                    continue
-                first[row] = False
-                saturated[row] = now[row]
-                lo = int(first_chunk[row])
-                rest = math.fsum(totals[lo : lo + int(chunks[row])].tolist())
-                if not rest > 0.0:
-                    iterating[row], left_over[row] = False, True
-                    continue
-                c32[row] = np.float32(min((budget[row] - saturated[row]) / rest, _GSPAR_MAX_SCALE))
-        else:
-            raise AssertionError("the GSpar scale iteration did not converge")
+        rounds = (chunk, chunks, first_chunk, nchunks)
+        c32, left_over = _gspar_scales(k, elements, device, rounds, budget, nonzero, bad)
         draw = np.where(bad | left_over, np.float32(-1.0), c32).astype(np.float32)
-        scales_at = torch.from_numpy(draw).to(device)
-        flags = k.empty(int(lns.sum()), torch.uint8)
-        k.tiles("quant_gspar_flags_segments", elements, scales_at, flags)
-        incl = torch.cumsum(flags, 0, dtype=torch.int64)
-        k.rows("quant_gspar_count_segments", elements, incl, states)
-        host = rt._read_state(states)
-        kept = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
-        sizes = np.where(draw >= 0, kept * np.where(lns >= rt.TOPK_INDEX32_LIMIT, 12, 8), 0)
-        rooms = -(-sizes // 8) * 8
-        firsts = np.cumsum(rooms) - rooms
-        buf = k.empty(max(int(rooms.sum()), 8), torch.uint8)
-        at = np.where(draw >= 0, buf.data_ptr() + firsts, 0).astype(np.int64)
-        body_at = torch.from_numpy(at).to(device)
-        args = (np.int32(es is None), np.int64(rt.TOPK_INDEX32_LIMIT), scales_at)
-        gather = (*args, flags, incl, body_at, states)
-        k.tiles("quant_gspar_gather_segments", elements, *gather)
+        buf, firsts, sizes = _gspar_draw_bodies(k, elements, device, states, lns, draw, es)
     for row, i in enumerate(live.tolist()):
         nonfinite[i] = bool(bad[row])
         if left_over[row]:
@@ -180,6 +134,69 @@ def gspar_encode_segments(gs, keys, budgets, chunk, es=None):
         elif not bad[row]:
             bodies[i] = buf[int(firsts[row]) :][: int(sizes[row])]
     return bodies, nonfinite
+
+
+def _gspar_scales(k, elements, device, rounds, budget, nonzero, bad):
+    """Every live tensor's scale (codecs/sparse.py, gspar_scale), a round launch and a read
+    a round: (the float32 scales, the tensors whose rest summed to 0). ``rounds``: (chunk,
+    the chunks per tensor, each tensor's first chunk, the chunks in all)."""
+    chunk, chunks, first_chunk, nchunks = rounds
+    scales = np.where(budget >= nonzero, np.inf, -1.0).astype(np.float32)
+    scales[bad] = -1.0
+    iterating = ~bad & (budget < nonzero)
+    first = iterating.copy()  # the pending round is round 0 (c = 0: nothing saturated)
+    left_over = np.zeros(elements.count, dtype=bool)  # the rest summed to 0: per tensor
+    saturated = np.zeros(elements.count, dtype=np.int64)
+    c32 = np.where(iterating, np.float32(0.0), scales).astype(np.float32)
+    words = torch.empty(2 * elements.count + 2 * nchunks, dtype=torch.int32, device=device)
+    for _ in range(int(nonzero.max()) + 3):  # codecs/sparse.py gspar_scale's bound
+        if not iterating.any():
+            break
+        words.zero_()
+        counts, sums = words[: 2 * elements.count], words[2 * elements.count :]
+        at = torch.from_numpy(np.where(iterating, c32, np.float32(-1.0))).to(device)
+        args = (elements.rows, np.int64(elements.count), np.int64(nchunks), np.int64(chunk), at)
+        k("quant_gspar_round_segments", nchunks, *args, counts, sums)
+        read = rt._read_state(words)
+        now = read[: 2 * elements.count].view(np.int64)
+        totals = read[2 * elements.count :].view(np.float64)
+        for row in np.flatnonzero(iterating).tolist():
+            if not first[row] and now[row] == saturated[row]:
+                iterating[row] = False  # converged: c32[row] is the scale
+                continue
+            first[row] = False
+            saturated[row] = now[row]
+            lo = int(first_chunk[row])
+            rest = math.fsum(totals[lo : lo + int(chunks[row])].tolist())
+            if not rest > 0.0:
+                iterating[row], left_over[row] = False, True
+                continue
+            c32[row] = np.float32(min((budget[row] - saturated[row]) / rest, _GSPAR_MAX_SCALE))
+    else:
+        raise AssertionError("the GSpar scale iteration did not converge")
+    return c32, left_over
+
+
+def _gspar_draw_bodies(k, elements, device, states, lns, draw, es):
+    """The kept flags at the scales ``draw`` (< 0: none), their counts (one read), then one
+    launch writes the bodies: (the buffer, each body's first byte in it, its size)."""
+    scales_at = torch.from_numpy(draw).to(device)
+    flags = k.empty(int(lns.sum()), torch.uint8)
+    k.tiles("quant_gspar_flags_segments", elements, scales_at, flags)
+    incl = torch.cumsum(flags, 0, dtype=torch.int64)
+    k.rows("quant_gspar_count_segments", elements, incl, states)
+    host = rt._read_state(states)
+    kept = host[:, rt._ST_COUNT : rt._ST_COUNT + 2].copy().view(np.int64).reshape(-1)
+    sizes = np.where(draw >= 0, kept * np.where(lns >= rt.TOPK_INDEX32_LIMIT, 12, 8), 0)
+    rooms = -(-sizes // 8) * 8
+    firsts = np.cumsum(rooms) - rooms
+    buf = k.empty(max(int(rooms.sum()), 8), torch.uint8)
+    at = np.where(draw >= 0, buf.data_ptr() + firsts, 0).astype(np.int64)
+    body_at = torch.from_numpy(at).to(device)
+    args = (np.int32(es is None), np.int64(rt.TOPK_INDEX32_LIMIT), scales_at)
+    gather = (*args, flags, incl, body_at, states)
+    k.tiles("quant_gspar_gather_segments", elements, *gather)
+    return buf, firsts, sizes
 
 
 def gspar_round(a, c, chunk):
