@@ -177,10 +177,8 @@ def run_group(args, ns, launcher, ranks, items, rows: list) -> None:
     launch.run_items(items, run, record, args.verbose)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def _add_matrix_args(p) -> None:
+    """The matrix: ranks, rates, cases, models, launchers, exchanges."""
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="default: 2 4")
     p.add_argument(
         "--rates",
@@ -210,6 +208,10 @@ def parse_args(argv=None):
         default=["auto"],
         help="exchange= of gather-only cases (summable ones are allreduced); default: auto",
     )
+
+
+def _add_cluster_args(p) -> None:
+    """The emulated cluster: nodes, ranks per node, node link rates."""
     p.add_argument(
         "--nodes",
         type=int,
@@ -228,6 +230,10 @@ def parse_args(argv=None):
         help="on the cluster: the rate of every node's link, both directions (one run per\n"
         "rate); default: --rates",
     )
+
+
+def _add_case_args(p) -> None:
+    """A case's steps, batch and timeouts, and the policies' intervals."""
     p.add_argument("--steps", type=int, default=5, help="timed steps per case")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -237,6 +243,10 @@ def parse_args(argv=None):
     )
     p.add_argument("--accordion-interval", type=int, default=2, help="steps per interval")
     p.add_argument("--cat-every", type=int, default=100, help="CAT recomputes T* every S steps")
+
+
+def _add_driver_args(p) -> None:
+    """The driver's output, namespaces and modes (--quick, --cleanup, --verbose)."""
     p.add_argument("--out", type=Path, default=ROOT / "results" / "network")
     p.add_argument("--ns-prefix", default=PREFIX, help="namespace name prefix")
     p.add_argument(
@@ -247,29 +257,38 @@ def parse_args(argv=None):
     )
     p.add_argument("--cleanup", action="store_true", help="remove stale namespaces and exit")
     p.add_argument("--verbose", "-v", action="store_true", help="show the ranks' output")
-    # worker mode and test hooks (hidden)
+
+
+def _add_worker_args(p) -> None:
+    """Worker mode and test hooks (hidden)."""
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend", choices=["horovod", "mpi4py", "torch"], help=argparse.SUPPRESS)
     p.add_argument("--items", nargs="+", default=[], help=argparse.SUPPRESS)
     p.add_argument("--inject-failure", default=None, help=argparse.SUPPRESS)
     p.add_argument("--inject-hang", default=None, help=argparse.SUPPRESS)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = p.parse_args(argv)
-    if args.quick:
-        given = {a.split("=")[0] for a in argv if a.startswith("--")}
-        quick = {
-            "--ranks": ("ranks", [2]),
-            "--rates": ("rates", ["1gbit", "unlimited"]),
-            "--cases": ("cases", ["none", "3lc"]),
-            "--models": ("models", ["light"]),
-            "--launchers": ("launchers", ["gloo"]),
-            "--steps": ("steps", 2),
-            "--warmup": ("warmup", 1),
-            "--timeout": ("timeout", 120.0),
-        }
-        for flag, (dest, value) in quick.items():
-            if flag not in given:
-                setattr(args, dest, value)
+
+
+def _apply_quick(args, argv: list[str]) -> None:
+    """--quick's smoke-test settings, for every option not given in ``argv``."""
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    quick = {
+        "--ranks": ("ranks", [2]),
+        "--rates": ("rates", ["1gbit", "unlimited"]),
+        "--cases": ("cases", ["none", "3lc"]),
+        "--models": ("models", ["light"]),
+        "--launchers": ("launchers", ["gloo"]),
+        "--steps": ("steps", 2),
+        "--warmup": ("warmup", 1),
+        "--timeout": ("timeout", 120.0),
+    }
+    for flag, (dest, value) in quick.items():
+        if flag not in given:
+            setattr(args, dest, value)
+
+
+def _check_args(p, args) -> None:
+    """The checks across options (``p.error`` on a failure); on the emulated cluster, its
+    ranks, launcher and link rates in place of --ranks, --launchers and --rates."""
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step negotiates and decides)")
     if args.nodes >= 2:  # the emulated cluster: its ranks, launcher and link rates
@@ -280,22 +299,29 @@ def parse_args(argv=None):
         args.rates = list(args.node_link or args.rates)
     elif args.node_link:
         p.error("--node-link is the rate of a cluster's node links: give --nodes 2 or more")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _add_matrix_args(p)
+    _add_cluster_args(p)
+    _add_case_args(p)
+    _add_driver_args(p)
+    _add_worker_args(p)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(argv)
+    if args.quick:
+        _apply_quick(args, argv)
+    _check_args(p, args)
     args.port = CLUSTER_PORT
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        return worker_main(args)
-    why = netns.netns_available()
-    if why:
-        print(f"bench_network: {why}", file=sys.stderr)
-        return 2
-    if args.cleanup:  # the shared link's namespace and a cluster's (<prefix><pid>-...)
-        removed = cluster.cleanup_stale(args.ns_prefix, SCRIPT.name)
-        print(f"removed {len(removed)} stale namespace(s): {' '.join(removed) or '-'}")
-        return 0
+def _note_stale_namespaces(args) -> None:
+    """A note on the namespaces of the prefix that are not this run's (another run's, or
+    stale: --cleanup)."""
     mine = f"{args.ns_prefix}{os.getpid()}"
     stale = [
         ns
@@ -305,17 +331,21 @@ def main(argv=None) -> int:
     if stale:
         print(f"note: namespaces {stale} exist (another run, or stale: --cleanup)", flush=True)
 
-    on_cluster = args.nodes >= 2
-    ns = f"{args.ns_prefix}{os.getpid()}" + ("-" if on_cluster else "")
-    items = [
+
+def _matrix_items(args) -> list[str]:
+    """Every (rate, model, case, exchange) of the run, in that nesting order."""
+    return [
         item_name(r, m, c, e)
         for r in args.rates
         for m in args.models
         for c in args.cases
         for e in case_exchanges(c, args.exchanges)
     ]
-    rows: list = []
-    meta = {
+
+
+def _run_meta(args, ns: str, on_cluster: bool) -> dict:
+    """The JSON's ``meta``: when, where and what the run measures."""
+    return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": report.command_line(),
         "host": report.host(),
@@ -336,13 +366,26 @@ def main(argv=None) -> int:
         "cases_defined": {k: {"compressor": m.compression, "params": dict(m.params),
                               "policy": m.policy} for k, m in CASES.items()},
     }  # fmt: skip
-    t_all = time.monotonic()
+
+
+def _run_on_shared_link(args, ns: str, items: list[str], rows: list):
+    """Every (launcher, ranks) group in namespace ``ns``, removed afterwards; the signal
+    that interrupted the run, if one did."""
 
     def body():
         print(f"namespace {ns}; {LATENCY_NOTE}", flush=True)
         for launcher in args.launchers:
             for ranks in args.ranks:
                 run_group(args, ns, launcher, ranks, items, rows)
+
+    return netns.in_namespace(ns, args.ns_prefix, body)
+
+
+def _run_on_cluster(args, ns: str, items: list[str], rows: list):
+    """Every rate's items on the emulated cluster ``ns``*, its node links set to the rate
+    before the launch; the cluster removed afterwards; the signal that interrupted the
+    run, if one did."""
+    c = cluster.Cluster(ns, args.nodes)
 
     def cluster_body():
         print(f"emulated cluster {ns}*: {args.nodes} nodes x {args.ranks_per_node} ranks; "
@@ -352,15 +395,12 @@ def main(argv=None) -> int:
             mine = [i for i in items if parse_item(i)[0] == rate]
             run_group(args, c, CLUSTER_LAUNCHER, args.ranks[0], mine, rows)
 
-    if on_cluster:
-        c = cluster.Cluster(ns, args.nodes)
-        interrupted = cluster.in_cluster(c, cluster_body)
-    else:
-        interrupted = netns.in_namespace(ns, args.ns_prefix, body)
-    meta["wall_s"] = time.monotonic() - t_all
-    if interrupted:
-        meta["interrupted"] = interrupted
-        netreport.add_not_run(rows, args, items, parse_item, interrupted)
+    return cluster.in_cluster(c, cluster_body)
+
+
+def _write_report(args, rows: list, meta: dict) -> None:
+    """The rows sorted with their speedups into --out (.json, .md, the plots), the table
+    printed."""
     netreport.sort_rows(rows, args)
     netreport.add_speedups(rows)
     report.write_json(args.out / "bench_network.json", {"meta": meta, "rows": rows}, indent=1)
@@ -373,6 +413,37 @@ def main(argv=None) -> int:
     print(table)
     print(f"wrote {args.out}/bench_network.md, .json" + (f"; {note}" if note else ", .png"))
     print(f"total {meta['wall_s']:.0f} s")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    why = netns.netns_available()
+    if why:
+        print(f"bench_network: {why}", file=sys.stderr)
+        return 2
+    if args.cleanup:  # the shared link's namespace and a cluster's (<prefix><pid>-...)
+        removed = cluster.cleanup_stale(args.ns_prefix, SCRIPT.name)
+        print(f"removed {len(removed)} stale namespace(s): {' '.join(removed) or '-'}")
+        return 0
+    _note_stale_namespaces(args)
+
+    on_cluster = args.nodes >= 2
+    ns = f"{args.ns_prefix}{os.getpid()}" + ("-" if on_cluster else "")
+    items = _matrix_items(args)
+    rows: list = []
+    meta = _run_meta(args, ns, on_cluster)
+    t_all = time.monotonic()
+    if on_cluster:
+        interrupted = _run_on_cluster(args, ns, items, rows)
+    else:
+        interrupted = _run_on_shared_link(args, ns, items, rows)
+    meta["wall_s"] = time.monotonic() - t_all
+    if interrupted:
+        meta["interrupted"] = interrupted
+        netreport.add_not_run(rows, args, items, parse_item, interrupted)
+    _write_report(args, rows, meta)
     if interrupted:
         return 128 + getattr(signal.Signals, interrupted, signal.SIGINT).value
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
