@@ -76,68 +76,10 @@ def run_launch(cmd: list[str], items: list[str], args, cwd: Path, stop) -> tuple
     threading.Thread(target=_reader, args=(proc.stdout, q), daemon=True).start()
     tail: deque[str] = deque(maxlen=40)
     out: dict = {}
-    current = None
-    started = False
-    deadline = t_launch + args.startup_timeout
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if current is None and not started:
-                    why = f"timeout: the launch started no case within {args.startup_timeout:g} s"
-                elif current is None:
-                    why = f"timeout: no next case within {args.timeout:g} s"
-                else:
-                    why = f"timeout: no result within {args.timeout:g} s"
-                target = current or next((i for i in items if i not in out), None)
-                if target is not None:
-                    out[target] = {"status": "failed", "reason": why + _tail_note(tail)}
-                break
-            try:
-                line = q.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            if line is None:
-                break
-            pos = line.find(MARK)
-            if pos < 0:
-                tail.append(line)
-                if args.verbose:
-                    print("    | " + line, flush=True)
-                continue
-            try:
-                event = json.loads(line[pos + len(MARK) :])
-            except json.JSONDecodeError:
-                tail.append(line)
-                continue
-            kind = event.get("event")
-            if args.verbose:
-                lag = time.time() - event.get("t", time.time())
-                print(f"    event {kind} {event.get('item', '')} (arrived {lag:.1f} s late)")
-            if kind == "start":
-                current, started = event["item"], True
-                deadline = time.monotonic() + args.timeout
-            elif kind == "result":
-                out[event["item"]] = {"status": "ok", **event["row"]}
-                current = None
-                deadline = time.monotonic() + args.timeout
-            elif kind == "error":
-                why = f"error on rank {event.get('rank')}: {event.get('error')}"
-                out.setdefault(event["item"], {"status": "failed", "reason": why})
-                current, started = None, True  # rank 0's start event may not be here yet
-                break  # the ranks are exiting; the clean-up below ends what is left
-            elif kind == "done":
-                deadline = time.monotonic() + 30.0  # let the launcher exit on its own
+        current, started = _follow(q, items, args, t_launch + args.startup_timeout, out, tail)
     finally:
-        if proc.poll() is None:
-            try:
-                proc.wait(timeout=2.0 if out and all(i in out for i in items) else 0.01)
-            except subprocess.TimeoutExpired:
-                pass
-        stop()  # the launcher and every rank (and anything they left behind)
-        if proc.poll() is None:
-            proc.kill()
-        rc = proc.wait()
+        rc = _end_launch(proc, out, items, stop)
     if current is not None and current not in out:
         out[current] = {
             "status": "failed",
@@ -147,6 +89,90 @@ def run_launch(cmd: list[str], items: list[str], args, cwd: Path, stop) -> tuple
         why = f"the launch exited with status {rc} before any case" + _tail_note(tail)
         out[items[0]] = {"status": "failed", "reason": why}
     return out, started, time.monotonic() - t_launch
+
+
+def _follow(q: queue.Queue, items: list[str], args, deadline: float, out: dict, tail: deque):
+    """The ranks' events from ``q`` into ``out`` until the output ends, a case fails or a
+    deadline passes (``deadline`` first: the start's); (the case running at the end,
+    whether any case started). Other lines go to ``tail``."""
+    current = None
+    started = False
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            why = _timeout_reason(args, current, started)
+            target = current or next((i for i in items if i not in out), None)
+            if target is not None:
+                out[target] = {"status": "failed", "reason": why + _tail_note(tail)}
+            break
+        try:
+            line = q.get(timeout=min(left, 0.5))
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        event = _event(line, tail, args.verbose)
+        if event is None:
+            continue
+        kind = event.get("event")
+        if kind == "start":
+            current, started = event["item"], True
+            deadline = time.monotonic() + args.timeout
+        elif kind == "result":
+            out[event["item"]] = {"status": "ok", **event["row"]}
+            current = None
+            deadline = time.monotonic() + args.timeout
+        elif kind == "error":
+            why = f"error on rank {event.get('rank')}: {event.get('error')}"
+            out.setdefault(event["item"], {"status": "failed", "reason": why})
+            current, started = None, True  # rank 0's start event may not be here yet
+            break  # the ranks are exiting; the clean-up below ends what is left
+        elif kind == "done":
+            deadline = time.monotonic() + 30.0  # let the launcher exit on its own
+    return current, started
+
+
+def _timeout_reason(args, current, started: bool) -> str:
+    """What a passed deadline means: no case started, no next case, or no result."""
+    if current is None and not started:
+        return f"timeout: the launch started no case within {args.startup_timeout:g} s"
+    if current is None:
+        return f"timeout: no next case within {args.timeout:g} s"
+    return f"timeout: no result within {args.timeout:g} s"
+
+
+def _event(line: str, tail: deque, verbose: bool) -> dict | None:
+    """The event a line of output carries after MARK; None for any other line (kept in
+    ``tail``, and printed when ``verbose``)."""
+    pos = line.find(MARK)
+    if pos < 0:
+        tail.append(line)
+        if verbose:
+            print("    | " + line, flush=True)
+        return None
+    try:
+        event = json.loads(line[pos + len(MARK) :])
+    except json.JSONDecodeError:
+        tail.append(line)
+        return None
+    if verbose:
+        lag = time.time() - event.get("t", time.time())
+        print(f"    event {event.get('event')} {event.get('item', '')} (arrived {lag:.1f} s late)")
+    return event
+
+
+def _end_launch(proc: subprocess.Popen, out: dict, items: list[str], stop) -> int:
+    """The launcher's exit status, once it and every rank have ended: a moment to exit on
+    its own when every item has its result, then ``stop()``, then a kill."""
+    if proc.poll() is None:
+        try:
+            proc.wait(timeout=2.0 if out and all(i in out for i in items) else 0.01)
+        except subprocess.TimeoutExpired:
+            pass
+    stop()  # the launcher and every rank (and anything they left behind)
+    if proc.poll() is None:
+        proc.kill()
+    return proc.wait()
 
 
 def _tail_note(tail) -> str:
