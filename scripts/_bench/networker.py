@@ -59,8 +59,8 @@ def build_model(name: str, batch: int, rank: int):
 def run_case(
     args, transport, model_name: str, case: str, cat_cost: dict, exchange: str = "auto"
 ) -> dict:
-    import hvdcompress
-
+    """One case on every rank: its model and optimizer built, ``--warmup`` steps, then
+    ``--steps`` timed steps (``_timed_steps``); the row of every rank's figures."""
     rank = transport.rank
     t_begin = time.perf_counter()
     if case not in CASES:
@@ -69,19 +69,7 @@ def run_case(
     model, x, y = build_model(model_name, args.batch_size, rank)
     numel = sum(p.numel() for p in model.parameters())
     extra = {}
-    policy = None
-    if method.policy == "accordion":
-        policy = method.make_policy(interval_steps=args.accordion_interval)
-    elif method.policy == "cat":
-        if "model" not in cat_cost:  # once per link rate (the caller empties it on a change)
-            t0 = time.perf_counter()
-            cat_cost["model"] = hvdcompress.calibrate(
-                transport, sizes=CAT_CALIBRATION_SIZES, repeats=3
-            )
-            cat_cost["seconds"] = time.perf_counter() - t0
-        cost = cat_cost["model"]
-        extra["cat_cost"] = {"c0": cost.c0, "c1": cost.c1, "calibration_s": cat_cost["seconds"]}
-        policy = method.make_policy(cost_model=cost, recompute_every=args.cat_every)
+    policy = _case_policy(args, transport, method, cat_cost, extra)
     opt = steps.distributed_sgd(model, method.compressor(), transport, policy=policy,
                                 compress_min_numel=method.compress_min_numel,
                                 exchange=exchange)  # fmt: skip
@@ -93,34 +81,11 @@ def run_case(
         steps.train_step(model, opt, x, y)
     transport.allgather_object(None)  # barrier: every rank's warmup traffic is done
     extra["warmup_s"] = time.perf_counter() - t_built
-    node_link = cluster.node_link_counter()  # cluster: the node's local rank 0 reads its link
     on_cluster = os.environ.get(cluster.NODE_DEVICE_ENV) is not None
-    tx0 = netns.read_tx_bytes() if rank == 0 and not on_cluster else 0
-    link0 = node_link() if node_link is not None else None
-    transport.allgather_object(None)  # nobody sends a timed byte before rank 0 has read
-    times = []
-    acc = dict.fromkeys(STEP_STATS, 0.0)
-    t_start = time.perf_counter()
-    for _ in range(args.steps):
-        times.append(steps.train_step(model, opt, x, y))
-        for key, field in STEP_STATS.items():
-            acc[key] += getattr(opt.last_stats, field)
-    transport.allgather_object(None)  # barrier: every rank received everything
-    elapsed = time.perf_counter() - t_start
-    tx1 = netns.read_tx_bytes() if rank == 0 and not on_cluster else 0
-    moved = None
-    if node_link is not None:
-        moved = [b - a for a, b in zip(link0, node_link(), strict=True)]
+    mine, elapsed, (tx0, tx1) = _timed_steps(args, transport, model, opt, x, y, on_cluster)
     metrics = opt.last_stats.metrics
     levels = [v for k, v in metrics.items() if k.startswith("level/")]
     budgets = [v for k, v in metrics.items() if k.startswith("T/")]
-    mine = {
-        "node": int(os.environ.get("GROUP_RANK", "0")),
-        "node_link": moved,  # (tx, rx) of its node's link: the node's local rank 0 only
-        "median": statistics.median(times),
-        "times": times,
-        **{k: v / args.steps for k, v in acc.items()},
-    }
     everyone = transport.allgather_object(mine)
     for h in getattr(opt, "_hooks", []):  # the next case builds a new model
         h.remove()
@@ -155,6 +120,57 @@ def run_case(
         "decode_s": max(r["decode"] for r in everyone),
         **extra,
     }
+
+
+def _case_policy(args, transport, method, cat_cost: dict, extra: dict):
+    """The case's policy: Accordion every --accordion-interval steps; CAT recomputing every
+    --cat-every steps with a cost model calibrated on ``transport`` once per link rate
+    (kept in ``cat_cost``; its figures into ``extra``); None for the other cases."""
+    import hvdcompress
+
+    if method.policy == "accordion":
+        return method.make_policy(interval_steps=args.accordion_interval)
+    if method.policy != "cat":
+        return None
+    if "model" not in cat_cost:  # once per link rate (the caller empties it on a change)
+        t0 = time.perf_counter()
+        cat_cost["model"] = hvdcompress.calibrate(transport, sizes=CAT_CALIBRATION_SIZES, repeats=3)
+        cat_cost["seconds"] = time.perf_counter() - t0
+    cost = cat_cost["model"]
+    extra["cat_cost"] = {"c0": cost.c0, "c1": cost.c1, "calibration_s": cat_cost["seconds"]}
+    return method.make_policy(cost_model=cost, recompute_every=args.cat_every)
+
+
+def _timed_steps(args, transport, model, opt, x, y, on_cluster: bool):
+    """``--steps`` timed steps between barriers, the link counters read around them: (this
+    rank's figures, the seconds they took, rank 0's loopback tx bytes before and after;
+    0 on the cluster, where each node's local rank 0 reads its node's link)."""
+    rank = transport.rank
+    node_link = cluster.node_link_counter()  # cluster: the node's local rank 0 reads its link
+    tx0 = netns.read_tx_bytes() if rank == 0 and not on_cluster else 0
+    link0 = node_link() if node_link is not None else None
+    transport.allgather_object(None)  # nobody sends a timed byte before rank 0 has read
+    times = []
+    acc = dict.fromkeys(STEP_STATS, 0.0)
+    t_start = time.perf_counter()
+    for _ in range(args.steps):
+        times.append(steps.train_step(model, opt, x, y))
+        for key, field in STEP_STATS.items():
+            acc[key] += getattr(opt.last_stats, field)
+    transport.allgather_object(None)  # barrier: every rank received everything
+    elapsed = time.perf_counter() - t_start
+    tx1 = netns.read_tx_bytes() if rank == 0 and not on_cluster else 0
+    moved = None
+    if node_link is not None:
+        moved = [b - a for a, b in zip(link0, node_link(), strict=True)]
+    mine = {
+        "node": int(os.environ.get("GROUP_RANK", "0")),
+        "node_link": moved,  # (tx, rx) of its node's link: the node's local rank 0 only
+        "median": statistics.median(times),
+        "times": times,
+        **{k: v / args.steps for k, v in acc.items()},
+    }
+    return mine, elapsed, (tx0, tx1)
 
 
 def worker_main(args) -> int:
