@@ -216,6 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="CAT policy: per-tensor budget; needs --compression topk, topkq or gspar",
     )
+    p.add_argument(
+        "--compression-warmup",
+        nargs=2,
+        type=float,
+        default=None,
+        metavar=("LEVEL", "STEPS"),
+        help="warm-up policy: the --compression level LEVEL (block3lc levels 3) for the\n"
+        "first STEPS steps, then the compressor's own (hvdcompress.policies.warmup)",
+    )
     p.add_argument("--cat-every", type=POSITIVE, default=200, help="recompute T* every S steps")
     p.add_argument(
         "--cat-cost",
@@ -402,6 +411,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--until-epoch must be at most --epochs, and is not used with --steps")
     if args.accordion and args.cat:
         parser.error("--accordion and --cat are exclusive")
+    if args.compression_warmup:
+        steps = args.compression_warmup[1]
+        if steps != int(steps) or steps < 0:
+            parser.error(f"--compression-warmup STEPS: expected an int >= 0, got {steps:g}")
     if args.milestones and args.lr_schedule != "step":
         parser.error(f"--milestones apply to --lr-schedule step, not {args.lr_schedule}")
     if args.simulate_ranks and args.launcher is not None:

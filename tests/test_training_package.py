@@ -19,6 +19,7 @@ import torch
 
 import hvdcompress
 from hvdcompress.policies.cat import compressor_for
+from hvdcompress.policies.warmup import Warmup
 from hvdcompress.training import data, methods, models
 from hvdcompress.transports import Transport
 
@@ -171,6 +172,11 @@ def test_every_method_builds_a_registered_compressor_and_its_policy():
             assert isinstance(policy, hvdcompress.Accordion)
             assert (policy.low, policy.high) == (m.policy_params["low"], m.policy_params["high"])
             assert m.make_policy(interval_steps=7).interval_steps == 7
+        elif m.policy == "warmup":  # issue 61's compression warm-up
+            assert isinstance(policy, Warmup)
+            pp = m.policy_params
+            assert (policy.warm, policy.steps) == (pp["warm"], pp["steps"])
+            assert m.make_policy(steps=9).steps == 9
         else:
             assert isinstance(policy, hvdcompress.CAT)
             assert compressor_for(policy.kind) == m.compression

@@ -27,15 +27,26 @@ def make_compression(args) -> tuple[hvdcompress.Compressor, float]:
         params.setdefault("momentum", args.momentum)
         momentum = 0.0
     try:
-        return hvdcompress.get_compressor(args.compression, **params), momentum
+        compressor = hvdcompress.get_compressor(args.compression, **params)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"--compression {args.compression}: {err}") from None
+    if args.compression == "block3lc" and compressor.momentum > 0.0:
+        momentum = 0.0  # momentum correction: the compressor applies its own momentum
+    return compressor, momentum
 
 
 def make_policy(args):
-    """hvdcompress.Accordion / hvdcompress.CAT from the flags, or None."""
-    if args.accordion and args.cat:
-        raise SystemExit("--accordion and --cat are exclusive")
+    """hvdcompress.Accordion / hvdcompress.CAT / the compression warm-up
+    (hvdcompress.policies.warmup) from the flags, or None."""
+    warmup = getattr(args, "compression_warmup", None)
+    if sum(bool(x) for x in (args.accordion, args.cat, warmup)) > 1:
+        raise SystemExit("--accordion, --cat and --compression-warmup are exclusive")
+    if warmup:
+        warm, steps = warmup
+        try:
+            return build_policy("warmup", args.compression, warm=warm, steps=int(steps))
+        except ValueError as err:
+            raise SystemExit(f"--compression-warmup: {err}") from None
     if args.accordion:
         low, high = args.accordion
         return build_policy(

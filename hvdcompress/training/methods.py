@@ -20,8 +20,9 @@ from typing import Any
 import hvdcompress
 from hvdcompress.compressors.params import Param
 from hvdcompress.policies.cat import KINDS, compressor_for
+from hvdcompress.policies.warmup import Warmup
 
-POLICIES = ("accordion", "cat")
+POLICIES = ("accordion", "cat", "warmup")
 
 
 # ---- policies ------------------------------------------------------------------------------
@@ -29,7 +30,13 @@ def build_policy(policy: str, compression: str, **params):
     """A policy driving the ``compression`` compressor: ``"accordion"`` with Accordion's
     parameters (``low`` and ``high`` checked as levels of ``compression``, see
     ``check_level``), ``"cat"`` with ``kind`` (which must drive ``compression``, see
-    ``compressor_for``) and CAT's other parameters."""
+    ``compressor_for``) and CAT's other parameters, ``"warmup"`` with ``warm`` (a level
+    of ``compression``) and ``steps`` (hvdcompress.policies.warmup)."""
+    if policy == "warmup":
+        warm = check_level(compression, params.pop("warm"))
+        level = params.pop("level", None)
+        level = None if level is None else check_level(compression, level)
+        return Warmup(warm, level=level, **params)
     if policy == "accordion":
         low = check_level(compression, params.pop("low"))
         high = check_level(compression, params.pop("high"))
@@ -116,7 +123,7 @@ class Method:
     name: str
     compression: str
     params: Mapping[str, Any] = field(default_factory=dict)
-    policy: str | None = None  # "accordion" | "cat"
+    policy: str | None = None  # "accordion" | "cat" | "warmup"
     policy_params: Mapping[str, Any] = field(default_factory=dict)
     compress_min_numel: int = 0
     about: str = ""
@@ -176,6 +183,10 @@ class Method:
                 flags += ["--cat-every", str(pp["recompute_every"])]
             if pp.get("cost_model") is not None:
                 raise ValueError(f"{self.name}: a fixed cost model has no train.py flag here")
+        elif self.policy == "warmup":
+            if pp.get("level") is not None:
+                raise ValueError(f"{self.name}: warm-up's later level is the compressor's own")
+            flags += ["--compression-warmup", str(pp["warm"]), str(pp["steps"])]
         if self.compress_min_numel:
             flags += ["--compress-min-numel", str(self.compress_min_numel)]
         if self.exchange != "auto":
@@ -231,6 +242,65 @@ _TABLE = [
         "ndqsg", "ndqsg", {"fine_levels": 3, "coarse_levels": 1},
         about="nested DQSG: half the ranks DQSG at 3 levels, half nested (side information)",
     ),
+    # issue 61's candidates (docs/screening.md): block-scaled 3LC, warm-up
+    Method(
+        "block3lc", "block3lc", {"sparsity": 1.0, "block": 1024},
+        about="3LC with a scale per 1024 values (block scales)",
+    ),
+    Method(
+        "block3lc-b256", "block3lc", {"sparsity": 1.0, "block": 256},
+        about="3LC with a scale per 256 values",
+    ),
+    Method(
+        "block3lc-b4096", "block3lc", {"sparsity": 1.0, "block": 4096},
+        about="3LC with a scale per 4096 values",
+    ),
+    Method(
+        "block3lc-warmup", "block3lc", {"sparsity": 1.0, "block": 1024}, "warmup",
+        {"warm": 3, "steps": 234},
+        about="block3lc, the first 234 steps (one ViT/CNN epoch at 4 ranks) at 3 levels",
+    ),
+    Method(
+        "block3lc-b4096-s1.25-warmup", "block3lc", {"sparsity": 1.25, "block": 4096},
+        "warmup", {"warm": 3, "steps": 234},
+        about="block3lc, 4096 values a scale, sparsity 1.25; the first 234 steps at 3 levels",
+    ),
+    Method(
+        "block3lc-b4096-warmup", "block3lc", {"sparsity": 1.0, "block": 4096},
+        "warmup", {"warm": 3, "steps": 234},
+        about="block3lc-b4096; the first 234 steps at 3 levels",
+    ),
+    Method(
+        "block3lc-tensor-warmup", "block3lc", {"sparsity": 1.0, "block": 1 << 24},
+        "warmup", {"warm": 3, "steps": 234},
+        about="one scale per tensor (3LC's quantiser); the first 234 steps at 3 levels",
+    ),
+    Method(
+        "block3lc-tensor-mc", "block3lc", {"sparsity": 1.0, "block": 1 << 24, "momentum": 0.9},
+        about="one scale per tensor (3LC's quantiser) with DGC's momentum correction",
+    ),
+    Method(
+        "block3lc-b4096-s1.25-mc", "block3lc",
+        {"sparsity": 1.25, "block": 4096, "momentum": 0.9},
+        about="block3lc-b4096 at sparsity 1.25 with DGC's momentum correction",
+    ),
+    Method(
+        "block3lc-s1.25", "block3lc", {"sparsity": 1.25, "block": 1024},
+        about="block3lc at sparsity 1.25 (fewer digits sent)",
+    ),
+    Method(
+        "block3lc-mc", "block3lc", {"sparsity": 1.0, "block": 1024, "momentum": 0.9},
+        about="block3lc with DGC's momentum correction and masking (SGD without momentum)",
+    ),
+    Method(
+        "block3lc-b4096-mc", "block3lc", {"sparsity": 1.0, "block": 4096, "momentum": 0.9},
+        about="block3lc-b4096 with DGC's momentum correction and masking",
+    ),
+    Method(
+        "accordion-block3lc", "block3lc", {"sparsity": 1.0, "block": 4096}, "accordion",
+        {"low": 3, "high": 1, "interval_steps": 40},
+        about="Accordion between block3lc-b4096 at 3 levels (critical) and ternary",
+    ),
 ]  # fmt: skip
 # methods also run with their exchange fixed (``Method.on``): the tuner's picks, each
 # trained on its own, for the time-to-accuracy join (scripts/bench_tta.py); on the
@@ -239,6 +309,21 @@ FIXED_EXCHANGES = {
     "3lc": ("allgather", "twostage"),
     "accordion-3lc": ("allgather", "twostage"),
     "dqsg": ("allgather",),
+    # issue 61's screening (docs/screening.md) compares on the allgather, as 3LC's rows
+    "3lc-min64k": ("allgather",),
+    "block3lc": ("allgather",),
+    "block3lc-b256": ("allgather",),
+    "block3lc-b4096": ("allgather",),
+    "block3lc-warmup": ("allgather",),
+    "block3lc-s1.25": ("allgather",),
+    "block3lc-tensor-mc": ("allgather",),
+    "block3lc-b4096-s1.25-mc": ("allgather",),
+    "block3lc-tensor-warmup": ("allgather",),
+    "block3lc-b4096-s1.25-warmup": ("allgather",),
+    "block3lc-b4096-warmup": ("allgather",),
+    "block3lc-mc": ("allgather",),
+    "block3lc-b4096-mc": ("allgather",),
+    "accordion-block3lc": ("allgather",),
 }
 _TABLE += [m.on(x) for m in list(_TABLE) for x in FIXED_EXCHANGES.get(m.name, ())]
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}

@@ -1,0 +1,168 @@
+"""Block-scaled 3LC (``"block3lc"``): 3LC with a scale per block of ``block`` values
+(hvdcompress.codecs.blockq), plus 3LC's error-feedback residual per tensor.
+
+One scale per tensor lets a few large values zero the rest of the tensor; a scale per
+block bounds that to the block (issue 61). ``levels`` (1: ternary, 3LC's digits) is the
+per-tensor level a policy sets: the warm-up policy (hvdcompress.policies.warmup) sends
+the first steps at more levels, Accordion switches between two. A screening prototype:
+torch arithmetic on the CPU, no fused native or CUDA kernel (docs/screening.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from hvdcompress import wire
+from hvdcompress.codecs import blockq
+from hvdcompress.codecs import primitives as prim
+from hvdcompress.compressors.base import (
+    Encoded,
+    GatherCompressor,
+    check_agreed,
+    check_params_len,
+)
+from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
+from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
+from hvdcompress.compressors.params import Param
+from hvdcompress.compressors.registry import register
+from hvdcompress.compressors.spec import CompressorSpec
+from hvdcompress.errors import PayloadError
+
+
+def _check_sparsity(sparsity) -> float:
+    try:
+        from hvdcompress.codecs.threelc import check_sparsity
+
+        return check_sparsity(sparsity)
+    except ValueError as err:
+        raise ValueError(str(err).replace("3LC", "block3lc")) from None
+
+
+@register(
+    CompressorSpec(
+        name="block3lc",
+        wire_id=13,
+        params={
+            "sparsity": Param(1.0, 2.0, high_open=True),
+            "block": Param(1, blockq.MAX_BLOCK, kind="int", doc="values per scale"),
+            "levels": Param(1, blockq.MAX_LEVELS, kind="int", doc="q in -levels..levels"),
+            "momentum": Param(0.0, 1.0, high_open=True, doc="> 0: momentum correction"),
+        },
+        examples=(
+            {"sparsity": 1.0, "block": 256},
+            {"sparsity": 1.5, "block": 5},
+            {"sparsity": 1.0, "block": 64, "levels": 3},
+            {"sparsity": 1.0, "block": 256, "momentum": 0.9},
+        ),
+        benchmarks=({"sparsity": 1.0, "block": 1024},),
+        level_param="levels",
+    )
+)
+class BlockThreeLC(PerTensorLevels, GatherCompressor):
+    """3LC with a scale per ``block`` values (default 1024), ``sparsity`` in [1, 2)
+    (default 1.0) and ``levels`` (default 1: ternary); a policy may set ``levels`` per
+    tensor (``set_level``), the header carries it. ``momentum`` m > 0: DGC's momentum
+    correction (Lin et al., ICLR 2018): the velocity u = m u + g is what is compressed
+    (with the residual), u is zeroed where a digit was sent (momentum factor masking),
+    and the wrapped optimizer must run without momentum (``check_optimizer``)."""
+
+    error_feedback = True
+
+    def __init__(
+        self, sparsity: float = 1.0, block: int = 1024, levels: int = 1, momentum: float = 0.0
+    ) -> None:
+        self.sparsity = _check_sparsity(sparsity)
+        self.block = blockq.check_block(block)
+        self.levels_default = blockq.check_levels(levels)
+        self.levels = TensorLevels(self.levels_default, blockq.check_levels)
+        self.momentum = float(momentum)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"block3lc momentum must be in [0, 1), got {momentum!r}")
+        # compress applies momentum: a two-stage owner would apply it twice
+        self.recompressible = self.momentum == 0.0
+        self.memory = ErrorFeedback()
+        self.velocity = ErrorFeedback()  # u, with momentum correction
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockThreeLC(sparsity={self.sparsity}, block={self.block}, "
+            f"levels={self.levels_default}, momentum={self.momentum})"
+        )
+
+    def check_optimizer(self, optimizer) -> None:
+        """Raise when the wrapped optimizer applies momentum too (momentum correction
+        applies it here)."""
+        if self.momentum == 0.0:
+            return
+        for group in optimizer.param_groups:
+            if float(group.get("momentum", 0.0) or 0.0) > 0.0:
+                raise ValueError(
+                    f"block3lc applies momentum {self.momentum} itself (momentum correction): "
+                    f"the wrapped optimizer must use momentum=0, it has {group['momentum']}"
+                )
+
+    def state_dict(self) -> dict:
+        state = residual_state(self.memory, self._settings())
+        if self.momentum:
+            state["velocity"] = self.velocity.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        velocity = state.pop("velocity", None) if self.momentum else None
+        if self.momentum and velocity is None:
+            from hvdcompress.checkpoint import CheckpointError
+
+            raise CheckpointError("block3lc state: missing 'velocity' (momentum correction)")
+        load_residual_state(self.memory, self.name, state, self._settings())
+        if velocity is not None:
+            self.velocity.load_state_dict(velocity, what="block3lc velocity")
+
+    def _settings(self) -> dict:
+        return {"sparsity": self.sparsity, "block": self.block, "momentum": self.momentum}
+
+    def shard_alignment(self) -> int:
+        return math.lcm(5, self.block)  # whole blocks, whole quartic bytes
+
+    def max_numel(self, body_len, name):
+        return blockq.max_numel(body_len, 1)  # the bound of every level (ternary's is largest)
+
+    def contraction(self, numel):
+        # per block, the largest |a| = M leaves |M - delta q| = r M with q = rint(L / s):
+        # ||a - decode||^2 <= ||a||^2 - (1 - r^2) M^2, M^2 >= ||a_b||^2 / block
+        s, worst = self.sparsity, 1.0
+        for levels in range(1, blockq.MAX_LEVELS + 1):
+            q = min(levels, round(levels / s))
+            worst = min(worst, 1.0 - (1.0 - s * q / levels) ** 2)
+        n = min(numel, self.block)
+        return worst / n if n else 1.0
+
+    def encode(self, tensor, name):
+        g = prim.f32_data(tensor).reshape(-1)
+        e = self.memory.residual(name, g)
+        levels = self.level(name)
+        u = None
+        if self.momentum and prim.all_finite(g):  # a non-finite g leaves u untouched
+            u = self.velocity.residual(name, g)
+            u.mul_(self.momentum).add_(g)
+            g = u
+        body, bad, q = blockq.encode(g, e, self.sparsity, levels, self.block)
+        if u is not None and q is not None:
+            u.masked_fill_(q.to(u.device) != 0, 0.0)  # momentum factor masking
+        params = blockq.PARAMS.pack(self.sparsity, levels, self.block)
+        return Encoded(wire.FLAG_NONFINITE if bad else 0, params, body)
+
+    def check_params(self, header, name):
+        check_params_len(self, header, blockq.PARAMS.size)
+        sparsity, levels, block = blockq.PARAMS.unpack(header.params)
+        check_agreed("sparsity", float(np.float32(self.sparsity)), sparsity)
+        check_agreed("levels", self.level(name), levels)
+        check_agreed("block", self.block, block)
+
+    def decode_into(self, header, body, out, accumulate, side_info):
+        _, levels, block = blockq.PARAMS.unpack(header.params)
+        if not 1 <= levels <= blockq.MAX_LEVELS:
+            raise PayloadError("levels", f"expected levels in [1, {blockq.MAX_LEVELS}]")
+        blockq.decode_into(body, header.numel, levels, block, out, accumulate)
