@@ -82,7 +82,7 @@ def test_ranks_that_disagree_on_the_exchange_are_told_at_register(layout, tmp_pa
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("value", ["abc", "0", "-1"])
+@pytest.mark.parametrize("value", ["abc", "-1"])  # "0" goes the same way (tests/test_topology.py)
 def test_a_bad_node_override_on_one_rank_is_reported_on_every_rank(layout, value, tmp_path):
     """Item 4: HVDC_RANKS_PER_NODE set on one rank (1 x 4) or one agent (2 x 2)."""
     if layout == "1x4":
@@ -93,7 +93,7 @@ def test_a_bad_node_override_on_one_rank_is_reported_on_every_rank(layout, value
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("value", ["abc", "0", "8", "3"])
+@pytest.mark.parametrize("value", ["0", "3"])  # "abc" and "8" alike (tests/test_topology.py)
 def test_a_bad_node_override_everywhere_is_refused_at_register(layout, value, tmp_path):
     env = {"HVDC_RANKS_PER_NODE": value}
     _, out, records = launch(layout, "env", tmp_path, env=env)
@@ -154,7 +154,7 @@ def test_the_users_exception_reaches_torchrun_never_an_abort(tmp_path):
     """Item 6: rank 1 raises in its backward (at step 0, 1 or 2) with the overlapping hook;
     every rank's process ends with status 1 and its exception, none with SIGABRT (before
     the fix: 2 of 10 such jobs on 2 x 2 had a rank abort at exit)."""
-    for run in range(6):
+    for run in range(4):
         env = {"HOOK_RAISE_STEP": str(run % 3)}
         codes, out, _ = launch("2x2", "raise", tmp_path, env=env)
         assert all(c != 0 for c in codes) and "the user's error in backward" in out, out[-3000:]
