@@ -54,7 +54,7 @@ from hvdcompress.compressors import Compressor, GatherCompressor, get_compressor
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.exchange import InFlight, SummedExchange, check_mode, choose_exchanges
 from hvdcompress.exchange.hierarchical import node_topology
-from hvdcompress.exchange.tuning import ExchangeTuner, Tuning, make_tuner
+from hvdcompress.exchange.tuning import HALF, ExchangeTuner, Tuning, make_tuner
 from hvdcompress.stats import StepAccount
 from hvdcompress.transports import Transport
 from hvdcompress.transports.cost import calibrate_link
@@ -145,6 +145,7 @@ class Reducer:
         self._per_tensor = per_tensor
         self._label = label
         self._dense = SummedExchange(transport, self.finish_transport)
+        self._halves: dict[str, Compressor] = {}  # the 16-bit options' casts
         self._plans: dict[BucketKey, _Plan] = {}
         self._last_label: dict[BucketKey, str] = {}  # the route each bucket took last
 
@@ -181,8 +182,13 @@ class Reducer:
             finish_transport=self.finish_transport, per_tensor=self._per_tensor,
             link_cost=self.link_cost,
         )  # fmt: skip
+        half = self.tuner.tuning.half if self.tuner is not None else None
+        if half is not None and self.compressor.name in ("none", "fp16", "bf16"):
+            half = None  # a cast already: no 16-bit option beside it
         for b in new:
             options = plan.options.get(b.index) if self.tuner is not None else None
+            if options is not None and half is not None:  # the 16-bit allreduce, timed too
+                options = {**options, half: self._dense}
             self._plans[tuple(b.names)] = _Plan(plan[b.index], b.index in plan.dense, options)
             if options is not None:
                 self.tuner.add(tuple(b.names), options, plan.label(b.index), self._label(b))
@@ -210,6 +216,11 @@ class Reducer:
         exchange = None if planned.dense else planned.exchange
         if planned.options is not None:
             option = self.tuner.option(key)
+            if option in HALF:  # the 16-bit dense allreduce
+                if option not in self._halves:
+                    self._halves[option] = get_compressor(option)
+                half = self._halves[option]
+                return Route(replace(bucket, compressed=False), half, self._dense, option)
             exchange = None if option == "dense" else planned.options[option]
         if exchange is None:
             return Route(replace(bucket, compressed=False), self.uncompressed, self._dense, "dense")
@@ -254,7 +265,7 @@ class Reducer:
         adapter that sends a bucket itself, as the DDP hook's all-dense one, too): on a
         route the bucket did not take last, the residuals it does not keep go into
         ``grads`` first (module doc)."""
-        if route.bucket.compressed or route.label == "dense":
+        if route.bucket.compressed or route.label in ("dense", *HALF):
             key = tuple(route.bucket.names)
             if self._last_label.get(key) != route.label:
                 self._fold_stranded(route, grads)
@@ -270,9 +281,9 @@ class Reducer:
             return
         position = {name: i for i, name in enumerate(route.bucket.names)}
         keep = (
-            set()
-            if route.label == "dense"
-            else route.exchange.residual_keys(route.bucket, route.compressor)
+            route.exchange.residual_keys(route.bucket, route.compressor)
+            if route.compressor is self.compressor
+            else set()  # sent dense, in float32 or 16 bits: no residual kept
         )
         for key in [k for k in memory.residuals if k not in keep]:
             name, offset, owner = _tensor_of(key)

@@ -164,7 +164,8 @@ def test_a_decision_reads_as_a_log_line():
 @pytest.mark.parametrize(
     "field,bad",
     [("warmup_steps", 0), ("steps_per_option", 0), ("recheck_every", -1), ("margin", 0.0),
-     ("margin", 1.5), ("give_up", 0.9), ("warmup_steps", 2.5)],
+     ("margin", 1.5), ("give_up", 0.9), ("warmup_steps", 2.5), ("half", "bf32"),
+     ("drift", -0.1), ("drift_window", 1)],
 )  # fmt: skip
 def test_bad_settings_are_refused_by_name(field, bad):
     with pytest.raises((TypeError, ValueError), match=field):
@@ -175,3 +176,57 @@ def test_a_first_option_that_is_not_open_is_refused():
     tuner = ExchangeTuner(FAST, 2)
     with pytest.raises(ValueError, match="first option 'hierarchical'"):
         tuner.add(0, ("allgather", "dense"), "hierarchical")
+
+
+def test_an_integral_float_is_taken_as_its_int():
+    assert Tuning(warmup_steps=2.0).warmup_steps == 2
+    assert type(Tuning(warmup_steps=2.0).warmup_steps) is int
+    assert repr(Tuning(warmup_steps=2.0)) == repr(Tuning(warmup_steps=2))
+
+
+DRIFT = Tuning(warmup_steps=2, steps_per_option=3, recheck_every=0, drift=0.25, drift_window=5)
+
+
+def _growing(after: int):
+    """The allgather's step grows 4x from step ``after`` on (a payload that grew as the
+    model fit its batch); the two-stage exchange and dense stay as they were."""
+
+    def cost(r, step, now):
+        table = {"allgather": 0.05 if step < after else 0.2, "twostage": 0.08, "dense": 0.5}
+        return sum(table[o] for o in now.values())
+
+    return cost
+
+
+def test_a_kept_option_that_drifts_is_re_timed_and_the_bucket_moves():
+    taken, tuners, _ = _run(_growing(40), 80, DRIFT)
+    assert all(t[20] == {0: "allgather", 1: "allgather"} for t in taken)  # the first round
+    assert all(t[-1] == {0: "twostage", 1: "allgather"} for t in taken)  # after the drift
+    assert [tu.drift_rounds for tu in tuners] == [1, 1, 1]
+    assert [str(d) for d in tuners[0].decisions] == [str(d) for d in tuners[2].decisions]
+    moved = [d for d in tuners[0].decisions if not d.kept and d.step > 40]
+    assert len(moved) == 1 and moved[0].option == "twostage" and moved[0].bucket == "0"
+
+
+def test_without_drift_the_choice_stays_until_the_recheck():
+    still = Tuning(**{**vars(DRIFT), "drift": 0.0})
+    taken, tuners, _ = _run(_growing(40), 80, still)
+    assert all(t[-1] == {0: "allgather", 1: "allgather"} for t in taken)
+    assert tuners[0].drift_rounds == 0 and tuners[0].rounds == 1
+
+
+def test_a_drift_that_moves_nothing_waits_twice_as_long_before_the_next_check():
+    """A step time that swings 40% every window but whose best option never changes:
+    each drift round keeps every bucket, and the check window doubles each time, so the
+    re-checks' cost shrinks (bounded: a few rounds in 200 steps)."""
+
+    def swinging(r, step, now):
+        table = {"allgather": 0.05 if (step // 5) % 2 else 0.07, "twostage": 0.3, "dense": 0.9}
+        return sum(table[o] for o in now.values())
+
+    taken, tuners, _ = _run(swinging, 200, DRIFT)
+    tuner = tuners[0]
+    assert all(t[-1] == {0: "allgather", 1: "allgather"} for t in taken)
+    assert 1 <= tuner.drift_rounds <= 4, tuner.drift_rounds
+    assert tuner._window >= 2 * DRIFT.drift_window
+    assert tuner.trial_steps < 40, tuner.trial_steps  # bounded, and reported

@@ -198,3 +198,51 @@ def test_a_crafted_layout_is_refused():
         return True
 
     assert run_ranks(2, rank) == [True, True]
+
+
+def test_the_16_bit_option_is_a_bf16_allreduce_timed_beside_the_others():
+    """With a tuner, every compressed bucket's options include "bf16" (Tuning.half); taken,
+    it sends each value in 2 bytes over the allreduce, every rank gets the same average,
+    its label is in the step's stats, and the codec's residuals go into that step."""
+    from hvdcompress.exchange.tuning import ExchangeTuner
+
+    def rank(t):
+        comp = hvdcompress.get_compressor("3lc")
+        reducer = Reducer(comp, t, exchange="auto")
+        reducer.tuner = ExchangeTuner(hvdcompress.Tuning(), t.size)  # simulated: none
+        bucket = _bucket()
+        reducer.plan([bucket])
+        key = ("a", "b")
+        options = reducer.tuner.options[key]
+        reducer.tuner.current[key] = "allgather"
+        _step(reducer, bucket, _grads(t.rank, 0))  # leaves residuals
+        residuals = {k: e.clone() for k, e in comp.memory.residuals.items()}
+        reducer.tuner.current[key] = "bf16"
+        grads = _grads(t.rank, 1)
+        sent = [g + residuals[n] for g, n in zip(grads, NUMELS, strict=True)]
+        _step(reducer, bucket, grads)
+        stats = reducer.account.last
+        return options, stats.exchanges, stats.payload_bytes, grads, sent, comp.memory.residuals
+
+    results = run_ranks(3, rank)
+    for options, labels, payload, grads, _, left in results:
+        assert "bf16" in options and "dense" in options
+        assert labels == {0: "bf16"} and payload == 2 * sum(NUMELS.values())
+        assert left == {}
+        for g, g0 in zip(grads, results[0][3], strict=True):
+            assert torch.equal(g, g0)  # rank-identical
+    exact = [sum(r[4][i] for r in results) / 3 for i in range(len(NUMELS))]
+    for g, x in zip(results[0][3], exact, strict=True):
+        assert torch.allclose(g, x, rtol=2e-2, atol=2e-2)  # bf16's 8 bits of mantissa
+
+
+def test_half_none_keeps_float32_the_only_dense_option():
+    from hvdcompress.exchange.tuning import ExchangeTuner
+
+    def rank(t):
+        reducer = Reducer(hvdcompress.get_compressor("3lc"), t, exchange="auto")
+        reducer.tuner = ExchangeTuner(hvdcompress.Tuning(half=None), t.size)
+        reducer.plan([_bucket()])
+        return reducer.tuner.options[("a", "b")]
+
+    assert all("bf16" not in o and "fp16" not in o for o in run_ranks(3, rank))

@@ -66,7 +66,7 @@ def _routes(state, reducer: Reducer, bucket) -> list | None:
         )
         # the exchange averages the views of DDP's buffer in place (exchange.py)
         routes.append((reducer.route(part), [grads[i] for i in chosen]))
-    if not any(route.bucket.compressed for route, _ in routes):  # "auto" sent it all dense
+    if all(route.compressor is reducer.uncompressed for route, _ in routes):  # all float32
         for route, views in routes:  # as DDP's allreduce, with what residuals it strands
             reducer.enter(route, views)
         return None

@@ -12,6 +12,19 @@ then each bucket keeps the option of the least median step time. Every
 ``recheck_every`` steps a new round re-times the options, and a bucket moves only to an
 option faster by ``margin`` than the one it keeps, so it never flaps from step to step.
 
+Besides the compressed exchanges and the float32 allreduce ("dense"), a 16-bit allreduce
+(``Tuning.half``: "bf16", the default, or "fp16"; None keeps float32 the only dense
+option) is timed too: on a fast link whose step is set by compute it is the fastest thing
+a torch user has (half the bytes, no encode, no decode).
+
+Drift (``Tuning.drift``): after a decision the tuner keeps timing the steps, in windows of
+``drift_window`` steps (rank-averaged medians). The first window is the baseline; a later
+one more than ``drift`` slower or faster than it starts a round of trials at once (a
+codec's payload that grew as the model fit its batch, a link whose load changed). A drift
+round that moves no bucket doubles the window before the next check, so a noisy step time
+costs ever fewer re-checks; ``rounds``, ``drift_rounds`` and ``trial_steps`` count what
+the re-checks cost.
+
 The time of a step runs from its first bucket's start to its end (``begin_step`` to
 ``end_step``): the backward from the first bucket on, the encodes, the waits, the
 decodes, nothing of the forward, the data loading or an evaluation between steps.
@@ -37,19 +50,26 @@ from dataclasses import dataclass, field
 from hvdcompress import checks
 
 # the order a round times the options in, after each bucket's first guess
-OPTION_ORDER = ("allgather", "twostage", "hierarchical", "allreduce", "dense")
+OPTION_ORDER = ("allgather", "twostage", "hierarchical", "allreduce", "bf16", "fp16", "dense")
+HALF = ("bf16", "fp16")  # the 16-bit dense options
 
 
 @dataclass(frozen=True)
 class Tuning:
     """How ``exchange="auto"`` times its options (module doc); ``tuning=None`` in the
-    adapters keeps the first guess (``choose_exchanges``'s bytes rule) for good."""
+    adapters keeps the first guess (``choose_exchanges``'s bytes rule) for good.
+    ``half``: the 16-bit dense option timed beside the others ("bf16", "fp16"; None:
+    float32 only); ``drift``, ``drift_window``: re-time when the kept options' step time
+    moves by more than ``drift`` (0: never), checked every ``drift_window`` steps."""
 
     warmup_steps: int = 5
     steps_per_option: int = 3
     recheck_every: int = 1000
     margin: float = 0.05
     give_up: float = 1.5
+    half: str | None = "bf16"
+    drift: float = 0.25
+    drift_window: int = 20
 
     def __post_init__(self) -> None:
         # each in its canonical type (``checks``): Tuning(warmup_steps=2.0) is warmup_steps=2
@@ -59,6 +79,9 @@ class Tuning:
             "recheck_every": checks.integer("recheck_every", self.recheck_every, 0),
             "margin": checks.number("margin", self.margin, 0.0, 1.0, open_low=True),
             "give_up": checks.number("give_up", self.give_up, 1.0),
+            "half": checks.choice("half", self.half, (*HALF, None)),
+            "drift": checks.number("drift", self.drift, 0.0),
+            "drift_window": checks.integer("drift_window", self.drift_window, 2),
         }
         for name, value in canonical.items():
             object.__setattr__(self, name, value)
@@ -73,7 +96,7 @@ def check_tuning(tuning, exchange: str = "auto") -> None:
     gets a warning (the default one is silent)."""
     if tuning is not None and not isinstance(tuning, Tuning):
         raise TypeError(f"tuning must be a hvdcompress.Tuning or None, got {tuning!r}")
-    if tuning is not None and tuning is not DEFAULT_TUNING and exchange != "auto":
+    if tuning is not None and tuning != DEFAULT_TUNING and exchange != "auto":
         warnings.warn(
             f"tuning={tuning!r} has no effect with exchange={exchange!r}: only "
             "exchange='auto' times its options while training",
@@ -137,6 +160,18 @@ class ExchangeTuner:
         self._sit_out: dict[str, int] = {}  # option -> the round it is timed again
         self._labels: dict[Hashable, str] = {}
         self._seen: set = set()  # buckets that started during this round
+        self.drift_rounds = 0  # rounds a drift started
+        self.trial_steps = 0  # steps spent on trials, all rounds together
+        self._window = tuning.drift_window  # steps per drift check (doubles on no move)
+        self._watched: list[float] = []  # local step times of this drift window
+        self._watch: float | None = None  # a finished window's local median, to average
+        self._baseline: float | None = None  # the first window after a decision
+        self._by_drift = False  # the round in progress was started by a drift
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of trials so far (the first, the re-checks and the drift rounds)."""
+        return self._rounds
 
     def add(self, bucket: Hashable, options, first: str, label: str | None = None) -> None:
         """A bucket (``label``: its name in ``decisions``; default ``str(bucket)``)."""
@@ -170,6 +205,9 @@ class ExchangeTuner:
             self._times.setdefault(label, []).append(mean)
             if len(self._times[label]) == 1 and self._slower_than_best(label, mean):
                 self._left = 0  # given up on this round (module doc)
+        if self._watch is not None:  # a drift window ended (collective, the same step)
+            self._check_drift(sum_floats([self._watch])[0] / self.size)
+            self._watch = None
         if self._trial is not None and self._left == 0:
             self._trial = None
             if not self._round:
@@ -191,6 +229,23 @@ class ExchangeTuner:
         if self._trial is not None:
             self._pending = (self._trial, seconds)
             self._left -= 1
+            self.trial_steps += 1
+        elif self.decisions and self.tuning.drift > 0 and not self._round:
+            self._watched.append(seconds)
+            if len(self._watched) == self._window:
+                self._watch = statistics.median(self._watched)
+                self._watched = []
+
+    def _check_drift(self, seconds: float) -> None:
+        """A window's rank-averaged median: the baseline, or against it (module doc)."""
+        if self._baseline is None:
+            self._baseline = seconds
+            return
+        factor = 1.0 + self.tuning.drift
+        if seconds > factor * self._baseline or seconds * factor < self._baseline:
+            self._next_round = self.steps  # a round of trials starts now
+            self.drift_rounds += 1
+            self._by_drift = True
 
     # -- rounds ----------------------------------------------------------------------------
 
@@ -214,6 +269,7 @@ class ExchangeTuner:
     def _decide(self) -> None:
         medians = {o: statistics.median(t) for o, t in self._times.items()}
         first_round = not self.decisions
+        moved = False
         for bucket, opts in self.options.items():
             timed = {o: medians[o] for o in opts if o in medians}
             if len(opts) < 2 or not timed or bucket not in self._seen:
@@ -226,6 +282,7 @@ class ExchangeTuner:
             self.decisions.append(
                 TuneDecision(self.steps, self._labels[bucket], best, best == keep, dict(timed))
             )
+            moved = moved or best != keep
             self.current[bucket] = best
         best_time = min(medians.values())
         for option, seconds in medians.items():  # the clear losers sit the next round out
@@ -233,3 +290,8 @@ class ExchangeTuner:
                 self._sit_out[option] = self._rounds + 2
         every = self.tuning.recheck_every
         self._next_round = self.steps + every if every else float("inf")
+        # drift: a new baseline; a drift round that moved nothing waits twice as long
+        self._window = (
+            self._window * 2 if self._by_drift and not moved else self.tuning.drift_window
+        )
+        self._by_drift, self._baseline, self._watched, self._watch = False, None, [], None

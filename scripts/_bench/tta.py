@@ -22,6 +22,7 @@ from pathlib import Path
 
 MARGIN = 0.003  # 0.3 points of accuracy below the baseline's final mean
 BASELINE = "ddp"
+DENSE = frozenset({"dense", "bf16", "fp16"})  # a tuned row's options that send no codec payload
 
 
 def job_key(model: str, method: str, seed: int) -> str:
@@ -125,19 +126,20 @@ def sent_dense(peer_row: dict | None) -> bool:
     uncompressed: that run trains as an allreduce of the gradients (after its tuning
     steps), so the baseline's accuracy curve, not the codec's, is the one its step time
     goes with."""
-    return peer_row is not None and peer_row.get("exchanges") == ["dense"]
+    exchanges = set(peer_row.get("exchanges") or []) if peer_row is not None else set()
+    return bool(exchanges) and exchanges <= DENSE
 
 
 def partly_dense(peer_row: dict | None) -> bool:
     """Some buckets sent uncompressed, others compressed: the codec's curve is kept."""
-    exchanges = [] if peer_row is None else peer_row.get("exchanges") or []
-    return "dense" in exchanges and len(exchanges) > 1
+    exchanges = set([] if peer_row is None else peer_row.get("exchanges") or [])
+    return bool(exchanges & DENSE) and bool(exchanges - DENSE)
 
 
 def compressed_exchange(peer_row: dict | None) -> str | None:
     """The one compressed exchange the timed row's buckets took ("allgather", ...), None
     where they took none (all dense, torch's hooks) or several."""
-    exchanges = set(peer_row.get("exchanges") or []) - {"dense"} if peer_row else set()
+    exchanges = set(peer_row.get("exchanges") or []) - DENSE if peer_row else set()
     return next(iter(exchanges)) if len(exchanges) == 1 else None
 
 
