@@ -118,10 +118,17 @@ KNOWN: dict[str, str] = {
     "gspar-variance=1.0|huge16|f16|twostage": _SUM,
     "qsgd-levels=1|huge16|f16|ranks": _SUM,
     "randomk-ratio=0.1-unbiased=True|huge16|f16|ranks": _SUM,
+    "block3lc-sparsity=1.5-*|huge16|f16|twostage": _SUM,
 }
+# block3lc clamps S = s max|a| to float32's maximum (no flag): past bfloat16's maximum
+for _path in ("tensor", "allgather", "ddp"):
+    KNOWN[f"block3lc-sparsity=1.5-*|huge32|bf16|{_path}"] = (
+        "block3lc: S = s max|a| is clamped to float32's maximum, past bfloat16's"
+    )
 # values near float16's maximum in float16: configurations that decode past 65504
 _PAST_F16 = "3lc-sparsity=1.[279]* dgc-* dqsg-levels=[13]-* ndqsg-bucket_size=64 qsgd-*"
 _PAST_F16 += " randomk-ratio=0.1-unbiased=True gspar-ratio=0.1 gspar-variance=1.0"
+_PAST_F16 += " block3lc-sparsity=1.5-*"
 for _case in _PAST_F16.split():
     KNOWN[f"{_case}|huge16|f16|tensor"] = _HUGE_F16
     KNOWN[f"{_case}|huge16|f16|ddp"] = "the decoded gradient passes float16's 65504: written as Inf"

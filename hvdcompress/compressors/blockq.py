@@ -50,11 +50,12 @@ def _check_sparsity(sparsity) -> float:
             "levels": Param(1, blockq.MAX_LEVELS, kind="int", doc="q in -levels..levels"),
             "momentum": Param(0.0, 1.0, high_open=True, doc="> 0: momentum correction"),
         },
+        # momentum correction is not among the examples: its residual does not sum to the
+        # inputs (the masked velocity leaves it, as DGC's); tests/test_blockq.py covers it
         examples=(
             {"sparsity": 1.0, "block": 256},
             {"sparsity": 1.5, "block": 5},
             {"sparsity": 1.0, "block": 64, "levels": 3},
-            {"sparsity": 1.0, "block": 256, "momentum": 0.9},
         ),
         benchmarks=({"sparsity": 1.0, "block": 1024},),
         level_param="levels",
