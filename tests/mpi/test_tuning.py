@@ -4,8 +4,8 @@ and Horovod transports (docs/exchanges.md, "Measured while training"):
     mpirun -np 3 --oversubscribe python -m pytest --with-mpi tests/mpi/test_tuning.py -q
 
 * 3LC whose encode costs 60 ms more than it does (a codec that costs more than it saves)
-  ends dense on every bucket, every rank with the same decisions and options at every
-  step and bit-identical parameters;
+  ends on a dense allreduce (float32 or bf16) on every bucket, every rank with the same
+  decisions and options at every step and bit-identical parameters;
 * the options each bucket took are in ``last_stats.exchanges`` and the trial steps in
   ``last_stats.tuning``; ``tuning=None`` keeps the first guess for good.
 """
@@ -52,8 +52,10 @@ def test_a_codec_that_costs_more_than_it_saves_ends_dense_on_every_rank(backend,
     mine = ([str(d) for d in tuner.decisions], options, trials, digest(model.parameters()))
     everyone = comm.allgather(mine)
     assert all(theirs == everyone[0] for theirs in everyone)
-    assert set(tuner.current.values()) == {"dense"}
-    assert {o for _, o in options[-1]} == {"dense"} and not any(trials[10:])
+    # dense: float32 or the 16-bit allreduce, whichever the round timed faster
+    (kept,) = set(tuner.current.values())
+    assert kept in ("dense", "bf16"), tuner.decisions
+    assert {o for _, o in options[-1]} == {kept} and not any(trials[10:])
     assert trials[:2] == [False, False] and any(trials)
 
 
