@@ -139,13 +139,14 @@ def test_a_corrupt_payload_names_the_senders_global_rank_on_every_rank(layout, t
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_tuner_leaves_one_residual_per_tensor(layout, tmp_path):
-    """Item 5: after the trials of every option, settled on dense, no residual is left;
+    """Item 5: after the trials of every option, settled on a dense allreduce (float32 or
+    bf16), no residual is left;
     during the trials at most the model plus a two-stage owner's shard."""
     _, out, records = launch(layout, "residuals", tmp_path)
     assert sorted(records) == [0, 1, 2, 3], out[-3000:]
     for rec in records.values():
         assert rec["error"] is None, rec
-        assert rec["current"] == ["dense"], rec
+        assert rec["current"] in (["dense"], ["bf16"]), rec  # float32 or 16-bit dense
         assert rec["held"][-1] <= rec["numel"], rec
         assert max(rec["held"]) <= rec["numel"] * (1 + 1 / rec["size"]) + 64, rec
 
