@@ -140,8 +140,8 @@ def test_a_corrupt_payload_names_the_senders_global_rank_on_every_rank(layout, t
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_tuner_leaves_one_residual_per_tensor(layout, tmp_path):
     """Item 5: after the trials of every option, settled on a dense allreduce (float32 or
-    bf16), no residual is left;
-    during the trials at most the model plus a two-stage owner's shard."""
+    bf16), no residual is left; during the trials at most the model plus a two-stage
+    owner's shard."""
     _, out, records = launch(layout, "residuals", tmp_path)
     assert sorted(records) == [0, 1, 2, 3], out[-3000:]
     for rec in records.values():
