@@ -188,7 +188,7 @@ def reference_rows() -> list[tuple[str, list[float], float, str]]:
     return out
 
 
-def report(columns=(1, 2, 3, 10)) -> str:
+def report(columns=(1, 2, 3, 5, 6, 10)) -> str:
     """The markdown table: accuracy after each epoch of ``columns`` (in brackets: minus
     DDP's 3-seed mean), mean bits per value over the epochs run, seed, wall-clock."""
     head = "| candidate | " + " | ".join(f"epoch {e}" for e in columns)

@@ -285,6 +285,11 @@ _TABLE = [
         about="block3lc-b4096 at sparsity 1.25 with DGC's momentum correction",
     ),
     Method(
+        "block3lc-b4096-late3", "block3lc", {"sparsity": 1.0, "block": 4096, "levels": 3},
+        "warmup", {"warm": 1, "steps": 1170},
+        about="diagnostic: block3lc-b4096 ternary for 5 epochs, 3 levels after the lr drop",
+    ),
+    Method(
         "block3lc-s1.25", "block3lc", {"sparsity": 1.25, "block": 1024},
         about="block3lc at sparsity 1.25 (fewer digits sent)",
     ),
@@ -317,6 +322,7 @@ FIXED_EXCHANGES = {
     "block3lc-warmup": ("allgather",),
     "block3lc-s1.25": ("allgather",),
     "block3lc-tensor-mc": ("allgather",),
+    "block3lc-b4096-late3": ("allgather",),
     "block3lc-b4096-s1.25-mc": ("allgather",),
     "block3lc-tensor-warmup": ("allgather",),
     "block3lc-b4096-s1.25-warmup": ("allgather",),
