@@ -90,14 +90,14 @@ TUNING_STEPS_MAX = 60  # warm-up steps a tuned row may add until its first round
 # =========================================================================================
 # worker: one rank under torchrun, inside the namespace
 # =========================================================================================
-def build_model(name: str, rank: int, batch: int):
+def build_model(name: str, rank: int, batch: int, width: int = 16):
     import torch
 
     from hvdcompress.training.models import INPUT_SHAPES
     from hvdcompress.training.models import build_model as training_model
 
     torch.manual_seed(0)  # the same parameters on every rank
-    model = training_model(name, 16)  # train.py's models at its default width
+    model = training_model(name, width)  # train.py's models (its default width: 16)
     g = torch.Generator().manual_seed(1000 + rank)
     return (
         model,
@@ -155,7 +155,7 @@ def run_row(args, model_name: str, row: str) -> dict:
     import torch.distributed as dist
 
     rank, size = dist.get_rank(), dist.get_world_size()
-    model, x, y = build_model(model_name, rank, args.batch)
+    model, x, y = build_model(model_name, rank, args.batch, args.width)
     ddp, state = hooked(row, model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     parts = {"compress": 0.0, "wait": 0.0, "decode": 0.0}
@@ -269,6 +269,7 @@ def launch(args, ns: str, rate: str) -> list[dict]:
         "--standalone", f"--nproc_per_node={args.ranks}", str(SCRIPT), "--worker",
         "--rate", rate, "--models", *args.models, "--rows", *args.rows,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+        "--width", str(args.width),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -292,6 +293,7 @@ def launch_cluster(args, c: cluster.Cluster, rate: str) -> list[dict]:
     worker = [
         str(SCRIPT), "--worker", "--rate", rate, "--models", *args.models, "--rows", *args.rows,
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+        "--width", str(args.width),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     procs = [
@@ -340,6 +342,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--ranks-per-node", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32, help="per rank")
+    ap.add_argument(
+        "--width", type=int, default=16, help="the models' size knob (train.py's --width)"
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rate")
@@ -373,6 +378,7 @@ def main(argv=None) -> int:
     where = (f"an emulated cluster of {args.nodes} nodes x {args.ranks_per_node} ranks, "
              "each node's link at the rate" if args.nodes >= 2 else "one shared link")  # fmt: skip
     header = (f"bench_peers: {args.ranks} ranks on {where}, gloo, batch {args.batch} per rank, "
+              f"width {args.width}, "
               f"{args.steps} timed steps after {args.warmup}; load average at the end "
               f"{load[0]:.2f}; no latency emulated")  # fmt: skip
     text = header + "\n\n" + table(rows)
