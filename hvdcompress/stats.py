@@ -119,14 +119,16 @@ class StepAccount:
         self.current.collectives += 1
         self.current.payload_bytes += nbytes
 
-    def allreduced(self, buffer: torch.Tensor, size: int) -> None:
+    def allreduced(self, buffer: torch.Tensor, size: int, sent: torch.Tensor | None = None) -> None:
         """A buffer summed by one ring allreduce outside any exchange (the DDP hook's
-        bucket with nothing to compress): its bytes by the ring model."""
+        bucket with nothing to compress; ``sent``: the buffer as sent, cast to 16 bits):
+        its bytes by the ring model."""
         stats = self.current
-        nbytes = buffer.numel() * buffer.element_size()
+        sent = buffer if sent is None else sent
+        nbytes = sent.numel() * sent.element_size()
         ring = ring_allreduce_bytes(size, nbytes)
         stats.numel += buffer.numel()
-        stats.raw_bytes += nbytes
+        stats.raw_bytes += buffer.numel() * buffer.element_size()
         stats.payload_bytes += nbytes
         stats.wire_bytes += ring
         stats.sent_bytes += int(ring)

@@ -9,7 +9,10 @@ import torch
 
 from hvdcompress.buckets import Bucket
 from hvdcompress.errors import PayloadError, remember
+from hvdcompress.exchange.tuning import HALF
 from hvdcompress.reducer import Reducer, Started
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 __all__ = ["ddp_hook"]
 
@@ -22,8 +25,8 @@ def ddp_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
     reducer = state.begin_bucket()
     buffer = bucket.buffer()
     routes = _routes(state, reducer, bucket)
-    if routes is None:  # nothing compressed: as DDP's own allreduce
-        return _allreduce_like_ddp(state, buffer)
+    if not isinstance(routes, list):  # nothing compressed: as DDP's (or its bf16) allreduce
+        return _allreduce_like_ddp(state, buffer, routes)
     started = [reducer.start(route, grads) for route, grads in routes]
     future = torch.futures.Future()
     state.finish_later(lambda: _finish_bucket(reducer, started, buffer, future))
@@ -32,10 +35,12 @@ def ddp_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
     return future.then(_raise_error)
 
 
-def _routes(state, reducer: Reducer, bucket) -> list | None:
+def _routes(state, reducer: Reducer, bucket):
     """The routes of a DDP bucket's parts (the tensors to compress, then those below
-    ``compress_min_numel``), each with its views of the buffer; None where nothing is
-    sent compressed (compression none, every tensor small, or all sent dense by "auto")."""
+    ``compress_min_numel``), each with its views of the buffer; where nothing is sent
+    compressed, the dtype the whole buffer is allreduced in instead: torch.float32
+    (compression none, every tensor small, or all sent dense by "auto"), or the 16-bit
+    dtype where "auto" sends every part on its 16-bit option."""
     buffer, params = bucket.buffer(), bucket.parameters()
     grads, offset = [], 0
     for p in params:
@@ -48,7 +53,7 @@ def _routes(state, reducer: Reducer, bucket) -> list | None:
         )
     small = state.compress_min_numel
     if state.compressor.name == "none" or all(p.numel() < small for p in params):
-        return None
+        return torch.float32
     routes = []
     for compressed in (True, False):
         chosen = [i for i, p in enumerate(params) if (p.numel() >= small) == compressed]
@@ -66,10 +71,11 @@ def _routes(state, reducer: Reducer, bucket) -> list | None:
         )
         # the exchange averages the views of DDP's buffer in place (exchange.py)
         routes.append((reducer.route(part), [grads[i] for i in chosen]))
-    if all(route.compressor is reducer.uncompressed for route, _ in routes):  # all float32
+    half = {r.label for r, _ in routes} <= set(HALF) and len({r.label for r, _ in routes}) == 1
+    if half or all(route.compressor is reducer.uncompressed for route, _ in routes):
         for route, views in routes:  # as DDP's allreduce, with what residuals it strands
             reducer.enter(route, views)
-        return None
+        return HALF_DTYPES[routes[0][0].label] if half else torch.float32
     return routes
 
 
@@ -111,15 +117,25 @@ def _raise_error(future) -> torch.Tensor:
     return value
 
 
-def _allreduce_like_ddp(state, buffer: torch.Tensor):
+def _allreduce_like_ddp(state, buffer: torch.Tensor, dtype: torch.dtype):
     """A bucket with nothing to compress (compression none, every tensor below
     ``compress_min_numel``, or all sent dense by "auto") goes as DDP's own allreduce
     does: divided by the world size, summed in place by one asynchronous allreduce on
-    DDP's group, so it costs what DDP costs and gives DDP's bits."""
+    DDP's group, so it costs what DDP costs and gives DDP's bits. On "auto"'s 16-bit
+    option, as torch's ``bf16_compress_hook`` (``fp16_compress_hook``) does: the buffer
+    cast, divided, summed in 16 bits, and copied back."""
     import torch.distributed as dist
 
     size = state.transport.size
-    state.reducer.account.allreduced(buffer, size)
-    buffer.div_(size)
-    work = dist.all_reduce(buffer, group=state.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    wire = buffer if dtype == buffer.dtype else buffer.to(dtype)
+    state.reducer.account.allreduced(buffer, size, sent=wire)
+    wire.div_(size)
+    work = dist.all_reduce(wire, group=state.group, async_op=True)
+    if wire is buffer:
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    def copy_back(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return work.get_future().then(copy_back)
