@@ -173,11 +173,25 @@ BASE_MOMENTUM = 0.9
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    _add_data_args(p)
+    _add_compression_args(p)
+    _add_launch_args(p)
+    _add_schedule_args(p)
+    _add_run_args(p)
+    return p
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """The data and the model."""
     p.add_argument("--dataset", choices=["fashion-mnist", "synthetic"], default="fashion-mnist")
     p.add_argument("--data-dir", default=DATA_DIR)
     p.add_argument("--synthetic-size", type=POSITIVE, default=4096, help="training examples")
     p.add_argument("--model", choices=sorted(IMAGE_MODELS), default="cnn")
     p.add_argument("--width", type=POSITIVE, default=16, help="channels of the first layer")
+
+
+def _add_compression_args(p: argparse.ArgumentParser) -> None:
+    """The compressor and the policies that set its level."""
     p.add_argument(
         "--compression",
         choices=sorted(hvdcompress.compressors.REGISTRY),
@@ -232,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="C0,C1[,PACKET_BITS]",
         help="cost model in seconds and seconds per bit (or per packet); default: calibrate",
     )
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    """The backend, the launcher, the hook and the exchange."""
     p.add_argument("--backend", choices=["horovod", "mpi4py"], default="horovod")
     p.add_argument(
         "--launcher",
@@ -289,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="--exchange auto: choose by modelled bytes, or by seconds from timing the "
         "link and the codec at start (link_cost='measure')",
     )
+
+
+def _add_schedule_args(p: argparse.ArgumentParser) -> None:
+    """How long, and the optimizer's schedule."""
     p.add_argument("--epochs", type=POSITIVE, default=1)
     p.add_argument("--steps", type=POSITIVE, default=None, help="stop after this many steps in all")
     p.add_argument(
@@ -335,6 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"SGD momentum (default {BASE_MOMENTUM}, or the compressor's sgd_momentum)",
     )
     p.add_argument("--seed", type=int_at_least(0, 2**63 - 1 - 10**6), default=42)
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """Threads, logs, checkpoints, progress and the simulated world."""
     p.add_argument("--threads", type=POSITIVE, default=None, help="torch threads per rank")
     p.add_argument("--log-dir", default=None, help="metrics.csv and TensorBoard events")
     p.add_argument("--checkpoint", default=None, help="directory: one file per rank and step")
@@ -360,7 +386,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="play N ranks in this process (threads; no launcher, --backend unused)",
     )
-    return p
 
 
 def milestones_arg(text: str) -> list[float]:
