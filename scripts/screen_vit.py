@@ -11,7 +11,7 @@ A job is one method of hvdcompress.training.methods.METHODS (reachable by name: 
 after ``--until`` epochs (``--until-epoch``: the learning-rate schedule still spans 10
 epochs, so epoch e is comparable with DDP's epoch e). It runs in pieces of at most
 ``--piece`` epochs, each a train.py run killed after ``--job-minutes`` (15), each going
-on from the last one's checkpoint in ``.screen_work/<method>-seed<seed>``, which is
+on from the last one's checkpoint in ``.tta_work/screen/<method>-seed<seed>``, which is
 kept: a screened method continues to 10 epochs without running its first epochs again.
 One JSON line per finished job is appended to ``docs/results/screening_vit.jsonl``
 (method, its parameters, seed, epochs, the per-epoch curve with each epoch's bits per
@@ -43,7 +43,7 @@ from hvdcompress.training.methods import METHODS  # noqa: E402
 # the tree, so that edits to the checkout while it trains do not reach it)
 RESULTS = Path(os.environ.get("SCREEN_RESULTS", ROOT / "docs" / "results" / "screening_vit.jsonl"))
 MATRIX = ROOT / "docs" / "results" / "accuracy_jobs.jsonl"
-WORK = ROOT / ".screen_work"
+WORK = ROOT / ".tta_work" / "screen"  # ignored by git, as bench_tta.py's work
 MODEL, EPOCHS, RANKS = "vit", 10, 4
 
 
