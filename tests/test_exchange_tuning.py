@@ -165,7 +165,7 @@ def test_a_decision_reads_as_a_log_line():
     "field,bad",
     [("warmup_steps", 0), ("steps_per_option", 0), ("recheck_every", -1), ("margin", 0.0),
      ("margin", 1.5), ("give_up", 0.9), ("warmup_steps", 2.5), ("half", "bf32"),
-     ("drift", -0.1), ("drift_window", 1)],
+     ("drift", -0.1), ("drift", 0.0), ("drift_window", 1)],
 )  # fmt: skip
 def test_bad_settings_are_refused_by_name(field, bad):
     with pytest.raises((TypeError, ValueError), match=field):
@@ -209,7 +209,7 @@ def test_a_kept_option_that_drifts_is_re_timed_and_the_bucket_moves():
 
 
 def test_without_drift_the_choice_stays_until_the_recheck():
-    still = Tuning(**{**vars(DRIFT), "drift": 0.0})
+    still = Tuning(**{**vars(DRIFT), "drift": None})
     taken, tuners, _ = _run(_growing(40), 80, still)
     assert all(t[-1] == {0: "allgather", 1: "allgather"} for t in taken)
     assert tuners[0].drift_rounds == 0 and tuners[0].rounds == 1

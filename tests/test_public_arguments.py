@@ -75,7 +75,14 @@ API = [
             "tuning": "check_tuning",
         },
     ),
-    (hvdcompress.Tuning, lambda **kw: hvdcompress.Tuning(**kw), {}),
+    (
+        hvdcompress.Tuning,
+        lambda **kw: hvdcompress.Tuning(**kw),
+        {
+            "half": "checks.choice: 'bf16', 'fp16' or None",
+            "drift": "checks.number > 0, or None (never re-time on drift)",
+        },
+    ),
     (
         hvdcompress.Accordion,
         lambda **kw: hvdcompress.Accordion(low=1.0, high=1.75, **kw),

@@ -23,7 +23,7 @@ one more than ``drift`` slower or faster than it starts a round of trials at onc
 codec's payload that grew as the model fit its batch, a link whose load changed). A drift
 round that moves no bucket doubles the window before the next check, so a noisy step time
 costs ever fewer re-checks; ``rounds``, ``drift_rounds`` and ``trial_steps`` count what
-the re-checks cost.
+the re-checks cost. ``drift=None`` turns it off.
 
 The time of a step runs from its first bucket's start to its end (``begin_step`` to
 ``end_step``): the backward from the first bucket on, the encodes, the waits, the
@@ -60,7 +60,7 @@ class Tuning:
     adapters keeps the first guess (``choose_exchanges``'s bytes rule) for good.
     ``half``: the 16-bit dense option timed beside the others ("bf16", "fp16"; None:
     float32 only); ``drift``, ``drift_window``: re-time when the kept options' step time
-    moves by more than ``drift`` (0: never), checked every ``drift_window`` steps."""
+    moves by more than ``drift`` (None: never), checked every ``drift_window`` steps."""
 
     warmup_steps: int = 5
     steps_per_option: int = 3
@@ -68,7 +68,7 @@ class Tuning:
     margin: float = 0.05
     give_up: float = 1.5
     half: str | None = "bf16"
-    drift: float = 0.25
+    drift: float | None = 0.25
     drift_window: int = 20
 
     def __post_init__(self) -> None:
@@ -80,7 +80,9 @@ class Tuning:
             "margin": checks.number("margin", self.margin, 0.0, 1.0, open_low=True),
             "give_up": checks.number("give_up", self.give_up, 1.0),
             "half": checks.choice("half", self.half, (*HALF, None)),
-            "drift": checks.number("drift", self.drift, 0.0),
+            "drift": None
+            if self.drift is None
+            else checks.number("drift", self.drift, 0.0, open_low=True),
             "drift_window": checks.integer("drift_window", self.drift_window, 2),
         }
         for name, value in canonical.items():
@@ -230,7 +232,7 @@ class ExchangeTuner:
             self._pending = (self._trial, seconds)
             self._left -= 1
             self.trial_steps += 1
-        elif self.decisions and self.tuning.drift > 0 and not self._round:
+        elif self.decisions and self.tuning.drift is not None and not self._round:
             self._watched.append(seconds)
             if len(self._watched) == self._window:
                 self._watch = statistics.median(self._watched)
