@@ -102,7 +102,8 @@ class Compressor:
         draw random numbers key them by rank; the others ignore it."""
 
     def check_optimizer(self, optimizer) -> None:
-        """Refuse a wrapped optimizer this compressor cannot work with (DGC: momentum)."""
+        """Refuse a wrapped optimizer this compressor cannot work with (DGC: momentum,
+        ``refuse_inner_momentum``)."""
 
     def pop_metrics(self) -> dict:
         """Per-step measurements (NDQSG's aliasing rates), reset by the call."""
@@ -341,3 +342,18 @@ class GatherCompressor(Compressor):
             side_info=side_info,
             max_numel=max_numel,
         )
+
+
+def refuse_inner_momentum(compressor, optimizer, hint: str = "") -> None:
+    """``check_optimizer`` of a compressor with momentum correction (Lin et al., ICLR 2018:
+    it applies ``compressor.momentum`` itself): ValueError when the wrapped optimizer
+    applies momentum too; ``hint``: what else the user may do."""
+    if compressor.momentum == 0.0:
+        return
+    for group in optimizer.param_groups:
+        if float(group.get("momentum", 0.0) or 0.0) > 0.0:
+            raise ValueError(
+                f"{compressor.name} applies momentum {compressor.momentum} itself (momentum "
+                f"correction): the wrapped optimizer must use momentum=0, it has "
+                f"{group['momentum']}{hint}"
+            )

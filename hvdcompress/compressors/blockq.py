@@ -22,6 +22,7 @@ from hvdcompress.compressors.base import (
     GatherCompressor,
     check_agreed,
     check_params_len,
+    refuse_inner_momentum,
 )
 from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
@@ -95,14 +96,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
     def check_optimizer(self, optimizer) -> None:
         """Raise when the wrapped optimizer applies momentum too (momentum correction
         applies it here)."""
-        if self.momentum == 0.0:
-            return
-        for group in optimizer.param_groups:
-            if float(group.get("momentum", 0.0) or 0.0) > 0.0:
-                raise ValueError(
-                    f"block3lc applies momentum {self.momentum} itself (momentum correction): "
-                    f"the wrapped optimizer must use momentum=0, it has {group['momentum']}"
-                )
+        refuse_inner_momentum(self, optimizer)
 
     def state_dict(self) -> dict:
         state = residual_state(self.memory, self._settings())

@@ -23,7 +23,13 @@ from hvdcompress import wire
 from hvdcompress.buckets import StateKey, state_key, state_text
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.codecs import sparse
-from hvdcompress.compressors.base import Encoded, check_agreed, check_params_len, empty_body
+from hvdcompress.compressors.base import (
+    Encoded,
+    check_agreed,
+    check_params_len,
+    empty_body,
+    refuse_inner_momentum,
+)
 from hvdcompress.compressors.memory import ErrorFeedback
 from hvdcompress.compressors.params import Param
 from hvdcompress.compressors.registry import register
@@ -100,15 +106,10 @@ class DGC(TopKLayout):
 
     def check_optimizer(self, optimizer) -> None:
         """Raise when the wrapped optimizer applies momentum too (DGC applies it locally)."""
-        if self.momentum == 0.0:
-            return
-        for group in optimizer.param_groups:
-            if float(group.get("momentum", 0.0) or 0.0) > 0.0:
-                raise ValueError(
-                    f"dgc applies momentum {self.momentum} itself (momentum correction): the "
-                    f"wrapped optimizer must use momentum=0, it has {group['momentum']}; or "
-                    "use get_compressor('dgc', momentum=0) to keep the optimizer's momentum"
-                )
+        refuse_inner_momentum(
+            self, optimizer, "; or use get_compressor('dgc', momentum=0) to keep the "
+            "optimizer's momentum",
+        )  # fmt: skip
 
     def contraction(self, numel):
         # top-k of v, density >= ratio at every step (the warm-up only keeps more)
