@@ -51,6 +51,7 @@ import torch
 from hvdcompress.buckets import Bucket, PieceKey, check_agreement
 from hvdcompress.checkpoint import check_layout, check_optimizer_state, without_other_ranks_state
 from hvdcompress.compressors import Compressor, GatherCompressor, get_compressor
+from hvdcompress.compressors.cast import Cast
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.exchange import InFlight, SummedExchange, check_mode, choose_exchanges
 from hvdcompress.exchange.hierarchical import node_topology
@@ -153,10 +154,8 @@ class Reducer:
         """The nodes a hierarchical exchange would be planned on, where one may serve the
         job (collective: ``topology.detect``); None where none can."""
         gather = isinstance(self.compressor, GatherCompressor)
-        may = self.mode == "hierarchical" or (
-            self.mode == "auto" and gather and self.transport.splits and self.transport.size >= 4
-        )
-        if not may or not self.transport.splits:
+        auto = self.mode == "auto" and gather and self.transport.size >= 4  # hierarchical_open's
+        if not self.transport.splits or not (self.mode == "hierarchical" or auto):
             return None
         nodes = node_topology(self.transport).nodes
         if self.mode == "hierarchical" and len(nodes) < 2:
@@ -183,7 +182,7 @@ class Reducer:
             link_cost=self.link_cost,
         )  # fmt: skip
         half = self.tuner.tuning.half if self.tuner is not None else None
-        if half is not None and self.compressor.name in ("none", "fp16", "bf16"):
+        if isinstance(self.compressor, Cast):
             half = None  # a cast already: no 16-bit option beside it
         for b in new:
             options = plan.options.get(b.index) if self.tuner is not None else None

@@ -71,7 +71,8 @@ def _routes(state, reducer: Reducer, bucket):
         )
         # the exchange averages the views of DDP's buffer in place (exchange.py)
         routes.append((reducer.route(part), [grads[i] for i in chosen]))
-    half = {r.label for r, _ in routes} <= set(HALF) and len({r.label for r, _ in routes}) == 1
+    labels = {route.label for route, _ in routes}
+    half = len(labels) == 1 and labels <= set(HALF)
     if half or all(route.compressor is reducer.uncompressed for route, _ in routes):
         for route, views in routes:  # as DDP's allreduce, with what residuals it strands
             reducer.enter(route, views)

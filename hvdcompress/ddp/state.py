@@ -88,9 +88,9 @@ class _ParamNames:
         if self.given:
             return shapes
         comp = state.get("compressor_state") if isinstance(state, dict) else None
-        for key in ("residuals", "velocity"):
-            entry = comp.get(key) if isinstance(comp, dict) else None
-            for name, t in (entry or {}).items() if isinstance(entry, dict) else ():
+        entries = [comp.get(k) for k in ("residuals", "velocity")] if isinstance(comp, dict) else []
+        for entry in (e for e in entries if isinstance(e, dict)):
+            for name, t in entry.items():
                 if isinstance(t, torch.Tensor) and not PieceKey.parse(name):
                     shapes.setdefault(name, (int(t.numel()),))
         return shapes
@@ -230,8 +230,9 @@ class DDPHookState:
         overlapping = (
             self.overlap and group is dist.group.WORLD and dist.get_backend(group) == "gloo"
         )
-        self._check_start_up(TorchDistTransport(group), overlapping)
-        transport = TorchDistTransport(group, threaded=overlapping)
+        inline = TorchDistTransport(group)
+        self._check_start_up(inline, overlapping)
+        transport = TorchDistTransport(group, threaded=True) if overlapping else inline
         finish = TorchDistTransport(group, threaded=True) if overlapping else transport
         self._finish_transport, self._group = finish, group
         self._reducer = Reducer(
