@@ -214,9 +214,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if sparse:  # the sparse ones go their own (uncompressed) way, as in Horovod
             route = _without_sparse(route, bucket, self._transport)
         started = self._reducer.start(route, grads) if dense else None
-        t0 = time.perf_counter()
-        sparse_flights = [(p, *start_sparse(self._transport, p.grad)) for p in sparse]
-        self._reducer.account.started([p.grad for p in sparse], time.perf_counter() - t0)
+        sparse_flights = []
+        if sparse:  # their own collectives, counted as Horovod's are
+            t0 = time.perf_counter()
+            sparse_flights = [(p, *start_sparse(self._transport, p.grad)) for p in sparse]
+            self._reducer.account.started([p.grad for p in sparse], time.perf_counter() - t0)
         self._in_flight[bucket.index] = _Launched(started, sparse_flights, densified)
 
     @property
