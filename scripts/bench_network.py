@@ -100,10 +100,17 @@ from hvdcompress.compressors import REGISTRY
 
 try:  # python scripts/bench_network.py: scripts/ is first on sys.path
     from _bench import cluster, launch, netns, netreport, report
-    from _bench.networker import CASES, MODELS, item_name, parse_item, worker_main
+    from _bench.networker import CASES, MODELS, STOCK_CASES, item_name, parse_item, worker_main
 except ModuleNotFoundError:  # loaded by file path from the repository root (the tests)
     from scripts._bench import cluster, launch, netns, netreport, report
-    from scripts._bench.networker import CASES, MODELS, item_name, parse_item, worker_main
+    from scripts._bench.networker import (
+        CASES,
+        MODELS,
+        STOCK_CASES,
+        item_name,
+        parse_item,
+        worker_main,
+    )
 
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
@@ -125,8 +132,9 @@ CLUSTER_PORT = 29470
 # (--worker) is scripts/_bench/networker.py's worker_main
 # =========================================================================================
 def case_exchanges(case: str, exchanges: list[str]) -> list[str]:
-    """The exchanges a case runs with: summable compressors only with the allreduce."""
-    summable = REGISTRY[CASES[case].compression].summable
+    """The exchanges a case runs with: summable compressors (and stock Horovod) only with
+    the allreduce."""
+    summable = case in STOCK_CASES or REGISTRY[CASES[case].compression].summable
     return ["allreduce"] if summable else list(exchanges)
 
 
@@ -140,6 +148,7 @@ def launch_command(args, ns, launcher: str, ranks: int, items: list[str]) -> lis
         "--batch-size", str(args.batch_size),
         "--accordion-interval", str(args.accordion_interval),
         "--cat-every", str(args.cat_every),
+        "--tuning-half", args.tuning_half, "--tuning-drift", args.tuning_drift,
     ]  # fmt: skip
     if args.inject_failure:
         worker += ["--inject-failure", args.inject_failure]
@@ -188,10 +197,19 @@ def _add_matrix_args(p) -> None:
         help="tc rates (100mbit, 1gbit, ...) or unlimited; default: " + " ".join(DEFAULT_RATES),
     )
     p.add_argument(
-        "--cases", nargs="+", choices=list(CASES), default=list(CASES), help="default: all"
+        "--cases",
+        nargs="+",
+        choices=[*CASES, *STOCK_CASES],
+        default=list(CASES),
+        help="default: all of hvdcompress's; horovod-none, horovod-fp16: stock\n"
+        "hvd.DistributedOptimizer with Horovod's compression (launcher gloo only)",
     )
     p.add_argument(
-        "--models", nargs="+", choices=MODELS, default=list(MODELS), help="default: light cnn"
+        "--models",
+        nargs="+",
+        choices=MODELS,
+        default=["light", "cnn"],
+        help="default: light cnn (vit, mlp10m: the train.py models)",
     )
     p.add_argument(
         "--launchers",
@@ -243,6 +261,20 @@ def _add_case_args(p) -> None:
     )
     p.add_argument("--accordion-interval", type=int, default=2, help="steps per interval")
     p.add_argument("--cat-every", type=int, default=100, help="CAT recomputes T* every S steps")
+    p.add_argument(
+        "--tuning-half",
+        choices=["bf16", "fp16", "off"],
+        default="bf16",
+        help="exchange auto: Tuning.half, the 16-bit dense option timed (off: None, float32\n"
+        "only); default: bf16",
+    )
+    p.add_argument(
+        "--tuning-drift",
+        type=_drift_arg,
+        default="0.25",
+        help="exchange auto: Tuning.drift, re-time when the step time moves by this\n"
+        "fraction (off: never); default: 0.25",
+    )
 
 
 def _add_driver_args(p) -> None:
@@ -286,11 +318,26 @@ def _apply_quick(args, argv: list[str]) -> None:
             setattr(args, dest, value)
 
 
+def _drift_arg(text: str) -> str:
+    """--tuning-drift: "off" or a fraction > 0 (kept as text: the worker's argument)."""
+    if text != "off":
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number or 'off': {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
+    return text
+
+
 def _check_args(p, args) -> None:
     """The checks across options (``p.error`` on a failure); on the emulated cluster, its
     ranks, launcher and link rates in place of --ranks, --launchers and --rates."""
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1 (the first step negotiates and decides)")
+    stock = sorted(set(args.cases) & set(STOCK_CASES))
+    if stock and (args.nodes >= 2 or set(args.launchers) != {"gloo"}):
+        p.error(f"{', '.join(stock)}: stock Horovod runs with --launchers gloo only")
     if args.nodes >= 2:  # the emulated cluster: its ranks, launcher and link rates
         if args.ranks_per_node < 1:
             p.error("--ranks-per-node must be >= 1")

@@ -9,7 +9,9 @@
 ``run`` works through the matrix of (model, method, seed) jobs, each one 4-rank
 scripts/train.py run (``hvdc-*``: the simulated world, ``--simulate-ranks 4``, which ends
 with the parameters of the real 4-rank run; ``ddp`` and ``torch-*``: torchrun with 4 ranks
-and torch's own communication, ``--torch-hook``), and appends one JSON line per finished
+and torch's own communication, ``--torch-hook``; ``hvdc-3lc-tuned``: torchrun with 4 ranks
+and hvdcompress's hook, its tuner choosing each bucket's exchange, 16-bit dense included,
+on this machine's loopback), and appends one JSON line per finished
 job to the results file (default docs/results/accuracy_jobs.jsonl, kept in the
 repository): per-epoch test accuracy, steps, bits per value, wall-clock. A job already in
 the file is skipped, so the matrix is completed over several sittings (``missing`` lists
@@ -95,6 +97,10 @@ HVDC_METHODS = (
     "hvdc-dqsg-allgather",
 )  # fmt: skip
 METHODS = (*TORCH_METHODS, *HVDC_METHODS)  # the report's rows
+# hvdcompress's DDP hook under torchrun, 4 real ranks over gloo, ``exchange="auto"`` with
+# its tuner timing every option on this machine's loopback: the accuracy of what a tuner
+# keeps, the 16-bit dense option among them (the simulated world cannot time a link)
+TUNED_METHODS = {"hvdc-3lc-tuned": "3lc"}
 # a tuned method's accuracy runs on each compressed exchange its tuner may pick: the
 # simulated world cannot time a link (its ``auto`` is not the tuner's pick on a real one),
 # so these jobs fix the exchange, and per rate the report takes the runs on the exchange
@@ -105,7 +111,10 @@ ON_EXCHANGE = {
     for base, exchanges in FIXED_EXCHANGES.items() if f"hvdc-{base}" in HVDC_METHODS
 }  # fmt: skip
 # the matrix's jobs: the rows' methods, a tuned one's by its fixed-exchange runs instead
-JOB_METHODS = tuple(pinned for m in METHODS for pinned in ON_EXCHANGE.get(m, {m: m}).values())
+JOB_METHODS = (
+    *(pinned for m in METHODS for pinned in ON_EXCHANGE.get(m, {m: m}).values()),
+    *TUNED_METHODS,
+)  # fmt: skip
 # the bench_peers row whose step time a method takes where it has none of its own:
 # Accordion switches 3LC between sparsity 1.0 and 1.75, and the DDP hook runs no policy
 STEP_ROW = {"hvdc-accordion-3lc": "hvdc-3lc"}
@@ -133,12 +142,14 @@ def train_command(
         if any(checkpoint.glob("*")):
             flags.append("--resume")
     script = str(ROOT / "scripts" / "train.py")
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={RANKS}", script, "--launcher", "torchrun",
+    ]  # fmt: skip
     if method in TORCH_METHODS:
-        return [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={RANKS}", script, "--launcher", "torchrun",
-            *TORCH_METHODS[method], *flags,
-        ]  # fmt: skip
+        return [*torchrun, *TORCH_METHODS[method], *flags]
+    if method in TUNED_METHODS:
+        return [*torchrun, *HVDC_TABLE[TUNED_METHODS[method]].train_flags(), *flags]
     hvdc = HVDC_TABLE[method.removeprefix("hvdc-")]
     return [sys.executable, script, *hvdc.train_flags(), *flags, "--simulate-ranks", str(RANKS)]
 
@@ -386,7 +397,7 @@ def main(argv=None) -> int:
     # the exchange a method's accuracy runs used where they did not record it: the one it
     # fixes, or for a summable codec its only compressed exchange, the allreduce
     declared = {}
-    for m in {*HVDC_METHODS, *JOB_METHODS} - TORCH_METHODS.keys():
+    for m in {*HVDC_METHODS, *JOB_METHODS} - TORCH_METHODS.keys() - TUNED_METHODS.keys():
         hvdc = HVDC_TABLE[m.removeprefix("hvdc-")]
         if hvdc.exchange != "auto":
             declared[m] = hvdc.exchange
@@ -395,7 +406,7 @@ def main(argv=None) -> int:
     text = tta_report.write_report(
         tta.load_results(args.results), peers, args.out, MODELS, METHODS, STEP_ROW,
         ROOT / "README.md" if args.readme else None, declared, ON_EXCHANGE,
-        page=TTA_PAGE if args.readme else None,
+        page=TTA_PAGE if args.readme else None, tuned=tuple(TUNED_METHODS),
     )  # fmt: skip
     print(text)
     return 0

@@ -188,3 +188,40 @@ def test_an_emulated_cluster_reports_the_bytes_on_each_nodes_link(tmp_path):
     assert "node links tx/rx MB/step" in res.stdout  # the progress lines
     assert data["meta"]["namespace"].startswith(prefix)
     assert _namespaces(prefix) == []
+
+
+def test_stock_horovod_beside_the_tuned_optimizer(tmp_path):
+    """The optimizer's step bench against what a Horovod user has: stock
+    ``hvd.DistributedOptimizer`` (none, fp16) in the same launch as hvdcompress's tuned
+    3LC, the speedups over both, the tuner's decisions and each timed step's time."""
+    prefix = f"hvdc-bt{os.getpid()}e-"
+    steps = 20  # past the tuner's warm-up (5) and its first round
+    res, data, out = _run(
+        tmp_path, prefix, "--rates", "unlimited", "--cases", "horovod-none", "horovod-fp16",
+        "3lc", "--steps", str(steps), "--tuning-drift", "off",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {r["case"]: r for r in data["rows"]}
+    assert set(rows) == {"horovod-none", "horovod-fp16", "3lc"}
+    stock, half, ours = rows["horovod-none"], rows["horovod-fp16"], rows["3lc"]
+    assert all(r["status"] == "ok" and len(r["step_s_series"]) == steps for r in rows.values())
+    assert stock["exchange"] == "allreduce" and stock["compressor"] == "horovod.Compression.none"
+    # fp16 puts about half of float32's bytes on the loopback
+    ratio = half["measured_bytes_per_step"] / stock["measured_bytes_per_step"]
+    assert 0.4 < ratio < 0.65, ratio
+    assert ours["speedup_vs_horovod_none"] == pytest.approx(stock["step_s"] / ours["step_s"])
+    tuner = ours["tuner"]
+    assert tuner["rounds"] >= 1 and tuner["trial_steps"] > 0 and tuner["drift_rounds"] == 0
+    assert tuner["decisions"] and "bf16" in tuner["decisions"][0]  # the 16-bit option timed
+    assert set(ours["exchanges"]) <= {"allgather", "dense", "bf16", "allreduce"}
+    assert "vs hvd none" in (out / "bench_network.md").read_text()
+    assert _namespaces(prefix) == []
+
+
+def test_stock_horovod_runs_under_horovodrun_only(tmp_path):
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cases", "horovod-none", "--launchers", "mpi",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert res.returncode == 2 and "--launchers gloo only" in res.stderr

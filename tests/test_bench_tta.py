@@ -279,7 +279,7 @@ def test_the_headline_is_the_fastest_row_of_each_side_per_model_and_rate():
     )
 
 
-def test_the_commands_of_the_two_kinds_of_job(tmp_path):
+def test_the_commands_of_the_three_kinds_of_job(tmp_path):
     hvdc = bench.train_command("vit", "hvdc-3lc", 2, tmp_path)
     assert hvdc[-2:] == ["--simulate-ranks", "4"] and "--model" in hvdc and "vit" in hvdc
     assert hvdc[hvdc.index("--seed") + 1] == "2"
@@ -287,6 +287,12 @@ def test_the_commands_of_the_two_kinds_of_job(tmp_path):
     assert "--nproc_per_node=4" in torch_job and "--launcher" in torch_job
     at = torch_job.index("--torch-hook")
     assert torch_job[at : at + 4] == ["--torch-hook", "powersgd", "--powersgd-rank", "2"]
+    # the tuned job: hvdcompress's hook on real ranks, its exchange left to the tuner
+    tuned = bench.train_command("cnn", "hvdc-3lc-tuned", 3, tmp_path)
+    assert "--nproc_per_node=4" in tuned and "--simulate-ranks" not in tuned
+    assert tuned[tuned.index("--compression") + 1] == "3lc" and "--torch-hook" not in tuned
+    assert "--exchange" not in tuned and "--no-tuning" not in tuned  # auto, tuned
+    assert "hvdc-3lc-tuned" in bench.JOB_METHODS
 
 
 def test_a_job_in_pieces_goes_on_from_its_checkpoint_and_ends_as_one_run(tmp_path, monkeypatch):
@@ -418,3 +424,19 @@ def test_the_matrix_takes_each_models_seeds_and_missing_lists_what_is_unfinished
     assert out.splitlines() == [
         "cnn ddp seed 2", "cnn ddp seed 3", "bench_tta: 1 of 3 jobs of the matrix finished",
     ]  # fmt: skip
+
+
+def test_the_tuned_runs_table_compares_with_ddp_and_names_the_options_kept():
+    records = {}
+    for seed, acc in ((1, 0.910), (2, 0.914)):
+        records[tta.job_key("cnn", "ddp", seed)] = _record("cnn", "ddp", seed, [0.8, acc])
+    for seed, (acc, kept) in enumerate(((0.911, ["bf16"]), (0.909, ["allgather", "bf16"])), 1):
+        r = _record("cnn", "hvdc-3lc-tuned", seed, [0.8, acc])
+        records[tta.job_key("cnn", "hvdc-3lc-tuned", seed)] = {**r, "exchanges": kept}
+    lines = tta_report.tuned_table(records, ["cnn", "vit"], ["hvdc-3lc-tuned"])
+    rows = [line for line in lines if line.startswith("| cnn |")]
+    assert len(rows) == 1  # no vit runs: no row
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[2] == "1,2" and cells[3].startswith("91.00 ± ")
+    assert cells[4] == "91.20" and cells[5] == "-0.20" and cells[7] == "bf16; allgather,bf16"
+    assert tta_report.tuned_table({}, ["cnn"], ["hvdc-3lc-tuned"]) == []

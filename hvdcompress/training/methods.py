@@ -306,6 +306,16 @@ _TABLE = [
         {"low": 3, "high": 1, "interval_steps": 40},
         about="Accordion between block3lc-b4096 at 3 levels (critical) and ternary",
     ),
+    # error feedback against precision: block3lc at DQSG's levels (deterministic, error
+    # feedback) and DQSG at 3LC's (ternary, dithered, no error feedback)
+    Method(
+        "block3lc-b4096-l3", "block3lc", {"sparsity": 1.0, "block": 4096, "levels": 3},
+        about="diagnostic: block3lc-b4096 at 3 levels the whole run (error feedback)",
+    ),
+    Method(
+        "dqsg-l1", "dqsg", {"levels": 1},
+        about="diagnostic: dithered ternary (DQSG, 1 level), no error feedback",
+    ),
 ]  # fmt: skip
 # methods also run with their exchange fixed (``Method.on``): the tuner's picks, each
 # trained on its own, for the time-to-accuracy join (scripts/bench_tta.py); on the
@@ -330,6 +340,8 @@ FIXED_EXCHANGES = {
     "block3lc-mc": ("allgather",),
     "block3lc-b4096-mc": ("allgather",),
     "accordion-block3lc": ("allgather",),
+    "block3lc-b4096-l3": ("allgather",),
+    "dqsg-l1": ("allgather",),
 }
 _TABLE += [m.on(x) for m in list(_TABLE) for x in FIXED_EXCHANGES.get(m.name, ())]
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}

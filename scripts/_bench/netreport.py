@@ -74,7 +74,8 @@ def sort_rows(rows: list, args) -> None:
 
 
 def add_speedups(rows: list) -> None:
-    """Speedups over none and fp16 (allreduced), and of a twostage row over the same case
+    """Speedups over none and fp16 (allreduced; and over stock Horovod's none and fp16 where
+    the run has them), and of a twostage row over the same case
     on the allgather; for twostage rows also ``sent_vs_model``: the bytes sent per rank
     over 2 (N - 1) / N x the allgather row's payload per rank."""
     groups: dict = {}
@@ -84,10 +85,10 @@ def add_speedups(rows: list) -> None:
     for r in rows:
         g = groups[(r["launcher"], r["ranks"], r["rate"], r["model"])]
         ok = r.get("status") == "ok"
-        for base in ("none", "fp16"):
+        for base in ("none", "fp16", "horovod-none", "horovod-fp16"):
             b = g.get((base, "allreduce")) or g.get((base, "auto"))
             fine = ok and b is not None and b.get("status") == "ok"
-            r[f"speedup_vs_{base}"] = b["step_s"] / r["step_s"] if fine else None
+            r[f"speedup_vs_{base.replace('-', '_')}"] = b["step_s"] / r["step_s"] if fine else None
         ag = g.get((r["case"], "allgather"))
         fine = ok and r.get("exchange") == "twostage" and ag is not None and ag["status"] == "ok"
         r["speedup_vs_allgather"] = ag["step_s"] / r["step_s"] if fine else None
@@ -101,6 +102,9 @@ def markdown(rows: list, meta: dict) -> str:
             "wire MB/step measured", "modelled", "meas/model", "kB/rank/step measured",
             "sent kB/rank (transport)", "bits/value", "speedup vs none", "vs fp16",
             "vs allgather", "status"]  # fmt: skip
+    stock = any(r["case"].startswith("horovod-") for r in rows)
+    if stock:  # the speedups over stock Horovod's DistributedOptimizer
+        head[-1:-1] = ["vs hvd none", "vs hvd fp16"]
     on_cluster = meta.get("cluster")
     if on_cluster:
         head.insert(8, "node links tx/rx MB/step")
@@ -151,6 +155,9 @@ def markdown(rows: list, meta: dict) -> str:
             report.fmt(r.get("speedup_vs_allgather"), ".2f"),
             status,
         ]  # fmt: skip
+        if stock:
+            row[-1:-1] = [report.fmt(r.get("speedup_vs_horovod_none"), ".2f"),
+                          report.fmt(r.get("speedup_vs_horovod_fp16"), ".2f")]  # fmt: skip
         if on_cluster:
             row.insert(8, node_links(r) if ok and r.get("node_link_bytes_per_step") else "-")
         cells.append(row)

@@ -22,7 +22,10 @@ CASES = {
     for name in ("none", "fp16", "3lc", "3lc-1.75", "topk", "powersgd", "dqsg",
                  "accordion-3lc", "cat-topk", "3lc-min64k")
 }  # fmt: skip
-MODELS = ("light", "cnn")  # of hvdcompress.training.models
+# what a Horovod user has instead (backend horovod only: horovodrun, launcher gloo): stock
+# hvd.DistributedOptimizer with Horovod's own compression, allreduced
+STOCK_CASES = {"horovod-none": "none", "horovod-fp16": "fp16"}
+MODELS = ("light", "cnn", "vit", "mlp10m")  # of hvdcompress.training.models
 CAT_CALIBRATION_SIZES = (1, 1 << 10, 1 << 14, 1 << 17, 1 << 20)
 # the optimizer's figures per step, summed over the timed steps: key -> last_stats field
 # (sent and received: as the transport counted them)
@@ -63,16 +66,18 @@ def run_case(
     ``--steps`` timed steps (``_timed_steps``); the row of every rank's figures."""
     rank = transport.rank
     t_begin = time.perf_counter()
-    if case not in CASES:
+    if case not in CASES and case not in STOCK_CASES:
         raise ValueError(f"unknown case {case!r}")
-    method = CASES[case]
     model, x, y = build_model(model_name, args.batch_size, rank)
     numel = sum(p.numel() for p in model.parameters())
     extra = {}
+    if case in STOCK_CASES:
+        return _stock_case(args, transport, case, model, x, y, numel, t_begin)
+    method = CASES[case]
     policy = _case_policy(args, transport, method, cat_cost, extra)
     opt = steps.distributed_sgd(model, method.compressor(), transport, policy=policy,
                                 compress_min_numel=method.compress_min_numel,
-                                exchange=exchange)  # fmt: skip
+                                exchange=exchange, tuning=_tuning(args))  # fmt: skip
 
     t_built = time.perf_counter()
     extra["build_s"] = t_built - t_begin
@@ -83,6 +88,11 @@ def run_case(
     extra["warmup_s"] = time.perf_counter() - t_built
     on_cluster = os.environ.get(cluster.NODE_DEVICE_ENV) is not None
     mine, elapsed, (tx0, tx1) = _timed_steps(args, transport, model, opt, x, y, on_cluster)
+    tuner = opt.reducer.tuner
+    if tuner is not None:  # what the tuner decided, and what its re-checks cost
+        extra["tuner"] = {"rounds": tuner.rounds, "drift_rounds": tuner.drift_rounds,
+                          "trial_steps": tuner.trial_steps,
+                          "decisions": [str(d) for d in tuner.decisions]}  # fmt: skip
     metrics = opt.last_stats.metrics
     levels = [v for k, v in metrics.items() if k.startswith("level/")]
     budgets = [v for k, v in metrics.items() if k.startswith("T/")]
@@ -106,7 +116,9 @@ def run_case(
         "step_s": max(r["median"] for r in everyone),  # the slowest rank decides
         "step_s_mean": elapsed / n,
         "step_s_per_rank": [r["median"] for r in everyone],
-        "exchanges": sorted({opt.reducer.planned(b).kind for b in opt.buckets}),
+        # every timed step's time on its slowest rank: a tuner's moves show in it
+        "step_s_series": [max(t) for t in zip(*(r["times"] for r in everyone), strict=True)],
+        "exchanges": sorted({label for r in everyone for label in r["exchanges"]}),
         "measured_bytes_per_step": (tx1 - tx0) / n,
         "measured_bytes_per_rank": (tx1 - tx0) / n / transport.size,
         "sent_bytes_per_rank": statistics.mean(r["sent"] for r in everyone),
@@ -120,6 +132,54 @@ def run_case(
         "decode_s": max(r["decode"] for r in everyone),
         **extra,
     }
+
+
+def _tuning(args):
+    """``exchange="auto"``'s tuner as --tuning-half / --tuning-drift set it (off: None)."""
+    import hvdcompress
+
+    half = None if args.tuning_half == "off" else args.tuning_half
+    drift = None if args.tuning_drift == "off" else float(args.tuning_drift)
+    return hvdcompress.Tuning(half=half, drift=drift)
+
+
+def _stock_case(args, transport, case, model, x, y, numel: int, t_begin: float) -> dict:
+    """A stock-Horovod case: ``hvd.DistributedOptimizer`` over the same SGD, with
+    Horovod's ``Compression.none`` / ``fp16``, the same warm-up and timed steps; its row
+    has no byte counts of the optimizer's own (the link's are measured as for any case)."""
+    import horovod.torch as hvd
+    import torch
+
+    if args.backend != "horovod":
+        raise ValueError(f"case {case!r} is stock Horovod: it needs --launchers gloo")
+    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
+        compression=compression[STOCK_CASES[case]],
+    )  # fmt: skip
+    t_built = time.perf_counter()
+    for _ in range(args.warmup):
+        steps.train_step(model, opt, x, y)
+    transport.allgather_object(None)
+    warmup_s = time.perf_counter() - t_built
+    mine, elapsed, (tx0, tx1) = _timed_steps(args, transport, model, opt, x, y, False, False)
+    everyone = transport.allgather_object(mine)
+    n = args.steps
+    return {
+        "params": numel, "compressor": f"horovod.Compression.{STOCK_CASES[case]}",
+        "compressor_params": {}, "policy": None,
+        "step_s": max(r["median"] for r in everyone), "step_s_mean": elapsed / n,
+        "step_s_per_rank": [r["median"] for r in everyone],
+        "step_s_series": [max(t) for t in zip(*(r["times"] for r in everyone), strict=True)],
+        "exchanges": ["allreduce"],
+        "measured_bytes_per_step": (tx1 - tx0) / n,
+        "measured_bytes_per_rank": (tx1 - tx0) / n / transport.size,
+        "sent_bytes_per_rank": 0.0, "received_bytes_per_rank": 0.0,
+        "modelled_bytes_per_step": 0.0, "payload_bytes_per_rank": 0.0,
+        "bits_per_value": 16.0 if STOCK_CASES[case] == "fp16" else 32.0,
+        "raw_bytes": 4 * numel, "compress_s": 0.0, "wait_s": 0.0, "decode_s": 0.0,
+        "build_s": t_built - t_begin, "warmup_s": warmup_s,
+    }  # fmt: skip
 
 
 def _case_policy(args, transport, method, cat_cost: dict, extra: dict):
@@ -141,10 +201,12 @@ def _case_policy(args, transport, method, cat_cost: dict, extra: dict):
     return method.make_policy(cost_model=cost, recompute_every=args.cat_every)
 
 
-def _timed_steps(args, transport, model, opt, x, y, on_cluster: bool):
+def _timed_steps(args, transport, model, opt, x, y, on_cluster: bool, counted: bool = True):
     """``--steps`` timed steps between barriers, the link counters read around them: (this
     rank's figures, the seconds they took, rank 0's loopback tx bytes before and after;
-    0 on the cluster, where each node's local rank 0 reads its node's link)."""
+    0 on the cluster, where each node's local rank 0 reads its node's link).
+    ``counted``: the optimizer is hvdcompress's, whose ``last_stats`` count its bytes
+    (stock Horovod's counts none: its figures stay 0)."""
     rank = transport.rank
     node_link = cluster.node_link_counter()  # cluster: the node's local rank 0 reads its link
     tx0 = netns.read_tx_bytes() if rank == 0 and not on_cluster else 0
@@ -152,11 +214,14 @@ def _timed_steps(args, transport, model, opt, x, y, on_cluster: bool):
     transport.allgather_object(None)  # nobody sends a timed byte before rank 0 has read
     times = []
     acc = dict.fromkeys(STEP_STATS, 0.0)
+    exchanges: set[str] = set()  # the options the buckets took (the tuner's included)
     t_start = time.perf_counter()
     for _ in range(args.steps):
         times.append(steps.train_step(model, opt, x, y))
-        for key, field in STEP_STATS.items():
-            acc[key] += getattr(opt.last_stats, field)
+        if counted:
+            for key, field in STEP_STATS.items():
+                acc[key] += getattr(opt.last_stats, field)
+            exchanges.update(opt.last_stats.exchanges.values())
     transport.allgather_object(None)  # barrier: every rank received everything
     elapsed = time.perf_counter() - t_start
     tx1 = netns.read_tx_bytes() if rank == 0 and not on_cluster else 0
@@ -168,6 +233,7 @@ def _timed_steps(args, transport, model, opt, x, y, on_cluster: bool):
         "node_link": moved,  # (tx, rx) of its node's link: the node's local rank 0 only
         "median": statistics.median(times),
         "times": times,
+        "exchanges": sorted(exchanges),
         **{k: v / args.steps for k, v in acc.items()},
     }
     return mine, elapsed, (tx0, tx1)

@@ -211,6 +211,37 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def tuned_table(records: dict, models, tuned) -> list[str]:
+    """The accuracy of the tuned runs (``tuned``: bench_tta's TUNED_METHODS): per model and
+    method, the final accuracy over its seeds against DDP allreduce's mean, and the
+    options its tuner kept, by seed (none: no run yet, no lines)."""
+    lines = []
+    for model in models:
+        ddp = tta.final_accuracy(tta.finished(records, model, tta.BASELINE))
+        for method in tuned:
+            runs = tta.finished(records, model, method)
+            if not runs or ddp is None:
+                continue
+            f = tta.final_accuracy(runs)
+            kept = "; ".join(",".join(r.get("exchanges") or ["-"]) for r in runs)
+            bits = sum(r["bits_per_value"] for r in runs) / len(runs)
+            lines.append(
+                f"| {model} | {method} | {','.join(map(str, f['seeds']))} | "
+                f"{100 * f['mean']:.2f} ± {100 * f['std']:.2f} ({100 * f['min']:.2f}-"
+                f"{100 * f['max']:.2f}) | {100 * ddp['mean']:.2f} | "
+                f"{100 * (f['mean'] - ddp['mean']):+.2f} | {bits:.3f} | {kept} |"
+            )  # fmt: skip
+    if not lines:
+        return []
+    head = [
+        "#### Tuned runs: hvdcompress's hook on 4 real ranks, the tuner choosing", "",
+        "| model | method | seeds | final accuracy % (mean ± std, min-max) | DDP mean "
+        "| difference | bits/value | options kept (last piece), by seed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    return [*head, *lines, ""]
+
+
 def _borrowed(step_row: dict) -> str:
     return BORROWED.format(rows=", ".join(f"`{v}` for {k}" for k, v in step_row.items()))
 
@@ -310,11 +341,15 @@ def rewrite_block(path: Path, block: re.Pattern, text: str) -> None:
 
 def write_report(
     records, peers, out: Path, models, methods, step_row, readme: Path | None, declared=None,
-    pinned=None, page: Path | None = None,
+    pinned=None, page: Path | None = None, tuned=(),
 ):  # fmt: skip
     """Write results/time_to_accuracy.md and tta_<model>.png under ``out``, every table
-    into ``page``'s tta block and the headline into ``readme``'s (each if given)."""
+    (``tuned``'s runs' too: ``tuned_table``) into ``page``'s tta block and the headline
+    into ``readme``'s (each if given)."""
     text = markdown(records, peers, models, methods, step_row, declared, pinned)
+    tuned_lines = tuned_table(records, models, tuned)
+    if tuned_lines:
+        text += "\n" + "\n".join(tuned_lines)
     (out / "results").mkdir(parents=True, exist_ok=True)
     (out / "results" / "time_to_accuracy.md").write_text(text)
     for model in models:
