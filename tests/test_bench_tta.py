@@ -440,3 +440,25 @@ def test_the_tuned_runs_table_compares_with_ddp_and_names_the_options_kept():
     assert cells[2] == "1,2" and cells[3].startswith("91.00 ± ")
     assert cells[4] == "91.20" and cells[5] == "-0.20" and cells[7] == "bf16; allgather,bf16"
     assert tta_report.tuned_table({}, ["cnn"], ["hvdc-3lc-tuned"]) == []
+
+
+def test_a_rate_the_tuner_sent_all_on_bf16_goes_with_the_bf16_hooks_curve():
+    """Every bucket on the 16-bit allreduce trains as torch's bf16 hook does (the same
+    casts and sum): its curve, not float32 DDP's, goes with that step time; a mix of
+    float32 and bf16 buckets keeps DDP's."""
+    records = _fake_records()
+    hook = _record("cnn", "torch-bf16", 1, [0.85, 0.911, 0.92])  # reaches 0.909 at step 200
+    records[tta.job_key("cnn", "torch-bf16", 1)] = hook
+    peers = {"rows": [
+        {"model": "cnn", "row": "hvdc-powersgd", "rate": "unlimited", "step_s": 0.05,
+         "exchanges": ["bf16"]},
+        {"model": "cnn", "row": "hvdc-powersgd", "rate": "1gbit", "step_s": 0.06,
+         "exchanges": ["bf16", "dense"]},
+    ]}  # fmt: skip
+    row = next(r for r in tta_report.rows(records, peers, "cnn", bench.METHODS, bench.STEP_ROW)
+               if r["method"] == "hvdc-powersgd")  # fmt: skip
+    assert row["dense"]["unlimited"] and row["dense"]["1gbit"]
+    assert row["seconds"]["unlimited"] == pytest.approx(200 * 0.05)  # the hook's 200 steps
+    assert row["seconds"]["1gbit"] == pytest.approx(300 * 0.06)  # DDP's 300
+    assert tta.dense_stand_in({"exchanges": ["bf16"]}) == "torch-bf16"
+    assert tta.dense_stand_in({"exchanges": ["dense", "bf16"]}) == "ddp"

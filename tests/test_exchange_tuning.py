@@ -230,3 +230,20 @@ def test_a_drift_that_moves_nothing_waits_twice_as_long_before_the_next_check():
     assert 1 <= tuner.drift_rounds <= 4, tuner.drift_rounds
     assert tuner._window >= 2 * DRIFT.drift_window
     assert tuner.trial_steps < 40, tuner.trial_steps  # bounded, and reported
+
+
+def test_a_drift_round_times_the_options_that_sat_out():
+    """Dense lost by far at the first round (it sits the next re-check out), then the
+    allgather's step grows 20x: the drift round times dense again and the buckets move to
+    it, instead of a round of one option that can only keep what it has."""
+
+    def cost(r, step, now):
+        table = {"allgather": 0.05 if step < 40 else 1.0, "twostage": 2.0, "dense": 0.4}
+        return sum(table[o] for o in now.values())
+
+    taken, tuners, _ = _run(cost, 90, DRIFT)
+    assert all(t[20] == {0: "allgather", 1: "allgather"} for t in taken)
+    assert all(t[-1] == {0: "dense", 1: "dense"} for t in taken)
+    assert tuners[0].drift_rounds == 1
+    late = [d for d in tuners[0].decisions if d.step > 40]
+    assert late and all("dense" in d.seconds for d in late)

@@ -20,7 +20,8 @@ a torch user has (half the bytes, no encode, no decode).
 Drift (``Tuning.drift``): after a decision the tuner keeps timing the steps, in windows of
 ``drift_window`` steps (rank-averaged medians). The first window is the baseline; a later
 one more than ``drift`` slower or faster than it starts a round of trials at once (a
-codec's payload that grew as the model fit its batch, a link whose load changed). A drift
+codec's payload that grew as the model fit its batch, a link whose load changed), which
+times every option, those sitting a round out included. A drift
 round that moves no bucket doubles the window before the next check, so a noisy step time
 costs ever fewer re-checks; ``rounds``, ``drift_rounds`` and ``trial_steps`` count what
 the re-checks cost. ``drift=None`` turns it off.
@@ -260,7 +261,12 @@ class ExchangeTuner:
         order = sorted(multi, key=lambda o: (o not in firsts, OPTION_ORDER.index(o)))
         self._rounds += 1
         kept = set(self.current.values())  # a bucket's own option is always timed
-        self._round = [o for o in order if o in kept or self._sit_out.get(o, 0) <= self._rounds]
+        # a drift round times every option: the losses that sat one out were measured
+        # before whatever moved the step time
+        self._round = [
+            o for o in order
+            if o in kept or self._by_drift or self._sit_out.get(o, 0) <= self._rounds
+        ]  # fmt: skip
         self._times = {}
         self._seen = set()
 

@@ -130,6 +130,18 @@ def sent_dense(peer_row: dict | None) -> bool:
     return bool(exchanges) and exchanges <= DENSE
 
 
+# the accuracy runs that a row sent all dense trains like: all on the 16-bit allreduce, the
+# bf16 hook's (the same casts and sum, torch's bf16_compress_hook); otherwise DDP's
+HALF_STAND_IN = "torch-bf16"
+
+
+def dense_stand_in(peer_row: dict | None) -> str:
+    """The method whose accuracy curve goes with a row that ``sent_dense``: torch's bf16
+    hook where every bucket took the bf16 allreduce, else the baseline (float32)."""
+    exchanges = set(peer_row.get("exchanges") or []) if peer_row is not None else set()
+    return HALF_STAND_IN if exchanges == {"bf16"} else BASELINE
+
+
 def partly_dense(peer_row: dict | None) -> bool:
     """Some buckets sent uncompressed, others compressed: the codec's curve is kept."""
     exchanges = set([] if peer_row is None else peer_row.get("exchanges") or [])

@@ -26,7 +26,8 @@ BORROWED = "† the step time of the bench_peers row {rows} (no row of its own).
 FOOTNOTES = {
     "‡": '‡ at this rate the method\'s tuner (`exchange="auto"`) sent every bucket '
     "uncompressed in bench_peers: that run trains as an allreduce after its tuning steps, "
-    "so DDP allreduce's accuracy curve goes with its step time.",
+    "so DDP allreduce's accuracy curve goes with its step time (torch's bf16 hook's where "
+    "every bucket took the bf16 allreduce).",
     "≠": "≠ the timed run's exchange (bench_peers' `exchanges`) is not the one the accuracy "
     "runs used: the curve may not be that exchange's.",
     "?": '? the accuracy runs predate the record of their exchange: `exchange="auto"` in the '
@@ -60,8 +61,9 @@ def rows(
     """One row per method with results: accuracy, steps to the target and seconds per rate.
 
     Per rate, the step time goes with the accuracy runs of what that timed run trained:
-    where its tuner sent every bucket dense (``tta.sent_dense``), the baseline's curve
-    (``dense[rate]``: that run trains as an allreduce); where it used one compressed
+    where its tuner sent every bucket dense (``tta.sent_dense``), the baseline's curve, or
+    torch's bf16 hook's where every bucket took the bf16 allreduce (``dense[rate]``: that
+    run trains as such an allreduce); where it used one compressed
     exchange that the method has fixed-exchange runs of (``pinned``: method ->
     {exchange: method}), those runs' curve (``on[rate]``); otherwise the method's own runs,
     with ``mark[rate]`` (``tta.exchange_mark``) saying whether they used the exchange that
@@ -71,7 +73,11 @@ def rows(
     per value; ``final``, ``steps``, ``bits`` and ``curve`` are the first's."""
     goal = tta.target(records, model)
     peer = tta.peer_rows(peers)
-    base_curve = tta.mean_curve(tta.finished(records, model, tta.BASELINE))
+    # a dense row's curve: DDP's, or the bf16 hook's (tta.dense_stand_in)
+    stand_in = {
+        m: tta.mean_curve(tta.finished(records, model, m))
+        for m in (tta.BASELINE, tta.HALF_STAND_IN)
+    }  # fmt: skip
     out = []
     for method in methods:
         own, on_exchange = _accuracy_sets(records, model, method, pinned)
@@ -83,6 +89,7 @@ def rows(
         used: dict[str, list[dict]] = {}
         for rate in RATES:
             measured = peer.get((model, row, rate))
+            base_curve = stand_in[tta.dense_stand_in(measured)]
             dense[rate] = tta.sent_dense(measured) and bool(base_curve)
             partly[rate] = tta.partly_dense(measured)
             exchange = tta.compressed_exchange(measured)

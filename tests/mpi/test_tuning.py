@@ -7,14 +7,19 @@ and Horovod transports (docs/exchanges.md, "Measured while training"):
   ends on a dense allreduce (float32 or bf16) on every bucket, every rank with the same
   decisions and options at every step and bit-identical parameters;
 * the options each bucket took are in ``last_stats.exchanges`` and the trial steps in
-  ``last_stats.tuning``; ``tuning=None`` keeps the first guess for good.
+  ``last_stats.tuning``; ``tuning=None`` keeps the first guess for good;
+* the 16-bit option held in force (bf16, fp16): the ranks' average within its rounding,
+  two bytes a value, bit-identical parameters on every rank, and a resume from a
+  checkpoint taken with it in force equal to the uninterrupted run.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
+import torch
 
 import hvdcompress
 from tests.mpi.helpers import digest, make_model, train, wrap
@@ -65,3 +70,45 @@ def test_tuning_none_keeps_the_first_guess(comm):
     train(model, opt, comm.rank, 8)
     assert opt.exchange_tuner is None
     assert "dense" not in {o for o in opt.last_stats.exchanges.values()}
+
+
+def _held(backend: str, half: str, seed: int = 0):
+    """A model and its optimizer with every bucket held on ``half`` (no round ever
+    starts), as a round that timed it fastest leaves it."""
+    model = make_model(seed)
+    opt = wrap(model, "3lc", backend=backend,
+               tuning=hvdcompress.Tuning(warmup_steps=10**6, half=half))  # fmt: skip
+    tuner = opt.exchange_tuner
+    for key in tuner.current:
+        tuner.current[key] = half
+    return model, opt
+
+
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_16_bit_option_in_force_sums_counts_and_resumes(backend, half, comm):
+    if backend == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+    numel = sum(p.numel() for p in make_model().parameters())
+    dense = make_model()
+    dense_opt = wrap(dense, "none", backend=backend)
+    train(dense, dense_opt, comm.rank, 1)
+    model, opt = _held(backend, half)
+    train(model, opt, comm.rank, 1)
+    assert set(opt.last_stats.exchanges.values()) == {half}
+    assert opt.last_stats.payload_bytes == 2 * numel and opt.last_stats.sent_bytes > 0
+    for ours, exact in zip(model.parameters(), dense.parameters(), strict=True):
+        assert torch.allclose(ours, exact, atol=2e-3), (ours - exact).abs().max()
+    train(model, opt, comm.rank, 5, start=1)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    train(model, opt, comm.rank, 4, start=6)
+    resumed, resumed_opt = _held(backend, half, seed=123)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    train(resumed, resumed_opt, comm.rank, 4, start=6)
+    mine = (digest(model.parameters()), digest(resumed.parameters()))
+    everyone = comm.allgather(mine)
+    assert all(theirs == everyone[0] for theirs in everyone)  # the same on every rank
+    assert mine[0] == mine[1]  # the resume is the uninterrupted run

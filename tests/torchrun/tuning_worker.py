@@ -8,7 +8,9 @@ MODE "slow-codec": every 3LC encode takes 80 ms more (a codec that costs more th
 bytes it saves, as on a fast link); "plain": 3LC as it is (the test runs it behind a slow
 link). Writes OUT_DIR/rank<r>.json: the decisions, the options every part keeps, the
 options of the last step (``last_stats.exchanges``), which steps were trial steps, and
-a digest of the parameters.
+a digest of the parameters. MODE "bf16-held" / "fp16-held": every part held on that
+16-bit option after the first step (no round ever starts), a checkpoint taken at step 4
+and resumed into a new model, hook and optimizer (``half_main``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,77 @@ def main(out: Path, mode: str) -> None:
     dist.destroy_process_group()
 
 
+def _digest(net) -> str:
+    h = hashlib.sha256()
+    for p in net.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _held_job(half: str, rank: int):
+    """A model, its DDP, a hook state whose tuner never starts a round, and SGD."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 4))
+    ddp = DDP(net)
+    hold = hvdcompress.Tuning(warmup_steps=10**6, half=half)
+    state = hvdcompress.DDPHookState("3lc", tuning=hold).register(ddp)
+    return net, ddp, state, torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+
+
+def _held_steps(net, ddp, state, opt, rank: int, steps: range, half: str, guess: set) -> list:
+    """``steps`` on the rank's batches: a step in ``guess`` on the tuner's first guess (as
+    a new or resumed job's first step), every other one on ``half`` (as a round that timed
+    it fastest leaves it). Per step its options, and its bytes where it was on ``half``
+    (the first guess's 3LC payload differs from rank to rank)."""
+    seen, first = [], {}
+    tuner = state.exchange_tuner
+    for step in steps:
+        if tuner is not None and tuner.current:
+            first = first or dict(tuner.current)
+            tuner.current.update(first if step in guess else dict.fromkeys(first, half))
+        x = torch.randn(16, 512, generator=torch.Generator().manual_seed(100 * step + rank))
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+        tuner = state.exchange_tuner
+        first = first or dict(tuner.current)  # the buckets are known after the first step
+        stats = state.last_stats
+        labels = sorted(set(stats.exchanges.values()))
+        counted = step not in guess
+        seen.append({"labels": labels, "payload": stats.payload_bytes if counted else None,
+                     "sent": stats.sent_bytes if counted else None})  # fmt: skip
+    return seen
+
+
+def half_main(out: Path, half: str) -> None:
+    """MODE "<half>-held": 8 steps in one go, and 4 + a resume + 4; both take the first
+    guess at steps 0 and 4 (a resumed job's tuner starts anew) and ``half`` at the others,
+    so the resume must give the uninterrupted run's parameters bit for bit."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    guess = {0, 4}
+    net, ddp, state, opt = _held_job(half, rank)
+    with state:
+        whole = _held_steps(net, ddp, state, opt, rank, range(8), half, guess)
+    digest = _digest(net)
+    net, ddp, state, opt = _held_job(half, rank)
+    with state:
+        _held_steps(net, ddp, state, opt, rank, range(4), half, guess)
+        saved = {"net": net.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+    torch.manual_seed(1)
+    resumed = _held_job(half, rank)
+    resumed[0].load_state_dict(saved["net"])
+    resumed[3].load_state_dict(saved["opt"])
+    resumed[2].load_state_dict(saved["hook"])
+    with resumed[2]:
+        after = _held_steps(*resumed, rank, range(4, 8), half, guess)
+    numel = sum(p.numel() for p in net.parameters())
+    record = {"whole": whole, "after": after, "numel": numel, "digest": digest,
+              "resumed_digest": _digest(resumed[0])}  # fmt: skip
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
 def torchrun(out: Path, mode: str, prefix: list[str], port: int) -> list[dict]:
     """Run this worker on 3 ranks (``prefix``: e.g. ``ip netns exec NS``); the records of
     the ranks, which must be equal: decisions, options, trial steps and digest."""
@@ -99,4 +172,7 @@ def torchrun(out: Path, mode: str, prefix: list[str], port: int) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    if sys.argv[2].endswith("-held"):
+        half_main(Path(sys.argv[1]), sys.argv[2].removesuffix("-held"))
+    else:
+        main(Path(sys.argv[1]), sys.argv[2])
