@@ -221,7 +221,8 @@ def markdown(
 def tuned_table(records: dict, models, tuned) -> list[str]:
     """The accuracy of the tuned runs (``tuned``: bench_tta's TUNED_METHODS): per model and
     method, the final accuracy over its seeds against DDP allreduce's mean, and the
-    options its tuner kept, by seed (none: no run yet, no lines)."""
+    options its buckets took (``exchanges_used``: the trials' too), by seed (none: no run
+    yet, no lines)."""
     lines = []
     for model in models:
         ddp = tta.final_accuracy(tta.finished(records, model, tta.BASELINE))
@@ -243,7 +244,8 @@ def tuned_table(records: dict, models, tuned) -> list[str]:
     head = [
         "#### Tuned runs: hvdcompress's hook on 4 real ranks, the tuner choosing", "",
         "| model | method | seeds | final accuracy % (mean ± std, min-max) | DDP mean "
-        "| difference | bits/value | options kept (last piece), by seed |",
+        "| difference | bits/value | options used (trials included; a job in pieces: its "
+        "last), by seed |",
         "|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     return [*head, *lines, ""]
