@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,17 @@ def launch(layout: str, fault: str, out: Path, *, phase: str = "", env=None, age
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail(f"HANG: {layout} {fault} still running after {JOB_LIMIT_S} s")
+                q.wait()
+            written = [r for r in range(4) if (out / f"rank{r}.json").exists()]
+            if len(written) < 4:  # a rank that never got to its record: ours hung
+                pytest.fail(f"HANG: {layout} {fault} still running after {JOB_LIMIT_S} s; "
+                            f"records of ranks {written} only")  # fmt: skip
+            # every rank wrote its record (the checks below still hold them to their
+            # errors and times): what still ran was a process's exit or torchrun's agent
+            late = f"still running after {JOB_LIMIT_S} s (killed)"
+            warnings.warn(f"{layout} {fault}: every rank wrote its record, an agent {late}",
+                          stacklevel=2)  # fmt: skip
+            outputs.append("")
         codes.append(p.returncode)
     records = {}
     for r in range(4):
