@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import netns, report
+from .networker import STOCK_CASES
 
 
 def label(r: dict) -> str:
@@ -85,7 +86,7 @@ def add_speedups(rows: list) -> None:
     for r in rows:
         g = groups[(r["launcher"], r["ranks"], r["rate"], r["model"])]
         ok = r.get("status") == "ok"
-        for base in ("none", "fp16", "horovod-none", "horovod-fp16"):
+        for base in ("none", "fp16", *STOCK_CASES):
             b = g.get((base, "allreduce")) or g.get((base, "auto"))
             fine = ok and b is not None and b.get("status") == "ok"
             r[f"speedup_vs_{base.replace('-', '_')}"] = b["step_s"] / r["step_s"] if fine else None
@@ -102,7 +103,7 @@ def markdown(rows: list, meta: dict) -> str:
             "wire MB/step measured", "modelled", "meas/model", "kB/rank/step measured",
             "sent kB/rank (transport)", "bits/value", "speedup vs none", "vs fp16",
             "vs allgather", "status"]  # fmt: skip
-    stock = any(r["case"].startswith("horovod-") for r in rows)
+    stock = any(r["case"] in STOCK_CASES for r in rows)
     if stock:  # the speedups over stock Horovod's DistributedOptimizer
         head[-1:-1] = ["vs hvd none", "vs hvd fp16"]
     on_cluster = meta.get("cluster")

@@ -113,14 +113,8 @@ def run_case(
         "compressor": method.compression,
         "compressor_params": dict(method.params),
         "policy": method.policy,
-        "step_s": max(r["median"] for r in everyone),  # the slowest rank decides
-        "step_s_mean": elapsed / n,
-        "step_s_per_rank": [r["median"] for r in everyone],
-        # every timed step's time on its slowest rank: a tuner's moves show in it
-        "step_s_series": [max(t) for t in zip(*(r["times"] for r in everyone), strict=True)],
+        **_timing(everyone, elapsed, tx1 - tx0, n, transport.size),
         "exchanges": sorted({label for r in everyone for label in r["exchanges"]}),
-        "measured_bytes_per_step": (tx1 - tx0) / n,
-        "measured_bytes_per_rank": (tx1 - tx0) / n / transport.size,
         "sent_bytes_per_rank": statistics.mean(r["sent"] for r in everyone),
         "received_bytes_per_rank": statistics.mean(r["received"] for r in everyone),
         "modelled_bytes_per_step": sum(r["wire"] for r in everyone),
@@ -131,6 +125,20 @@ def run_case(
         "wait_s": max(r["wait"] for r in everyone),
         "decode_s": max(r["decode"] for r in everyone),
         **extra,
+    }
+
+
+def _timing(everyone: list[dict], elapsed: float, moved: float, n: int, size: int) -> dict:
+    """A row's step times and link bytes from every rank's figures (``_timed_steps``):
+    ``moved`` bytes on the link over ``n`` timed steps of ``size`` ranks."""
+    return {
+        "step_s": max(r["median"] for r in everyone),  # the slowest rank decides
+        "step_s_mean": elapsed / n,
+        "step_s_per_rank": [r["median"] for r in everyone],
+        # every timed step's time on its slowest rank: a tuner's moves show in it
+        "step_s_series": [max(t) for t in zip(*(r["times"] for r in everyone), strict=True)],
+        "measured_bytes_per_step": moved / n,
+        "measured_bytes_per_rank": moved / n / size,
     }
 
 
@@ -162,18 +170,15 @@ def _stock_case(args, transport, case, model, x, y, numel: int, t_begin: float) 
         steps.train_step(model, opt, x, y)
     transport.allgather_object(None)
     warmup_s = time.perf_counter() - t_built
-    mine, elapsed, (tx0, tx1) = _timed_steps(args, transport, model, opt, x, y, False, False)
+    mine, elapsed, (tx0, tx1) = _timed_steps(
+        args, transport, model, opt, x, y, on_cluster=False, counted=False
+    )
     everyone = transport.allgather_object(mine)
-    n = args.steps
     return {
         "params": numel, "compressor": f"horovod.Compression.{STOCK_CASES[case]}",
         "compressor_params": {}, "policy": None,
-        "step_s": max(r["median"] for r in everyone), "step_s_mean": elapsed / n,
-        "step_s_per_rank": [r["median"] for r in everyone],
-        "step_s_series": [max(t) for t in zip(*(r["times"] for r in everyone), strict=True)],
+        **_timing(everyone, elapsed, tx1 - tx0, args.steps, transport.size),
         "exchanges": ["allreduce"],
-        "measured_bytes_per_step": (tx1 - tx0) / n,
-        "measured_bytes_per_rank": (tx1 - tx0) / n / transport.size,
         "sent_bytes_per_rank": 0.0, "received_bytes_per_rank": 0.0,
         "modelled_bytes_per_step": 0.0, "payload_bytes_per_rank": 0.0,
         "bits_per_value": 16.0 if STOCK_CASES[case] == "fp16" else 32.0,

@@ -199,8 +199,7 @@ def markdown(
             for one in r["sets"]:
                 f, on = one["final"], f" [{one['label']}]" if one["label"] else ""
                 seeds.append(",".join(map(str, f["seeds"])) + on)
-                accs.append(f"{100 * f['mean']:.2f} ± {100 * f['std']:.2f} "
-                            f"({100 * f['min']:.2f}-{100 * f['max']:.2f})")  # fmt: skip
+                accs.append(_accuracy_cell(f))
                 bits.append(f"{one['bits']:.3f}")
                 steps.append("-" if one["steps"] is None else str(one["steps"]))
             lines.append(f"| {r['method']} | {'; '.join(seeds)} | {'; '.join(accs)} | "
@@ -216,6 +215,12 @@ def markdown(
                   "picked in the timed run (the simulated world cannot time a link)."]  # fmt: skip
     lines += [line for mark in FOOTNOTES if mark in marks for line in ("", FOOTNOTES[mark])]
     return "\n".join(lines) + "\n"
+
+
+def _accuracy_cell(final: dict) -> str:
+    """``tta.final_accuracy``'s figures in points: mean ± std (min-max)."""
+    return (f"{100 * final['mean']:.2f} ± {100 * final['std']:.2f} "
+            f"({100 * final['min']:.2f}-{100 * final['max']:.2f})")  # fmt: skip
 
 
 def tuned_table(records: dict, models, tuned) -> list[str]:
@@ -235,8 +240,7 @@ def tuned_table(records: dict, models, tuned) -> list[str]:
             bits = sum(r["bits_per_value"] for r in runs) / len(runs)
             lines.append(
                 f"| {model} | {method} | {','.join(map(str, f['seeds']))} | "
-                f"{100 * f['mean']:.2f} ± {100 * f['std']:.2f} ({100 * f['min']:.2f}-"
-                f"{100 * f['max']:.2f}) | {100 * ddp['mean']:.2f} | "
+                f"{_accuracy_cell(f)} | {100 * ddp['mean']:.2f} | "
                 f"{100 * (f['mean'] - ddp['mean']):+.2f} | {bits:.3f} | {kept} |"
             )  # fmt: skip
     if not lines:
