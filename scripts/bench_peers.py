@@ -114,15 +114,17 @@ def hooked(row: str, model):
 
     import hvdcompress
     from hvdcompress.training.methods import METHODS
-    from hvdcompress.training.torch_hooks import POWERSGD_BUCKET_CAP_MB, bf16_hook
+    from hvdcompress.training.torch_hooks import (
+        POWERSGD_BUCKET_CAP_MB,
+        bf16_hook,
+        powersgd_state,
+    )
 
     if row.startswith("torch-powersgd-r"):
         ddp = DDP(model, bucket_cap_mb=POWERSGD_BUCKET_CAP_MB)  # one bucket: train.py's
         rank = int(row.rsplit("r", 1)[1])
-        state = psgd.PowerSGDState(
-            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2
-        )
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        # train.py's TorchHook's state: min_compression_rate 1, dense for the first 2 steps
+        ddp.register_comm_hook(powersgd_state(rank), psgd.powerSGD_hook)
         return ddp, None
     ddp = DDP(model)
     if row == "torch-fp16":

@@ -18,10 +18,12 @@ correction), so with ``--compression dgc`` the wrapped SGD runs without momentum
 ``--launcher torchrun``: no Horovod or MPI; torch.distributed (gloo, or NCCL with
 ``--ddp-backend nccl``) and DistributedDataParallel with ``hvdcompress.ddp_hook`` (the
 same payloads, moved by ``transports.torch_dist``), or with ``--torch-hook`` torch's own
-DDP communication (allreduce, bf16, PowerSGD of ``--powersgd-rank``) as the baseline; the
-other launchers run one process per rank with ``--backend``. Progress: rank 0 shows a tqdm
-bar when its stderr is a terminal, and otherwise (horovodrun, mpirun and srun pipe it) a
-plain line every ``--progress-every`` seconds.
+DDP communication (allreduce, bf16, PowerSGD of ``--powersgd-rank`` after
+``--powersgd-start-iter`` dense steps: default 2, at least 2; torch's documentation suggests
+about 10% of training) as the baseline; the other launchers run one process per rank with
+``--backend``. Progress: rank 0 shows a tqdm bar when its stderr is a terminal, and
+otherwise (horovodrun, mpirun and srun pipe it) a plain line every ``--progress-every``
+seconds.
 
 Data: the idx files of Debian's ``dataset-fashion-mnist`` in
 /usr/share/datasets/fashion-mnist (``--dataset synthetic`` needs none). Every rank starts
@@ -79,14 +81,22 @@ import hvdcompress
 from hvdcompress.checkpoint import DEFAULT_KEEP, CheckpointError, check_writable_dir
 from hvdcompress.exchange import EXCHANGES
 from hvdcompress.training.data import DATA_DIR
-from hvdcompress.training.flags import make_compression, make_policy, make_schedule
+from hvdcompress.training.flags import (
+    BASE_LR,
+    BASE_MOMENTUM,
+    BATCH_SIZE,
+    make_compression,
+    make_policy,
+    make_schedule,
+    recommend_sgd,
+)
 from hvdcompress.training.loop import load_data, train_rank
-from hvdcompress.training.methods import check_level, parse_params
+from hvdcompress.training.methods import check_level
 from hvdcompress.training.models import IMAGE_MODELS, MODELS
 from hvdcompress.training.schedule import DEFAULT_GAMMA, DEFAULT_KIND, parse_milestones
 from hvdcompress.training.schedule import KINDS as SCHEDULES
 from hvdcompress.training.simulate import run_ranks
-from hvdcompress.training.torch_hooks import TORCH_HOOKS
+from hvdcompress.training.torch_hooks import POWERSGD_START_ITER, TORCH_HOOKS
 from hvdcompress.transports import make_transport
 
 # tests and scripts reach these through this file (scripts/train.py is their entry point)
@@ -165,10 +175,6 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     check_args(p, args)
     return args
-
-
-BASE_LR = 0.05  # plain SGD's learning rate and momentum on this job
-BASE_MOMENTUM = 0.9
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,6 +283,14 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
         help="--torch-hook powersgd: matrix_approximation_rank (default 1)",
     )
     p.add_argument(
+        "--powersgd-start-iter",
+        type=int_at_least(2),
+        default=POWERSGD_START_ITER,
+        metavar="N",
+        help=f"--torch-hook powersgd: dense allreduce steps before compressing (default "
+        f"{POWERSGD_START_ITER}, at least 2; torch suggests about 10%% of training)",
+    )
+    p.add_argument(
         "--fusion-threshold", type=NON_NEGATIVE, default=None, help="bytes per collective"
     )
     p.add_argument(
@@ -320,7 +334,7 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         help="stop at the end of this epoch of --epochs (checkpointed: --resume goes on); "
         "the learning-rate schedule still spans --epochs",
     )
-    p.add_argument("--batch-size", type=POSITIVE, default=64, help="per rank")
+    p.add_argument("--batch-size", type=POSITIVE, default=BATCH_SIZE, help="per rank")
     p.add_argument(
         "--lr",
         type=finite_float(0.0, low_open=True),
@@ -394,36 +408,6 @@ def milestones_arg(text: str) -> list[float]:
         return parse_milestones(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def recommend_sgd(args) -> None:
-    """Fill in --lr and --momentum where not given: the job's defaults, with the factor and
-    momentum the compressor declares (``CompressorSpec.sgd_lr_factor`` / ``sgd_momentum``;
-    docs/codecs.md, "Defaults that train"), as built with --compression-param (a bad
-    parameter: the class's, and make_compression reports it). ``args.sgd_note`` says what
-    was applied."""
-    spec, built = hvdcompress.compressors.REGISTRY[args.compression].spec, None
-    try:
-        params = parse_params(args.compression_param)
-        built = hvdcompress.get_compressor(args.compression, **params)
-    except (TypeError, ValueError):
-        pass
-    applied = []
-    if args.lr is None:
-        factor = spec.lr_factor(built)
-        args.lr = BASE_LR * factor
-        if factor != 1.0:
-            applied.append(f"lr {args.lr:g} ({BASE_LR} x {factor:g})")
-    if args.momentum is None:
-        args.momentum = BASE_MOMENTUM if spec.sgd_momentum is None else spec.sgd_momentum
-        if spec.sgd_momentum is not None:
-            applied.append(f"momentum {args.momentum:g}")
-    args.sgd_note = (
-        f"train: {args.compression}'s recommended SGD settings: {', '.join(applied)} "
-        '(docs/codecs.md, "Defaults that train"; --lr / --momentum override)'
-        if applied
-        else ""
-    )
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:

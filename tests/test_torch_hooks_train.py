@@ -91,6 +91,10 @@ CONFLICTS = [
     ),
     (["--torch-hook", "fp16"], r"--torch-hook: invalid choice: 'fp16'"),
     (["--powersgd-rank", "0"], r"--powersgd-rank: expected an int >= 1, got 0"),
+    (
+        ["--launcher", "torchrun", "--torch-hook", "powersgd", "--powersgd-start-iter", "1"],
+        r"--powersgd-start-iter: expected an int >= 2, got 1",
+    ),
 ]
 
 
@@ -103,3 +107,48 @@ def test_torch_hook_conflicts_are_one_line_argparse_errors(argv, message, capsys
     err = capsys.readouterr().err
     assert re.search(message, err), err
     assert err.strip().splitlines()[-1].startswith("train.py: error: ")
+
+
+def test_one_powersgd_state_for_training_and_timing_compresses_every_matrix():
+    """torch_hooks.powersgd_state, which train.py's TorchHook and bench_peers both build:
+    min_compression_rate 1 (torch's default is 2), the rank and the start iteration given,
+    the start iteration at least 2; train.py's --powersgd-start-iter reaches it."""
+    from hvdcompress.training.torch_hooks import POWERSGD_START_ITER, powersgd_state
+
+    state = powersgd_state(2, 7)
+    assert state.min_compression_rate == 1 and state.start_powerSGD_iter == 7
+    assert state.matrix_approximation_rank == 2
+    assert powersgd_state(1).start_powerSGD_iter == POWERSGD_START_ITER == 2
+    with pytest.raises(ValueError, match="must be >= 2, got 1"):
+        powersgd_state(1, 1)
+    train = _train_module()
+    base = ["--launcher", "torchrun", "--torch-hook", "powersgd"]
+    assert train.parse_args(base).powersgd_start_iter == 2
+    assert train.parse_args([*base, "--powersgd-start-iter", "30"]).powersgd_start_iter == 30
+
+
+def test_torch_hook_counts_every_step_before_the_start_iteration_as_dense(tmp_path):
+    """TorchHook with PowerSGD starting at step 4 (a one-rank world): steps 1-4 hand the
+    allreduce every value, steps 5 on the rank-1 factors of the one weight matrix (the
+    bias dense), as torch's hook sends them."""
+    import torch
+    import torch.distributed as tdist
+
+    from hvdcompress.training.torch_hooks import TorchHook, ddp_options
+
+    store = tdist.FileStore(str(tmp_path / "store"), 1)
+    tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 32)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_options("powersgd"))
+        hook = TorchHook(ddp, "powersgd", 1, powersgd_start_iter=4)
+        assert hook.powersgd_state.start_powerSGD_iter == 4
+        sent = []
+        for _ in range(6):
+            ddp(torch.randn(8, 64)).sum().backward()
+            sent.append(hook.step_stats().payload_bytes // 4)
+        del ddp, hook
+    finally:
+        tdist.destroy_process_group()
+    assert sent == [64 * 32 + 32] * 4 + [64 + 32 + 32] * 2, sent

@@ -97,7 +97,7 @@ def build_replica(args, dist) -> Replica:
         raise SystemExit("--launcher torchrun: --accordion / --cat need the optimizer")
     if args.torch_hook:
         ddp = torch.nn.parallel.DistributedDataParallel(model, **ddp_options(args.torch_hook))
-        hook = TorchHook(ddp, args.torch_hook, args.powersgd_rank)
+        hook = TorchHook(ddp, args.torch_hook, args.powersgd_rank, args.powersgd_start_iter)
         method = label(args.torch_hook, args.powersgd_rank)
         return Replica(model, ddp, sgd, method, None, torch_hook=hook)
     ddp = torch.nn.parallel.DistributedDataParallel(model)

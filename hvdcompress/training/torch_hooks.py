@@ -19,7 +19,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from hvdcompress.stats import StepStats
 
 TORCH_HOOKS = ("allreduce", "bf16", "powersgd")
-POWERSGD_START_ITER = 2  # the fewest dense steps torch allows with error feedback
+# the dense steps before PowerSGD compresses: the fewest torch allows with error feedback
+# (torch's documentation suggests about 10% of training; train.py --powersgd-start-iter)
+POWERSGD_START_ITER = 2
 # torch's PowerSGD hook with several buckets aborts or hangs on gloo: one bucket
 POWERSGD_BUCKET_CAP_MB = 1000
 FLOAT32_BYTES = 4
@@ -42,12 +44,33 @@ def bf16_hook(process_group, bucket):  # unannotated: DDP checks annotations by 
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
+def powersgd_state(rank: int, start_iter: int = POWERSGD_START_ITER) -> powersgd.PowerSGDState:
+    """torch's ``PowerSGDState`` of rank ``rank`` as train.py trains with it and
+    scripts/bench_peers.py times it (one constructor, so the job timed is the job trained):
+    ``start_iter`` dense allreduce steps first (at least 2, torch's least with error feedback
+    and warm start), then rank-``rank`` factors. ``min_compression_rate=1`` (torch's default
+    is 2): every matrix whose factors ``rank * (m + n)`` are smaller than its ``m * n``
+    values is compressed, where the default would send the matrices that compress less than
+    twofold dense; the bytes counted by ``TorchHook`` and the accuracy trained are those of
+    this setting."""
+    if start_iter < 2:
+        raise ValueError(f"PowerSGD's start iteration must be >= 2, got {start_iter}")
+    return powersgd.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=start_iter,
+        min_compression_rate=1,
+    )
+
+
 class TorchHook:
     """torch's hook ``kind`` registered on the DDP model ``ddp`` (none for ``allreduce``:
-    DDP's own averaging), and the bytes of its last step (``step_stats``)."""
+    DDP's own averaging), and the bytes of its last step (``step_stats``); PowerSGD of
+    ``powersgd_rank`` after ``powersgd_start_iter`` dense steps (``powersgd_state``)."""
 
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, kind: str,
-                 powersgd_rank: int) -> None:  # fmt: skip
+                 powersgd_rank: int,
+                 powersgd_start_iter: int = POWERSGD_START_ITER) -> None:  # fmt: skip
         if kind not in TORCH_HOOKS:
             raise ValueError(f"torch hook {kind!r}: expected one of {', '.join(TORCH_HOOKS)}")
         self.kind = kind
@@ -58,12 +81,7 @@ class TorchHook:
         if kind == "bf16":
             ddp.register_comm_hook(None, bf16_hook)
         elif kind == "powersgd":
-            self.powersgd_state = powersgd.PowerSGDState(
-                process_group=None,
-                matrix_approximation_rank=powersgd_rank,
-                start_powerSGD_iter=POWERSGD_START_ITER,
-                min_compression_rate=1,
-            )
+            self.powersgd_state = powersgd_state(powersgd_rank, powersgd_start_iter)
             ddp.register_comm_hook(self.powersgd_state, powersgd.powerSGD_hook)
 
     def _values_sent(self) -> int:
@@ -73,7 +91,9 @@ class TorchHook:
             return self.numel
         counted = state.total_numel_after_compression
         sent, self._counted = counted - self._counted, counted
-        # the hook's first start_powerSGD_iter steps are a plain allreduce, uncounted
+        # the hook's first start_powerSGD_iter steps are a plain allreduce, uncounted: torch
+        # runs step s (1-based) dense while its iter (s - 1 before, s after it) is below
+        # start_powerSGD_iter, whatever that is
         return self.numel if state.iter <= state.start_powerSGD_iter else sent
 
     def step_stats(self) -> StepStats:
