@@ -52,11 +52,18 @@ import time
 from pathlib import Path
 
 try:  # python scripts/bench_peers.py: scripts/ is first on sys.path
-    from _bench import cluster, netns
-    from _bench.peerreport import plot, table, targets, twostage_bytes
+    from _bench import cluster, netns, recipe
+    from _bench.peerreport import combine_launches, plot, summary, table, targets, twostage_bytes
 except ModuleNotFoundError:  # loaded by file path from the repository root (the tests)
-    from scripts._bench import cluster, netns
-    from scripts._bench.peerreport import plot, table, targets, twostage_bytes
+    from scripts._bench import cluster, netns, recipe
+    from scripts._bench.peerreport import (
+        combine_launches,
+        plot,
+        summary,
+        table,
+        targets,
+        twostage_bytes,
+    )
 
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
@@ -90,20 +97,14 @@ TUNING_STEPS_MAX = 60  # warm-up steps a tuned row may add until its first round
 # =========================================================================================
 # worker: one rank under torchrun, inside the namespace
 # =========================================================================================
-def build_model(name: str, rank: int, batch: int, width: int = 16):
-    import torch
-
-    from hvdcompress.training.models import INPUT_SHAPES
-    from hvdcompress.training.models import build_model as training_model
-
-    torch.manual_seed(0)  # the same parameters on every rank
-    model = training_model(name, width)  # train.py's models (its default width: 16)
-    g = torch.Generator().manual_seed(1000 + rank)
-    return (
-        model,
-        torch.randn(batch, *INPUT_SHAPES[name], generator=g),
-        torch.randint(0, 10, (batch,), generator=g),
-    )
+def hvdc_row(row: str) -> tuple[str, str, str | None, bool]:
+    """An ``hvdc-`` row's (method of the methods table, exchange, link_cost, tuned)."""
+    name = row[len("hvdc-") :].removesuffix("-inline")
+    exchange, link_cost, tuned = "auto", None, True
+    for suffix, (mode, cost, tune) in EXCHANGE_SUFFIXES.items():
+        if name.endswith(suffix):
+            name, exchange, link_cost, tuned = name.removesuffix(suffix), mode, cost, tune
+    return name, exchange, link_cost, tuned
 
 
 def hooked(row: str, model):
@@ -134,11 +135,7 @@ def hooked(row: str, model):
         # though gloo sums bfloat16 on the CPU (hvdcompress.training.torch_hooks)
         ddp.register_comm_hook(None, bf16_hook)
     elif row.startswith("hvdc-"):
-        name = row[len("hvdc-") :].removesuffix("-inline")
-        exchange, link_cost, tuned = "auto", None, True
-        for suffix, (mode, cost, tune) in EXCHANGE_SUFFIXES.items():
-            if name.endswith(suffix):
-                name, exchange, link_cost, tuned = name.removesuffix(suffix), mode, cost, tune
+        name, exchange, link_cost, tuned = hvdc_row(row)
         method = METHODS[name]
         state = hvdcompress.DDPHookState(
             method.compressor(),
@@ -152,18 +149,26 @@ def hooked(row: str, model):
     return ddp, None
 
 
-def run_row(args, model_name: str, row: str) -> dict:
+def run_row(args, model_name: str, row: str, data=None) -> dict:
+    """One row's steps on this rank (``--recipe``'s model, SGD and batches: recipe.py;
+    ``data``: recipe.load's); rank 0's is the row."""
     import torch
     import torch.distributed as dist
 
     rank, size = dist.get_rank(), dist.get_world_size()
-    model, x, y = build_model(model_name, rank, args.batch, args.width)
+    method = hvdc_row(row)[0] if row.startswith("hvdc-") else None
+    rec = recipe.build(args.recipe, model_name, method, rank, size, args.batch, args.width, data)
+    model = rec.model
     ddp, state = hooked(row, model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=rec.lr, momentum=rec.momentum)
     parts = {"compress": 0.0, "wait": 0.0, "decode": 0.0}
     counted = {"payload": 0, "sent": 0}  # this rank's, from the transport's own counts
+    taken = 0  # batches stepped on: the recipe's order goes on from warm-up to timed steps
 
     def step() -> float:
+        nonlocal taken
+        x, y = rec.batch(taken)
+        taken += 1
         t0 = time.perf_counter()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
@@ -173,12 +178,12 @@ def run_row(args, model_name: str, row: str) -> dict:
     for _ in range(args.warmup):
         step()
     tuner = state.exchange_tuner if state is not None else None
-    tuning_steps = 0  # the same on every rank: the tuner's schedule is
+    tuning = []  # this rank's seconds of each step the tuner added
     while tuner is not None and (tuner.tuning_now or not tuner.decisions):
-        if tuning_steps == TUNING_STEPS_MAX or not tuner.options:
+        if len(tuning) == TUNING_STEPS_MAX or not tuner.options:
             break
-        step()
-        tuning_steps += 1
+        tuning.append(step())
+    tuning_steps = len(tuning)  # the same on every rank: the tuner's schedule is
     dist.barrier()
     link = _link_counter()
     start = link()
@@ -196,17 +201,18 @@ def run_row(args, model_name: str, row: str) -> dict:
     end = link()
     moved = None if start[0] < 0 else [b - a for a, b in zip(start, end, strict=True)]
     every = [None] * size
-    dist.all_gather_object(every, (times, counted, moved))
+    dist.all_gather_object(every, (times, counted, moved, tuning))
     # shared link: rank 0's loopback carries every rank's sends; cluster: each node's
     # local rank 0 reads its node's link, (tx, rx)
-    links = [m for _, _, m in every if m is not None]
+    links = [m for _, _, m, _ in every if m is not None]
     tx = sum(m[0] for m in links)
-    slowest = [max(ts) for ts in zip(*(t for t, _, _ in every), strict=True)]  # slowest rank's
-    per_rank = {k: sum(c[k] for _, c, _ in every) / size / args.steps / 1e3 for k in counted}
+    slowest = [max(ts) for ts in zip(*(e[0] for e in every), strict=True)]  # slowest rank's
+    per_rank = {k: sum(e[1][k] for e in every) / size / args.steps / 1e3 for k in counted}
     return {
         "model": model_name,
         "row": row,
         "ranks": size,
+        **rec.fields,  # the recipe, its data, seed, batch per rank, lr and momentum
         "step_s": statistics.median(slowest),
         "step_min_s": min(slowest),
         "step_max_s": max(slowest),
@@ -225,6 +231,8 @@ def run_row(args, model_name: str, row: str) -> dict:
         # exchange="auto" tuned: its decisions, and the warm-up steps its round added
         "decisions": [str(d) for d in tuner.decisions] if tuner else [],
         "tuning_steps": tuning_steps,
+        # those steps' seconds: per step the slowest rank's, summed
+        "tuning_s": sum((max(ts) for ts in zip(*(e[3] for e in every), strict=True)), 0.0),
         **{f"{k}_s": v / args.steps for k, v in parts.items()},
     }
 
@@ -248,11 +256,12 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    data = recipe.load(args.recipe)  # every row's batches, read once
     dist.init_process_group("gloo")
     for model_name in args.models:
         for row in args.rows:
             try:
-                result = run_row(args, model_name, row)
+                result = run_row(args, model_name, row, data)
             except Exception as err:  # a row that fails is reported, the rest go on
                 result = {"model": model_name, "row": row, "error": f"{type(err).__name__}: {err}"}
             if dist.get_rank() == 0:
@@ -264,14 +273,20 @@ def worker(args) -> None:
 # =========================================================================================
 # driver (the report, its targets and figure: scripts/_bench/peerreport.py)
 # =========================================================================================
+def worker_command(args, rate: str) -> list[str]:
+    """This script's worker mode with the driver's flags (under torchrun)."""
+    return [
+        str(SCRIPT), "--worker", "--rate", rate, "--models", *args.models, "--rows", *args.rows,
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
+        "--width", str(args.width), "--recipe", args.recipe,
+    ]  # fmt: skip
+
+
 def launch(args, ns: str, rate: str) -> list[dict]:
     subprocess.run(["ip", "netns", "exec", ns, *netns.tc_rate_command(rate)], check=False)
     cmd = [
         "ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc_per_node={args.ranks}", str(SCRIPT), "--worker",
-        "--rate", rate, "--models", *args.models, "--rows", *args.rows,
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-        "--width", str(args.width),
+        "--standalone", f"--nproc_per_node={args.ranks}", *worker_command(args, rate),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -292,11 +307,7 @@ def launch_cluster(args, c: cluster.Cluster, rate: str) -> list[dict]:
     """One torchrun per node namespace, every node's link at ``rate``; rank 0 (node 0)
     prints the rows."""
     cluster.set_node_link(c, rate)
-    worker = [
-        str(SCRIPT), "--worker", "--rate", rate, "--models", *args.models, "--rows", *args.rows,
-        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-        "--width", str(args.width),
-    ]  # fmt: skip
+    worker = worker_command(args, rate)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     procs = [
         subprocess.Popen(
@@ -326,6 +337,19 @@ def launch_cluster(args, c: cluster.Cluster, rate: str) -> list[dict]:
     return rows
 
 
+def repeated(args, one_launch, rate: str) -> list[dict]:
+    """``--repeats`` launches at ``rate`` (each printing its rows), their rows combined
+    (``combine_launches``: the median of the launches' median step times, their spread),
+    and a summary line per row."""
+    launches = []
+    for i in range(args.repeats):
+        print(f"bench_peers: {rate}, launch {i + 1} of {args.repeats}", flush=True)
+        launches.append(one_launch(rate))
+    rows = combine_launches(launches)
+    print(summary(rows), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -343,7 +367,19 @@ def main(argv=None) -> int:
         help="2 or more: an emulated cluster, --rates per node's link",
     )
     ap.add_argument("--ranks-per-node", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=32, help="per rank")
+    ap.add_argument(
+        "--recipe",
+        choices=recipe.RECIPES,
+        default="training",
+        help="training: train.py's model, SGD and Fashion-MNIST batches (seed 1); random: "
+        "one random batch per rank, SGD lr 0.01",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="launches per rate; rows: their median step time"
+    )
+    ap.add_argument(
+        "--batch", type=int, default=None, help="per rank (default: 64 training, 32 random)"
+    )
     ap.add_argument(
         "--width", type=int, default=16, help="the models' size knob (train.py's --width)"
     )
@@ -352,6 +388,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rate")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "peers")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats: expected an int >= 1, got {args.repeats}")
+    if args.batch is None:
+        args.batch = recipe.default_batch(args.recipe)
     if args.worker:
         worker(args)
         return 0
@@ -365,24 +405,29 @@ def main(argv=None) -> int:
         c = cluster.Cluster(f"{PREFIX}{os.getpid()}-", args.nodes)
         args.ranks = args.nodes * args.ranks_per_node
         interrupted = cluster.in_cluster(
-            c, lambda: [rows.extend(launch_cluster(args, c, rate)) for rate in args.rates]
+            c,
+            lambda: [
+                rows.extend(repeated(args, lambda r: launch_cluster(args, c, r), rate))
+                for rate in args.rates
+            ],
         )
     else:
         ns = f"{PREFIX}{os.getpid()}"
 
         def body() -> None:
             for rate in args.rates:
-                rows.extend(launch(args, ns, rate))
+                rows.extend(repeated(args, lambda r: launch(args, ns, r), rate))
 
         interrupted = netns.in_namespace(ns, PREFIX, body)
     args.out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     where = (f"an emulated cluster of {args.nodes} nodes x {args.ranks_per_node} ranks, "
              "each node's link at the rate" if args.nodes >= 2 else "one shared link")  # fmt: skip
-    header = (f"bench_peers: {args.ranks} ranks on {where}, gloo, batch {args.batch} per rank, "
-              f"width {args.width}, "
-              f"{args.steps} timed steps after {args.warmup}; load average at the end "
-              f"{load[0]:.2f}; no latency emulated")  # fmt: skip
+    header = (f"bench_peers: {args.ranks} ranks on {where}, gloo, recipe {args.recipe}, "
+              f"batch {args.batch} per rank, width {args.width}, "
+              f"{args.steps} timed steps after {args.warmup}, {args.repeats} "
+              f"launch{'es' if args.repeats > 1 else ''} per rate; "
+              f"load average at the end {load[0]:.2f}; no latency emulated")  # fmt: skip
     text = header + "\n\n" + table(rows)
     met = targets(rows)
     if met:

@@ -1,7 +1,8 @@
 """scripts/bench_peers.py: DDP's allreduce, torch's PowerSGD hook and hvdcompress's hook
 (overlapped and inline) through real TCP traffic on a rate-limited namespace loopback,
-2 ranks under torchrun, a few steps. Needs root and ``ip netns`` (skipped otherwise,
-except in CI, where that fails)."""
+2 ranks under torchrun, a few steps of the training recipe. Needs root and ``ip netns``
+(skipped otherwise, except in CI, where that fails); the recipe and the combining of
+``--repeats`` without them: tests/test_bench_peers_recipe.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ pytestmark = needs_netns(_SKIP)
 def test_a_small_run_measures_steps_and_wire_bytes_of_each_hook(tmp_path):
     rows = ["ddp", "torch-powersgd-r1", "hvdc-none", "hvdc-3lc", "hvdc-3lc-inline"]
     cmd = [sys.executable, str(SCRIPT), "--ranks", "2", "--rates", "100mbit", "--models", "cnn",
-           "--rows", *rows, "--steps", "3", "--warmup", "2", "--out", str(tmp_path)]  # fmt: skip
+           "--rows", *rows, "--steps", "3", "--warmup", "2", "--repeats", "2",
+           "--out", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -41,6 +43,18 @@ def test_a_small_run_measures_steps_and_wire_bytes_of_each_hook(tmp_path):
     assert threelc["overlapping"] and not got["hvdc-3lc-inline"]["overlapping"]
     # auto, tuned: timed until its first round decided (a compressed option, at 100 Mbit/s)
     assert threelc["tuning_steps"] > 0 and threelc["decisions"], threelc
+    # the tuner's steps, each the slowest rank's time: longer than a steady-state step
+    assert threelc["tuning_s"] > threelc["tuning_steps"] * threelc["step_lo_s"] * 0.5
+    assert ddp["tuning_s"] == 0.0 and ddp["tuning_steps"] == 0
+    # the training recipe: train.py's batch, SGD and seed; two launches, their spread
+    for r in got.values():
+        assert (r["recipe"], r["data"], r["seed"], r["batch"]) == ("training", "fashion-mnist",
+                                                                     1, 64)  # fmt: skip
+        assert (r["lr"], r["momentum"]) == (0.05, 0.9)
+        assert r["repeats"] == 2 and r["failed_runs"] == 0 and len(r["step_runs_s"]) == 2
+        assert r["step_lo_s"] <= r["step_s"] <= r["step_hi_s"]
+    assert "recipe training" in data["header"] and "2 launches per rate" in data["header"]
+    assert done.stdout.count("launch 2 of 2") == 1 and "median" in done.stdout
     assert "dense" not in threelc["exchanges"] and got["hvdc-none"]["decisions"] == []
     # at 100 Mbit/s the 0.83 MB of gradients take about 70 ms a step; 3LC's bytes do not
     assert threelc["step_s"] < ddp["step_s"]
@@ -77,7 +91,7 @@ def test_an_emulated_cluster_reports_the_bytes_on_each_nodes_link(tmp_path):
     fewer bytes on it than DDP's allreduce."""
     cmd = [sys.executable, str(SCRIPT), "--nodes", "2", "--ranks-per-node", "2", "--rates",
            "100mbit", "--models", "cnn", "--rows", "ddp", "hvdc-3lc", "--steps", "3",
-           "--warmup", "2", "--out", str(tmp_path)]  # fmt: skip
+           "--warmup", "2", "--repeats", "1", "--out", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -1,18 +1,68 @@
-"""bench_peers' report: the markdown table of its rows (step time, speedup over ``ddp``,
-bytes on the wire, bits per value, where an hvdcompress step's time goes), the link-speed
-targets (MET / MISS), the two-stage exchange's bytes against its model, and the figure
-(step time against link rate)."""
+"""bench_peers' report: its launches' rows combined into one per (model, row, rate)
+(``combine_launches``: the median of the launches' median step times and their spread)
+with a summary line each, the markdown table of the rows (step time, speedup over
+``ddp``, bytes on the wire, bits per value, where an hvdcompress step's time goes), the
+link-speed targets (MET / MISS), the two-stage exchange's bytes against its model, and
+the figure (step time against link rate)."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from . import netns
 
 
+def combine_launches(launches: list[list[dict]]) -> list[dict]:
+    """One row per (model, row, rate, topology) of the rows of ``launches`` (a list per
+    launch, in launch order), in the order they first appear. Of the launches where the
+    row worked (no ``error``): ``step_runs_s`` their median step times in launch order,
+    ``step_s`` the median of those, ``step_lo_s`` / ``step_hi_s`` their min and max; the
+    other fields from the launch whose median is the middle one (for an even number, the
+    lower middle). ``repeats``: the launches; ``failed_runs``: those where the row failed
+    or is missing (a launch that died). A row that worked in no launch is its last
+    error row with the same two counts."""
+    runs: dict[tuple, list[dict]] = {}
+    for rows in launches:
+        for r in rows:
+            key = (r["model"], r["row"], r.get("rate"), r.get("topology"))
+            runs.setdefault(key, []).append(r)
+    out = []
+    for got in runs.values():
+        ok = [r for r in got if "error" not in r]
+        counts = {"repeats": len(launches), "failed_runs": len(launches) - len(ok)}
+        if not ok:
+            out.append({**got[-1], **counts})
+            continue
+        middle = sorted(ok, key=lambda r: r["step_s"])[(len(ok) - 1) // 2]
+        times = [r["step_s"] for r in ok]
+        out.append({
+            **middle, "step_runs_s": times, "step_s": statistics.median(times),
+            "step_lo_s": min(times), "step_hi_s": max(times), **counts,
+        })  # fmt: skip
+    return out
+
+
+def summary(rows: list[dict]) -> str:
+    """A line per combined row: the median step time over its launches and their spread."""
+    lines = []
+    for r in rows:
+        where = f"  {r.get('rate', ''):>9} {r['model']:>7} {r['row']:>18}"
+        failed = f", {r['failed_runs']} failed" if r.get("failed_runs") else ""
+        if "error" in r:
+            lines.append(f"{where}: failed in all {r['repeats']} launches: {r['error'][:80]}")
+            continue
+        lo, hi, mid, n = r["step_lo_s"], r["step_hi_s"], r["step_s"], len(r["step_runs_s"])
+        lines.append(
+            f"{where}: median {mid:.3f} s of {n} launch{'es' if n > 1 else ''} "
+            f"({lo:.3f}-{hi:.3f}, spread {100 * (hi - lo) / mid:.0f}%){failed}"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = [
-        "| model | row | rate | step s (median, min-max) | speedup over ddp "
+        "| model | row | rate | step s (median of launches, lo-hi) | speedup over ddp "
         "| MB on the wire per step | bits/value | encode / wait / decode s per step |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -36,10 +86,12 @@ def table(rows: list[dict]) -> str:
         if r.get("node_link_mb"):  # cluster: the busiest node link's tx / rx
             tx, rx = (max(m[k] for m in r["node_link_mb"]) for k in (0, 1))
             wire += f" (node link {tx:.2f} / {rx:.2f})"
+        # the launches' spread (a row from before --repeats: its timed steps' min-max)
+        lo, hi = r.get("step_lo_s", r["step_min_s"]), r.get("step_hi_s", r["step_max_s"])
+        failed = f", {r['failed_runs']} failed" if r.get("failed_runs") else ""
         lines.append(
             f"| {r['model']} | {r['row']} | {r['rate']} | {r['step_s']:.3f} "
-            f"({r['step_min_s']:.3f}-{r['step_max_s']:.3f}) | {speedup} | {wire} | "
-            f"{bits} | {split} |"
+            f"({lo:.3f}-{hi:.3f}{failed}) | {speedup} | {wire} | {bits} | {split} |"
         )
     return "\n".join(lines)
 
