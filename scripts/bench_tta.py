@@ -84,14 +84,27 @@ PIECE_EPOCHS = {"vit": 3, "mlp10m": 1}
 # take several times longer (``run --seeds 1 2 3`` adds seeds where time allows)
 MODEL_SEEDS = {"cnn": (1, 2, 3), "vit": (1,), "mlp10m": (1,)}
 WORK = ROOT / ".tta_work"
-# method -> the train.py flags of its communication
+# torch's PowerSGD as its documentation recommends it: dense (a plain allreduce) for about
+# the first 10% of training (``start_powerSGD_iter``), then compressed; the plain rows
+# start compressing at step 2, the fewest torch allows
+WARM_FRACTION = 0.1
+STEPS_PER_EPOCH = 60_000 // (64 * RANKS)  # Fashion-MNIST's training set, batch 64 a rank
+POWERSGD_RANKS = (1, 2, 4)
+TORCH_WARM = tuple(f"torch-powersgd-r{k}-warm" for k in POWERSGD_RANKS)
+# model -> method -> its dense first steps (train.py's ``--powersgd-start-iter``)
+WARM_STEPS = {
+    model: {m: round(WARM_FRACTION * epochs * STEPS_PER_EPOCH) for m in TORCH_WARM}
+    for model, epochs in MODEL_EPOCHS.items()
+}  # fmt: skip
+# method -> the train.py flags of its communication (a warm one's start: WARM_STEPS)
 TORCH_METHODS = {
     "ddp": ["--torch-hook", "allreduce"],
     "torch-bf16": ["--torch-hook", "bf16"],
-    "torch-powersgd-r1": ["--torch-hook", "powersgd", "--powersgd-rank", "1"],
-    "torch-powersgd-r2": ["--torch-hook", "powersgd", "--powersgd-rank", "2"],
-    "torch-powersgd-r4": ["--torch-hook", "powersgd", "--powersgd-rank", "4"],
-}
+    **{
+        f"torch-powersgd-r{k}{warm}": ["--torch-hook", "powersgd", "--powersgd-rank", str(k)]
+        for warm in ("", "-warm") for k in POWERSGD_RANKS
+    },
+}  # fmt: skip
 HVDC_METHODS = (
     "hvdc-3lc", "hvdc-accordion-3lc", "hvdc-powersgd", "hvdc-powersgd-r2",
     "hvdc-dqsg-allgather",
@@ -117,7 +130,7 @@ JOB_METHODS = (
 )  # fmt: skip
 # the bench_peers row whose step time a method takes where it has none of its own:
 # Accordion switches 3LC between sparsity 1.0 and 1.75, and the DDP hook runs no policy
-STEP_ROW = {"hvdc-accordion-3lc": "hvdc-3lc"}
+STEP_ROW = {"hvdc-accordion-3lc": "hvdc-3lc", **{m: m.removesuffix("-warm") for m in TORCH_WARM}}
 # a fixed-exchange job -> (the bench_peers row whose tuner it stands for, its exchange)
 FIXED = {
     pinned: (STEP_ROW.get(tuned, tuned), exchange)
@@ -147,7 +160,9 @@ def train_command(
         f"--nproc_per_node={RANKS}", script, "--launcher", "torchrun",
     ]  # fmt: skip
     if method in TORCH_METHODS:
-        return [*torchrun, *TORCH_METHODS[method], *flags]
+        warm = WARM_STEPS[model].get(method)
+        warm_flags = [] if warm is None else ["--powersgd-start-iter", str(warm)]
+        return [*torchrun, *TORCH_METHODS[method], *warm_flags, *flags]
     if method in TUNED_METHODS:
         return [*torchrun, *HVDC_TABLE[TUNED_METHODS[method]].train_flags(), *flags]
     hvdc = HVDC_TABLE[method.removeprefix("hvdc-")]
@@ -239,10 +254,12 @@ def run_piece(model: str, method: str, seed: int, timeout_s: float, work: Path) 
 
 
 def plan(
-    models, methods, seeds=None, peers: dict | None = None
+    models, methods, seeds=None, peers: dict | None = None, records: dict | None = None
 ) -> list[tuple[str, str, int]]:  # fmt: skip
     """Seeds outer, then models, then methods: a half-done matrix has whole first seeds.
-    ``seeds`` None: each model's ``MODEL_SEEDS``.
+    ``seeds`` None: each model's ``MODEL_SEEDS``, and with ``records`` (the results so
+    far) three seeds (``tta.SEEDS_NEAR_TARGET``) for a method whose mean final accuracy
+    lies within ``tta.NEAR_TARGET`` of the target: one seed cannot say which side it is on.
     With ``peers`` (bench_peers' rows), a fixed-exchange job of a tuned method
     (``ON_EXCHANGE``) only where the tuner picked that exchange at some rate: no other
     step time goes with its curve (a model whose row has no step time yet: every job)."""
@@ -256,13 +273,17 @@ def plan(
         row, exchange = FIXED[method]
         return (model, row) not in timed or exchange in timed[(model, row)]
 
-    def seeds_of(model: str):
-        return MODEL_SEEDS[model] if seeds is None else seeds
+    def seeds_of(model: str, method: str) -> tuple[int, ...]:
+        if seeds is not None:
+            return tuple(seeds)
+        near = records is not None and tta.near_target(records, model, method)
+        return tuple(sorted({*MODEL_SEEDS[model], *(tta.SEEDS_NEAR_TARGET if near else ())}))
 
-    every = sorted({s for m in models for s in seeds_of(m)})
+    chosen = {(m, k): seeds_of(m, k) for m in models for k in methods if wanted(m, k)}
+    every = sorted({s for picked in chosen.values() for s in picked})
     return [
-        (m, k, s) for s in every for m in models if s in seeds_of(m)
-        for k in methods if wanted(m, k)
+        (m, k, s) for s in every for m in models for k in methods
+        if (m, k) in chosen and s in chosen[(m, k)]
     ]  # fmt: skip
 
 
@@ -381,7 +402,8 @@ def main(argv=None) -> int:
     )  # fmt: skip
     args = ap.parse_args(argv)
     if args.command in ("run", "missing"):
-        jobs = plan(args.models, args.methods, args.seeds, merge_peers(PEERS))
+        jobs = plan(args.models, args.methods, args.seeds, merge_peers(PEERS),
+                    tta.load_results(args.results))  # fmt: skip
     if args.command == "missing":
         left = missing(jobs, args.results)
         for model, method, seed in left:
@@ -406,7 +428,7 @@ def main(argv=None) -> int:
     text = tta_report.write_report(
         tta.load_results(args.results), peers, args.out, MODELS, METHODS, STEP_ROW,
         ROOT / "README.md" if args.readme else None, declared, ON_EXCHANGE,
-        page=TTA_PAGE if args.readme else None, tuned=tuple(TUNED_METHODS),
+        page=TTA_PAGE if args.readme else None, tuned=tuple(TUNED_METHODS), warm=WARM_STEPS,
     )  # fmt: skip
     print(text)
     return 0

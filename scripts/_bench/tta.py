@@ -6,10 +6,17 @@ ends: a driver killed mid-job loses that job only, and a line cut short by the k
 skipped when the file is read. A job is keyed by (model, method, seed).
 
 Time to accuracy of a method on a link = the steps its mean test-accuracy curve (over its
-seeds, per epoch) needs to reach the target x its median step time on that link. The
-target of a model is the mean final accuracy of the baseline (DDP's allreduce) over its
-seeds minus ``MARGIN`` (0.3 points). Accuracy is read after each epoch, so the steps are
-those of the first epoch whose mean accuracy reaches the target.
+seeds, per epoch) needs to reach the target x its median step time on that link, the
+steps its run spent otherwise counted at their own cost (``time_to``'s ``lead``: the
+tuner's trial steps, a dense warm-up). The target of a model is the mean final accuracy of
+the baseline (DDP's allreduce) over its seeds minus ``MARGIN`` (0.3 points; the report
+also reads ``MARGINS``). Accuracy is read after each epoch, so the steps are those of the
+first epoch whose mean accuracy reaches the target: a row that reaches it at epoch e moves
+by 1/e of its time if it reaches it one epoch sooner or later.
+
+A step time is the median over bench_peers' launches (``step_spread``: their fastest and
+slowest median give a time's low and high end). Two times are a tie when their ratio is
+within ``TIE_BAND`` or when the spread of either could reverse it (``judge``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,12 @@ import statistics
 from pathlib import Path
 
 MARGIN = 0.003  # 0.3 points of accuracy below the baseline's final mean
+MARGINS = (0.002, 0.003, 0.005)  # the margins of the report's margin table
+# a ratio of two times within this factor either way is a tie: about the step time's
+# spread between launches of one bench on this machine (docs/benchmarks-time-to-accuracy.md)
+TIE_BAND = 1.10
+NEAR_TARGET = 0.003  # a row whose final accuracy is this close to the target needs 3 seeds
+SEEDS_NEAR_TARGET = (1, 2, 3)
 BASELINE = "ddp"
 DENSE = frozenset({"dense", "bf16", "fp16"})  # a tuned row's options that send no codec payload
 
@@ -83,10 +96,19 @@ def final_accuracy(runs: list[dict]) -> dict | None:
     }
 
 
-def target(records: dict[str, dict], model: str, baseline: str = BASELINE) -> float | None:
-    """The model's target accuracy: the baseline's mean final accuracy minus ``MARGIN``."""
+def target(
+    records: dict[str, dict], model: str, baseline: str = BASELINE, margin: float = MARGIN
+) -> float | None:  # fmt: skip
+    """The model's target accuracy: the baseline's mean final accuracy minus ``margin``."""
     acc = final_accuracy(finished(records, model, baseline))
-    return None if acc is None else acc["mean"] - MARGIN
+    return None if acc is None else acc["mean"] - margin
+
+
+def near_target(records: dict[str, dict], model: str, method: str) -> bool:
+    """Whether the method's mean final accuracy lies within ``NEAR_TARGET`` of the model's
+    target, either side: one seed cannot say on which side it ends."""
+    goal, acc = target(records, model), final_accuracy(finished(records, model, method))
+    return goal is not None and acc is not None and abs(acc["mean"] - goal) <= NEAR_TARGET
 
 
 def mean_curve(runs: list[dict]) -> list[tuple[int, float]]:
@@ -105,10 +127,54 @@ def steps_to(curve: list[tuple[int, float]], goal: float) -> int | None:
     return next((step for step, acc in curve if acc >= goal), None)
 
 
-def time_to(steps: int | None, step_s: float | None) -> float | None:
+def time_to(
+    steps: int | None, step_s: float | None, lead: tuple[tuple[int, float], ...] = ()
+) -> float | None:  # fmt: skip
+    """Seconds for ``steps`` steps: the first ones those of ``lead`` ((steps, seconds a
+    step) in the order the run takes them: the tuner's trial steps, a dense warm-up), the
+    rest at ``step_s``; None where the target is not reached or the step time unknown."""
     if steps is None or step_s is None or not math.isfinite(step_s):
         return None
-    return steps * step_s
+    seconds, left = 0.0, steps
+    for n, each in lead:
+        taken = min(n, left)
+        seconds, left = seconds + taken * each, left - taken
+    return seconds + left * step_s
+
+
+def step_spread(peer_row: dict) -> tuple[float, float, int]:
+    """(fastest, slowest, launches) of a bench_peers row's step time: the range of its
+    launches' medians (``step_runs_s``); a row of one launch gives the range of its timed
+    steps instead (wider: one launch cannot show the launch-to-launch spread)."""
+    runs = peer_row.get("step_runs_s")
+    if runs:
+        return float(min(runs)), float(max(runs)), len(runs)
+    median = float(peer_row["step_s"])
+    return (float(peer_row.get("step_min_s", median)), float(peer_row.get("step_max_s", median)),
+            1)  # fmt: skip
+
+
+def tuning_lead(peer_row: dict) -> tuple[tuple[int, float], ...]:
+    """The tuner's trial steps of a timed row at their measured cost (``tuning_s`` over
+    ``tuning_steps``), as ``time_to``'s ``lead``; none where the row did not record it."""
+    n, seconds = peer_row.get("tuning_steps") or 0, peer_row.get("tuning_s")
+    return ((n, seconds / n),) if n and seconds is not None else ()
+
+
+def judge(ours: tuple[float, float, float], theirs: tuple[float, float, float]) -> dict:
+    """Two times to the target, each (median, fastest, slowest) seconds: ``ratio`` theirs
+    over ours, ``low`` (ours at its slowest, theirs at its fastest) and ``high``, and the
+    ``winner``: "ours" where the ratio is above ``TIE_BAND`` and ``low`` still above 1,
+    "theirs" the other way round, else "tie"."""
+    ratio = theirs[0] / ours[0]
+    low, high = theirs[1] / ours[2], theirs[2] / ours[1]
+    if ratio >= TIE_BAND and low > 1:
+        winner = "ours"
+    elif ratio <= 1 / TIE_BAND and high < 1:
+        winner = "theirs"
+    else:
+        winner = "tie"
+    return {"ratio": ratio, "low": low, "high": high, "winner": winner}
 
 
 def peer_rows(peers: dict) -> dict[tuple[str, str, str], dict]:

@@ -56,7 +56,7 @@ def _set(label: str, runs: list[dict], goal: float | None) -> dict:
 
 def rows(
     records: dict, peers: dict, model: str, methods, step_row: dict, declared: dict | None = None,
-    pinned: dict | None = None,
+    pinned: dict | None = None, warm: dict | None = None, margin: float = tta.MARGIN,
 ) -> list[dict]:  # fmt: skip
     """One row per method with results: accuracy, steps to the target and seconds per rate.
 
@@ -70,8 +70,13 @@ def rows(
     was timed (``declared``: method -> its fixed exchange, if any). ``sets``: the run sets
     the row uses, in the order of the first rate using each (label: the fixed exchange,
     "" for its own runs), each with final accuracy, curve, steps to the target and bits
-    per value; ``final``, ``steps``, ``bits`` and ``curve`` are the first's."""
-    goal = tta.target(records, model)
+    per value; ``final``, ``steps``, ``bits`` and ``curve`` are the first's.
+
+    A time counts the timed row's tuning steps at their measured cost and a method's dense
+    warm-up (``warm``: model -> method -> its first steps sent as DDP's allreduce, at DDP's
+    step time on that link); ``span[rate]``: the time at the row's fastest and slowest launch
+    (``tta.step_spread``). The target: the baseline's mean final accuracy - ``margin``."""
+    goal = tta.target(records, model, margin=margin)
     peer = tta.peer_rows(peers)
     # a dense row's curve: DDP's, or the bf16 hook's (tta.dense_stand_in)
     stand_in = {
@@ -85,7 +90,8 @@ def rows(
             continue
         row = step_row.get(method, method)
         own_exchanges = tta.run_exchanges(own, (declared or {}).get(method)) if own else None
-        seconds, step_s, curves, dense, partly, mark, on = {}, {}, {}, {}, {}, {}, {}
+        seconds, span, lead, step_s, curves = {}, {}, {}, {}, {}
+        dense, partly, mark, on = {}, {}, {}, {}
         used: dict[str, list[dict]] = {}
         for rate in RATES:
             measured = peer.get((model, row, rate))
@@ -106,13 +112,16 @@ def rows(
                 curves[rate] = tta.mean_curve(runs)
             rate_steps = None if goal is None else tta.steps_to(curves[rate], goal)
             step_s[rate] = None if measured is None else float(measured["step_s"])
-            seconds[rate] = tta.time_to(rate_steps, step_s[rate])
+            lead[rate] = _lead(measured, peer.get((model, tta.BASELINE, rate)),
+                               (warm or {}).get(model, {}).get(method))  # fmt: skip
+            seconds[rate], span[rate] = _timed(rate_steps, measured, lead[rate])
         if not used:  # every timed rate dense: the row still shows its accuracy
             used = {"": own} if own else dict([next(iter(on_exchange.items()))])
         sets = [_set(label, runs, goal) for label, runs in used.items()]
         out.append({
             "method": method, "sets": sets, "final": sets[0]["final"], "steps": sets[0]["steps"],
-            "bits": sets[0]["bits"], "curve": sets[0]["curve"], "seconds": seconds,
+            "bits": sets[0]["bits"], "curve": sets[0]["curve"], "seconds": seconds, "span": span,
+            "lead": lead,
             "has_time": {rate: (model, row, rate) in peer for rate in RATES},
             "has_runs": {rate: bool(curves[rate]) for rate in RATES},
             "borrowed": row != method, "dense": dense, "partly_dense": partly, "mark": mark,
@@ -121,10 +130,35 @@ def rows(
     return out
 
 
+def _lead(measured: dict | None, baseline: dict | None, warm_steps: int | None) -> tuple:
+    """``tta.time_to``'s lead for the timed row ``measured``: its tuner's trial steps at
+    their measured cost, then a dense warm-up of ``warm_steps`` at the baseline's step
+    time on the link (none where either is unknown)."""
+    tuning = tta.tuning_lead(measured) if measured is not None else ()
+    if not warm_steps or baseline is None:
+        return tuning
+    return (*tuning, (warm_steps, float(baseline["step_s"])))
+
+
+def _timed(steps: int | None, measured: dict | None, lead: tuple) -> tuple:
+    """(seconds, (at the fastest launch, at the slowest)) to ``steps`` on the timed row
+    ``measured``: ``lead`` first, then its median step time."""
+    if measured is None:
+        return None, (None, None)
+    fast, slow, _ = tta.step_spread(measured)
+    return (tta.time_to(steps, float(measured["step_s"]), lead),
+            (tta.time_to(steps, fast, lead), tta.time_to(steps, slow, lead)))  # fmt: skip
+
+
 def _fastest(table: list[dict], rate: str, ours: bool) -> dict | None:
-    """The row that reaches the target first at ``rate`` among hvdcompress's rows
-    (``ours``) or among the peers (DDP, torch's hooks); None if none reaches it."""
-    timed = [r for r in table if r["method"].startswith("hvdc-") == ours and r["seconds"][rate]]
+    """The row that reaches the target first at ``rate`` among hvdcompress's rows that
+    compressed (``ours``; a row its tuner sent all dense is an allreduce, not a compression
+    result) or among the peers (DDP, torch's hooks); None if none reaches it."""
+    timed = [
+        r for r in table
+        if r["method"].startswith("hvdc-") == ours and r["seconds"][rate]
+        and not (ours and r["dense"][rate])
+    ]  # fmt: skip
     return min(timed, key=lambda r: r["seconds"][rate]) if timed else None
 
 
@@ -133,41 +167,88 @@ def _best_hvdc(table: list[dict], rate: str) -> str | None:
     return best["method"] if best else None
 
 
+def _minutes(seconds: float, span: tuple) -> str:
+    """A time in minutes with its spread: "2.2 min (2.1-2.4)"."""
+    return f"{seconds / 60:.1f} min ({span[0] / 60:.1f}-{span[1] / 60:.1f})"
+
+
 def _time_cell(r: dict, rate: str) -> tuple[str, str]:
-    """A reached time with its marks (†: a borrowed step row; ‡, §, ≠, ?: what the
-    step time was joined with, FOOTNOTES), and the mark."""
-    cell = f"{r['seconds'][rate] / 60:.1f} min" + (" †" if r["borrowed"] else "")
+    """A reached time with its spread and its marks (†: a borrowed step row; ‡, §, ≠, ?:
+    what the step time was joined with, FOOTNOTES), "dense:" before a row its tuner sent
+    all uncompressed; and the mark."""
+    cell = ("dense: " if r["dense"][rate] else "") + _minutes(r["seconds"][rate], r["span"][rate])
+    cell += " †" if r["borrowed"] else ""
     mark = "‡" if r["dense"][rate] else "§" if r["partly_dense"][rate] else ""
     mark = mark or r["mark"][rate]
     return cell + (f" {mark}" if mark else ""), mark
 
 
+def _judged(table: list[dict], rate: str) -> tuple[dict | None, dict | None, dict | None]:
+    """(hvdcompress's fastest compressed row, the fastest peer, ``tta.judge`` of their
+    times or None where either reached no target) at ``rate``."""
+    ours, theirs = _fastest(table, rate, ours=True), _fastest(table, rate, ours=False)
+    if ours is None or theirs is None:
+        return ours, theirs, None
+    return ours, theirs, tta.judge(*(
+        (r["seconds"][rate], *r["span"][rate]) for r in (ours, theirs)
+    ))  # fmt: skip
+
+
+def _ratio(judged: dict) -> str:
+    return f"{judged['ratio']:.2f}x ({judged['low']:.2f}-{judged['high']:.2f})"
+
+
 def verdict(table: list[dict], rate: str) -> str:
-    """hvdcompress's best row against the fastest peer (DDP, torch's hooks) at ``rate``:
-    who reaches the target first, and the ratio of their times."""
-    seconds = {r["method"]: r["seconds"][rate] for r in table if r["seconds"][rate]}
-    ours = _best_hvdc(table, rate)
-    peers = [m for m in seconds if not m.startswith("hvdc-")]
-    theirs = min(peers, key=seconds.get) if peers else None
+    """hvdcompress's best compressed row against the fastest peer (DDP, torch's hooks) at
+    ``rate``: who reaches the target first, or a tie (``tta.judge``), and the ratio of
+    their times with its low and high end."""
+    ours, theirs, judged = _judged(table, rate)
+    dense = [r["method"] for r in table if r["dense"][rate] and r["seconds"][rate]]
+    aside = f" ({', '.join(dense)}: sent all dense, not counted)" if dense else ""
     if ours is None and theirs is None:
-        return "nobody reached the target"
+        return "nobody reached the target" + aside
     if ours is None:
-        return f"no hvdcompress row reached the target; first: {theirs}"
+        first = theirs["method"]
+        return f"no compressed hvdcompress row reached the target; first: {first}{aside}"
     if theirs is None:
-        return f"{ours} first; no peer reached the target"
-    ratio = seconds[theirs] / seconds[ours]
-    first = f"**{ours} first**" if ratio >= 1 else f"{theirs} first"
-    return (f"{first}, {ours} {seconds[ours] / 60:.1f} min against {theirs} "
-            f"{seconds[theirs] / 60:.1f} min ({ratio:.2f}x)")  # fmt: skip
+        return f"**{ours['method']} first**; no peer reached the target" + aside
+    name = {"ours": f"**{ours['method']} first**", "theirs": f"{theirs['method']} first",
+            "tie": "tie"}[judged["winner"]]  # fmt: skip
+    return (f"{name}, {ours['method']} {_minutes(ours['seconds'][rate], ours['span'][rate])} "
+            f"against {theirs['method']} {_minutes(theirs['seconds'][rate], theirs['span'][rate])}"
+            f": {_ratio(judged)}{aside}")  # fmt: skip
+
+
+def margin_table(tables: dict[float, list[dict]], goals: dict[float, float | None]) -> list[str]:
+    """Per margin below DDP's mean final accuracy (``tables``: margin -> ``rows`` at that
+    margin's target), per rate, the verdict's short form: the first row and the ratio."""
+    lines = [
+        "| margin (target) | " + " | ".join(RATE_NAMES[r] for r in RATES) + " |",
+        "|---" * (1 + len(RATES)) + "|",
+    ]
+    for margin, table in tables.items():
+        cells = []
+        for rate in RATES:
+            ours, theirs, judged = _judged(table, rate)
+            if judged is None:
+                first = ours or theirs
+                cells.append(f"{first['method']}, alone" if first else "nobody")
+                continue
+            first = {"ours": ours["method"], "theirs": theirs["method"], "tie": "tie"}
+            cells.append(f"{first[judged['winner']]} {_ratio(judged)}")
+        goal = goals[margin]
+        lines.append(f"| {100 * margin:.1f} ({'-' if goal is None else f'{100 * goal:.2f}%'}) | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return lines
 
 
 def markdown(
     records: dict, peers: dict, models, methods, step_row: dict, declared: dict | None = None,
-    pinned: dict | None = None,
+    pinned: dict | None = None, warm: dict | None = None,
 ) -> str:  # fmt: skip
     lines, marks, labelled = [], set(), False
     for model in models:
-        table = rows(records, peers, model, methods, step_row, declared, pinned)
+        table = rows(records, peers, model, methods, step_row, declared, pinned, warm)
         if not table:
             continue
         goal = tta.target(records, model)
@@ -205,9 +286,17 @@ def markdown(
             lines.append(f"| {r['method']} | {'; '.join(seeds)} | {'; '.join(accs)} | "
                          f"{' / '.join(bits)} | {' / '.join(steps)} | "
                          + " | ".join(cells) + " |")  # fmt: skip
-        lines += ["", "hvdcompress's best (bold in the table) against the fastest peer:", ""]
+        lines += ["", "hvdcompress's best compressed row (bold in the table) against the "
+                  f"fastest peer (within {tta.TIE_BAND:.2f}x, or reversed by the spread: a tie):",
+                  ""]  # fmt: skip
         lines += [f"- {RATE_NAMES[rate]}: {verdict(table, rate)}" for rate in RATES]
-        lines.append("")
+        by_margin = {
+            m: rows(records, peers, model, methods, step_row, declared, pinned, warm, m)
+            for m in tta.MARGINS
+        }  # fmt: skip
+        goals = {m: tta.target(records, model, margin=m) for m in tta.MARGINS}
+        lines += ["", "The verdict at other targets (points below DDP's mean final accuracy):", ""]
+        lines += [*margin_table(by_margin, goals), ""]
     if any(step_row.values()):
         lines.append(_borrowed(step_row))
     if labelled:
@@ -261,43 +350,51 @@ def _borrowed(step_row: dict) -> str:
 
 def headline(
     records: dict, peers: dict, models, methods, step_row: dict, declared: dict | None = None,
-    pinned: dict | None = None,
+    pinned: dict | None = None, warm: dict | None = None,
 ) -> str:  # fmt: skip
-    """The README's table: per model and rate, hvdcompress's fastest row to the target
-    against the fastest peer (the same rows, times and marks as ``markdown``'s tables);
-    the first to the target in bold; the peer's time over hvdcompress's."""
+    """The README's table: per model and rate, hvdcompress's fastest compressed row to the
+    target against the fastest peer (the same rows, times, spreads and marks as
+    ``markdown``'s tables), the peer's time over hvdcompress's with its low and high end,
+    and the verdict (``tta.judge``: a tie within the band or the spread); the first to the
+    target in bold where it is not a tie."""
     lines = [
-        "| model (target) | link | hvdcompress's fastest | fastest peer (DDP, torch's hooks) "
-        "| peer's time / hvdcompress's |",
-        "|---|---|---|---|---|",
+        "| model (target) | link | hvdcompress's fastest compressed | fastest peer (DDP, "
+        "torch's hooks) | peer's time / hvdcompress's (low-high) | verdict |",
+        "|---|---|---|---|---|---|",
     ]  # fmt: skip
     marks, borrowed = set(), False
     for model in models:
-        table = rows(records, peers, model, methods, step_row, declared, pinned)
+        table = rows(records, peers, model, methods, step_row, declared, pinned, warm)
         if not table:
             continue
         goal = tta.target(records, model)
         name = f"{model} ({'no DDP allreduce run' if goal is None else f'{100 * goal:.2f}%'})"
         for rate in RATES:
-            best = {ours: _fastest(table, rate, ours) for ours in (True, False)}
+            ours, theirs, judged = _judged(table, rate)
             cells = {}
-            for ours, r in best.items():
+            for side, r in (("ours", ours), ("theirs", theirs)):
                 if r is None:
-                    cells[ours] = "not reached"
+                    cells[side] = "not reached"
                     continue
                 cell, mark = _time_cell(r, rate)
-                cells[ours] = f"{r['method']} {cell}"
+                cells[side] = f"{r['method']} {cell}"
                 marks.add(mark)
                 borrowed = borrowed or r["borrowed"]
-            ratio, first = "-", best[True] is not None  # the one side that reached it
-            if best[True] and best[False]:
-                ratio_x = best[False]["seconds"][rate] / best[True]["seconds"][rate]
-                ratio = f"{ratio_x:.2f}x"
-                first = ratio_x >= 1  # as ``verdict``: a tie goes to hvdcompress
-            if best[first]:
-                cells[first] = f"**{cells[first]}**"
-            lines.append(f"| {name} | {RATE_NAMES[rate]} | {cells[True]} | {cells[False]} "
-                         f"| {ratio} |")  # fmt: skip
+            if judged is None:  # one side alone (or neither) reached it
+                winner = "ours" if ours else "theirs" if theirs else "tie"
+                ratio, said = "-", {"ours": "hvdcompress alone", "theirs": "peer alone",
+                                    "tie": "neither"}[winner]  # fmt: skip
+            else:
+                winner, ratio = judged["winner"], _ratio(judged)
+                said = {"ours": "hvdcompress first", "theirs": "peer first", "tie": "tie"}[winner]
+            if winner in cells:
+                cells[winner] = f"**{cells[winner]}**"
+            lines.append(f"| {name} | {RATE_NAMES[rate]} | {cells['ours']} | {cells['theirs']} "
+                         f"| {ratio} | {said} |")  # fmt: skip
+    lines += ["", f"Times: median over the bench's launches (fastest-slowest launch); a ratio "
+              f"within {tta.TIE_BAND:.2f}x either way, or one the spread could reverse, is a "
+              "tie. A row its tuner sent all uncompressed is no compression result and is "
+              "left out."]  # fmt: skip
     if borrowed:
         lines += ["", _borrowed(step_row)]
     lines += [line for mark in FOOTNOTES if mark in marks for line in ("", FOOTNOTES[mark])]
@@ -325,7 +422,7 @@ def plot(
             if step_s is None or not r["has_runs"][rate]:
                 continue
             curve = r["curves"][rate]
-            xs = [step * step_s / 60 for step, _ in curve]
+            xs = [tta.time_to(step, step_s, r["lead"][rate]) / 60 for step, _ in curve]
             style = "-" if r["method"].startswith("hvdc-") else "--"  # ours solid, peers dashed
             ax.plot(xs, [100 * acc for _, acc in curve], style, marker=".", label=r["method"])
         if goal is not None:
@@ -354,12 +451,12 @@ def rewrite_block(path: Path, block: re.Pattern, text: str) -> None:
 
 def write_report(
     records, peers, out: Path, models, methods, step_row, readme: Path | None, declared=None,
-    pinned=None, page: Path | None = None, tuned=(),
+    pinned=None, page: Path | None = None, tuned=(), warm=None,
 ):  # fmt: skip
     """Write results/time_to_accuracy.md and tta_<model>.png under ``out``, every table
     (``tuned``'s runs' too: ``tuned_table``) into ``page``'s tta block and the headline
     into ``readme``'s (each if given)."""
-    text = markdown(records, peers, models, methods, step_row, declared, pinned)
+    text = markdown(records, peers, models, methods, step_row, declared, pinned, warm)
     tuned_lines = tuned_table(records, models, tuned)
     if tuned_lines:
         text += "\n" + "\n".join(tuned_lines)
@@ -370,6 +467,6 @@ def write_report(
     if page is not None:
         rewrite_block(page, TABLES_BLOCK, text)
     if readme is not None:
-        top = headline(records, peers, models, methods, step_row, declared, pinned)
+        top = headline(records, peers, models, methods, step_row, declared, pinned, warm)
         rewrite_block(readme, HEADLINE_BLOCK, top)
     return text
