@@ -12,17 +12,30 @@ bench_network.py), and per rate gives its loopback that rate with tc tbf and lau
 ranks share the one link (a shared bus, not one NIC per node); no latency is emulated.
 Gloo on CPU, one torch thread per rank; with 2 cores, 4 ranks oversubscribe the CPU.
 
-Per (model, row): a fresh DDP model (the same seed on every rank, its own random batch
-per rank), ``--warmup`` steps (error feedback and PowerSGD's warm start build up; torch
-PowerSGD starts compressing at step 2; an ``hvdc-`` row with ``exchange="auto"`` goes on
-until its tuner's first round has decided, at most 60 steps more: the steady state a
-user gets, its decisions in the JSON), a barrier, then ``--steps`` timed steps. A step
-is forward, backward (the hook's collectives and DDP's wait for their futures) and
-SGD's step; its time is the slowest rank's. Reported: median step time and the spread
-(min-max) over the timed steps, bytes on the wire per step (MEASURED: the namespace's
-loopback tx bytes, every rank's sends with TCP/IP headers), the speedup over ``ddp`` on
-the same link and, for hvdcompress's rows, where a rank's step time goes (encode,
-waiting on collectives, decode: ``DDPHookState.last_stats``, summed over its buckets).
+Per rate, ``--repeats`` (default 3) separate torchrun launches. Per launch and (model,
+row): a fresh DDP model, ``--warmup`` steps (error feedback and PowerSGD's warm start
+build up; torch PowerSGD starts compressing at step 2, its state train.py's:
+``torch_hooks.powersgd_state``, ``min_compression_rate=1``; an ``hvdc-`` row with
+``exchange="auto"`` goes on until its tuner's first round has decided, at most 60 steps
+more: the steady state a user gets, its decisions in the JSON, those steps counted in
+``tuning_steps`` and their time in ``tuning_s``, per step the slowest rank's, summed), a
+barrier, then ``--steps`` timed steps. A step is forward, backward (the hook's
+collectives and DDP's wait for their futures) and SGD's step; its time is the slowest
+rank's. ``--recipe training`` (the default; scripts/_bench/recipe.py) steps on the job
+train.py trains, so that the bits timed are the bits trained: the model as train.py
+initialises it for seed 1, each rank's Fashion-MNIST training batches in train.py's order
+for seed 1 (``--batch`` default 64, train.py's), and the SGD train.py builds for the row's
+method (lr 0.05 x the compressor's factor, its momentum or 0.9: ``flags.method_sgd``;
+``ddp`` and torch's rows lr 0.05, momentum 0.9). ``--recipe random``: one random batch per
+rank (``--batch`` default 32) at every step, plain SGD at lr 0.01, as before. Reported:
+the median of the launches' median step times and their spread (lo-hi; each launch's
+median in ``step_runs_s``, the launches a row failed in in ``failed_runs``), the other
+fields from the launch whose median is the middle one: bytes on the wire per step
+(MEASURED: the namespace's loopback tx bytes, every rank's sends with TCP/IP headers),
+the speedup over ``ddp`` on the same link and, for hvdcompress's rows, where a rank's step
+time goes (encode, waiting on collectives, decode: ``DDPHookState.last_stats``, summed
+over its buckets); the recipe in each row (``recipe``, ``data``, ``seed``, ``batch``,
+``lr``, ``momentum``).
 
 Models: train.py's (hvdcompress.training.models, width 16): ``mlp10m``
 (784-2048-2048-2048-10, 10.0 M parameters, little compute per parameter), ``cnn`` (the
