@@ -140,11 +140,13 @@ RATES = ("100mbit", "1gbit", "unlimited")
 
 
 def train_command(
-    model: str, method: str, seed: int, log_dir: Path, piece: tuple[int, Path] | None = None
-) -> list[str]:
+    model: str, method: str, seed: int, log_dir: Path, piece: tuple[int, Path] | None = None,
+    real_ranks: bool = False,
+) -> list[str]:  # fmt: skip
     """The job's command: train.py with the model's recipe and the method's communication;
     ``piece`` (the epoch to stop at, the checkpoint directory) runs a piece of it, going on
-    from the checkpoint there when it holds one."""
+    from the checkpoint there when it holds one. ``real_ranks``: an ``hvdc-`` method on 4
+    torchrun ranks with hvdcompress's DDP hook, not in the simulated world."""
     flags = [
         "--model", model, "--epochs", str(MODEL_EPOCHS[model]), "--seed", str(seed),
         "--lr-schedule", "step", "--log-dir", str(log_dir), "--no-progress", "--threads", "1",
@@ -166,6 +168,8 @@ def train_command(
     if method in TUNED_METHODS:
         return [*torchrun, *HVDC_TABLE[TUNED_METHODS[method]].train_flags(), *flags]
     hvdc = HVDC_TABLE[method.removeprefix("hvdc-")]
+    if real_ranks:
+        return [*torchrun, *hvdc.train_flags(), *flags]
     return [sys.executable, script, *hvdc.train_flags(), *flags, "--simulate-ranks", str(RANKS)]
 
 
@@ -373,6 +377,19 @@ def merge_peers(paths: list[Path]) -> dict:
     return {"header": " / ".join(h for h in headers if h), "rows": list(rows.values())}
 
 
+def declared_exchanges() -> dict[str, str]:
+    """The exchange an hvdc method's accuracy runs used where they did not record it: the
+    one it fixes, or for a summable codec its only compressed exchange, the allreduce."""
+    declared = {}
+    for m in {*HVDC_METHODS, *JOB_METHODS} - TORCH_METHODS.keys() - TUNED_METHODS.keys():
+        hvdc = HVDC_TABLE[m.removeprefix("hvdc-")]
+        if hvdc.exchange != "auto":
+            declared[m] = hvdc.exchange
+        elif hvdc.compressor().summable:
+            declared[m] = "allreduce"
+    return declared
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -415,19 +432,9 @@ def main(argv=None) -> int:
         run_jobs(jobs, args.results, lambda *job: run_job(*job, timeout), args.max_minutes,
                  args.retry_failed, lock_dir=WORK / "locks")  # fmt: skip
         return 0
-    peers = merge_peers(args.peers)
-    # the exchange a method's accuracy runs used where they did not record it: the one it
-    # fixes, or for a summable codec its only compressed exchange, the allreduce
-    declared = {}
-    for m in {*HVDC_METHODS, *JOB_METHODS} - TORCH_METHODS.keys() - TUNED_METHODS.keys():
-        hvdc = HVDC_TABLE[m.removeprefix("hvdc-")]
-        if hvdc.exchange != "auto":
-            declared[m] = hvdc.exchange
-        elif hvdc.compressor().summable:
-            declared[m] = "allreduce"
     text = tta_report.write_report(
-        tta.load_results(args.results), peers, args.out, MODELS, METHODS, STEP_ROW,
-        ROOT / "README.md" if args.readme else None, declared, ON_EXCHANGE,
+        tta.load_results(args.results), merge_peers(args.peers), args.out, MODELS, METHODS,
+        STEP_ROW, ROOT / "README.md" if args.readme else None, declared_exchanges(), ON_EXCHANGE,
         page=TTA_PAGE if args.readme else None, tuned=tuple(TUNED_METHODS), warm=WARM_STEPS,
     )  # fmt: skip
     print(text)
