@@ -5,7 +5,7 @@ scripts/bench_tta.py (accuracy runs x bench_peers' step times). Run as root:
 
     python scripts/bench_e2e.py run --model cnn --rates 100mbit \
         --methods hvdc-dqsg-allgather torch-powersgd-r4
-    python scripts/bench_e2e.py report
+    python scripts/bench_e2e.py report --write   # the table into the time-to-accuracy page
 
 ``run`` trains each (rate, method) once: train.py with the matrix's recipe for the model
 and method (``bench_tta.train_command``, seed 1), on 4 torchrun ranks (an ``hvdc-``
@@ -33,6 +33,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,8 @@ except ModuleNotFoundError:  # loaded by file path from the repository root (the
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results" / "e2e_cells.jsonl"
+# report --write: the table into this page, between ``<!-- e2e:begin -->`` and the end marker
+E2E_BLOCK = re.compile(r"(<!-- e2e:begin -->\n).*?(<!-- e2e:end -->)", re.S)
 PREFIX = "hvdc-e2e-"
 SEED = 1
 AGREE = 0.15  # a measured time within 15% of the estimate agrees with it
@@ -231,12 +234,19 @@ def main(argv=None) -> int:
     )
     rep = sub.add_parser("report", help="each cell against its estimate")
     rep.add_argument("--peers", type=Path, nargs="+", default=bench_tta.PEERS)
+    rep.add_argument(
+        "--write", action="store_true",
+        help="rewrite the table in docs/benchmarks-time-to-accuracy.md's e2e block",
+    )  # fmt: skip
     for p in (run_p, rep):
         p.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.command == "run":
         return run(args)
-    print(report(args), end="")
+    text = report(args)
+    if args.write:
+        tta_report.rewrite_block(bench_tta.TTA_PAGE, E2E_BLOCK, text)
+    print(text, end="")
     return 0
 
 
