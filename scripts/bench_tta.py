@@ -25,8 +25,9 @@ job no other driver holds (a lock per job in ``.tta_work/locks``).
 
 ``report`` joins the results with the step times of scripts/bench_peers.py (its JSON,
 copied to docs/results/peer_steps_<model>.json, same models, rows and batch per rank; several
-``--peers`` files merge, a later one's rows replacing an earlier one's; by default
-docs/results/peer_steps*.json in name order): per model
+``--peers`` files merge, a later one's rows replacing an earlier one's, but never a row
+timed on the training job by one that was not; by default docs/results/peer_steps*.json
+in name order): per model
 and link rate, the wall-clock each method needs to reach the target accuracy, the
 baseline's (DDP allreduce) mean final accuracy minus 0.3 points (scripts/_bench/tta.py).
 Writes docs/results/time_to_accuracy.md, docs/tta_<model>.png (test accuracy against
@@ -365,7 +366,9 @@ def run_jobs(
 
 def merge_peers(paths: list[Path]) -> dict:
     """The rows of several bench_peers JSON files (a missing file has none), a later
-    file's (model, row, rate) replacing an earlier one's; their headers, in order."""
+    file's (model, row, rate) replacing an earlier one's, except that a row timed on the
+    training job (``recipe`` "training": the timed job is the trained job) is never
+    replaced by one that was not; their headers, in order."""
     rows, headers = {}, []
     for path in paths:
         if not path.is_file():
@@ -373,8 +376,14 @@ def merge_peers(paths: list[Path]) -> dict:
         peers = json.loads(path.read_text())
         headers.append(peers.get("header", ""))
         for r in peers.get("rows", []):
-            rows[(r["model"], r["row"], r["rate"])] = r
+            key = (r["model"], r["row"], r["rate"])
+            if _on_training_job(rows.get(key)) <= _on_training_job(r):
+                rows[key] = r
     return {"header": " / ".join(h for h in headers if h), "rows": list(rows.values())}
+
+
+def _on_training_job(row: dict | None) -> bool:
+    return row is not None and row.get("recipe") == "training"
 
 
 def declared_exchanges() -> dict[str, str]:

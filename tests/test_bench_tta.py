@@ -363,6 +363,17 @@ def test_peer_step_files_merge_a_later_row_replacing_an_earlier_one(tmp_path):
         ("mlp10m", "ddp", "1gbit"): 2.0,
     }  # fmt: skip
     assert merged["header"] == "old run / new run"
+    # a row timed on the training job outlives a later file's row of the random batch
+    trained = {"rows": [{"model": "cnn", "row": "ddp", "rate": "1gbit", "step_s": 0.25,
+                         "recipe": "training"}]}  # fmt: skip
+    random_later = {"rows": [{"model": "cnn", "row": "ddp", "rate": "1gbit", "step_s": 0.15,
+                              "recipe": "random"}]}  # fmt: skip
+    c, d = tmp_path / "c.json", tmp_path / "d.json"
+    c.write_text(json.dumps(trained))
+    d.write_text(json.dumps(random_later))
+    merged = bench.merge_peers([a, c, b, d])
+    assert tta.step_times(merged)[("cnn", "ddp", "1gbit")] == 0.25
+    assert tta.step_times(bench.merge_peers([c, a]))[("cnn", "ddp", "1gbit")] == 0.25
 
 
 def test_each_rate_takes_the_runs_on_the_exchange_its_tuner_picked():
