@@ -169,6 +169,11 @@ def test_a_rate_the_tuner_sent_dense_goes_with_the_baselines_curve():
     assert row["curves"]["unlimited"] == tta.mean_curve(tta.finished(records, "cnn", "ddp"))
     text = tta_report.markdown(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW)
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-powersgd |"))
+    # the bits a value of the timed runs per link, beside the trained runs' (1.000)
+    peers["rows"][2]["bits_per_value"] = 0.81  # its 100 Mbit/s row
+    text = tta_report.markdown(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW)
+    line = next(x for x in text.splitlines() if x.startswith("| hvdc-powersgd |"))
+    assert "| 1.000 | 0.81 / - / - | - |" in line
     # labelled dense, and not hvdcompress's best: an allreduce is no compression result
     assert line.endswith("| not reached | not reached | dense: 0.2 min (0.2-0.2) ‡ |")
     assert "‡ at this rate" in text and "§" not in line

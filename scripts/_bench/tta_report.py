@@ -126,6 +126,8 @@ def rows(
             "has_runs": {rate: bool(curves[rate]) for rate in RATES},
             "borrowed": row != method, "dense": dense, "partly_dense": partly, "mark": mark,
             "on": on, "curves": curves, "step_s": step_s, "step_row": row,
+            "timed_bits": {rate: (peer.get((model, row, rate)) or {}).get("bits_per_value")
+                           for rate in RATES},
         })  # fmt: skip
     return out
 
@@ -256,8 +258,9 @@ def markdown(
         lines += [f"#### {model} ({head}: DDP allreduce's mean final accuracy - 0.3 points)", ""]
         rates = " | ".join(RATE_NAMES[r] for r in RATES)
         lines.append("| method | seeds | final accuracy % (mean ± std, min-max) | bits/value "
-                     f"| steps to target | {rates} |")  # fmt: skip
-        lines.append("|---" * (5 + len(RATES)) + "|")
+                     "trained | bits/value timed (per link) | steps to target | "
+                     f"{rates} |")  # fmt: skip
+        lines.append("|---" * (6 + len(RATES)) + "|")
         best = {rate: _best_hvdc(table, rate) for rate in RATES}
         for r in table:
             several = len(r["sets"]) > 1  # then each cell names the exchange of its runs
@@ -283,8 +286,10 @@ def markdown(
                 accs.append(_accuracy_cell(f))
                 bits.append(f"{one['bits']:.3f}")
                 steps.append("-" if one["steps"] is None else str(one["steps"]))
+            timed = " / ".join("-" if r["timed_bits"][rate] is None
+                               else f"{r['timed_bits'][rate]:.2f}" for rate in RATES)  # fmt: skip
             lines.append(f"| {r['method']} | {'; '.join(seeds)} | {'; '.join(accs)} | "
-                         f"{' / '.join(bits)} | {' / '.join(steps)} | "
+                         f"{' / '.join(bits)} | {timed} | {' / '.join(steps)} | "
                          + " | ".join(cells) + " |")  # fmt: skip
         lines += ["", "hvdcompress's best compressed row (bold in the table) against the "
                   f"fastest peer (within {tta.TIE_BAND:.2f}x, or reversed by the spread: a tie):",
