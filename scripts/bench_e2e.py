@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -161,9 +162,8 @@ def compare(cell: dict, records: dict, peers: dict) -> dict:
     model, method, rate = cell["model"], cell["method"], cell["rate"]
     goal = tta.target(records, model)
     reached = next((p for p in cell["curve"] if goal is not None and p["acc"] >= goal), None)
-    row = next(iter(tta_report.rows(
-        records, peers, model, [method], bench_tta.STEP_ROW, bench_tta.declared_exchanges(),
-        bench_tta.ON_EXCHANGE, bench_tta.WARM_STEPS)), None)  # fmt: skip
+    only = dataclasses.replace(bench_tta.matrix(), methods=(method,))
+    row = next(iter(tta_report.rows(records, peers, model, only)), None)
     seed_run = records.get(tta.job_key(model, method, SEED))
     seed_steps = None
     if seed_run is not None and goal is not None:

@@ -399,6 +399,14 @@ def declared_exchanges() -> dict[str, str]:
     return declared
 
 
+def matrix() -> tta_report.Matrix:
+    """The report's rows: ``METHODS`` with the step rows they borrow, the exchanges they
+    declare, the fixed-exchange runs of the tuned ones, the warm-ups, the tuned runs."""
+    return tta_report.Matrix(
+        METHODS, STEP_ROW, declared_exchanges(), ON_EXCHANGE, WARM_STEPS, tuple(TUNED_METHODS)
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -442,9 +450,8 @@ def main(argv=None) -> int:
                  args.retry_failed, lock_dir=WORK / "locks")  # fmt: skip
         return 0
     text = tta_report.write_report(
-        tta.load_results(args.results), merge_peers(args.peers), args.out, MODELS, METHODS,
-        STEP_ROW, ROOT / "README.md" if args.readme else None, declared_exchanges(), ON_EXCHANGE,
-        page=TTA_PAGE if args.readme else None, tuned=tuple(TUNED_METHODS), warm=WARM_STEPS,
+        tta.load_results(args.results), merge_peers(args.peers), args.out, MODELS, matrix(),
+        ROOT / "README.md" if args.readme else None, TTA_PAGE if args.readme else None,
     )  # fmt: skip
     print(text)
     return 0

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,10 @@ def _load(name: str, path: Path):
 
 bench = _load("_bench_tta", ROOT / "scripts" / "bench_tta.py")
 from scripts._bench import tta, tta_report  # noqa: E402
+
+# the report's rows as bench_tta makes them, without the declared exchanges, the
+# fixed-exchange runs and the warm-ups (each test adds what it needs)
+MATRIX = tta_report.Matrix(bench.METHODS, bench.STEP_ROW)
 
 
 def _record(model, method, seed, accs, status="ok", steps_per_epoch=100):
@@ -133,8 +138,7 @@ def _fake_records():
 def test_the_reports_arithmetic():
     records = _fake_records()
     assert tta.target(records, "cnn") == pytest.approx(0.912 - 0.003)
-    table = {r["method"]: r for r in tta_report.rows(records, PEERS, "cnn", bench.METHODS,
-                                                       bench.STEP_ROW)}  # fmt: skip
+    table = {r["method"]: r for r in tta_report.rows(records, PEERS, "cnn", MATRIX)}
     assert table["ddp"]["steps"] == 300 and table["hvdc-3lc"]["steps"] == 200
     assert table["ddp"]["seconds"]["100mbit"] == pytest.approx(600.0)
     assert table["hvdc-3lc"]["seconds"]["100mbit"] == pytest.approx(20.0)
@@ -160,18 +164,18 @@ def test_a_rate_the_tuner_sent_dense_goes_with_the_baselines_curve():
         {"model": "cnn", "row": "hvdc-powersgd", "rate": "100mbit", "step_s": 0.07,
          "exchanges": ["allreduce"]},
     ]}  # fmt: skip
-    row = next(r for r in tta_report.rows(records, peers, "cnn", bench.METHODS, bench.STEP_ROW)
+    row = next(r for r in tta_report.rows(records, peers, "cnn", MATRIX)
                if r["method"] == "hvdc-powersgd")  # fmt: skip
     assert row["steps"] is None  # its own curve never reaches the target
     assert row["dense"] == {"100mbit": False, "1gbit": False, "unlimited": True}
     assert row["seconds"]["unlimited"] == pytest.approx(300 * 0.05)  # DDP's 300 steps
     assert row["seconds"]["1gbit"] is None and row["partly_dense"]["1gbit"]
     assert row["curves"]["unlimited"] == tta.mean_curve(tta.finished(records, "cnn", "ddp"))
-    text = tta_report.markdown(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW)
+    text = tta_report.markdown(records, peers, ["cnn"], MATRIX)
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-powersgd |"))
     # the bits a value of the timed runs per link, beside the trained runs' (1.000)
     peers["rows"][2]["bits_per_value"] = 0.81  # its 100 Mbit/s row
-    text = tta_report.markdown(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW)
+    text = tta_report.markdown(records, peers, ["cnn"], MATRIX)
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-powersgd |"))
     assert "| 1.000 | 0.81 / - / - | - |" in line
     # labelled dense, and not hvdcompress's best: an allreduce is no compression result
@@ -210,8 +214,8 @@ def test_a_timed_exchange_other_than_the_accuracy_runs_is_marked():
                                        "step_s": 0.1, "exchanges": ["allgather"]},
                       {"model": "cnn", "row": "hvdc-powersgd", "rate": "1gbit", "step_s": 0.1,
                        "exchanges": ["allgather"]}]}  # fmt: skip
-    text = tta_report.markdown(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW,
-                               {"hvdc-accordion-3lc": "allgather"})  # fmt: skip
+    declared = replace(MATRIX, declared={"hvdc-accordion-3lc": "allgather"})
+    text = tta_report.markdown(records, peers, ["cnn"], declared)
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-3lc |"))
     assert "0.3 min (0.3-0.3) ≠" in line  # recorded two-stage, timed allgather
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-accordion-3lc |"))
@@ -226,8 +230,7 @@ def test_the_report_marks_the_best_hvdc_row_and_rewrites_the_docs_and_readme_blo
         "before\n<!-- tta:headline:begin -->\nold\n<!-- tta:headline:end -->\nafter\n"
     )
     page.write_text("before\n<!-- tta:begin -->\nold table\n<!-- tta:end -->\nafter\n")
-    text = tta_report.write_report(records, PEERS, tmp_path, ["cnn"], bench.METHODS,
-                                   bench.STEP_ROW, readme, page=page)  # fmt: skip
+    text = tta_report.write_report(records, PEERS, tmp_path, ["cnn"], MATRIX, readme, page)
     assert "target 90.90%" in text
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-3lc |"))
     # 200 steps x 0.1 s at 100 Mbit/s (0.09-0.12 s over three launches): the best hvdc row
@@ -254,14 +257,12 @@ def test_the_report_marks_the_best_hvdc_row_and_rewrites_the_docs_and_readme_blo
     assert (tmp_path / "tta_cnn.png").stat().st_size > 1000
     # written again from the same data: the same bytes
     before = readme.read_bytes(), page.read_bytes()
-    tta_report.write_report(records, PEERS, tmp_path, ["cnn"], bench.METHODS, bench.STEP_ROW,
-                            readme, page=page)  # fmt: skip
+    tta_report.write_report(records, PEERS, tmp_path, ["cnn"], MATRIX, readme, page)
     assert (readme.read_bytes(), page.read_bytes()) == before
     stale = tmp_path / "stale.md"
     stale.write_text("<!-- tta:begin -->\n<!-- tta:end -->\n")  # no headline block
     with pytest.raises(SystemExit, match="no <!-- tta:headline:begin -->"):
-        tta_report.write_report(records, PEERS, tmp_path, ["cnn"], bench.METHODS,
-                                bench.STEP_ROW, stale)  # fmt: skip
+        tta_report.write_report(records, PEERS, tmp_path, ["cnn"], MATRIX, stale)
 
 
 def test_the_headline_is_the_fastest_compressed_row_against_the_fastest_peer():
@@ -275,7 +276,7 @@ def test_the_headline_is_the_fastest_compressed_row_against_the_fastest_peer():
     peers = {"rows": [*PEERS["rows"], {"model": "cnn", "row": "hvdc-powersgd",
                                        "rate": "unlimited", "step_s": 0.01,
                                        "exchanges": ["dense"]}]}  # fmt: skip
-    top = tta_report.headline(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW)
+    top = tta_report.headline(records, peers, ["cnn"], MATRIX)
     lines = top.splitlines()
     assert lines[0].startswith("| model (target) | link | hvdcompress's fastest compressed |")
     assert lines[2] == ("| cnn (90.90%) | 100 Mbit/s | **hvdc-accordion-3lc 0.3 min (0.3-0.4) "
@@ -288,9 +289,8 @@ def test_the_headline_is_the_fastest_compressed_row_against_the_fastest_peer():
     assert "† the step time of the bench_peers row `hvdc-3lc` for hvdc-accordion-3lc" in top
     assert "‡" not in top and "≠" not in top
     alone = tta_report.headline(
-        {k: v for k, v in records.items() if "/ddp/" in k}, PEERS, ["cnn"], bench.METHODS,
-        bench.STEP_ROW,
-    )  # fmt: skip
+        {k: v for k, v in records.items() if "/ddp/" in k}, PEERS, ["cnn"], MATRIX
+    )
     assert alone.splitlines()[2] == ("| cnn (90.90%) | 100 Mbit/s | not reached | **ddp 10.0 min "
                                      "(9.5-11.5)** | - | peer alone |")  # fmt: skip
 
@@ -399,16 +399,15 @@ def test_each_rate_takes_the_runs_on_the_exchange_its_tuner_picked():
         for rate, ex in (("100mbit", ["allgather"]), ("1gbit", ["twostage"]),
                          ("unlimited", ["allreduce"]))
     ]}  # fmt: skip
-    table = tta_report.rows(records, peers, "cnn", bench.METHODS, bench.STEP_ROW,
-                            pinned=bench.ON_EXCHANGE)  # fmt: skip
+    pinned = replace(MATRIX, pinned=bench.ON_EXCHANGE)
+    table = tta_report.rows(records, peers, "cnn", pinned)
     row = next(r for r in table if r["method"] == "hvdc-3lc")
     assert row["on"] == {"100mbit": "allgather", "1gbit": "twostage", "unlimited": None}
     assert row["seconds"]["100mbit"] == pytest.approx(200 * 0.1)
     assert row["seconds"]["1gbit"] == pytest.approx(300 * 0.1)
     assert not row["has_runs"]["unlimited"] and row["seconds"]["unlimited"] is None
     assert [s["label"] for s in row["sets"]] == ["allgather", "twostage"]
-    text = tta_report.markdown(records, peers, ["cnn"], bench.METHODS, bench.STEP_ROW,
-                               pinned=bench.ON_EXCHANGE)  # fmt: skip
+    text = tta_report.markdown(records, peers, ["cnn"], pinned)
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-3lc |"))
     assert line.startswith("| hvdc-3lc | 1 [allgather]; 1 [twostage] | 92.00 ± 0.00")
     assert line.endswith("| **0.3 min (0.3-0.3) [allgather]** | 0.5 min (0.5-0.5) [twostage] "
@@ -483,7 +482,7 @@ def test_a_rate_the_tuner_sent_all_on_bf16_goes_with_the_bf16_hooks_curve():
         {"model": "cnn", "row": "hvdc-powersgd", "rate": "1gbit", "step_s": 0.06,
          "exchanges": ["bf16", "dense"]},
     ]}  # fmt: skip
-    row = next(r for r in tta_report.rows(records, peers, "cnn", bench.METHODS, bench.STEP_ROW)
+    row = next(r for r in tta_report.rows(records, peers, "cnn", MATRIX)
                if r["method"] == "hvdc-powersgd")  # fmt: skip
     assert row["dense"]["unlimited"] and row["dense"]["1gbit"]
     assert row["seconds"]["unlimited"] == pytest.approx(200 * 0.05)  # the hook's 200 steps
@@ -515,6 +514,12 @@ def test_a_time_counts_its_tuning_steps_and_warm_up_at_their_own_cost():
     assert tta.time_to(None, 0.1, ((5, 0.4),)) is None
     assert tta.tuning_lead({"tuning_steps": 4, "tuning_s": 2.0}) == ((4, 0.5),)
     assert tta.tuning_lead({"tuning_steps": 4}) == () and tta.tuning_lead({}) == ()
+    # the step time: the period (wall-clock per step) where the row has it, its spread
+    # over the launches' periods
+    timed = {"step_s": 1.0, "step_runs_s": [1.2, 0.9, 1.0], "period_s": 0.8,
+             "period_runs_s": [0.7, 0.8, 0.85]}  # fmt: skip
+    assert tta.step_time(timed) == 0.8 and tta.step_spread(timed) == (0.7, 0.85, 3)
+    assert tta.step_time({"step_s": 1.0}) == 1.0
     # the spread: the launches' medians; one launch: its timed steps' range
     assert tta.step_spread({"step_s": 1.0, "step_runs_s": [1.2, 0.9, 1.0]}) == (0.9, 1.2, 3)
     assert tta.step_spread({"step_s": 1.0, "step_min_s": 0.8, "step_max_s": 1.5}) == (0.8, 1.5, 1)
@@ -534,9 +539,8 @@ def test_a_warm_up_and_the_tuners_steps_enter_the_report_and_its_spread():
         {"model": "cnn", "row": "hvdc-3lc", "rate": "100mbit", "step_s": 0.1,
          "tuning_steps": 10, "tuning_s": 5.0, "exchanges": ["allgather"]},
     ]}  # fmt: skip
-    table = {r["method"]: r for r in tta_report.rows(
-        records, peers, "cnn", bench.METHODS, bench.STEP_ROW, warm={"cnn": {
-            "torch-powersgd-r2-warm": 50}})}  # fmt: skip
+    with_warm = replace(MATRIX, warm={"cnn": {"torch-powersgd-r2-warm": 50}})
+    table = {r["method"]: r for r in tta_report.rows(records, peers, "cnn", with_warm)}
     warm = table["torch-powersgd-r2-warm"]
     assert warm["borrowed"] and warm["step_row"] == "torch-powersgd-r2"
     # 50 steps at DDP's 2.0 s, 150 at 0.2 s; the spread moves only the compressed steps
@@ -558,7 +562,7 @@ def test_the_margin_table_judges_each_target():
     hvdc-3lc's step time) is hvdcompress's first; at 0.3 and 0.5 hvdc-3lc gets there
     in 200. DDP needs 300 steps at every margin: a tie on the unlimited link."""
     records = _fake_records()
-    text = tta_report.markdown(records, PEERS, ["cnn"], bench.METHODS, bench.STEP_ROW)
+    text = tta_report.markdown(records, PEERS, ["cnn"], MATRIX)
     block = text[text.index("| margin (target) |") :]
     lines = block.splitlines()
     assert lines[0] == "| margin (target) | 100 Mbit/s | 1 Gbit/s | unlimited |"

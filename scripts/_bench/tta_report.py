@@ -8,6 +8,8 @@ benchmark's step times alone (the arithmetic: scripts/_bench/tta.py)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 try:
@@ -17,6 +19,25 @@ except ModuleNotFoundError:
 
 RATES = ("100mbit", "1gbit", "unlimited")
 RATE_NAMES = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unlimited"}
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """What the report's rows are: ``methods`` (in table order); ``step_row`` (method ->
+    the bench_peers row whose step time it takes, having none of its own); ``declared``
+    (method -> the exchange its accuracy runs used where they did not record it);
+    ``pinned`` (a tuned method -> {exchange: the method that fixes that exchange});
+    ``warm`` (model -> method -> its first steps sent dense, as DDP's allreduce);
+    ``tuned`` (the tuned runs of ``tuned_table``)."""
+
+    methods: tuple[str, ...]
+    step_row: Mapping[str, str] = field(default_factory=dict)
+    declared: Mapping[str, str] = field(default_factory=dict)
+    pinned: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    warm: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    tuned: tuple[str, ...] = ()
+
+
 # the generated blocks: every table (docs/benchmarks-time-to-accuracy.md), the headline
 # (README.md)
 TABLES_BLOCK = re.compile(r"(<!-- tta:begin -->\n).*?(<!-- tta:end -->)", re.S)
@@ -37,11 +58,11 @@ FOOTNOTES = {
 }
 
 
-def _accuracy_sets(records: dict, model: str, method: str, pinned: dict | None):
+def _accuracy_sets(records: dict, model: str, method: str, pinned: Mapping):
     """The method's own runs and its runs on each fixed exchange (``pinned``: method ->
     {exchange: the method that fixes it}), those with results."""
     own = tta.finished(records, model, method)
-    on = {ex: tta.finished(records, model, m) for ex, m in (pinned or {}).get(method, {}).items()}
+    on = {ex: tta.finished(records, model, m) for ex, m in pinned.get(method, {}).items()}
     return own, {ex: runs for ex, runs in on.items() if runs}
 
 
@@ -55,8 +76,7 @@ def _set(label: str, runs: list[dict], goal: float | None) -> dict:
 
 
 def rows(
-    records: dict, peers: dict, model: str, methods, step_row: dict, declared: dict | None = None,
-    pinned: dict | None = None, warm: dict | None = None, margin: float = tta.MARGIN,
+    records: dict, peers: dict, model: str, matrix: Matrix, margin: float = tta.MARGIN
 ) -> list[dict]:  # fmt: skip
     """One row per method with results: accuracy, steps to the target and seconds per rate.
 
@@ -64,18 +84,18 @@ def rows(
     where its tuner sent every bucket dense (``tta.sent_dense``), the baseline's curve, or
     torch's bf16 hook's where every bucket took the bf16 allreduce (``dense[rate]``: that
     run trains as such an allreduce); where it used one compressed
-    exchange that the method has fixed-exchange runs of (``pinned``: method ->
-    {exchange: method}), those runs' curve (``on[rate]``); otherwise the method's own runs,
+    exchange that the method has fixed-exchange runs of (``matrix.pinned``), those runs'
+    curve (``on[rate]``); otherwise the method's own runs,
     with ``mark[rate]`` (``tta.exchange_mark``) saying whether they used the exchange that
-    was timed (``declared``: method -> its fixed exchange, if any). ``sets``: the run sets
+    was timed (``matrix.declared``). ``sets``: the run sets
     the row uses, in the order of the first rate using each (label: the fixed exchange,
     "" for its own runs), each with final accuracy, curve, steps to the target and bits
     per value; ``final``, ``steps``, ``bits`` and ``curve`` are the first's.
 
     A time counts the timed row's tuning steps at their measured cost and a method's dense
-    warm-up (``warm``: model -> method -> its first steps sent as DDP's allreduce, at DDP's
-    step time on that link); ``span[rate]``: the time at the row's fastest and slowest launch
-    (``tta.step_spread``). The target: the baseline's mean final accuracy - ``margin``."""
+    warm-up (``matrix.warm``, at DDP's step time on that link); ``span[rate]``: the time
+    at the row's fastest and slowest launch (``tta.step_spread``). The target: the
+    baseline's mean final accuracy - ``margin``."""
     goal = tta.target(records, model, margin=margin)
     peer = tta.peer_rows(peers)
     # a dense row's curve: DDP's, or the bf16 hook's (tta.dense_stand_in)
@@ -84,12 +104,12 @@ def rows(
         for m in (tta.BASELINE, tta.HALF_STAND_IN)
     }  # fmt: skip
     out = []
-    for method in methods:
-        own, on_exchange = _accuracy_sets(records, model, method, pinned)
+    for method in matrix.methods:
+        own, on_exchange = _accuracy_sets(records, model, method, matrix.pinned)
         if not own and not on_exchange:
             continue
-        row = step_row.get(method, method)
-        own_exchanges = tta.run_exchanges(own, (declared or {}).get(method)) if own else None
+        row = matrix.step_row.get(method, method)
+        own_exchanges = tta.run_exchanges(own, matrix.declared.get(method)) if own else None
         seconds, span, lead, step_s, curves = {}, {}, {}, {}, {}
         dense, partly, mark, on = {}, {}, {}, {}
         used: dict[str, list[dict]] = {}
@@ -111,9 +131,9 @@ def rows(
                     mark[rate] = tta.exchange_mark(own_exchanges, measured)
                 curves[rate] = tta.mean_curve(runs)
             rate_steps = None if goal is None else tta.steps_to(curves[rate], goal)
-            step_s[rate] = None if measured is None else float(measured["step_s"])
+            step_s[rate] = None if measured is None else tta.step_time(measured)
             lead[rate] = _lead(measured, peer.get((model, tta.BASELINE, rate)),
-                               (warm or {}).get(model, {}).get(method))  # fmt: skip
+                               matrix.warm.get(model, {}).get(method))  # fmt: skip
             seconds[rate], span[rate] = _timed(rate_steps, measured, lead[rate])
         if not used:  # every timed rate dense: the row still shows its accuracy
             used = {"": own} if own else dict([next(iter(on_exchange.items()))])
@@ -139,7 +159,7 @@ def _lead(measured: dict | None, baseline: dict | None, warm_steps: int | None) 
     tuning = tta.tuning_lead(measured) if measured is not None else ()
     if not warm_steps or baseline is None:
         return tuning
-    return (*tuning, (warm_steps, float(baseline["step_s"])))
+    return (*tuning, (warm_steps, tta.step_time(baseline)))
 
 
 def _timed(steps: int | None, measured: dict | None, lead: tuple) -> tuple:
@@ -148,7 +168,7 @@ def _timed(steps: int | None, measured: dict | None, lead: tuple) -> tuple:
     if measured is None:
         return None, (None, None)
     fast, slow, _ = tta.step_spread(measured)
-    return (tta.time_to(steps, float(measured["step_s"]), lead),
+    return (tta.time_to(steps, tta.step_time(measured), lead),
             (tta.time_to(steps, fast, lead), tta.time_to(steps, slow, lead)))  # fmt: skip
 
 
@@ -244,13 +264,10 @@ def margin_table(tables: dict[float, list[dict]], goals: dict[float, float | Non
     return lines
 
 
-def markdown(
-    records: dict, peers: dict, models, methods, step_row: dict, declared: dict | None = None,
-    pinned: dict | None = None, warm: dict | None = None,
-) -> str:  # fmt: skip
+def markdown(records: dict, peers: dict, models, matrix: Matrix) -> str:
     lines, marks, labelled = [], set(), False
     for model in models:
-        table = rows(records, peers, model, methods, step_row, declared, pinned, warm)
+        table = rows(records, peers, model, matrix)
         if not table:
             continue
         goal = tta.target(records, model)
@@ -296,14 +313,14 @@ def markdown(
                   ""]  # fmt: skip
         lines += [f"- {RATE_NAMES[rate]}: {verdict(table, rate)}" for rate in RATES]
         by_margin = {
-            m: rows(records, peers, model, methods, step_row, declared, pinned, warm, m)
+            m: rows(records, peers, model, matrix, m)
             for m in tta.MARGINS
         }  # fmt: skip
         goals = {m: tta.target(records, model, margin=m) for m in tta.MARGINS}
         lines += ["", "The verdict at other targets (points below DDP's mean final accuracy):", ""]
         lines += [*margin_table(by_margin, goals), ""]
-    if any(step_row.values()):
-        lines.append(_borrowed(step_row))
+    if any(matrix.step_row.values()):
+        lines.append(_borrowed(matrix.step_row))
     if labelled:
         lines += ["", "[exchange]: accuracy runs with the exchange fixed to the one the tuner "
                   "picked in the timed run (the simulated world cannot time a link)."]  # fmt: skip
@@ -349,14 +366,11 @@ def tuned_table(records: dict, models, tuned) -> list[str]:
     return [*head, *lines, ""]
 
 
-def _borrowed(step_row: dict) -> str:
+def _borrowed(step_row: Mapping) -> str:
     return BORROWED.format(rows=", ".join(f"`{v}` for {k}" for k, v in step_row.items()))
 
 
-def headline(
-    records: dict, peers: dict, models, methods, step_row: dict, declared: dict | None = None,
-    pinned: dict | None = None, warm: dict | None = None,
-) -> str:  # fmt: skip
+def headline(records: dict, peers: dict, models, matrix: Matrix) -> str:
     """The README's table: per model and rate, hvdcompress's fastest compressed row to the
     target against the fastest peer (the same rows, times, spreads and marks as
     ``markdown``'s tables), the peer's time over hvdcompress's with its low and high end,
@@ -369,7 +383,7 @@ def headline(
     ]  # fmt: skip
     marks, borrowed = set(), False
     for model in models:
-        table = rows(records, peers, model, methods, step_row, declared, pinned, warm)
+        table = rows(records, peers, model, matrix)
         if not table:
             continue
         goal = tta.target(records, model)
@@ -401,22 +415,19 @@ def headline(
               "tie. A row its tuner sent all uncompressed is no compression result and is "
               "left out."]  # fmt: skip
     if borrowed:
-        lines += ["", _borrowed(step_row)]
+        lines += ["", _borrowed(matrix.step_row)]
     lines += [line for mark in FOOTNOTES if mark in marks for line in ("", FOOTNOTES[mark])]
     return "\n".join(lines) + "\n"
 
 
-def plot(
-    records: dict, peers: dict, model: str, methods, step_row: dict, path: Path,
-    pinned: dict | None = None,
-) -> bool:  # fmt: skip
+def plot(records: dict, peers: dict, model: str, matrix: Matrix, path: Path) -> bool:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib import ticker
 
-    table = rows(records, peers, model, methods, step_row, pinned=pinned)
+    table = rows(records, peers, model, matrix)
     if not any(s is not None for r in table for s in r["step_s"].values()):
         return False
     fig, axes = plt.subplots(1, len(RATES), figsize=(5 * len(RATES), 4), sharey=True)
@@ -455,23 +466,23 @@ def rewrite_block(path: Path, block: re.Pattern, text: str) -> None:
 
 
 def write_report(
-    records, peers, out: Path, models, methods, step_row, readme: Path | None, declared=None,
-    pinned=None, page: Path | None = None, tuned=(), warm=None,
-):  # fmt: skip
+    records: dict, peers: dict, out: Path, models, matrix: Matrix, readme: Path | None = None,
+    page: Path | None = None,
+) -> str:  # fmt: skip
     """Write results/time_to_accuracy.md and tta_<model>.png under ``out``, every table
-    (``tuned``'s runs' too: ``tuned_table``) into ``page``'s tta block and the headline
-    into ``readme``'s (each if given)."""
-    text = markdown(records, peers, models, methods, step_row, declared, pinned, warm)
-    tuned_lines = tuned_table(records, models, tuned)
+    (``matrix.tuned``'s runs' too: ``tuned_table``) into ``page``'s tta block and the
+    headline into ``readme``'s (each if given)."""
+    text = markdown(records, peers, models, matrix)
+    tuned_lines = tuned_table(records, models, matrix.tuned)
     if tuned_lines:
         text += "\n" + "\n".join(tuned_lines)
     (out / "results").mkdir(parents=True, exist_ok=True)
     (out / "results" / "time_to_accuracy.md").write_text(text)
     for model in models:
-        plot(records, peers, model, methods, step_row, out / f"tta_{model}.png", pinned)
+        plot(records, peers, model, matrix, out / f"tta_{model}.png")
     if page is not None:
         rewrite_block(page, TABLES_BLOCK, text)
     if readme is not None:
-        top = headline(records, peers, models, methods, step_row, declared, pinned, warm)
+        top = headline(records, peers, models, matrix)
         rewrite_block(readme, HEADLINE_BLOCK, top)
     return text
