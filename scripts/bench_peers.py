@@ -200,6 +200,7 @@ def run_row(args, model_name: str, row: str, data=None) -> dict:
     dist.barrier()
     link = _link_counter()
     start = link()
+    began = time.perf_counter()
     times = []
     for _ in range(args.steps):
         times.append(step())
@@ -211,6 +212,7 @@ def run_row(args, model_name: str, row: str, data=None) -> dict:
             counted["payload"] += s.payload_bytes
             counted["sent"] += s.sent_bytes
     dist.barrier()
+    period = (time.perf_counter() - began) / args.steps  # barrier to barrier, this rank
     end = link()
     moved = None if start[0] < 0 else [b - a for a, b in zip(start, end, strict=True)]
     every = [None] * size
@@ -229,6 +231,10 @@ def run_row(args, model_name: str, row: str, data=None) -> dict:
         "step_s": statistics.median(slowest),
         "step_min_s": min(slowest),
         "step_max_s": max(slowest),
+        # the timed steps' wall-clock from barrier to barrier over their number (rank 0's):
+        # what a run of them takes, where the slowest rank's median counts every step at
+        # its worst rank
+        "period_s": period,
         "wire_mb": tx / args.steps / 1e6,
         # per node (cluster): MB its link sent and received per step
         "node_link_mb": [[t / args.steps / 1e6, r / args.steps / 1e6] for t, r in links]

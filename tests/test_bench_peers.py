@@ -53,6 +53,9 @@ def test_a_small_run_measures_steps_and_wire_bytes_of_each_hook(tmp_path):
         assert (r["lr"], r["momentum"]) == (0.05, 0.9)
         assert r["repeats"] == 2 and r["failed_runs"] == 0 and len(r["step_runs_s"]) == 2
         assert r["step_lo_s"] <= r["step_s"] <= r["step_hi_s"]
+        # the period: barrier to barrier, per timed step, no longer than the slowest rank's
+        # steps summed (every step waits for its slowest rank at the collective)
+        assert len(r["period_runs_s"]) == 2 and 0 < r["period_s"] <= 1.2 * r["step_hi_s"]
     assert "recipe training" in data["header"] and "2 launches per rate" in data["header"]
     assert done.stdout.count("launch 2 of 2") == 1 and "median" in done.stdout
     assert "dense" not in threelc["exchanges"] and got["hvdc-none"]["decisions"] == []

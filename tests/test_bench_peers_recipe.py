@@ -154,8 +154,14 @@ def test_repeated_launches_give_the_median_of_their_medians_and_the_middle_launc
     even = combine_launches([[_row("ddp", t, tag=t)] for t in (0.4, 0.1, 0.3, 0.2)])[0]
     assert even["tag"] == 0.2 and even["step_s"] == pytest.approx(0.25)
     text = table(list(got.values()))
-    assert "| cnn | ddp | 100mbit | 0.200 (0.100-0.300) | 1.00x |" in text
-    assert "| cnn | hvdc-3lc | 100mbit | 0.060 (0.050-0.070, 1 failed) | 3.33x |" in text
+    assert "| cnn | ddp | 100mbit | 0.200 (0.100-0.300) |  | 1.00x |" in text
+    assert "| cnn | hvdc-3lc | 100mbit | 0.060 (0.050-0.070, 1 failed) |  | 3.33x |" in text
+    # the period (wall-clock per timed step) by launch, where the launches timed it
+    timed = [[{**_row("ddp", t, tag=t), "period_s": t * 0.8}] for t in (0.3, 0.1, 0.2)]
+    ddp = combine_launches(timed)[0]
+    assert ddp["period_runs_s"] == pytest.approx([0.24, 0.08, 0.16])
+    assert ddp["period_s"] == pytest.approx(0.16) and ddp["step_s"] == 0.2
+    assert "| 0.200 (0.100-0.300) | 0.160 (0.080-0.240) | 1.00x |" in table([ddp])
     lines = summary(list(got.values())).splitlines()
     assert lines[0].endswith("ddp: median 0.200 s of 3 launches (0.100-0.300, spread 100%)")
     assert lines[1].endswith("(0.050-0.070, spread 33%), 1 failed")

@@ -19,9 +19,10 @@ def combine_launches(launches: list[list[dict]]) -> list[dict]:
     row worked (no ``error``): ``step_runs_s`` their median step times in launch order,
     ``step_s`` the median of those, ``step_lo_s`` / ``step_hi_s`` their min and max; the
     other fields from the launch whose median is the middle one (for an even number, the
-    lower middle). ``repeats``: the launches; ``failed_runs``: those where the row failed
-    or is missing (a launch that died). A row that worked in no launch is its last
-    error row with the same two counts."""
+    lower middle); ``period_runs_s`` and their median ``period_s``, where the launches
+    timed the period (wall-clock per step). ``repeats``: the launches; ``failed_runs``:
+    those where the row failed or is missing (a launch that died). A row that worked in
+    no launch is its last error row with the same two counts."""
     runs: dict[tuple, list[dict]] = {}
     for rows in launches:
         for r in rows:
@@ -36,9 +37,12 @@ def combine_launches(launches: list[list[dict]]) -> list[dict]:
             continue
         middle = sorted(ok, key=lambda r: r["step_s"])[(len(ok) - 1) // 2]
         times = [r["step_s"] for r in ok]
+        periods = {"period_runs_s": [r["period_s"] for r in ok]} if "period_s" in middle else {}
+        if periods:
+            periods["period_s"] = statistics.median(periods["period_runs_s"])
         out.append({
             **middle, "step_runs_s": times, "step_s": statistics.median(times),
-            "step_lo_s": min(times), "step_hi_s": max(times), **counts,
+            "step_lo_s": min(times), "step_hi_s": max(times), **periods, **counts,
         })  # fmt: skip
     return out
 
@@ -62,9 +66,10 @@ def summary(rows: list[dict]) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| model | row | rate | step s (median of launches, lo-hi) | speedup over ddp "
-        "| MB on the wire per step | bits/value | encode / wait / decode s per step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | row | rate | step s (median of launches, lo-hi) | period s (lo-hi) "
+        "| speedup over ddp | MB on the wire per step | bits/value "
+        "| encode / wait / decode s per step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     base = {
         (r["model"], r["rate"]): r["step_s"]
@@ -74,7 +79,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['model']} | {r['row']} | {r['rate']} | failed: {r['error'][:80]} | | | | |"
+                f"| {r['model']} | {r['row']} | {r['rate']} | failed: {r['error'][:80]} | | | | | |"
             )
             continue
         ref = base.get((r["model"], r["rate"]))
@@ -89,9 +94,11 @@ def table(rows: list[dict]) -> str:
         # the launches' spread (a row from before --repeats: its timed steps' min-max)
         lo, hi = r.get("step_lo_s", r["step_min_s"]), r.get("step_hi_s", r["step_max_s"])
         failed = f", {r['failed_runs']} failed" if r.get("failed_runs") else ""
+        runs = r.get("period_runs_s")  # wall-clock per timed step, by launch
+        period = f"{r['period_s']:.3f} ({min(runs):.3f}-{max(runs):.3f})" if runs else ""
         lines.append(
             f"| {r['model']} | {r['row']} | {r['rate']} | {r['step_s']:.3f} "
-            f"({lo:.3f}-{hi:.3f}{failed}) | {speedup} | {wire} | {bits} | {split} |"
+            f"({lo:.3f}-{hi:.3f}{failed}) | {period} | {speedup} | {wire} | {bits} | {split} |"
         )
     return "\n".join(lines)
 

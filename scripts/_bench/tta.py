@@ -142,11 +142,20 @@ def time_to(
     return seconds + left * step_s
 
 
+def step_time(peer_row: dict) -> float:
+    """A bench_peers row's seconds a step: its period (the timed steps' wall-clock from
+    barrier to barrier over their number: what a run of them takes) where the row has it,
+    else the median of the slowest rank's step times (rows from before the period was
+    timed; it counts every step at its slowest rank, an upper bound)."""
+    return float(peer_row.get("period_s", peer_row["step_s"]))
+
+
 def step_spread(peer_row: dict) -> tuple[float, float, int]:
-    """(fastest, slowest, launches) of a bench_peers row's step time: the range of its
-    launches' medians (``step_runs_s``); a row of one launch gives the range of its timed
-    steps instead (wider: one launch cannot show the launch-to-launch spread)."""
-    runs = peer_row.get("step_runs_s")
+    """(fastest, slowest, launches) of a bench_peers row's step time (``step_time``): the
+    range over its launches (``period_runs_s``, else ``step_runs_s``); a row of one launch
+    gives the range of its timed steps instead (wider: one launch cannot show the
+    launch-to-launch spread)."""
+    runs = peer_row.get("period_runs_s") or peer_row.get("step_runs_s")
     if runs:
         return float(min(runs)), float(max(runs)), len(runs)
     median = float(peer_row["step_s"])
@@ -183,8 +192,8 @@ def peer_rows(peers: dict) -> dict[tuple[str, str, str], dict]:
 
 
 def step_times(peers: dict) -> dict[tuple[str, str, str], float]:
-    """{(model, row, rate): median step seconds} from bench_peers.json's rows."""
-    return {key: float(r["step_s"]) for key, r in peer_rows(peers).items()}
+    """{(model, row, rate): seconds a step (``step_time``)} from bench_peers.json's rows."""
+    return {key: step_time(r) for key, r in peer_rows(peers).items()}
 
 
 def sent_dense(peer_row: dict | None) -> bool:
