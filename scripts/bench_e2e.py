@@ -35,6 +35,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,16 +75,50 @@ def until_epoch(records: dict, model: str, method: str) -> int:
     return last if reached is None else min(last, reached + 2)  # epochs count from 0
 
 
-def timed_curve(log_dir: Path) -> list[dict]:
-    """Per evaluation: epoch, step, test accuracy and the training seconds up to it (the
-    sum of rank 0's step times in metrics.csv)."""
+def step_walls(log_dir: Path) -> dict[int, float]:
+    """Rank 0's wall-clock at each step's log (the ``train/loss`` events train.py writes to
+    TensorBoard after every step, stamped with ``time.time()``)."""
+    from tensorboard.backend.event_processing.event_accumulator import (
+        SCALARS,
+        EventAccumulator,
+    )
+
+    events = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})
+    events.Reload()
+    return {e.step: e.wall_time for e in events.Scalars("train/loss")}
+
+
+def training_wall(walls: dict[int, float], evaluations: list[int]) -> dict[int, float]:
+    """Per evaluation step, the job's training wall-clock up to it: from the first step's
+    log to that step's, plus the first step (one median interval), less every evaluation so
+    far (an evaluation runs between its step and the step's log: its interval's excess over
+    the median interval of the steps without one)."""
+    steps = sorted(walls)
+    gaps = {s: walls[s] - walls[p] for p, s in zip(steps, steps[1:], strict=False)}
+    plain = [g for s, g in gaps.items() if s not in evaluations]
+    step_gap = statistics.median(plain) if plain else 0.0
+    out, evaluating = {}, 0.0
+    for k in sorted(evaluations):
+        if k not in walls:
+            continue
+        evaluating += max(0.0, gaps.get(k, step_gap) - step_gap)
+        out[k] = walls[k] - walls[steps[0]] + step_gap - evaluating
+    return out
+
+
+def timed_curve(log_dir: Path, walls: dict[int, float] | None = None) -> list[dict]:
+    """Per evaluation: epoch, step, test accuracy, the training seconds up to it as the sum
+    of rank 0's step times (metrics.csv: forward, backward, the exchange, the optimizer) and
+    as wall-clock (``training_wall`` of ``walls``, rank 0's step logs: everything the job
+    did between steps too, evaluations out)."""
     with open(log_dir / "metrics.csv", newline="") as f:
         step_s = [float(r["step_s"]) for r in csv.DictReader(f)]
     with open(log_dir / "epochs.csv", newline="") as f:
         evaluations = list(csv.DictReader(f))
+    wall = training_wall(walls or {}, [int(r["step"]) for r in evaluations])
     return [
         {"epoch": int(r["epoch"]), "step": int(r["step"]), "acc": float(r["test_acc"]),
-         "train_s": sum(step_s[: int(r["step"])])}
+         "train_s": sum(step_s[: int(r["step"])]), "wall_s": wall.get(int(r["step"]))}
         for r in evaluations
     ]  # fmt: skip
 
@@ -114,7 +149,7 @@ def run_cell(model: str, method: str, rate: str, ns: str, until: int, timeout_s:
         if done.returncode != 0 or not (log_dir / "epochs.csv").is_file():
             tail = (done.stdout + done.stderr)[-1500:]
             return {**record, "status": "failed", "returncode": done.returncode, "tail": tail}
-        return {**record, "status": "ok", "curve": timed_curve(log_dir)}
+        return {**record, "status": "ok", "curve": timed_curve(log_dir, step_walls(log_dir))}
 
 
 def run(args) -> int:
@@ -156,9 +191,11 @@ def _load(path: Path) -> dict[str, dict]:
 
 
 def compare(cell: dict, records: dict, peers: dict) -> dict:
-    """A finished cell against its estimates: steps and seconds to the target measured, the
-    estimate's (mean curve, ``tta_report.rows``) and the seed-1 run's steps at bench_peers'
-    median step time (with its lead: tuning, warm-up), and the ratios measured / estimate."""
+    """A finished cell against its estimates: the steps to the target and the training
+    time to it measured (its wall-clock with evaluations out where the cell has it, else
+    the sum of its step times; ``sum_s``: that sum), the estimate's (mean curve,
+    ``tta_report.rows``) and the seed-1 run's steps at bench_peers' step time (with its
+    lead: tuning, warm-up), and the ratios measured / estimate."""
     model, method, rate = cell["model"], cell["method"], cell["rate"]
     goal = tta.target(records, model)
     reached = next((p for p in cell["curve"] if goal is not None and p["acc"] >= goal), None)
@@ -173,11 +210,16 @@ def compare(cell: dict, records: dict, peers: dict) -> dict:
     if row and row["step_s"][rate] is not None:
         seed_estimate = tta.time_to(seed_steps, row["step_s"][rate], row["lead"][rate])
     last = cell["curve"][-1]
-    measured = None if reached is None else reached["train_s"]
+
+    def seconds(point: dict) -> float:
+        return point["train_s"] if point.get("wall_s") is None else point["wall_s"]
+
+    measured = None if reached is None else seconds(reached)
     return {
         "model": model, "method": method, "rate": rate, "target": goal,
         "steps": None if reached is None else reached["step"],
-        "seconds": measured, "step_s": last["train_s"] / last["step"],
+        "seconds": measured, "sum_s": None if reached is None else reached["train_s"],
+        "step_s": seconds(last) / last["step"],
         "bench_step_s": row["step_s"][rate] if row else None,
         "estimate_steps": row["steps"] if row else None, "estimate_s": estimate,
         "seed_steps": seed_steps, "seed_estimate_s": seed_estimate,
@@ -187,19 +229,17 @@ def compare(cell: dict, records: dict, peers: dict) -> dict:
     }  # fmt: skip
 
 
-def _fmt(x, spec: str = ".1f", scale: float = 1.0, none: str = "-") -> str:
-    if x is None:
-        return none
-    return f"{x:{spec}}" if spec == "d" else f"{x / scale:{spec}}"
+def _fmt(x, spec: str = ".0f", none: str = "-") -> str:
+    return none if x is None else f"{x:{spec}}"
 
 
 def report(args) -> str:
     records = tta.load_results(bench_tta.RESULTS)
     peers = bench_tta.merge_peers(args.peers)
     lines = [
-        "| model | rate | method | steps to target (e2e / estimate / seed 1) | step s (e2e "
-        "mean / bench median) | time to target (e2e) | estimate | e2e / estimate | seed-1 "
-        "estimate | e2e / seed-1 estimate | job wall-clock | load (start, end) |",
+        "| model | rate | method | steps to target (e2e / estimate / seed 1) | s a step (e2e "
+        "/ bench) | time to target, s (e2e; its steps' sum) | estimate, s | e2e / estimate "
+        "| seed-1 estimate, s | e2e / seed-1 estimate | job wall-clock, s | load (start, end) |",
         "|---" * 12 + "|",
     ]  # fmt: skip
     for cell in _load(args.results).values():
@@ -212,10 +252,10 @@ def report(args) -> str:
             f"{_fmt(c['steps'], 'd', none='not reached')} / {_fmt(c['estimate_steps'], 'd')} / "
             f"{_fmt(c['seed_steps'], 'd')} | "
             f"{c['step_s']:.3f} / {_fmt(c['bench_step_s'], '.3f')} | "
-            f"{_fmt(c['seconds'], '.1f', 60)} min | {_fmt(c['estimate_s'], '.1f', 60)} min | "
-            f"{_fmt(c['ratio'], '.2f')}{agree} | {_fmt(c['seed_estimate_s'], '.1f', 60)} min | "
-            f"{_fmt(c['seed_ratio'], '.2f')} | {c['wall_s'] / 60:.1f} min | "
-            f"{c['load'][0]:.1f}, {_fmt(c['load'][1])} |"
+            f"{_fmt(c['seconds'])}; {_fmt(c['sum_s'])} | {_fmt(c['estimate_s'])} | "
+            f"{_fmt(c['ratio'], '.2f')}{agree} | {_fmt(c['seed_estimate_s'])} | "
+            f"{_fmt(c['seed_ratio'], '.2f')} | {c['wall_s']:.0f} | "
+            f"{c['load'][0]:.1f}, {_fmt(c['load'][1], '.1f')} |"
         )  # fmt: skip
     return "\n".join(lines) + "\n"
 

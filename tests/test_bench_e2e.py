@@ -46,6 +46,22 @@ def test_a_cells_curve_carries_the_training_seconds_up_to_each_evaluation(tmp_pa
     curve = e2e.timed_curve(tmp_path)
     assert [(p["epoch"], p["step"], p["acc"]) for p in curve] == [(0, 3, 0.5), (1, 6, 0.7)]
     assert [p["train_s"] for p in curve] == [pytest.approx(0.3), pytest.approx(0.9)]
+    assert [p["wall_s"] for p in curve] == [None, None]  # no step logs
+    # rank 0's step logs: a step every 0.25 s, evaluations (after steps 3 and 6) 2 s each
+    walls = {1: 10.0, 2: 10.25, 3: 12.5, 4: 12.75, 5: 13.0, 6: 15.25}
+    curve = e2e.timed_curve(tmp_path, walls)
+    assert [p["wall_s"] for p in curve] == [pytest.approx(0.75), pytest.approx(1.5)]
+
+
+def test_the_training_wall_clock_leaves_the_evaluations_out():
+    """From the first step's log to the evaluation step's, plus the first step, less each
+    evaluation's excess over the median step interval; an evaluation step without a log
+    (a run cut short) has no entry."""
+    # a step every 0.5 s, an evaluation of 3 s before the logs of steps 10 and 20
+    walls = {s: 100.0 + 0.5 * s + 3.0 * (s >= 10) + 3.0 * (s >= 20) for s in range(1, 21)}
+    assert e2e.training_wall(walls, [10, 20, 30]) == {10: pytest.approx(5.0),
+                                                       20: pytest.approx(10.0)}  # fmt: skip
+    assert e2e.training_wall({}, [10]) == {}
 
 
 def test_a_cell_stops_one_epoch_after_its_seed_1_run_reached_the_target():
@@ -72,7 +88,12 @@ def test_a_cell_is_compared_with_the_mean_curve_and_the_seed_1_estimates():
                       {"epoch": 2, "step": 300, "acc": 0.911, "train_s": 36.0}]}  # fmt: skip
     c = e2e.compare(cell, records, peers)
     assert (c["steps"], c["estimate_steps"], c["seed_steps"]) == (300, 200, 300)
-    assert c["seconds"] == 36.0 and c["step_s"] == pytest.approx(0.12)
+    assert c["seconds"] == c["sum_s"] == 36.0 and c["step_s"] == pytest.approx(0.12)
+    # with the wall-clock of the steps (evaluations out), that is the measured time
+    walled = {**cell, "curve": [{**p, "wall_s": p["train_s"] * 1.1} for p in cell["curve"]]}
+    c_wall = e2e.compare(walled, records, peers)
+    assert c_wall["seconds"] == pytest.approx(39.6) and c_wall["sum_s"] == 36.0
+    assert c_wall["ratio"] == pytest.approx(1.98)
     assert c["estimate_s"] == pytest.approx(20.0) and c["seed_estimate_s"] == pytest.approx(30.0)
     assert c["ratio"] == pytest.approx(1.8) and c["seed_ratio"] == pytest.approx(1.2)
     cell["curve"] = cell["curve"][:2]  # never reached
@@ -103,6 +124,6 @@ def test_the_report_marks_agreement_within_15_percent(tmp_path):
         e2e.bench_tta.RESULTS = results_file
     lines = text.splitlines()
     assert len(lines) == 4  # the timed-out cell has no row
-    assert "| cnn | 100mbit | hvdc-dqsg-allgather | 200 / 200 / 300 |" in lines[2]
-    assert "| 1.10 ✓ |" in lines[2]  # 22 s against 200 x 0.1 s
-    assert "| 2.00 ✗ |" in lines[3]  # 40 s
+    assert lines[2].startswith("| cnn | 100mbit | hvdc-dqsg-allgather | 200 / 200 / 300 | "
+                               "0.110 / 0.100 | 22; 22 | 20 | 1.10 ✓ | 30 | 0.73 |")  # fmt: skip
+    assert "| 2.00 ✗ |" in lines[3]  # 40 s against 200 x 0.1 s
