@@ -377,13 +377,9 @@ def merge_peers(paths: list[Path]) -> dict:
         headers.append(peers.get("header", ""))
         for r in peers.get("rows", []):
             key = (r["model"], r["row"], r["rate"])
-            if _on_training_job(rows.get(key)) <= _on_training_job(r):
+            if tta.timed_on_training_job(rows.get(key)) <= tta.timed_on_training_job(r):
                 rows[key] = r
     return {"header": " / ".join(h for h in headers if h), "rows": list(rows.values())}
-
-
-def _on_training_job(row: dict | None) -> bool:
-    return row is not None and row.get("recipe") == "training"
 
 
 def declared_exchanges() -> dict[str, str]:

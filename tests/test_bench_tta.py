@@ -110,7 +110,7 @@ def test_a_line_cut_short_by_a_kill_is_skipped(tmp_path):
 
 
 PEERS = {"rows": [
-    {"model": "cnn", "row": r, "rate": rate, "step_s": s}
+    {"model": "cnn", "row": r, "rate": rate, "step_s": s, "recipe": "training"}
     for r, per_rate in {"ddp": (2.0, 0.2, 0.05), "hvdc-3lc": (0.1, 0.1, 0.08),
                         "hvdc-powersgd": (0.09, 0.09, 0.09)}.items()
     for rate, s in zip(("100mbit", "1gbit", "unlimited"), per_rate, strict=True)
@@ -179,7 +179,9 @@ def test_a_rate_the_tuner_sent_dense_goes_with_the_baselines_curve():
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-powersgd |"))
     assert "| 1.000 | 0.81 / - / - | - |" in line
     # labelled dense, and not hvdcompress's best: an allreduce is no compression result
-    assert line.endswith("| not reached | not reached | dense: 0.2 min (0.2-0.2) ‡ |")
+    # (°: these rows name no recipe, as the files from before the training job's timing)
+    assert line.endswith("| not reached | not reached | dense: 0.2 min (0.2-0.2) ° ‡ |")
+    assert "° timed before the training recipe and the period" in text
     assert "‡ at this rate" in text and "§" not in line
 
 
@@ -217,7 +219,7 @@ def test_a_timed_exchange_other_than_the_accuracy_runs_is_marked():
     declared = replace(MATRIX, declared={"hvdc-accordion-3lc": "allgather"})
     text = tta_report.markdown(records, peers, ["cnn"], declared)
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-3lc |"))
-    assert "0.3 min (0.3-0.3) ≠" in line  # recorded two-stage, timed allgather
+    assert "0.3 min (0.3-0.3) ° ≠" in line  # recorded two-stage, timed allgather
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-accordion-3lc |"))
     assert "≠" not in line and "?" not in line  # declared allgather, timed allgather
     assert "≠ the timed run's exchange" in text
@@ -410,8 +412,8 @@ def test_each_rate_takes_the_runs_on_the_exchange_its_tuner_picked():
     text = tta_report.markdown(records, peers, ["cnn"], pinned)
     line = next(x for x in text.splitlines() if x.startswith("| hvdc-3lc |"))
     assert line.startswith("| hvdc-3lc | 1 [allgather]; 1 [twostage] | 92.00 ± 0.00")
-    assert line.endswith("| **0.3 min (0.3-0.3) [allgather]** | 0.5 min (0.5-0.5) [twostage] "
-                         "| no accuracy run |")  # fmt: skip
+    assert line.endswith("| **0.3 min (0.3-0.3) ° [allgather]** | 0.5 min (0.5-0.5) ° "
+                         "[twostage] | no accuracy run |")  # fmt: skip
     assert "[exchange]: accuracy runs with the exchange fixed" in text
     assert "?" not in line and "≠" not in line
 

@@ -142,6 +142,12 @@ def time_to(
     return seconds + left * step_s
 
 
+def timed_on_training_job(peer_row: dict | None) -> bool:
+    """Whether a bench_peers row timed the training job (``recipe`` "training": train.py's
+    model, SGD and batches), not the random batch of the files before it."""
+    return peer_row is not None and peer_row.get("recipe") == "training"
+
+
 def step_time(peer_row: dict) -> float:
     """A bench_peers row's seconds a step: its period (the timed steps' wall-clock from
     barrier to barrier over their number: what a run of them takes) where the row has it,

@@ -56,6 +56,10 @@ FOOTNOTES = {
     "§": "§ the tuner sent some buckets uncompressed, others compressed: the codec's accuracy "
     "curve is kept.",
 }
+OLD_TIMING = (
+    "° timed before the training recipe and the period (bench_peers' random batch, one "
+    "launch): the slowest rank's median step time, the range of its timed steps as the spread."
+)
 
 
 def _accuracy_sets(records: dict, model: str, method: str, pinned: Mapping):
@@ -148,6 +152,9 @@ def rows(
             "on": on, "curves": curves, "step_s": step_s, "step_row": row,
             "timed_bits": {rate: (peer.get((model, row, rate)) or {}).get("bits_per_value")
                            for rate in RATES},
+            "old_timing": {rate: (model, row, rate) in peer
+                           and not tta.timed_on_training_job(peer[(model, row, rate)])
+                           for rate in RATES},
         })  # fmt: skip
     return out
 
@@ -200,6 +207,7 @@ def _time_cell(r: dict, rate: str) -> tuple[str, str]:
     all uncompressed; and the mark."""
     cell = ("dense: " if r["dense"][rate] else "") + _minutes(r["seconds"][rate], r["span"][rate])
     cell += " †" if r["borrowed"] else ""
+    cell += " °" if r["old_timing"][rate] else ""
     mark = "‡" if r["dense"][rate] else "§" if r["partly_dense"][rate] else ""
     mark = mark or r["mark"][rate]
     return cell + (f" {mark}" if mark else ""), mark
@@ -265,7 +273,7 @@ def margin_table(tables: dict[float, list[dict]], goals: dict[float, float | Non
 
 
 def markdown(records: dict, peers: dict, models, matrix: Matrix) -> str:
-    lines, marks, labelled = [], set(), False
+    lines, marks, labelled, old_timing = [], set(), False, False
     for model in models:
         table = rows(records, peers, model, matrix)
         if not table:
@@ -295,6 +303,7 @@ def markdown(records: dict, peers: dict, models, matrix: Matrix) -> str:
                     cell, mark = _time_cell(r, rate)
                     cell += f" [{r['on'][rate]}]" if several and r["on"][rate] else ""
                     marks.add(mark)
+                    old_timing = old_timing or r["old_timing"][rate]
                 cells.append(f"**{cell}**" if best[rate] == r["method"] and s else cell)
             seeds, accs, bits, steps = [], [], [], []
             for one in r["sets"]:
@@ -321,6 +330,8 @@ def markdown(records: dict, peers: dict, models, matrix: Matrix) -> str:
         lines += [*margin_table(by_margin, goals), ""]
     if any(matrix.step_row.values()):
         lines.append(_borrowed(matrix.step_row))
+    if old_timing:
+        lines += ["", OLD_TIMING]
     if labelled:
         lines += ["", "[exchange]: accuracy runs with the exchange fixed to the one the tuner "
                   "picked in the timed run (the simulated world cannot time a link)."]  # fmt: skip
@@ -381,7 +392,7 @@ def headline(records: dict, peers: dict, models, matrix: Matrix) -> str:
         "torch's hooks) | peer's time / hvdcompress's (low-high) | verdict |",
         "|---|---|---|---|---|---|",
     ]  # fmt: skip
-    marks, borrowed = set(), False
+    marks, borrowed, old_timing = set(), False, False
     for model in models:
         table = rows(records, peers, model, matrix)
         if not table:
@@ -399,6 +410,7 @@ def headline(records: dict, peers: dict, models, matrix: Matrix) -> str:
                 cells[side] = f"{r['method']} {cell}"
                 marks.add(mark)
                 borrowed = borrowed or r["borrowed"]
+                old_timing = old_timing or r["old_timing"][rate]
             if judged is None:  # one side alone (or neither) reached it
                 winner = "ours" if ours else "theirs" if theirs else "tie"
                 ratio, said = "-", {"ours": "hvdcompress alone", "theirs": "peer alone",
@@ -416,6 +428,8 @@ def headline(records: dict, peers: dict, models, matrix: Matrix) -> str:
               "left out."]  # fmt: skip
     if borrowed:
         lines += ["", _borrowed(matrix.step_row)]
+    if old_timing:
+        lines += ["", OLD_TIMING]
     lines += [line for mark in FOOTNOTES if mark in marks for line in ("", FOOTNOTES[mark])]
     return "\n".join(lines) + "\n"
 
