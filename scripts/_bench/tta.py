@@ -27,6 +27,8 @@ import os
 import statistics
 from pathlib import Path
 
+RATES = ("100mbit", "1gbit", "unlimited")  # bench_peers' links, the report's columns
+RATE_NAMES = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unlimited"}
 MARGIN = 0.003  # 0.3 points of accuracy below the baseline's final mean
 MARGINS = (0.002, 0.003, 0.005)  # the margins of the report's margin table
 # a ratio of two times within this factor either way is a tie: about the step time's

@@ -3,7 +3,8 @@ accuracy and time to the target at each link rate (the block of
 docs/benchmarks-time-to-accuracy.md), a plot of test accuracy against wall-clock (one
 panel per rate), and the README's headline table (per model and rate, hvdcompress's
 fastest row against the fastest peer), all from the results file and the peer
-benchmark's step times alone (the arithmetic: scripts/_bench/tta.py)."""
+benchmark's step times alone (the arithmetic: scripts/_bench/tta.py; who is first, ties:
+scripts/_bench/tta_verdict.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 try:
-    from _bench import tta
+    from _bench import tta, tta_verdict
 except ModuleNotFoundError:
-    from scripts._bench import tta
+    from scripts._bench import tta, tta_verdict
 
-RATES = ("100mbit", "1gbit", "unlimited")
-RATE_NAMES = {"100mbit": "100 Mbit/s", "1gbit": "1 Gbit/s", "unlimited": "unlimited"}
+RATES, RATE_NAMES = tta.RATES, tta.RATE_NAMES
 
 
 @dataclass(frozen=True)
@@ -179,97 +179,18 @@ def _timed(steps: int | None, measured: dict | None, lead: tuple) -> tuple:
             (tta.time_to(steps, fast, lead), tta.time_to(steps, slow, lead)))  # fmt: skip
 
 
-def _fastest(table: list[dict], rate: str, ours: bool) -> dict | None:
-    """The row that reaches the target first at ``rate`` among hvdcompress's rows that
-    compressed (``ours``; a row its tuner sent all dense is an allreduce, not a compression
-    result) or among the peers (DDP, torch's hooks); None if none reaches it."""
-    timed = [
-        r for r in table
-        if r["method"].startswith("hvdc-") == ours and r["seconds"][rate]
-        and not (ours and r["dense"][rate])
-    ]  # fmt: skip
-    return min(timed, key=lambda r: r["seconds"][rate]) if timed else None
-
-
-def _best_hvdc(table: list[dict], rate: str) -> str | None:
-    best = _fastest(table, rate, ours=True)
-    return best["method"] if best else None
-
-
-def _minutes(seconds: float, span: tuple) -> str:
-    """A time in minutes with its spread: "2.2 min (2.1-2.4)"."""
-    return f"{seconds / 60:.1f} min ({span[0] / 60:.1f}-{span[1] / 60:.1f})"
-
-
 def _time_cell(r: dict, rate: str) -> tuple[str, str]:
     """A reached time with its spread and its marks (†: a borrowed step row; ‡, §, ≠, ?:
     what the step time was joined with, FOOTNOTES), "dense:" before a row its tuner sent
     all uncompressed; and the mark."""
-    cell = ("dense: " if r["dense"][rate] else "") + _minutes(r["seconds"][rate], r["span"][rate])
+    cell = ("dense: " if r["dense"][rate] else "") + tta_verdict.minutes(
+        r["seconds"][rate], r["span"][rate]
+    )
     cell += " †" if r["borrowed"] else ""
     cell += " °" if r["old_timing"][rate] else ""
     mark = "‡" if r["dense"][rate] else "§" if r["partly_dense"][rate] else ""
     mark = mark or r["mark"][rate]
     return cell + (f" {mark}" if mark else ""), mark
-
-
-def _judged(table: list[dict], rate: str) -> tuple[dict | None, dict | None, dict | None]:
-    """(hvdcompress's fastest compressed row, the fastest peer, ``tta.judge`` of their
-    times or None where either reached no target) at ``rate``."""
-    ours, theirs = _fastest(table, rate, ours=True), _fastest(table, rate, ours=False)
-    if ours is None or theirs is None:
-        return ours, theirs, None
-    return ours, theirs, tta.judge(*(
-        (r["seconds"][rate], *r["span"][rate]) for r in (ours, theirs)
-    ))  # fmt: skip
-
-
-def _ratio(judged: dict) -> str:
-    return f"{judged['ratio']:.2f}x ({judged['low']:.2f}-{judged['high']:.2f})"
-
-
-def verdict(table: list[dict], rate: str) -> str:
-    """hvdcompress's best compressed row against the fastest peer (DDP, torch's hooks) at
-    ``rate``: who reaches the target first, or a tie (``tta.judge``), and the ratio of
-    their times with its low and high end."""
-    ours, theirs, judged = _judged(table, rate)
-    dense = [r["method"] for r in table if r["dense"][rate] and r["seconds"][rate]]
-    aside = f" ({', '.join(dense)}: sent all dense, not counted)" if dense else ""
-    if ours is None and theirs is None:
-        return "nobody reached the target" + aside
-    if ours is None:
-        first = theirs["method"]
-        return f"no compressed hvdcompress row reached the target; first: {first}{aside}"
-    if theirs is None:
-        return f"**{ours['method']} first**; no peer reached the target" + aside
-    name = {"ours": f"**{ours['method']} first**", "theirs": f"{theirs['method']} first",
-            "tie": "tie"}[judged["winner"]]  # fmt: skip
-    return (f"{name}, {ours['method']} {_minutes(ours['seconds'][rate], ours['span'][rate])} "
-            f"against {theirs['method']} {_minutes(theirs['seconds'][rate], theirs['span'][rate])}"
-            f": {_ratio(judged)}{aside}")  # fmt: skip
-
-
-def margin_table(tables: dict[float, list[dict]], goals: dict[float, float | None]) -> list[str]:
-    """Per margin below DDP's mean final accuracy (``tables``: margin -> ``rows`` at that
-    margin's target), per rate, the verdict's short form: the first row and the ratio."""
-    lines = [
-        "| margin (target) | " + " | ".join(RATE_NAMES[r] for r in RATES) + " |",
-        "|---" * (1 + len(RATES)) + "|",
-    ]
-    for margin, table in tables.items():
-        cells = []
-        for rate in RATES:
-            ours, theirs, judged = _judged(table, rate)
-            if judged is None:
-                first = ours or theirs
-                cells.append(f"{first['method']}, alone" if first else "nobody")
-                continue
-            first = {"ours": ours["method"], "theirs": theirs["method"], "tie": "tie"}
-            cells.append(f"{first[judged['winner']]} {_ratio(judged)}")
-        goal = goals[margin]
-        lines.append(f"| {100 * margin:.1f} ({'-' if goal is None else f'{100 * goal:.2f}%'}) | "
-                     + " | ".join(cells) + " |")  # fmt: skip
-    return lines
 
 
 def markdown(records: dict, peers: dict, models, matrix: Matrix) -> str:
@@ -286,7 +207,7 @@ def markdown(records: dict, peers: dict, models, matrix: Matrix) -> str:
                      "trained | bits/value timed (per link) | steps to target | "
                      f"{rates} |")  # fmt: skip
         lines.append("|---" * (6 + len(RATES)) + "|")
-        best = {rate: _best_hvdc(table, rate) for rate in RATES}
+        best = {rate: tta_verdict.best_hvdc(table, rate) for rate in RATES}
         for r in table:
             several = len(r["sets"]) > 1  # then each cell names the exchange of its runs
             labelled = labelled or any(one["label"] for one in r["sets"])
@@ -320,14 +241,14 @@ def markdown(records: dict, peers: dict, models, matrix: Matrix) -> str:
         lines += ["", "hvdcompress's best compressed row (bold in the table) against the "
                   f"fastest peer (within {tta.TIE_BAND:.2f}x, or reversed by the spread: a tie):",
                   ""]  # fmt: skip
-        lines += [f"- {RATE_NAMES[rate]}: {verdict(table, rate)}" for rate in RATES]
+        lines += [f"- {RATE_NAMES[rate]}: {tta_verdict.verdict(table, rate)}" for rate in RATES]
         by_margin = {
             m: rows(records, peers, model, matrix, m)
             for m in tta.MARGINS
         }  # fmt: skip
         goals = {m: tta.target(records, model, margin=m) for m in tta.MARGINS}
         lines += ["", "The verdict at other targets (points below DDP's mean final accuracy):", ""]
-        lines += [*margin_table(by_margin, goals), ""]
+        lines += [*tta_verdict.margin_table(by_margin, goals), ""]
     if any(matrix.step_row.values()):
         lines.append(_borrowed(matrix.step_row))
     if old_timing:
@@ -400,7 +321,7 @@ def headline(records: dict, peers: dict, models, matrix: Matrix) -> str:
         goal = tta.target(records, model)
         name = f"{model} ({'no DDP allreduce run' if goal is None else f'{100 * goal:.2f}%'})"
         for rate in RATES:
-            ours, theirs, judged = _judged(table, rate)
+            ours, theirs, judged = tta_verdict.judge_rate(table, rate)
             cells = {}
             for side, r in (("ours", ours), ("theirs", theirs)):
                 if r is None:
@@ -416,7 +337,7 @@ def headline(records: dict, peers: dict, models, matrix: Matrix) -> str:
                 ratio, said = "-", {"ours": "hvdcompress alone", "theirs": "peer alone",
                                     "tie": "neither"}[winner]  # fmt: skip
             else:
-                winner, ratio = judged["winner"], _ratio(judged)
+                winner, ratio = judged["winner"], tta_verdict.ratio_text(judged)
                 said = {"ours": "hvdcompress first", "theirs": "peer first", "tie": "tie"}[winner]
             if winner in cells:
                 cells[winner] = f"**{cells[winner]}**"
