@@ -137,7 +137,6 @@ FIXED = {
     pinned: (STEP_ROW.get(tuned, tuned), exchange)
     for tuned, on in ON_EXCHANGE.items() for exchange, pinned in on.items()
 }  # fmt: skip
-RATES = tta.RATES
 
 
 def train_command(
