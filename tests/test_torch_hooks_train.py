@@ -152,3 +152,35 @@ def test_torch_hook_counts_every_step_before_the_start_iteration_as_dense(tmp_pa
     finally:
         tdist.destroy_process_group()
     assert sent == [64 * 32 + 32] * 4 + [64 + 32 + 32] * 2, sent
+
+
+def test_a_resumed_powersgd_hook_does_not_warm_up_again(tmp_path):
+    """Resumed at step 5 (``resume_at``: train.py's --resume), a hook that starts
+    compressing at step 4 sends the factors from its first step on, not 4 dense steps
+    again; resumed at step 2, it finishes the warm-up (steps 3-4 dense) and goes on."""
+    import torch
+    import torch.distributed as tdist
+
+    from hvdcompress.training.torch_hooks import TorchHook, ddp_options
+
+    store = tdist.FileStore(str(tmp_path / "store"), 1)
+    tdist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    sent = {}
+    try:
+        for at in (5, 2):
+            torch.manual_seed(0)
+            ddp = torch.nn.parallel.DistributedDataParallel(
+                torch.nn.Linear(64, 32), **ddp_options("powersgd")
+            )
+            hook = TorchHook(ddp, "powersgd", 1, powersgd_start_iter=4)
+            hook.resume_at(at)
+            sent[at] = []
+            for _ in range(4):
+                ddp(torch.randn(8, 64)).sum().backward()
+                sent[at].append(hook.step_stats().payload_bytes // 4)
+            del ddp, hook
+    finally:
+        tdist.destroy_process_group()
+    dense, factors = 64 * 32 + 32, 64 + 32 + 32
+    assert sent[5] == [factors] * 4, sent
+    assert sent[2] == [dense] * 2 + [factors] * 2, sent

@@ -160,6 +160,8 @@ def train_rank(args, dist, data=None) -> str:
     ckpt_dir = Path(args.checkpoint) if args.checkpoint else None
     if args.resume:
         start_step = resume(ckpt_dir, model, opt, dist, schedule)
+        if replica.torch_hook is not None:
+            replica.torch_hook.resume_at(start_step)
 
     is_root = dist.rank == 0
     log = progress = None

@@ -96,6 +96,15 @@ class TorchHook:
         # start_powerSGD_iter, whatever that is
         return self.numel if state.iter <= state.start_powerSGD_iter else sent
 
+    def resume_at(self, step: int) -> None:
+        """Go on from a checkpoint of ``step``: PowerSGD's step count follows, so a dense
+        warm-up (``start_powerSGD_iter``) is not run again by each resumed piece of a job.
+        Its error feedback and warm-start factors are not in train.py's checkpoint: they
+        start again from zero, as on the first compressed step."""
+        if self.powersgd_state is not None:
+            self.powersgd_state.iter = step
+            self._counted = self.powersgd_state.total_numel_after_compression
+
     def step_stats(self) -> StepStats:
         """The last step's bytes, as ``DistributedOptimizer.last_stats`` gives them; called
         once after every step (PowerSGD's count is the difference from the last call)."""
