@@ -77,14 +77,19 @@ def until_epoch(records: dict, model: str, method: str) -> int:
 
 def step_walls(log_dir: Path) -> dict[int, float]:
     """Rank 0's wall-clock at each step's log (the ``train/loss`` events train.py writes to
-    TensorBoard after every step, stamped with ``time.time()``)."""
-    from tensorboard.backend.event_processing.event_accumulator import (
-        SCALARS,
-        EventAccumulator,
-    )
-
+    TensorBoard after every step, stamped with ``time.time()``); none where the run wrote
+    no such events (TensorBoard missing): the cell then counts the sum of its step times."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import (
+            SCALARS,
+            EventAccumulator,
+        )
+    except ImportError:
+        return {}
     events = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})
     events.Reload()
+    if "train/loss" not in events.Tags().get("scalars", []):
+        return {}
     return {e.step: e.wall_time for e in events.Scalars("train/loss")}
 
 

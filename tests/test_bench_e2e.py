@@ -53,6 +53,18 @@ def test_a_cells_curve_carries_the_training_seconds_up_to_each_evaluation(tmp_pa
     assert [p["wall_s"] for p in curve] == [pytest.approx(0.75), pytest.approx(1.5)]
 
 
+def test_step_logs_are_read_from_tensorboard_and_a_run_without_them_has_none(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "run"))
+    for step in (1, 2, 3):
+        writer.add_scalar("train/loss", 1.0 / step, step, walltime=100.0 + step)
+    writer.close()
+    assert e2e.step_walls(tmp_path / "run") == {1: 101.0, 2: 102.0, 3: 103.0}
+    (tmp_path / "empty").mkdir()
+    assert e2e.step_walls(tmp_path / "empty") == {}
+
+
 def test_the_training_wall_clock_leaves_the_evaluations_out():
     """From the first step's log to the evaluation step's, plus the first step, less each
     evaluation's excess over the median step interval; an evaluation step without a log
