@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
 import os
 import re
 import statistics
@@ -184,27 +183,25 @@ def run(args) -> int:
 
 def _load(path: Path) -> dict[str, dict]:
     """The cells of the results file by key (a later line wins; a cut line is skipped)."""
-    cells = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            cells[cell_key(r["model"], r["method"], r["rate"])] = r
-    return cells
+    return {
+        cell_key(r["model"], r["method"], r["rate"]): r
+        for r in tta.read_records(path, frozenset({"model", "method", "rate"}))
+    }
 
 
-def compare(cell: dict, records: dict, peers: dict) -> dict:
+def compare(
+    cell: dict, records: dict, peers: dict, matrix: tta_report.Matrix | None = None
+) -> dict:  # fmt: skip
     """A finished cell against its estimates: the steps to the target and the training
     time to it measured (its wall-clock with evaluations out where the cell has it, else
     the sum of its step times; ``sum_s``: that sum), the estimate's (mean curve,
     ``tta_report.rows``) and the seed-1 run's steps at bench_peers' step time (with its
-    lead: tuning, warm-up), and the ratios measured / estimate."""
+    lead: tuning, warm-up), and the ratios measured / estimate. ``matrix``: the report's
+    rows (default ``bench_tta.matrix()``)."""
     model, method, rate = cell["model"], cell["method"], cell["rate"]
     goal = tta.target(records, model)
     reached = next((p for p in cell["curve"] if goal is not None and p["acc"] >= goal), None)
-    only = dataclasses.replace(bench_tta.matrix(), methods=(method,))
+    only = dataclasses.replace(matrix or bench_tta.matrix(), methods=(method,))
     row = next(iter(tta_report.rows(records, peers, model, only)), None)
     seed_run = records.get(tta.job_key(model, method, SEED))
     seed_steps = None
@@ -247,10 +244,11 @@ def report(args) -> str:
         "| seed-1 estimate, s | e2e / seed-1 estimate | job wall-clock, s | load (start, end) |",
         "|---" * 12 + "|",
     ]  # fmt: skip
+    matrix = bench_tta.matrix()
     for cell in _load(args.results).values():
         if cell.get("status") != "ok":
             continue
-        c = compare(cell, records, peers)
+        c = compare(cell, records, peers, matrix)
         agree = "" if c["ratio"] is None else " ✓" if abs(c["ratio"] - 1) <= AGREE else " ✗"
         lines.append(
             f"| {c['model']} | {c['rate']} | {c['method']} | "

@@ -59,20 +59,29 @@ def append_result(path: Path, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def load_results(path: Path) -> dict[str, dict]:
-    """The records by key (a later line of the same key wins); lines that do not parse as
-    a record (the tail a killed writer left) are skipped."""
-    records: dict[str, dict] = {}
+def read_records(path: Path, fields: frozenset[str]) -> list[dict]:
+    """The JSON-line records of ``path`` (none if it is missing) that hold ``fields``, in
+    file order; lines that do not parse as such a record (the tail a killed writer left)
+    are skipped."""
     if not path.is_file():
-        return records
+        return []
+    records = []
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and {"model", "method", "seed"} <= record.keys():
-            records[job_key(record["model"], record["method"], record["seed"])] = record
+        if isinstance(record, dict) and fields <= record.keys():
+            records.append(record)
     return records
+
+
+def load_results(path: Path) -> dict[str, dict]:
+    """The records by key (a later line of the same key wins; ``read_records``)."""
+    return {
+        job_key(r["model"], r["method"], r["seed"]): r
+        for r in read_records(path, frozenset({"model", "method", "seed"}))
+    }
 
 
 def finished(records: dict[str, dict], model: str, method: str) -> list[dict]:
