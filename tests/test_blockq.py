@@ -335,3 +335,83 @@ def test_a_block_past_the_tensor_is_3lcs_one_scale():
         assert torch.equal(
             big.decompress(*big.compress(g, "w")), one.decompress(*one.compress(g, "w"))
         )
+
+
+# ---- stochastic rounding -----------------------------------------------------------------
+def test_stochastic_rounding_is_unbiased_where_rounding_to_nearest_is_not():
+    # every value under half a step: rint sends nothing, stochastic rounding its mean
+    n, block = 4096, 4096
+    x = torch.full((n,), 0.1)
+    x[0] = 1.0  # the block's scale: delta = 1.0, so 0.1 is a tenth of a step
+    det = blockq.quantize(x, 1.0, 1, block)[0]
+    assert int(det[1:].abs().sum()) == 0
+    draws = []
+    for key in range(40):
+        u = hvdcompress.codecs.primitives.uniform(key, n, torch.device("cpu"))
+        q, deltas = blockq.quantize(x, 1.0, 1, block, u)
+        assert set(q[1:].unique().tolist()) <= {0, 1} and int(q[0]) == 1
+        draws.append(blockq.dequantize(q, deltas, block)[1:].mean())
+    assert abs(float(torch.stack(draws).mean()) - 0.1) < 0.005  # 163,800 draws: sd 0.0007
+
+
+@pytest.mark.parametrize("levels", [1, 3])
+def test_stochastic_rounding_keeps_error_feedback_and_the_body_format(levels):
+    c = _comp(block=256, levels=levels, stochastic=True, seed=3)
+    x = _x()
+    payload, ctx = c.compress(x, "w")
+    y = c.decompress(payload, ctx)
+    torch.testing.assert_close(y + c.memory.residuals["w"], x, rtol=0, atol=1e-5)
+    for b in range(0, x.numel(), 256):  # each value rounded to one of its two neighbours
+        xb, yb = x[b : b + 256], y[b : b + 256]
+        delta = float(np.float32(float(xb.abs().max()) / levels))
+        assert bool(((xb - yb).abs() <= delta * (1 + 1e-5)).all())
+    # a deterministic receiver decodes it: the noise is the sender's only
+    plain = _comp(block=256, levels=levels)
+    torch.testing.assert_close(plain.decompress(payload, ctx), y, rtol=0, atol=0)
+
+
+def test_stochastic_streams_differ_by_rank_and_step_and_repeat_by_seed():
+    def first_two(rank, seed=3):
+        c = _comp(block=256, stochastic=True, seed=seed)
+        c.bind(rank, 4)
+        x = _x(seed=1)
+        return [c.compress(x.clone(), "w")[0] for _ in range(2)], c
+
+    (a0, a1), _ = first_two(0)
+    (b0, _), _ = first_two(0)
+    (r0, _), _ = first_two(1)
+    (s0, _), _ = first_two(0, seed=4)
+    assert torch.equal(a0, b0)  # the same seed, rank and step: the same bytes
+    assert not torch.equal(a0, r0) and not torch.equal(a0, s0)
+    assert not torch.equal(a0, a1)  # the next step draws anew (its residual differs too)
+
+
+def test_stochastic_state_resumes_the_stream_and_is_checked():
+    a = _comp(block=64, stochastic=True, seed=9)
+    a.bind(2, 4)
+    for _ in range(3):
+        a.compress(_x(300), "w")
+    state = a.state_dict()
+    assert state["steps"] == {"w": 3} and state["stochastic"] is True
+    b = _comp(block=64, stochastic=True, seed=9)
+    b.bind(2, 4)
+    b.load_state_dict(state)
+    x = _x(300, seed=5)
+    assert torch.equal(a.compress(x, "w")[0], b.compress(x, "w")[0])
+    with pytest.raises(CheckpointError, match="seed"):
+        _comp(block=64, stochastic=True, seed=8).load_state_dict(state)
+    with pytest.raises(CheckpointError):  # a deterministic compressor: not its state
+        _comp(block=64).load_state_dict(state)
+    with pytest.raises(CheckpointError, match="steps"):
+        _comp(block=64, stochastic=True, seed=9).load_state_dict(
+            {k: v for k, v in state.items() if k != "steps"}
+        )
+    with pytest.raises(CheckpointError):
+        _comp(block=64, stochastic=True, seed=9).load_state_dict({**state, "steps": {"w": -1}})
+
+
+def test_stochastic_flag_is_refused_unless_a_bool():
+    with pytest.raises(ValueError, match="stochastic"):
+        _comp(stochastic="yes")
+    with pytest.raises(ValueError, match="seed"):
+        _comp(stochastic=True, seed=-1)

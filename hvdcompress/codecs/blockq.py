@@ -11,6 +11,11 @@ s = ``sparsity`` in [1, 2) and L = ``levels`` in [1, 127]:
     q       = clamp(rint(a / delta_b), -L, L)   (round half to even; 0 where delta_b == 0)
     decode:  delta_b * q (float32), the new residual a - delta_b q
 
+Stochastic rounding (``noise`` u, uniform in [0, 1) a value, drawn by the sender):
+q = clamp(floor(a / delta_b + u), -L, L), unbiased (E[delta_b q] = a) where the
+deterministic q is biased towards zero for every value under delta_b / 2. The receiver
+does not need u: the body and its decode are the same.
+
 L = 1 is 3LC's quantiser per block (S_b = s M_b); its digits are quartic + zero-run coded
 as 3LC's. L > 1 sends the codes q + L bit-packed in ``bits_for(2 L + 1)`` bits (DQSG's
 layout without the dither). Body: the block deltas (float32, little-endian), then the
@@ -71,8 +76,11 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, pad)).view(-1, block)
 
 
-def quantize(a: torch.Tensor, sparsity: float, levels: int, block: int):
-    """(q int8 flat of a's numel, deltas float32 per block) of the finite flat float32 a."""
+def quantize(
+    a: torch.Tensor, sparsity: float, levels: int, block: int, noise: torch.Tensor | None = None
+):
+    """(q int8 flat of a's numel, deltas float32 per block) of the finite flat float32 a;
+    rounded stochastically with ``noise`` (float32 uniforms in [0, 1), one per value)."""
     n = a.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.int8), torch.zeros(0, dtype=torch.float32)
@@ -81,7 +89,12 @@ def quantize(a: torch.Tensor, sparsity: float, levels: int, block: int):
     deltas = (float(np.float32(sparsity)) * m / levels).clamp(max=FLT_MAX).float()
     d = deltas.double()
     safe = torch.where(d > 0, d, torch.ones_like(d))
-    q = torch.round(ab / safe[:, None]).clamp(-levels, levels)
+    scaled = ab / safe[:, None]
+    if noise is None:
+        q = torch.round(scaled)
+    else:
+        q = torch.floor(scaled + _blocks(noise.reshape(-1).to(torch.float32), block).double())
+    q = q.clamp(-levels, levels)
     q = torch.where(d[:, None] > 0, q, torch.zeros_like(q))
     return q.reshape(-1)[:n].to(torch.int8), deltas
 
@@ -96,16 +109,22 @@ def dequantize(q: torch.Tensor, deltas: torch.Tensor, block: int) -> torch.Tenso
 
 
 def encode(
-    g: torch.Tensor, residual: torch.Tensor | None, sparsity: float, levels: int, block: int
+    g: torch.Tensor,
+    residual: torch.Tensor | None,
+    sparsity: float,
+    levels: int,
+    block: int,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
     """(body, nonfinite, q) of flat float32 g plus ``residual`` (updated in place to the
-    new residual; untouched, the body empty and q None, when g + residual is not finite)."""
+    new residual; untouched, the body empty and q None, when g + residual is not finite);
+    ``noise``: stochastic rounding (``quantize``)."""
     a = g.reshape(-1).to(torch.float32)
     if residual is not None:
         a = a + residual
     if not prim.all_finite(a):
         return torch.empty(0, dtype=torch.uint8, device=g.device), True, None
-    q, deltas = quantize(a.cpu(), sparsity, levels, block)
+    q, deltas = quantize(a.cpu(), sparsity, levels, block, None if noise is None else noise.cpu())
     if residual is not None:
         residual.copy_((a.cpu() - dequantize(q, deltas, block)).to(residual.device))
     if levels == 1:

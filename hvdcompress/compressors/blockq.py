@@ -4,7 +4,10 @@
 One scale per tensor lets a few large values zero the rest of the tensor; a scale per
 block bounds that to the block (issue 61). ``levels`` (1: ternary, 3LC's digits) is the
 per-tensor level a policy sets: the warm-up policy (hvdcompress.policies.warmup) sends
-the first steps at more levels, Accordion switches between two. A screening prototype:
+the first steps at more levels, Accordion switches between two. ``stochastic`` rounds
+each value up or down at random (unbiased), with the error feedback kept: the value under
+half a step that deterministic rounding zeroes, step after step, until its residual grows
+past it, is sent now with probability |a| / delta. A screening prototype:
 torch arithmetic on the CPU, no fused native or CUDA kernel (docs/screening.md).
 """
 
@@ -15,6 +18,7 @@ import math
 import numpy as np
 
 from hvdcompress import wire
+from hvdcompress.buckets import state_key, state_text
 from hvdcompress.codecs import blockq
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import (
@@ -26,7 +30,7 @@ from hvdcompress.compressors.base import (
 )
 from hvdcompress.compressors.levels import PerTensorLevels, TensorLevels
 from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, residual_state
-from hvdcompress.compressors.params import Param
+from hvdcompress.compressors.params import FLAG, SEED, Param
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.spec import CompressorSpec
 from hvdcompress.errors import PayloadError
@@ -50,6 +54,8 @@ def _check_sparsity(sparsity) -> float:
             "block": Param(1, blockq.MAX_BLOCK, kind="int", doc="values per scale"),
             "levels": Param(1, blockq.MAX_LEVELS, kind="int", doc="q in -levels..levels"),
             "momentum": Param(0.0, 1.0, high_open=True, doc="> 0: momentum correction"),
+            "stochastic": FLAG,
+            "seed": SEED,
         },
         # momentum correction is not among the examples: its residual does not sum to the
         # inputs (the masked velocity leaves it, as DGC's); tests/test_blockq.py covers it
@@ -57,6 +63,7 @@ def _check_sparsity(sparsity) -> float:
             {"sparsity": 1.0, "block": 256},
             {"sparsity": 1.5, "block": 5},
             {"sparsity": 1.0, "block": 64, "levels": 3},
+            {"sparsity": 1.0, "block": 256, "stochastic": True, "seed": 7},
         ),
         benchmarks=({"sparsity": 1.0, "block": 1024},),
         level_param="levels",
@@ -68,12 +75,21 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
     tensor (``set_level``), the header carries it. ``momentum`` m > 0: DGC's momentum
     correction (Lin et al., ICLR 2018): the velocity u = m u + g is what is compressed
     (with the residual), u is zeroed where a digit was sent (momentum factor masking),
-    and the wrapped optimizer must run without momentum (``check_optimizer``)."""
+    and the wrapped optimizer must run without momentum (``check_optimizer``).
+    ``stochastic``: stochastic rounding (``hvdcompress.codecs.blockq``) from the
+    counter-based stream of (``seed``, this tensor's step, this rank, the tensor's id),
+    the same numbers on every backend; the steps are in the checkpoint."""
 
     error_feedback = True
 
     def __init__(
-        self, sparsity: float = 1.0, block: int = 1024, levels: int = 1, momentum: float = 0.0
+        self,
+        sparsity: float = 1.0,
+        block: int = 1024,
+        levels: int = 1,
+        momentum: float = 0.0,
+        stochastic: bool = False,
+        seed: int = 0,
     ) -> None:
         self.sparsity = _check_sparsity(sparsity)
         self.block = blockq.check_block(block)
@@ -86,11 +102,19 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         self.recompressible = self.momentum == 0.0
         self.memory = ErrorFeedback()
         self.velocity = ErrorFeedback()  # u, with momentum correction
+        self.stochastic = bool(FLAG.check("block3lc", "stochastic", stochastic))
+        self.seed = prim.check_seed(seed)
+        self.rank = 0
+        self.steps: dict = {}  # stochastic rounding: compress calls per tensor
+
+    def bind(self, rank: int, size: int) -> None:
+        self.rank = prim.check_rank(rank)
 
     def __repr__(self) -> str:
         return (
             f"BlockThreeLC(sparsity={self.sparsity}, block={self.block}, "
-            f"levels={self.levels_default}, momentum={self.momentum})"
+            f"levels={self.levels_default}, momentum={self.momentum}, "
+            f"stochastic={self.stochastic})"
         )
 
     def check_optimizer(self, optimizer) -> None:
@@ -102,21 +126,33 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         state = residual_state(self.memory, self._settings())
         if self.momentum:
             state["velocity"] = self.velocity.state_dict()
+        if self.stochastic:
+            state["steps"] = state_text(self.steps)
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        from hvdcompress.checkpoint import CheckpointError, check_count_map
+
         state = dict(state)
         velocity = state.pop("velocity", None) if self.momentum else None
         if self.momentum and velocity is None:
-            from hvdcompress.checkpoint import CheckpointError
-
             raise CheckpointError("block3lc state: missing 'velocity' (momentum correction)")
+        steps = state.pop("steps", None) if self.stochastic else None
+        if self.stochastic and steps is None:
+            raise CheckpointError("block3lc state: missing 'steps' (stochastic rounding)")
+        if steps is not None:
+            steps = check_count_map("block3lc steps", steps)
         load_residual_state(self.memory, self.name, state, self._settings())
         if velocity is not None:
             self.velocity.load_state_dict(velocity, what="block3lc velocity")
+        if steps is not None:
+            self.steps = {state_key(text): step for text, step in steps.items()}
 
     def _settings(self) -> dict:
-        return {"sparsity": self.sparsity, "block": self.block, "momentum": self.momentum}
+        settings = {"sparsity": self.sparsity, "block": self.block, "momentum": self.momentum}
+        if self.stochastic:  # absent otherwise: checkpoints from before the option load
+            settings.update(stochastic=True, seed=self.seed)
+        return settings
 
     def shard_alignment(self) -> int:
         return math.lcm(5, self.block)  # whole blocks, whole quartic bytes
@@ -143,11 +179,21 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
             u = self.velocity.residual(name, g)
             u.mul_(self.momentum).add_(g)
             g = u
-        body, bad, q = blockq.encode(g, e, self.sparsity, levels, self.block)
+        body, bad, q = blockq.encode(g, e, self.sparsity, levels, self.block, self._noise(name, g))
         if u is not None and q is not None:
             u.masked_fill_(q.to(u.device) != 0, 0.0)  # momentum factor masking
         params = blockq.PARAMS.pack(self.sparsity, levels, self.block)
         return Encoded(wire.FLAG_NONFINITE if bad else 0, params, body)
+
+    def _noise(self, name, g):
+        """Stochastic rounding's uniforms for this tensor's next payload (None without):
+        the next step of its stream, the step counted whether or not g is finite."""
+        if not self.stochastic:
+            return None
+        step = self.steps.get(name, 0)
+        self.steps[name] = step + 1
+        key = prim.rng_key(self.seed, step, self.rank, prim.tensor_id(str(name)))
+        return prim.uniform(key, g.numel(), g.device)
 
     def check_params(self, header, name):
         check_params_len(self, header, blockq.PARAMS.size)
