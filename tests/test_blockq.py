@@ -415,3 +415,25 @@ def test_stochastic_flag_is_refused_unless_a_bool():
         _comp(stochastic="yes")
     with pytest.raises(ValueError, match="seed"):
         _comp(stochastic=True, seed=-1)
+
+
+def test_stochastic_error_feedback_needs_sparsity_one_and_declares_no_contraction():
+    with pytest.raises(ValueError, match="sparsity 1.0"):
+        _comp(sparsity=1.5, stochastic=True)
+    with pytest.raises(ValueError, match="needs stochastic"):
+        _comp(error_feedback=False)
+    assert _comp(stochastic=True).contraction(4096) is None
+    assert _comp().contraction(4096) is not None
+
+
+def test_stochastic_without_error_feedback_keeps_no_residual_and_is_unbiased():
+    c = _comp(sparsity=1.5, block=4096, stochastic=True, error_feedback=False)
+    x = torch.full((4096,), 0.1)
+    x[0] = 1.0
+    mean = torch.zeros(4096)
+    for _ in range(200):
+        payload, ctx = c.compress(x, "w")
+        mean += c.decompress(payload, ctx) / 200
+    assert not c.memory.residuals and "residuals" in c.state_dict()
+    assert abs(float(mean[1:].mean()) - 0.1) < 0.005  # 819,000 draws of 0 or 1.5
+    assert abs(float(mean[0]) - 1.0) < 0.15

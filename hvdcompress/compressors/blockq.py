@@ -55,6 +55,7 @@ def _check_sparsity(sparsity) -> float:
             "levels": Param(1, blockq.MAX_LEVELS, kind="int", doc="q in -levels..levels"),
             "momentum": Param(0.0, 1.0, high_open=True, doc="> 0: momentum correction"),
             "stochastic": FLAG,
+            "error_feedback": FLAG,
             "seed": SEED,
         },
         # momentum correction is not among the examples: its residual does not sum to the
@@ -64,6 +65,7 @@ def _check_sparsity(sparsity) -> float:
             {"sparsity": 1.5, "block": 5},
             {"sparsity": 1.0, "block": 64, "levels": 3},
             {"sparsity": 1.0, "block": 256, "stochastic": True, "seed": 7},
+            {"sparsity": 1.5, "block": 256, "stochastic": True, "error_feedback": False},
         ),
         benchmarks=({"sparsity": 1.0, "block": 1024},),
         level_param="levels",
@@ -78,9 +80,10 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
     and the wrapped optimizer must run without momentum (``check_optimizer``).
     ``stochastic``: stochastic rounding (``hvdcompress.codecs.blockq``) from the
     counter-based stream of (``seed``, this tensor's step, this rank, the tensor's id),
-    the same numbers on every backend; the steps are in the checkpoint."""
-
-    error_feedback = True
+    the same numbers on every backend; the steps are in the checkpoint.
+    ``error_feedback`` (default True) keeps the residual; False sends the unbiased
+    stochastic code alone (``stochastic`` required: rounding to nearest without the
+    residual would drop every value under half a step for good)."""
 
     def __init__(
         self,
@@ -90,6 +93,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         momentum: float = 0.0,
         stochastic: bool = False,
         seed: int = 0,
+        error_feedback: bool = True,
     ) -> None:
         self.sparsity = _check_sparsity(sparsity)
         self.block = blockq.check_block(block)
@@ -103,6 +107,16 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         self.memory = ErrorFeedback()
         self.velocity = ErrorFeedback()  # u, with momentum correction
         self.stochastic = bool(FLAG.check("block3lc", "stochastic", stochastic))
+        self.error_feedback = bool(FLAG.check("block3lc", "error_feedback", error_feedback))
+        if not (self.error_feedback or self.stochastic):
+            raise ValueError("block3lc error_feedback=False needs stochastic=True")
+        if self.stochastic and self.error_feedback and self.sparsity != 1.0:
+            # a stochastic residual is up to delta = s max|a|: for s > 1 the next step's
+            # max, and with it delta, can grow s-fold a step (a ViT diverged in 18 steps)
+            raise ValueError(
+                "block3lc stochastic=True with error feedback needs sparsity 1.0, got "
+                f"{self.sparsity!r} (its residual would grow without bound)"
+            )
         self.seed = prim.check_seed(seed)
         self.rank = 0
         self.steps: dict = {}  # stochastic rounding: compress calls per tensor
@@ -114,7 +128,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         return (
             f"BlockThreeLC(sparsity={self.sparsity}, block={self.block}, "
             f"levels={self.levels_default}, momentum={self.momentum}, "
-            f"stochastic={self.stochastic})"
+            f"stochastic={self.stochastic}, error_feedback={self.error_feedback})"
         )
 
     def check_optimizer(self, optimizer) -> None:
@@ -151,7 +165,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
     def _settings(self) -> dict:
         settings = {"sparsity": self.sparsity, "block": self.block, "momentum": self.momentum}
         if self.stochastic:  # absent otherwise: checkpoints from before the option load
-            settings.update(stochastic=True, seed=self.seed)
+            settings.update(stochastic=True, seed=self.seed, error_feedback=self.error_feedback)
         return settings
 
     def shard_alignment(self) -> int:
@@ -161,6 +175,8 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         return blockq.max_numel(body_len, 1)  # the bound of every level (ternary's is largest)
 
     def contraction(self, numel):
+        if self.stochastic:  # none: a value far under delta leaves a residual near delta
+            return None
         # per block, the largest |a| = M leaves |M - delta q| = r M with q = rint(L / s):
         # ||a - decode||^2 <= ||a||^2 - (1 - r^2) M^2, M^2 >= ||a_b||^2 / block
         s, worst = self.sparsity, 1.0
@@ -172,7 +188,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
 
     def encode(self, tensor, name):
         g = prim.f32_data(tensor).reshape(-1)
-        e = self.memory.residual(name, g)
+        e = self.memory.residual(name, g) if self.error_feedback else None
         levels = self.level(name)
         u = None
         if self.momentum and prim.all_finite(g):  # a non-finite g leaves u untouched

@@ -316,16 +316,17 @@ _TABLE = [
         "dqsg-l1", "dqsg", {"levels": 1},
         about="diagnostic: dithered ternary (DQSG, 1 level), no error feedback",
     ),
-    # the fifth corner: error feedback with an unbiased (stochastically rounded) ternary
+    # the fifth corner: error feedback with an unbiased (stochastically rounded) ternary;
+    # and the unbiased ternary alone, zero-run coded (dqsg-l1's code at 3LC's bits)
     Method(
         "block3lc-b4096-sr", "block3lc",
         {"sparsity": 1.0, "block": 4096, "stochastic": True},
         about="block3lc-b4096, stochastic rounding, error feedback",
     ),
     Method(
-        "block3lc-b4096-s1.5-sr", "block3lc",
-        {"sparsity": 1.5, "block": 4096, "stochastic": True},
-        about="block3lc-b4096 at sparsity 1.5, stochastic rounding, error feedback",
+        "block3lc-tensor-sr-noef", "block3lc",
+        {"sparsity": 1.0, "block": 1 << 24, "stochastic": True, "error_feedback": False},
+        about="block3lc, one scale a tensor, stochastic rounding, no error feedback",
     ),
 ]  # fmt: skip
 # methods also run with their exchange fixed (``Method.on``): the tuner's picks, each
@@ -354,7 +355,7 @@ FIXED_EXCHANGES = {
     "block3lc-b4096-l3": ("allgather",),
     "dqsg-l1": ("allgather",),
     "block3lc-b4096-sr": ("allgather",),
-    "block3lc-b4096-s1.5-sr": ("allgather",),
+    "block3lc-tensor-sr-noef": ("allgather",),
 }
 _TABLE += [m.on(x) for m in list(_TABLE) for x in FIXED_EXCHANGES.get(m.name, ())]
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
