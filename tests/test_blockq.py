@@ -437,3 +437,13 @@ def test_stochastic_without_error_feedback_keeps_no_residual_and_is_unbiased():
     assert not c.memory.residuals and "residuals" in c.state_dict()
     assert abs(float(mean[1:].mean()) - 0.1) < 0.005  # 819,000 draws of 0 or 1.5
     assert abs(float(mean[0]) - 1.0) < 0.15
+
+
+def test_repr_names_the_later_options_only_where_set():
+    # a checkpoint names its compressor by this text: ones saved before the options load
+    base = "BlockThreeLC(sparsity=1.0, block=64, levels=1, momentum=0.0"
+    assert repr(_comp(block=64)) == base + ")"
+    assert repr(_comp(block=64, stochastic=True)) == base + ", stochastic=True)"
+    assert repr(_comp(block=64, stochastic=True, error_feedback=False)) == (
+        base + ", stochastic=True, error_feedback=False)"
+    )

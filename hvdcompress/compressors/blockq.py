@@ -125,10 +125,19 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         self.rank = prim.check_rank(rank)
 
     def __repr__(self) -> str:
+        # the options added later only where set: a checkpoint names its compressor by
+        # this text, and one saved before they existed still loads
+        later = "".join(
+            f", {key}={value}"
+            for key, value, default in (
+                ("stochastic", self.stochastic, False),
+                ("error_feedback", self.error_feedback, True),
+            )
+            if value != default
+        )
         return (
             f"BlockThreeLC(sparsity={self.sparsity}, block={self.block}, "
-            f"levels={self.levels_default}, momentum={self.momentum}, "
-            f"stochastic={self.stochastic}, error_feedback={self.error_feedback})"
+            f"levels={self.levels_default}, momentum={self.momentum}{later})"
         )
 
     def check_optimizer(self, optimizer) -> None:
