@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hvdcompress
+from hvdcompress.checkpoint import CheckpointError
 from hvdcompress.policies import (
     CAT,
     Accordion,
@@ -395,3 +396,48 @@ def test_accordion_state_travels_in_the_optimizer_state_dict(model):
     opt2.load_state_dict(state)
     assert opt2.policy.current == opt.policy.current
     assert all(opt2.compressor.level(n) == opt.compressor.level(n) for n in opt.policy.names)
+
+
+def test_accordion_compares_the_norm_of_the_intervals_gradient_sum(model):
+    """The paper's rule (and its reference code): the gradients of an interval are summed,
+    then normed. Two intervals whose steps have the same norms differ where the steps
+    cancel: g, g (sum 2g) then g, -g (sum 0) is critical; a sum of the steps' norms (2|g|
+    both times) would not see it."""
+    pol = Accordion(low=1.0, high=1.9)  # interval = epoch: end_interval() by hand here
+    opt = _opt(model, "3lc", pol)
+    grads = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+    for signs in ((1, 1), (1, 1), (1, -1)):
+        for sign in signs:
+            for name, g in grads.items():
+                pol.observe(name, sign * g)
+        pol.end_interval()
+    reasons = [h["reason"] for h in pol.history]
+    assert reasons == ["first", "first", "norms", "norms"]
+    assert all(level == 1.9 for level in pol.history[2]["levels"].values())  # g, g twice
+    assert all(level == 1.0 for level in pol.history[3]["levels"].values())  # g, -g: 0
+    assert pol.history[3]["norms"] == [0.0] * len(grads)
+    assert all(opt.compressor.level(n) == 1.0 for n in grads)
+
+
+def test_accordion_state_keeps_the_intervals_sum_and_refuses_a_bad_one(model):
+    pol = Accordion(low=1.0, high=1.9)
+    _opt(model, "3lc", pol)
+    names = [n for n, _ in model.named_parameters()]
+    for n, p in model.named_parameters():
+        pol.observe(n, torch.full_like(p, 2.0))
+    state = pol.state_dict()
+    assert set(state["sums"]) == set(names)
+    model2 = small_model()
+    pol2 = Accordion(low=1.0, high=1.9)
+    _opt(model2, "3lc", pol2)
+    pol2.load_state_dict(state)
+    pol.end_interval()
+    pol2.end_interval()
+    assert pol2.history[-1]["norms"] == pol.history[-1]["norms"] != [0.0] * len(names)
+    bad = {**state, "sums": {**state["sums"], names[0]: torch.full((3,), float("nan"))}}
+    with pytest.raises(CheckpointError, match="sums"):
+        pol2.load_state_dict(bad)
+    # a state from when the sums were the steps' norms (numbers): the interval starts over
+    pol2.load_state_dict({**state, "sums": dict.fromkeys(names, 5.0)})
+    pol2.end_interval()
+    assert pol2.history[-1]["norms"] == [0.0] * len(names)

@@ -1,7 +1,9 @@
 """Accordion (Agarwal et al., MLSys 2021, arXiv 2010.16248; docs/policies.md, "Accordion",
 for the intervals, the learning-rate override and the level pairs).
 
-Per tensor, the norms of the uncompressed local gradient summed over an interval are
+Per tensor, the norm of the uncompressed local gradient summed over an interval (the sum
+of the gradients, then its norm: the paper's accumulated gradient, in which the steps'
+noise largely cancels; a sum of the steps' norms is mostly noise and hardly moves) is
 averaged over ranks (one small collective, in rank order, so every rank decides the same)
 and compared with the previous interval's:
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from hvdcompress import checks
 from hvdcompress.checkpoint import (
     CheckpointError,
@@ -23,6 +27,7 @@ from hvdcompress.checkpoint import (
     check_finite_number,
     check_keys,
     check_names,
+    check_tensor_map,
 )
 from hvdcompress.compressors.levels import PerTensorLevels
 from hvdcompress.policies.base import Policy, checked_levels
@@ -49,7 +54,7 @@ class Accordion(Policy):
         self.names: list[str] = []
         self.current: dict[str, object] = {}  # level in force per tensor
         self.history: list[dict] = []  # one record per decision
-        self._sums: dict[str, float] = {}
+        self._sums: dict[str, torch.Tensor] = {}  # the interval's gradient sum per tensor
         self._prev: list[float] | None = None
         self._steps = 0
         self._lr_at_decision: list[float] | None = None
@@ -74,7 +79,7 @@ class Accordion(Policy):
             compressor.levels.check(value)  # refuse a wrong level now, not mid-training
         self._optimizer, self._compressor, self._transport = optimizer, compressor, transport
         self.names = list(names)
-        self._sums = dict.fromkeys(self.names, 0.0)
+        self._sums = {}
         self._apply(dict.fromkeys(self.names, True), reason="first")
 
     def observe(self, name: str, grad) -> None:
@@ -82,8 +87,13 @@ class Accordion(Policy):
             self._fresh_interval = False
             if self._lr_dropped():  # the scheduler stepped after the decision
                 self._apply(dict.fromkeys(self.names, True), reason="lr_drop")
-        # one norm, computed in float32 where the gradient is read for compression
-        self._sums[name] += float(grad.detach().float().norm())
+        # summed in float32 where the gradient is read for compression
+        g = grad.detach().reshape(-1)
+        total = self._sums.get(name)
+        if total is None or total.numel() != g.numel() or total.device != g.device:
+            self._sums[name] = g.float().clone()
+        else:
+            total.add_(g)
 
     def after_step(self, stats) -> None:
         self._steps += 1
@@ -98,7 +108,7 @@ class Accordion(Policy):
             self.end_interval()
 
     def end_interval(self) -> None:
-        local = [self._sums[n] for n in self.names]
+        local = [float(self._sums[n].norm()) if n in self._sums else 0.0 for n in self.names]
         gathered = self._transport.allgather_object(local)  # one small collective
         size = len(gathered)
         cur = [sum(g[i] for g in gathered) / size for i in range(len(self.names))]
@@ -109,7 +119,8 @@ class Accordion(Policy):
         else:
             critical, reason = accordion_critical(self._prev, cur, self.eta), "norms"
         self._prev = cur
-        self._sums = dict.fromkeys(self.names, 0.0)
+        for total in self._sums.values():
+            total.zero_()
         self._fresh_interval = True
         self._apply(dict(zip(self.names, critical, strict=True)), reason=reason, norms=cur)
 
@@ -136,7 +147,7 @@ class Accordion(Policy):
     def state_dict(self) -> dict:
         return {
             "prev": self._prev,
-            "sums": dict(self._sums),
+            "sums": {name: total.clone() for name, total in self._sums.items()},
             "steps": self._steps,
             "current": dict(self.current),
             "lr": self._lr_at_decision,
@@ -144,7 +155,9 @@ class Accordion(Policy):
 
     def load_state_dict(self, state: dict) -> None:
         """Everything is checked before anything changes: ``CheckpointError`` naming the
-        entry for unknown tensor names, non-finite norms or levels the compressor refuses."""
+        entry for unknown tensor names, non-finite norms or sums, or levels the compressor
+        refuses. A state whose sums are numbers (from when Accordion summed the steps'
+        norms) loads with the interval's sum started again from zero."""
         check_keys("accordion state", state, required=("prev", "sums", "steps", "current", "lr"))
         names = set(self.names)
         prev = state["prev"]
@@ -157,7 +170,12 @@ class Accordion(Policy):
             prev = [check_finite_number(f"accordion prev[{i}]", v) for i, v in enumerate(prev)]
         sums = check_dict("accordion sums", state["sums"])
         check_names("accordion sums", sums, names)
-        sums = {n: check_finite_number(f"accordion sums[{n!r}]", v) for n, v in sums.items()}
+        if all(isinstance(v, torch.Tensor) for v in sums.values()):
+            sums = check_tensor_map("accordion sums", sums, dim=1)
+        else:  # the steps' norms of an older state: checked, not kept
+            for n, v in sums.items():
+                check_finite_number(f"accordion sums[{n!r}]", v)
+            sums = {}
         steps = state["steps"]
         if type(steps) is not int or steps < 0:
             raise CheckpointError(f"accordion steps: expected an int >= 0, got {steps!r}")
@@ -170,7 +188,7 @@ class Accordion(Policy):
                 raise CheckpointError(f"accordion lr: expected a list, got {lr!r:.80}")
             lr = [check_finite_number(f"accordion lr[{i}]", v) for i, v in enumerate(lr)]
         self._prev = prev
-        self._sums = {**dict.fromkeys(self.names, 0.0), **sums}
+        self._sums = {n: total.detach().clone() for n, total in sums.items()}
         self._steps = steps
         self._lr_at_decision = lr
         for name, level in levels.items():
