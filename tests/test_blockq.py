@@ -447,3 +447,17 @@ def test_repr_names_the_later_options_only_where_set():
     assert repr(_comp(block=64, stochastic=True, error_feedback=False)) == (
         base + ", stochastic=True, error_feedback=False)"
     )
+
+
+def test_a_state_names_error_feedback_only_where_it_is_off():
+    on = _comp(block=64, stochastic=True)
+    on.compress(_x(300), "w")
+    assert "error_feedback" not in on.state_dict()  # as saved before the option existed
+    off = _comp(block=64, stochastic=True, error_feedback=False)
+    off.compress(_x(300), "w")
+    assert off.state_dict()["error_feedback"] is False
+    _comp(block=64, stochastic=True, error_feedback=False).load_state_dict(off.state_dict())
+    with pytest.raises(CheckpointError):  # either way round: refused
+        _comp(block=64, stochastic=True).load_state_dict(off.state_dict())
+    with pytest.raises(CheckpointError):
+        _comp(block=64, stochastic=True, error_feedback=False).load_state_dict(on.state_dict())

@@ -173,8 +173,11 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
 
     def _settings(self) -> dict:
         settings = {"sparsity": self.sparsity, "block": self.block, "momentum": self.momentum}
-        if self.stochastic:  # absent otherwise: checkpoints from before the option load
-            settings.update(stochastic=True, seed=self.seed, error_feedback=self.error_feedback)
+        # the later options only where set, as in the repr: older checkpoints load
+        if self.stochastic:
+            settings.update(stochastic=True, seed=self.seed)
+        if not self.error_feedback:
+            settings["error_feedback"] = False
         return settings
 
     def shard_alignment(self) -> int:
