@@ -119,6 +119,10 @@ KNOWN: dict[str, str] = {
     "qsgd-levels=1|huge16|f16|ranks": _SUM,
     "randomk-ratio=0.1-unbiased=True|huge16|f16|ranks": _SUM,
     "block3lc-sparsity=1.5-*|huge16|f16|twostage": _SUM,
+    # stochastic rounding sends a value under half a step as +-delta (up to float32's
+    # maximum) with probability |a| / delta, where rounding to nearest sends 0: more to sum
+    "block3lc-sparsity=1.0-block=256-stochastic=True-seed=7|huge32|*|ranks": _SUM,
+    "block3lc-sparsity=1.5-block=256-stochastic=True-error_feedback=False|huge32|*|ranks": _SUM,
 }
 # block3lc clamps S = s max|a| to float32's maximum (no flag): past bfloat16's maximum
 for _path in ("tensor", "allgather", "ddp"):
