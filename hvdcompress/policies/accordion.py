@@ -90,9 +90,11 @@ class Accordion(Policy):
         # summed in float32 where the gradient is read for compression
         g = grad.detach().reshape(-1)
         total = self._sums.get(name)
-        if total is None or total.numel() != g.numel() or total.device != g.device:
+        if total is None or total.numel() != g.numel():  # a sum of another size: not kept
             self._sums[name] = g.float().clone()
         else:
+            if total.device != g.device:  # a checkpoint's sum, loaded on the CPU
+                total = self._sums[name] = total.to(g.device)
             total.add_(g)
 
     def after_step(self, stats) -> None:
