@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from hvdcompress import wire
-from hvdcompress.buckets import state_key, state_text
+from hvdcompress.buckets import state_text
 from hvdcompress.codecs import blockq
 from hvdcompress.codecs import primitives as prim
 from hvdcompress.compressors.base import (
@@ -33,6 +33,7 @@ from hvdcompress.compressors.memory import ErrorFeedback, load_residual_state, r
 from hvdcompress.compressors.params import FLAG, SEED, Param
 from hvdcompress.compressors.registry import register
 from hvdcompress.compressors.spec import CompressorSpec
+from hvdcompress.compressors.stochastic import load_steps, next_stream_key
 from hvdcompress.errors import PayloadError
 
 
@@ -154,7 +155,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        from hvdcompress.checkpoint import CheckpointError, check_count_map
+        from hvdcompress.checkpoint import CheckpointError
 
         state = dict(state)
         velocity = state.pop("velocity", None) if self.momentum else None
@@ -164,12 +165,12 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         if self.stochastic and steps is None:
             raise CheckpointError("block3lc state: missing 'steps' (stochastic rounding)")
         if steps is not None:
-            steps = check_count_map("block3lc steps", steps)
+            steps = load_steps("block3lc steps", steps)
         load_residual_state(self.memory, self.name, state, self._settings())
         if velocity is not None:
             self.velocity.load_state_dict(velocity, what="block3lc velocity")
         if steps is not None:
-            self.steps = {state_key(text): step for text, step in steps.items()}
+            self.steps = steps
 
     def _settings(self) -> dict:
         settings = {"sparsity": self.sparsity, "block": self.block, "momentum": self.momentum}
@@ -218,9 +219,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         the next step of its stream, the step counted whether or not g is finite."""
         if not self.stochastic:
             return None
-        step = self.steps.get(name, 0)
-        self.steps[name] = step + 1
-        key = prim.rng_key(self.seed, step, self.rank, prim.tensor_id(str(name)))
+        _, _, key = next_stream_key(self.steps, self.seed, self.rank, name)
         return prim.uniform(key, g.numel(), g.device)
 
     def check_params(self, header, name):

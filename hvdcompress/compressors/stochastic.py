@@ -33,6 +33,23 @@ def with_fields(fields: bytes):
     return lambda rng, body, device: encoded(rng + fields, body, device)
 
 
+def next_stream_key(steps: dict, seed: int, rank: int, name: StateKey) -> tuple[int, int, int]:
+    """(step, tensor id, stream key) of ``name``'s next payload from ``rank``, its step
+    counted in ``steps`` (compress calls per tensor name; a piece's key: its checkpoint
+    name)."""
+    step = steps.get(name, 0)
+    steps[name] = step + 1
+    tid = prim.tensor_id(str(name))
+    return step, tid, prim.rng_key(seed, step, prim.check_rank(rank), tid)
+
+
+def load_steps(what: str, saved) -> dict[StateKey, int]:
+    """The step counters of a checkpoint (``state_text`` of ``steps``), checked."""
+    from hvdcompress.checkpoint import check_count_map
+
+    return {state_key(text): step for text, step in check_count_map(what, saved).items()}
+
+
 class Stochastic(GatherCompressor):
     """Base of the seeded compressors; subclasses call ``_rng_params`` / ``_stream_key``."""
 
@@ -46,12 +63,8 @@ class Stochastic(GatherCompressor):
 
     def _rng_params(self, name: StateKey) -> tuple[bytes, int]:
         """(the packed RNG header fields, the stream key) for this tensor's next payload."""
-        step = self.steps.get(name, 0)
-        self.steps[name] = step + 1
-        tid = prim.tensor_id(str(name))  # a piece's key: its checkpoint name
-        rank = prim.check_rank(self.rank)
-        key = prim.rng_key(self.seed, step, rank, tid)
-        return prim.RNG_PARAMS.pack(self.seed, step, tid, rank), key
+        step, tid, key = next_stream_key(self.steps, self.seed, self.rank, name)
+        return prim.RNG_PARAMS.pack(self.seed, step, tid, self.rank), key
 
     def _encode_bucket_with(self, tensors, names, encode_segments, payload):
         """``encode_bucket`` through a codec's one-call bucket encoder ``encode_segments(xs,
@@ -101,8 +114,7 @@ class Stochastic(GatherCompressor):
 
     def _load_rng_state(self, state: dict) -> None:
         """The seed checked, then the steps (checked before they replace the current ones)."""
-        from hvdcompress.checkpoint import check_count_map, check_saved_value
+        from hvdcompress.checkpoint import check_saved_value
 
         check_saved_value("seed", state.get("seed"), self.seed)
-        steps = check_count_map(f"{self.name} steps", state.get("steps", {}))
-        self.steps = {state_key(text): step for text, step in steps.items()}
+        self.steps = load_steps(f"{self.name} steps", state.get("steps", {}))

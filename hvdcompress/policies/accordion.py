@@ -91,7 +91,7 @@ class Accordion(Policy):
         g = grad.detach().reshape(-1)
         total = self._sums.get(name)
         if total is None or total.numel() != g.numel():  # a sum of another size: not kept
-            self._sums[name] = g.float().clone()
+            self._sums[name] = g.to(torch.float32, copy=True)
         else:
             if total.device != g.device:  # a checkpoint's sum, loaded on the CPU
                 total = self._sums[name] = total.to(g.device)
