@@ -7,7 +7,9 @@ per-tensor level a policy sets: the warm-up policy (hvdcompress.policies.warmup)
 the first steps at more levels, Accordion switches between two. ``stochastic`` rounds
 each value up or down at random (unbiased), with the error feedback kept: the value under
 half a step that deterministic rounding zeroes, step after step, until its residual grows
-past it, is sent now with probability |a| / delta. A screening prototype:
+past it, is sent now with probability |a| / delta. ``ef21`` replaces the residual by
+EF21-SGDM's estimate (Fatkhullin et al., "Momentum provably improves error feedback!",
+NeurIPS 2023). A screening prototype:
 torch arithmetic on the CPU, no fused native or CUDA kernel (docs/screening.md).
 """
 
@@ -57,10 +59,11 @@ def _check_sparsity(sparsity) -> float:
             "momentum": Param(0.0, 1.0, high_open=True, doc="> 0: momentum correction"),
             "stochastic": FLAG,
             "error_feedback": FLAG,
+            "ef21": FLAG,
             "seed": SEED,
         },
-        # momentum correction is not among the examples: its residual does not sum to the
-        # inputs (the masked velocity leaves it, as DGC's); tests/test_blockq.py covers it
+        # momentum correction and ef21 are not among the examples: their state does not sum
+        # to the inputs with what was sent; tests/test_blockq*.py cover them
         examples=(
             {"sparsity": 1.0, "block": 256},
             {"sparsity": 1.5, "block": 5},
@@ -84,7 +87,16 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
     the same numbers on every backend; the steps are in the checkpoint.
     ``error_feedback`` (default True) keeps the residual; False sends the unbiased
     stochastic code alone (``stochastic`` required: rounding to nearest without the
-    residual would drop every value under half a step for good)."""
+    residual would drop every value under half a step for good).
+    ``ef21``: EF21-SGDM (Richtarik et al., NeurIPS 2021; Fatkhullin et al., NeurIPS 2023)
+    in place of the residual. Each rank keeps an estimate h of its momentum
+    v = ``momentum`` v + g and sends c = C(v - h), h += c; the average of the c's is the
+    optimizer's gradient, and the wrapped SGD's momentum 1 (dampening 0) adds it into its
+    buffer, which so holds the average of the h's: the direction applied is a compressed
+    estimate of the average momentum that follows it, where the residual of error
+    feedback adds the past's dropped values to later gradients. Invariant: h equals the
+    sum of this rank's decoded payloads, and the wrapped optimizer's buffer the average
+    over the ranks of theirs (every bucket on a compressed exchange)."""
 
     def __init__(
         self,
@@ -95,6 +107,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         stochastic: bool = False,
         seed: int = 0,
         error_feedback: bool = True,
+        ef21: bool = False,
     ) -> None:
         self.sparsity = _check_sparsity(sparsity)
         self.block = blockq.check_block(block)
@@ -103,8 +116,10 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         self.momentum = float(momentum)
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"block3lc momentum must be in [0, 1), got {momentum!r}")
-        # compress applies momentum: a two-stage owner would apply it twice
-        self.recompressible = self.momentum == 0.0
+        self.ef21 = bool(FLAG.check("block3lc", "ef21", ef21))
+        # compress applies momentum (and ef21 the estimate): a two-stage owner would apply
+        # them twice
+        self.recompressible = self.momentum == 0.0 and not self.ef21
         self.memory = ErrorFeedback()
         self.velocity = ErrorFeedback()  # u, with momentum correction
         self.stochastic = bool(FLAG.check("block3lc", "stochastic", stochastic))
@@ -117,6 +132,11 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
             raise ValueError(
                 "block3lc stochastic=True with error feedback needs sparsity 1.0, got "
                 f"{self.sparsity!r} (its residual would grow without bound)"
+            )
+        if self.ef21 and (self.stochastic or not self.error_feedback):
+            raise ValueError(
+                "block3lc ef21=True rounds to nearest and keeps its estimate: it takes "
+                "neither stochastic=True nor error_feedback=False"
             )
         self.seed = prim.check_seed(seed)
         self.rank = 0
@@ -133,6 +153,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
             for key, value, default in (
                 ("stochastic", self.stochastic, False),
                 ("error_feedback", self.error_feedback, True),
+                ("ef21", self.ef21, False),
             )
             if value != default
         )
@@ -143,8 +164,23 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
 
     def check_optimizer(self, optimizer) -> None:
         """Raise when the wrapped optimizer applies momentum too (momentum correction
-        applies it here)."""
-        refuse_inner_momentum(self, optimizer)
+        applies it here); with ``ef21`` unless it is SGD integrating the averaged
+        differences: momentum 1, dampening 0, no Nesterov, no weight decay."""
+        if not self.ef21:
+            refuse_inner_momentum(self, optimizer)
+            return
+        need = {"momentum": 1.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}
+        for group in optimizer.param_groups:
+            got = {key: group.get(key) for key in need}
+            if got != need:
+                raise ValueError(
+                    "block3lc ef21=True sends differences of the momentum estimate: the "
+                    f"wrapped optimizer must be SGD with {need} (it adds them up), got {got}"
+                )
+
+    def absorb(self, name, delta) -> bool:
+        """False with ``ef21``: its state is the estimate, not a residual to add to."""
+        return False if self.ef21 else super().absorb(name, delta)
 
     def state_dict(self) -> dict:
         state = residual_state(self.memory, self._settings())
@@ -179,6 +215,8 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
             settings.update(stochastic=True, seed=self.seed)
         if not self.error_feedback:
             settings["error_feedback"] = False
+        if self.ef21:
+            settings["ef21"] = True
         return settings
 
     def shard_alignment(self) -> int:
@@ -188,7 +226,9 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         return blockq.max_numel(body_len, 1)  # the bound of every level (ternary's is largest)
 
     def contraction(self, numel):
-        if self.stochastic:  # none: a value far under delta leaves a residual near delta
+        # none: a stochastic value far under delta leaves a residual near delta; ef21's
+        # state is an estimate, not a residual
+        if self.stochastic or self.ef21:
             return None
         # per block, the largest |a| = M leaves |M - delta q| = r M with q = rint(L / s):
         # ||a - decode||^2 <= ||a||^2 - (1 - r^2) M^2, M^2 >= ||a_b||^2 / block
@@ -201,6 +241,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
 
     def encode(self, tensor, name):
         g = prim.f32_data(tensor).reshape(-1)
+        # with ef21 the "residual" is -h: encode sends C(v - h) and leaves v - h - c in it
         e = self.memory.residual(name, g) if self.error_feedback else None
         levels = self.level(name)
         u = None
@@ -209,7 +250,10 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
             u.mul_(self.momentum).add_(g)
             g = u
         body, bad, q = blockq.encode(g, e, self.sparsity, levels, self.block, self._noise(name, g))
-        if u is not None and q is not None:
+        if self.ef21:
+            if not bad:
+                e.sub_(g)  # -h - c: the estimate moved by what was sent
+        elif u is not None and q is not None:
             u.masked_fill_(q.to(u.device) != 0, 0.0)  # momentum factor masking
         params = blockq.PARAMS.pack(self.sparsity, levels, self.block)
         return Encoded(wire.FLAG_NONFINITE if bad else 0, params, body)

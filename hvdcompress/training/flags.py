@@ -68,7 +68,8 @@ def method_sgd(method: Method) -> tuple[float, float]:
 
 def make_compression(args) -> tuple[hvdcompress.Compressor, float]:
     """(the compressor, the inner SGD's momentum): DGC applies ``--momentum`` itself
-    (momentum correction), so the wrapped SGD then runs without momentum."""
+    (momentum correction), so the wrapped SGD then runs without momentum; block3lc with
+    ``ef21`` applies its momentum in the compressor and needs the SGD's momentum at 1."""
     try:
         params = parse_params(args.compression_param)
     except ValueError as err:
@@ -83,7 +84,9 @@ def make_compression(args) -> tuple[hvdcompress.Compressor, float]:
         compressor = hvdcompress.get_compressor(args.compression, **params)
     except (TypeError, ValueError) as err:
         raise SystemExit(f"--compression {args.compression}: {err}") from None
-    if args.compression == "block3lc" and compressor.momentum > 0.0:
+    if args.compression == "block3lc" and compressor.ef21:
+        momentum = 1.0  # EF21: the SGD's buffer adds up the averaged differences
+    elif args.compression == "block3lc" and compressor.momentum > 0.0:
         momentum = 0.0  # momentum correction: the compressor applies its own momentum
     return compressor, momentum
 

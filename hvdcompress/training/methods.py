@@ -328,6 +328,13 @@ _TABLE = [
         {"sparsity": 1.0, "block": 1 << 24, "stochastic": True, "error_feedback": False},
         about="block3lc, one scale a tensor, stochastic rounding, no error feedback",
     ),
+    # what the feedback carries: EF21-SGDM's estimate of the momentum in place of the
+    # residual (3LC's quantiser, one scale a tensor; the SGD at momentum 1 adds it up)
+    Method(
+        "block3lc-tensor-ef21", "block3lc",
+        {"sparsity": 1.0, "block": 1 << 24, "momentum": 0.9, "ef21": True},
+        about="3LC's quantiser with EF21-SGDM (momentum 0.9 in the compressor)",
+    ),
 ]  # fmt: skip
 # methods also run with their exchange fixed (``Method.on``): the tuner's picks, each
 # trained on its own, for the time-to-accuracy join (scripts/bench_tta.py); on the
@@ -356,6 +363,7 @@ FIXED_EXCHANGES = {
     "dqsg-l1": ("allgather",),
     "block3lc-b4096-sr": ("allgather",),
     "block3lc-tensor-sr-noef": ("allgather",),
+    "block3lc-tensor-ef21": ("allgather",),
 }
 _TABLE += [m.on(x) for m in list(_TABLE) for x in FIXED_EXCHANGES.get(m.name, ())]
 METHODS: dict[str, Method] = {m.name: m for m in _TABLE}
