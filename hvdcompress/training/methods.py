@@ -306,6 +306,11 @@ _TABLE = [
         {"low": 3, "high": 1, "interval_steps": 40},
         about="Accordion between block3lc-b4096 at 3 levels (critical) and ternary",
     ),
+    Method(
+        "accordion-block3lc-tensor", "block3lc", {"sparsity": 1.0, "block": 1 << 24},
+        "accordion", {"low": 3, "high": 1, "interval_steps": 40},
+        about="Accordion between 3 levels (critical) and 3LC's ternary, one scale a tensor",
+    ),
     # error feedback against precision: block3lc at DQSG's levels (deterministic, error
     # feedback) and DQSG at 3LC's (ternary, dithered, no error feedback)
     Method(
@@ -359,6 +364,7 @@ FIXED_EXCHANGES = {
     "block3lc-mc": ("allgather",),
     "block3lc-b4096-mc": ("allgather",),
     "accordion-block3lc": ("allgather",),
+    "accordion-block3lc-tensor": ("allgather",),
     "block3lc-b4096-l3": ("allgather",),
     "dqsg-l1": ("allgather",),
     "block3lc-b4096-sr": ("allgather",),
