@@ -206,19 +206,37 @@ def report(columns=(1, 2, 3, 5, 6, 10)) -> str:
             if key not in best or r["epochs"] > best[key]["epochs"]:
                 best[key] = r
     for (name, seed), r in best.items():
-        accs = []
-        for e in columns:
-            c = next((c for c in r["curve"] if c["epoch"] == e), None)
-            if c is None:
-                accs.append("")
-            else:
-                gap = 100 * (c["acc"] - ddp[e - 1])
-                accs.append(f"{100 * c['acc']:.2f} ({gap:+.2f})")
+        acc = {c["epoch"]: c["acc"] for c in r["curve"]}
         lines.append(
-            f"| {name} | " + " | ".join(accs) + f" | {r['bits_per_value']:.3f} | {seed} | "
+            f"| {name} | {_cells(acc, ddp, columns)} | {r['bits_per_value']:.3f} | {seed} | "
             f"{r['epochs']} | {r['wall_s']:.0f} |"
         )
+    for name, runs in _seed_groups(best).items():  # candidates run to the end on 2+ seeds
+        acc = {e: sum(r["curve"][e - 1]["acc"] for r in runs) / len(runs) for e in columns}
+        bits = sum(r["bits_per_value"] for r in runs) / len(runs)
+        seeds = ",".join(str(r["seed"]) for r in runs)
+        lines.append(
+            f"| {name}, mean of seeds {seeds} | {_cells(acc, ddp, columns)} | {bits:.3f} | "
+            f"{seeds} | {EPOCHS} | - |"
+        )
     return "\n".join(lines)
+
+
+def _cells(acc: dict[int, float], ddp: list[float], columns) -> str:
+    """Accuracy after each epoch of ``columns`` (where run), minus DDP's mean in brackets."""
+    return " | ".join(
+        f"{100 * acc[e]:.2f} ({100 * (acc[e] - ddp[e - 1]):+.2f})" if e in acc else ""
+        for e in columns
+    )
+
+
+def _seed_groups(best: dict[tuple[str, int], dict]) -> dict[str, list[dict]]:
+    """method -> its runs of all ``EPOCHS`` epochs, by seed, where there are two or more."""
+    groups: dict[str, list[dict]] = {}
+    for (name, _), r in sorted(best.items(), key=lambda kv: kv[0][1]):
+        if r["epochs"] == EPOCHS:
+            groups.setdefault(name, []).append(r)
+    return {name: runs for name, runs in groups.items() if len(runs) > 1}
 
 
 def main(argv=None) -> int:
