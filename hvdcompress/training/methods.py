@@ -311,6 +311,10 @@ _TABLE = [
         "accordion", {"low": 3, "high": 1, "interval_steps": 40},
         about="Accordion between 3 levels (critical) and 3LC's ternary, one scale a tensor",
     ),
+    Method(
+        "block3lc-tensor-l3", "block3lc", {"sparsity": 1.0, "block": 1 << 24, "levels": 3},
+        about="accordion-block3lc-tensor's low level the whole run (3 levels, error feedback)",
+    ),
     # error feedback against precision: block3lc at DQSG's levels (deterministic, error
     # feedback) and DQSG at 3LC's (ternary, dithered, no error feedback)
     Method(
@@ -365,6 +369,7 @@ FIXED_EXCHANGES = {
     "block3lc-b4096-mc": ("allgather",),
     "accordion-block3lc": ("allgather",),
     "accordion-block3lc-tensor": ("allgather",),
+    "block3lc-tensor-l3": ("allgather",),
     "block3lc-b4096-l3": ("allgather",),
     "dqsg-l1": ("allgather",),
     "block3lc-b4096-sr": ("allgather",),
