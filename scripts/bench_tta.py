@@ -9,9 +9,9 @@
 ``run`` works through the matrix of (model, method, seed) jobs, each one 4-rank
 scripts/train.py run (``hvdc-*``: the simulated world, ``--simulate-ranks 4``, which ends
 with the parameters of the real 4-rank run; ``ddp`` and ``torch-*``: torchrun with 4 ranks
-and torch's own communication, ``--torch-hook``; ``hvdc-3lc-tuned``: torchrun with 4 ranks
-and hvdcompress's hook, its tuner choosing each bucket's exchange, 16-bit dense included,
-on this machine's loopback), and appends one JSON line per finished
+and torch's own communication, ``--torch-hook``; ``hvdc-3lc-tuned``, ``hvdc-dqsg-tuned``:
+torchrun with 4 ranks and hvdcompress's hook, its tuner choosing each bucket's exchange,
+16-bit dense included, on this machine's loopback), and appends one JSON line per finished
 job to the results file (default docs/results/accuracy_jobs.jsonl, kept in the
 repository): per-epoch test accuracy, steps, bits per value, wall-clock. A job already in
 the file is skipped, so the matrix is completed over several sittings (``missing`` lists
@@ -114,7 +114,7 @@ METHODS = (*TORCH_METHODS, *HVDC_METHODS)  # the report's rows
 # hvdcompress's DDP hook under torchrun, 4 real ranks over gloo, ``exchange="auto"`` with
 # its tuner timing every option on this machine's loopback: the accuracy of what a tuner
 # keeps, the 16-bit dense option among them (the simulated world cannot time a link)
-TUNED_METHODS = {"hvdc-3lc-tuned": "3lc"}
+TUNED_METHODS = {"hvdc-3lc-tuned": "3lc", "hvdc-dqsg-tuned": "dqsg"}
 # a tuned method's accuracy runs on each compressed exchange its tuner may pick: the
 # simulated world cannot time a link (its ``auto`` is not the tuner's pick on a real one),
 # so these jobs fix the exchange, and per rate the report takes the runs on the exchange

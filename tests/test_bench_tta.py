@@ -311,6 +311,9 @@ def test_the_commands_of_the_three_kinds_of_job(tmp_path):
     assert tuned[tuned.index("--compression") + 1] == "3lc" and "--torch-hook" not in tuned
     assert "--exchange" not in tuned and "--no-tuning" not in tuned  # auto, tuned
     assert "hvdc-3lc-tuned" in bench.JOB_METHODS
+    dqsg = bench.train_command("vit", "hvdc-dqsg-tuned", 1, tmp_path)
+    assert dqsg[dqsg.index("--compression") + 1] == "dqsg" and "--exchange" not in dqsg
+    assert "hvdc-dqsg-tuned" in bench.JOB_METHODS
 
 
 def test_a_job_in_pieces_goes_on_from_its_checkpoint_and_ends_as_one_run(tmp_path, monkeypatch):
