@@ -157,3 +157,9 @@ def test_train_sets_the_sgd_momentum_to_one_and_the_method_is_named():
     m = METHODS["block3lc-tensor-ef21-allgather"]
     comp, momentum = train.make_compression(train.parse_args(m.train_flags()))
     assert comp.ef21 and comp.momentum == 0.9 and momentum == 1.0
+
+
+def test_the_ddp_hook_refuses_it_for_it_never_sees_the_optimizer():
+    with pytest.raises(ValueError, match="DistributedOptimizer"):
+        hvdcompress.DDPHookState(compression=_comp())
+    hvdcompress.DDPHookState(compression=hvdcompress.get_compressor("block3lc"))  # no ef21

@@ -90,6 +90,10 @@ class Compressor:
     # the gradient dtypes this compressor sends (None: every floating dtype); the
     # optimizer checks its parameters against it at construction
     supported_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    # True where what it sends is only right under the wrapped optimizer that
+    # ``check_optimizer`` demands (block3lc's ef21: SGD adding up the differences): the
+    # DDP hook, which never sees the optimizer, refuses such a compressor
+    needs_wrapped_optimizer: bool = False
 
     def __repr__(self) -> str:
         """The class and its constructor parameters (``params``) but the rank ``bind`` sets."""

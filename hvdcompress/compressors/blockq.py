@@ -96,7 +96,8 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
     estimate of the average momentum that follows it, where the residual of error
     feedback adds the past's dropped values to later gradients. Invariant: h equals the
     sum of this rank's decoded payloads, and the wrapped optimizer's buffer the average
-    over the ranks of theirs (every bucket on a compressed exchange)."""
+    over the ranks of theirs (every bucket on a compressed exchange). The DDP hook
+    refuses it (``needs_wrapped_optimizer``): it never sees the optimizer."""
 
     def __init__(
         self,
@@ -117,6 +118,7 @@ class BlockThreeLC(PerTensorLevels, GatherCompressor):
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"block3lc momentum must be in [0, 1), got {momentum!r}")
         self.ef21 = bool(FLAG.check("block3lc", "ef21", ef21))
+        self.needs_wrapped_optimizer = self.ef21
         # compress applies momentum (and ef21 the estimate): a two-stage owner would apply
         # them twice
         self.recompressible = self.momentum == 0.0 and not self.ef21

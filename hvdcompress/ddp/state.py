@@ -135,6 +135,12 @@ class DDPHookState:
         self.compress_min_numel = checks.integer("compress_min_numel", compress_min_numel, 0)
         self.overlap = checks.boolean("overlap", overlap)
         self.compressor: Compressor = resolve_compressor(compression)
+        if self.compressor.needs_wrapped_optimizer:
+            raise ValueError(
+                f"{self.compressor!r} needs the optimizer it runs under to be one its "
+                "check_optimizer accepts, which the DDP hook never sees: use "
+                "hvdcompress.DistributedOptimizer"
+            )
         self.process_group = process_group
         self.exchange = exchange
         self.link_cost = link_cost
