@@ -14,8 +14,9 @@ A job is one method of hvdcompress.training.methods.METHODS (reachable by name: 
 ``--until`` epochs (``--until-epoch``: the learning-rate schedule still spans E epochs, so
 epoch e is comparable with DDP's epoch e). It runs in pieces of at most
 ``--piece`` epochs, each a train.py run killed after ``--job-minutes`` (15), each going
-on from the last one's checkpoint in ``.tta_work/screen/<method>-seed<seed>``, which is
-kept: a screened method continues to 10 epochs without running its first epochs again.
+on from the last one's checkpoint in ``.tta_work/screen/<model>-<method>-seed<seed>``
+(the ViT's without ``<model>-``), which is kept: a screened method continues to the
+model's last epoch without running its first epochs again.
 One JSON line per finished job is appended to ``docs/results/screening_<model>.jsonl``
 (method, its parameters, seed, epochs, the per-epoch curve with each epoch's bits per
 value, the run's mean bits per value as train.py counts them on the wire, headers
@@ -39,7 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from bench_tta import MODEL_EPOCHS as EPOCHS  # noqa: E402  (the matrix's recipe)
 
 from hvdcompress.training.methods import METHODS  # noqa: E402
 
@@ -48,7 +51,6 @@ from hvdcompress.training.methods import METHODS  # noqa: E402
 RESULTS_DIR = Path(os.environ.get("SCREEN_RESULTS", ROOT / "docs" / "results"))
 MATRIX = ROOT / "docs" / "results" / "accuracy_jobs.jsonl"
 WORK = ROOT / ".tta_work" / "screen"  # ignored by git, as bench_tta.py's work
-EPOCHS = {"cnn": 10, "vit": 10, "mlp10m": 5}  # the matrix's (bench_tta.MODEL_EPOCHS)
 COLUMNS = {"cnn": (1, 2, 3, 5, 6, 10), "vit": (1, 2, 3, 5, 6, 10), "mlp10m": (1, 2, 3, 4, 5)}
 RANKS = 4
 
