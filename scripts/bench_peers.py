@@ -51,6 +51,12 @@ guess, untuned), and ``hvdc-3lc-allgather`` / ``hvdc-3lc-twostage`` (``exchange=
 in the default rows), whose bytes per rank it compares with the two-stage exchange's
 2 (N - 1) / N x payload.
 Writes ``--out``/bench_peers.md, .json and .png (step time against link rate).
+
+A matrix too long for one job runs as pieces (scripts/_bench/launchlog.py): with
+``--launches FILE`` every finished launch is appended to FILE (JSON lines) and the
+launches already there count toward ``--repeats``; ``--max-launches N`` stops a piece
+after N new launches. Run the same command until no launch is left, one command per group
+of rows (``--rows``); each writes the table of every group recorded with the same settings.
 """
 
 from __future__ import annotations
@@ -65,10 +71,10 @@ import time
 from pathlib import Path
 
 try:  # python scripts/bench_peers.py: scripts/ is first on sys.path
-    from _bench import cluster, netns, recipe
+    from _bench import cluster, launchlog, netns, recipe
     from _bench.peerreport import combine_launches, plot, summary, table, targets, twostage_bytes
 except ModuleNotFoundError:  # loaded by file path from the repository root (the tests)
-    from scripts._bench import cluster, netns, recipe
+    from scripts._bench import cluster, launchlog, netns, recipe
     from scripts._bench.peerreport import (
         combine_launches,
         plot,
@@ -359,11 +365,22 @@ def launch_cluster(args, c: cluster.Cluster, rate: str) -> list[dict]:
 def repeated(args, one_launch, rate: str) -> list[dict]:
     """``--repeats`` launches at ``rate`` (each printing its rows), their rows combined
     (``combine_launches``: the median of the launches' median step times, their spread),
-    and a summary line per row."""
-    launches = []
-    for i in range(args.repeats):
+    and a summary line per row. With ``--launches`` the launches already recorded there
+    count, each new one is recorded as it ends, and at most ``args.launch_budget`` new
+    ones run (``--max-launches``, shared by the rates)."""
+    config = launchlog.config_of(args)
+    launches = launchlog.launches_of(launchlog.read(args.launches), config, rate) if (
+        args.launches) else []  # fmt: skip
+    for i in range(len(launches), args.repeats):
+        if args.launch_budget == 0:
+            print(f"bench_peers: {rate}, launch {i + 1} of {args.repeats} left for the next "
+                  "piece (--max-launches)", flush=True)  # fmt: skip
+            break
         print(f"bench_peers: {rate}, launch {i + 1} of {args.repeats}", flush=True)
         launches.append(one_launch(rate))
+        args.launch_budget -= 1
+        if args.launches:
+            launchlog.append(args.launches, config, rate, launches[-1])
     rows = combine_launches(launches)
     print(summary(rows), flush=True)
     return rows
@@ -405,10 +422,25 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rate")
+    ap.add_argument(
+        "--launches",
+        type=Path,
+        default=None,
+        help="JSON lines of finished launches: those recorded count toward --repeats, new "
+        "ones are appended, the table joins every piece of the same settings",
+    )
+    ap.add_argument(
+        "--max-launches", type=int, default=None, help="new launches this run (a piece)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "peers")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats: expected an int >= 1, got {args.repeats}")
+    if args.max_launches is not None and args.max_launches < 1:
+        ap.error(f"--max-launches: expected an int >= 1, got {args.max_launches}")
+    if args.max_launches is not None and args.launches is None:
+        ap.error("--max-launches needs --launches (where the other pieces are recorded)")
+    args.launch_budget = -1 if args.max_launches is None else args.max_launches
     if args.batch is None:
         args.batch = recipe.default_batch(args.recipe)
     if args.worker:
@@ -438,6 +470,10 @@ def main(argv=None) -> int:
                 rows.extend(repeated(args, lambda r: launch(args, ns, r), rate))
 
         interrupted = netns.in_namespace(ns, PREFIX, body)
+    if args.launches:  # the table of every piece recorded with these settings
+        rows = launchlog.combined(
+            launchlog.read(args.launches), launchlog.config_of(args), args.repeats
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     where = (f"an emulated cluster of {args.nodes} nodes x {args.ranks_per_node} ranks, "
@@ -447,6 +483,8 @@ def main(argv=None) -> int:
               f"{args.steps} timed steps after {args.warmup}, {args.repeats} "
               f"launch{'es' if args.repeats > 1 else ''} per rate; "
               f"load average at the end {load[0]:.2f}; no latency emulated")  # fmt: skip
+    if args.launches:
+        header += f"; pieces recorded in {args.launches.name}"
     text = header + "\n\n" + table(rows)
     met = targets(rows)
     if met:

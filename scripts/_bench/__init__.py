@@ -10,6 +10,7 @@
 * ``netreport``: bench_network's speedups, tables and figures;
 * ``networker``: bench_network's worker mode (a rank's training-step loop), its cases;
 * ``peerreport``: bench_peers' tables, targets, bytes check and figure;
+* ``launchlog``: bench_peers' launches recorded as resumable pieces, and their table;
 * ``payloads``: the payload mutation fuzzer's payloads, mutations and checks (also the
   checks of tests/fuzz).
 
