@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -372,7 +373,7 @@ def repeated(args, one_launch, rate: str) -> list[dict]:
     launches = launchlog.launches_of(launchlog.read(args.launches), config, rate) if (
         args.launches) else []  # fmt: skip
     for i in range(len(launches), args.repeats):
-        if args.launch_budget == 0:
+        if args.launch_budget <= 0:
             print(f"bench_peers: {rate}, launch {i + 1} of {args.repeats} left for the next "
                   "piece (--max-launches)", flush=True)  # fmt: skip
             break
@@ -440,7 +441,7 @@ def main(argv=None) -> int:
         ap.error(f"--max-launches: expected an int >= 1, got {args.max_launches}")
     if args.max_launches is not None and args.launches is None:
         ap.error("--max-launches needs --launches (where the other pieces are recorded)")
-    args.launch_budget = -1 if args.max_launches is None else args.max_launches
+    args.launch_budget = math.inf if args.max_launches is None else args.max_launches
     if args.batch is None:
         args.batch = recipe.default_batch(args.recipe)
     if args.worker:
