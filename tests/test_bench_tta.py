@@ -561,6 +561,25 @@ def test_a_warm_up_and_the_tuners_steps_enter_the_report_and_its_spread():
                                                               Path("/tmp/x"))  # fmt: skip
 
 
+def test_a_warm_up_priced_at_a_ddp_step_of_the_random_batch_carries_its_mark():
+    """A warm row's time is its dense steps at DDP's step and the rest at its plain row's:
+    where DDP's step on that link was timed before the training recipe, so is the time."""
+    records = _fake_records()
+    records["cnn/torch-powersgd-r2-warm/seed1"] = _record(
+        "cnn", "torch-powersgd-r2-warm", 1, [0.85, 0.91, 0.92])  # fmt: skip
+    ddp_old = [{**r, "recipe": "random"} if (r["row"], r["rate"]) == ("ddp", "100mbit") else r
+               for r in PEERS["rows"]]  # fmt: skip
+    plain = [{"model": "cnn", "row": "torch-powersgd-r2", "rate": rate, "step_s": 0.2,
+              "recipe": "training"} for rate in ("100mbit", "1gbit")]  # fmt: skip
+    with_warm = replace(MATRIX, warm={"cnn": {"torch-powersgd-r2-warm": 50}})
+    table = {r["method"]: r for r in tta_report.rows(records, {"rows": ddp_old + plain}, "cnn",
+                                                    with_warm)}  # fmt: skip
+    assert table["torch-powersgd-r2-warm"]["old_timing"] == {
+        "100mbit": True, "1gbit": False, "unlimited": False}  # fmt: skip
+    assert table["hvdc-3lc"]["old_timing"]["100mbit"] is False  # no warm-up: its own timing
+    assert table["ddp"]["old_timing"]["100mbit"] is True
+
+
 def test_the_margin_table_judges_each_target():
     """Each margin's target picks its own first rows: at 0.2 points below DDP's mean
     (91.00%) hvdc-3lc needs all 300 steps and hvdc-accordion-3lc (at 91% after 200, on

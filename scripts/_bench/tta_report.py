@@ -58,7 +58,8 @@ FOOTNOTES = {
 }
 OLD_TIMING = (
     "° timed before the training recipe and the period (bench_peers' random batch, one "
-    "launch): the slowest rank's median step time, the range of its timed steps as the spread."
+    "launch): the slowest rank's median step time, the range of its timed steps as the spread "
+    "(a warm-up row: its dense steps at DDP's step so timed)."
 )
 
 
@@ -115,7 +116,8 @@ def rows(
         row = matrix.step_row.get(method, method)
         own_exchanges = tta.run_exchanges(own, matrix.declared.get(method)) if own else None
         seconds, span, lead, step_s, curves = {}, {}, {}, {}, {}
-        dense, partly, mark, on = {}, {}, {}, {}
+        dense, partly, mark, on, old = {}, {}, {}, {}, {}
+        warm = matrix.warm.get(model, {}).get(method)
         used: dict[str, list[dict]] = {}
         for rate in RATES:
             measured = peer.get((model, row, rate))
@@ -136,8 +138,13 @@ def rows(
                 curves[rate] = tta.mean_curve(runs)
             rate_steps = None if goal is None else tta.steps_to(curves[rate], goal)
             step_s[rate] = None if measured is None else tta.step_time(measured)
-            lead[rate] = _lead(measured, peer.get((model, tta.BASELINE, rate)),
-                               matrix.warm.get(model, {}).get(method))  # fmt: skip
+            baseline = peer.get((model, tta.BASELINE, rate))
+            lead[rate] = _lead(measured, baseline, warm)
+            # a warm-up is priced at the baseline's step: its timing is the row's too
+            old[rate] = measured is not None and not (
+                tta.timed_on_training_job(measured)
+                and (not warm or baseline is None or tta.timed_on_training_job(baseline))
+            )
             seconds[rate], span[rate] = _timed(rate_steps, measured, lead[rate])
         if not used:  # every timed rate dense: the row still shows its accuracy
             used = {"": own} if own else dict([next(iter(on_exchange.items()))])
@@ -152,9 +159,7 @@ def rows(
             "on": on, "curves": curves, "step_s": step_s, "step_row": row,
             "timed_bits": {rate: (peer.get((model, row, rate)) or {}).get("bits_per_value")
                            for rate in RATES},
-            "old_timing": {rate: (model, row, rate) in peer
-                           and not tta.timed_on_training_job(peer[(model, row, rate)])
-                           for rate in RATES},
+            "old_timing": old,
         })  # fmt: skip
     return out
 
