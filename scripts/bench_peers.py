@@ -52,11 +52,8 @@ in the default rows), whose bytes per rank it compares with the two-stage exchan
 2 (N - 1) / N x payload.
 Writes ``--out``/bench_peers.md, .json and .png (step time against link rate).
 
-A matrix too long for one job runs as pieces (scripts/_bench/launchlog.py): with
-``--launches FILE`` every finished launch is appended to FILE (JSON lines) and the
-launches already there count toward ``--repeats``; ``--max-launches N`` stops a piece
-after N new launches. Run the same command until no launch is left, one command per group
-of rows (``--rows``); each writes the table of every group recorded with the same settings.
+A matrix too long for one job runs in pieces: ``--launches FILE --max-launches N``
+(scripts/_bench/launchlog.py), the same command again until no launch is left.
 """
 
 from __future__ import annotations
@@ -423,16 +420,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per rate")
-    ap.add_argument(
-        "--launches",
-        type=Path,
-        default=None,
-        help="JSON lines of finished launches: those recorded count toward --repeats, new "
-        "ones are appended, the table joins every piece of the same settings",
-    )
-    ap.add_argument(
-        "--max-launches", type=int, default=None, help="new launches this run (a piece)"
-    )
+    ap.add_argument("--launches", type=Path, help="finished launches (JSON lines): they "
+                    "count toward --repeats; the table joins the pieces")  # fmt: skip
+    ap.add_argument("--max-launches", type=int, help="new launches this run (a piece)")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "peers")
     args = ap.parse_args(argv)
     if args.repeats < 1:
